@@ -1,0 +1,1 @@
+"""The read-only dashboard: HTTP app, Prometheus metrics and the static page."""

@@ -1,0 +1,44 @@
+"""The exceptions swarmloco raises on purpose.
+
+Every error a user can meet derives from :class:`SwarmlocoError` and says what to do next.
+Bad configuration raises :class:`ValueError` (from the config dataclasses) instead.
+"""
+
+from __future__ import annotations
+
+
+class SwarmlocoError(Exception):
+    """Base class of every swarmloco error."""
+
+
+class CodecError(SwarmlocoError):
+    """A tensor cannot be encoded or a payload cannot be decoded (NaN/Inf, wrong size)."""
+
+
+class ManifestError(SwarmlocoError):
+    """A swarm manifest is malformed or does not match its swarm id."""
+
+
+class DataError(SwarmlocoError):
+    """Training data cannot be found or read."""
+
+
+class CheckpointError(SwarmlocoError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+class NetworkError(SwarmlocoError):
+    """A remote peer could not be reached or answered badly."""
+
+
+class RejectedInput(SwarmlocoError):
+    """Input from a remote peer failed validation; the peer is named in the message."""
+
+    def __init__(self, reason: str, *, peer: str | None = None) -> None:
+        super().__init__(f"{reason} (from {peer})" if peer else reason)
+        self.reason = reason
+        self.peer = peer
+
+
+class RoundAborted(SwarmlocoError):
+    """An averaging round could not complete; nothing was applied."""

@@ -1,0 +1,1 @@
+"""The runtime: the LoopThread bridge, checkpoints and the peer daemon."""

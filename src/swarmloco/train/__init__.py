@@ -1,0 +1,1 @@
+"""Training: tasks (models and data), the inner loop and the DiLoCo driver."""
