@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import machine  # noqa: E402
+from _bench_common import machine
 
-from swarmloco.core.fragments import StreamingConfig  # noqa: E402
-from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync  # noqa: E402
-from swarmloco.train.spec import DataSpec  # noqa: E402
-from swarmloco.train.tasks import get_task, resolve_model  # noqa: E402
+from swarmloco.core.fragments import StreamingConfig
+from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync
+from swarmloco.train.spec import DataSpec
+from swarmloco.train.tasks import get_task, resolve_model
 
 
 def main() -> None:
