@@ -1,0 +1,125 @@
+"""An in-memory network for DHT nodes: thousands of nodes in one process and one loop.
+
+Nodes register their handler under an endpoint; a :class:`MemoryTransport` delivers a
+call by serializing the request, handing the bytes to the handler and serializing the
+answer back, as the wire would, so no object is ever shared between two nodes. A node
+that left the network is unreachable at once (like a refused connection). Each call
+yields to the loop, so concurrent lookups interleave as they would over sockets;
+``latency_s`` adds a fixed delay per call when a simulation wants one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from google.protobuf.message import Message
+
+from swarmloco.errors import NetworkError
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.dht.transport import DhtHandler
+from swarmloco.net.endpoints import parse_endpoint
+from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import dht_pb2 as pb
+
+Resp = TypeVar("Resp", bound=Message)
+
+
+class MemoryNetwork:
+    """Who is reachable at which endpoint, and how many calls were delivered."""
+
+    def __init__(self, *, latency_s: float = 0.0) -> None:
+        self.latency_s = latency_s
+        self.calls = 0
+        self._handlers: dict[str, DhtHandler] = {}
+
+    def register(self, endpoint: str, handler: DhtHandler) -> None:
+        if endpoint in self._handlers:
+            raise ValueError(f"{endpoint} is already taken")
+        self._handlers[endpoint] = handler
+
+    def unregister(self, endpoint: str) -> None:
+        self._handlers.pop(endpoint, None)
+
+    def __contains__(self, endpoint: str) -> bool:
+        return endpoint in self._handlers
+
+    async def deliver(
+        self,
+        caller_host: str,
+        endpoint: str,
+        request: Message,
+        response_type: type[Resp],
+        handle: Callable[[DhtHandler, Message, str], Awaitable[Message]],
+        deadline: Deadline,
+    ) -> Resp:
+        await asyncio.sleep(self.latency_s)
+        handler = self._handlers.get(endpoint)
+        if handler is None:
+            raise NetworkError(f"{endpoint} did not answer: connection refused")
+        if deadline.expired:
+            raise NetworkError(f"{endpoint} did not answer: deadline exceeded")
+        self.calls += 1
+        incoming = type(request).FromString(request.SerializeToString())
+        try:
+            answer = await handle(handler, incoming, caller_host)
+        except Rejection as rejection:
+            raise NetworkError(f"{endpoint} refused the call: {rejection.reason}") from None
+        return response_type.FromString(answer.SerializeToString())
+
+
+class MemoryTransport:
+    """The calls of one node whose address is ``host`` (as its peers observe it)."""
+
+    def __init__(self, network: MemoryNetwork, endpoint: str) -> None:
+        self._network = network
+        self.host = parse_endpoint(endpoint)[0]
+
+    async def ping(
+        self, endpoint: str, request: pb.PingRequest, deadline: Deadline
+    ) -> pb.PingResponse:
+        return await self._network.deliver(
+            self.host,
+            endpoint,
+            request,
+            pb.PingResponse,
+            lambda h, r, host: h.handle_ping(r, host),  # type: ignore[arg-type]
+            deadline,
+        )
+
+    async def find_node(
+        self, endpoint: str, request: pb.FindNodeRequest, deadline: Deadline
+    ) -> pb.FindNodeResponse:
+        return await self._network.deliver(
+            self.host,
+            endpoint,
+            request,
+            pb.FindNodeResponse,
+            lambda h, r, host: h.handle_find_node(r, host),  # type: ignore[arg-type]
+            deadline,
+        )
+
+    async def store(
+        self, endpoint: str, request: pb.StoreRequest, deadline: Deadline
+    ) -> pb.StoreResponse:
+        return await self._network.deliver(
+            self.host,
+            endpoint,
+            request,
+            pb.StoreResponse,
+            lambda h, r, host: h.handle_store(r, host),  # type: ignore[arg-type]
+            deadline,
+        )
+
+    async def find_value(
+        self, endpoint: str, request: pb.FindValueRequest, deadline: Deadline
+    ) -> pb.FindValueResponse:
+        return await self._network.deliver(
+            self.host,
+            endpoint,
+            request,
+            pb.FindValueResponse,
+            lambda h, r, host: h.handle_find_value(r, host),  # type: ignore[arg-type]
+            deadline,
+        )

@@ -1,0 +1,160 @@
+"""How DHT messages travel: a transport interface, its gRPC implementation and the gRPC
+servicer that hands incoming calls to a :class:`DhtHandler` (the DHT node).
+
+The DHT node never touches gRPC itself: it calls a :class:`DhtTransport` and answers as a
+:class:`DhtHandler`. Over the network both sides are gRPC (this module); in simulations
+both are the in-memory network of ``memory.py``. The node's logic is the same either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
+import grpc
+
+from swarmloco.net.client import Method, RpcClient
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.endpoints import host_of_grpc_peer
+from swarmloco.net.rejections import Rejection
+from swarmloco.net.server import Service
+from swarmloco.proto.v1 import dht_pb2 as pb
+from swarmloco.proto.v1 import dht_pb2_grpc
+
+T = TypeVar("T")
+
+SERVICE_NAME = "swarmloco.v1.Dht"
+PING = Method(f"/{SERVICE_NAME}/Ping", pb.PingRequest, pb.PingResponse)
+FIND_NODE = Method(f"/{SERVICE_NAME}/FindNode", pb.FindNodeRequest, pb.FindNodeResponse)
+STORE = Method(f"/{SERVICE_NAME}/Store", pb.StoreRequest, pb.StoreResponse)
+FIND_VALUE = Method(f"/{SERVICE_NAME}/FindValue", pb.FindValueRequest, pb.FindValueResponse)
+
+
+class DhtTransport(Protocol):
+    """Outgoing DHT calls. Each raises NetworkError when the peer cannot answer in time."""
+
+    async def ping(
+        self, endpoint: str, request: pb.PingRequest, deadline: Deadline
+    ) -> pb.PingResponse: ...
+
+    async def find_node(
+        self, endpoint: str, request: pb.FindNodeRequest, deadline: Deadline
+    ) -> pb.FindNodeResponse: ...
+
+    async def store(
+        self, endpoint: str, request: pb.StoreRequest, deadline: Deadline
+    ) -> pb.StoreResponse: ...
+
+    async def find_value(
+        self, endpoint: str, request: pb.FindValueRequest, deadline: Deadline
+    ) -> pb.FindValueResponse: ...
+
+
+class DhtHandler(Protocol):
+    """Incoming DHT calls; ``observed_host`` is the caller's IP as the transport saw it.
+
+    A handler raises :class:`Rejection` to refuse a request (the caller gets
+    INVALID_ARGUMENT with the reason).
+    """
+
+    async def handle_ping(self, request: pb.PingRequest, observed_host: str) -> pb.PingResponse: ...
+
+    async def handle_find_node(
+        self, request: pb.FindNodeRequest, observed_host: str
+    ) -> pb.FindNodeResponse: ...
+
+    async def handle_store(
+        self, request: pb.StoreRequest, observed_host: str
+    ) -> pb.StoreResponse: ...
+
+    async def handle_find_value(
+        self, request: pb.FindValueRequest, observed_host: str
+    ) -> pb.FindValueResponse: ...
+
+
+class GrpcDhtTransport:
+    """DHT calls over the peer's :class:`RpcClient`; one attempt each (a lookup moves on
+    to other nodes rather than waiting for one)."""
+
+    def __init__(self, client: RpcClient, *, attempts: int = 1) -> None:
+        self._client = client
+        self._attempts = attempts
+
+    async def ping(
+        self, endpoint: str, request: pb.PingRequest, deadline: Deadline
+    ) -> pb.PingResponse:
+        return await self._client.call(
+            endpoint, PING, request, timeout=deadline, attempts=self._attempts
+        )
+
+    async def find_node(
+        self, endpoint: str, request: pb.FindNodeRequest, deadline: Deadline
+    ) -> pb.FindNodeResponse:
+        return await self._client.call(
+            endpoint, FIND_NODE, request, timeout=deadline, attempts=self._attempts
+        )
+
+    async def store(
+        self, endpoint: str, request: pb.StoreRequest, deadline: Deadline
+    ) -> pb.StoreResponse:
+        return await self._client.call(
+            endpoint, STORE, request, timeout=deadline, attempts=self._attempts
+        )
+
+    async def find_value(
+        self, endpoint: str, request: pb.FindValueRequest, deadline: Deadline
+    ) -> pb.FindValueResponse:
+        return await self._client.call(
+            endpoint, FIND_VALUE, request, timeout=deadline, attempts=self._attempts
+        )
+
+
+class DhtServicer(dht_pb2_grpc.DhtServicer):
+    """The gRPC face of a DHT node: thin adapters from messages to the handler.
+
+    The handler is attached once the node exists (the server must register services
+    before it starts, and the node needs the server's port for its card); calls before
+    that are answered UNAVAILABLE.
+    """
+
+    def __init__(self, handler: DhtHandler | None = None) -> None:
+        self.handler = handler
+
+    def service(self) -> Service:
+        return Service(
+            SERVICE_NAME, lambda server: dht_pb2_grpc.add_DhtServicer_to_server(self, server)
+        )
+
+    async def _dispatch(
+        self,
+        context: grpc.aio.ServicerContext,
+        call: Callable[[DhtHandler, str], Awaitable[T]],
+    ) -> T:
+        if self.handler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the DHT node is starting")
+        assert self.handler is not None
+        try:
+            return await call(self.handler, host_of_grpc_peer(context.peer()))
+        except Rejection as rejection:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
+            raise  # abort raises; this line only tells type checkers
+
+    async def Ping(
+        self, request: pb.PingRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PingResponse:
+        return await self._dispatch(context, lambda h, host: h.handle_ping(request, host))
+
+    async def FindNode(
+        self, request: pb.FindNodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FindNodeResponse:
+        return await self._dispatch(context, lambda h, host: h.handle_find_node(request, host))
+
+    async def Store(
+        self, request: pb.StoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StoreResponse:
+        return await self._dispatch(context, lambda h, host: h.handle_store(request, host))
+
+    async def FindValue(
+        self, request: pb.FindValueRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FindValueResponse:
+        return await self._dispatch(context, lambda h, host: h.handle_find_value(request, host))
