@@ -1,0 +1,374 @@
+"""The int8 codec: blockwise absmax quantization of flat fp32 vectors.
+
+A vector is cut into blocks of ``block_size`` elements; each block is sent as int8 values
+``q = round(x / s)`` with one scale ``s = absmax(block) / 127`` (fp32 by default, fp16 as an
+option). So every element is reconstructed within ``s / 2 = absmax / 254`` of its value, and
+the wire carries ``1 + scale_bytes / block_size`` bytes per element (1.0039 with fp32 scales
+and blocks of 1024).
+
+The hot functions take *block-aligned* flat tensors (length a multiple of ``block_size``):
+the buffers of the averaging layer are allocated padded with zeros (:func:`padded_zeros`) so
+that quantizing a part is one pass over memory with no copy. :func:`encode` / :func:`decode`
+accept any shape and pad when they must.
+
+Determinism: decoding is one IEEE multiplication per element (``float(q) * s``), the same on
+every machine and backend, so every member of a group that decodes the same bytes holds the
+same bits. Accumulation (``acc += w * q * s``) happens only on the member that reduces a part;
+its result is re-quantized before anyone uses it.
+
+Speed: the quantize, error-feedback and decode-accumulate kernels are compiled with
+``torch.compile`` (one fused loop per block, near memory bandwidth on CPU) when the platform
+can compile, and fall back to plain eager torch otherwise. ``scripts/bench_codec.py`` measures
+both against a memory copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from swarmloco.core.config import require, require_int
+from swarmloco.errors import CodecError
+
+log = logging.getLogger(__name__)
+
+QMAX = 127
+ScaleDType = Literal["float32", "float16"]
+Backend = Literal["auto", "compiled", "eager"]
+_SCALE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CodecConfig:
+    """How pseudo-gradients are quantized on the wire."""
+
+    block_size: int = 1024
+    """Elements per scale; larger blocks cost fewer bytes but quantize coarser."""
+    scale_dtype: ScaleDType = "float32"
+    """Wire type of the per-block scales (float16 halves their cost; see module notes)."""
+    chunk_bytes: int = 1 << 20
+    """Target wire size of one chunk (int8 payload plus scales); about 1 MiB."""
+    error_feedback: bool = False
+    """Keep the quantization residual and add it to the next round's update."""
+    backend: Backend = "auto"
+    """``compiled`` (torch.compile), ``eager`` (plain torch) or ``auto`` (compiled if possible)."""
+
+    def __post_init__(self) -> None:
+        require_int("block_size", self.block_size, minimum=16)
+        require(self.block_size <= 1 << 20, f"block_size must be <= 1048576, got {self.block_size}")
+        require(
+            self.scale_dtype in _SCALE_DTYPES,
+            f"scale_dtype must be one of {sorted(_SCALE_DTYPES)}, got {self.scale_dtype!r}",
+        )
+        require_int("chunk_bytes", self.chunk_bytes, minimum=1024)
+        require(
+            self.backend in ("auto", "compiled", "eager"),
+            f"backend must be auto, compiled or eager, got {self.backend!r}",
+        )
+
+    @property
+    def scale_torch_dtype(self) -> torch.dtype:
+        return _SCALE_DTYPES[self.scale_dtype]
+
+    @property
+    def scale_bytes(self) -> int:
+        return 4 if self.scale_dtype == "float32" else 2
+
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes on the wire for a vector of ``numel`` elements (payload padded to blocks)."""
+        blocks = num_blocks(numel, self.block_size)
+        return blocks * (self.block_size + self.scale_bytes)
+
+    def blocks_per_chunk(self) -> int:
+        return max(1, self.chunk_bytes // (self.block_size + self.scale_bytes))
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    return -(-numel // block_size)
+
+
+def padded_numel(numel: int, block_size: int) -> int:
+    return num_blocks(numel, block_size) * block_size
+
+
+def padded_zeros(numel: int, block_size: int) -> torch.Tensor:
+    """A zero fp32 buffer of ``numel`` elements rounded up to whole blocks."""
+    return torch.zeros(padded_numel(numel, block_size), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- kernels
+# Each kernel works on a (blocks, block_size) view. They are written once and either run
+# eagerly or through torch.compile; eager and compiled give the same bits (tested).
+
+
+def _quantize_kernel(
+    xb: torch.Tensor, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    absmax = xb.abs().amax(dim=1)  # NaN propagates, so one finiteness check of the scales
+    # Quantize with the scale as sent: an fp16 scale rounded down would push |x / s| a hair
+    # above 127, which the clamp absorbs.
+    scale = (absmax / QMAX).to(scale_dtype).float()
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(xb * inverse[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale.to(scale_dtype)
+
+
+def _dequantize_kernel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def _accumulate_kernel(
+    acc: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, weight: float
+) -> None:
+    acc.add_(q.float() * (scale.float() * weight)[:, None])
+
+
+class _Kernels:
+    """The three kernels, compiled on first use when the backend allows it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._compiled: dict[str, Callable[..., object]] = {}
+        self._compile_failed: str | None = None
+
+    def get(self, name: str, eager: Callable[..., object], backend: Backend) -> Callable[..., object]:
+        if backend == "eager" or (backend == "auto" and self._compile_failed is not None):
+            return eager
+        with self._lock:
+            fn = self._compiled.get(name)
+            if fn is None:
+                fn = torch.compile(eager, dynamic=True, fullgraph=True)
+                self._compiled[name] = fn
+        return fn
+
+    def run(self, name: str, eager: Callable[..., object], backend: Backend, *args: object) -> object:
+        fn = self.get(name, eager, backend)
+        if fn is eager:
+            return eager(*args)
+        try:
+            return fn(*args)
+        except Exception as exc:  # compilation needs a C compiler and a supported platform
+            if backend == "compiled":
+                raise CodecError(f"the compiled codec failed: {exc}") from exc
+            self._compile_failed = f"{type(exc).__name__}: {exc}"
+            log.warning("torch.compile is unavailable (%s); using the eager codec", exc)
+            return eager(*args)
+
+    @property
+    def compile_failure(self) -> str | None:
+        return self._compile_failed
+
+
+_KERNELS = _Kernels()
+
+
+def compile_failure() -> str | None:
+    """Why the compiled codec is not in use (None if it is, or was never tried)."""
+    return _KERNELS.compile_failure
+
+
+def _blocks(x: torch.Tensor, block_size: int, what: str) -> torch.Tensor:
+    if x.dim() != 1 or not x.is_contiguous():
+        raise CodecError(f"{what} must be a contiguous 1-D tensor, got shape {tuple(x.shape)}")
+    if x.numel() % block_size:
+        raise CodecError(
+            f"{what} has {x.numel()} elements, not a multiple of the block size {block_size}"
+        )
+    return x.view(-1, block_size)
+
+
+def _check_scales(scale: torch.Tensor, what: str) -> None:
+    finite = torch.isfinite(scale)
+    if not bool(finite.all()):
+        bad = int((~finite).nonzero()[0, 0])
+        raise CodecError(
+            f"{what} contains NaN or Inf (first in block {bad}); refusing to encode it"
+        )
+
+
+# --------------------------------------------------------------------------- block-aligned API
+
+
+def quantize(x: torch.Tensor, config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a block-aligned fp32 vector: int8 values (same length) and one scale per block.
+
+    Raises CodecError if ``x`` holds NaN or Inf.
+    """
+    if x.dtype != torch.float32:
+        raise CodecError(f"expected a float32 tensor, got {x.dtype}")
+    xb = _blocks(x, config.block_size, "input")
+    q, scale = _KERNELS.run(
+        "quantize", _quantize_kernel, config.backend, xb, config.scale_torch_dtype
+    )  # type: ignore[misc]
+    _check_scales(scale, "input")
+    return q.view(-1), scale
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, block_size: int, backend: Backend = "auto"
+) -> torch.Tensor:
+    """Decode int8 values: one IEEE multiplication per element, identical everywhere."""
+    qb = _blocks(q, block_size, "payload")
+    _check_decode_args(qb, scale)
+    out = _KERNELS.run("dequantize", _dequantize_kernel, backend, qb, scale)
+    return out.view(-1)  # type: ignore[attr-defined]
+
+
+def dequantize_accumulate_(
+    acc: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    weight: float,
+    config: CodecConfig,
+) -> None:
+    """``acc += weight * decode(q, scale)`` in place, in one pass."""
+    if acc.dtype != torch.float32:
+        raise CodecError(f"accumulator must be float32, got {acc.dtype}")
+    if not math.isfinite(weight):
+        raise CodecError(f"weight must be finite, got {weight}")
+    ab = _blocks(acc, config.block_size, "accumulator")
+    qb = _blocks(q, config.block_size, "payload")
+    if ab.shape != qb.shape:
+        raise CodecError(f"payload has {q.numel()} elements, accumulator {acc.numel()}")
+    _check_decode_args(qb, scale)
+    _KERNELS.run("accumulate", _accumulate_kernel, config.backend, ab, qb, scale, float(weight))
+
+
+def _check_decode_args(qb: torch.Tensor, scale: torch.Tensor) -> None:
+    if qb.dtype != torch.int8:
+        raise CodecError(f"payload must be int8, got {qb.dtype}")
+    if scale.dim() != 1 or scale.numel() != qb.shape[0]:
+        raise CodecError(f"expected {qb.shape[0]} scales, got {scale.numel()}")
+    if scale.dtype not in (torch.float32, torch.float16):
+        raise CodecError(f"scales must be float32 or float16, got {scale.dtype}")
+    finite = torch.isfinite(scale) & (scale >= 0)
+    if not bool(finite.all()):
+        raise CodecError("scales must be finite and non-negative")
+
+
+# --------------------------------------------------------------------------- any-shape API
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """An encoded tensor: int8 payload padded to whole blocks, scales, and the real shape."""
+
+    payload: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple[int, ...]
+    block_size: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel() + self.scales.numel() * self.scales.element_size()
+
+
+def _padded_flat(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    flat = x.detach().reshape(-1).to(torch.float32)
+    extra = padded_numel(flat.numel(), block_size) - flat.numel()
+    if extra:
+        flat = torch.cat([flat, flat.new_zeros(extra)])
+    return flat.contiguous()
+
+
+def encode(x: torch.Tensor, config: CodecConfig | None = None) -> Encoded:
+    """Encode a tensor of any shape (copies to pad it to whole blocks when needed)."""
+    config = config or CodecConfig()
+    q, scale = quantize(_padded_flat(x, config.block_size), config)
+    return Encoded(q, scale, tuple(x.shape), config.block_size)
+
+
+def decode(encoded: Encoded, backend: Backend = "auto") -> torch.Tensor:
+    """Decode an :class:`Encoded` back to a float32 tensor of its shape."""
+    flat = dequantize(encoded.payload, encoded.scales, encoded.block_size, backend)
+    return flat[: encoded.numel].reshape(encoded.shape)
+
+
+class ErrorFeedback:
+    """The sender-side residual of error feedback (*1-bit Adam*, section 3.1).
+
+    ``encode(x)`` sends ``q(x + e)`` and keeps ``e <- (x + e) - decode(q(x + e))``. Call
+    :meth:`rollback` when the round that carried the message is aborted: the caller's delta
+    still holds the whole update, so the residual must return to what it was.
+    """
+
+    def __init__(self, numel: int, config: CodecConfig) -> None:
+        self.config = config
+        self.residual = padded_zeros(numel, config.block_size)
+        self._backup = torch.empty_like(self.residual)
+        self._can_rollback = False
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``x + residual`` and update the residual in place (no allocation)."""
+        if x.shape != self.residual.shape:
+            raise CodecError(
+                f"error feedback was set up for {self.residual.numel()} padded elements, "
+                f"got {x.numel()}"
+            )
+        self._backup.copy_(self.residual)
+        self.residual.add_(x)
+        try:
+            q, scale = quantize(self.residual, self.config)
+        except CodecError:
+            self.residual.copy_(self._backup)
+            raise
+        # acc + (-1) * (q * s) is exactly acc - q * s: the residual is the true error.
+        dequantize_accumulate_(self.residual, q, scale, -1.0, self.config)
+        self._can_rollback = True
+        return q, scale
+
+    def rollback(self) -> None:
+        """Undo the last :meth:`encode` (its round was aborted, nothing was applied)."""
+        if self._can_rollback:
+            self.residual.copy_(self._backup)
+            self._can_rollback = False
+
+    def commit(self) -> None:
+        """The last encoded message was applied: it can no longer be rolled back."""
+        self._can_rollback = False
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSpan:
+    """One chunk of a block-aligned vector: blocks ``[first_block, first_block + blocks)``."""
+
+    index: int
+    first_block: int
+    blocks: int
+    block_size: int
+
+    @property
+    def start(self) -> int:
+        return self.first_block * self.block_size
+
+    @property
+    def stop(self) -> int:
+        return (self.first_block + self.blocks) * self.block_size
+
+    @property
+    def numel(self) -> int:
+        return self.blocks * self.block_size
+
+
+def chunk_spans(numel: int, config: CodecConfig) -> list[ChunkSpan]:
+    """Cut a vector of ``numel`` elements (padded to blocks) into chunks of about
+    ``config.chunk_bytes`` on the wire. Each chunk decodes on its own."""
+    total = num_blocks(numel, config.block_size)
+    per_chunk = config.blocks_per_chunk()
+    return [
+        ChunkSpan(i, first, min(per_chunk, total - first), config.block_size)
+        for i, first in enumerate(range(0, total, per_chunk))
+    ]

@@ -1,0 +1,104 @@
+"""The outer optimizer: Nesterov SGD on the fp32 global parameters, on CPU.
+
+Every member of a group applies this step to the same averaged pseudo-gradient and must end
+with the same bytes, on any CPU. So each line below is a single IEEE operation on whole
+tensors (no fused multiply-add, no ``alpha=`` kernels whose rounding depends on the SIMD
+path), in a fixed order. The result equals ``torch.optim.SGD(lr, momentum, nesterov=True)``
+up to the rounding of its fused kernels (tested over many steps), and is bit-for-bit
+deterministic.
+
+The update, with ``g`` the averaged pseudo-gradient ``theta_g - theta`` (DiLoCo, Alg. 1)::
+
+    b     <- momentum * b + g              (b = g on the first step)
+    step  <- g + momentum * b              (Nesterov look-ahead)
+    theta_g <- theta_g - lr * step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from swarmloco.core.config import require, require_fraction, require_positive
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    """The outer (averaging) optimizer: SGD with Nesterov momentum."""
+
+    lr: float = 0.7
+    """Outer learning rate applied to the averaged pseudo-gradient."""
+    momentum: float = 0.9
+    """Nesterov momentum of the outer step."""
+    nesterov: bool = True
+    """Use the Nesterov look-ahead (False: heavy-ball momentum)."""
+
+    def __post_init__(self) -> None:
+        require_positive("outer lr", self.lr)
+        require_fraction("outer momentum", self.momentum, closed_high=False)
+        require(isinstance(self.nesterov, bool), "outer nesterov must be true or false")
+
+
+class OuterOptimizer:
+    """Nesterov SGD on a flat fp32 CPU vector of global parameters.
+
+    The optimizer owns its momentum buffer; the caller owns ``theta_g``. ``state_dict`` /
+    ``load_state_dict`` carry the momentum for checkpoints and state transfer.
+    """
+
+    def __init__(self, numel: int, config: OuterConfig) -> None:
+        self.config = config
+        self.momentum_buffer = torch.zeros(numel, dtype=torch.float32)
+        self.steps = 0
+        self._scratch = torch.empty(numel, dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, theta_g: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply one outer step to ``theta_g`` in place, with pseudo-gradient ``grad``."""
+        self._check(theta_g, "global parameters")
+        self._check(grad, "pseudo-gradient")
+        m, lr = self.config.momentum, self.config.lr
+        buf, step = self.momentum_buffer, self._scratch
+        if m == 0.0:
+            step.copy_(grad)
+        else:
+            if self.steps == 0:
+                buf.copy_(grad)
+            else:
+                buf.mul_(m)
+                buf.add_(grad)
+            if self.config.nesterov:
+                torch.mul(buf, m, out=step)
+                step.add_(grad)
+            else:
+                step.copy_(buf)
+        step.mul_(lr)
+        theta_g.sub_(step)
+        self.steps += 1
+
+    def _check(self, t: torch.Tensor, what: str) -> None:
+        require(
+            t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 1,
+            f"{what} must be a flat float32 CPU tensor, got {t.dtype} {t.device} {tuple(t.shape)}",
+        )
+        require(
+            t.numel() == self.momentum_buffer.numel(),
+            f"{what} has {t.numel()} elements, the optimizer {self.momentum_buffer.numel()}",
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor | int]:
+        return {"momentum_buffer": self.momentum_buffer, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | int]) -> None:
+        buf = state["momentum_buffer"]
+        steps = state["steps"]
+        require(isinstance(buf, torch.Tensor), "momentum_buffer must be a tensor")
+        require(isinstance(steps, int) and steps >= 0, "steps must be a non-negative int")
+        assert isinstance(buf, torch.Tensor) and isinstance(steps, int)
+        require(
+            buf.shape == self.momentum_buffer.shape,
+            f"momentum buffer has {buf.numel()} elements, expected {self.momentum_buffer.numel()}",
+        )
+        self.momentum_buffer.copy_(buf.to(torch.float32))
+        self.steps = steps

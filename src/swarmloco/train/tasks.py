@@ -1,0 +1,195 @@
+"""Tasks: what model a run trains on what data, and the manifest that pins it all down.
+
+The built-in task is ``gpt-bytes``: a small byte-level GPT on the Python standard library's
+own source files by default. Other packages can register tasks under the ``swarmloco.tasks``
+entry-point group (an object with the :class:`Task` methods), so that every peer of a public
+run builds the same model from the manifest alone.
+
+This module imports torch only inside the functions that build models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Protocol
+
+from swarmloco.core.codec import CodecConfig
+from swarmloco.core.config import from_mapping, require_int
+from swarmloco.core.fragments import StreamingConfig
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.core.outer import OuterConfig
+from swarmloco.train.inner import InnerConfig
+from swarmloco.train.spec import GPT_PRESETS, DataSpec, GPTConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from swarmloco.train.data import TokenData
+
+# Settings each peer chooses for itself: they never enter a manifest.
+_LOCAL_FIELDS = {"inner": {"precision", "compile"}, "codec": {"backend"}}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The hyperparameters every peer of a run shares (the manifest's ``hparams``)."""
+
+    inner: InnerConfig = dataclasses.field(default_factory=InnerConfig)
+    """The local AdamW loop."""
+    outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
+    """The outer Nesterov step."""
+    streaming: StreamingConfig = dataclasses.field(default_factory=StreamingConfig)
+    """When fragments sync (H, F, tau, alpha)."""
+    codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)
+    """How updates are quantized on the wire."""
+    seed: int = 0
+    """Seed of the initial parameters and of every worker's data stream."""
+
+    def __post_init__(self) -> None:
+        require_int("seed", self.seed, minimum=0)
+
+    def to_manifest(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if dataclasses.is_dataclass(value):
+                local = _LOCAL_FIELDS.get(field.name, set())
+                out[field.name] = {
+                    k: v for k, v in dataclasses.asdict(value).items() if k not in local
+                }
+            else:
+                out[field.name] = value
+        return out
+
+    @classmethod
+    def from_manifest(cls, hparams: Mapping[str, Any]) -> RunConfig:
+        kinds = {"inner": InnerConfig, "outer": OuterConfig, "streaming": StreamingConfig, "codec": CodecConfig}
+        values: dict[str, Any] = {}
+        for key, value in hparams.items():
+            values[key] = from_mapping(kinds[key], value) if key in kinds else value
+        return from_mapping(cls, values)
+
+
+class Task(Protocol):
+    """What a task provides. Register one under the ``swarmloco.tasks`` entry-point group."""
+
+    name: str
+
+    def presets(self) -> Mapping[str, Mapping[str, Any]]:
+        """Named model configs."""
+        ...
+
+    def default_run(self, preset: str) -> RunConfig:
+        """Sensible hyperparameters for a preset."""
+        ...
+
+    def build_model(self, model: Mapping[str, Any]) -> nn.Module:
+        """A freshly initialised model (the caller seeds torch first)."""
+        ...
+
+    def load_data(self, model: Mapping[str, Any], data: DataSpec) -> TokenData:
+        """The token stores of a data spec."""
+        ...
+
+    def layer_unit(self, param_name: str) -> str:
+        """The layer a parameter belongs to (for strided Streaming DiLoCo fragments)."""
+        ...
+
+
+class GPTBytes:
+    """The built-in task: a byte-level GPT; default data is the Python standard library."""
+
+    name = "gpt-bytes"
+
+    def presets(self) -> Mapping[str, Mapping[str, Any]]:
+        return {k: dataclasses.asdict(v) for k, v in GPT_PRESETS.items()}
+
+    def default_run(self, preset: str) -> RunConfig:
+        if preset == "tiny":
+            inner = InnerConfig(lr=1e-3, warmup_steps=50, total_steps=2000, batch_size=16)
+        elif preset == "small":
+            inner = InnerConfig(lr=6e-4, warmup_steps=200, total_steps=20_000, batch_size=32)
+        else:
+            inner = InnerConfig(lr=4e-4, warmup_steps=1000, total_steps=100_000, batch_size=16)
+        return RunConfig(inner=inner)
+
+    def build_model(self, model: Mapping[str, Any]) -> nn.Module:
+        from swarmloco.train.model import GPT
+
+        return GPT(from_mapping(GPTConfig, model))
+
+    def load_data(self, model: Mapping[str, Any], data: DataSpec) -> TokenData:
+        from swarmloco.train.data import load_tokens
+
+        return load_tokens(data, vocab_size=int(model["vocab_size"]))
+
+    def layer_unit(self, param_name: str) -> str:
+        from swarmloco.train.model import layer_unit
+
+        return layer_unit(param_name)
+
+
+_BUILTIN: dict[str, Task] = {GPTBytes.name: GPTBytes()}
+
+
+def get_task(name: str) -> Task:
+    """The task registered as ``name`` (built in, or from the swarmloco.tasks entry points)."""
+    if name in _BUILTIN:
+        return _BUILTIN[name]
+    for ep in entry_points(group="swarmloco.tasks"):
+        if ep.name == name:
+            loaded = ep.load()
+            return loaded() if isinstance(loaded, type) else loaded
+    known = sorted(set(_BUILTIN) | {ep.name for ep in entry_points(group="swarmloco.tasks")})
+    raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(known)}")
+
+
+def resolve_model(task: Task, preset: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    presets = task.presets()
+    if preset not in presets:
+        raise ValueError(f"unknown preset {preset!r} for task {task.name}; presets: {', '.join(presets)}")
+    model = dict(presets[preset])
+    model.update(overrides or {})
+    if task.name == GPTBytes.name:
+        model = dataclasses.asdict(from_mapping(GPTConfig, model))  # validate
+    return model
+
+
+def build_manifest(
+    task: str,
+    preset: str,
+    *,
+    creator: str,
+    name: str = "",
+    data: DataSpec | None = None,
+    run: RunConfig | None = None,
+    model_overrides: Mapping[str, Any] | None = None,
+) -> SwarmManifest:
+    """The manifest of a new run of ``task`` at ``preset`` (unknown names: ValueError)."""
+    t = get_task(task)
+    model = resolve_model(t, preset, model_overrides)
+    data = data or DataSpec()
+    run = run or t.default_run(preset)
+    data_dict = dataclasses.asdict(data)
+    return SwarmManifest(
+        task=t.name,
+        model={"preset": preset, **model},
+        data=data_dict,
+        hparams=run.to_manifest(),
+        creator=creator,
+        name=name,
+    )
+
+
+def run_from_manifest(manifest: SwarmManifest) -> tuple[Task, dict[str, Any], DataSpec, RunConfig]:
+    """Everything a peer needs to train from a manifest: task, model config, data, hparams."""
+    task = get_task(manifest.task)
+    model = {k: v for k, v in manifest.model.items() if k != "preset"}
+    data_values = dict(manifest.data)
+    for key in ("paths", "suffixes"):
+        if key in data_values:
+            data_values[key] = tuple(data_values[key])
+    data = from_mapping(DataSpec, data_values)
+    return task, model, data, RunConfig.from_manifest(manifest.hparams)
