@@ -59,3 +59,21 @@ def host_of_grpc_peer(peer: str) -> str:
     if kind == "ipv6":
         return rest.rsplit(":", 1)[0].strip("[]")
     return ""
+
+
+def guess_host() -> str:
+    """This machine's address on its default route, or 127.0.0.1 when it has none.
+
+    Connecting a UDP socket sends no packet; it only asks the kernel which source address
+    it would use. Behind NAT this is the private address: operators of public nodes pass
+    the public one explicitly.
+    """
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: never routed to anyone
+            host: str = probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+    return host if not is_unspecified(host) else "127.0.0.1"

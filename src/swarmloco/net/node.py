@@ -11,6 +11,7 @@ reverse order. Other layers serve their own gRPC services on the same port by pa
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
@@ -22,9 +23,11 @@ from swarmloco.net.client import ClientConfig, RpcClient
 from swarmloco.net.dht.contact import Contact
 from swarmloco.net.dht.node import DhtConfig, DHTNode
 from swarmloco.net.dht.transport import DhtServicer, GrpcDhtTransport
-from swarmloco.net.endpoints import is_unspecified, parse_endpoint
+from swarmloco.net.endpoints import guess_host, is_unspecified, parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.server import PeerServer, ServerConfig, Service
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,9 +99,15 @@ class NetNode:
                 elif self.config.peers:
                     announce_port = self.server.port  # learn our host from the peers
                 else:
-                    # Nobody to ask how we are seen: announce loopback, so that at least
-                    # peers on this machine can dial us (say announce_host otherwise).
-                    self.dht.set_endpoint(self.server.endpoint("127.0.0.1"))
+                    # Nobody to ask how we are seen: announce our address on the default
+                    # route (behind NAT, operators must say announce_host).
+                    guessed = guess_host()
+                    logger.warning(
+                        "bound to every interface with no host to announce: announcing %s "
+                        "(set the announce host if peers must dial another address)",
+                        guessed,
+                    )
+                    self.dht.set_endpoint(self.server.endpoint(guessed))
             self._servicer.handler = self.dht
             await stack.enter_async_context(self.dht)
             if self.config.peers:

@@ -21,7 +21,9 @@ MANIFEST_TTL_S = 7 * 24 * 3600.0
 PEER_TTL_S = 300.0
 
 
-async def publish_manifest(dht: DHTNode, manifest: SwarmManifest, *, ttl: float = MANIFEST_TTL_S) -> int:
+async def publish_manifest(
+    dht: DHTNode, manifest: SwarmManifest, *, ttl: float = MANIFEST_TTL_S
+) -> int:
     """Store the manifest on the nodes closest to its key; return how many stored it."""
     stored = await dht.store(manifest_key(manifest.swarm_id), manifest.to_bytes(), ttl=ttl)
     if stored == 0:

@@ -11,6 +11,7 @@ yields to the loop, so concurrent lookups interleave as they would over sockets;
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -18,8 +19,10 @@ from google.protobuf.message import Message
 
 from swarmloco.errors import NetworkError
 from swarmloco.net.deadline import Deadline
+from swarmloco.net.dht.node import DhtConfig, DHTNode
 from swarmloco.net.dht.transport import DhtHandler
 from swarmloco.net.endpoints import parse_endpoint
+from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import dht_pb2 as pb
 
@@ -123,3 +126,66 @@ class MemoryTransport:
             lambda h, r, host: h.handle_find_value(r, host),  # type: ignore[arg-type]
             deadline,
         )
+
+
+class MemoryCluster:
+    """Many DHT nodes on one :class:`MemoryNetwork`, for tests and simulations.
+
+    Nodes get random public-looking IPv4 endpoints (so the per-/24 cap applies as on the
+    internet). Add and remove nodes from the task that closes the cluster: each node's
+    context is entered and left there.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: DhtConfig | None = None,
+        rng: random.Random | None = None,
+        latency_s: float = 0.0,
+    ) -> None:
+        self.network = MemoryNetwork(latency_s=latency_s)
+        self.config = config or DhtConfig(limit_private_subnets=True)
+        self.rng = rng or random.Random()
+        self.nodes: list[DHTNode] = []
+
+    def _endpoint(self) -> str:
+        while True:
+            octets = [self.rng.randint(1, 223), *(self.rng.randint(0, 255) for _ in range(2))]
+            endpoint = f"{'.'.join(map(str, octets))}.{self.rng.randint(1, 254)}:31337"
+            if endpoint not in self.network:
+                return endpoint
+
+    async def add(self, *, join: bool = True, identity: Identity | None = None) -> DHTNode:
+        """Start a node and join it through a random live node (the first needs none)."""
+        endpoint = self._endpoint()
+        node = DHTNode(
+            identity=identity or Identity.generate(),
+            transport=MemoryTransport(self.network, endpoint),
+            config=self.config,
+            endpoint=endpoint,
+            rng=random.Random(self.rng.random()),
+        )
+        self.network.register(endpoint, node)
+        await node.__aenter__()
+        try:
+            if join and self.nodes:
+                await node.join([self.rng.choice(self.nodes).endpoint])
+        except BaseException:
+            self.network.unregister(endpoint)
+            await node.__aexit__(None, None, None)
+            raise
+        self.nodes.append(node)
+        return node
+
+    async def remove(self, node: DHTNode) -> None:
+        """Take a node off the network at once (as a crash would), then stop it."""
+        self.network.unregister(node.endpoint)
+        self.nodes.remove(node)
+        await node.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> MemoryCluster:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        while self.nodes:
+            await self.remove(self.nodes[-1])

@@ -283,13 +283,20 @@ class DHTNode:
         self._spawn(self._every(cfg.sweep_interval_s, self._sweep))
         return self
 
-    async def __aexit__(self, *exc: Any) -> bool | None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
         group, self._group = self._group, None
+        assert group is not None
         for task in list(self._tasks):
             task.cancel()
-        assert group is not None
-        await group.__aexit__(*exc)
-        return None
+        # Tell the group only about a cancellation: it must see that to handle it, but any
+        # other error of the body would come back wrapped in an ExceptionGroup, and callers
+        # should get the NetworkError they can handle, not a group.
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            await group.__aexit__(exc_type, exc, tb)
+        else:
+            await group.__aexit__(None, None, None)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         if self._group is None:
@@ -331,11 +338,11 @@ class DHTNode:
         )
         answered = [o for o in outcomes if isinstance(o, pb.PingResponse)]
         if not answered:
-            reasons = "; ".join(f"{ep}: {why}" for ep, why in zip(peers, outcomes, strict=True))
+            reasons = "; ".join(str(why) for why in outcomes)
             raise NetworkError(
-                f"none of the peers to join answered within {budget:g}s "
-                f"({reasons}). Check each address, and that `swarmloco bootstrap` or a "
-                "peer runs there and is reachable from this machine."
+                f"cannot join the network: none of {', '.join(peers)} answered within "
+                f"{budget:g}s. Check the address, and that `swarmloco bootstrap` or a peer "
+                f"runs there and is reachable from this machine. Last errors: {reasons}"
             )
         if announce_port is not None and answered[0].observed_host:
             self.set_endpoint(format_endpoint(answered[0].observed_host, announce_port))
@@ -346,15 +353,23 @@ class DHTNode:
     async def _ping_endpoint(
         self, endpoint: str, request: pb.PingRequest, deadline: Deadline
     ) -> pb.PingResponse | str:
-        try:
-            response = await self._transport.ping(endpoint, request, deadline)
-        except NetworkError as exc:
-            return str(exc)
-        contact = self._card_from(response.peer, source=None)
-        if contact is None:
-            return "its contact card is invalid"
-        self._seen(contact)
-        return response
+        """Ping until it answers or the join deadline passes (it may still be starting)."""
+        pause = 0.1
+        while True:
+            call_deadline = Deadline.after(deadline.timeout(self.config.rpc_timeout_s))
+            try:
+                response = await self._transport.ping(endpoint, request, call_deadline)
+            except NetworkError as exc:
+                if deadline.remaining() <= pause:
+                    return str(exc)
+                await asyncio.sleep(pause * self._rng.uniform(0.5, 1.0))
+                pause = min(2 * pause, 1.0)
+                continue
+            contact = self._card_from(response.peer, source=None)
+            if contact is None:
+                return "its contact card is invalid"
+            self._seen(contact)
+            return response
 
     # -- the public API ----------------------------------------------------------------
 
@@ -389,7 +404,7 @@ class DHTNode:
         targets = lookup.closest
         stored = 0
         far = distance(targets[-1].peer_id, target) if len(targets) >= self.config.k else None
-        if far is None or distance(self.peer_id, target) < far:
+        if self.card.reachable and (far is None or distance(self.peer_id, target) < far):
             stored += self._put_local(record)
         request = signed_store_request(
             self.identity, self.card, [record], timestamp_ms=int(self.clock() * 1000)
