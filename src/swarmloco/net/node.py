@@ -67,18 +67,18 @@ class NetNode:
         self.identity = identity
         self.config = config
         self.client = RpcClient(config.client, interceptors=interceptors)
-        self._servicer = DhtServicer()
-        self.server = (
-            PeerServer(config.server, [self._servicer.service(), *services])
-            if config.server is not None
-            else None
-        )
         self.dht = DHTNode(
             identity=identity,
             transport=GrpcDhtTransport(self.client),
             config=config.dht,
             on_contact_added=on_contact_added,
             on_contact_removed=on_contact_removed,
+        )
+        dht_service = DhtServicer(self.dht, self.dht.rejections).service()
+        self.server = (
+            PeerServer(config.server, [dht_service, *services])
+            if config.server is not None
+            else None
         )
         self._stack = AsyncExitStack()
 
@@ -108,7 +108,6 @@ class NetNode:
                         guessed,
                     )
                     self.dht.set_endpoint(self.server.endpoint(guessed))
-            self._servicer.handler = self.dht
             await stack.enter_async_context(self.dht)
             if self.config.peers:
                 await self.dht.join(self.config.peers, announce_port=announce_port)

@@ -288,15 +288,15 @@ def make_record(
         return Record(key, subkey, data, float(expiration))
     if owner is None:
         raise ValueError(f"{kind.name} records are owned: pass the owner's identity")
-    owned_subkey = owner.peer_id_hex
-    payload = signing_payload(key, owned_subkey, data, float(expiration))
-    return Record(
-        key,
-        owned_subkey,
-        data,
-        float(expiration),
+    return sign(Record(key, owner.peer_id_hex, data, float(expiration)), owner)
+
+
+def sign(record: Record, owner: Identity) -> Record:
+    """``record`` with ``owner``'s public key and signature over its fields."""
+    return dataclasses.replace(
+        record,
         owner_public_key=owner.public_key,
-        signature=owner.sign(_SIGNATURE_DOMAIN, payload),
+        signature=owner.sign(_SIGNATURE_DOMAIN, record.signing_payload()),
     )
 
 

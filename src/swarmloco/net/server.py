@@ -9,23 +9,28 @@ server reflection are always on, so `grpcurl` and `grpc_health_probe` work again
 peer.
 
 Other layers add their services with :class:`Service` registrations before the server
-starts (gRPC cannot add services to a running server).
+starts (gRPC cannot add services to a running server); :func:`unary_service` builds one
+whose handlers never see undecodable bytes: a malformed request is refused with
+INVALID_ARGUMENT and counted, instead of surfacing as an UNKNOWN error with a traceback in
+the log (which a stream of garbage would turn into a flood).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.errors import NetworkError
 from swarmloco.net.endpoints import format_endpoint, is_unspecified
+from swarmloco.net.rejections import Rejection, RejectionLog
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,55 @@ class Service:
 
     name: str
     register: Callable[[grpc.aio.Server], None]
+
+
+UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
+
+_MALFORMED = object()
+
+
+def decoder(message_type: type[Message]) -> Callable[[bytes], Any]:
+    """A request deserializer that turns undecodable bytes into a marker, not an exception."""
+
+    def decode(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception:  # any parse failure of untrusted bytes means "malformed"
+            return _MALFORMED
+
+    return decode
+
+
+def unary_service(
+    name: str,
+    methods: Mapping[str, tuple[type[Message], UnaryHandler]],
+    *,
+    rejections: RejectionLog,
+) -> Service:
+    """A service of unary methods ``{name: (request type, handler)}``, safe against garbage."""
+
+    def wrap(method: str, request_type: type[Message], handler: UnaryHandler) -> UnaryHandler:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Message:
+            if request is _MALFORMED:
+                rejection = Rejection(
+                    "malformed", f"{method}: the request is not a valid {request_type.__name__}"
+                )
+                rejections.record(rejection, context.peer())
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
+            return await handler(request, context)
+
+        return call
+
+    handlers = {
+        method: grpc.unary_unary_rpc_method_handler(
+            wrap(method, request_type, handler),
+            request_deserializer=decoder(request_type),
+            response_serializer=lambda message: message.SerializeToString(),
+        )
+        for method, (request_type, handler) in methods.items()
+    }
+    generic = grpc.method_handlers_generic_handler(name, handlers)
+    return Service(name, lambda server: server.add_generic_rpc_handlers((generic,)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,10 +16,9 @@ import grpc
 from swarmloco.net.client import Method, RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.endpoints import host_of_grpc_peer
-from swarmloco.net.rejections import Rejection
-from swarmloco.net.server import Service
+from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.server import Service, unary_service
 from swarmloco.proto.v1 import dht_pb2 as pb
-from swarmloco.proto.v1 import dht_pb2_grpc
 
 T = TypeVar("T")
 
@@ -109,20 +108,23 @@ class GrpcDhtTransport:
         )
 
 
-class DhtServicer(dht_pb2_grpc.DhtServicer):
-    """The gRPC face of a DHT node: thin adapters from messages to the handler.
+class DhtServicer:
+    """The gRPC face of a DHT node: thin adapters from messages to the handler."""
 
-    The handler is attached once the node exists (the server must register services
-    before it starts, and the node needs the server's port for its card); calls before
-    that are answered UNAVAILABLE.
-    """
-
-    def __init__(self, handler: DhtHandler | None = None) -> None:
+    def __init__(self, handler: DhtHandler, rejections: RejectionLog) -> None:
         self.handler = handler
+        self._rejections = rejections
 
     def service(self) -> Service:
-        return Service(
-            SERVICE_NAME, lambda server: dht_pb2_grpc.add_DhtServicer_to_server(self, server)
+        return unary_service(
+            SERVICE_NAME,
+            {
+                "Ping": (pb.PingRequest, self.ping),
+                "FindNode": (pb.FindNodeRequest, self.find_node),
+                "Store": (pb.StoreRequest, self.store),
+                "FindValue": (pb.FindValueRequest, self.find_value),
+            },
+            rejections=self._rejections,
         )
 
     async def _dispatch(
@@ -130,31 +132,28 @@ class DhtServicer(dht_pb2_grpc.DhtServicer):
         context: grpc.aio.ServicerContext,
         call: Callable[[DhtHandler, str], Awaitable[T]],
     ) -> T:
-        if self.handler is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the DHT node is starting")
-        assert self.handler is not None
         try:
             return await call(self.handler, host_of_grpc_peer(context.peer()))
         except Rejection as rejection:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
             raise  # abort raises; this line only tells type checkers
 
-    async def Ping(
+    async def ping(
         self, request: pb.PingRequest, context: grpc.aio.ServicerContext
     ) -> pb.PingResponse:
         return await self._dispatch(context, lambda h, host: h.handle_ping(request, host))
 
-    async def FindNode(
+    async def find_node(
         self, request: pb.FindNodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.FindNodeResponse:
         return await self._dispatch(context, lambda h, host: h.handle_find_node(request, host))
 
-    async def Store(
+    async def store(
         self, request: pb.StoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.StoreResponse:
         return await self._dispatch(context, lambda h, host: h.handle_store(request, host))
 
-    async def FindValue(
+    async def find_value(
         self, request: pb.FindValueRequest, context: grpc.aio.ServicerContext
     ) -> pb.FindValueResponse:
         return await self._dispatch(context, lambda h, host: h.handle_find_value(request, host))
