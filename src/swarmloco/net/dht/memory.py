@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -142,7 +143,9 @@ class MemoryCluster:
         config: DhtConfig | None = None,
         rng: random.Random | None = None,
         latency_s: float = 0.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        self.clock = clock
         self.network = MemoryNetwork(latency_s=latency_s)
         self.config = config or DhtConfig(limit_private_subnets=True)
         self.rng = rng or random.Random()
@@ -164,6 +167,7 @@ class MemoryCluster:
             config=self.config,
             endpoint=endpoint,
             rng=random.Random(self.rng.random()),
+            clock=self.clock,
         )
         self.network.register(endpoint, node)
         await node.__aenter__()

@@ -519,11 +519,11 @@ class DHTNode:
 
     # -- upkeep --------------------------------------------------------------------------
 
-    async def refresh_buckets(self) -> None:
-        """Look up a random id in every bucket that has had no lookup for a while."""
-        stale = self.routing.buckets_to_refresh(
-            now=time.monotonic(), interval=self.config.refresh_interval_s
-        )
+    async def refresh_buckets(self, *, older_than: float | None = None) -> None:
+        """Look up a random id in every bucket without a lookup for ``older_than`` seconds
+        (default: the refresh interval)."""
+        interval = self.config.refresh_interval_s if older_than is None else older_than
+        stale = self.routing.buckets_to_refresh(now=time.monotonic(), interval=interval)
         for index in stale:
             await self.find_nodes(self.routing.random_id_in_bucket(index, self._rng))
 
@@ -543,10 +543,13 @@ class DHTNode:
         """Stop republishing a record (it still lives until its expiration)."""
         self._published.pop((key, subkey), None)
 
-    async def check_liveness(self) -> None:
-        """Ping contacts we have not heard from for a while; drop those that fail."""
+    async def check_liveness(self, *, older_than: float | None = None) -> None:
+        """Ping contacts not heard from for ``older_than`` seconds (default: the liveness
+        interval); drop those that fail."""
         quiet = self.routing.stale(
-            now=time.monotonic(), older_than=self.config.liveness_interval_s, limit=self.config.k
+            now=time.monotonic(),
+            older_than=self.config.liveness_interval_s if older_than is None else older_than,
+            limit=self.config.k,
         )
         request = pb.PingRequest(sender=self.card.to_proto())
         deadline = Deadline.after(self.config.rpc_timeout_s)
