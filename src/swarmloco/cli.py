@@ -121,6 +121,14 @@ def _bootstrap_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         metavar="HOST:PORT",
         help="another bootstrap node to connect to (optional; repeatable)",
     )
+    parser.add_argument(
+        "--liveness-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="ping peers not heard from for this long; those that fail are logged as gone "
+        "(default: %(default)s)",
+    )
     parser.set_defaults(handler=_bootstrap)
 
 
@@ -134,6 +142,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
         port=args.port,
         announce_host=args.announce_host,
         peers=tuple(args.peers),
+        liveness_interval_s=args.liveness_interval,
     )
 
     def ready(endpoint: str, identity: Identity) -> None:
@@ -192,9 +201,6 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _create(args: argparse.Namespace) -> int:
-    from swarmloco.net.identity import Identity
-    from swarmloco.train.tasks import build_manifest
-
     if not args.no_train:
         print(
             "swarmloco create: error: training from the command line is not available yet in "
@@ -204,6 +210,9 @@ def _create(args: argparse.Namespace) -> int:
         return 2
     if not args.peers:
         raise ValueError("--no-train publishes the manifest through a peer: pass --peer HOST:PORT")
+    from swarmloco.net.identity import Identity
+    from swarmloco.train.tasks import build_manifest  # imports torch
+
     identity = Identity.load_or_create(args.data_dir)
     manifest = build_manifest(
         args.task, args.preset, creator=identity.public_key.hex(), name=args.name

@@ -13,8 +13,9 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from swarmloco.core.config import require
+from swarmloco.core.config import require, require_positive
 from swarmloco.net.dht.contact import Contact
+from swarmloco.net.dht.node import DhtConfig
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.server import ServerConfig
@@ -34,9 +35,12 @@ class BootstrapConfig:
     """Host other peers should dial, when it is not the bound address."""
     peers: tuple[str, ...] = ()
     """Other bootstrap nodes to join (optional)."""
+    liveness_interval_s: float = 60.0
+    """Peers not heard from for this long are pinged, and logged as gone if they fail."""
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        require_positive("liveness_interval_s", self.liveness_interval_s)
 
 
 async def serve_bootstrap(
@@ -51,6 +55,7 @@ async def serve_bootstrap(
         server=ServerConfig(host=config.host, port=config.port),
         announce_host=config.announce_host,
         peers=config.peers,
+        dht=DhtConfig(liveness_interval_s=config.liveness_interval_s),
     )
 
     def joined(contact: Contact) -> None:
