@@ -111,6 +111,7 @@ class RpcClient:
         self._interceptors = list(interceptors)
         self._rng = rng or random.Random()
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._stubs: dict[tuple[str, str], Any] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> RpcClient:
@@ -132,22 +133,42 @@ class RpcClient:
         )
         self._channels[endpoint] = channel
         while len(self._channels) > self.config.max_channels:
-            _, old = self._channels.popitem(last=False)
+            gone, old = self._channels.popitem(last=False)
+            self._forget_stubs(gone)
             # Closing is a coroutine; it runs beside us and close() waits for it.
             task = asyncio.get_running_loop().create_task(old.close(grace=None))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         return channel
 
+    def _forget_stubs(self, endpoint: str) -> None:
+        for slot in [s for s in self._stubs if s[0] == endpoint]:
+            del self._stubs[slot]
+
+    def _stub(self, endpoint: str, method: Method[Req, Resp]) -> Any:
+        stub = self._stubs.get((endpoint, method.path))
+        if stub is None or endpoint not in self._channels:
+            stub = self.channel(endpoint).unary_unary(
+                method.path,
+                request_serializer=method.request_type.SerializeToString,
+                response_deserializer=method.response_type.FromString,
+            )
+            self._stubs[(endpoint, method.path)] = stub
+        else:
+            self._channels.move_to_end(endpoint)
+        return stub
+
     async def forget(self, endpoint: str) -> None:
         """Close the channel to ``endpoint`` (a peer known to be gone)."""
         channel = self._channels.pop(endpoint, None)
+        self._forget_stubs(endpoint)
         if channel is not None:
             await channel.close(grace=None)
 
     async def close(self) -> None:
         channels = list(self._channels.values())
         self._channels.clear()
+        self._stubs.clear()
         for channel in channels:
             await channel.close(grace=None)
         if self._closing:
@@ -170,11 +191,7 @@ class RpcClient:
         deadline = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
         attempts = self.config.attempts if attempts is None else attempts
         started = time.monotonic()
-        stub = self.channel(endpoint).unary_unary(
-            method.path,
-            request_serializer=method.request_type.SerializeToString,
-            response_deserializer=method.response_type.FromString,
-        )
+        stub = self._stub(endpoint, method)
         attempt = 0
         while True:
             attempt += 1

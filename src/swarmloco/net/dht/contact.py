@@ -15,7 +15,7 @@ import time
 import msgpack
 
 from swarmloco.net.endpoints import parse_endpoint
-from swarmloco.net.identity import PEER_ID_BYTES, Identity, peer_id_of, verify
+from swarmloco.net.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import dht_pb2 as pb
 
@@ -64,26 +64,28 @@ def sign_card(identity: Identity, endpoint: str, *, started_at_ms: int | None = 
 
 
 @functools.lru_cache(maxsize=65536)
-def _card_is_valid(public_key: bytes, endpoint: str, started_at_ms: int, signature: bytes) -> bool:
-    return verify(public_key, signature, _CARD_DOMAIN, _card_payload(endpoint, started_at_ms))
+def _checked_card(
+    public_key: bytes, endpoint: str, started_at_ms: int, signature: bytes
+) -> Contact | str:
+    # Cached whole: every lookup response repeats the same few dozen cards.
+    if endpoint:
+        try:
+            parse_endpoint(endpoint)
+        except ValueError:
+            return f"contact endpoint {endpoint[:80]!r} is not HOST:PORT"
+    if not verify(public_key, signature, _CARD_DOMAIN, _card_payload(endpoint, started_at_ms)):
+        return "contact card is not signed by the key it names"
+    return Contact(peer_id_of(public_key), public_key, endpoint, started_at_ms, signature)
 
 
 def contact_from_proto(info: pb.PeerInfo) -> Contact:
     """Check a card from the network; Rejection when it is malformed or not self-signed."""
-    if len(info.endpoint) > 262:
-        raise Rejection("bad-contact", "contact endpoint is too long")
-    if info.endpoint:
-        try:
-            parse_endpoint(info.endpoint)
-        except ValueError:
-            raise Rejection(
-                "bad-contact", f"contact endpoint {info.endpoint[:80]!r} is not HOST:PORT"
-            ) from None
-    if not _card_is_valid(info.public_key, info.endpoint, info.started_at_ms, info.signature):
-        raise Rejection("bad-contact", "contact card is not signed by the key it names")
-    peer_id = peer_id_of(info.public_key)
-    assert len(peer_id) == PEER_ID_BYTES
-    return Contact(peer_id, info.public_key, info.endpoint, info.started_at_ms, info.signature)
+    if len(info.endpoint) > 262 or len(info.public_key) != PUBLIC_KEY_BYTES:
+        raise Rejection("bad-contact", "contact card is malformed")
+    checked = _checked_card(info.public_key, info.endpoint, info.started_at_ms, info.signature)
+    if isinstance(checked, str):
+        raise Rejection("bad-contact", checked)
+    return checked
 
 
 def distance(a: bytes, b: bytes) -> int:

@@ -127,7 +127,8 @@ class GetResult:
     responded: int
     """Nodes that answered."""
     hops: int | None
-    """Depth of the first answer that carried records (1 = a node we knew already)."""
+    """Depth of the first answer that carried records (0 = our own storage, 1 = a node
+    we knew already)."""
 
 
 @dataclasses.dataclass
@@ -170,8 +171,9 @@ class _Lookup:
         live.sort(key=lambda c: int.from_bytes(c.peer_id, "big") ^ self._target_int)
         return live[: self.node.config.k]
 
-    def next_to_query(self) -> Contact | None:
-        for contact in self.ranked():
+    def next_to_query(self, within: int) -> Contact | None:
+        """The closest contact not asked yet among the ``within`` closest known."""
+        for contact in self.ranked()[:within]:
             if contact.peer_id not in self.queried:
                 return contact
         return None
@@ -199,14 +201,16 @@ class _Lookup:
             now = self.node.clock()
             for message in response.records:
                 record = record_from_proto(message)
-                try:
-                    value = validate(record, now=now)
-                except Rejection as rejection:
-                    rejection = rejection.from_peer(str(contact))
-                    self.node.rejections.record(rejection, str(contact))
-                    self.rejected.append(rejection)
-                    continue
-                self.merge(Entry(record.subkey, value, record.expiration, record))
+                known = self.entries.get(record.subkey)
+                if known is None or known.record != record:  # else: checked already
+                    try:
+                        value = validate(record, now=now)
+                    except Rejection as rejection:
+                        rejection = rejection.from_peer(str(contact))
+                        self.node.rejections.record(rejection, str(contact))
+                        self.rejected.append(rejection)
+                        continue
+                    self.merge(Entry(record.subkey, value, record.expiration, record))
                 if self.hops is None:
                     self.hops = depth
 
@@ -431,10 +435,9 @@ class DHTNode:
             raise ValueError(rejection.reason) from None
         deadline = Deadline.after(timeout or self.config.lookup_timeout_s)
         lookup = _Lookup(self, key_id(key))
-        for record in self.storage.get(key):
-            lookup.merge(
-                Entry(record.subkey, validate(record, now=self.clock()), record.expiration, record)
-            )
+        for record, value in self.storage.entries(key):
+            lookup.merge(Entry(record.subkey, value, record.expiration, record))
+            lookup.hops = 0
         request = pb.FindValueRequest(sender=self.card.to_proto(), key=key)
         await self._run_lookup(lookup, deadline, self._transport.find_value, request)
         self.stats["gets"] += 1
@@ -469,8 +472,13 @@ class DHTNode:
         inflight: dict[asyncio.Task[Any], Contact] = {}
         try:
             while not (value_lookup and lookup.settled(self.config.get_quorum)):
+                # Once a get holds records, only the closest `get_quorum` nodes can still
+                # change the outcome: asking farther ones would only cost calls.
+                within = (
+                    self.config.get_quorum if value_lookup and lookup.entries else self.config.k
+                )
                 while len(inflight) < self.config.alpha:
-                    candidate = lookup.next_to_query()
+                    candidate = lookup.next_to_query(within)
                     if candidate is None:
                         break
                     contact = candidate

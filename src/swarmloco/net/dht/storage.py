@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from swarmloco.core.config import require_int
 from swarmloco.net.records import (
@@ -49,6 +50,7 @@ class StorageConfig:
 @dataclasses.dataclass(slots=True)
 class _Stored:
     record: Record
+    value: Any  # decoded and checked
     expires_at: float  # clamped
     sender: bytes
 
@@ -93,11 +95,12 @@ class Storage:
         if existing is not None and record.expiration <= existing.record.expiration:
             return False
         self._check_quotas(record, kind.max_subkeys, sender, replacing=existing, now=now)
-        decode_value(kind, record.key, record.value)
+        value = decode_value(kind, record.key, record.value)
         check_signature(kind, record)
         if existing is not None:
             self._forget(record.key, record.subkey, existing)
-        stored = _Stored(record, effective_expiration(kind, record.expiration, now=now), sender)
+        expires_at = effective_expiration(kind, record.expiration, now=now)
+        stored = _Stored(record, value, expires_at, sender)
         self._data.setdefault(record.key, {})[record.subkey] = stored
         self._per_sender[sender] += 1
         self._count += 1
@@ -138,13 +141,17 @@ class Storage:
 
     def get(self, key: str) -> list[Record]:
         """The live records under ``key`` (all subkeys)."""
+        return [record for record, _ in self.entries(key)]
+
+    def entries(self, key: str) -> list[tuple[Record, Any]]:
+        """The live records under ``key`` with their decoded values."""
         subkeys = self._data.get(key)
         if not subkeys:
             return []
         now = self._clock()
         for subkey, stored in list(subkeys.items()):
             self._drop_if_expired(key, subkey, stored, now)
-        return [stored.record for stored in self._data.get(key, {}).values()]
+        return [(stored.record, stored.value) for stored in self._data.get(key, {}).values()]
 
     def expires_at(self, key: str, subkey: str) -> float | None:
         """When this node drops the record (its expiration clamped to the max TTL)."""
