@@ -164,7 +164,7 @@ async def simulate(
 # -- 2. swarmloco over gRPC, one process per node ---------------------------------------
 
 
-async def worker(bootstrap: str) -> None:
+async def worker(bootstrap: str, get_quorum: int) -> None:
     """One node in its own process: JSON commands on stdin, JSON answers on stdout."""
     from swarmloco.net.identity import Identity
     from swarmloco.net.node import NetNode, NodeConfig
@@ -173,7 +173,10 @@ async def worker(bootstrap: str) -> None:
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     started = time.perf_counter()
-    async with NetNode(identity=Identity.generate(), config=NodeConfig(peers=(bootstrap,))) as node:
+    from swarmloco.net.dht.node import DhtConfig
+
+    config = NodeConfig(peers=(bootstrap,), dht=DhtConfig(get_quorum=get_quorum))
+    async with NetNode(identity=Identity.generate(), config=config) as node:
         start_s = time.perf_counter() - started
         print(
             json.dumps({"ready": True, "start_s": start_s, "rss_mb": rss_mb(os.getpid())}),
@@ -199,9 +202,9 @@ async def worker(bootstrap: str) -> None:
 
 
 class Worker:
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(self, bootstrap: str, get_quorum: int) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", bootstrap],
+            [sys.executable, __file__, "--worker", bootstrap, "--get-quorum", str(get_quorum)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -239,7 +242,7 @@ async def first_node_start_s() -> float:
         return time.perf_counter() - started
 
 
-def swarmloco_loopback(nodes: int, operations: int, seed: int) -> dict[str, Any]:
+def swarmloco_loopback(nodes: int, operations: int, seed: int, get_quorum: int) -> dict[str, Any]:
     from swarmloco.net.records import peers_key
 
     rng = random.Random(seed)
@@ -276,7 +279,7 @@ def swarmloco_loopback(nodes: int, operations: int, seed: int) -> dict[str, Any]
         try:
             starts, worker_rss = [], []
             for _ in range(nodes - 1):  # one after the other, as the hivemind nodes below
-                workers.append(Worker(endpoint))
+                workers.append(Worker(endpoint, get_quorum))
                 hello = workers[-1].read()
                 starts.append(hello["start_s"])
                 worker_rss.append(hello["rss_mb"])
@@ -376,13 +379,16 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=16, help="loopback nodes (default 16)")
     parser.add_argument("--operations", type=int, default=100, help="store+get pairs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--get-quorum", type=int, default=2, help="swarmloco DhtConfig.get_quorum (default 2)"
+    )
     parser.add_argument("--skip-sim", action="store_true")
     parser.add_argument("--skip-hivemind", action="store_true")
     args = parser.parse_args()
     from swarmloco.cli import run_async  # the loop every swarmloco process runs (uvloop)
 
     if args.worker:
-        run_async(worker(args.worker))
+        run_async(worker(args.worker, args.get_quorum))
         return 0
     result: dict[str, Any] = {
         "benchmark": "dht",
@@ -397,6 +403,7 @@ def main() -> int:
             "operations": args.operations,
             "record": "one small signed peers record (~80 bytes) per key",
             "seed": args.seed,
+            "swarmloco_get_quorum": args.get_quorum,
         },
     }
     if not args.skip_sim:
@@ -409,7 +416,7 @@ def main() -> int:
             )
         )
     log(f"swarmloco: {args.nodes} nodes on loopback")
-    result.update(swarmloco_loopback(args.nodes, args.operations, args.seed))
+    result.update(swarmloco_loopback(args.nodes, args.operations, args.seed, args.get_quorum))
     if args.skip_hivemind:
         result["hivemind_available"] = False
         result["hivemind_error"] = "skipped (--skip-hivemind)"

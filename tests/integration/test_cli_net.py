@@ -54,17 +54,14 @@ def test_bootstrap_imports_no_torch_and_stays_under_100_mb(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
     with Bootstrap(tmp_path / "boot") as boot:
-        # Give it some work first: a few peers join and publish through it.
-        for i in range(3):
-            result = swarmloco(
-                "create",
-                "--peer",
-                boot.endpoint,
-                "--data-dir",
-                str(tmp_path / f"p{i}"),
-                "--no-train",
-            )
-            assert result.returncode == 0, result.stderr
+        # Give it some work first: a swarm is created through it and peers look it up.
+        created = swarmloco(
+            "create", "--peer", boot.endpoint, "--data-dir", str(tmp_path / "p"), "--no-train"
+        )
+        assert created.returncode == 0, created.stderr
+        for _ in range(3):
+            joined = swarmloco("join", created.stdout.strip(), "--peer", boot.endpoint, "--dry-run")
+            assert joined.returncode == 0, joined.stderr
         maps = Path(f"/proc/{boot.process.pid}/maps").read_text()
         assert "torch" not in maps  # no torch library was ever loaded
         assert rss_mb(boot.process.pid) < 100

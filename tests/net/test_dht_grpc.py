@@ -239,6 +239,46 @@ async def test_a_manifest_whose_hash_differs_is_refused_with_both_ids():
     assert f"hashes to {impostor.swarm_id}, not to the swarm id {wanted.swarm_id}" in message
 
 
+class FloodingNode(DHTNode):
+    """Answers every lookup with thousands of forged records and a flood of cards."""
+
+    async def handle_find_value(self, request, observed_host):
+        response = await super().handle_find_value(request, observed_host)
+        forged = [
+            Record(
+                request.key,
+                f"{i:040x}",
+                msgpack.packb(PEER),
+                time.time() + 60,
+                b"k" * 32,
+                b"s" * 64,
+            )
+            for i in range(2000)
+        ]
+        response.records.extend(record_to_proto(r) for r in forged)
+        card = self.card.to_proto()
+        response.closest.extend(card for _ in range(5000))
+        return response
+
+
+async def test_an_answer_full_of_forgeries_costs_the_reader_one_check():
+    async with RpcClient() as flood_client:
+        flooder = FloodingNode(
+            identity=Identity.generate(), transport=GrpcDhtTransport(flood_client)
+        )
+        async with PeerServer(
+            ServerConfig(), [DhtServicer(flooder, flooder.rejections).service()]
+        ) as server:
+            flooder.set_endpoint(f"127.0.0.1:{server.port}")
+            async with flooder:
+                config = NodeConfig(server=None, peers=(flooder.endpoint,))
+                async with NetNode(identity=Identity.generate(), config=config) as reader:
+                    result = await reader.dht.get(peers_key(SWARM))
+    assert result.entries == {}
+    assert len(result.rejected) == 1 and result.rejected[0].code == "bad-signature"
+    assert reader.dht.rejections.total == 1
+
+
 async def test_an_unknown_swarm_id_says_so():
     async with loopback_network(3) as nodes:
         with pytest.raises(ManifestError, match="unknown to this network"):

@@ -4,7 +4,7 @@ import random
 import statistics
 import time
 
-from netutil import SWARM
+from netutil import SWARM, wait_for
 
 from swarmloco.net.dht.contact import distance
 from swarmloco.net.dht.memory import MemoryCluster
@@ -45,22 +45,35 @@ async def test_lookups_in_200_nodes_survive_20_percent_churn():
         assert statistics.median(node_hops) <= 4
 
 
-async def test_republish_reaches_the_nodes_closest_now():
+async def test_newcomers_are_handed_the_records_they_are_now_closest_to():
     rng = random.Random(11)
     async with MemoryCluster(rng=rng) as cluster:
         for _ in range(25):
             await cluster.add()
-        publisher = cluster.nodes[0]
         key = random_key(rng)
-        await publisher.store(key, PEER, ttl=600)
+        await cluster.nodes[0].store(key, PEER, ttl=600)
         for _ in range(40):
             await cluster.add()
         target = key_id(key)
         closest = sorted(cluster.nodes, key=lambda n: distance(n.peer_id, target))[:20]
-        missing = [n for n in closest if not n.storage.get(key)]
-        assert missing  # newcomers closer to the key do not have it yet
+        await wait_for(lambda: all(n.storage.get(key) for n in closest))
+        assert sum(n.stats["replicated"] for n in cluster.nodes) >= 1
+
+
+async def test_republish_restores_records_after_every_holder_left():
+    rng = random.Random(13)
+    async with MemoryCluster(rng=rng) as cluster:
+        for _ in range(60):
+            await cluster.add()
+        publisher = cluster.nodes[0]
+        key = random_key(rng)
+        await publisher.store(key, PEER, ttl=600)
+        for holder in [n for n in cluster.nodes if n is not publisher and n.storage.get(key)]:
+            await cluster.remove(holder)
+        publisher.storage.sweep(now=float("inf"))  # the publisher's own copy is gone too
+        assert (await cluster.nodes[5].get(key)).entries == {}
         assert await publisher.republish() == 1
-        assert all(n.storage.get(key) for n in closest if n is not publisher)
+        assert (await cluster.nodes[5].get(key)).entries
 
 
 async def test_records_expire_on_every_node():

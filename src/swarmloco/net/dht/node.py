@@ -10,7 +10,9 @@ Lookups follow Kademlia: keep ``alpha`` queries in flight toward the target, alw
 the closest known node not yet asked, until the ``k`` closest known nodes have all
 answered or failed. A value lookup (``get``) also stops as soon as it holds records and
 the ``get_quorum`` closest nodes known have answered: records are stored at the k
-closest nodes, so the closest few have them all when the network is stable.
+closest nodes, republished by their owners, and handed by the closest holder to any
+newcomer that becomes one of the k closest (Kademlia section 2.5), so the closest few
+nodes hold every subkey of a key.
 
 Everything a node receives is checked before it is used: contact cards must be signed by
 the key they name, store requests by their sender, records by their owner; each refusal
@@ -53,6 +55,8 @@ from swarmloco.proto.v1 import dht_pb2 as pb
 logger = logging.getLogger(__name__)
 
 Resp = TypeVar("Resp", bound=Message)
+_MAX_REPLICATIONS = 16  # newcomers being handed records at once
+_MAX_REPLICATED_KEYS = 4096
 ContactCallback = Callable[[Contact], None]
 
 
@@ -62,8 +66,10 @@ class DhtConfig:
     """Bucket size and replication factor: records live on the k closest nodes."""
     alpha: int = 3
     """Queries in flight per lookup."""
-    get_quorum: int = 3
-    """A get may stop once it has records and this many of the closest nodes answered."""
+    get_quorum: int = 2
+    """A get may stop once it has records and this many of the closest nodes answered.
+    Records live on the k closest nodes and newcomers are handed theirs on arrival, so the
+    closest two hold every subkey unless both lost a store; 3 costs one more tail wait."""
     max_per_subnet: int = 2
     """Contacts per bucket from one /24 (IPv4) or /64 (IPv6)."""
     limit_private_subnets: bool = False
@@ -193,7 +199,9 @@ class _Lookup:
             return
         self.responded[contact.peer_id] = contact
         depth = self.depth[contact.peer_id]
-        for info in response.closest:
+        # An honest node sends at most k cards; checking more would let one response
+        # make us verify thousands of signatures.
+        for info in response.closest[: self.node.config.k]:
             card = self.node._card_from(info, source=contact)
             if card is not None:
                 self.offer(card, depth + 1)
@@ -206,10 +214,14 @@ class _Lookup:
                     try:
                         value = validate(record, now=now)
                     except Rejection as rejection:
+                        if rejection.code == "expired":
+                            continue  # clocks differ a little between honest nodes
                         rejection = rejection.from_peer(str(contact))
                         self.node.rejections.record(rejection, str(contact))
                         self.rejected.append(rejection)
-                        continue
+                        # Honest nodes store only valid records: one bad record marks
+                        # the whole answer as untrustworthy, and bounds the work it costs.
+                        break
                     self.merge(Entry(record.subkey, value, record.expiration, record))
                 if self.hops is None:
                     self.hops = depth
@@ -259,6 +271,7 @@ class DHTNode:
         self.card = sign_card(identity, endpoint)
         self._published: dict[tuple[str, str], Record] = {}
         self._verifying: set[bytes] = set()
+        self._replicating: set[bytes] = set()
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -576,8 +589,49 @@ class DHTNode:
 
     def _seen(self, contact: Contact) -> None:
         added = self.routing.add(contact, now=time.monotonic())
-        if added is Added.NEW and self._on_added is not None:
+        if added is not Added.NEW:
+            return
+        if self._on_added is not None:
             self._on_added(contact)
+        if len(self.storage) and len(self._replicating) < _MAX_REPLICATIONS:
+            self._replicating.add(contact.peer_id)
+            self._spawn(self._replicate_to(contact))
+
+    async def _replicate_to(self, newcomer: Contact) -> None:
+        """Hand a newcomer the records it is now one of the k closest nodes to (Kademlia
+        section 2.5), so that gets find them at once instead of after the next republish.
+
+        Only the node closest to a key (among those it knows) sends it, so a newcomer gets
+        each record about once. At most ``_MAX_REPLICATED_KEYS`` keys are considered per
+        newcomer; beyond that republishing alone moves records.
+        """
+        try:
+            records: list[Record] = []
+            for key in self.storage.keys()[:_MAX_REPLICATED_KEYS]:
+                target = key_id(key)
+                ours = distance(self.peer_id, target)
+                others = self.routing.closest(target, self.config.k, exclude=newcomer.peer_id)
+                if others and distance(others[0].peer_id, target) < ours:
+                    continue  # someone closer will send it
+                bound = (
+                    distance(others[-1].peer_id, target) if len(others) >= self.config.k else None
+                )
+                if bound is None or distance(newcomer.peer_id, target) < bound:
+                    records.extend(self.storage.get(key))
+            deadline = Deadline.after(self.config.lookup_timeout_s)
+            batch = self.config.max_records_per_request
+            for start in range(0, len(records), batch):
+                request = signed_store_request(
+                    self.identity,
+                    self.card,
+                    records[start : start + batch],
+                    timestamp_ms=int(self.clock() * 1000),
+                )
+                if await self._call(newcomer, self._transport.store, request, deadline) is None:
+                    return
+                self.stats["replicated"] += len(records[start : start + batch])
+        finally:
+            self._replicating.discard(newcomer.peer_id)
 
     def _failed(self, contact: Contact, why: str) -> None:
         self.stats["failed_calls"] += 1

@@ -70,6 +70,10 @@ class Storage:
     def __len__(self) -> int:
         return self._count
 
+    def keys(self) -> list[str]:
+        """The keys this node holds records under (expired ones may linger until swept)."""
+        return list(self._data)
+
     @property
     def bytes_used(self) -> int:
         return self._bytes
@@ -160,8 +164,8 @@ class Storage:
 
     def sweep(self, *, now: float | None = None) -> int:
         """Drop every expired record; return how many."""
-        now = self._clock() if now is None else now
-        self._last_sweep = now
+        self._last_sweep = self._clock()
+        now = self._last_sweep if now is None else now
         dropped = 0
         for key, subkeys in list(self._data.items()):
             for subkey, stored in list(subkeys.items()):
