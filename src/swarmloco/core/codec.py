@@ -29,7 +29,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -39,6 +39,7 @@ from swarmloco.errors import CodecError
 log = logging.getLogger(__name__)
 
 QMAX = 127
+R = TypeVar("R")
 ScaleDType = Literal["float32", "float16"]
 Backend = Literal["auto", "compiled", "eager"]
 _SCALE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
@@ -66,7 +67,7 @@ class CodecConfig:
             self.scale_dtype in _SCALE_DTYPES,
             f"scale_dtype must be one of {sorted(_SCALE_DTYPES)}, got {self.scale_dtype!r}",
         )
-        require_int("chunk_bytes", self.chunk_bytes, minimum=1024)
+        require_int("chunk_bytes", self.chunk_bytes, minimum=64)
         require(
             self.backend in ("auto", "compiled", "eager"),
             f"backend must be auto, compiled or eager, got {self.backend!r}",
@@ -134,10 +135,10 @@ class _Kernels:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._compiled: dict[str, Callable[..., object]] = {}
+        self._compiled: dict[str, Callable[..., Any]] = {}
         self._compile_failed: str | None = None
 
-    def get(self, name: str, eager: Callable[..., object], backend: Backend) -> Callable[..., object]:
+    def get(self, name: str, eager: Callable[..., R], backend: Backend) -> Callable[..., R]:
         if backend == "eager" or (backend == "auto" and self._compile_failed is not None):
             return eager
         with self._lock:
@@ -145,9 +146,9 @@ class _Kernels:
             if fn is None:
                 fn = torch.compile(eager, dynamic=True, fullgraph=True)
                 self._compiled[name] = fn
-        return fn
+        return fn  # type: ignore[no-any-return]
 
-    def run(self, name: str, eager: Callable[..., object], backend: Backend, *args: object) -> object:
+    def run(self, name: str, eager: Callable[..., R], backend: Backend, *args: object) -> R:
         fn = self.get(name, eager, backend)
         if fn is eager:
             return eager(*args)
@@ -205,7 +206,7 @@ def quantize(x: torch.Tensor, config: CodecConfig) -> tuple[torch.Tensor, torch.
     xb = _blocks(x, config.block_size, "input")
     q, scale = _KERNELS.run(
         "quantize", _quantize_kernel, config.backend, xb, config.scale_torch_dtype
-    )  # type: ignore[misc]
+    )
     _check_scales(scale, "input")
     return q.view(-1), scale
 
@@ -217,7 +218,7 @@ def dequantize(
     qb = _blocks(q, block_size, "payload")
     _check_decode_args(qb, scale)
     out = _KERNELS.run("dequantize", _dequantize_kernel, backend, qb, scale)
-    return out.view(-1)  # type: ignore[attr-defined]
+    return out.view(-1)
 
 
 def dequantize_accumulate_(

@@ -62,8 +62,10 @@ def require_int(name: str, value: object, *, minimum: int) -> None:
 
 
 def require_fraction(name: str, value: float, *, closed_high: bool = True) -> None:
-    ok = isinstance(value, (int, float)) and 0.0 <= value and (
-        value <= 1.0 if closed_high else value < 1.0
+    ok = (
+        isinstance(value, (int, float))
+        and value >= 0.0
+        and (value <= 1.0 if closed_high else value < 1.0)
     )
     bound = "[0, 1]" if closed_high else "[0, 1)"
     require(ok, f"{name} must be in {bound}, got {value!r}")

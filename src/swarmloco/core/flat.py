@@ -69,7 +69,9 @@ class FlatLayout:
         return flat[start:stop]
 
     @torch.no_grad()
-    def gather(self, params: Sequence[torch.Tensor], out: torch.Tensor, fragment: int | None = None) -> torch.Tensor:
+    def gather(
+        self, params: Sequence[torch.Tensor], out: torch.Tensor, fragment: int | None = None
+    ) -> torch.Tensor:
         """Copy parameters (in layout order of ``slots``) into ``out`` (fp32, CPU)."""
         for slot, p in zip(self.slots, params, strict=True):
             if fragment is None or slot.fragment == fragment:
@@ -77,7 +79,9 @@ class FlatLayout:
         return out
 
     @torch.no_grad()
-    def scatter(self, flat: torch.Tensor, params: Sequence[torch.Tensor], fragment: int | None = None) -> None:
+    def scatter(
+        self, flat: torch.Tensor, params: Sequence[torch.Tensor], fragment: int | None = None
+    ) -> None:
         """Copy the flat vector's values into the parameters (any device and dtype)."""
         for slot, p in zip(self.slots, params, strict=True):
             if fragment is None or slot.fragment == fragment:
@@ -94,5 +98,9 @@ class FlatLayout:
         """``p <- lerp(flat, p, weight)``: 0 takes the flat (global) value, 1 keeps ``p``."""
         for slot, p in zip(self.slots, params, strict=True):
             if fragment is None or slot.fragment == fragment:
-                g = flat[slot.start : slot.start + slot.numel].view(slot.shape).to(p.device, p.dtype)
+                g = (
+                    flat[slot.start : slot.start + slot.numel]
+                    .view(slot.shape)
+                    .to(p.device, p.dtype)
+                )
                 p.copy_(torch.lerp(g, p, weight))

@@ -26,7 +26,7 @@ from swarmloco.errors import ManifestError
 FORMAT_VERSION = 1
 SWARM_ID_BYTES = 20
 MAX_MANIFEST_BYTES = 64 * 1024
-_SWARM_ID_RE = re.compile(r"^[0-9a-f]{%d}$" % (2 * SWARM_ID_BYTES))
+_SWARM_ID_RE = re.compile(rf"^[0-9a-f]{{{2 * SWARM_ID_BYTES}}}$")
 _MAX_DEPTH = 8
 
 JsonValue = Any  # None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]

@@ -96,9 +96,9 @@ def _text_files(root: Path, suffixes: tuple[str, ...]) -> list[tuple[str, Path]]
     return files
 
 
-def _load_text(roots: list[Path], suffixes: tuple[str, ...], val_fraction: float) -> tuple[
-    TokenStore, TokenStore, str
-]:
+def _load_text(
+    roots: list[Path], suffixes: tuple[str, ...], val_fraction: float
+) -> tuple[TokenStore, TokenStore, str]:
     train_parts: list[bytes] = []
     val_parts: list[bytes] = []
     skipped = 0
@@ -141,7 +141,9 @@ def _load_token_file(path: Path, token_dtype: str) -> np.ndarray:
     except (ValueError, OSError) as exc:
         raise DataError(f"cannot read token file {path}: {exc}") from exc
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise DataError(f"token file {path} must hold a 1-D integer array, got {arr.dtype} {arr.shape}")
+        raise DataError(
+            f"token file {path} must hold a 1-D integer array, got {arr.dtype} {arr.shape}"
+        )
     return arr
 
 
@@ -152,7 +154,9 @@ def load_tokens(spec: DataSpec, vocab_size: int) -> TokenData:
         train, val, desc = _load_text([root], (".py",), spec.val_fraction)
         desc = f"Python {sysconfig.get_python_version()} standard library: {desc}"
     elif spec.source == "text":
-        train, val, desc = _load_text([Path(p) for p in spec.paths], spec.suffixes, spec.val_fraction)
+        train, val, desc = _load_text(
+            [Path(p) for p in spec.paths], spec.suffixes, spec.val_fraction
+        )
     else:
         trains, vals = [], []
         for p in spec.paths:

@@ -16,7 +16,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from swarmloco.core.config import require, require_fraction, require_int, require_non_negative, require_positive
+from swarmloco.core.config import (
+    require,
+    require_fraction,
+    require_int,
+    require_non_negative,
+    require_positive,
+)
 from swarmloco.core.schedules import warmup_cosine
 
 log = logging.getLogger(__name__)
@@ -66,8 +72,14 @@ class InnerConfig:
         require_non_negative("grad_clip", self.grad_clip)
         require_int("batch_size", self.batch_size, minimum=1)
         require_int("grad_accum", self.grad_accum, minimum=1)
-        require(self.precision in ("auto", "fp32", "bf16", "fp16"), f"unknown precision {self.precision!r}")
-        require(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
+        require(
+            self.precision in ("auto", "fp32", "bf16", "fp16"),
+            f"unknown precision {self.precision!r}",
+        )
+        require(
+            self.compile in ("auto", "on", "off"),
+            f"compile must be auto, on or off, got {self.compile!r}",
+        )
 
     def lr_at(self, step: int) -> float:
         return warmup_cosine(
@@ -110,7 +122,9 @@ class InnerLoop:
         )
         self.amp_dtype = resolve_precision(config.precision, device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
-        want_compile = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+        want_compile = config.compile == "on" or (
+            config.compile == "auto" and device.type == "cuda"
+        )
         self._forward: Callable[..., torch.Tensor] = (
             torch.compile(self.model) if want_compile else self.model  # type: ignore[assignment]
         )
@@ -153,7 +167,11 @@ class InnerLoop:
         return evaluate(self.model, windows, self.device, self.amp_dtype, batch_size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), "step": self.step}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -175,7 +193,9 @@ def evaluate(
     total, count = 0.0, 0
     for i in range(0, len(windows), batch_size):
         rows = windows[i : i + batch_size].to(device)
-        ctx = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+        ctx = (
+            torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+        )
         with ctx:
             loss = model(rows[:, :-1], rows[:, 1:])
         total += float(loss) * len(rows)

@@ -75,7 +75,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(b, t, vocab)``, or the mean cross-entropy if ``targets`` are given."""
-        b, t = idx.shape
+        t = idx.shape[1]
         if t > self.config.seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds seq_len {self.config.seq_len}")
         pos = torch.arange(t, device=idx.device)

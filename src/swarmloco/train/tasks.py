@@ -65,7 +65,12 @@ class RunConfig:
 
     @classmethod
     def from_manifest(cls, hparams: Mapping[str, Any]) -> RunConfig:
-        kinds = {"inner": InnerConfig, "outer": OuterConfig, "streaming": StreamingConfig, "codec": CodecConfig}
+        kinds = {
+            "inner": InnerConfig,
+            "outer": OuterConfig,
+            "streaming": StreamingConfig,
+            "codec": CodecConfig,
+        }
         values: dict[str, Any] = {}
         for key, value in hparams.items():
             values[key] = from_mapping(kinds[key], value) if key in kinds else value
@@ -146,10 +151,14 @@ def get_task(name: str) -> Task:
     raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(known)}")
 
 
-def resolve_model(task: Task, preset: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def resolve_model(
+    task: Task, preset: str, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     presets = task.presets()
     if preset not in presets:
-        raise ValueError(f"unknown preset {preset!r} for task {task.name}; presets: {', '.join(presets)}")
+        raise ValueError(
+            f"unknown preset {preset!r} for task {task.name}; presets: {', '.join(presets)}"
+        )
     model = dict(presets[preset])
     model.update(overrides or {})
     if task.name == GPTBytes.name:

@@ -1,0 +1,5 @@
+import sys
+
+from swarmloco.cli import main
+
+sys.exit(main())
