@@ -69,6 +69,28 @@ def quantiles(values: list[float]) -> dict[str, float]:
     }
 
 
+def summary(
+    name: str,
+    store_ms: list[float],
+    get_ms: list[float],
+    found: int,
+    first_start_s: float,
+    joining_start_s: list[float],
+    rss: float,
+) -> dict[str, Any]:
+    """The loopback figures of one system, under the keys the issue asks for."""
+    return {
+        f"{name}_get_ms_median": round(statistics.median(get_ms), 2),
+        f"{name}_get_ms": quantiles(get_ms),
+        f"{name}_store_ms_median": round(statistics.median(store_ms), 2),
+        f"{name}_store_ms": quantiles(store_ms),
+        f"{name}_get_success_rate": found / len(get_ms),
+        f"{name}_node_start_s": round(first_start_s, 4),
+        f"{name}_joining_node_start_s_median": round(statistics.median(joining_start_s), 4),
+        f"{name}_node_rss_mb": round(rss, 1),
+    }
+
+
 def machine() -> dict[str, Any]:
     cpu = ""
     with contextlib.suppress(OSError, StopIteration):
@@ -302,14 +324,8 @@ def swarmloco_loopback(nodes: int, operations: int, seed: int, get_quorum: int) 
             boot.terminate()
             boot.wait(timeout=10)
     return {
-        "swarmloco_get_ms_median": round(statistics.median(get_ms), 2),
-        "swarmloco_get_ms": quantiles(get_ms),
-        "swarmloco_store_ms_median": round(statistics.median(store_ms), 2),
-        "swarmloco_get_success_rate": ok / operations,
-        "swarmloco_node_start_s": round(first_start, 4),
-        "swarmloco_joining_node_start_s_median": round(statistics.median(starts), 4),
+        **summary("swarmloco", store_ms, get_ms, ok, first_start, starts, boot_rss),
         "swarmloco_bootstrap_process_ready_s": round(ready_s, 3),
-        "swarmloco_node_rss_mb": round(boot_rss, 1),
         "swarmloco_bootstrap_imports_torch": "torch" in maps,
         "swarmloco_worker_rss_mb_median": round(statistics.median(worker_rss), 1),
     }
@@ -359,13 +375,7 @@ def hivemind_loopback(nodes: int, operations: int, seed: int) -> dict[str, Any]:
     return {
         "hivemind_available": True,
         "hivemind_version": hivemind.__version__,
-        "hivemind_get_ms_median": round(statistics.median(get_ms), 2),
-        "hivemind_get_ms": quantiles(get_ms),
-        "hivemind_store_ms_median": round(statistics.median(store_ms), 2),
-        "hivemind_get_success_rate": ok / operations,
-        "hivemind_node_start_s": round(first_start, 4),
-        "hivemind_joining_node_start_s_median": round(statistics.median(starts), 4),
-        "hivemind_node_rss_mb": round(rss, 1),
+        **summary("hivemind", store_ms, get_ms, ok, first_start, starts, rss),
     }
 
 

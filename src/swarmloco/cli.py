@@ -73,6 +73,24 @@ def _add_peer_option(parser: argparse.ArgumentParser, *, required: bool) -> None
     )
 
 
+def _add_data_dir_option(parser: argparse.ArgumentParser, role: str, what: str) -> None:
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=DATA_ROOT / role,
+        help=f"{what} (default: %(default)s; two processes on one machine need two)",
+    )
+
+
+def _training_not_available(command: str, flag: str, instead: str) -> int:
+    print(
+        f"swarmloco {command}: error: training from the command line is not available yet in "
+        f"this version; run with {flag} to {instead}",
+        file=sys.stderr,
+    )
+    return 2
+
+
 # -- peer layer ---------------------------------------------------------------------------
 
 
@@ -90,8 +108,7 @@ def _bootstrap_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
             "restarts. Stop it with Ctrl-C or SIGTERM."
         ),
         epilog=(
-            "example: swarmloco bootstrap --host 0.0.0.0 --port 31337 "
-            "--announce-host 203.0.113.7"
+            "example: swarmloco bootstrap --host 0.0.0.0 --port 31337 --announce-host 203.0.113.7"
         ),
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
@@ -107,12 +124,7 @@ def _bootstrap_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="host other peers should dial (default: the bound host; when bound to every "
         "interface, this machine's address on its default route)",
     )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=DATA_ROOT / "bootstrap",
-        help="where the node keeps its key (default: %(default)s)",
-    )
+    _add_data_dir_option(parser, "bootstrap", "where the node keeps its key")
     parser.add_argument(
         "--peer",
         dest="peers",
@@ -187,12 +199,8 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--name", default="", help="a human label for dashboards (optional)")
     _add_peer_option(parser, required=False)
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=DATA_ROOT / "peer",
-        help="where this peer keeps its key; the key's public half is the swarm's creator "
-        "(default: %(default)s)",
+    _add_data_dir_option(
+        parser, "peer", "where this peer keeps its key; its public half is the swarm's creator"
     )
     parser.add_argument(
         "--no-train", action="store_true", help="only publish the manifest, then exit"
@@ -202,12 +210,9 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _create(args: argparse.Namespace) -> int:
     if not args.no_train:
-        print(
-            "swarmloco create: error: training from the command line is not available yet in "
-            "this version; run with --no-train to create the swarm and publish its manifest",
-            file=sys.stderr,
+        return _training_not_available(
+            "create", "--no-train", "create the swarm and publish its manifest"
         )
-        return 2
     if not args.peers:
         raise ValueError("--no-train publishes the manifest through a peer: pass --peer HOST:PORT")
     from swarmloco.net.identity import Identity
@@ -248,12 +253,7 @@ def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     parser.add_argument("swarm_id", metavar="SWARM_ID", help="the id printed by `swarmloco create`")
     _add_peer_option(parser, required=True)
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=DATA_ROOT / "peer",
-        help="where this peer keeps its key and checkpoints (default: %(default)s)",
-    )
+    _add_data_dir_option(parser, "peer", "where this peer keeps its key and checkpoints")
     parser.add_argument(
         "--dry-run", action="store_true", help="fetch, verify and print the manifest, then exit"
     )
@@ -266,12 +266,7 @@ def _join(args: argparse.Namespace) -> int:
 
     swarm_id = check_swarm_id(args.swarm_id)
     if not args.dry_run:
-        print(
-            "swarmloco join: error: training from the command line is not available yet in "
-            "this version; run with --dry-run to fetch and verify the swarm's manifest",
-            file=sys.stderr,
-        )
-        return 2
+        return _training_not_available("join", "--dry-run", "fetch and verify the swarm's manifest")
 
     async def fetch() -> str:
         from swarmloco.net.node import NetNode, NodeConfig

@@ -8,9 +8,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
+from swarmloco.net.client import RpcClient
+from swarmloco.net.dht.node import DHTNode
+from swarmloco.net.dht.transport import DhtServicer, DhtTransport, GrpcDhtTransport
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import Int, RecordKind, Str, Struct, register
+from swarmloco.net.server import PeerServer, ServerConfig
 
 SWARM = "ab" * 20
 
@@ -48,6 +52,19 @@ async def loopback_network(size: int, **config: object) -> AsyncIterator[list[Ne
             )
             nodes.append(await stack.enter_async_context(node))
         yield nodes
+
+
+@asynccontextmanager
+async def serving(make: Callable[[DhtTransport], DHTNode]) -> AsyncIterator[DHTNode]:
+    """A DHT node built by ``make`` (an honest or a misbehaving one), served on loopback."""
+    async with RpcClient() as client:
+        node = make(GrpcDhtTransport(client))
+        async with PeerServer(
+            ServerConfig(), [DhtServicer(node, node.rejections).service()]
+        ) as server:
+            node.set_endpoint(f"127.0.0.1:{server.port}")
+            async with node:
+                yield node
 
 
 def closed_port() -> int:

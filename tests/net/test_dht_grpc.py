@@ -4,10 +4,11 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from functools import partial
 
 import msgpack
 import pytest
-from netutil import SWARM, closed_port, counter_key, loopback_network
+from netutil import SWARM, closed_port, counter_key, loopback_network, serving
 
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import ManifestError, NetworkError
@@ -15,12 +16,12 @@ from swarmloco.net.client import RpcClient, RpcError
 from swarmloco.net.dht.contact import sign_card
 from swarmloco.net.dht.node import DhtConfig, DHTNode
 from swarmloco.net.dht.storage import StorageConfig
-from swarmloco.net.dht.transport import STORE, DhtServicer, GrpcDhtTransport
+from swarmloco.net.dht.transport import STORE
 from swarmloco.net.dht.wire import record_to_proto, signed_store_request
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import Record, make_record, peers_key, sign
-from swarmloco.net.server import PeerServer, ServerConfig
+from swarmloco.net.server import ServerConfig
 from swarmloco.net.swarm import announce_peer, fetch_manifest, find_peers, publish_manifest
 
 PEER = {"endpoint": "127.0.0.1:5000", "role": "trainer", "version": "0.1.0", "public": True}
@@ -214,27 +215,19 @@ class RogueNode(DHTNode):
 
 async def test_a_manifest_whose_hash_differs_is_refused_with_both_ids():
     wanted, impostor = manifest(name="wanted"), manifest(name="impostor")
-    async with RpcClient() as rogue_client:
-        rogue = RogueNode(
-            impostor, identity=Identity.generate(), transport=GrpcDhtTransport(rogue_client)
-        )
-        async with PeerServer(
-            ServerConfig(), [DhtServicer(rogue, rogue.rejections).service()]
-        ) as server:
-            rogue.set_endpoint(f"127.0.0.1:{server.port}")
-            async with rogue:
-                config = NodeConfig(server=None, peers=(rogue.endpoint,))
-                async with NetNode(identity=Identity.generate(), config=config) as reader:
-                    with pytest.raises(ManifestError) as info:
-                        await fetch_manifest(reader.dht, wanted.swarm_id)
-                    assert reader.dht.rejections.counts["manifest-mismatch"] == 1
-                # With the genuine manifest in the network too, the reader gets it.
-                async with loopback_network(3) as honest:
-                    await publish_manifest(honest[0].dht, wanted)
-                    config = NodeConfig(server=None, peers=(rogue.endpoint, honest[1].endpoint))
-                    async with NetNode(identity=Identity.generate(), config=config) as reader:
-                        await reader.dht.join([honest[1].endpoint])
-                        assert await fetch_manifest(reader.dht, wanted.swarm_id) == wanted
+    rogue_node = partial(RogueNode, impostor, identity=Identity.generate())
+    async with serving(lambda transport: rogue_node(transport=transport)) as rogue:
+        config = NodeConfig(server=None, peers=(rogue.endpoint,))
+        async with NetNode(identity=Identity.generate(), config=config) as reader:
+            with pytest.raises(ManifestError) as info:
+                await fetch_manifest(reader.dht, wanted.swarm_id)
+            assert reader.dht.rejections.counts["manifest-mismatch"] == 1
+        # With the genuine manifest in the network too, the reader gets it.
+        async with loopback_network(3) as honest:
+            await publish_manifest(honest[0].dht, wanted)
+            config = NodeConfig(server=None, peers=(rogue.endpoint, honest[1].endpoint))
+            async with NetNode(identity=Identity.generate(), config=config) as reader:
+                assert await fetch_manifest(reader.dht, wanted.swarm_id) == wanted
     message = str(info.value)
     assert f"hashes to {impostor.swarm_id}, not to the swarm id {wanted.swarm_id}" in message
 
@@ -262,18 +255,12 @@ class FloodingNode(DHTNode):
 
 
 async def test_an_answer_full_of_forgeries_costs_the_reader_one_check():
-    async with RpcClient() as flood_client:
-        flooder = FloodingNode(
-            identity=Identity.generate(), transport=GrpcDhtTransport(flood_client)
-        )
-        async with PeerServer(
-            ServerConfig(), [DhtServicer(flooder, flooder.rejections).service()]
-        ) as server:
-            flooder.set_endpoint(f"127.0.0.1:{server.port}")
-            async with flooder:
-                config = NodeConfig(server=None, peers=(flooder.endpoint,))
-                async with NetNode(identity=Identity.generate(), config=config) as reader:
-                    result = await reader.dht.get(peers_key(SWARM))
+    async with serving(
+        lambda t: FloodingNode(identity=Identity.generate(), transport=t)
+    ) as flooder:
+        config = NodeConfig(server=None, peers=(flooder.endpoint,))
+        async with NetNode(identity=Identity.generate(), config=config) as reader:
+            result = await reader.dht.get(peers_key(SWARM))
     assert result.entries == {}
     assert len(result.rejected) == 1 and result.rejected[0].code == "bad-signature"
     assert reader.dht.rejections.total == 1

@@ -80,52 +80,36 @@ class MemoryTransport:
         self._network = network
         self.host = parse_endpoint(endpoint)[0]
 
+    async def _send(
+        self, endpoint: str, request: Message, answer: type[Resp], handler: str, deadline: Deadline
+    ) -> Resp:
+        def handle(node: DhtHandler, message: Message, host: str) -> Awaitable[Message]:
+            return getattr(node, handler)(message, host)  # type: ignore[no-any-return]
+
+        return await self._network.deliver(self.host, endpoint, request, answer, handle, deadline)
+
     async def ping(
         self, endpoint: str, request: pb.PingRequest, deadline: Deadline
     ) -> pb.PingResponse:
-        return await self._network.deliver(
-            self.host,
-            endpoint,
-            request,
-            pb.PingResponse,
-            lambda h, r, host: h.handle_ping(r, host),  # type: ignore[arg-type]
-            deadline,
-        )
+        return await self._send(endpoint, request, pb.PingResponse, "handle_ping", deadline)
 
     async def find_node(
         self, endpoint: str, request: pb.FindNodeRequest, deadline: Deadline
     ) -> pb.FindNodeResponse:
-        return await self._network.deliver(
-            self.host,
-            endpoint,
-            request,
-            pb.FindNodeResponse,
-            lambda h, r, host: h.handle_find_node(r, host),  # type: ignore[arg-type]
-            deadline,
+        return await self._send(
+            endpoint, request, pb.FindNodeResponse, "handle_find_node", deadline
         )
 
     async def store(
         self, endpoint: str, request: pb.StoreRequest, deadline: Deadline
     ) -> pb.StoreResponse:
-        return await self._network.deliver(
-            self.host,
-            endpoint,
-            request,
-            pb.StoreResponse,
-            lambda h, r, host: h.handle_store(r, host),  # type: ignore[arg-type]
-            deadline,
-        )
+        return await self._send(endpoint, request, pb.StoreResponse, "handle_store", deadline)
 
     async def find_value(
         self, endpoint: str, request: pb.FindValueRequest, deadline: Deadline
     ) -> pb.FindValueResponse:
-        return await self._network.deliver(
-            self.host,
-            endpoint,
-            request,
-            pb.FindValueResponse,
-            lambda h, r, host: h.handle_find_value(r, host),  # type: ignore[arg-type]
-            deadline,
+        return await self._send(
+            endpoint, request, pb.FindValueResponse, "handle_find_value", deadline
         )
 
 

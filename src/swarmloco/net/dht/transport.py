@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from swarmloco.net.client import Method, RpcClient
 from swarmloco.net.deadline import Deadline
@@ -21,6 +22,8 @@ from swarmloco.net.server import Service, unary_service
 from swarmloco.proto.v1 import dht_pb2 as pb
 
 T = TypeVar("T")
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
 
 SERVICE_NAME = "swarmloco.v1.Dht"
 PING = Method(f"/{SERVICE_NAME}/Ping", pb.PingRequest, pb.PingResponse)
@@ -79,33 +82,32 @@ class GrpcDhtTransport:
         self._client = client
         self._attempts = attempts
 
+    async def _send(
+        self, endpoint: str, method: Method[Req, Resp], request: Req, deadline: Deadline
+    ) -> Resp:
+        return await self._client.call(
+            endpoint, method, request, timeout=deadline, attempts=self._attempts
+        )
+
     async def ping(
         self, endpoint: str, request: pb.PingRequest, deadline: Deadline
     ) -> pb.PingResponse:
-        return await self._client.call(
-            endpoint, PING, request, timeout=deadline, attempts=self._attempts
-        )
+        return await self._send(endpoint, PING, request, deadline)
 
     async def find_node(
         self, endpoint: str, request: pb.FindNodeRequest, deadline: Deadline
     ) -> pb.FindNodeResponse:
-        return await self._client.call(
-            endpoint, FIND_NODE, request, timeout=deadline, attempts=self._attempts
-        )
+        return await self._send(endpoint, FIND_NODE, request, deadline)
 
     async def store(
         self, endpoint: str, request: pb.StoreRequest, deadline: Deadline
     ) -> pb.StoreResponse:
-        return await self._client.call(
-            endpoint, STORE, request, timeout=deadline, attempts=self._attempts
-        )
+        return await self._send(endpoint, STORE, request, deadline)
 
     async def find_value(
         self, endpoint: str, request: pb.FindValueRequest, deadline: Deadline
     ) -> pb.FindValueResponse:
-        return await self._client.call(
-            endpoint, FIND_VALUE, request, timeout=deadline, attempts=self._attempts
-        )
+        return await self._send(endpoint, FIND_VALUE, request, deadline)
 
 
 class DhtServicer:
