@@ -161,6 +161,7 @@ class _Lookup:
         self.entries: dict[str, Entry] = {}
         self.rejected: list[Rejection] = []
         self.hops: int | None = None
+        self.stalled = False
 
     def offer(self, contact: Contact, depth: int) -> None:
         if contact.peer_id == self.target and self.hops is None:
@@ -171,6 +172,16 @@ class _Lookup:
             return
         self.candidates[contact.peer_id] = contact
         self.depth[contact.peer_id] = depth
+
+    def _best_distance(self) -> int:
+        return min(
+            (
+                int.from_bytes(i, "big") ^ self._target_int
+                for i in self.candidates
+                if i not in self.failed
+            ),
+            default=1 << 160,
+        )
 
     def ranked(self) -> list[Contact]:
         live = [c for i, c in self.candidates.items() if i not in self.failed]
@@ -199,12 +210,16 @@ class _Lookup:
             return
         self.responded[contact.peer_id] = contact
         depth = self.depth[contact.peer_id]
+        best = self._best_distance()
         # An honest node sends at most k cards; checking more would let one response
         # make us verify thousands of signatures.
         for info in response.closest[: self.node.config.k]:
             card = self.node._card_from(info, source=contact)
             if card is not None:
                 self.offer(card, depth + 1)
+        # Kademlia: when an answer brings nobody closer than the closest already seen, ask
+        # all of the k closest not yet asked at once instead of alpha at a time.
+        self.stalled = self._best_distance() >= best
         if isinstance(response, pb.FindValueResponse):
             now = self.node.clock()
             for message in response.records:
@@ -490,7 +505,8 @@ class DHTNode:
                 within = (
                     self.config.get_quorum if value_lookup and lookup.entries else self.config.k
                 )
-                while len(inflight) < self.config.alpha:
+                parallel = self.config.k if lookup.stalled else self.config.alpha
+                while len(inflight) < parallel:
                     candidate = lookup.next_to_query(within)
                     if candidate is None:
                         break
