@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import platform
 import random
 import re
 import statistics
@@ -91,24 +89,17 @@ def summary(
     }
 
 
-def machine() -> dict[str, Any]:
-    cpu = ""
-    with contextlib.suppress(OSError, StopIteration):
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+def machine_info() -> dict[str, Any]:
+    """The shared description of the machine, plus what matters to a network benchmark."""
     import grpc
+    from _bench_common import machine
 
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
+        **machine(),
         "mem_gb": round(mem_gb, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
         "grpcio": grpc.__version__,
+        # Other work on the machine inflates every latency below (both systems alike).
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
 
@@ -402,7 +393,7 @@ def main() -> int:
         return 0
     result: dict[str, Any] = {
         "benchmark": "dht",
-        "machine": machine(),
+        "machine": machine_info(),
         "settings": {
             "k": 20,
             "alpha": 3,
