@@ -418,6 +418,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data streams")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's choice, usually one per core)",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the summary here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_data_options(p)
@@ -452,10 +458,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
     run = dataclasses.replace(
         run, inner=inner, streaming=streaming, outer=outer, codec=codec, seed=args.seed
     )
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = args.device
     if device == "auto":
-        import torch
-
         device = "cuda" if torch.cuda.is_available() else "cpu"
     sim = SimulationConfig(
         workers=args.workers,
