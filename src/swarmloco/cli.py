@@ -7,13 +7,17 @@ Modules that import torch are imported inside the command that needs them, so th
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 from swarmloco import __version__
 from swarmloco.errors import SwarmlocoError
 
+T = TypeVar("T")
 Handler = Callable[[argparse.Namespace], int]
 Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
@@ -35,6 +39,246 @@ def _setup_logging(verbosity: int) -> None:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on the application's one event loop (uvloop when it is installed)."""
+    try:
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
+
+
+DATA_ROOT = Path.home() / ".swarmloco"
+
+_PEER_HELP = (
+    "HOST:PORT of a peer or `swarmloco bootstrap` node of the network to join through; "
+    "repeat for more (the first that answers is used)"
+)
+
+
+def _add_peer_option(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument(
+        "--peer",
+        dest="peers",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        required=required,
+        help=_PEER_HELP,
+    )
+
+
+def _add_data_dir_option(parser: argparse.ArgumentParser, role: str, what: str) -> None:
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=DATA_ROOT / role,
+        help=f"{what} (default: %(default)s; two processes on one machine need two)",
+    )
+
+
+def _training_not_available(command: str, flag: str, instead: str) -> int:
+    print(
+        f"swarmloco {command}: error: training from the command line is not available yet in "
+        f"this version; run with {flag} to {instead}",
+        file=sys.stderr,
+    )
+    return 2
+
+
+# -- peer layer ---------------------------------------------------------------------------
+
+
+@command
+def _bootstrap_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "bootstrap",
+        help="run a DHT-only node that peers of public runs join through (no training)",
+        description=(
+            "Run a DHT-only node: peers of any swarm can join the network through it, find "
+            "each other and publish their records. It trains nothing and never imports torch. "
+            "Once it serves it prints one line with the HOST:PORT to give to peers "
+            "(`swarmloco create/join --peer HOST:PORT`), then logs peers joining and leaving. "
+            "Its identity (an Ed25519 key) is kept in --data-dir, so its peer id survives "
+            "restarts. Stop it with Ctrl-C or SIGTERM."
+        ),
+        epilog=(
+            "example: swarmloco bootstrap --host 0.0.0.0 --port 31337 --announce-host 203.0.113.7"
+        ),
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=31337,
+        help="port to bind; 0 picks a free one (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--announce-host",
+        default=None,
+        help="host other peers should dial (default: the bound host; when bound to every "
+        "interface, this machine's address on its default route)",
+    )
+    _add_data_dir_option(parser, "bootstrap", "where the node keeps its key")
+    parser.add_argument(
+        "--peer",
+        dest="peers",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="another bootstrap node to connect to (optional; repeatable)",
+    )
+    parser.add_argument(
+        "--liveness-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="ping peers not heard from for this long; those that fail are logged as gone "
+        "(default: %(default)s)",
+    )
+    parser.set_defaults(handler=_bootstrap)
+
+
+def _bootstrap(args: argparse.Namespace) -> int:
+    from swarmloco.net.bootstrap import BootstrapConfig, serve_bootstrap
+    from swarmloco.net.identity import Identity
+
+    config = BootstrapConfig(
+        data_dir=args.data_dir,
+        host=args.host,
+        port=args.port,
+        announce_host=args.announce_host,
+        peers=tuple(args.peers),
+        liveness_interval_s=args.liveness_interval,
+    )
+
+    def ready(endpoint: str, identity: Identity) -> None:
+        print(
+            f"swarmloco bootstrap: serving on {endpoint} as peer {identity.peer_id_hex}",
+            flush=True,
+        )
+
+    async def serve() -> None:
+        import signal
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await serve_bootstrap(config, stop=stop, ready=ready)
+
+    run_async(serve())
+    return 0
+
+
+@command
+def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "create",
+        help="create a swarm: build its manifest, print its id, publish it",
+        description=(
+            "Create a new swarm (a training run). The manifest (task, model, data, "
+            "hyperparameters, your public key) is built from --task and --preset; its hash is "
+            "the swarm id, printed alone on one line of stdout. With --no-train the manifest "
+            "is published to the DHT through --peer and the command exits; others join with "
+            "`swarmloco join SWARM_ID --peer HOST:PORT`."
+        ),
+        epilog=(
+            "example: swarmloco create --task gpt-bytes --preset tiny "
+            "--peer 127.0.0.1:31337 --no-train"
+        ),
+    )
+    parser.add_argument("--task", default="gpt-bytes", help="task to train (default: %(default)s)")
+    parser.add_argument(
+        "--preset", default="tiny", help="model size preset of the task (default: %(default)s)"
+    )
+    parser.add_argument("--name", default="", help="a human label for dashboards (optional)")
+    _add_peer_option(parser, required=False)
+    _add_data_dir_option(
+        parser, "peer", "where this peer keeps its key; its public half is the swarm's creator"
+    )
+    parser.add_argument(
+        "--no-train", action="store_true", help="only publish the manifest, then exit"
+    )
+    parser.set_defaults(handler=_create)
+
+
+def _create(args: argparse.Namespace) -> int:
+    if not args.no_train:
+        return _training_not_available(
+            "create", "--no-train", "create the swarm and publish its manifest"
+        )
+    if not args.peers:
+        raise ValueError("--no-train publishes the manifest through a peer: pass --peer HOST:PORT")
+    from swarmloco.net.identity import Identity
+    from swarmloco.train.tasks import build_manifest  # imports torch
+
+    identity = Identity.load_or_create(args.data_dir)
+    manifest = build_manifest(
+        args.task, args.preset, creator=identity.public_key.hex(), name=args.name
+    )
+
+    async def publish() -> int:
+        from swarmloco.net.node import NetNode, NodeConfig
+        from swarmloco.net.swarm import publish_manifest
+
+        config = NodeConfig(server=None, peers=tuple(args.peers))
+        async with NetNode(identity=identity, config=config) as node:
+            return await publish_manifest(node.dht, manifest)
+
+    stored = run_async(publish())
+    print(manifest.swarm_id, flush=True)
+    logging.getLogger("swarmloco.create").info(
+        "published the manifest of swarm %s on %d DHT nodes", manifest.swarm_id, stored
+    )
+    return 0
+
+
+@command
+def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "join",
+        help="join a swarm by its id (for now: --dry-run checks and prints its manifest)",
+        description=(
+            "Join the swarm SWARM_ID through --peer. The manifest is fetched from the DHT and "
+            "its hash checked against the id: a manifest that hashes to anything else is "
+            "refused. With --dry-run the verified manifest is printed and the command exits."
+        ),
+        epilog="example: swarmloco join 3f2a...9c1d --peer 127.0.0.1:31337 --dry-run",
+    )
+    parser.add_argument("swarm_id", metavar="SWARM_ID", help="the id printed by `swarmloco create`")
+    _add_peer_option(parser, required=True)
+    _add_data_dir_option(parser, "peer", "where this peer keeps its key and checkpoints")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="fetch, verify and print the manifest, then exit"
+    )
+    parser.set_defaults(handler=_join)
+
+
+def _join(args: argparse.Namespace) -> int:
+    from swarmloco.core.manifest import check_swarm_id
+    from swarmloco.net.identity import Identity
+
+    swarm_id = check_swarm_id(args.swarm_id)
+    if not args.dry_run:
+        return _training_not_available("join", "--dry-run", "fetch and verify the swarm's manifest")
+
+    async def fetch() -> str:
+        from swarmloco.net.node import NetNode, NodeConfig
+        from swarmloco.net.swarm import fetch_manifest
+
+        # A dry run leaves nothing behind: a throwaway identity, no key file.
+        config = NodeConfig(server=None, peers=tuple(args.peers))
+        async with NetNode(identity=Identity.generate(), config=config) as node:
+            return (await fetch_manifest(node.dht, swarm_id)).describe()
+
+    print(run_async(fetch()), flush=True)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,222 @@
+"""The gRPC client every peer uses to call other peers: cached channels, a deadline on every
+call, bounded retries with exponential backoff and full jitter, and one clear error type.
+
+A call names its :class:`Method` (path and message types) and a deadline (seconds or a
+:class:`~swarmloco.net.deadline.Deadline`); there is no call without one. Only failures
+that mean "the request never reached a handler" (``UNAVAILABLE``) are retried, and only
+while both attempts and time are left. Everything else raises :class:`RpcError` at once.
+
+Fault injection (drop, delay, cut, corrupt, stall) plugs in as grpc.aio client
+interceptors passed to the constructor: they see every unary and streaming call of every
+channel this client opens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from swarmloco.core.config import require, require_int, require_positive
+from swarmloco.errors import NetworkError
+from swarmloco.net.deadline import Deadline
+
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method(Generic[Req, Resp]):
+    """One unary RPC: ``/package.Service/Name`` and its message types."""
+
+    path: str
+    request_type: type[Req]
+    response_type: type[Resp]
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+class RpcError(NetworkError):
+    """A call failed; ``code`` is the gRPC status (UNAVAILABLE when unreachable)."""
+
+    def __init__(self, message: str, *, endpoint: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    max_message_bytes: int = 8 * 1024 * 1024
+    """Largest message sent or received."""
+    max_channels: int = 512
+    """Channels kept open (least recently used ones are closed beyond this)."""
+    attempts: int = 3
+    """Attempts per call when the peer is unavailable (1 = no retry)."""
+    backoff_s: float = 0.05
+    """First retry waits up to this long (full jitter); each further one doubles it."""
+    max_backoff_s: float = 1.0
+    """Longest wait between attempts."""
+    keepalive_time_s: float = 30.0
+    """HTTP/2 keepalive ping interval on idle connections."""
+    keepalive_timeout_s: float = 10.0
+    """A connection whose keepalive ping is not acknowledged in this time is dead."""
+
+    def __post_init__(self) -> None:
+        require_int("max_message_bytes", self.max_message_bytes, minimum=1024)
+        require_int("max_channels", self.max_channels, minimum=1)
+        require_int("attempts", self.attempts, minimum=1)
+        require_positive("backoff_s", self.backoff_s)
+        require_positive("max_backoff_s", self.max_backoff_s)
+        require(self.max_backoff_s >= self.backoff_s, "max_backoff_s must be >= backoff_s")
+        require_positive("keepalive_time_s", self.keepalive_time_s)
+        require_positive("keepalive_timeout_s", self.keepalive_timeout_s)
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.http2.max_pings_without_data", 0),
+            # Reconnect to a restarted peer soon; gRPC's default first backoff is 1 s.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 5000),
+            # We retry ourselves, where the deadline is known.
+            ("grpc.enable_retries", 0),
+        ]
+
+
+class RpcClient:
+    """Calls to other peers. Use inside the application's event loop; close when done."""
+
+    def __init__(
+        self,
+        config: ClientConfig | None = None,
+        *,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config or ClientConfig()
+        self._interceptors = list(interceptors)
+        self._rng = rng or random.Random()
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._stubs: dict[tuple[str, str], Any] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> RpcClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def channel(self, endpoint: str) -> grpc.aio.Channel:
+        """The cached channel to ``endpoint`` (for streaming calls of other services)."""
+        channel = self._channels.get(endpoint)
+        if channel is not None:
+            self._channels.move_to_end(endpoint)
+            return channel
+        channel = grpc.aio.insecure_channel(
+            endpoint,
+            options=self.config.channel_options(),
+            interceptors=self._interceptors or None,
+        )
+        self._channels[endpoint] = channel
+        while len(self._channels) > self.config.max_channels:
+            gone, old = self._channels.popitem(last=False)
+            self._forget_stubs(gone)
+            # Closing is a coroutine; it runs beside us and close() waits for it.
+            task = asyncio.get_running_loop().create_task(old.close(grace=None))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        return channel
+
+    def _forget_stubs(self, endpoint: str) -> None:
+        for slot in [s for s in self._stubs if s[0] == endpoint]:
+            del self._stubs[slot]
+
+    def _stub(self, endpoint: str, method: Method[Req, Resp]) -> Any:
+        stub = self._stubs.get((endpoint, method.path))
+        if stub is None or endpoint not in self._channels:
+            stub = self.channel(endpoint).unary_unary(
+                method.path,
+                request_serializer=method.request_type.SerializeToString,
+                response_deserializer=method.response_type.FromString,
+            )
+            self._stubs[(endpoint, method.path)] = stub
+        else:
+            self._channels.move_to_end(endpoint)
+        return stub
+
+    async def forget(self, endpoint: str) -> None:
+        """Close the channel to ``endpoint`` (a peer known to be gone)."""
+        channel = self._channels.pop(endpoint, None)
+        self._forget_stubs(endpoint)
+        if channel is not None:
+            await channel.close(grace=None)
+
+    async def close(self) -> None:
+        channels = list(self._channels.values())
+        self._channels.clear()
+        self._stubs.clear()
+        for channel in channels:
+            await channel.close(grace=None)
+        if self._closing:
+            await asyncio.gather(*self._closing)
+
+    async def call(
+        self,
+        endpoint: str,
+        method: Method[Req, Resp],
+        request: Req,
+        *,
+        timeout: float | Deadline,
+        attempts: int | None = None,
+    ) -> Resp:
+        """Call ``method`` on ``endpoint`` and return its response.
+
+        ``timeout`` bounds the whole call, retries included. Raises :class:`RpcError`
+        (a NetworkError) naming the endpoint, the method and the gRPC status.
+        """
+        deadline = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
+        attempts = self.config.attempts if attempts is None else attempts
+        started = time.monotonic()
+        stub = self._stub(endpoint, method)
+        attempt = 0
+        while True:
+            attempt += 1
+            left = deadline.remaining()
+            if left <= 0:
+                raise RpcError(
+                    f"{method.name} to {endpoint}: no time left for attempt {attempt} "
+                    f"(deadline passed after {time.monotonic() - started:.2f}s)",
+                    endpoint=endpoint,
+                    code=grpc.StatusCode.DEADLINE_EXCEEDED,
+                )
+            try:
+                response: Resp = await stub(request, timeout=left)
+                return response
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                retry = code == grpc.StatusCode.UNAVAILABLE and attempt < attempts
+                if not retry:
+                    details = (exc.details() or "").strip()
+                    raise RpcError(
+                        f"{method.name} to {endpoint} failed: {code.name}: {details} "
+                        f"(attempt {attempt} of {attempts}, "
+                        f"{time.monotonic() - started:.2f}s)",
+                        endpoint=endpoint,
+                        code=code,
+                    ) from None
+            cap = min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1))
+            await asyncio.sleep(min(self._rng.uniform(0, cap), deadline.remaining()))

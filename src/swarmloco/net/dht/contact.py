@@ -1,0 +1,93 @@
+"""Contacts: a peer's self-signed card (id, public key, endpoint, start time).
+
+Every contact on the wire is a ``PeerInfo`` signed by the key it names, and the node id is
+derived from that key, so a peer can neither claim someone else's id nor point another
+peer's id at its own address. Verifying a card is cached: the same cards come back in
+almost every lookup response.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import msgpack
+
+from swarmloco.net.endpoints import parse_endpoint
+from swarmloco.net.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
+from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import dht_pb2 as pb
+
+_CARD_DOMAIN = b"swarmloco/v1/peer-info\x00"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Contact:
+    """A verified contact card. ``endpoint`` is empty for client-mode peers."""
+
+    peer_id: bytes
+    public_key: bytes
+    endpoint: str
+    started_at_ms: int
+    signature: bytes
+
+    @property
+    def host(self) -> str:
+        return parse_endpoint(self.endpoint)[0]
+
+    @property
+    def reachable(self) -> bool:
+        return bool(self.endpoint)
+
+    def to_proto(self) -> pb.PeerInfo:
+        return pb.PeerInfo(
+            public_key=self.public_key,
+            endpoint=self.endpoint,
+            started_at_ms=self.started_at_ms,
+            signature=self.signature,
+        )
+
+    def __str__(self) -> str:
+        return f"{self.peer_id.hex()[:12]}@{self.endpoint or 'client'}"
+
+
+def _card_payload(endpoint: str, started_at_ms: int) -> bytes:
+    return msgpack.packb([endpoint, started_at_ms])
+
+
+def sign_card(identity: Identity, endpoint: str, *, started_at_ms: int | None = None) -> Contact:
+    """This peer's own card (``started_at_ms`` defaults to now)."""
+    started = int(time.time() * 1000) if started_at_ms is None else started_at_ms
+    signature = identity.sign(_CARD_DOMAIN, _card_payload(endpoint, started))
+    return Contact(identity.peer_id, identity.public_key, endpoint, started, signature)
+
+
+@functools.lru_cache(maxsize=65536)
+def _checked_card(
+    public_key: bytes, endpoint: str, started_at_ms: int, signature: bytes
+) -> Contact | str:
+    # Cached whole: every lookup response repeats the same few dozen cards.
+    if endpoint:
+        try:
+            parse_endpoint(endpoint)
+        except ValueError:
+            return f"contact endpoint {endpoint[:80]!r} is not HOST:PORT"
+    if not verify(public_key, signature, _CARD_DOMAIN, _card_payload(endpoint, started_at_ms)):
+        return "contact card is not signed by the key it names"
+    return Contact(peer_id_of(public_key), public_key, endpoint, started_at_ms, signature)
+
+
+def contact_from_proto(info: pb.PeerInfo) -> Contact:
+    """Check a card from the network; Rejection when it is malformed or not self-signed."""
+    if len(info.endpoint) > 262 or len(info.public_key) != PUBLIC_KEY_BYTES:
+        raise Rejection("bad-contact", "contact card is malformed")
+    checked = _checked_card(info.public_key, info.endpoint, info.started_at_ms, info.signature)
+    if isinstance(checked, str):
+        raise Rejection("bad-contact", checked)
+    return checked
+
+
+def distance(a: bytes, b: bytes) -> int:
+    """Kademlia's XOR metric."""
+    return int.from_bytes(a, "big") ^ int.from_bytes(b, "big")

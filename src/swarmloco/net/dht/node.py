@@ -1,0 +1,746 @@
+"""A Kademlia DHT node: iterative parallel lookups, store, get, and the upkeep of its tables.
+
+The node is transport-agnostic: it sends through a :class:`DhtTransport` and answers as a
+:class:`DhtHandler`, so the same code runs over gRPC and over the in-memory network of
+simulations. It is an async context manager that owns a TaskGroup with its background
+work (bucket refresh, republishing its own records, pinging quiet contacts, dropping
+expired records); leaving the context cancels all of it.
+
+Lookups follow Kademlia: keep ``alpha`` queries in flight toward the target, always to
+the closest known node not yet asked, until the ``k`` closest known nodes have all
+answered or failed. A value lookup (``get``) also stops as soon as it holds records and
+the ``get_quorum`` closest nodes known have answered: records are stored at the k
+closest nodes, republished by their owners, and handed by the closest holder to any
+newcomer that becomes one of the k closest (Kademlia section 2.5), so the closest few
+nodes hold every subkey of a key.
+
+Everything a node receives is checked before it is used: contact cards must be signed by
+the key they name, store requests by their sender, records by their owner; each refusal
+is logged and counted once in ``rejections``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
+
+from swarmloco.core.config import require, require_int, require_positive
+from swarmloco.errors import NetworkError
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.dht.contact import Contact, contact_from_proto, distance, sign_card
+from swarmloco.net.dht.routing import Added, RoutingTable
+from swarmloco.net.dht.storage import Storage, StorageConfig
+from swarmloco.net.dht.transport import DhtTransport
+from swarmloco.net.dht.wire import (
+    check_store_request,
+    key_id,
+    record_from_proto,
+    record_to_proto,
+    signed_store_request,
+)
+from swarmloco.net.endpoints import format_endpoint
+from swarmloco.net.identity import PEER_ID_BYTES, Identity
+from swarmloco.net.records import MAX_KEY_CHARS, Record, kind_of, make_record, validate
+from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.proto.v1 import dht_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+Resp = TypeVar("Resp", bound=Message)
+_MAX_REPLICATIONS = 16  # newcomers being handed records at once
+_MAX_REPLICATED_KEYS = 4096
+ContactCallback = Callable[[Contact], None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DhtConfig:
+    k: int = 20
+    """Bucket size and replication factor: records live on the k closest nodes."""
+    alpha: int = 3
+    """Queries in flight per lookup."""
+    get_quorum: int = 2
+    """A get may stop once it has records and this many of the closest nodes answered.
+    Records live on the k closest nodes and newcomers are handed theirs on arrival, so the
+    closest two hold every subkey unless both lost a store; 3 costs one more tail wait."""
+    max_per_subnet: int = 2
+    """Contacts per bucket from one /24 (IPv4) or /64 (IPv6)."""
+    limit_private_subnets: bool = False
+    """Apply the subnet cap to loopback and private addresses too (simulations)."""
+    rpc_timeout_s: float = 2.0
+    """Longest wait for one DHT call."""
+    lookup_timeout_s: float = 8.0
+    """Longest one store or get may take, all its calls included."""
+    join_timeout_s: float = 5.0
+    """Longest wait for the initial peers to answer."""
+    refresh_interval_s: float = 600.0
+    """A bucket without a lookup for this long is refreshed with a lookup into it."""
+    republish_interval_s: float = 600.0
+    """How often a node re-stores its own records (they reach nodes that joined since)."""
+    liveness_interval_s: float = 120.0
+    """Contacts not heard from for this long are pinged and dropped if they fail."""
+    sweep_interval_s: float = 60.0
+    """How often expired records are dropped from storage."""
+    max_records_per_request: int = 64
+    """Most records in one store request."""
+    max_clock_skew_s: float = 600.0
+    """Store requests dated further from our clock are refused (replays)."""
+    storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
+
+    def __post_init__(self) -> None:
+        require_int("k", self.k, minimum=1)
+        require_int("alpha", self.alpha, minimum=1)
+        require_int("get_quorum", self.get_quorum, minimum=1)
+        require(self.get_quorum <= self.k, "get_quorum must be <= k")
+        require_int("max_per_subnet", self.max_per_subnet, minimum=1)
+        require_int("max_records_per_request", self.max_records_per_request, minimum=1)
+        for name in (
+            "rpc_timeout_s",
+            "lookup_timeout_s",
+            "join_timeout_s",
+            "refresh_interval_s",
+            "republish_interval_s",
+            "liveness_interval_s",
+            "sweep_interval_s",
+            "max_clock_skew_s",
+        ):
+            require_positive(name, getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One live subkey of a key, validated."""
+
+    subkey: str
+    value: Any
+    expiration: float
+    record: Record
+
+
+@dataclasses.dataclass
+class GetResult:
+    entries: dict[str, Entry]
+    """Live subkeys (the latest record of each)."""
+    rejected: list[Rejection]
+    """Records other nodes served that failed validation (with the peer)."""
+    responded: int
+    """Nodes that answered."""
+    hops: int | None
+    """Depth of the first answer that carried records (0 = our own storage, 1 = a node
+    we knew already)."""
+
+
+@dataclasses.dataclass
+class LookupResult:
+    closest: list[Contact]
+    """The nodes closest to the target that answered, closest first (at most k)."""
+    responded: int
+    hops: int | None
+    """For a node id: at which depth its card was first seen (0 = in our table)."""
+
+
+class _Lookup:
+    """The state of one iterative lookup (no I/O)."""
+
+    def __init__(self, node: DHTNode, target: bytes) -> None:
+        self.node = node
+        self.target = target
+        self._target_int = int.from_bytes(target, "big")
+        self.candidates: dict[bytes, Contact] = {}
+        self.depth: dict[bytes, int] = {}
+        self.queried: set[bytes] = set()
+        self.responded: dict[bytes, Contact] = {}
+        self.failed: set[bytes] = set()
+        self.entries: dict[str, Entry] = {}
+        self.rejected: list[Rejection] = []
+        self.hops: int | None = None
+        self.stalled = False
+
+    def offer(self, contact: Contact, depth: int) -> None:
+        if contact.peer_id == self.target and self.hops is None:
+            self.hops = depth - 1
+        if contact.peer_id in self.candidates or contact.peer_id == self.node.peer_id:
+            return
+        if not contact.reachable:
+            return
+        self.candidates[contact.peer_id] = contact
+        self.depth[contact.peer_id] = depth
+
+    def _best_distance(self) -> int:
+        return min(
+            (
+                int.from_bytes(i, "big") ^ self._target_int
+                for i in self.candidates
+                if i not in self.failed
+            ),
+            default=1 << 160,
+        )
+
+    def ranked(self) -> list[Contact]:
+        live = [c for i, c in self.candidates.items() if i not in self.failed]
+        live.sort(key=lambda c: int.from_bytes(c.peer_id, "big") ^ self._target_int)
+        return live[: self.node.config.k]
+
+    def next_to_query(self, within: int) -> Contact | None:
+        """The closest contact not asked yet among the ``within`` closest known."""
+        for contact in self.ranked()[:within]:
+            if contact.peer_id not in self.queried:
+                return contact
+        return None
+
+    def settled(self, quorum: int) -> bool:
+        """A get may stop: it holds records and the ``quorum`` closest known answered."""
+        if not self.entries:
+            return False
+        closest = self.ranked()[:quorum]
+        return all(c.peer_id in self.responded for c in closest)
+
+    def absorb(
+        self, contact: Contact, response: pb.FindNodeResponse | pb.FindValueResponse | None
+    ) -> None:
+        if response is None:
+            self.failed.add(contact.peer_id)
+            return
+        self.responded[contact.peer_id] = contact
+        depth = self.depth[contact.peer_id]
+        best = self._best_distance()
+        # An honest node sends at most k cards; checking more would let one response
+        # make us verify thousands of signatures.
+        for info in response.closest[: self.node.config.k]:
+            card = self.node._card_from(info, source=contact)
+            if card is not None:
+                self.offer(card, depth + 1)
+        # Kademlia: when an answer brings nobody closer than the closest already seen, ask
+        # all of the k closest not yet asked at once instead of alpha at a time.
+        self.stalled = self._best_distance() >= best
+        if isinstance(response, pb.FindValueResponse):
+            now = self.node.clock()
+            for message in response.records:
+                record = record_from_proto(message)
+                known = self.entries.get(record.subkey)
+                if known is None or known.record != record:  # else: checked already
+                    try:
+                        value = validate(record, now=now)
+                    except Rejection as rejection:
+                        if rejection.code == "expired":
+                            continue  # clocks differ a little between honest nodes
+                        rejection = rejection.from_peer(str(contact))
+                        self.node.rejections.record(rejection, str(contact))
+                        self.rejected.append(rejection)
+                        # Honest nodes store only valid records: one bad record marks
+                        # the whole answer as untrustworthy, and bounds the work it costs.
+                        break
+                    self.merge(Entry(record.subkey, value, record.expiration, record))
+                if self.hops is None:
+                    self.hops = depth
+
+    def merge(self, entry: Entry) -> None:
+        known = self.entries.get(entry.subkey)
+        if known is None or entry.expiration > known.expiration:
+            self.entries[entry.subkey] = entry
+
+    def closest_responded(self) -> list[Contact]:
+        t = self._target_int
+        found = sorted(self.responded.values(), key=lambda c: int.from_bytes(c.peer_id, "big") ^ t)
+        return found[: self.node.config.k]
+
+
+class DHTNode:
+    """One Kademlia node. Construct, then ``async with node: await node.join(peers)``."""
+
+    def __init__(
+        self,
+        *,
+        identity: Identity,
+        transport: DhtTransport,
+        config: DhtConfig | None = None,
+        endpoint: str = "",
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        on_contact_added: ContactCallback | None = None,
+        on_contact_removed: ContactCallback | None = None,
+    ) -> None:
+        self.identity = identity
+        self.config = config or DhtConfig()
+        self.clock = clock
+        self._transport = transport
+        self._rng = rng or random.Random()
+        self._on_added = on_contact_added
+        self._on_removed = on_contact_removed
+        self.routing = RoutingTable(
+            identity.peer_id,
+            k=self.config.k,
+            max_per_subnet=self.config.max_per_subnet,
+            limit_private_subnets=self.config.limit_private_subnets,
+        )
+        self.storage = Storage(self.config.storage, clock=clock)
+        self.rejections = RejectionLog(logger)
+        self.stats: Counter[str] = Counter()
+        self.card = sign_card(identity, endpoint)
+        self._published: dict[tuple[str, str], Record] = {}
+        self._verifying: set[bytes] = set()
+        self._replicating: set[bytes] = set()
+        self._group: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> bytes:
+        return self.identity.peer_id
+
+    @property
+    def endpoint(self) -> str:
+        return self.card.endpoint
+
+    def set_endpoint(self, endpoint: str) -> None:
+        """Announce ``endpoint`` from now on (a newly signed card)."""
+        self.card = sign_card(self.identity, endpoint)
+
+    async def __aenter__(self) -> DHTNode:
+        group = asyncio.TaskGroup()
+        await group.__aenter__()
+        self._group = group
+        cfg = self.config
+        self._spawn(self._every(cfg.refresh_interval_s / 4, self.refresh_buckets))
+        self._spawn(self._every(cfg.republish_interval_s, self.republish))
+        self._spawn(self._every(cfg.liveness_interval_s / 2, self.check_liveness))
+        self._spawn(self._every(cfg.sweep_interval_s, self._sweep))
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        group, self._group = self._group, None
+        assert group is not None
+        for task in list(self._tasks):
+            task.cancel()
+        # Tell the group only about a cancellation: it must see that to handle it, but any
+        # other error of the body would come back wrapped in an ExceptionGroup, and callers
+        # should get the NetworkError they can handle, not a group.
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            await group.__aexit__(exc_type, exc, tb)
+        else:
+            await group.__aexit__(None, None, None)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        if self._group is None:
+            work.close()
+            return
+        task = self._group.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _every(self, interval: float, work: Callable[[], Awaitable[object]]) -> None:
+        while True:
+            # Jitter so that the nodes of a simulation do not all wake together.
+            await asyncio.sleep(interval * self._rng.uniform(0.8, 1.2))
+            await work()
+
+    async def _sweep(self) -> None:
+        self.storage.sweep()
+
+    # -- joining -----------------------------------------------------------------------
+
+    async def join(
+        self,
+        peers: Sequence[str],
+        *,
+        timeout: float | None = None,
+        announce_port: int | None = None,
+    ) -> int:
+        """Enter the network through ``peers`` (HOST:PORT); return how many answered.
+
+        With ``announce_port``, the node learns its own host from how the first peer that
+        answers sees it and announces ``that-host:announce_port``. Raises NetworkError
+        naming every address and why it failed when none answers within the join timeout.
+        """
+        budget = timeout or self.config.join_timeout_s
+        deadline = Deadline.after(budget)
+        request = pb.PingRequest(sender=self.card.to_proto())
+        outcomes = await asyncio.gather(
+            *(self._ping_endpoint(ep, request, deadline) for ep in peers)
+        )
+        answered = [o for o in outcomes if isinstance(o, pb.PingResponse)]
+        if not answered:
+            reasons = "; ".join(str(why) for why in outcomes)
+            raise NetworkError(
+                f"cannot join the network: none of {', '.join(peers)} answered within "
+                f"{budget:g}s. Check the address, and that `swarmloco bootstrap` or a peer "
+                f"runs there and is reachable from this machine. Last errors: {reasons}"
+            )
+        if announce_port is not None and answered[0].observed_host:
+            self.set_endpoint(format_endpoint(answered[0].observed_host, announce_port))
+        # Looking ourselves up fills our buckets near us and tells those nodes about us.
+        await self.find_nodes(self.peer_id)
+        return len(answered)
+
+    async def _ping_endpoint(
+        self, endpoint: str, request: pb.PingRequest, deadline: Deadline
+    ) -> pb.PingResponse | str:
+        """Ping until it answers or the join deadline passes (it may still be starting)."""
+        pause = 0.1
+        while True:
+            call_deadline = Deadline.after(deadline.timeout(self.config.rpc_timeout_s))
+            try:
+                response = await self._transport.ping(endpoint, request, call_deadline)
+            except NetworkError as exc:
+                if deadline.remaining() <= pause:
+                    return str(exc)
+                await asyncio.sleep(pause * self._rng.uniform(0.5, 1.0))
+                pause = min(2 * pause, 1.0)
+                continue
+            contact = self._card_from(response.peer, source=None)
+            if contact is None:
+                return "its contact card is invalid"
+            self._seen(contact)
+            return response
+
+    # -- the public API ----------------------------------------------------------------
+
+    async def store(self, key: str, value: Any, *, ttl: float, subkey: str = "") -> int:
+        """Encode, sign (owned kinds) and store ``value`` under ``key`` for ``ttl`` seconds.
+
+        The node republishes it until it expires. Returns how many nodes (itself
+        included) stored it; ValueError when the value does not fit the key's schema.
+        """
+        require_positive("ttl", ttl)
+        try:
+            record = make_record(
+                key, value, expiration=self.clock() + ttl, owner=self.identity, subkey=subkey
+            )
+        except Rejection as rejection:
+            raise ValueError(rejection.reason) from None
+        return await self.store_record(record)
+
+    async def store_record(
+        self, record: Record, *, republish: bool = True, timeout: float | None = None
+    ) -> int:
+        """Store a ready (signed) record on the k closest nodes; return how many took it."""
+        try:
+            validate(record, now=self.clock())
+        except Rejection as rejection:
+            raise ValueError(f"refusing to publish an invalid record: {rejection.reason}") from None
+        if republish:
+            self._published[(record.key, record.subkey)] = record
+        deadline = Deadline.after(timeout or self.config.lookup_timeout_s)
+        target = key_id(record.key)
+        lookup = await self.find_nodes(target, deadline=deadline)
+        targets = lookup.closest
+        stored = 0
+        far = distance(targets[-1].peer_id, target) if len(targets) >= self.config.k else None
+        if self.card.reachable and (far is None or distance(self.peer_id, target) < far):
+            stored += self._put_local(record)
+        request = signed_store_request(
+            self.identity, self.card, [record], timestamp_ms=int(self.clock() * 1000)
+        )
+        answers = await asyncio.gather(
+            *(self._call(c, self._transport.store, request, deadline) for c in targets)
+        )
+        stored += sum(1 for a in answers if a is not None and a.results and a.results[0].stored)
+        self.stats["stores"] += 1
+        return stored
+
+    def _put_local(self, record: Record) -> int:
+        try:
+            return int(self.storage.put(record, sender=self.peer_id))
+        except Rejection as rejection:
+            logger.warning("own record not stored locally: %s", rejection.reason)
+            return 0
+
+    async def get(self, key: str, *, timeout: float | None = None) -> GetResult:
+        """All live subkeys of ``key`` from the nodes closest to it (and ourselves)."""
+        try:
+            kind_of(key)
+        except Rejection as rejection:
+            raise ValueError(rejection.reason) from None
+        deadline = Deadline.after(timeout or self.config.lookup_timeout_s)
+        lookup = _Lookup(self, key_id(key))
+        for record, value in self.storage.entries(key):
+            lookup.merge(Entry(record.subkey, value, record.expiration, record))
+            lookup.hops = 0
+        request = pb.FindValueRequest(sender=self.card.to_proto(), key=key)
+        await self._run_lookup(lookup, deadline, self._transport.find_value, request)
+        self.stats["gets"] += 1
+        return GetResult(lookup.entries, lookup.rejected, len(lookup.responded), lookup.hops)
+
+    async def find_nodes(self, target: bytes, *, deadline: Deadline | None = None) -> LookupResult:
+        """The k nodes closest to ``target`` that answer (an iterative FIND_NODE)."""
+        if len(target) != PEER_ID_BYTES:
+            raise ValueError(f"ids are {PEER_ID_BYTES} bytes")
+        lookup = _Lookup(self, target)
+        if target in self.routing:
+            lookup.hops = 0
+        request = pb.FindNodeRequest(sender=self.card.to_proto(), target=target)
+        await self._run_lookup(
+            lookup,
+            deadline or Deadline.after(self.config.lookup_timeout_s),
+            self._transport.find_node,
+            request,
+        )
+        return LookupResult(lookup.closest_responded(), len(lookup.responded), lookup.hops)
+
+    async def _run_lookup(
+        self,
+        lookup: _Lookup,
+        deadline: Deadline,
+        send: Callable[[str, Any, Deadline], Awaitable[Any]],
+        request: Message,
+    ) -> None:
+        for contact in self.routing.closest(lookup.target, self.config.k):
+            lookup.offer(contact, depth=1)
+        value_lookup = isinstance(request, pb.FindValueRequest)
+        inflight: dict[asyncio.Task[Any], Contact] = {}
+        try:
+            while not (value_lookup and lookup.settled(self.config.get_quorum)):
+                # Once a get holds records, only the closest `get_quorum` nodes can still
+                # change the outcome: asking farther ones would only cost calls.
+                within = (
+                    self.config.get_quorum if value_lookup and lookup.entries else self.config.k
+                )
+                parallel = self.config.k if lookup.stalled else self.config.alpha
+                while len(inflight) < parallel:
+                    candidate = lookup.next_to_query(within)
+                    if candidate is None:
+                        break
+                    contact = candidate
+                    lookup.queried.add(contact.peer_id)
+                    inflight[
+                        asyncio.ensure_future(self._call(contact, send, request, deadline))
+                    ] = contact
+                if not inflight:
+                    break
+                done, _ = await asyncio.wait(
+                    inflight, timeout=deadline.remaining(), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    break  # the deadline passed; use what we have
+                for task in done:
+                    lookup.absorb(inflight.pop(task), task.result())
+        finally:
+            for task in inflight:
+                task.cancel()
+            if inflight:
+                await asyncio.wait(inflight)
+        self.routing.mark_lookup(lookup.target, now=time.monotonic())
+        self.stats["lookups"] += 1
+
+    async def _call(
+        self,
+        contact: Contact,
+        send: Callable[[str, Any, Deadline], Awaitable[Resp]],
+        request: Message,
+        deadline: Deadline,
+    ) -> Resp | None:
+        """One call to a known contact; None (and the contact dropped) when it fails."""
+        call_deadline = Deadline.after(deadline.timeout(self.config.rpc_timeout_s))
+        self.stats["calls"] += 1
+        try:
+            response = await send(contact.endpoint, request, call_deadline)
+        except NetworkError as exc:
+            self._failed(contact, str(exc))
+            return None
+        answered_as = self._card_from(response.peer, source=contact)  # type: ignore[attr-defined]
+        if answered_as is None or answered_as.peer_id != contact.peer_id:
+            self._failed(contact, "another node answers at its endpoint")
+            return None
+        self._seen(answered_as)
+        return response
+
+    # -- upkeep --------------------------------------------------------------------------
+
+    async def refresh_buckets(self, *, older_than: float | None = None) -> None:
+        """Look up a random id in every bucket without a lookup for ``older_than`` seconds
+        (default: the refresh interval)."""
+        interval = self.config.refresh_interval_s if older_than is None else older_than
+        stale = self.routing.buckets_to_refresh(now=time.monotonic(), interval=interval)
+        for index in stale:
+            await self.find_nodes(self.routing.random_id_in_bucket(index, self._rng))
+
+    async def republish(self) -> int:
+        """Store our own live records again (on nodes that joined since); return how many."""
+        now = self.clock()
+        count = 0
+        for slot, record in list(self._published.items()):
+            if record.expiration <= now:
+                del self._published[slot]
+                continue
+            if await self.store_record(record, republish=False):
+                count += 1
+        return count
+
+    def forget_published(self, key: str, subkey: str) -> None:
+        """Stop republishing a record (it still lives until its expiration)."""
+        self._published.pop((key, subkey), None)
+
+    async def check_liveness(self, *, older_than: float | None = None) -> None:
+        """Ping contacts not heard from for ``older_than`` seconds (default: the liveness
+        interval); drop those that fail."""
+        quiet = self.routing.stale(
+            now=time.monotonic(),
+            older_than=self.config.liveness_interval_s if older_than is None else older_than,
+            limit=self.config.k,
+        )
+        request = pb.PingRequest(sender=self.card.to_proto())
+        deadline = Deadline.after(self.config.rpc_timeout_s)
+        await asyncio.gather(
+            *(self._call(c, self._transport.ping, request, deadline) for c in quiet)
+        )
+
+    # -- contacts ----------------------------------------------------------------------
+
+    def _card_from(self, info: pb.PeerInfo, *, source: Contact | None) -> Contact | None:
+        try:
+            return contact_from_proto(info)
+        except Rejection as rejection:
+            self.rejections.record(rejection, str(source) if source else "a peer")
+            return None
+
+    def _seen(self, contact: Contact) -> None:
+        added = self.routing.add(contact, now=time.monotonic())
+        if added is not Added.NEW:
+            return
+        if self._on_added is not None:
+            self._on_added(contact)
+        if len(self.storage) and len(self._replicating) < _MAX_REPLICATIONS:
+            self._replicating.add(contact.peer_id)
+            self._spawn(self._replicate_to(contact))
+
+    async def _replicate_to(self, newcomer: Contact) -> None:
+        """Hand a newcomer the records it is now one of the k closest nodes to (Kademlia
+        section 2.5), so that gets find them at once instead of after the next republish.
+
+        Only the node closest to a key (among those it knows) sends it, so a newcomer gets
+        each record about once. At most ``_MAX_REPLICATED_KEYS`` keys are considered per
+        newcomer; beyond that republishing alone moves records.
+        """
+        try:
+            records: list[Record] = []
+            for key in self.storage.keys()[:_MAX_REPLICATED_KEYS]:
+                target = key_id(key)
+                ours = distance(self.peer_id, target)
+                others = self.routing.closest(target, self.config.k, exclude=newcomer.peer_id)
+                if others and distance(others[0].peer_id, target) < ours:
+                    continue  # someone closer will send it
+                bound = (
+                    distance(others[-1].peer_id, target) if len(others) >= self.config.k else None
+                )
+                if bound is None or distance(newcomer.peer_id, target) < bound:
+                    records.extend(self.storage.get(key))
+            deadline = Deadline.after(self.config.lookup_timeout_s)
+            batch = self.config.max_records_per_request
+            for start in range(0, len(records), batch):
+                request = signed_store_request(
+                    self.identity,
+                    self.card,
+                    records[start : start + batch],
+                    timestamp_ms=int(self.clock() * 1000),
+                )
+                if await self._call(newcomer, self._transport.store, request, deadline) is None:
+                    return
+                self.stats["replicated"] += len(records[start : start + batch])
+        finally:
+            self._replicating.discard(newcomer.peer_id)
+
+    def _failed(self, contact: Contact, why: str) -> None:
+        self.stats["failed_calls"] += 1
+        removed, promoted = self.routing.remove(contact.peer_id, now=time.monotonic())
+        if removed is not None:
+            logger.debug("dropped contact %s: %s", removed, why)
+            if self._on_removed is not None:
+                self._on_removed(removed)
+        if promoted is not None and self._on_added is not None:
+            self._on_added(promoted)
+
+    def _sender(self, info: pb.PeerInfo, observed_host: str) -> Contact:
+        """The checked card of a caller; it joins our table if it proves reachable."""
+        try:
+            contact = contact_from_proto(info)
+        except Rejection as rejection:
+            self.rejections.record(rejection, observed_host or "a peer")
+            raise
+        if contact.reachable and contact.peer_id != self.peer_id:
+            if contact.host == observed_host:
+                self._seen(contact)
+            elif contact.peer_id not in self.routing and len(self._verifying) < 32:
+                # The card names another host than the one calling: add it only once it
+                # answers there, or anyone could aim our traffic at a third party.
+                self._verifying.add(contact.peer_id)
+                self._spawn(self._verify(contact))
+        return contact
+
+    async def _verify(self, contact: Contact) -> None:
+        try:
+            request = pb.PingRequest(sender=self.card.to_proto())
+            await self._call(
+                contact, self._transport.ping, request, Deadline.after(self.config.rpc_timeout_s)
+            )
+        finally:
+            self._verifying.discard(contact.peer_id)
+
+    # -- handlers (DhtHandler) -----------------------------------------------------------
+
+    async def handle_ping(self, request: pb.PingRequest, observed_host: str) -> pb.PingResponse:
+        self._sender(request.sender, observed_host)
+        return pb.PingResponse(peer=self.card.to_proto(), observed_host=observed_host)
+
+    async def handle_find_node(
+        self, request: pb.FindNodeRequest, observed_host: str
+    ) -> pb.FindNodeResponse:
+        sender = self._sender(request.sender, observed_host)
+        if len(request.target) != PEER_ID_BYTES:
+            rejection = Rejection("bad-request", f"find-node target must be {PEER_ID_BYTES} bytes")
+            self.rejections.record(rejection, str(sender))
+            raise rejection
+        closest = self.routing.closest(request.target, self.config.k, exclude=sender.peer_id)
+        return pb.FindNodeResponse(
+            peer=self.card.to_proto(), closest=[c.to_proto() for c in closest]
+        )
+
+    async def handle_find_value(
+        self, request: pb.FindValueRequest, observed_host: str
+    ) -> pb.FindValueResponse:
+        sender = self._sender(request.sender, observed_host)
+        if len(request.key) > MAX_KEY_CHARS:
+            rejection = Rejection("bad-request", f"key is longer than {MAX_KEY_CHARS} characters")
+            self.rejections.record(rejection, str(sender))
+            raise rejection
+        records = [record_to_proto(r) for r in self.storage.get(request.key)]
+        closest = self.routing.closest(key_id(request.key), self.config.k, exclude=sender.peer_id)
+        return pb.FindValueResponse(
+            peer=self.card.to_proto(), records=records, closest=[c.to_proto() for c in closest]
+        )
+
+    async def handle_store(self, request: pb.StoreRequest, observed_host: str) -> pb.StoreResponse:
+        sender = self._sender(request.sender, observed_host)
+        peer = str(sender)
+        try:
+            check_store_request(
+                request,
+                sender,
+                now_ms=int(self.clock() * 1000),
+                max_skew_ms=int(self.config.max_clock_skew_s * 1000),
+                max_records=self.config.max_records_per_request,
+            )
+        except Rejection as rejection:
+            self.rejections.record(rejection, peer)
+            raise
+        results = []
+        for message in request.records:
+            try:
+                stored = self.storage.put(record_from_proto(message), sender=sender.peer_id)
+            except Rejection as rejection:
+                self.rejections.record(rejection, peer)
+                results.append(pb.StoreResult(stored=False, reason=rejection.reason))
+                continue
+            results.append(
+                pb.StoreResult(stored=stored, reason="" if stored else "a newer record is stored")
+            )
+        return pb.StoreResponse(peer=self.card.to_proto(), results=results)

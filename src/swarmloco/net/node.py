@@ -1,0 +1,118 @@
+"""A peer's presence on the network: its gRPC server, its client and its DHT node, composed.
+
+``async with NetNode(identity=..., config=...) as node`` binds the server (unless the node
+runs in client mode), signs the node's contact card with the real port, starts the DHT
+node and joins the network through ``config.peers``; leaving the block stops all of it in
+reverse order. Other layers serve their own gRPC services on the same port by passing
+:class:`~swarmloco.net.server.Service` registrations, and call other peers through
+``node.client``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+import grpc
+
+from swarmloco.core.config import require
+from swarmloco.net.client import ClientConfig, RpcClient
+from swarmloco.net.dht.contact import Contact
+from swarmloco.net.dht.node import DhtConfig, DHTNode
+from swarmloco.net.dht.transport import DhtServicer, GrpcDhtTransport
+from swarmloco.net.endpoints import guess_host, is_unspecified, parse_endpoint
+from swarmloco.net.identity import Identity
+from swarmloco.net.server import PeerServer, ServerConfig, Service
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    server: ServerConfig | None = dataclasses.field(default_factory=ServerConfig)
+    """Where to serve; None runs in client mode (calls out, serves nothing, is no contact)."""
+    announce_host: str | None = None
+    """Host others should dial. Default: the bound host, or, when bound to every interface,
+    the address the first peer that answers sees us at."""
+    peers: tuple[str, ...] = ()
+    """HOST:PORT of peers to join through (none: start a new network)."""
+    client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
+    dht: DhtConfig = dataclasses.field(default_factory=DhtConfig)
+
+    def __post_init__(self) -> None:
+        for peer in self.peers:
+            parse_endpoint(peer)
+        require(
+            self.server is not None or bool(self.peers),
+            "a client-mode node (no server) needs at least one peer to join through",
+        )
+
+
+class NetNode:
+    """Server + client + DHT of one peer. Constructing does no I/O; entering starts it."""
+
+    def __init__(
+        self,
+        *,
+        identity: Identity,
+        config: NodeConfig,
+        services: Sequence[Service] = (),
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        on_contact_added: Callable[[Contact], None] | None = None,
+        on_contact_removed: Callable[[Contact], None] | None = None,
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self.client = RpcClient(config.client, interceptors=interceptors)
+        self.dht = DHTNode(
+            identity=identity,
+            transport=GrpcDhtTransport(self.client),
+            config=config.dht,
+            on_contact_added=on_contact_added,
+            on_contact_removed=on_contact_removed,
+        )
+        dht_service = DhtServicer(self.dht, self.dht.rejections).service()
+        self.server = (
+            PeerServer(config.server, [dht_service, *services])
+            if config.server is not None
+            else None
+        )
+        self._stack = AsyncExitStack()
+
+    @property
+    def endpoint(self) -> str:
+        """What other peers dial to reach us ("" in client mode)."""
+        return self.dht.endpoint
+
+    async def __aenter__(self) -> NetNode:
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(self.client)
+            announce_port = None
+            if self.server is not None:
+                await stack.enter_async_context(self.server)
+                host = self.config.announce_host or self.server.config.host
+                if not is_unspecified(host):
+                    self.dht.set_endpoint(self.server.endpoint(host))
+                elif self.config.peers:
+                    announce_port = self.server.port  # learn our host from the peers
+                else:
+                    # Nobody to ask how we are seen: announce our address on the default
+                    # route (behind NAT, operators must say announce_host).
+                    guessed = guess_host()
+                    logger.warning(
+                        "bound to every interface with no host to announce: announcing %s "
+                        "(set the announce host if peers must dial another address)",
+                        guessed,
+                    )
+                    self.dht.set_endpoint(self.server.endpoint(guessed))
+            await stack.enter_async_context(self.dht)
+            if self.config.peers:
+                await self.dht.join(self.config.peers, announce_port=announce_port)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._stack.aclose()

@@ -1,0 +1,447 @@
+"""The one place that knows DHT record kinds: key names, value schemas, ownership, limits.
+
+A record is ``(key, subkey, value, expiration)``. Keys are namespaced by swarm id:
+``swarmloco/v1/<swarm id>/<name>``, and each *name* belongs to one :class:`RecordKind`
+that says
+
+- what the value must look like (msgpack checked against a :class:`Schema`: a float where
+  an int belongs, an unknown field or a string that is too long is rejected);
+- whether subkeys are *owned*: the subkey is then the owner's peer id in hex and the record
+  must carry the owner's public key and signature over key, subkey, value and expiration;
+- the longest a record may live (expirations further ahead are clamped by storage), the
+  largest value and the most subkeys a node keeps under one key.
+
+Kinds defined here: ``manifest`` (the content-addressed swarm manifest: its hash must be
+the swarm id) and ``peers`` (one signed entry per peer: endpoint, role, version, public).
+Later layers add theirs (``progress``, ``round/<r>``, ``status``, ``digest/<r>``) by
+defining a :class:`RecordKind` here and calling :func:`register`.
+
+Every record from the network passes :func:`validate` before it is stored or used; the
+cheap checks run first and the signature check last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgpack
+
+from swarmloco.core.manifest import MAX_MANIFEST_BYTES, check_swarm_id, swarm_id_of
+from swarmloco.net.identity import Identity, peer_id_of, verify
+from swarmloco.net.rejections import Rejection
+
+KEY_PREFIX = "swarmloco/v1/"
+MAX_KEY_CHARS = 160
+MAX_SUBKEY_CHARS = 64
+_SIGNATURE_DOMAIN = b"swarmloco/v1/record\x00"
+_OWNED_SUBKEY = re.compile(r"[0-9a-f]{40}")
+_KEY = re.compile(r"swarmloco/v1/([0-9a-f]{40})/([a-z0-9/_-]{1,64})")
+
+
+# -- value schemas -------------------------------------------------------------------------
+
+
+class SchemaError(ValueError):
+    """A value does not match its schema (the message names the field)."""
+
+
+class Schema:
+    """A check of one decoded msgpack value. Subclasses raise SchemaError with the path."""
+
+    def check(self, value: Any, where: str) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Int(Schema):
+    """An integer (never a bool or a float) in [minimum, maximum]."""
+
+    minimum: int = -(2**63)
+    maximum: int = 2**63 - 1
+
+    def check(self, value: Any, where: str) -> None:
+        if type(value) is not int:
+            raise SchemaError(f"{where} must be an integer, got {type(value).__name__}")
+        if not self.minimum <= value <= self.maximum:
+            raise SchemaError(f"{where} = {value} is outside [{self.minimum}, {self.maximum}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Float(Schema):
+    """A finite float (msgpack float32/64; an integer is not accepted) in [minimum, maximum]."""
+
+    minimum: float = -math.inf
+    maximum: float = math.inf
+
+    def check(self, value: Any, where: str) -> None:
+        if type(value) is not float:
+            raise SchemaError(f"{where} must be a float, got {type(value).__name__}")
+        if not math.isfinite(value) or not self.minimum <= value <= self.maximum:
+            raise SchemaError(f"{where} = {value} is outside [{self.minimum}, {self.maximum}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bool(Schema):
+    def check(self, value: Any, where: str) -> None:
+        if type(value) is not bool:
+            raise SchemaError(f"{where} must be a bool, got {type(value).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Str(Schema):
+    """A string of at most ``max_chars`` characters, optionally matching ``pattern``."""
+
+    max_chars: int
+    pattern: str | None = None
+    choices: frozenset[str] | None = None
+
+    def check(self, value: Any, where: str) -> None:
+        if type(value) is not str:
+            raise SchemaError(f"{where} must be a string, got {type(value).__name__}")
+        if len(value) > self.max_chars:
+            raise SchemaError(f"{where} is {len(value)} characters; at most {self.max_chars}")
+        if self.pattern is not None and not re.fullmatch(self.pattern, value):
+            raise SchemaError(f"{where} = {value!r} does not match {self.pattern}")
+        if self.choices is not None and value not in self.choices:
+            raise SchemaError(f"{where} = {value!r} is not one of {sorted(self.choices)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bin(Schema):
+    """Raw bytes (msgpack bin) of at most ``max_bytes``."""
+
+    max_bytes: int
+
+    def check(self, value: Any, where: str) -> None:
+        if type(value) is not bytes:
+            raise SchemaError(f"{where} must be bytes, got {type(value).__name__}")
+        if len(value) > self.max_bytes:
+            raise SchemaError(f"{where} is {len(value)} bytes; at most {self.max_bytes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ListOf(Schema):
+    item: Schema
+    max_items: int
+
+    def check(self, value: Any, where: str) -> None:
+        if type(value) is not list:
+            raise SchemaError(f"{where} must be a list, got {type(value).__name__}")
+        if len(value) > self.max_items:
+            raise SchemaError(f"{where} has {len(value)} items; at most {self.max_items}")
+        for i, item in enumerate(value):
+            self.item.check(item, f"{where}[{i}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Struct(Schema):
+    """A map with exactly these string keys (those in ``optional`` may be missing).
+
+    Unknown fields are rejected: a v1 peer must understand every field it stores. A new
+    field means a new record kind (or a new key prefix), so old peers never mis-read it.
+    """
+
+    fields: Mapping[str, Schema]
+    optional: frozenset[str] = frozenset()
+
+    def check(self, value: Any, where: str) -> None:
+        if type(value) is not dict:
+            raise SchemaError(f"{where} must be a map, got {type(value).__name__}")
+        unknown = [k for k in value if k not in self.fields]
+        if unknown:
+            raise SchemaError(f"{where} has unknown fields {sorted(map(str, unknown))}")
+        for name, schema in self.fields.items():
+            if name in value:
+                schema.check(value[name], f"{where}.{name}")
+            elif name not in self.optional:
+                raise SchemaError(f"{where} lacks the field {name!r}")
+
+
+# -- record kinds ---------------------------------------------------------------------------
+
+# (swarm id, the match of the kind's pattern against the key name, decoded value) -> None;
+# raises Rejection for what the schema cannot express (e.g. a content hash).
+ExtraCheck = Callable[[str, "re.Match[str]", Any], None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecordKind:
+    """The rules for the records under one kind of key name."""
+
+    name: str
+    """Human name for messages, e.g. ``peers`` or ``round/<r>``."""
+    pattern: str
+    """Regular expression the key name (after ``swarmloco/v1/<swarm id>/``) must fullmatch."""
+    schema: Schema
+    """What the decoded msgpack value must look like."""
+    owned: bool
+    """Subkeys are owners' peer ids (hex) and records carry the owner's signature."""
+    max_ttl: float
+    """Longest a record may live (seconds); storage clamps later expirations to this."""
+    max_value_bytes: int
+    """Largest encoded value."""
+    max_subkeys: int = 1
+    """Most subkeys one node keeps under one key of this kind."""
+    subkey_pattern: str = ""
+    """For unowned kinds: what a subkey must fullmatch (default: only the empty subkey)."""
+    extra_check: ExtraCheck | None = None
+    """Checks the schema cannot express (e.g. a content hash)."""
+
+    def __post_init__(self) -> None:
+        if self.max_ttl <= 0 or self.max_value_bytes <= 0 or self.max_subkeys < 1:
+            raise ValueError(f"record kind {self.name}: limits must be positive")
+        re.compile(self.pattern)
+
+
+_KINDS: list[RecordKind] = []
+
+
+def register(kind: RecordKind) -> RecordKind:
+    """Make ``kind`` known to every validator in this process (names must not overlap)."""
+    for known in _KINDS:
+        if known.name == kind.name:
+            raise ValueError(f"record kind {kind.name} is already registered")
+    _KINDS.append(kind)
+    return kind
+
+
+def swarm_key(swarm_id: str, name: str) -> str:
+    """The DHT key of record ``name`` (e.g. ``peers``) of swarm ``swarm_id``."""
+    key = f"{KEY_PREFIX}{check_swarm_id(swarm_id)}/{name}"
+    if not _KEY.fullmatch(key):
+        raise ValueError(f"{name!r} is not a valid record name")
+    return key
+
+
+def kind_of(key: str) -> tuple[RecordKind, str, re.Match[str]]:
+    """The kind of ``key``, its swarm id and the match of the name; Rejection if unknown."""
+    if len(key) > MAX_KEY_CHARS:
+        raise Rejection("bad-key", f"record key is {len(key)} characters; at most {MAX_KEY_CHARS}")
+    parts = _KEY.fullmatch(key)
+    if parts is None:
+        raise Rejection("bad-key", f"record key {key[:80]!r} is not swarmloco/v1/<swarm id>/<name>")
+    swarm_id, name = parts.group(1), parts.group(2)
+    for kind in _KINDS:
+        match = re.fullmatch(kind.pattern, name)
+        if match is not None:
+            return kind, swarm_id, match
+    raise Rejection("unknown-kind", f"no record kind is called {name!r}")
+
+
+# -- records --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    """One record as it travels: the value is encoded msgpack."""
+
+    key: str
+    subkey: str
+    value: bytes
+    expiration: float
+    owner_public_key: bytes = b""
+    signature: bytes = b""
+
+    def signing_payload(self) -> bytes:
+        return signing_payload(self.key, self.subkey, self.value, self.expiration)
+
+    @property
+    def size(self) -> int:
+        """Bytes this record costs a storing node (roughly)."""
+        return len(self.key) + len(self.subkey) + len(self.value) + 96
+
+
+def signing_payload(key: str, subkey: str, value: bytes, expiration: float) -> bytes:
+    """What an owner signs: every field that gives the record its meaning."""
+    return msgpack.packb([key, subkey, value, float(expiration)], use_bin_type=True)
+
+
+def encode_value(key: str, value: Any) -> bytes:
+    """msgpack-encode ``value`` for ``key``, checking it against the kind's schema first.
+
+    Raises ValueError (with the field) when the value would be rejected by other peers.
+    """
+    kind, swarm_id, match = kind_of(key)
+    kind.schema.check(value, kind.name)
+    data: bytes = msgpack.packb(value, use_bin_type=True)
+    if len(data) > kind.max_value_bytes:
+        raise ValueError(f"{kind.name} value is {len(data)} bytes; at most {kind.max_value_bytes}")
+    if kind.extra_check is not None:
+        try:
+            kind.extra_check(swarm_id, match, value)
+        except Rejection as rejection:
+            raise ValueError(rejection.reason) from None
+    return data
+
+
+def make_record(
+    key: str, value: Any, *, expiration: float, owner: Identity | None, subkey: str = ""
+) -> Record:
+    """Encode and (for owned kinds) sign a record. ``owner`` is required for owned kinds."""
+    kind, _, _ = kind_of(key)
+    data = encode_value(key, value)
+    if not kind.owned:
+        return Record(key, subkey, data, float(expiration))
+    if owner is None:
+        raise ValueError(f"{kind.name} records are owned: pass the owner's identity")
+    return sign(Record(key, owner.peer_id_hex, data, float(expiration)), owner)
+
+
+def sign(record: Record, owner: Identity) -> Record:
+    """``record`` with ``owner``'s public key and signature over its fields."""
+    return dataclasses.replace(
+        record,
+        owner_public_key=owner.public_key,
+        signature=owner.sign(_SIGNATURE_DOMAIN, record.signing_payload()),
+    )
+
+
+def _reject(kind: RecordKind, code: str, reason: str) -> Rejection:
+    return Rejection(code, f"{kind.name} record: {reason}")
+
+
+def check_shape(record: Record, *, now: float) -> RecordKind:
+    """The cheap checks (no decoding, no signature): key, subkey, size, expiration."""
+    kind, _, _ = kind_of(record.key)
+    if kind.owned:
+        if not _OWNED_SUBKEY.fullmatch(record.subkey):
+            raise _reject(kind, "bad-subkey", "an owned subkey must be the owner's peer id in hex")
+        if not record.signature:
+            raise _reject(kind, "unsigned", "the owned subkey carries no signature")
+    else:
+        if len(record.subkey) > MAX_SUBKEY_CHARS or not re.fullmatch(
+            kind.subkey_pattern, record.subkey
+        ):
+            raise _reject(kind, "bad-subkey", f"subkey {record.subkey[:70]!r} is not allowed")
+        if record.signature or record.owner_public_key:
+            raise _reject(kind, "bad-signature", "an unowned record must not carry a signature")
+    if len(record.value) > kind.max_value_bytes:
+        raise _reject(
+            kind, "oversize", f"value is {len(record.value)} bytes; at most {kind.max_value_bytes}"
+        )
+    if not math.isfinite(record.expiration):
+        raise _reject(kind, "bad-expiration", "expiration is not a finite number")
+    if record.expiration <= now:
+        raise _reject(kind, "expired", "the record has already expired")
+    return kind
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def decode_value(kind: RecordKind, key: str, data: bytes) -> Any:
+    """Decode msgpack ``data`` and check it against ``kind``; Rejection if it fails."""
+    try:
+        value = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            timestamp=0,
+        )
+    except Exception as exc:  # msgpack raises many types on malformed input
+        raise _reject(kind, "bad-msgpack", f"value is not valid msgpack ({exc})") from None
+    try:
+        kind.schema.check(value, kind.name)
+    except SchemaError as exc:
+        raise _reject(kind, "schema", str(exc)) from None
+    if kind.extra_check is not None:
+        parts = _KEY.fullmatch(key)
+        assert parts is not None  # kind_of accepted the key
+        match = re.fullmatch(kind.pattern, parts.group(2))
+        assert match is not None
+        kind.extra_check(parts.group(1), match, value)
+    return value
+
+
+def check_signature(kind: RecordKind, record: Record) -> None:
+    """For owned kinds: the owner's key derives the subkey and signed these exact fields."""
+    if not kind.owned:
+        return
+    if peer_id_of(record.owner_public_key).hex() != record.subkey:
+        raise _reject(kind, "bad-signature", "the public key does not belong to the subkey's owner")
+    if not verify(
+        record.owner_public_key, record.signature, _SIGNATURE_DOMAIN, record.signing_payload()
+    ):
+        raise _reject(kind, "bad-signature", "the signature does not match the record")
+
+
+def validate(record: Record, *, now: float) -> Any:
+    """Check everything about a record from the network; return its decoded value.
+
+    Raises :class:`Rejection` (with a code) on the first failure. Expirations beyond the
+    kind's max TTL are *not* rejected here: storage clamps them (see ``effective_expiration``).
+    """
+    kind = check_shape(record, now=now)
+    value = decode_value(kind, record.key, record.value)
+    check_signature(kind, record)
+    return value
+
+
+def effective_expiration(kind: RecordKind, expiration: float, *, now: float) -> float:
+    """The expiration a node honours: at most ``max_ttl`` from now."""
+    return min(expiration, now + kind.max_ttl)
+
+
+# -- the kinds of this layer ----------------------------------------------------------------
+
+
+def _manifest_hash(swarm_id: str, _match: re.Match[str], value: Any) -> None:
+    actual = swarm_id_of(value)
+    if actual != swarm_id:
+        raise Rejection(
+            "manifest-mismatch",
+            f"the manifest hashes to {actual}, not to the swarm id {swarm_id}: it belongs to "
+            "another run or was tampered with",
+        )
+
+
+MANIFEST = register(
+    RecordKind(
+        name="manifest",
+        pattern="manifest",
+        # The canonical manifest bytes (core/manifest.py); content-addressed by the key, so
+        # anyone may store or re-store it but nobody can change it.
+        schema=Bin(MAX_MANIFEST_BYTES),
+        owned=False,
+        max_ttl=30 * 24 * 3600.0,
+        max_value_bytes=MAX_MANIFEST_BYTES + 16,
+        extra_check=_manifest_hash,
+    )
+)
+
+PEER_ROLES = frozenset({"bootstrap", "trainer", "client", "dashboard"})
+
+PEERS = register(
+    RecordKind(
+        name="peers",
+        pattern="peers",
+        schema=Struct(
+            {
+                # HOST:PORT where the peer serves gRPC; empty for client-mode peers.
+                "endpoint": Str(262, pattern=r"|[^\s/]{1,255}:[0-9]{1,5}"),
+                "role": Str(16, choices=PEER_ROLES),
+                "version": Str(32),
+                # Whether the peer accepts inbound connections (serves parts and state).
+                "public": Bool(),
+            }
+        ),
+        owned=True,
+        max_ttl=24 * 3600.0,
+        max_value_bytes=512,
+        max_subkeys=4096,
+    )
+)
+
+
+def manifest_key(swarm_id: str) -> str:
+    return swarm_key(swarm_id, "manifest")
+
+
+def peers_key(swarm_id: str) -> str:
+    return swarm_key(swarm_id, "peers")

@@ -1,0 +1,224 @@
+"""The one gRPC server of a peer: every service of the peer on one port, hardened.
+
+Limits against misbehaving or hostile clients (DESIGN section 8): the largest message it
+accepts, how many RPCs run at once (beyond that a call is refused with RESOURCE_EXHAUSTED
+instead of queueing without bound), how many streams one connection may open, how long
+a new connection may take to finish its handshake, keepalive pings that find dead
+connections, and how long a ping may go unanswered. The standard gRPC health service and
+server reflection are always on, so `grpcurl` and `grpc_health_probe` work against any
+peer.
+
+Other layers add their services with :class:`Service` registrations before the server
+starts (gRPC cannot add services to a running server); :func:`unary_service` builds one
+whose handlers never see undecodable bytes: a malformed request is refused with
+INVALID_ARGUMENT and counted, instead of surfacing as an UNKNOWN error with a traceback in
+the log (which a stream of garbage would turn into a flood).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from swarmloco.core.config import require, require_int, require_positive
+from swarmloco.errors import NetworkError
+from swarmloco.net.endpoints import format_endpoint, is_unspecified
+from swarmloco.net.rejections import Rejection, RejectionLog
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Service:
+    """A gRPC service to serve: its full name and how to add it to a server.
+
+    Example: ``Service("swarmloco.v1.Dht", lambda s: add_DhtServicer_to_server(impl, s))``.
+    """
+
+    name: str
+    register: Callable[[grpc.aio.Server], None]
+
+
+UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
+
+_MALFORMED = object()
+
+
+def decoder(message_type: type[Message]) -> Callable[[bytes], Any]:
+    """A request deserializer that turns undecodable bytes into a marker, not an exception."""
+
+    def decode(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception:  # any parse failure of untrusted bytes means "malformed"
+            return _MALFORMED
+
+    return decode
+
+
+def unary_service(
+    name: str,
+    methods: Mapping[str, tuple[type[Message], UnaryHandler]],
+    *,
+    rejections: RejectionLog,
+) -> Service:
+    """A service of unary methods ``{name: (request type, handler)}``, safe against garbage."""
+
+    def wrap(method: str, request_type: type[Message], handler: UnaryHandler) -> UnaryHandler:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Message:
+            if request is _MALFORMED:
+                rejection = Rejection(
+                    "malformed", f"{method}: the request is not a valid {request_type.__name__}"
+                )
+                rejections.record(rejection, context.peer())
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
+            return await handler(request, context)
+
+        return call
+
+    handlers = {
+        method: grpc.unary_unary_rpc_method_handler(
+            wrap(method, request_type, handler),
+            request_deserializer=decoder(request_type),
+            response_serializer=lambda message: message.SerializeToString(),
+        )
+        for method, (request_type, handler) in methods.items()
+    }
+    generic = grpc.method_handlers_generic_handler(name, handlers)
+    return Service(name, lambda server: server.add_generic_rpc_handlers((generic,)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Address to bind (0.0.0.0 or :: for every interface)."""
+    port: int = 0
+    """Port to bind; 0 picks a free one (read it back from ``PeerServer.port``)."""
+    max_message_bytes: int = 8 * 1024 * 1024
+    """Largest message received or sent; larger ones fail with RESOURCE_EXHAUSTED."""
+    max_concurrent_rpcs: int = 512
+    """RPCs handled at once; beyond this new calls are refused with RESOURCE_EXHAUSTED."""
+    max_concurrent_streams: int = 128
+    """Streams one HTTP/2 connection may have open at once."""
+    handshake_timeout_s: float = 5.0
+    """A new connection that has not finished its handshake by then is closed."""
+    keepalive_time_s: float = 60.0
+    """Server-side keepalive ping interval on idle connections."""
+    keepalive_timeout_s: float = 20.0
+    """A connection whose keepalive ping is not acknowledged in this time is closed."""
+    ping_timeout_s: float = 20.0
+    """How long any HTTP/2 ping may go unanswered (grpc.http2.ping_timeout_ms)."""
+    min_client_ping_interval_s: float = 10.0
+    """Clients pinging more often than this are told off and, after strikes, cut off."""
+    max_connection_idle_s: float = 600.0
+    """Connections without calls for this long are closed."""
+    grace_s: float = 2.0
+    """At shutdown, calls in flight get this long to finish."""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.host, str), "host must be a string")
+        require_int("port", self.port, minimum=0)
+        require(self.port < 65536, f"port must be < 65536, got {self.port}")
+        require_int("max_message_bytes", self.max_message_bytes, minimum=1024)
+        require_int("max_concurrent_rpcs", self.max_concurrent_rpcs, minimum=1)
+        require_int("max_concurrent_streams", self.max_concurrent_streams, minimum=1)
+        for name in (
+            "handshake_timeout_s",
+            "keepalive_time_s",
+            "keepalive_timeout_s",
+            "ping_timeout_s",
+            "min_client_ping_interval_s",
+            "max_connection_idle_s",
+            "grace_s",
+        ):
+            require_positive(name, getattr(self, name))
+
+    def options(self) -> list[tuple[str, Any]]:
+        ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+        return [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            ("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)),
+            ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+            ("grpc.http2.ping_timeout_ms", ms(self.ping_timeout_s)),
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_client_ping_interval_s)),
+            ("grpc.http2.max_ping_strikes", 2),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.max_connection_idle_ms", ms(self.max_connection_idle_s)),
+            # Two peers must never share a port by accident.
+            ("grpc.so_reuseport", 0),
+        ]
+
+
+class PeerServer:
+    """An async context manager that serves ``services`` (plus health and reflection)."""
+
+    def __init__(self, config: ServerConfig, services: Sequence[Service] = ()) -> None:
+        self.config = config
+        self._services = list(services)
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self.port = 0
+
+    def add_service(self, service: Service) -> None:
+        if self._server is not None:
+            raise RuntimeError("add services before the server starts")
+        self._services.append(service)
+
+    @property
+    def service_names(self) -> list[str]:
+        return [s.name for s in self._services]
+
+    def endpoint(self, announce_host: str | None = None) -> str:
+        """``HOST:PORT`` others can dial: ``announce_host`` or else the bound host."""
+        host = announce_host or self.config.host
+        if is_unspecified(host):
+            raise ValueError("bound to every interface: say which host to announce")
+        return format_endpoint(host, self.port)
+
+    async def __aenter__(self) -> PeerServer:
+        server = grpc.aio.server(
+            options=self.config.options(),
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
+        )
+        for service in self._services:
+            service.register(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, server)
+        address = format_endpoint(self.config.host or "0.0.0.0", self.config.port)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            port = 0
+            cause = f": {exc}"
+        else:
+            cause = ""
+        if port == 0:
+            raise NetworkError(
+                f"cannot listen on {address}{cause} (is the port in use or the host not "
+                "an address of this machine?)"
+            )
+        await server.start()
+        self._server = server
+        self.port = port
+        for name in ("", *self.service_names):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.debug("serving %s on port %d", ", ".join(self.service_names), port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        await server.stop(self.config.grace_s)

@@ -1,0 +1,169 @@
+"""`swarmloco bootstrap`, `create --no-train` and `join --dry-run` as real processes."""
+
+import asyncio
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+from cliutil import COMMAND, Bootstrap, rss_mb, swarmloco
+
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.net.client import RpcClient
+from swarmloco.net.dht.node import DHTNode
+from swarmloco.net.dht.transport import DhtServicer, GrpcDhtTransport
+from swarmloco.net.dht.wire import record_to_proto
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.records import Record
+from swarmloco.net.server import PeerServer, ServerConfig
+
+
+def test_bootstrap_serves_keeps_its_identity_and_stops_gracefully(tmp_path):
+    with Bootstrap(tmp_path / "boot") as first:
+        host, port = first.endpoint.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+        assert first.stop(signal.SIGTERM) == 0
+    assert any("stopping" in line for line in first.log)
+    assert (tmp_path / "boot" / "identity.pem").stat().st_mode & 0o077 == 0
+    with Bootstrap(tmp_path / "boot") as again:
+        assert again.peer_id == first.peer_id
+        assert again.stop(signal.SIGINT) == 0
+
+
+async def test_bootstrap_logs_peers_joining_and_leaving(tmp_path):
+    with Bootstrap(tmp_path / "boot", "--liveness-interval", "0.3") as boot:
+        identity = Identity.generate()
+        async with NetNode(identity=identity, config=NodeConfig(peers=(boot.endpoint,))):
+            await asyncio.to_thread(boot.wait_for_log, f"peer joined: {identity.peer_id_hex[:12]}")
+        await asyncio.to_thread(boot.wait_for_log, f"peer left: {identity.peer_id_hex[:12]}")
+        assert boot.stop() == 0
+
+
+def test_bootstrap_imports_no_torch_and_stays_under_100_mb(tmp_path):
+    probe = (
+        "import sys; import swarmloco.cli as cli; cli.build_parser(); "
+        "import swarmloco.net.bootstrap, swarmloco.net.node, swarmloco.net.swarm; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    with Bootstrap(tmp_path / "boot") as boot:
+        # Give it some work first: a swarm is created through it and peers look it up.
+        created = swarmloco(
+            "create", "--peer", boot.endpoint, "--data-dir", str(tmp_path / "p"), "--no-train"
+        )
+        assert created.returncode == 0, created.stderr
+        for _ in range(3):
+            joined = swarmloco("join", created.stdout.strip(), "--peer", boot.endpoint, "--dry-run")
+            assert joined.returncode == 0, joined.stderr
+        maps = Path(f"/proc/{boot.process.pid}/maps").read_text()
+        assert "torch" not in maps  # no torch library was ever loaded
+        assert rss_mb(boot.process.pid) < 100
+        assert boot.stop() == 0
+
+
+def test_create_publishes_and_join_dry_run_verifies(tmp_path):
+    with Bootstrap(tmp_path / "boot") as boot:
+        created = swarmloco(
+            "create",
+            "--task",
+            "gpt-bytes",
+            "--preset",
+            "tiny",
+            "--peer",
+            boot.endpoint,
+            "--data-dir",
+            str(tmp_path / "creator"),
+            "--no-train",
+        )
+        assert created.returncode == 0, created.stderr
+        swarm_id = created.stdout.strip()
+        assert re.fullmatch(r"[0-9a-f]{40}", swarm_id), created.stdout
+        joined = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--dry-run")
+        assert joined.returncode == 0, joined.stderr
+        assert joined.stdout.startswith(f"swarm {swarm_id}\n")
+        assert '"task": "gpt-bytes"' in joined.stdout
+        creator = Identity.load_or_create(tmp_path / "creator").public_key.hex()
+        assert f'"creator": "{creator}"' in joined.stdout
+        # An id nobody created, and something that is not an id at all.
+        unknown = swarmloco("join", "12" * 20, "--peer", boot.endpoint, "--dry-run")
+        assert unknown.returncode != 0
+        assert "unknown to this network" in unknown.stderr
+        malformed = swarmloco("join", "xyz", "--peer", boot.endpoint, "--dry-run")
+        assert malformed.returncode != 0 and "not a swarm id" in malformed.stderr
+        assert boot.stop() == 0
+
+
+def test_a_peer_address_that_does_not_answer_fails_within_seconds():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    started = time.monotonic()
+    result = swarmloco("join", "12" * 20, "--peer", dead, "--dry-run")
+    assert result.returncode == 2
+    assert f"cannot join the network: none of {dead} answered" in result.stderr
+    assert time.monotonic() - started < 10  # the join deadline is 5 s
+
+
+def test_commands_that_need_the_daemon_say_so_and_fail(tmp_path):
+    create = swarmloco("create", "--peer", "127.0.0.1:1", "--data-dir", str(tmp_path))
+    assert create.returncode != 0 and "not available yet" in create.stderr
+    join = swarmloco("join", "12" * 20, "--peer", "127.0.0.1:1")
+    assert join.returncode != 0 and "not available yet" in join.stderr
+
+
+def test_every_command_explains_itself():
+    for command in ("bootstrap", "create", "join"):
+        result = swarmloco(command, "--help")
+        assert result.returncode == 0
+        assert "example:" in result.stdout
+        assert "--peer" in result.stdout and "--data-dir" in result.stdout
+
+
+class RogueNode(DHTNode):
+    """Serves the manifest of another run under any manifest key it is asked for."""
+
+    impostor: SwarmManifest
+
+    async def handle_find_value(self, request, observed_host):
+        response = await super().handle_find_value(request, observed_host)
+        fake = Record(request.key, "", msgpack.packb(self.impostor.to_bytes()), time.time() + 60)
+        response.records.append(record_to_proto(fake))
+        return response
+
+
+async def test_join_refuses_a_manifest_whose_hash_differs():
+    wanted = SwarmManifest(task="gpt-bytes", model={}, data={}, hparams={}, name="wanted")
+    impostor = SwarmManifest(task="gpt-bytes", model={}, data={}, hparams={}, name="impostor")
+    async with RpcClient() as client:
+        rogue = RogueNode(identity=Identity.generate(), transport=GrpcDhtTransport(client))
+        rogue.impostor = impostor
+        async with PeerServer(
+            ServerConfig(), [DhtServicer(rogue, rogue.rejections).service()]
+        ) as server:
+            rogue.set_endpoint(f"127.0.0.1:{server.port}")
+            async with rogue:
+                process = await asyncio.create_subprocess_exec(
+                    *COMMAND,
+                    "join",
+                    wanted.swarm_id,
+                    "--peer",
+                    rogue.endpoint,
+                    "--dry-run",
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+                stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 2
+    assert (
+        f"hashes to {impostor.swarm_id}, not to the swarm id {wanted.swarm_id}" in stderr.decode()
+    )
+    assert stdout == b""

@@ -1,0 +1,292 @@
+"""The DHT over real gRPC on loopback: records across nodes, and every kind of bad input."""
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from functools import partial
+
+import msgpack
+import pytest
+from netutil import SWARM, closed_port, counter_key, loopback_network, serving
+
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.errors import ManifestError, NetworkError
+from swarmloco.net.client import RpcClient, RpcError
+from swarmloco.net.dht.contact import sign_card
+from swarmloco.net.dht.node import DhtConfig, DHTNode
+from swarmloco.net.dht.storage import StorageConfig
+from swarmloco.net.dht.transport import STORE
+from swarmloco.net.dht.wire import record_to_proto, signed_store_request
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.records import Record, make_record, peers_key, sign
+from swarmloco.net.server import ServerConfig
+from swarmloco.net.swarm import announce_peer, fetch_manifest, find_peers, publish_manifest
+
+PEER = {"endpoint": "127.0.0.1:5000", "role": "trainer", "version": "0.1.0", "public": True}
+
+
+def manifest(**overrides) -> SwarmManifest:
+    return SwarmManifest(
+        task="gpt-bytes", model={"preset": "tiny"}, data={}, hparams={}, **overrides
+    )
+
+
+async def test_records_stored_by_one_node_are_found_from_every_other():
+    async with loopback_network(8) as nodes:
+        swarm = manifest()
+        assert await publish_manifest(nodes[2].dht, swarm) >= 8
+        for node in nodes:
+            fetched = await fetch_manifest(node.dht, swarm.swarm_id)
+            assert fetched == swarm
+        for node in nodes[:5]:
+            await announce_peer(node.dht, swarm.swarm_id, role="trainer")
+        peers = await find_peers(nodes[7].dht, swarm.swarm_id)
+        assert {p.peer_id for p in peers} == {n.identity.peer_id_hex for n in nodes[:5]}
+        assert {p.endpoint for p in peers} == {n.endpoint for n in nodes[:5]}
+        # An owner updates its entry by storing a later record; readers see the new value.
+        await nodes[0].dht.store(
+            peers_key(swarm.swarm_id), {**PEER, "role": "client", "endpoint": ""}, ttl=600
+        )
+        peers = {p.peer_id: p for p in await find_peers(nodes[4].dht, swarm.swarm_id)}
+        assert peers[nodes[0].identity.peer_id_hex].role == "client"
+
+
+async def send_store(client: RpcClient, target: NetNode, sender: Identity, records, **kwargs):
+    card = sign_card(sender, "")  # a client-mode card: the sender need not serve
+    request = signed_store_request(
+        sender, card, records, timestamp_ms=kwargs.get("ts", int(time.time() * 1000))
+    )
+    return await client.call(target.endpoint, STORE, request, timeout=5, attempts=1)
+
+
+async def test_forged_unsigned_and_malformed_records_are_refused_and_counted():
+    victim, mallory = Identity.generate(), Identity.generate()
+    now = time.time()
+    key = peers_key(SWARM)
+    genuine = make_record(key, PEER, expiration=now + 60, owner=victim)
+    evil = make_record(key, {**PEER, "endpoint": "6.6.6.6:666"}, expiration=now + 60, owner=mallory)
+    counter = make_record(
+        counter_key(), {"count": 1, "label": ""}, expiration=now + 60, owner=mallory
+    )
+    bad = {
+        "bad-signature": dataclasses.replace(evil, subkey=victim.peer_id_hex),
+        "unsigned": dataclasses.replace(genuine, signature=b"", owner_public_key=b""),
+        "schema": sign(
+            dataclasses.replace(counter, value=msgpack.packb({"count": 1.0, "label": ""})), mallory
+        ),
+        "oversize": sign(dataclasses.replace(evil, value=b"\x00" * 10_000), mallory),
+        "unknown-kind": Record(f"swarmloco/v1/{SWARM}/whatever", "", b"\x01", now + 60),
+        "expired": make_record(key, PEER, expiration=now - 1, owner=mallory),
+    }
+    async with loopback_network(3) as nodes, RpcClient() as client:
+        target = nodes[1]
+        answer = await send_store(client, target, mallory, list(bad.values()))
+        assert [r.stored for r in answer.results] == [False] * len(bad)
+        for (code, _), result in zip(bad.items(), answer.results, strict=True):
+            assert result.reason, code
+        assert len(target.dht.storage) == 0
+        for code in bad:
+            assert target.dht.rejections.counts[code] >= 1, code
+        # Nobody else got them either, and the genuine record still goes through.
+        assert (await nodes[2].dht.get(key)).entries == {}
+        assert (await send_store(client, target, mallory, [genuine])).results[0].stored
+
+
+async def test_store_requests_must_be_signed_by_their_sender_and_recent():
+    mallory, victim = Identity.generate(), Identity.generate()
+    async with loopback_network(2) as nodes, RpcClient() as client:
+        target = nodes[1]
+        record = make_record(peers_key(SWARM), PEER, expiration=time.time() + 60, owner=mallory)
+        # Signed by mallory but claiming to come from the victim (to spend its quota).
+        request = signed_store_request(
+            mallory, sign_card(victim, ""), [record], timestamp_ms=int(time.time() * 1000)
+        )
+        with pytest.raises(RpcError, match="not signed by its sender"):
+            await client.call(target.endpoint, STORE, request, timeout=5)
+        # A genuine request replayed an hour later.
+        stale = int((time.time() - 3600) * 1000)
+        request = signed_store_request(
+            mallory, sign_card(mallory, ""), [record], timestamp_ms=stale
+        )
+        with pytest.raises(RpcError, match="replayed"):
+            await client.call(target.endpoint, STORE, request, timeout=5)
+        # A card whose signature does not match.
+        card = sign_card(mallory, "")
+        forged = dataclasses.replace(card, endpoint="127.0.0.1:1")
+        request = signed_store_request(
+            mallory, forged, [record], timestamp_ms=int(time.time() * 1000)
+        )
+        with pytest.raises(RpcError, match="contact card is not signed"):
+            await client.call(target.endpoint, STORE, request, timeout=5)
+        assert len(target.dht.storage) == 0
+
+
+async def test_a_hundred_thousand_subkeys_from_one_peer_are_not_all_stored():
+    total, quota, batch = 100_000, 256, 1000
+    config = DhtConfig(
+        max_records_per_request=batch, storage=StorageConfig(max_records_per_sender=quota)
+    )
+    flooder = Identity.generate()
+    now = time.time()
+    # The first records are genuine (each from its own key); the quota is checked before
+    # any signature, so the rest need not be, and cost the target no signature check.
+    genuine = [
+        make_record(
+            counter_key(),
+            {"count": i, "label": ""},
+            expiration=now + 600,
+            owner=Identity.generate(),
+        )
+        for i in range(quota + 50)
+    ]
+    filler = [
+        Record(
+            counter_key(),
+            uuid.uuid4().hex + "00000000",
+            genuine[0].value,
+            now + 600,
+            b"k" * 32,
+            b"s" * 64,
+        )
+        for _ in range(total - len(genuine))
+    ]
+    records = genuine + filler
+    assert len({r.subkey for r in records}) == total
+    async with loopback_network(2, dht=config) as nodes, RpcClient() as client:
+        target = nodes[1]
+        started = time.monotonic()
+        stored = 0
+        for i in range(0, total, batch):
+            answer = await send_store(client, target, flooder, records[i : i + batch])
+            stored += sum(r.stored for r in answer.results)
+        elapsed = time.monotonic() - started
+        assert stored == quota
+        assert target.dht.storage.records_from(flooder.peer_id) == quota
+        assert target.dht.rejections.counts["quota"] == total - quota
+        assert target.dht.storage.bytes_used < 300 * quota  # bounded by the quota, not the flood
+        # The node still serves everyone else.
+        other = await nodes[0].dht.store(peers_key(SWARM), PEER, ttl=60)
+        assert other == 2
+    assert elapsed < 60
+
+
+async def test_joining_through_addresses_that_do_not_answer_fails_clearly_and_soon():
+    finished = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+        writer.close()
+        finished.set()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    silent_endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    refused_endpoint = f"127.0.0.1:{closed_port()}"
+    config = NodeConfig(
+        server=None, peers=(refused_endpoint, silent_endpoint), dht=DhtConfig(join_timeout_s=1.5)
+    )
+    async with server:
+        started = time.monotonic()
+        with pytest.raises(NetworkError) as info:
+            async with NetNode(identity=Identity.generate(), config=config):
+                pass
+        elapsed = time.monotonic() - started
+        await asyncio.wait_for(finished.wait(), timeout=5)
+    message = str(info.value)
+    assert "cannot join the network" in message
+    assert refused_endpoint in message and silent_endpoint in message
+    assert elapsed < 5
+
+
+class RogueNode(DHTNode):
+    """A peer that serves a manifest of another run under the key of the asked one."""
+
+    def __init__(self, impostor: SwarmManifest, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.impostor = impostor
+
+    async def handle_find_value(self, request, observed_host):
+        response = await super().handle_find_value(request, observed_host)
+        fake = Record(request.key, "", msgpack.packb(self.impostor.to_bytes()), time.time() + 60)
+        response.records.append(record_to_proto(fake))
+        return response
+
+
+async def test_a_manifest_whose_hash_differs_is_refused_with_both_ids():
+    wanted, impostor = manifest(name="wanted"), manifest(name="impostor")
+    rogue_node = partial(RogueNode, impostor, identity=Identity.generate())
+    async with serving(lambda transport: rogue_node(transport=transport)) as rogue:
+        config = NodeConfig(server=None, peers=(rogue.endpoint,))
+        async with NetNode(identity=Identity.generate(), config=config) as reader:
+            with pytest.raises(ManifestError) as info:
+                await fetch_manifest(reader.dht, wanted.swarm_id)
+            assert reader.dht.rejections.counts["manifest-mismatch"] == 1
+        # With the genuine manifest in the network too, the reader gets it.
+        async with loopback_network(3) as honest:
+            await publish_manifest(honest[0].dht, wanted)
+            config = NodeConfig(server=None, peers=(rogue.endpoint, honest[1].endpoint))
+            async with NetNode(identity=Identity.generate(), config=config) as reader:
+                assert await fetch_manifest(reader.dht, wanted.swarm_id) == wanted
+    message = str(info.value)
+    assert f"hashes to {impostor.swarm_id}, not to the swarm id {wanted.swarm_id}" in message
+
+
+class FloodingNode(DHTNode):
+    """Answers every lookup with thousands of forged records and a flood of cards."""
+
+    async def handle_find_value(self, request, observed_host):
+        response = await super().handle_find_value(request, observed_host)
+        forged = [
+            Record(
+                request.key,
+                f"{i:040x}",
+                msgpack.packb(PEER),
+                time.time() + 60,
+                b"k" * 32,
+                b"s" * 64,
+            )
+            for i in range(2000)
+        ]
+        response.records.extend(record_to_proto(r) for r in forged)
+        card = self.card.to_proto()
+        response.closest.extend(card for _ in range(5000))
+        return response
+
+
+async def test_an_answer_full_of_forgeries_costs_the_reader_one_check():
+    async with serving(
+        lambda t: FloodingNode(identity=Identity.generate(), transport=t)
+    ) as flooder:
+        config = NodeConfig(server=None, peers=(flooder.endpoint,))
+        async with NetNode(identity=Identity.generate(), config=config) as reader:
+            result = await reader.dht.get(peers_key(SWARM))
+    assert result.entries == {}
+    assert len(result.rejected) == 1 and result.rejected[0].code == "bad-signature"
+    assert reader.dht.rejections.total == 1
+
+
+async def test_an_unknown_swarm_id_says_so():
+    async with loopback_network(3) as nodes:
+        with pytest.raises(ManifestError, match="unknown to this network"):
+            await fetch_manifest(nodes[1].dht, "12" * 20)
+        with pytest.raises(ManifestError, match="not a swarm id"):
+            await fetch_manifest(nodes[1].dht, "not-an-id")
+
+
+async def test_a_node_bound_to_every_interface_learns_its_address_from_peers():
+    async with loopback_network(1) as (first,):
+        config = NodeConfig(server=ServerConfig(host="0.0.0.0"), peers=(first.endpoint,))
+        async with NetNode(identity=Identity.generate(), config=config) as node:
+            assert node.server is not None
+            assert node.endpoint == f"127.0.0.1:{node.server.port}"
+            assert node.identity.peer_id in first.dht.routing
+
+
+async def test_leaving_a_node_leaves_no_task_behind():
+    before = asyncio.all_tasks()
+    async with loopback_network(3) as nodes:
+        await nodes[1].dht.store(peers_key(SWARM), PEER, ttl=60)
+        assert all(node.dht._tasks for node in nodes)
+    leftover = {t for t in asyncio.all_tasks() - before if not t.done()}
+    assert leftover == set()
