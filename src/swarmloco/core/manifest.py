@@ -87,7 +87,7 @@ def check_swarm_id(swarm_id: str) -> str:
 
 
 def _utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    return _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
