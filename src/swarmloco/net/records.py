@@ -12,9 +12,11 @@ that says
   largest value and the most subkeys a node keeps under one key.
 
 Kinds defined here: ``manifest`` (the content-addressed swarm manifest: its hash must be
-the swarm id) and ``peers`` (one signed entry per peer: endpoint, role, version, public).
-Later layers add theirs (``progress``, ``round/<r>``, ``status``, ``digest/<r>``) by
-defining a :class:`RecordKind` here and calling :func:`register`.
+the swarm id), ``peers`` (one signed entry per peer: endpoint, role, version, public) and
+``round/<r>`` (one signed entry per peer ready to average round r: endpoint, weight,
+bandwidth, client mode, announce time). Later layers add theirs (``progress``,
+``status``, ``digest/<r>``) by defining a :class:`RecordKind` here and calling
+:func:`register`.
 
 Every record from the network passes :func:`validate` before it is stored or used; the
 cheap checks run first and the signature check last.
@@ -445,3 +447,38 @@ def manifest_key(swarm_id: str) -> str:
 
 def peers_key(swarm_id: str) -> str:
     return swarm_key(swarm_id, "peers")
+
+
+# -- the kinds of the averaging layer --------------------------------------------------------
+
+ROUND = register(
+    RecordKind(
+        name="round/<r>",
+        pattern=r"round/(0|[1-9][0-9]{0,18})",
+        # One signed entry per peer ready to average round r (net/averaging/matchmaking.py):
+        # the earliest-announced serving peer leads the group, the others ask it to.
+        schema=Struct(
+            {
+                # HOST:PORT where the peer serves gRPC; empty for client-mode peers.
+                "endpoint": Str(262, pattern=r"|[^\s/]{1,255}:[0-9]{1,5}"),
+                # Declared weight (tokens since the last round); the leader caps it.
+                "weight": Float(minimum=0.0),
+                # Declared reduction bandwidth (bytes/s); 0 in client mode.
+                "bandwidth": Float(minimum=0.0),
+                "client_mode": Bool(),
+                # Unix seconds when the peer announced itself (orders leader candidates).
+                "announced_at": Float(minimum=0.0),
+                # Padded length of the vector it averages (peers of other sizes are ignored).
+                "numel": Int(minimum=0),
+            }
+        ),
+        owned=True,
+        max_ttl=3600.0,
+        max_value_bytes=512,
+        max_subkeys=4096,
+    )
+)
+
+
+def round_key(swarm_id: str, round: int) -> str:
+    return swarm_key(swarm_id, f"round/{round}")

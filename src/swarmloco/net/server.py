@@ -70,6 +70,18 @@ def unary_service(
     rejections: RejectionLog,
 ) -> Service:
     """A service of unary methods ``{name: (request type, handler)}``, safe against garbage."""
+    generic = grpc.method_handlers_generic_handler(
+        name, unary_method_handlers(methods, rejections=rejections)
+    )
+    return Service(name, lambda server: server.add_generic_rpc_handlers((generic,)))
+
+
+def unary_method_handlers(
+    methods: Mapping[str, tuple[type[Message], UnaryHandler]],
+    *,
+    rejections: RejectionLog,
+) -> dict[str, grpc.RpcMethodHandler]:
+    """The method handlers of :func:`unary_service`, for a service that also streams."""
 
     def wrap(method: str, request_type: type[Message], handler: UnaryHandler) -> UnaryHandler:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Message:
@@ -83,7 +95,7 @@ def unary_service(
 
         return call
 
-    handlers = {
+    return {
         method: grpc.unary_unary_rpc_method_handler(
             wrap(method, request_type, handler),
             request_deserializer=decoder(request_type),
@@ -91,8 +103,6 @@ def unary_service(
         )
         for method, (request_type, handler) in methods.items()
     }
-    generic = grpc.method_handlers_generic_handler(name, handlers)
-    return Service(name, lambda server: server.add_generic_rpc_handlers((generic,)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

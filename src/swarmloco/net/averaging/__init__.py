@@ -1,0 +1,47 @@
+"""Averaging: leader-based matchmaking and the streamed int8 butterfly all-reduce.
+
+Imports torch (the codec), so only the training daemon imports this package; the
+bootstrap node and the dashboard never do.
+
+- ``group``: signed member declarations, forming and checking a group (pure);
+- ``matchmaking``: :class:`Matchmaker`, the ``round/<r>`` DHT entries and the Join RPC;
+- ``reduction``: :class:`PartReduction`, the reducer of one part (pure);
+- ``view``: :class:`RoundView`, one member's view of a round: failover, digest, report
+  (pure);
+- ``wire``: the bytes of the Aggregate stream (copy-free encoding of the hot messages);
+- ``allreduce``: :class:`Averager`, the streams, deadlines, failures and agreement;
+- ``limiter``: :class:`BandwidthLimiter`, token buckets for upload and download;
+- ``faults``: :class:`FaultPlan`, the fault-injection seam (drop, delay, cut, corrupt,
+  replay, stall per peer, round and phase);
+- ``service``: :func:`averaging_service`, the gRPC service to register on the server.
+"""
+
+from swarmloco.net.averaging.allreduce import (
+    AllReduceReport,
+    AllReduceResult,
+    Averager,
+    AveragingConfig,
+)
+from swarmloco.net.averaging.faults import Fault, FaultPlan
+from swarmloco.net.averaging.group import Group, Member
+from swarmloco.net.averaging.limiter import BandwidthConfig, BandwidthLimiter
+from swarmloco.net.averaging.matchmaking import Matchmaker, MatchmakingConfig
+from swarmloco.net.averaging.service import averaging_service
+from swarmloco.net.averaging.view import PartReport
+
+__all__ = [
+    "AllReduceReport",
+    "AllReduceResult",
+    "Averager",
+    "AveragingConfig",
+    "BandwidthConfig",
+    "BandwidthLimiter",
+    "Fault",
+    "FaultPlan",
+    "Group",
+    "Matchmaker",
+    "MatchmakingConfig",
+    "Member",
+    "PartReport",
+    "averaging_service",
+]

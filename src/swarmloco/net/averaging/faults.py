@@ -1,0 +1,227 @@
+"""The fault-injection seam of averaging: scripted faults per (peer, round, phase).
+
+A :class:`FaultPlan` is handed to the :class:`~swarmloco.net.averaging.allreduce.Averager`
+and the :class:`~swarmloco.net.averaging.matchmaking.Matchmaker` of the peer that should
+misbehave (the default is no plan: the hooks cost one ``is None`` check). The averaging
+transport calls the plan on the real code path, where messages leave the peer and where
+its stream handlers process them, so a fault is exactly what a remote peer would see from
+a broken or hostile peer:
+
+* ``drop``: the message is not sent (the stream stays open);
+* ``delay``: the message is sent ``seconds`` late;
+* ``cut``: the stream is torn down once more than ``after_bytes`` went out on it;
+* ``corrupt``: the message is altered (``nan`` scales, ``truncate``d payload,
+  ``stale-round``, shifted ``index``);
+* ``replay``: the message this peer sent at the same point of an earlier round goes out
+  instead (an old chunk replayed into a new round);
+* ``stall``: the sending task, or the serving handler (phase ``handler``), blocks for
+  ``seconds`` (0: until the round is cancelled) while the process and its sockets stay up.
+
+Phases: ``join`` (the matchmaking request), ``hello``, ``chunk``, ``done``, ``heartbeat``
+(what a member sends on its streams), ``result``, ``rerun``, ``verdict`` (what a serving
+member sends back) and ``handler`` (every message a serving handler reads or writes).
+Tests read :attr:`FaultPlan.fired` to assert that the fault they scripted really fired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import struct
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+
+from swarmloco.core.config import require, require_int, require_non_negative
+from swarmloco.errors import NetworkError
+from swarmloco.net.averaging import wire
+
+Action = Literal["drop", "delay", "cut", "corrupt", "replay", "stall"]
+Phase = Literal[
+    "join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler"
+]
+Corruption = Literal["nan", "truncate", "stale-round", "index"]
+_ACTIONS = ("drop", "delay", "cut", "corrupt", "replay", "stall")
+_PHASES = ("join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler")
+_CORRUPTIONS = ("nan", "truncate", "stale-round", "index")
+
+
+class FaultCut(NetworkError):
+    """Raised by the plan to tear the current call down (a ``cut`` fault)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One scripted fault: what to do to which messages."""
+
+    action: Action
+    phase: Phase
+    peer: str | None = None
+    """Hex peer id of the remote end (None: any peer)."""
+    round: int | None = None
+    """Round it applies to (None: every round)."""
+    skip: int = 0
+    """Let this many matching messages through before the fault fires."""
+    times: int | None = None
+    """Fire at most this many times (None: on every matching message after ``skip``)."""
+    seconds: float = 0.0
+    """``delay``: how long; ``stall``: how long (0: until cancelled)."""
+    after_bytes: int = 0
+    """``cut``: tear the call down once more than this many bytes went out on it."""
+    corruption: Corruption = "nan"
+    """``corrupt``: what to do to a chunk or result message."""
+
+    def __post_init__(self) -> None:
+        require(self.action in _ACTIONS, f"action must be one of {_ACTIONS}, got {self.action!r}")
+        require(self.phase in _PHASES, f"phase must be one of {_PHASES}, got {self.phase!r}")
+        require(
+            self.corruption in _CORRUPTIONS,
+            f"corruption must be one of {_CORRUPTIONS}, got {self.corruption!r}",
+        )
+        require_int("skip", self.skip, minimum=0)
+        if self.times is not None:
+            require_int("times", self.times, minimum=1)
+        require_non_negative("seconds", self.seconds)
+        require_int("after_bytes", self.after_bytes, minimum=0)
+        require(
+            self.action != "corrupt" or self.phase in ("chunk", "result"),
+            "only chunk and result messages can be corrupted",
+        )
+
+
+OnFire = Callable[[int, Fault, str, int], None]
+
+
+class FaultPlan:
+    """A script of faults; ``fired[i]`` counts how often fault ``i`` fired."""
+
+    def __init__(self, faults: Sequence[Fault], *, on_fire: OnFire | None = None) -> None:
+        self.faults = list(faults)
+        self.fired = [0] * len(self.faults)
+        self._seen = [0] * len(self.faults)
+        self._on_fire = on_fire
+        self._records: dict[tuple[str, int], bytes] = {}
+        self._record_rounds: dict[str, int] = {}
+        self._recording = any(f.action == "replay" for f in self.faults)
+
+    def _matches(self, phase: str, peer: str, round: int) -> list[int]:
+        hits = []
+        for i, fault in enumerate(self.faults):
+            if fault.phase != phase or (fault.peer is not None and fault.peer != peer):
+                continue
+            if fault.round is not None and fault.round != round:
+                continue
+            self._seen[i] += 1
+            if self._seen[i] <= fault.skip:
+                continue
+            if fault.times is not None and self.fired[i] >= fault.times:
+                continue
+            hits.append(i)
+        return hits
+
+    def _fire(self, i: int, peer: str, round: int) -> Fault:
+        self.fired[i] += 1
+        fault = self.faults[i]
+        if self._on_fire is not None:
+            self._on_fire(i, fault, peer, round)
+        return fault
+
+    async def outgoing(
+        self, phase: Phase, *, peer: str, round: int, message: bytes, call_bytes: int = 0
+    ) -> bytes | None:
+        """The message to send instead of ``message`` (None: drop it); may wait or raise
+        :class:`FaultCut`. ``call_bytes``: bytes already sent on this call."""
+        if self._recording and phase == "chunk":
+            self._record(peer, round, message)
+        for i in self._matches(phase, peer, round):
+            fault = self.faults[i]
+            if fault.action == "replay":
+                old = self._replayed(peer, round)
+                if old is None:
+                    continue  # nothing from an earlier round to replay yet
+                self._fire(i, peer, round)
+                message = old
+                continue
+            if fault.action == "cut" and call_bytes + len(message) <= fault.after_bytes:
+                continue
+            self._fire(i, peer, round)
+            if fault.action == "drop":
+                return None
+            if fault.action == "delay":
+                await asyncio.sleep(fault.seconds)
+            elif fault.action == "stall":
+                await _stall(fault.seconds)
+            elif fault.action == "cut":
+                raise FaultCut(f"fault plan cut the call to {peer[:12]} ({phase})")
+            elif fault.action == "corrupt":
+                message = corrupt(phase, message, fault.corruption)
+        return message
+
+    async def handler(self, *, peer: str, round: int) -> None:
+        """The stall point of a serving handler (phase ``handler``)."""
+        for i in self._matches("handler", peer, round):
+            fault = self._fire(i, peer, round)
+            if fault.action == "stall":
+                await _stall(fault.seconds)
+            elif fault.action == "delay":
+                await asyncio.sleep(fault.seconds)
+
+    # Replays: keep the first chunk sent to each peer per round (only when a replay fault
+    # exists), and serve the one of the latest earlier round.
+    def _record(self, peer: str, round: int, message: bytes) -> None:
+        if (peer, round) not in self._records:
+            self._records[(peer, round)] = message
+
+    def _replayed(self, peer: str, round: int) -> bytes | None:
+        earlier = [r for (p, r) in self._records if p == peer and r < round]
+        return self._records[(peer, max(earlier))] if earlier else None
+
+
+async def _stall(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+    else:
+        await asyncio.Event().wait()  # until the round cancels us
+
+
+def corrupt(phase: str, message: bytes, how: Corruption) -> bytes:
+    """``message`` (a chunk request or a result response) altered as ``how`` says."""
+    if phase == "chunk":
+        chunk = wire.decode_request(message)
+        assert isinstance(chunk, wire.ChunkMessage), "only chunk messages are corrupted"
+        payload = wire.tensor_from(chunk.payload, torch.int8)
+        scales = wire.tensor_from(chunk.scales, torch.uint8)
+        round, index = chunk.round, chunk.index
+        if how == "stale-round":
+            round = max(0, round - 1)
+        elif how == "index":
+            index += 1
+        payload, scales = _corrupt_tensors(payload, scales, how)
+        return wire.encode_chunk(
+            group_id=chunk.group_id, round=round, part=chunk.part, epoch=chunk.epoch,
+            index=index, payload=payload, scales=scales,
+        )
+    result = wire.decode_response(message)
+    assert isinstance(result, wire.ResultMessage), "only result messages are corrupted"
+    payload = wire.tensor_from(result.payload, torch.int8)
+    scales = wire.tensor_from(result.scales, torch.uint8)
+    payload, scales = _corrupt_tensors(payload, scales, how)
+    return wire.encode_result(
+        part=result.part, epoch=result.epoch,
+        index=result.index + (1 if how == "index" else 0),
+        payload=payload, scales=scales, contributors=result.contributors,
+    )
+
+
+def _corrupt_tensors(
+    payload: torch.Tensor, scales: torch.Tensor, how: Corruption
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if how == "nan":
+        nan = struct.pack("<f", math.nan) if scales.numel() % 4 == 0 else b"\x00\x7e"
+        raw = nan * (scales.numel() // len(nan))
+        return payload, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if how == "truncate":
+        return payload[: payload.numel() // 2].clone(), scales
+    return payload, scales

@@ -1,0 +1,301 @@
+"""The group of one averaging round: signed member declarations, how a leader forms the
+group from them and how every member checks the group it is handed.
+
+All pure: no sockets, no clock of its own (times are arguments). A member declares what it
+brings to round r (key, endpoint, weight, bandwidth, vector size) and signs it; the leader
+strikes declarations whose weight is out of bounds (:func:`weight_violations`, repeated
+until none is left, since striking a large weight lowers the median), orders the rest,
+cuts the vector into parts proportional to the declared bandwidths (:func:`part_blocks`;
+client-mode members get none) and names the group by hashing all of it with a nonce.
+Because the declarations travel signed and unchanged, every member re-checks everything
+the leader did (:func:`check_group`) instead of trusting it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import struct
+from collections.abc import Sequence
+
+import msgpack
+
+from swarmloco.core.codec import num_blocks
+from swarmloco.core.grouping import part_blocks, weight_violations
+from swarmloco.net.identity import Identity, peer_id_of, verify
+from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import averaging_pb2 as pb
+
+DECLARATION_DOMAIN = b"swarmloco/v1/member-declaration\x00"
+GROUP_ID_BYTES = 16
+NONCE_BYTES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One member of a group, from its checked declaration."""
+
+    peer_id: str
+    """Hex peer id (BLAKE2b-160 of the public key)."""
+    public_key: bytes
+    endpoint: str
+    """HOST:PORT it serves on; empty in client mode."""
+    weight: float
+    bandwidth: float
+
+    @property
+    def serving(self) -> bool:
+        """Whether it reduces a part (client-mode members only send and receive)."""
+        return bool(self.endpoint) and self.bandwidth > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The group of one round, as every member holds it after :func:`check_group`."""
+
+    group_id: bytes
+    round: int
+    members: tuple[Member, ...]
+    parts: tuple[tuple[int, int], ...]
+    """``(first_block, blocks)`` of part i, reduced by member i (empty for clients)."""
+    numel: int
+    """Padded length of the averaged vector."""
+    block_size: int
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def index_of(self, peer_id: str) -> int:
+        for i, member in enumerate(self.members):
+            if member.peer_id == peer_id:
+                return i
+        raise KeyError(f"peer {peer_id} is not in group {self.group_id.hex()}")
+
+    def part_range(self, part: int) -> tuple[int, int]:
+        """Element range ``[start, stop)`` of a part in the flat vector."""
+        first, blocks = self.parts[part]
+        return first * self.block_size, (first + blocks) * self.block_size
+
+    @property
+    def reducing(self) -> list[int]:
+        """Members with a non-empty part."""
+        return [i for i, (_, blocks) in enumerate(self.parts) if blocks > 0]
+
+    @property
+    def weights(self) -> list[float]:
+        return [m.weight for m in self.members]
+
+
+# -- declarations ----------------------------------------------------------------------------
+
+
+def _declaration_payload(d: pb.MemberDeclaration) -> bytes:
+    return msgpack.packb(
+        [
+            d.public_key,
+            d.endpoint,
+            float(d.weight),
+            float(d.bandwidth),
+            d.swarm_id,
+            d.round,
+            d.numel,
+            d.block_size,
+            d.timestamp_ms,
+        ],
+        use_bin_type=True,
+    )
+
+
+def sign_declaration(
+    identity: Identity,
+    *,
+    endpoint: str,
+    weight: float,
+    bandwidth: float,
+    swarm_id: str,
+    round: int,
+    numel: int,
+    block_size: int,
+    timestamp_ms: int,
+) -> pb.MemberDeclaration:
+    """This peer's signed declaration for ``round``."""
+    declaration = pb.MemberDeclaration(
+        public_key=identity.public_key,
+        endpoint=endpoint,
+        weight=float(weight),
+        bandwidth=float(bandwidth) if endpoint else 0.0,
+        swarm_id=swarm_id,
+        round=round,
+        numel=numel,
+        block_size=block_size,
+        timestamp_ms=timestamp_ms,
+    )
+    declaration.signature = identity.sign(DECLARATION_DOMAIN, _declaration_payload(declaration))
+    return declaration
+
+
+def check_declaration(
+    d: pb.MemberDeclaration,
+    *,
+    swarm_id: str,
+    round: int,
+    numel: int,
+    block_size: int,
+    now_ms: int | None = None,
+    max_age_ms: int = 0,
+) -> Member:
+    """The member a declaration describes, after checking it fits this round.
+
+    ``now_ms``/``max_age_ms`` (leader side) refuse declarations signed too long ago or in
+    the future, so an old declaration cannot be replayed into a later group of the same
+    round number. Raises Rejection with the reason.
+    """
+    if d.swarm_id != swarm_id or d.round != round:
+        raise Rejection(
+            "stale-round",
+            f"declaration is for swarm {d.swarm_id[:12]} round {d.round}, not {round}",
+        )
+    if d.numel != numel or d.block_size != block_size:
+        raise Rejection(
+            "bad-size",
+            f"declaration is for {d.numel} values in blocks of {d.block_size}, "
+            f"this round averages {numel} in blocks of {block_size}",
+        )
+    if not math.isfinite(d.weight) or not math.isfinite(d.bandwidth) or d.bandwidth < 0:
+        raise Rejection("bad-weight", "declared weight or bandwidth is not a finite number")
+    if d.bandwidth > 0 and not d.endpoint:
+        raise Rejection("bad-declaration", "a client-mode member cannot declare bandwidth")
+    if now_ms is not None and max_age_ms and abs(now_ms - d.timestamp_ms) > max_age_ms:
+        raise Rejection("stale-round", "declaration was signed too long ago (or in the future)")
+    if not verify(d.public_key, d.signature, DECLARATION_DOMAIN, _declaration_payload(d)):
+        raise Rejection("bad-signature", "declaration signature does not match")
+    return Member(
+        peer_id=peer_id_of(d.public_key).hex(),
+        public_key=bytes(d.public_key),
+        endpoint=d.endpoint,
+        weight=float(d.weight),
+        bandwidth=float(d.bandwidth),
+    )
+
+
+# -- forming and checking a group -----------------------------------------------------------
+
+
+def capped(weights: Sequence[float], cap_multiple: float) -> dict[int, str]:
+    """Members to strike for their weight: :func:`weight_violations` until none are left
+    (striking the largest weights lowers the median, which may expose more)."""
+    struck: dict[int, str] = {}
+    while True:
+        alive = [i for i in range(len(weights)) if i not in struck]
+        found = weight_violations([weights[i] for i in alive], cap_multiple)
+        if not found:
+            return struck
+        for position, reason in found.items():
+            struck[alive[position]] = reason
+
+
+def _group_id(
+    round: int, declarations: Sequence[pb.MemberDeclaration], parts: Sequence[tuple[int, int]],
+    nonce: bytes,
+) -> bytes:
+    h = hashlib.blake2b(b"swarmloco/v1/group\x00", digest_size=GROUP_ID_BYTES)
+    h.update(struct.pack("<Q", round))
+    for d in declarations:
+        h.update(struct.pack("<H", len(d.signature)))
+        h.update(d.signature)
+    for first, blocks in parts:
+        h.update(struct.pack("<QQ", first, blocks))
+    h.update(nonce)
+    return h.digest()
+
+
+def build_group(
+    declarations: Sequence[pb.MemberDeclaration],
+    *,
+    round: int,
+    numel: int,
+    block_size: int,
+    cap_multiple: float,
+    nonce: bytes,
+) -> tuple[pb.GroupInfo | None, dict[int, str]]:
+    """The leader's group from checked declarations (leader first, then in joining order).
+
+    Returns the group (None if no member can serve a part) and ``{index in declarations:
+    reason}`` of the members struck for their weight.
+    """
+    struck = capped([d.weight for d in declarations], cap_multiple)
+    kept = [d for i, d in enumerate(declarations) if i not in struck]
+    bandwidths = [d.bandwidth if d.endpoint else 0.0 for d in kept]
+    if not kept or sum(bandwidths) <= 0:
+        return None, struck
+    parts = part_blocks(num_blocks(numel, block_size), bandwidths)
+    info = pb.GroupInfo(
+        group_id=_group_id(round, kept, parts, nonce),
+        round=round,
+        members=kept,
+        part_first_block=[first for first, _ in parts],
+        part_blocks=[blocks for _, blocks in parts],
+        nonce=nonce,
+    )
+    return info, struck
+
+
+def check_group(
+    info: pb.GroupInfo,
+    *,
+    me: pb.MemberDeclaration,
+    swarm_id: str,
+    cap_multiple: float,
+) -> Group:
+    """Check everything about a group a leader sent us; Rejection with the reason if wrong.
+
+    The group must contain our own declaration unchanged, every declaration must be signed
+    by its member for this round and vector, no member twice, no weight above the cap, and
+    the parts and the group id must be what we compute ourselves.
+    """
+    round, numel, block_size = me.round, me.numel, me.block_size
+    if info.round != round:
+        raise Rejection("stale-round", f"group is for round {info.round}, not {round}")
+    members = [
+        check_declaration(d, swarm_id=swarm_id, round=round, numel=numel, block_size=block_size)
+        for d in info.members
+    ]
+    ids = [m.peer_id for m in members]
+    if len(set(ids)) != len(ids):
+        raise Rejection("bad-group", "a member appears twice in the group")
+    if not any(d.SerializeToString() == me.SerializeToString() for d in info.members):
+        raise Rejection("bad-group", "our own declaration is not in the group (or was changed)")
+    violations = weight_violations([m.weight for m in members], cap_multiple)
+    if violations:
+        raise Rejection("bad-weight", f"the group admits a bad weight: {violations}")
+    bandwidths = [m.bandwidth if m.serving else 0.0 for m in members]
+    if sum(bandwidths) <= 0:
+        raise Rejection("bad-group", "no member of the group serves a part")
+    parts = part_blocks(num_blocks(numel, block_size), bandwidths)
+    sent = list(zip(info.part_first_block, info.part_blocks, strict=False))
+    if sent != parts or len(info.part_first_block) != len(info.part_blocks):
+        raise Rejection("bad-group", "the part boundaries are not proportional to bandwidth")
+    if len(info.nonce) != NONCE_BYTES or info.group_id != _group_id(
+        round, info.members, parts, info.nonce
+    ):
+        raise Rejection("bad-group", "the group id does not match the group")
+    return Group(
+        group_id=bytes(info.group_id),
+        round=round,
+        members=tuple(members),
+        parts=tuple(parts),
+        numel=numel,
+        block_size=block_size,
+    )
+
+
+def single_group(me: pb.MemberDeclaration, nonce: bytes) -> pb.GroupInfo:
+    """The group of one (a leader nobody joined)."""
+    info, _ = build_group(
+        [me], round=me.round, numel=me.numel, block_size=me.block_size, cap_multiple=0.0,
+        nonce=nonce,
+    )
+    assert info is not None, "a serving peer always forms a group of one"
+    return info

@@ -1,0 +1,438 @@
+"""Leader-based matchmaking: the peers ready for round r form one group under ``round/<r>``.
+
+:meth:`Matchmaker.form_group` announces this peer under the round's DHT key (a signed,
+owned, short-lived entry: endpoint, weight, bandwidth, client mode, announce time), then
+reads the key back. The earliest-announced *serving* peer leads: the others send it a
+signed :class:`~swarmloco.proto.v1.averaging_pb2.MemberDeclaration` in a ``Join`` call
+that it answers, as a long poll, once gathering is over. A leader gathers until the group
+reaches ``max_group_size`` or its gathering window closes, strikes members whose weight is
+out of bounds, cuts the parts and answers every member with the same group (or with the
+reason it was left out). A leader that learns of an earlier-announced serving peer while
+gathering (two peers announced at once and missed each other) hands over: its followers
+are redirected there, and so is it. A group of one is a valid outcome; fewer than
+``min_group_size`` members is not.
+
+Nothing here waits without a deadline: an unreachable leader costs one call bounded by
+the caller's deadline, after which the next candidate is tried or this peer leads itself
+(client-mode peers never lead; they wait for a serving peer to appear). A round that finds
+no group by the deadline raises :class:`~swarmloco.errors.RoundAborted`; a member the
+leader refused raises :class:`~swarmloco.errors.RejectedInput`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+import grpc
+
+from swarmloco.core.config import require, require_int, require_positive
+from swarmloco.errors import RejectedInput, RoundAborted
+from swarmloco.net.averaging.faults import FaultCut, FaultPlan
+from swarmloco.net.averaging.group import (
+    NONCE_BYTES,
+    Group,
+    build_group,
+    check_declaration,
+    check_group,
+    sign_declaration,
+)
+from swarmloco.net.client import Method, RpcClient, RpcError
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.dht.node import DHTNode
+from swarmloco.net.identity import Identity, peer_id_of
+from swarmloco.net.records import round_key
+from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.proto.v1 import averaging_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "swarmloco.v1.Averaging"
+JOIN = Method(f"/{SERVICE_NAME}/Join", pb.JoinRequest, pb.JoinResponse)
+_MAX_REDIRECTS = 8
+# Refusals after which asking again (elsewhere) makes sense; the others are final.
+_TRANSIENT = frozenset({"not-leading", "formed", "full"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MatchmakingConfig:
+    """How peers find their group for a round."""
+
+    min_group_size: int = 1
+    """Smallest group worth averaging in (a leader with fewer members aborts the round)."""
+    max_group_size: int = 64
+    """A leader stops gathering once this many members joined."""
+    gather_s: float = 5.0
+    """How long a leader waits for followers (bounded by the caller's deadline)."""
+    poll_s: float = 0.5
+    """How often a gathering leader (or a client-mode peer without a leader) re-reads the
+    round's DHT key."""
+    weight_cap_multiple: float = 10.0
+    """Declared weights above this multiple of the group median are struck (0: no cap)."""
+    bandwidth: float = 12.5e6
+    """Declared reduction bandwidth in bytes/s (only ratios matter); parts are
+    proportional to it. Client-mode peers always declare 0."""
+    announce_ttl_s: float = 120.0
+    """Lifetime of the ``round/<r>`` entry."""
+    max_declaration_age_s: float = 600.0
+    """A leader refuses declarations signed longer ago (or further ahead) than this."""
+
+    def __post_init__(self) -> None:
+        require_int("min_group_size", self.min_group_size, minimum=1)
+        require_int("max_group_size", self.max_group_size, minimum=1)
+        require(self.min_group_size <= self.max_group_size, "min_group_size > max_group_size")
+        for name in ("gather_s", "poll_s", "announce_ttl_s", "max_declaration_age_s"):
+            require_positive(name, getattr(self, name))
+        require(
+            math.isfinite(self.weight_cap_multiple) and self.weight_cap_multiple >= 0,
+            "weight_cap_multiple must be a non-negative number",
+        )
+        require(
+            math.isfinite(self.bandwidth) and self.bandwidth > 0, "bandwidth must be positive"
+        )
+
+
+class _Handover(Exception):
+    """Internal: the gathering leader found an earlier leader at ``endpoint``."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint)
+        self.endpoint = endpoint
+
+
+@dataclasses.dataclass
+class _Gathering:
+    """A round this peer leads: the declarations so far and each follower's answer."""
+
+    round: int
+    me: pb.MemberDeclaration
+    numel: int
+    block_size: int
+    declarations: list[pb.MemberDeclaration]
+    waiters: dict[str, asyncio.Future[pb.JoinResponse]]
+    joined: asyncio.Event
+    closed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    peer_id: str
+    endpoint: str
+    announced_at: float
+
+
+class Matchmaker:
+    """Forms this peer's group for each round. Constructing does no I/O."""
+
+    def __init__(
+        self,
+        *,
+        identity: Identity,
+        dht: DHTNode,
+        client: RpcClient,
+        swarm_id: str,
+        config: MatchmakingConfig | None = None,
+        faults: FaultPlan | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.identity = identity
+        self.dht = dht
+        self.client = client
+        self.swarm_id = swarm_id
+        self.config = config or MatchmakingConfig()
+        self.faults = faults
+        self.clock = clock
+        self.rejections = RejectionLog(logger)
+        self._leading: dict[int, _Gathering] = {}
+        self._following: dict[int, str] = {}
+
+    # -- the public API ----------------------------------------------------------------
+
+    async def form_group(
+        self, round: int, *, weight: float, numel: int, block_size: int, deadline: Deadline
+    ) -> Group:
+        """The group this peer averages ``round`` with.
+
+        ``weight``: this peer's weight (tokens since the last round, > 0); ``numel``: the
+        padded length of the vector; ``block_size``: the codec's block size. Raises
+        RoundAborted when no group forms by ``deadline``, RejectedInput when the leader
+        refused this peer (e.g. its weight is above the cap).
+        """
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+            raise ValueError(f"weight must be a finite positive number, got {weight!r}")
+        cfg = self.config
+        endpoint = self.dht.endpoint
+        me = sign_declaration(
+            self.identity,
+            endpoint=endpoint,
+            weight=weight,
+            bandwidth=cfg.bandwidth if endpoint else 0.0,
+            swarm_id=self.swarm_id,
+            round=round,
+            numel=numel,
+            block_size=block_size,
+            timestamp_ms=int(self.clock() * 1000),
+        )
+        announced_at = self.clock()
+        key = round_key(self.swarm_id, round)
+        try:
+            await self._announce(key, me, announced_at, deadline)
+            return await self._find_group(round, me, announced_at, deadline)
+        finally:
+            self.dht.forget_published(key, self.identity.peer_id_hex)
+            self._following.pop(round, None)
+
+    # -- finding the leader ------------------------------------------------------------
+
+    async def _announce(
+        self, key: str, me: pb.MemberDeclaration, announced_at: float, deadline: Deadline
+    ) -> None:
+        value = {
+            "endpoint": me.endpoint,
+            "weight": float(me.weight),
+            "bandwidth": float(me.bandwidth),
+            "client_mode": not me.endpoint,
+            "announced_at": announced_at,
+            "numel": me.numel,
+        }
+        try:
+            async with asyncio.timeout(deadline.remaining()):
+                await self.dht.store(key, value, ttl=self.config.announce_ttl_s)
+        except TimeoutError:
+            raise RoundAborted(f"round {me.round}: announcing took past the deadline") from None
+
+    async def _candidates(
+        self, round: int, me: pb.MemberDeclaration, announced_at: float, deadline: Deadline
+    ) -> list[_Candidate]:
+        """Serving peers of this round and vector size that announced before us, earliest
+        first (all of them if we cannot lead)."""
+        key = round_key(self.swarm_id, round)
+        timeout = max(min(deadline.remaining(), self.dht.config.lookup_timeout_s), 0.01)
+        result = await self.dht.get(key, timeout=timeout)
+        mine = self.identity.peer_id_hex
+        found = []
+        for entry in result.entries.values():
+            value = entry.value
+            if entry.subkey == mine or value["client_mode"] or not value["endpoint"]:
+                continue
+            if value["numel"] != me.numel:
+                continue
+            found.append(_Candidate(entry.subkey, value["endpoint"], value["announced_at"]))
+        found.sort(key=lambda c: (c.announced_at, c.peer_id))
+        if me.endpoint:
+            found = [c for c in found if (c.announced_at, c.peer_id) < (announced_at, mine)]
+        return found
+
+    async def _find_group(
+        self, round: int, me: pb.MemberDeclaration, announced_at: float, deadline: Deadline
+    ) -> Group:
+        tried: set[str] = set()
+        redirects = 0
+        next_endpoint: str | None = None
+        while not deadline.expired:
+            if next_endpoint is None:
+                candidates = await self._candidates(round, me, announced_at, deadline)
+                untried = [c for c in candidates if c.endpoint not in tried]
+                if not untried:
+                    if me.endpoint:
+                        try:
+                            return await self._lead(round, me, announced_at, deadline)
+                        except _Handover as handover:
+                            next_endpoint = handover.endpoint
+                            continue
+                    await asyncio.sleep(min(self.config.poll_s, deadline.remaining()))
+                    continue
+                next_endpoint = untried[0].endpoint
+            endpoint, next_endpoint = next_endpoint, None
+            response = await self._join(endpoint, me, deadline)
+            if response is None:
+                tried.add(endpoint)
+                continue
+            outcome = response.WhichOneof("outcome")
+            if outcome == "group":
+                try:
+                    return check_group(
+                        response.group,
+                        me=me,
+                        swarm_id=self.swarm_id,
+                        cap_multiple=self.config.weight_cap_multiple,
+                    )
+                except Rejection as rejection:
+                    self.rejections.record(rejection, endpoint)
+                    raise RoundAborted(
+                        f"round {round}: the leader at {endpoint} sent an invalid group "
+                        f"({rejection.reason})"
+                    ) from None
+            if outcome == "redirect" and redirects < _MAX_REDIRECTS:
+                redirects += 1
+                self._following[round] = response.redirect
+                next_endpoint = response.redirect
+                continue
+            refusal = response.refused
+            if outcome == "refused" and refusal.code not in _TRANSIENT:
+                raise RejectedInput(
+                    f"round {round}: the leader refused us: {refusal.reason}", peer=endpoint
+                )
+            tried.add(endpoint)
+        raise RoundAborted(f"round {round}: no group formed before the deadline")
+
+    async def _join(
+        self, endpoint: str, me: pb.MemberDeclaration, deadline: Deadline
+    ) -> pb.JoinResponse | None:
+        """Ask the leader at ``endpoint`` for the group; None if it cannot be reached."""
+        request = pb.JoinRequest(member=me)
+        self._following[me.round] = endpoint
+        try:
+            if self.faults is not None:
+                data = await self.faults.outgoing(
+                    "join", peer=endpoint, round=me.round, message=request.SerializeToString()
+                )
+                if data is None:  # dropped: the leader never hears of us
+                    await asyncio.sleep(deadline.remaining())
+                    return None
+            return await self.client.call(endpoint, JOIN, request, timeout=deadline, attempts=2)
+        except (RpcError, FaultCut) as exc:
+            logger.info("round %d: leader %s did not answer: %s", me.round, endpoint, exc)
+            return None
+
+    # -- leading -------------------------------------------------------------------------
+
+    async def _lead(
+        self, round: int, me: pb.MemberDeclaration, announced_at: float, deadline: Deadline
+    ) -> Group:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        gathering = _Gathering(
+            round=round,
+            me=me,
+            numel=me.numel,
+            block_size=me.block_size,
+            declarations=[me],
+            waiters={},
+            joined=asyncio.Event(),
+        )
+        self._leading[round] = gathering
+        self._following.pop(round, None)
+        close_at = loop.time() + min(cfg.gather_s, deadline.remaining())
+        try:
+            while len(gathering.declarations) < cfg.max_group_size:
+                left = close_at - loop.time()
+                if left <= 0:
+                    break
+                gathering.joined.clear()
+                try:
+                    async with asyncio.timeout(min(left, cfg.poll_s)):
+                        await gathering.joined.wait()
+                    continue
+                except TimeoutError:
+                    pass
+                earlier = await self._candidates(round, me, announced_at, deadline)
+                if earlier:
+                    self._hand_over(gathering, earlier[0].endpoint)
+                    raise _Handover(earlier[0].endpoint)
+            return self._close(gathering)
+        finally:
+            gathering.closed = True
+            self._leading.pop(round, None)
+            for waiter in gathering.waiters.values():
+                if not waiter.done():
+                    waiter.set_result(_refused("formed", "the leader stopped gathering"))
+
+    def _hand_over(self, gathering: _Gathering, endpoint: str) -> None:
+        logger.info("round %d: handing the group over to %s", gathering.round, endpoint)
+        gathering.closed = True
+        for waiter in gathering.waiters.values():
+            if not waiter.done():
+                waiter.set_result(pb.JoinResponse(redirect=endpoint))
+
+    def _close(self, gathering: _Gathering) -> Group:
+        cfg = self.config
+        gathering.closed = True
+        info, struck = build_group(
+            gathering.declarations,
+            round=gathering.round,
+            numel=gathering.numel,
+            block_size=gathering.block_size,
+            cap_multiple=cfg.weight_cap_multiple,
+            nonce=os.urandom(NONCE_BYTES),
+        )
+        ids = [_peer_of(d) for d in gathering.declarations]
+        for index, reason in struck.items():
+            self.rejections.record(Rejection("bad-weight", reason), ids[index])
+            waiter = gathering.waiters.get(ids[index])
+            if waiter is not None and not waiter.done():
+                waiter.set_result(_refused("bad-weight", reason))
+        if 0 in struck:
+            raise RejectedInput(f"round {gathering.round}: our own weight {struck[0]}")
+        size = len(gathering.declarations) - len(struck)
+        if info is None or size < cfg.min_group_size:
+            raise RoundAborted(
+                f"round {gathering.round}: {size} member(s) gathered, at least "
+                f"{cfg.min_group_size} needed"
+            )
+        for waiter in gathering.waiters.values():
+            if not waiter.done():
+                waiter.set_result(pb.JoinResponse(group=info))
+        logger.info("round %d: formed a group of %d", gathering.round, size)
+        return check_group(
+            info, me=gathering.me, swarm_id=self.swarm_id, cap_multiple=cfg.weight_cap_multiple
+        )
+
+    async def handle_join(
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
+    ) -> pb.JoinResponse:
+        """A follower asks us to lead it; answered when gathering is over."""
+        declaration = request.member
+        gathering = self._leading.get(declaration.round)
+        if gathering is None or gathering.closed:
+            following = self._following.get(declaration.round)
+            if following:
+                return pb.JoinResponse(redirect=following)
+            if gathering is None:
+                return _refused("not-leading", "this peer leads no group for that round")
+            return _refused("formed", "the group of that round is already formed")
+        try:
+            member = check_declaration(
+                declaration,
+                swarm_id=self.swarm_id,
+                round=gathering.round,
+                numel=gathering.numel,
+                block_size=gathering.block_size,
+                now_ms=int(self.clock() * 1000),
+                max_age_ms=int(self.config.max_declaration_age_s * 1000),
+            )
+        except Rejection as rejection:
+            self.rejections.record(rejection, context.peer())
+            return _refused(rejection.code, rejection.reason)
+        if member.peer_id == self.identity.peer_id_hex:
+            return _refused("bad-declaration", "that is the leader's own declaration")
+        waiter = gathering.waiters.get(member.peer_id)
+        if waiter is None:
+            if len(gathering.declarations) >= self.config.max_group_size:
+                return _refused("full", "the group is full")
+            waiter = asyncio.get_running_loop().create_future()
+            gathering.waiters[member.peer_id] = waiter
+            gathering.declarations.append(declaration)
+            gathering.joined.set()
+        try:
+            return await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            # The follower gave up (its deadline, its cancel): keep it out of the group.
+            if not gathering.closed and not waiter.done():
+                del gathering.waiters[member.peer_id]
+                gathering.declarations = [
+                    d for d in gathering.declarations if _peer_of(d) != member.peer_id
+                ]
+            raise
+
+
+def _refused(code: str, reason: str) -> pb.JoinResponse:
+    return pb.JoinResponse(refused=pb.Refusal(code=code, reason=reason))
+
+
+def _peer_of(declaration: pb.MemberDeclaration) -> str:
+    return peer_id_of(declaration.public_key).hex()

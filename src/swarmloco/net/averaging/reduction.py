@@ -1,0 +1,212 @@
+"""The reducer of one part at one epoch: chunks in, averaged chunks out. No I/O.
+
+A :class:`PartReduction` receives every member's slice of a part chunk by chunk (in order
+per sender), checks each chunk before it touches the sum, and accumulates it weighted as
+it arrives (``mean``), or keeps the decoded chunks of each chunk index until they are all
+there (``trimmed_mean``/``centered_clip``). Chunk k is *complete* when every live sender
+has delivered it; chunks complete in order, and the caller quantizes and sends out each
+completed chunk's mean (:meth:`PartReduction.finish`).
+
+Senders leave in two ways:
+
+* *excluded*: the sender missed its chunk deadline, its stream broke, or its peer failed.
+  The chunks it delivered so far stay in the sum; it is left out of the rest, and its
+  late chunks are ignored. It keeps receiving results.
+* *struck*: it sent something invalid (wrong size or index, NaN/Inf scales, a stale
+  round or group, a duplicate). Same as excluded, plus the caller refuses its stream.
+
+Either way each chunk's mean is normalized by the weights of exactly the senders it
+includes, and since every sender delivers in order, the senders a chunk includes are those
+whose *included prefix* is longer than the chunk index: :meth:`included` is the whole
+account of who counted where.
+
+Deadlines (the caller's clock, in seconds): a live sender must deliver its next chunk
+within ``timeout`` of the earlier of (a) its previous chunk (or the start) and (b) the
+first arrival of that chunk from any other remote sender. (a) catches a sender that
+stopped; (b) one that lags far behind the others, which would otherwise hold the whole
+part back to its pace.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from swarmloco.core.aggregate import AggregatorConfig, aggregate
+from swarmloco.core.codec import (
+    ChunkSpan,
+    CodecConfig,
+    dequantize,
+    dequantize_accumulate_,
+    padded_zeros,
+    quantize,
+)
+from swarmloco.errors import CodecError
+from swarmloco.net.rejections import Rejection
+
+
+class PartReduction:
+    """Reduce part ``part`` at ``epoch`` from the given senders (member indices)."""
+
+    def __init__(
+        self,
+        *,
+        part: int,
+        epoch: int,
+        spans: Sequence[ChunkSpan],
+        weights: Sequence[float],
+        senders: Iterable[int],
+        codec: CodecConfig,
+        aggregator: AggregatorConfig,
+        timeout: float,
+        now: float,
+    ) -> None:
+        self.part = part
+        self.epoch = epoch
+        self.spans = list(spans)
+        self.weights = list(weights)
+        self.codec = codec
+        self.aggregator = aggregator
+        self.timeout = timeout
+        self.start = now
+        numel = self.spans[-1].stop if self.spans else 0
+        self._acc = padded_zeros(numel, codec.block_size) if aggregator.streaming else None
+        self._buffered: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self._weight_sum = [0.0] * len(self.spans)
+        self.next_index: dict[int, int] = {s: 0 for s in senders}
+        self.live: set[int] = set(self.next_index)
+        self.left: dict[int, str] = {}
+        """Senders excluded or struck, with the reason."""
+        self._last_progress: dict[int, float] = dict.fromkeys(self.next_index, now)
+        self._first_remote: dict[int, float] = {}
+        self.completed = 0
+        """Chunks ``[0, completed)`` are complete (their means were handed out)."""
+
+    @property
+    def chunks(self) -> int:
+        return len(self.spans)
+
+    @property
+    def done(self) -> bool:
+        return self.completed == len(self.spans)
+
+    # -- input ---------------------------------------------------------------------------
+
+    def accept(
+        self,
+        sender: int,
+        index: int,
+        payload: torch.Tensor,
+        scales: torch.Tensor,
+        now: float,
+        *,
+        remote: bool = True,
+    ) -> bool:
+        """Add ``sender``'s chunk ``index``; return False if it came too late to count.
+
+        Raises Rejection (the caller strikes the sender) if the chunk is not the next one
+        expected from this sender or does not decode to exactly that chunk.
+        """
+        if sender not in self.next_index:
+            raise Rejection("not-member", f"member {sender} does not send part {self.part}")
+        expected = self.next_index[sender]
+        if sender not in self.live:
+            return False
+        if index != expected:
+            code = "duplicate" if index < expected else "bad-index"
+            raise Rejection(code, f"chunk {index} of part {self.part}, expected {expected}")
+        if index >= len(self.spans):
+            raise Rejection("bad-index", f"part {self.part} has only {len(self.spans)} chunks")
+        span = self.spans[index]
+        weight = self.weights[sender]
+        try:
+            if self._acc is not None:
+                acc = self._acc[span.start : span.stop]
+                dequantize_accumulate_(acc, payload, scales, weight, self.codec)
+            else:
+                decoded = dequantize(payload, scales, self.codec.block_size, self.codec.backend)
+                if decoded.numel() != span.numel:
+                    raise CodecError(f"chunk decodes to {decoded.numel()} values")
+                self._buffered.setdefault(index, []).append((sender, decoded))
+        except CodecError as exc:
+            raise Rejection("bad-chunk", f"chunk {index} of part {self.part}: {exc}") from None
+        self._weight_sum[index] += weight
+        self.next_index[sender] = index + 1
+        self._last_progress[sender] = now
+        if remote:
+            self._first_remote.setdefault(index, now)
+        return True
+
+    def exclude(self, sender: int, reason: str) -> None:
+        """Leave ``sender`` out of every chunk it has not delivered yet."""
+        if sender in self.live:
+            self.live.discard(sender)
+            self.left[sender] = reason
+
+    def expire(self, now: float) -> list[int]:
+        """Exclude the senders whose deadline passed; return them."""
+        late = [s for s in self.live if (d := self._deadline(s)) is not None and d <= now]
+        for sender in late:
+            self.exclude(
+                sender,
+                f"missed the deadline of chunk {self.next_index[sender]} of part {self.part}",
+            )
+        return late
+
+    def _deadline(self, sender: int) -> float | None:
+        index = self.next_index[sender]
+        if index >= len(self.spans):
+            return None
+        since = self._last_progress[sender]
+        first = self._first_remote.get(index)
+        if first is not None:
+            since = min(since, first)
+        return since + self.timeout
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`expire` may next exclude someone (None: nobody is awaited)."""
+        deadlines = [d for s in self.live if (d := self._deadline(s)) is not None]
+        return min(deadlines, default=None)
+
+    # -- output --------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """Whether the next chunk (``completed``) has every live sender's contribution."""
+        if self.done:
+            return False
+        k = self.completed
+        return all(self.next_index[s] > k for s in self.live)
+
+    def finish(self) -> tuple[int, torch.Tensor, torch.Tensor, list[int]]:
+        """Complete the next ready chunk: ``(index, int8 payload, scales, contributors)``.
+
+        The mean is normalized by the weights of exactly the contributors listed.
+        """
+        assert self.ready(), "finish() needs a ready chunk"
+        k = self.completed
+        span = self.spans[k]
+        contributors = self.contributors(k)
+        total = self._weight_sum[k]
+        if not contributors or not math.isfinite(total) or total <= 0:
+            raise Rejection("no-contributors", f"chunk {k} of part {self.part} has no sender")
+        if self._acc is not None:
+            mean = self._acc[span.start : span.stop]
+            mean.mul_(1.0 / total)
+        else:
+            received = self._buffered.pop(k)
+            mean = aggregate(
+                [t for _, t in received], [self.weights[s] for s, _ in received], self.aggregator
+            )
+        payload, scales = quantize(mean.contiguous(), self.codec)
+        self.completed += 1
+        return k, payload, scales, contributors
+
+    def contributors(self, index: int) -> list[int]:
+        """Members whose contribution chunk ``index`` includes."""
+        return sorted(s for s, n in self.next_index.items() if n > index)
+
+    def included(self) -> dict[int, int]:
+        """Per sender: how many leading chunks include it."""
+        return dict(self.next_index)

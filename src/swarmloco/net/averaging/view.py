@@ -1,0 +1,203 @@
+"""One member's view of a round: who reduces each part now, which results it holds, and
+what it reports. No I/O.
+
+Part j starts with member j as its reducer (*epoch 0*). When a member decides that the
+reducer of a part it still lacks has failed (its stream broke, it went silent, it stopped
+making progress, it refused us), it moves the part to the next serving member after the
+failed one that it has not seen fail, one epoch higher, resets what it had received of the
+part, and sends its slice there. That backup announces the rerun to every member
+(``Rerun``), and a member that hears of a claim that *beats* its own moves too, even if it
+had the whole part already: the backup's result supersedes the old one everywhere. Claims
+are ordered by epoch, then by how soon after the part's own reducer the backup comes, so
+members that chose different backups converge on one.
+
+:meth:`RoundView.digest` summarizes what a member holds (the final claim of every part and
+the contributors of every chunk); members compare digests before anyone applies the
+result, so any divergence the protocol did not prevent is detected, not applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+
+from swarmloco.core.codec import ChunkSpan, CodecConfig, chunk_spans
+from swarmloco.errors import RoundAborted
+from swarmloco.net.averaging.group import Group
+from swarmloco.net.averaging.wire import members_of
+from swarmloco.net.rejections import Rejection
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """Who reduces a part, at which epoch."""
+
+    epoch: int
+    reducer: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PartReport:
+    """Who counted in one part of the result."""
+
+    part: int
+    reducer: str
+    """Peer id of the member whose result everyone used."""
+    epoch: int
+    """0 if the part's own reducer delivered it; n after n failovers."""
+    chunks: int
+    included: dict[str, int]
+    """Per member peer id: how many leading chunks of the part include its contribution
+    (a member absent from the dict counted in none)."""
+
+
+def part_spans(group: Group, codec: CodecConfig) -> list[list[ChunkSpan]]:
+    """The chunks of every part (offsets relative to the part's start)."""
+    return [
+        chunk_spans(blocks * group.block_size, codec) if blocks else []
+        for _, blocks in group.parts
+    ]
+
+
+class RoundView:
+    """What member ``me`` knows about the parts of a round."""
+
+    def __init__(self, group: Group, me: int, codec: CodecConfig) -> None:
+        self.group = group
+        self.me = me
+        self.spans = part_spans(group, codec)
+        self.parts = [p for p, spans in enumerate(self.spans) if spans]
+        self.owner: dict[int, Claim] = {p: Claim(0, p) for p in self.parts}
+        self.failed: dict[int, str] = {}
+        self._received: dict[int, list[bytes]] = {p: [] for p in self.parts}
+
+    # -- who reduces what ---------------------------------------------------------------
+
+    def rank(self, part: int, reducer: int) -> int:
+        """How soon after the part's own reducer ``reducer`` comes (0 for itself)."""
+        return (reducer - part) % self.group.size
+
+    def beats(self, part: int, a: Claim, b: Claim) -> bool:
+        return a.epoch > b.epoch or (
+            a.epoch == b.epoch and self.rank(part, a.reducer) < self.rank(part, b.reducer)
+        )
+
+    def _backup_after(self, member: int) -> int | None:
+        n = self.group.size
+        for step in range(1, n):
+            candidate = (member + step) % n
+            if self.group.members[candidate].serving and candidate not in self.failed:
+                return candidate
+        return None
+
+    def fail(self, member: int, reason: str) -> list[int]:
+        """Member ``member`` failed: the parts it reduces that we still lack move on.
+
+        Returns the parts whose claim changed (the caller resends them). Raises
+        RoundAborted when no serving member is left to take a part.
+        """
+        if member in self.failed or member == self.me:
+            return []
+        self.failed[member] = reason
+        moved = []
+        for part, claim in self.owner.items():
+            if claim.reducer != member or self.part_complete(part):
+                continue
+            backup = self._backup_after(member)
+            if backup is None:
+                raise RoundAborted(
+                    f"no serving member is left to reduce part {part} (its reducer "
+                    f"{self.group.members[member].peer_id[:12]} failed: {reason})"
+                )
+            self._move(part, Claim(claim.epoch + 1, backup))
+            moved.append(part)
+        return moved
+
+    def notice(self, part: int, claim: Claim) -> bool:
+        """Another member claims ``part``; True if the claim beats ours (we move)."""
+        if part not in self.owner:
+            raise Rejection("bad-part", f"part {part} does not exist in this group")
+        if not self.beats(part, claim, self.owner[part]):
+            return False
+        self._move(part, claim)
+        return True
+
+    def _move(self, part: int, claim: Claim) -> None:
+        self.owner[part] = claim
+        self._received[part] = []
+
+    # -- results -------------------------------------------------------------------------
+
+    def expects(self, part: int, epoch: int, reducer: int) -> bool:
+        """Whether results of ``part`` at ``epoch`` from ``reducer`` are the ones we use."""
+        return self.owner.get(part) == Claim(epoch, reducer)
+
+    def on_result(self, part: int, index: int, contributors: bytes) -> None:
+        """Record result chunk ``index`` of ``part`` (call only when :meth:`expects`).
+
+        Raises Rejection if it is not the next chunk or names impossible contributors.
+        """
+        received = self._received[part]
+        if index != len(received) or index >= len(self.spans[part]):
+            raise Rejection(
+                "bad-result", f"result chunk {index} of part {part}, expected {len(received)}"
+            )
+        if not members_of(contributors, self.group.size):
+            raise Rejection("bad-result", f"result chunk {index} of part {part} averages nobody")
+        received.append(contributors)
+
+    def received(self, part: int) -> int:
+        return len(self._received[part])
+
+    def part_complete(self, part: int) -> bool:
+        return len(self._received[part]) == len(self.spans[part])
+
+    @property
+    def complete(self) -> bool:
+        return all(self.part_complete(p) for p in self.parts)
+
+    def missing(self) -> list[int]:
+        return [p for p in self.parts if not self.part_complete(p)]
+
+    # -- summary -------------------------------------------------------------------------
+
+    def digest(self) -> bytes:
+        """What we hold, in 16 bytes: every part's final claim and every chunk's contributors.
+
+        Two members with the same digest decoded the same result messages of the same
+        reducers (each reducer sends one set of bytes per chunk to everyone).
+        """
+        h = hashlib.blake2b(b"swarmloco/v1/round-result\x00", digest_size=16)
+        h.update(self.group.group_id)
+        h.update(struct.pack("<Q", self.group.round))
+        for part in self.parts:
+            claim = self.owner[part]
+            h.update(struct.pack("<III", part, claim.epoch, claim.reducer))
+            for bits in self._received[part]:
+                h.update(bits)
+        return h.digest()
+
+    def report(self) -> list[PartReport]:
+        reports = []
+        for part in self.parts:
+            claim = self.owner[part]
+            included: dict[str, int] = {}
+            for member in range(self.group.size):
+                count = 0
+                for bits in self._received[part]:
+                    if not bits[member // 8] >> (member % 8) & 1:
+                        break
+                    count += 1
+                if count:
+                    included[self.group.members[member].peer_id] = count
+            reports.append(
+                PartReport(
+                    part=part,
+                    reducer=self.group.members[claim.reducer].peer_id,
+                    epoch=claim.epoch,
+                    chunks=len(self.spans[part]),
+                    included=included,
+                )
+            )
+        return reports

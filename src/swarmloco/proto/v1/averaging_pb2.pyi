@@ -1,0 +1,173 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemberDeclaration(_message.Message):
+    __slots__ = ("public_key", "endpoint", "weight", "bandwidth", "swarm_id", "round", "numel", "block_size", "timestamp_ms", "signature")
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    public_key: bytes
+    endpoint: str
+    weight: float
+    bandwidth: float
+    swarm_id: str
+    round: int
+    numel: int
+    block_size: int
+    timestamp_ms: int
+    signature: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth: _Optional[float] = ..., swarm_id: _Optional[str] = ..., round: _Optional[int] = ..., numel: _Optional[int] = ..., block_size: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("member",)
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    member: MemberDeclaration
+    def __init__(self, member: _Optional[_Union[MemberDeclaration, _Mapping]] = ...) -> None: ...
+
+class GroupInfo(_message.Message):
+    __slots__ = ("group_id", "round", "members", "part_first_block", "part_blocks", "nonce")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PART_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    round: int
+    members: _containers.RepeatedCompositeFieldContainer[MemberDeclaration]
+    part_first_block: _containers.RepeatedScalarFieldContainer[int]
+    part_blocks: _containers.RepeatedScalarFieldContainer[int]
+    nonce: bytes
+    def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDeclaration, _Mapping]]] = ..., part_first_block: _Optional[_Iterable[int]] = ..., part_blocks: _Optional[_Iterable[int]] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("group", "refused", "redirect")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REDIRECT_FIELD_NUMBER: _ClassVar[int]
+    group: GroupInfo
+    refused: Refusal
+    redirect: str
+    def __init__(self, group: _Optional[_Union[GroupInfo, _Mapping]] = ..., refused: _Optional[_Union[Refusal, _Mapping]] = ..., redirect: _Optional[str] = ...) -> None: ...
+
+class StreamHello(_message.Message):
+    __slots__ = ("group_id", "round", "sender", "reducer", "signature")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    REDUCER_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    round: int
+    sender: int
+    reducer: int
+    signature: bytes
+    def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., sender: _Optional[int] = ..., reducer: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class PartChunk(_message.Message):
+    __slots__ = ("group_id", "round", "part", "epoch", "index", "payload", "scales")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    round: int
+    part: int
+    epoch: int
+    index: int
+    payload: bytes
+    scales: bytes
+    def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
+
+class MemberDone(_message.Message):
+    __slots__ = ("digest",)
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    digest: bytes
+    def __init__(self, digest: _Optional[bytes] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AggregateRequest(_message.Message):
+    __slots__ = ("hello", "chunk", "done", "heartbeat")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    hello: StreamHello
+    chunk: PartChunk
+    done: MemberDone
+    heartbeat: Heartbeat
+    def __init__(self, hello: _Optional[_Union[StreamHello, _Mapping]] = ..., chunk: _Optional[_Union[PartChunk, _Mapping]] = ..., done: _Optional[_Union[MemberDone, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class ResultChunk(_message.Message):
+    __slots__ = ("part", "epoch", "index", "payload", "scales", "contributors")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    epoch: int
+    index: int
+    payload: bytes
+    scales: bytes
+    contributors: bytes
+    def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., contributors: _Optional[bytes] = ...) -> None: ...
+
+class Rerun(_message.Message):
+    __slots__ = ("part", "epoch")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    epoch: int
+    def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("agreed", "digest", "reason")
+    AGREED_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    agreed: bool
+    digest: bytes
+    reason: str
+    def __init__(self, agreed: _Optional[bool] = ..., digest: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("code", "reason")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    reason: str
+    def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AggregateResponse(_message.Message):
+    __slots__ = ("result", "rerun", "verdict", "refusal", "heartbeat")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    RERUN_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    result: ResultChunk
+    rerun: Rerun
+    verdict: Verdict
+    refusal: Refusal
+    heartbeat: Heartbeat
+    def __init__(self, result: _Optional[_Union[ResultChunk, _Mapping]] = ..., rerun: _Optional[_Union[Rerun, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...

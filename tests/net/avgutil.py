@@ -1,0 +1,141 @@
+"""Helpers for the averaging tests: peers on loopback, rounds, and the exact reference mean."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import torch
+
+from swarmloco.core.codec import CodecConfig, padded_numel
+from swarmloco.net.averaging import (
+    AllReduceResult,
+    Averager,
+    AveragingConfig,
+    BandwidthLimiter,
+    FaultPlan,
+    Matchmaker,
+    MatchmakingConfig,
+    averaging_service,
+)
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+
+SWARM = "cd" * 20
+# Small chunks so that small test vectors still have several chunks per part.
+CODEC = CodecConfig(block_size=64, chunk_bytes=4 * (64 + 4), backend="eager")
+FAST = AveragingConfig(
+    codec=CODEC,
+    sender_timeout_s=1.0,
+    reducer_timeout_s=2.0,
+    liveness_timeout_s=1.0,
+    heartbeat_s=0.2,
+    open_timeout_s=2.0,
+    close_grace_s=1.0,
+)
+
+
+@dataclasses.dataclass
+class AvgPeer:
+    node: NetNode
+    matchmaker: Matchmaker
+    averager: Averager
+
+    @property
+    def peer_id(self) -> str:
+        return self.node.identity.peer_id_hex
+
+
+@asynccontextmanager
+async def averaging_peers(
+    size: int,
+    *,
+    clients: Sequence[int] = (),
+    config: AveragingConfig = FAST,
+    matchmaking: MatchmakingConfig | None = None,
+    faults: dict[int, FaultPlan] | None = None,
+    limiters: dict[int, BandwidthLimiter] | None = None,
+    bandwidths: dict[int, float] | None = None,
+) -> AsyncIterator[list[AvgPeer]]:
+    """``size`` peers on 127.0.0.1 joined through the first (which must serve)."""
+    assert 0 not in clients
+    faults = faults or {}
+    limiters = limiters or {}
+    bandwidths = bandwidths or {}
+    async with AsyncExitStack() as stack:
+        peers: list[AvgPeer] = []
+        for i in range(size):
+            identity = Identity.generate()
+            first = () if i == 0 else (peers[0].node.endpoint,)
+            if i in clients:
+                node_config = NodeConfig(server=None, peers=first)
+            else:
+                node_config = NodeConfig(peers=first)
+            node = NetNode(identity=identity, config=node_config)
+            mm_config = matchmaking or MatchmakingConfig(
+                max_group_size=size, gather_s=10.0, poll_s=0.2
+            )
+            if i in bandwidths:
+                mm_config = dataclasses.replace(mm_config, bandwidth=bandwidths[i])
+            matchmaker = Matchmaker(
+                identity=identity,
+                dht=node.dht,
+                client=node.client,
+                swarm_id=SWARM,
+                config=mm_config,
+                faults=faults.get(i),
+            )
+            averager = Averager(
+                identity=identity,
+                client=node.client,
+                config=config,
+                faults=faults.get(i),
+                limiter=limiters.get(i),
+            )
+            if node.server is not None:
+                node.server.add_service(averaging_service(matchmaker, averager))
+            await stack.enter_async_context(node)
+            peers.append(AvgPeer(node, matchmaker, averager))
+        yield peers
+
+
+async def average(
+    peer: AvgPeer, round: int, vector: torch.Tensor, weight: float, *, deadline: Deadline
+) -> AllReduceResult:
+    group = await peer.matchmaker.form_group(
+        round,
+        weight=weight,
+        numel=vector.numel(),
+        block_size=peer.averager.config.codec.block_size,
+        deadline=deadline,
+    )
+    return await peer.averager.all_reduce(group, vector, deadline=deadline)
+
+
+async def run_round(
+    peers: Sequence[AvgPeer],
+    round: int,
+    vectors: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    *,
+    timeout: float = 20.0,
+) -> list[AllReduceResult | BaseException]:
+    deadline = Deadline.after(timeout)
+    return await asyncio.gather(
+        *(average(p, round, v, w, deadline=deadline) for p, v, w in zip(peers, vectors, weights)),
+        return_exceptions=True,
+    )
+
+
+def random_vectors(count: int, numel: int, seed: int, block: int = 64) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    padded = padded_numel(numel, block)
+    out = []
+    for _ in range(count):
+        v = torch.zeros(padded)
+        v[:numel] = torch.randn(numel, generator=g) * (1 + torch.rand(1, generator=g).item())
+        out.append(v)
+    return out
