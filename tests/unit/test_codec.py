@@ -197,7 +197,26 @@ def test_compiled_and_eager_give_the_same_bits():
     codec.dequantize_accumulate_(acc1, q1, s1, 0.3, EAGER)
     codec.dequantize_accumulate_(acc2, q2, s2, 0.3, compiled)
     torch.testing.assert_close(acc1, acc2, rtol=0, atol=1e-6)
+    out1, out2 = torch.full((x.numel(),), 5.0), torch.empty(x.numel())
+    codec.dequantize_into_(out1, q1, s1, EAGER)
+    codec.dequantize_into_(out2, q2, s2, compiled)
+    assert torch.equal(out1, codec.dequantize(q1, s1, 1024, "eager"))
+    assert torch.equal(out1, out2)
     bad = x.clone()
     bad[5] = float("nan")
     with pytest.raises(CodecError):
         codec.quantize(bad, compiled)
+
+
+def test_decode_into_overwrites_with_weight_and_checks_like_decode():
+    x = _vector(3, 1024 * 4, 1)
+    q, s = codec.quantize(x, EAGER)
+    out = torch.full((x.numel(),), float("nan"))
+    codec.dequantize_into_(out, q, s, EAGER, weight=0.25)
+    assert torch.equal(out, codec.dequantize(q, s, 1024, "eager") * 0.25)
+    with pytest.raises(CodecError):
+        codec.dequantize_into_(torch.empty(1024), q, s, EAGER)
+    with pytest.raises(CodecError):
+        codec.dequantize_into_(out, q, torch.full_like(s, float("inf")), EAGER)
+    with pytest.raises(CodecError):
+        codec.dequantize_into_(out, q, s, EAGER, weight=float("nan"))

@@ -120,6 +120,14 @@ def _quantize_kernel(
     return q, scale.to(scale_dtype)
 
 
+def _quantize_into_kernel(
+    xb: torch.Tensor, qb: torch.Tensor, scale_out: torch.Tensor, scale_dtype: torch.dtype
+) -> None:
+    q, scale = _quantize_kernel(xb, scale_dtype)
+    qb.copy_(q)
+    scale_out.copy_(scale)
+
+
 def _dequantize_kernel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
@@ -128,6 +136,12 @@ def _accumulate_kernel(
     acc: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, weight: float
 ) -> None:
     acc.add_(q.float() * (scale.float() * weight)[:, None])
+
+
+def _decode_into_kernel(
+    out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, weight: float
+) -> None:
+    out.copy_(q.float() * (scale.float() * weight)[:, None])
 
 
 class _Kernels:
@@ -196,17 +210,40 @@ def _check_scales(scale: torch.Tensor, what: str) -> None:
 # --------------------------------------------------------------------------- block-aligned API
 
 
-def quantize(x: torch.Tensor, config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor,
+    config: CodecConfig,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a block-aligned fp32 vector: int8 values (same length) and one scale per block.
 
+    ``out``: existing (int8 values, scales) buffers to write into (e.g. reused every round,
+    which spares the page faults of fresh memory); new tensors by default.
     Raises CodecError if ``x`` holds NaN or Inf.
     """
     if x.dtype != torch.float32:
         raise CodecError(f"expected a float32 tensor, got {x.dtype}")
     xb = _blocks(x, config.block_size, "input")
-    q, scale = _KERNELS.run(
-        "quantize", _quantize_kernel, config.backend, xb, config.scale_torch_dtype
-    )
+    if out is None:
+        q, scale = _KERNELS.run(
+            "quantize", _quantize_kernel, config.backend, xb, config.scale_torch_dtype
+        )
+    else:
+        q, scale = out
+        if q.dtype != torch.int8 or q.shape != x.shape or not q.is_contiguous():
+            raise CodecError(f"out values must be contiguous int8 of shape {tuple(x.shape)}")
+        if scale.dtype != config.scale_torch_dtype or scale.shape != (xb.shape[0],):
+            raise CodecError(f"out scales must be {xb.shape[0]} x {config.scale_dtype}")
+        _KERNELS.run(
+            "quantize_into",
+            _quantize_into_kernel,
+            config.backend,
+            xb,
+            q.view(-1, config.block_size),
+            scale,
+            config.scale_torch_dtype,
+        )
     _check_scales(scale, "input")
     return q.view(-1), scale
 
@@ -239,6 +276,31 @@ def dequantize_accumulate_(
         raise CodecError(f"payload has {q.numel()} elements, accumulator {acc.numel()}")
     _check_decode_args(qb, scale)
     _KERNELS.run("accumulate", _accumulate_kernel, config.backend, ab, qb, scale, float(weight))
+
+
+def dequantize_into_(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    config: CodecConfig,
+    weight: float = 1.0,
+) -> None:
+    """``out = weight * decode(q, scale)`` in place, in one pass (``out`` need not be zeroed).
+
+    With weight 1 this is exactly :func:`dequantize` (``s * 1.0 == s``), written into an
+    existing buffer: the averaging layer decodes results into a reused buffer this way and
+    starts each reducer's sum with its first contribution, so no buffer is zero-filled.
+    """
+    if out.dtype != torch.float32:
+        raise CodecError(f"output must be float32, got {out.dtype}")
+    if not math.isfinite(weight):
+        raise CodecError(f"weight must be finite, got {weight}")
+    ob = _blocks(out, config.block_size, "output")
+    qb = _blocks(q, config.block_size, "payload")
+    if ob.shape != qb.shape:
+        raise CodecError(f"payload has {q.numel()} elements, output {out.numel()}")
+    _check_decode_args(qb, scale)
+    _KERNELS.run("decode_into", _decode_into_kernel, config.backend, ob, qb, scale, float(weight))
 
 
 def _check_decode_args(qb: torch.Tensor, scale: torch.Tensor) -> None:

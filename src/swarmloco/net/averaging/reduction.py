@@ -40,7 +40,7 @@ from swarmloco.core.codec import (
     CodecConfig,
     dequantize,
     dequantize_accumulate_,
-    padded_zeros,
+    dequantize_into_,
     quantize,
 )
 from swarmloco.errors import CodecError
@@ -62,6 +62,7 @@ class PartReduction:
         aggregator: AggregatorConfig,
         timeout: float,
         now: float,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         self.part = part
         self.epoch = epoch
@@ -72,7 +73,12 @@ class PartReduction:
         self.timeout = timeout
         self.start = now
         numel = self.spans[-1].stop if self.spans else 0
-        self._acc = padded_zeros(numel, codec.block_size) if aggregator.streaming else None
+        # Not zero-filled: each chunk's first contribution is written, the others added.
+        if buffer is not None and buffer.numel() < numel:
+            raise ValueError(f"buffer of {buffer.numel()} values for a part of {numel}")
+        self._acc: torch.Tensor | None = None
+        if aggregator.streaming:
+            self._acc = torch.empty(numel) if buffer is None else buffer[:numel]
         self._buffered: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self._weight_sum = [0.0] * len(self.spans)
         self.next_index: dict[int, int] = {s: 0 for s in senders}
@@ -124,7 +130,10 @@ class PartReduction:
         try:
             if self._acc is not None:
                 acc = self._acc[span.start : span.stop]
-                dequantize_accumulate_(acc, payload, scales, weight, self.codec)
+                if self._weight_sum[index] == 0.0:
+                    dequantize_into_(acc, payload, scales, self.codec, weight)
+                else:
+                    dequantize_accumulate_(acc, payload, scales, weight, self.codec)
             else:
                 decoded = dequantize(payload, scales, self.codec.block_size, self.codec.backend)
                 if decoded.numel() != span.numel:

@@ -1,0 +1,567 @@
+#!/usr/bin/env python3
+"""All-reduce benchmark: prints ONE JSON object on stdout (progress goes to stderr).
+
+``--peers`` (4) peer processes on loopback average ``--params`` (25M fp32 = 100 MB) each:
+
+1. swarmloco: each peer is this script with ``--worker swarmloco``: a NetNode, a
+   Matchmaker and an Averager on its own uvloop event loop, torch on one thread. After one
+   warm-up round (the codec kernels compile), ``--rounds`` rounds are timed: matchmaking
+   (``form_group``) on its own, then the round from the moment the first member holds the
+   group to the moment the last member holds the result (the agreement included), and the
+   CPU time of each peer process over that span. Bytes are the averaging messages each
+   peer sent (``bytes_sent``), also cross-checked with the loopback interface counters.
+2. The same with every peer limited to ``--mbit`` (100) Mbit/s up and down by the
+   averager's bandwidth limiter; the ideal is the bytes each peer must send at that rate.
+3. ``--kill-trials`` (20) rounds in which one peer, chosen at random, is SIGKILLed at a
+   random moment of the exchange: a *hang* is a survivor that has neither the result nor
+   an abort by the round deadline plus 15 s. The killed peer is restarted for the next
+   trial.
+4. hivemind 1.1.12's ``DecentralizedAverager`` with ``Uniform8BitQuantization`` on the
+   same payload, peers and machine (each peer is this script with ``--worker hivemind``):
+   matchmaking runs with ``require_trigger``; once every peer has its group all are
+   triggered at once and the round runs from the trigger to the last peer's result; CPU
+   counts the peer process and its children (averager process, p2pd).
+
+    .venv-bench/bin/python scripts/bench_allreduce.py             # everything (~5 min)
+    python scripts/bench_allreduce.py --skip-hivemind --kill-trials 3 --params 2000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def log(message: str) -> None:
+    print(f"[bench_allreduce] {message}", file=sys.stderr, flush=True)
+
+
+def cpu_seconds_tree(pid: int) -> float:
+    """User + system CPU seconds of a process and all its descendants (from /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+            for task in Path(f"/proc/{p}/task").iterdir():
+                stack.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def loopback_tx_bytes() -> int:
+    try:
+        return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
+    except OSError:
+        return -1
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _emit(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def _vector(index: int, params: int, padded: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + index)
+    vector = torch.zeros(padded)
+    vector[:params] = torch.randn(params, generator=g)
+    return vector
+
+
+def swarmloco_worker(args: argparse.Namespace) -> None:
+    import asyncio
+
+    import torch
+    import uvloop
+
+    from swarmloco.core.codec import (
+        CodecConfig,
+        dequantize_accumulate_,
+        dequantize_into_,
+        padded_numel,
+        quantize,
+    )
+    from swarmloco.net.averaging import (
+        Averager,
+        AveragingConfig,
+        BandwidthConfig,
+        BandwidthLimiter,
+        Matchmaker,
+        MatchmakingConfig,
+        averaging_service,
+    )
+    from swarmloco.net.deadline import Deadline
+    from swarmloco.net.identity import Identity
+    from swarmloco.net.node import NetNode, NodeConfig
+
+    import faulthandler
+    import logging
+
+    faulthandler.register(signal.SIGUSR1)
+    logging.basicConfig(
+        level=os.environ.get("BENCH_LOG", "WARNING"),
+        format=f"[peer {args.index}] %(asctime)s %(name)s %(message)s",
+    )
+    torch.set_num_threads(1)
+    codec = CodecConfig(backend="auto")
+    padded = padded_numel(args.params, codec.block_size)
+
+    async def main() -> None:
+        identity = Identity.generate()
+        node = NetNode(
+            identity=identity,
+            config=NodeConfig(peers=(args.bootstrap,) if args.bootstrap else ()),
+        )
+        matchmaker = Matchmaker(
+            identity=identity,
+            dht=node.dht,
+            client=node.client,
+            swarm_id="be" * 20,
+            config=MatchmakingConfig(max_group_size=args.peers, gather_s=30.0, poll_s=0.2),
+        )
+        averager = Averager(
+            identity=identity, client=node.client, config=AveragingConfig(codec=codec)
+        )
+        assert node.server is not None
+        node.server.add_service(averaging_service(matchmaker, averager))
+        vector = _vector(args.index, args.params, padded)
+        # Compile the codec kernels now (seconds, once per process), not inside a round.
+        small = torch.randn(4 * codec.block_size)
+        q, scales = quantize(small, codec)
+        dequantize_accumulate_(torch.zeros_like(small), q, scales, 1.0, codec)
+        dequantize_into_(torch.empty_like(small), q, scales, codec)
+        mean = torch.empty_like(vector)  # reused every round, as a daemon would
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        async with node:
+            _emit({"event": "ready", "endpoint": node.endpoint})
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                command = json.loads(line)
+                if command["cmd"] == "quit":
+                    return
+                mbit = command.get("mbit", 0)
+                averager.limiter = BandwidthLimiter(BandwidthConfig.mbit(mbit)) if mbit else None
+                deadline = Deadline.after(command["deadline"])
+                t0 = time.time()
+                try:
+                    group = await matchmaker.form_group(
+                        command["round"],
+                        weight=1.0 + args.index,
+                        numel=padded,
+                        block_size=codec.block_size,
+                        deadline=deadline,
+                    )
+                    t_group = time.time()
+                    _emit({"event": "group", "t": t_group, "size": group.size})
+                    cpu0 = time.process_time()
+                    result = await averager.all_reduce(
+                        group, vector, deadline=deadline, out=mean
+                    )
+                    t_done = time.time()
+                    cpu = time.process_time() - cpu0
+                except Exception as exc:  # report any failure to the orchestrator
+                    _emit({"event": "aborted", "error": f"{type(exc).__name__}: {exc}"})
+                    continue
+                report = result.report
+                _emit(
+                    {
+                        "event": "done",
+                        "matchmaking_s": t_group - t0,
+                        "t_group": t_group,
+                        "t_done": t_done,
+                        "cpu_s": cpu,
+                        "bytes_sent": report.bytes_sent,
+                        "bytes_received": report.bytes_received,
+                        "digest": report.digest,
+                        "excluded": report.excluded,
+                        "timings": report.timings,
+                        "epochs": [p.epoch for p in report.parts],
+                    }
+                )
+
+    asyncio.run(main()) if os.environ.get("BENCH_LOOP") == "asyncio" else uvloop.run(main())
+
+
+def hivemind_worker(args: argparse.Namespace) -> None:
+    import hivemind
+    import torch
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.compression import Uniform8BitQuantization
+
+    torch.set_num_threads(1)
+    initial = [args.bootstrap] if args.bootstrap else []
+    dht = hivemind.DHT(start=True, initial_peers=initial)
+    tensor = _vector(args.index, args.params, args.params)
+    averager = hivemind.averaging.DecentralizedAverager(
+        averaged_tensors=[tensor],
+        dht=dht,
+        prefix="bench",
+        target_group_size=args.peers,
+        min_group_size=args.peers,
+        min_matchmaking_time=2.0,
+        request_timeout=1.0,
+        compression=Uniform8BitQuantization(),
+        start=True,
+    )
+    addresses = [str(a) for a in dht.get_visible_maddrs()]
+    _emit({"event": "ready", "endpoint": addresses[0]})
+    me = os.getpid()
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["cmd"] == "quit":
+            break
+        control = averager.step(
+            wait=False, require_trigger=True, timeout=command["deadline"], weight=1.0 + args.index
+        )
+        while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
+            time.sleep(0.005)
+        _emit({"event": "group", "t": time.time()})
+        go = json.loads(sys.stdin.readline())
+        assert go["cmd"] == "go"
+        cpu0 = cpu_seconds_tree(me)
+        t_go = time.time()
+        control.allow_allreduce()
+        try:
+            control.result()
+        except Exception as exc:  # report any failure to the orchestrator
+            _emit({"event": "aborted", "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        t_done = time.time()
+        _emit(
+            {
+                "event": "done",
+                "t_group": t_go,
+                "t_done": t_done,
+                "cpu_s": cpu_seconds_tree(me) - cpu0,
+            }
+        )
+    averager.shutdown()
+    dht.shutdown()
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+class Worker:
+    """One peer process, driven by JSON lines on its stdin and stdout."""
+
+    def __init__(self, kind: str, index: int, args: argparse.Namespace, bootstrap: str) -> None:
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            kind,
+            "--index",
+            str(index),
+            "--peers",
+            str(args.peers),
+            "--params",
+            str(args.params),
+        ]
+        if bootstrap:
+            command += ["--bootstrap", bootstrap]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.index = index
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        # A thread per worker turns its stdout into a queue of lines (select() cannot see
+        # lines already buffered by readline()).
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        ready = self.read(timeout=180)
+        assert ready["event"] == "ready", ready
+        self.endpoint = ready["endpoint"]
+
+    def send(self, **command: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def _pump(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"worker {self.index} said nothing for {timeout:.0f}s") from None
+        if not line:
+            raise EOFError(f"worker {self.index} exited (code {self.process.poll()})")
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def quit(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.send(cmd="quit")
+                self.process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+
+
+def start_workers(kind: str, args: argparse.Namespace) -> list[Worker]:
+    first = Worker(kind, 0, args, "")
+    rest = [Worker(kind, i, args, first.endpoint) for i in range(1, args.peers)]
+    return [first, *rest]
+
+
+def swarmloco_round(
+    workers: list[Worker], round: int, *, mbit: float = 0.0, deadline: float = 60.0
+) -> dict[str, Any]:
+    lo_before = loopback_tx_bytes()
+    for w in workers:
+        w.send(cmd="round", round=round, mbit=mbit, deadline=deadline)
+    results = []
+    for w in workers:
+        event = w.read(timeout=deadline + 30)
+        if event["event"] == "group":
+            event = w.read(timeout=deadline + 30)
+        if event["event"] != "done":
+            raise RuntimeError(f"worker {w.index}: {event}")
+        results.append(event)
+    lo_bytes = loopback_tx_bytes() - lo_before
+    digests = {r["digest"] for r in results}
+    assert len(digests) == 1, f"members hold different results: {digests}"
+    return {
+        "round_s": max(r["t_done"] for r in results) - min(r["t_group"] for r in results),
+        "matchmaking_s": max(r["matchmaking_s"] for r in results),
+        "cpu_s_per_peer": statistics.mean(r["cpu_s"] for r in results),
+        "cpu_s_max": max(r["cpu_s"] for r in results),
+        "bytes_sent_per_peer": max(r["bytes_sent"] for r in results),
+        "loopback_bytes_per_peer": lo_bytes / len(workers),
+        "timings": [r["timings"] for r in results],
+    }
+
+
+def hivemind_round(workers: list[Worker], deadline: float = 120.0) -> dict[str, Any]:
+    for w in workers:
+        w.send(cmd="round", deadline=deadline)
+    for w in workers:
+        event = w.read(timeout=deadline + 30)
+        assert event["event"] == "group", event
+    for w in workers:
+        w.send(cmd="go")
+    results = []
+    for w in workers:
+        event = w.read(timeout=deadline + 30)
+        if event["event"] != "done":
+            raise RuntimeError(f"hivemind worker {w.index}: {event}")
+        results.append(event)
+    return {
+        "round_s": max(r["t_done"] for r in results) - min(r["t_group"] for r in results),
+        "cpu_s_per_peer": statistics.mean(r["cpu_s"] for r in results),
+    }
+
+
+def kill_trials(args: argparse.Namespace, workers: list[Worker], first_round: int) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    deadline = 30.0
+    outcome = {"kill_trials": 0, "kill_hangs": 0, "kill_completed": 0, "kill_aborted": 0,
+               "kill_diverged": 0, "kill_reruns": 0, "kill_recovery_s": []}
+    for trial in range(args.kill_trials):
+        victim = rng.randrange(len(workers))
+        round = first_round + trial
+        for w in workers:
+            w.send(cmd="round", round=round, mbit=0, deadline=deadline)
+        event = workers[victim].read(timeout=deadline)
+        assert event["event"] == "group", event
+        # A random moment of the exchange (an unlimited round takes about half a second).
+        time.sleep(rng.uniform(0.0, 0.4))
+        workers[victim].kill()
+        t_kill = time.time()
+        survivors = [w for w in workers if w is not workers[victim]]
+        digests = set()
+        hung = aborted = 0
+        for w in survivors:
+            try:
+                event = w.read(timeout=deadline + 15)
+                if event["event"] == "group":
+                    event = w.read(timeout=deadline + 15)
+            except TimeoutError:
+                hung += 1
+                continue
+            if event["event"] == "done":
+                digests.add(event["digest"])
+                outcome["kill_reruns"] += sum(1 for e in event["epochs"] if e > 0)
+                outcome["kill_recovery_s"].append(event["t_done"] - t_kill)
+            else:
+                aborted += 1
+        outcome["kill_trials"] += 1
+        outcome["kill_hangs"] += hung
+        if hung:
+            log(f"kill trial {trial}: {hung} survivor(s) hung")
+        elif aborted:
+            outcome["kill_aborted"] += 1
+        elif len(digests) == 1:
+            outcome["kill_completed"] += 1
+        else:
+            outcome["kill_diverged"] += 1
+        log(f"kill trial {trial}: victim {victim}, {len(digests)} digest(s), {aborted} aborted")
+        bootstrap = survivors[0].endpoint
+        workers[victim] = Worker("swarmloco", victim, args, bootstrap)
+        # One unmeasured round with the new peer (its codec kernels warm up).
+        swarmloco_round(workers, first_round + args.kill_trials + trial + 1000)
+    recovery = outcome.pop("kill_recovery_s")
+    outcome["kill_survivor_done_after_kill_s_median"] = (
+        statistics.median(recovery) if recovery else None
+    )
+    return outcome
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from _bench_common import machine
+
+    out: dict[str, Any] = {"peers": args.peers, "params": args.params}
+    log(f"starting {args.peers} swarmloco peers")
+    workers = start_workers("swarmloco", args)
+    try:
+        log("warm-up round (the codec kernels compile)")
+        swarmloco_round(workers, 0)
+        rounds = []
+        for r in range(1, args.rounds + 1):
+            rounds.append(swarmloco_round(workers, r))
+            log(f"round {r}: {rounds[-1]['round_s']:.3f}s")
+        out["swarmloco_round_s"] = statistics.median(r["round_s"] for r in rounds)
+        out["swarmloco_matchmaking_s"] = statistics.median(r["matchmaking_s"] for r in rounds)
+        out["swarmloco_cpu_s_per_peer"] = statistics.median(r["cpu_s_per_peer"] for r in rounds)
+        out["swarmloco_cpu_s_max_peer"] = statistics.median(r["cpu_s_max"] for r in rounds)
+        out["bytes_sent_per_peer"] = max(r["bytes_sent_per_peer"] for r in rounds)
+        out["loopback_bytes_per_peer"] = statistics.median(
+            r["loopback_bytes_per_peer"] for r in rounds
+        )
+        out["bytes_min_per_peer"] = 2 * (args.peers - 1) / args.peers * args.params
+        out["swarmloco_rounds_s"] = [round(r["round_s"], 4) for r in rounds]
+        out["swarmloco_phase_timings_round1"] = rounds[0]["timings"]
+        limited = []
+        for r in range(args.limited_rounds):
+            limited.append(swarmloco_round(workers, 100 + r, mbit=args.mbit, deadline=120.0))
+            log(f"limited round {r}: {limited[-1]['round_s']:.3f}s")
+        if limited:
+            out["limited_round_s"] = statistics.median(r["round_s"] for r in limited)
+            sent = max(r["bytes_sent_per_peer"] for r in limited)
+            out["limited_ideal_s"] = sent / (args.mbit * 1e6 / 8)
+            out["limited_mbit"] = args.mbit
+        if args.kill_trials:
+            log(f"{args.kill_trials} kill trials")
+            out.update(kill_trials(args, workers, 200))
+    finally:
+        for w in workers:
+            w.quit()
+    if args.skip_hivemind:
+        out["hivemind_round_s"] = None
+        out["hivemind_skipped"] = "--skip-hivemind"
+    else:
+        try:
+            import hivemind  # noqa: F401
+        except ImportError as exc:
+            out["hivemind_round_s"] = None
+            out["hivemind_skipped"] = f"hivemind is not importable ({exc}); run from .venv-bench"
+        else:
+            log(f"starting {args.peers} hivemind peers")
+            hworkers = start_workers("hivemind", args)
+            try:
+                hivemind_round(hworkers)  # warm-up
+                hrounds = []
+                for r in range(args.rounds):
+                    hrounds.append(hivemind_round(hworkers))
+                    log(f"hivemind round {r}: {hrounds[-1]['round_s']:.3f}s")
+                out["hivemind_round_s"] = statistics.median(r["round_s"] for r in hrounds)
+                out["hivemind_cpu_s_per_peer"] = statistics.median(
+                    r["cpu_s_per_peer"] for r in hrounds
+                )
+                out["hivemind_rounds_s"] = [round(r["round_s"], 4) for r in hrounds]
+            finally:
+                for w in hworkers:
+                    w.quit()
+    out["targets"] = targets(out)
+    out["settings"] = {
+        "rounds": args.rounds,
+        "limited_rounds": args.limited_rounds,
+        "kill_trials": args.kill_trials,
+        "mbit": args.mbit,
+        "codec": "int8 absmax, block 1024, fp32 scales, 1 MiB chunks",
+        "event_loop": "uvloop",
+        "torch_threads_per_peer": 1,
+    }
+    out["machine"] = machine()
+    return out
+
+
+def targets(out: dict[str, Any]) -> dict[str, bool | None]:
+    def ratio(a: str, b: str, at_most: float) -> bool | None:
+        if out.get(a) is None or out.get(b) is None:
+            return None
+        return bool(out[a] <= at_most * out[b])
+
+    return {
+        "round_s <= 0.5 x hivemind": ratio("swarmloco_round_s", "hivemind_round_s", 0.5),
+        "cpu_s_per_peer <= 0.3": (
+            None
+            if out.get("swarmloco_cpu_s_per_peer") is None
+            else out["swarmloco_cpu_s_per_peer"] <= 0.3
+        ),
+        "bytes <= 1.05 x min": ratio("bytes_sent_per_peer", "bytes_min_per_peer", 1.05),
+        "limited <= 1.15 x ideal": ratio("limited_round_s", "limited_ideal_s", 1.15),
+        "kill_hangs == 0": None if "kill_hangs" not in out else out["kill_hangs"] == 0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--params", type=int, default=25_000_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--limited-rounds", type=int, default=1)
+    parser.add_argument("--mbit", type=float, default=100.0)
+    parser.add_argument("--kill-trials", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hivemind", action="store_true")
+    parser.add_argument("--worker", choices=("swarmloco", "hivemind"), help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--bootstrap", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "swarmloco":
+        swarmloco_worker(args)
+    elif args.worker == "hivemind":
+        hivemind_worker(args)
+    else:
+        print(json.dumps(run(args), indent=2))
+
+
+if __name__ == "__main__":
+    main()
