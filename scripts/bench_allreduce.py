@@ -93,6 +93,8 @@ def _vector(index: int, params: int, padded: int) -> Any:
 
 def swarmloco_worker(args: argparse.Namespace) -> None:
     import asyncio
+    import faulthandler
+    import logging
 
     import torch
     import uvloop
@@ -116,9 +118,6 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
     from swarmloco.net.deadline import Deadline
     from swarmloco.net.identity import Identity
     from swarmloco.net.node import NetNode, NodeConfig
-
-    import faulthandler
-    import logging
 
     faulthandler.register(signal.SIGUSR1)
     logging.basicConfig(
@@ -181,9 +180,7 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
                     t_group = time.time()
                     _emit({"event": "group", "t": t_group, "size": group.size})
                     cpu0 = time.process_time()
-                    result = await averager.all_reduce(
-                        group, vector, deadline=deadline, out=mean
-                    )
+                    result = await averager.all_reduce(group, vector, deadline=deadline, out=mean)
                     t_done = time.time()
                     cpu = time.process_time() - cpu0
                 except Exception as exc:  # report any failure to the orchestrator
@@ -388,11 +385,20 @@ def hivemind_round(workers: list[Worker], deadline: float = 120.0) -> dict[str, 
     }
 
 
-def kill_trials(args: argparse.Namespace, workers: list[Worker], first_round: int) -> dict[str, Any]:
+def kill_trials(
+    args: argparse.Namespace, workers: list[Worker], first_round: int
+) -> dict[str, Any]:
     rng = random.Random(args.seed)
     deadline = 30.0
-    outcome = {"kill_trials": 0, "kill_hangs": 0, "kill_completed": 0, "kill_aborted": 0,
-               "kill_diverged": 0, "kill_reruns": 0, "kill_recovery_s": []}
+    outcome = {
+        "kill_trials": 0,
+        "kill_hangs": 0,
+        "kill_completed": 0,
+        "kill_aborted": 0,
+        "kill_diverged": 0,
+        "kill_reruns": 0,
+        "kill_recovery_s": [],
+    }
     for trial in range(args.kill_trials):
         victim = rng.randrange(len(workers))
         round = first_round + trial

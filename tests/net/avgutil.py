@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import os
+import re
+import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import torch
 
-from swarmloco.core.codec import CodecConfig, padded_numel
+from swarmloco.core.codec import CodecConfig, chunk_spans, padded_numel
 from swarmloco.net.averaging import (
+    AllReduceReport,
     AllReduceResult,
     Averager,
     AveragingConfig,
@@ -139,3 +145,84 @@ def random_vectors(count: int, numel: int, seed: int, block: int = 64) -> list[t
         v[:numel] = torch.randn(numel, generator=g) * (1 + torch.rand(1, generator=g).item())
         out.append(v)
     return out
+
+
+def expected_mean(
+    report: AllReduceReport,
+    vectors: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    codec: CodecConfig = CODEC,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact weighted mean of the contributors the report names, chunk by chunk, and
+    the codec's bound per element (senders' rounding plus the result's)."""
+    numel = next(iter(vectors.values())).numel()
+    expected = torch.zeros(numel, dtype=torch.float64)
+    for part in report.parts:
+        for k, span in enumerate(chunk_spans(part.stop - part.start, codec)):
+            who = [p for p, n in part.included.items() if n > k]
+            assert who, f"chunk {k} of part {part.part} averages nobody"
+            lo, hi = part.start + span.start, part.start + span.stop
+            total = sum(weights[p] for p in who)
+            expected[lo:hi] = sum(weights[p] * vectors[p][lo:hi].double() for p in who) / total
+    absmax = torch.stack([v.view(-1, codec.block_size).abs().amax(1) for v in vectors.values()])
+    bound = (2 * absmax.amax(0) / 254 + 1e-6).repeat_interleave(codec.block_size)
+    return expected, bound
+
+
+def assert_exact(
+    result: AllReduceResult, vectors: dict[str, torch.Tensor], weights: dict[str, float]
+) -> None:
+    expected, bound = expected_mean(result.report, vectors, weights)
+    error = (result.mean.double() - expected).abs()
+    assert (error <= bound.double()).all(), f"off by up to {float((error - bound).max())}"
+
+
+def assert_identical(results: Sequence[AllReduceResult]) -> None:
+    first = results[0]
+    for other in results[1:]:
+        assert torch.equal(first.mean, other.mean)
+        assert first.report.digest == other.report.digest
+
+
+def _task_kind(task: asyncio.Task[object]) -> str:
+    match = re.search(r"coro=<([^\s(]+)", repr(task))
+    return match.group(1) if match else repr(task.get_coro())
+
+
+@dataclasses.dataclass
+class Leftovers:
+    """What a round must not leave behind: tasks, threads, open file descriptors.
+
+    Tasks are compared by kind: a gRPC server keeps one task waiting for the next call and
+    replaces it after each call, so the same kinds in the same numbers are "nothing left".
+    """
+
+    tasks: collections.Counter[str]
+    threads: int
+    fds: int
+
+    @classmethod
+    def now(cls) -> Leftovers:
+        current = asyncio.current_task()
+        return cls(
+            collections.Counter(_task_kind(t) for t in asyncio.all_tasks() if t is not current),
+            threading.active_count(),
+            len(os.listdir("/proc/self/fd")),
+        )
+
+    async def assert_back(self, timeout: float = 5.0, *, sockets: bool = True) -> None:
+        """Wait (polling, bounded) until only what existed before remains. ``sockets=False``
+        when the round may have opened the channels a client keeps for the next one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = Leftovers.now()
+            extra = now.tasks - self.tasks
+            fds_ok = now.fds <= self.fds or not sockets
+            if not extra and now.threads <= self.threads and fds_ok:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"left behind: tasks {dict(extra)}, threads {now.threads} (was "
+                    f"{self.threads}), fds {now.fds} (was {self.fds})"
+                )
+            await asyncio.sleep(0.02)

@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 import torch
+from grpc._cython import cygrpc
 
 from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.core.codec import CodecConfig, dequantize_into_, quantize
@@ -61,8 +62,6 @@ from swarmloco.proto.v1 import averaging_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = "swarmloco.v1.Averaging"
-AGGREGATE_PATH = f"/{SERVICE_NAME}/Aggregate"
 _CLOSE = object()  # queue sentinel: the writer half-closes (client) or stops (server)
 
 
@@ -205,7 +204,9 @@ class Averager:
             for buffer in rnd.buffers:
                 self.scratch.give(buffer)
 
-    async def handle_aggregate(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+    async def handle_aggregate(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> None:
         """The ``Aggregate`` stream handler: check the hello, hand the stream to its round."""
         first = await self._first_message(context)
         if first is None:
@@ -328,7 +329,7 @@ class _Round:
         self.error: BaseException | None = None
         now = averager.clock()
         self.started = now
-        self.last_heard = dict.fromkeys(range(self.n), now)
+        self.disagree_since: float | None = None
         self.last_result = dict.fromkeys(range(self.n), now)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -443,20 +444,26 @@ class _Round:
                 if member not in view.failed:
                     out.send(("done", message))
         alive = [x for x in range(self.n) if x not in view.failed]
-        if self.serving and not self.verdict_sent:
-            if all(x in self.done for x in alive):
-                differ = [self.label(x) for x in alive if self.done[x] != digest]
-                verdict = pb.Verdict(
-                    agreed=not differ,
-                    digest=digest,
-                    reason=f"members {differ} hold another result" if differ else "",
-                )
-                self.verdict_sent = True
-                self.verdicts[self.me] = verdict
-                message = wire.response(verdict=verdict)
-                for inc in self.incoming.values():
-                    inc.send("verdict", message)
-                    inc.send_close()
+        if self.serving and not self.verdict_sent and all(x in self.done for x in alive):
+            differ = [self.label(x) for x in alive if self.done[x] != digest]
+            if differ:
+                # A member may hold an older result while a rerun notice is on its way to
+                # it: give it time to catch up before declaring a disagreement.
+                now = self.a.clock()
+                self.disagree_since = self.disagree_since or now
+                if now - self.disagree_since < self.cfg.reducer_timeout_s:
+                    return False
+            verdict = pb.Verdict(
+                agreed=not differ,
+                digest=digest,
+                reason=f"members {differ} hold another result" if differ else "",
+            )
+            self.verdict_sent = True
+            self.verdicts[self.me] = verdict
+            message = wire.response(verdict=verdict)
+            for inc in self.incoming.values():
+                inc.send("verdict", message)
+                inc.send_close()
         for member, verdict in self.verdicts.items():
             if not verdict.agreed or verdict.digest != digest:
                 why = verdict.reason or "its result differs from ours"
@@ -484,17 +491,31 @@ class _Round:
             for member in range(self.n):
                 if member == self.me or member in self.view.failed:
                     continue
-                silent = now - self.last_heard[member]
-                if silent > cfg.liveness_timeout_s and self._waiting_on(member):
-                    self.fail(member, f"silent for {silent:.1f}s")
-                    continue
+                # Silence is judged per stream: a member stuck in its handler may still
+                # talk on the streams it opened to us, and the other way round.
+                out = self.outgoing.get(member)
+                if out is not None and self._waiting_on_output(member):
+                    silent = now - out.last_heard
+                    if silent > cfg.liveness_timeout_s:
+                        self.fail(member, f"silent for {silent:.1f}s (its answers)")
+                        continue
+                if self._waiting_on_input(member):
+                    inc = self.incoming.get(member)
+                    silent = now - (inc.last_heard if inc is not None else self.started)
+                    if silent > cfg.liveness_timeout_s:
+                        self.fail(member, f"silent for {silent:.1f}s (its stream to us)")
+                        continue
                 waited = now - self.last_result[member]
                 if waited > cfg.reducer_timeout_s and self._lacking_from(member):
                     self.fail(member, f"no result for {waited:.1f}s")
+            self.changed.set()  # timers (a pending disagreement) are re-evaluated too
 
-    def _waiting_on(self, member: int) -> bool:
-        if member in self.servers and member not in self.verdicts:
-            return True
+    def _waiting_on_output(self, member: int) -> bool:
+        """Whether we still expect results or a verdict from serving member ``member``."""
+        return self._lacking_from(member) or member not in self.verdicts
+
+    def _waiting_on_input(self, member: int) -> bool:
+        """Whether we still expect chunks or a digest on ``member``'s stream to us."""
         if self.serving and member not in self.done:
             return True
         return any(member in r.live and not r.done for r in self.reductions.values())
@@ -529,7 +550,10 @@ class _Round:
         if epoch > 0:
             logger.info(
                 "round %d: reducing part %d (epoch %d) for failed member %s",
-                self.group.round, part, epoch, self.label(part),
+                self.group.round,
+                part,
+                epoch,
+                self.label(part),
             )
             notice = wire.response(rerun=pb.Rerun(part=part, epoch=epoch))
             self.backlog[part].append(("rerun", notice))
@@ -612,9 +636,6 @@ class _Round:
 
     # -- events ---------------------------------------------------------------------------
 
-    def heard(self, member: int) -> None:
-        self.last_heard[member] = self.a.clock()
-
     def fail(self, member: int, reason: str) -> None:
         """``member`` failed in our view: stop waiting for it, move its parts on."""
         if member == self.me or member in self.view.failed or self.decided:
@@ -623,6 +644,12 @@ class _Round:
         self.excluded[member] = reason
         try:
             moved = self.view.fail(member, reason)
+            if len(self.view.failed) == self.n - 1:
+                # Our own vector is no average: keep it for the next round instead.
+                raise RoundAborted(
+                    f"round {self.group.round}: every other member failed (last: "
+                    f"{self.label(member)}: {reason})"
+                )
         except RoundAborted as exc:
             self.error = exc
             self.changed.set()
@@ -672,11 +699,16 @@ class _Round:
             self._move([part])
         reduction = self.reductions[part]
         if chunk.index >= reduction.chunks:
-            raise Rejection("bad-index", f"part {part} has {reduction.chunks} chunks, not {chunk.index + 1}")
+            raise Rejection(
+                "bad-index", f"part {part} has {reduction.chunks} chunks, not {chunk.index + 1}"
+            )
         span = reduction.spans[chunk.index]
         codec = self.cfg.codec
         wire.check_sizes(
-            chunk.payload, chunk.scales, numel=span.numel, block_size=codec.block_size,
+            chunk.payload,
+            chunk.scales,
+            numel=span.numel,
+            block_size=codec.block_size,
             scale_bytes=codec.scale_bytes,
         )
         payload = wire.tensor_from(chunk.payload, torch.int8)
@@ -698,14 +730,22 @@ class _Round:
             raise Rejection("bad-result", f"result chunk {result.index} of part {result.part}")
         codec = self.cfg.codec
         wire.check_sizes(
-            result.payload, result.scales, numel=spans[result.index].numel,
-            block_size=codec.block_size, scale_bytes=codec.scale_bytes,
+            result.payload,
+            result.scales,
+            numel=spans[result.index].numel,
+            block_size=codec.block_size,
+            scale_bytes=codec.scale_bytes,
         )
         payload = wire.tensor_from(result.payload, torch.int8)
         scales = wire.tensor_from(result.scales, codec.scale_torch_dtype)
         try:
             self._apply_result(
-                result.part, result.epoch, reducer, result.index, payload, scales,
+                result.part,
+                result.epoch,
+                reducer,
+                result.index,
+                payload,
+                scales,
                 result.contributors,
             )
         except ValueError as exc:  # CodecError: NaN/Inf or negative scales
@@ -750,7 +790,6 @@ class _Round:
         assert task is not None
         self.handlers.add(task)
         self.handlers_gone.clear()
-        self.heard(sender)
         for part in self.reductions:
             for phase, message in self.backlog.get(part, []):
                 inc.send(phase, message)
@@ -802,16 +841,18 @@ class _Round:
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
             timings=dict(self.timings),
-            agreed=sum(
-                1 for v in self.verdicts.values() if v.agreed and v.digest == self.my_done
-            ),
+            agreed=sum(1 for v in self.verdicts.values() if v.agreed and v.digest == self.my_done),
             digest=(self.my_done or b"").hex(),
         )
 
     # -- transport helpers -------------------------------------------------------------
 
     async def write_out(
-        self, phase: Phase, member: int, message: bytes, write: Callable[[bytes], Any],
+        self,
+        phase: Phase,
+        member: int,
+        message: bytes,
+        write: Callable[[bytes], Any],
         call_bytes: int,
     ) -> int:
         """Send one message through the fault plan and the limiter; return bytes sent."""
@@ -830,8 +871,8 @@ class _Round:
         self.bytes_sent += len(message)
         return len(message)
 
-    async def received(self, member: int, data: bytes) -> None:
-        self.heard(member)
+    async def received(self, stream: _Outgoing | _Incoming, data: bytes) -> None:
+        stream.last_heard = self.a.clock()
         self.bytes_received += len(data)
         if self.a.limiter is not None:
             await self.a.limiter.download(len(data))
@@ -839,7 +880,10 @@ class _Round:
 
 # --------------------------------------------------------------------------- streams
 
-_STREAM_ERRORS = (grpc.aio.AioRpcError, NetworkError, FaultCut)
+# What a broken stream raises: on the client side an AioRpcError; on the server side,
+# reading from or writing to a stream whose client vanished raises grpc's internal
+# ExecuteBatchError (a cygrpc.BaseError); a cut scripted by the fault plan raises FaultCut.
+_STREAM_ERRORS = (grpc.aio.AioRpcError, cygrpc.BaseError, NetworkError, FaultCut)
 
 
 class _Outgoing:
@@ -854,6 +898,7 @@ class _Outgoing:
         self._writer: asyncio.Task[None] | None = None
         self.verdict = False
         self.sent = 0
+        self.last_heard = rnd.a.clock()
         if member in rnd.view.owner:
             self.send(("part", member, 0))
 
@@ -871,7 +916,7 @@ class _Outgoing:
     async def run(self) -> None:
         rnd = self.rnd
         endpoint = rnd.group.members[self.member].endpoint
-        call = rnd.a.client.channel(endpoint).stream_stream(AGGREGATE_PATH)(
+        call = rnd.a.client.channel(endpoint).stream_stream(wire.AGGREGATE_PATH)(
             timeout=max(rnd.deadline.remaining(), 0.001), wait_for_ready=True
         )
         try:
@@ -946,7 +991,7 @@ class _Outgoing:
                     if not self.verdict:
                         self._broken("it ended the stream before its verdict")
                     return
-                await rnd.received(member, data)
+                await rnd.received(self, data)
                 try:
                     self._dispatch(wire.decode_response(data))
                 except Rejection as rejection:
@@ -985,6 +1030,7 @@ class _Incoming:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.clean = False
         self.end_reason = ""
+        self.last_heard = rnd.a.clock()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
 
@@ -1022,7 +1068,7 @@ class _Incoming:
                     )
                     self.end_reason = "it ended its stream early"
                     return
-                await rnd.received(self.sender, data)
+                await rnd.received(self, data)
                 try:
                     message = wire.decode_request(data)
                     if isinstance(message, wire.ChunkMessage):

@@ -200,8 +200,13 @@ def corrupt(phase: str, message: bytes, how: Corruption) -> bytes:
             index += 1
         payload, scales = _corrupt_tensors(payload, scales, how)
         return wire.encode_chunk(
-            group_id=chunk.group_id, round=round, part=chunk.part, epoch=chunk.epoch,
-            index=index, payload=payload, scales=scales,
+            group_id=chunk.group_id,
+            round=round,
+            part=chunk.part,
+            epoch=chunk.epoch,
+            index=index,
+            payload=payload,
+            scales=scales,
         )
     result = wire.decode_response(message)
     assert isinstance(result, wire.ResultMessage), "only result messages are corrupted"
@@ -209,9 +214,12 @@ def corrupt(phase: str, message: bytes, how: Corruption) -> bytes:
     scales = wire.tensor_from(result.scales, torch.uint8)
     payload, scales = _corrupt_tensors(payload, scales, how)
     return wire.encode_result(
-        part=result.part, epoch=result.epoch,
+        part=result.part,
+        epoch=result.epoch,
         index=result.index + (1 if how == "index" else 0),
-        payload=payload, scales=scales, contributors=result.contributors,
+        payload=payload,
+        scales=scales,
+        contributors=result.contributors,
     )
 
 

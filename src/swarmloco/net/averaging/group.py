@@ -197,7 +197,9 @@ def capped(weights: Sequence[float], cap_multiple: float) -> dict[int, str]:
 
 
 def _group_id(
-    round: int, declarations: Sequence[pb.MemberDeclaration], parts: Sequence[tuple[int, int]],
+    round: int,
+    declarations: Sequence[pb.MemberDeclaration],
+    parts: Sequence[tuple[int, int]],
     nonce: bytes,
 ) -> bytes:
     h = hashlib.blake2b(b"swarmloco/v1/group\x00", digest_size=GROUP_ID_BYTES)
@@ -294,7 +296,11 @@ def check_group(
 def single_group(me: pb.MemberDeclaration, nonce: bytes) -> pb.GroupInfo:
     """The group of one (a leader nobody joined)."""
     info, _ = build_group(
-        [me], round=me.round, numel=me.numel, block_size=me.block_size, cap_multiple=0.0,
+        [me],
+        round=me.round,
+        numel=me.numel,
+        block_size=me.block_size,
+        cap_multiple=0.0,
         nonce=nonce,
     )
     assert info is not None, "a serving peer always forms a group of one"

@@ -22,12 +22,14 @@ leader refused raises :class:`~swarmloco.errors.RejectedInput`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
 import os
 import time
 from collections.abc import Callable
+
 import grpc
 
 from swarmloco.core.config import require, require_int, require_positive
@@ -41,6 +43,7 @@ from swarmloco.net.averaging.group import (
     check_group,
     sign_declaration,
 )
+from swarmloco.net.averaging.wire import SERVICE_NAME
 from swarmloco.net.client import Method, RpcClient, RpcError
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.node import DHTNode
@@ -51,7 +54,6 @@ from swarmloco.proto.v1 import averaging_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = "swarmloco.v1.Averaging"
 JOIN = Method(f"/{SERVICE_NAME}/Join", pb.JoinRequest, pb.JoinResponse)
 _MAX_REDIRECTS = 8
 # Refusals after which asking again (elsewhere) makes sense; the others are final.
@@ -91,9 +93,7 @@ class MatchmakingConfig:
             math.isfinite(self.weight_cap_multiple) and self.weight_cap_multiple >= 0,
             "weight_cap_multiple must be a non-negative number",
         )
-        require(
-            math.isfinite(self.bandwidth) and self.bandwidth > 0, "bandwidth must be positive"
-        )
+        require(math.isfinite(self.bandwidth) and self.bandwidth > 0, "bandwidth must be positive")
 
 
 class _Handover(Exception):
@@ -149,6 +149,7 @@ class Matchmaker:
         self.rejections = RejectionLog(logger)
         self._leading: dict[int, _Gathering] = {}
         self._following: dict[int, str] = {}
+        self._finished: collections.deque[int] = collections.deque(maxlen=64)
 
     # -- the public API ----------------------------------------------------------------
 
@@ -185,6 +186,7 @@ class Matchmaker:
         finally:
             self.dht.forget_published(key, self.identity.peer_id_hex)
             self._following.pop(round, None)
+            self._finished.append(round)
 
     # -- finding the leader ------------------------------------------------------------
 
@@ -231,6 +233,7 @@ class Matchmaker:
         self, round: int, me: pb.MemberDeclaration, announced_at: float, deadline: Deadline
     ) -> Group:
         tried: set[str] = set()
+        not_leading: dict[str, float] = {}
         redirects = 0
         next_endpoint: str | None = None
         while not deadline.expired:
@@ -240,7 +243,7 @@ class Matchmaker:
                 if not untried:
                     if me.endpoint:
                         try:
-                            return await self._lead(round, me, announced_at, deadline)
+                            return await self._lead(round, me, announced_at, tried, deadline)
                         except _Handover as handover:
                             next_endpoint = handover.endpoint
                             continue
@@ -273,6 +276,16 @@ class Matchmaker:
                 next_endpoint = response.redirect
                 continue
             refusal = response.refused
+            if outcome == "refused" and refusal.code == "too-few":
+                raise RoundAborted(f"round {round}: {refusal.reason}")
+            if outcome == "refused" and refusal.code == "not-leading":
+                # It announced but has not started leading yet (or never will: after a
+                # gathering window of asking, give up on it).
+                since = not_leading.setdefault(endpoint, time.monotonic())
+                if time.monotonic() - since > self.config.gather_s:
+                    tried.add(endpoint)
+                await asyncio.sleep(min(self.config.poll_s, deadline.remaining()))
+                continue
             if outcome == "refused" and refusal.code not in _TRANSIENT:
                 raise RejectedInput(
                     f"round {round}: the leader refused us: {refusal.reason}", peer=endpoint
@@ -302,7 +315,12 @@ class Matchmaker:
     # -- leading -------------------------------------------------------------------------
 
     async def _lead(
-        self, round: int, me: pb.MemberDeclaration, announced_at: float, deadline: Deadline
+        self,
+        round: int,
+        me: pb.MemberDeclaration,
+        announced_at: float,
+        tried: set[str],
+        deadline: Deadline,
     ) -> Group:
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -330,7 +348,11 @@ class Matchmaker:
                     continue
                 except TimeoutError:
                     pass
-                earlier = await self._candidates(round, me, announced_at, deadline)
+                earlier = [
+                    c
+                    for c in await self._candidates(round, me, announced_at, deadline)
+                    if c.endpoint not in tried
+                ]
                 if earlier:
                     self._hand_over(gathering, earlier[0].endpoint)
                     raise _Handover(earlier[0].endpoint)
@@ -370,10 +392,14 @@ class Matchmaker:
             raise RejectedInput(f"round {gathering.round}: our own weight {struck[0]}")
         size = len(gathering.declarations) - len(struck)
         if info is None or size < cfg.min_group_size:
-            raise RoundAborted(
-                f"round {gathering.round}: {size} member(s) gathered, at least "
+            reason = (
+                f"{size} member(s) gathered in round {gathering.round}, at least "
                 f"{cfg.min_group_size} needed"
             )
+            for waiter in gathering.waiters.values():
+                if not waiter.done():
+                    waiter.set_result(_refused("too-few", reason))
+            raise RoundAborted(reason)
         for waiter in gathering.waiters.values():
             if not waiter.done():
                 waiter.set_result(pb.JoinResponse(group=info))
@@ -392,8 +418,8 @@ class Matchmaker:
             following = self._following.get(declaration.round)
             if following:
                 return pb.JoinResponse(redirect=following)
-            if gathering is None:
-                return _refused("not-leading", "this peer leads no group for that round")
+            if gathering is None and declaration.round not in self._finished:
+                return _refused("not-leading", "this peer leads no group for that round (yet)")
             return _refused("formed", "the group of that round is already formed")
         try:
             member = check_declaration(

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import grpc
 
-from swarmloco.net.averaging.allreduce import SERVICE_NAME, Averager, averaging_service_handlers
+from swarmloco.net.averaging.allreduce import Averager, averaging_service_handlers
 from swarmloco.net.averaging.matchmaking import Matchmaker
+from swarmloco.net.averaging.wire import SERVICE_NAME
 from swarmloco.net.server import Service, unary_method_handlers
 from swarmloco.proto.v1 import averaging_pb2 as pb
 

@@ -42,6 +42,10 @@ class PartReport:
     """Who counted in one part of the result."""
 
     part: int
+    start: int
+    """First element of the part in the flat vector."""
+    stop: int
+    """One past its last element (chunks: ``codec.chunk_spans(stop - start, codec)``)."""
     reducer: str
     """Peer id of the member whose result everyone used."""
     epoch: int
@@ -55,8 +59,7 @@ class PartReport:
 def part_spans(group: Group, codec: CodecConfig) -> list[list[ChunkSpan]]:
     """The chunks of every part (offsets relative to the part's start)."""
     return [
-        chunk_spans(blocks * group.block_size, codec) if blocks else []
-        for _, blocks in group.parts
+        chunk_spans(blocks * group.block_size, codec) if blocks else [] for _, blocks in group.parts
     ]
 
 
@@ -191,9 +194,12 @@ class RoundView:
                     count += 1
                 if count:
                     included[self.group.members[member].peer_id] = count
+            start, stop = self.group.part_range(part)
             reports.append(
                 PartReport(
                     part=part,
+                    start=start,
+                    stop=stop,
                     reducer=self.group.members[claim.reducer].peer_id,
                     epoch=claim.epoch,
                     chunks=len(self.spans[part]),

@@ -27,6 +27,8 @@ import torch
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
+SERVICE_NAME = "swarmloco.v1.Averaging"
+AGGREGATE_PATH = f"/{SERVICE_NAME}/Aggregate"
 HELLO_DOMAIN = b"swarmloco/v1/aggregate-hello\x00"
 
 # Field numbers in averaging.proto.
@@ -127,7 +129,7 @@ def _view(fields: dict[int, int | memoryview], number: int) -> memoryview:
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.numpy()).cast("B")
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def tensor_from(data: memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -205,8 +207,14 @@ def encode_result(
             _bytes_header(4, len(data)),
         )
     )
-    tail = b"".join((_bytes_header(5, len(scale_data)), scale_data,
-                     _bytes_header(6, len(contributors)), contributors))
+    tail = b"".join(
+        (
+            _bytes_header(5, len(scale_data)),
+            scale_data,
+            _bytes_header(6, len(contributors)),
+            contributors,
+        )
+    )
     inner = len(head) + len(data) + len(tail)
     outer = _key(_RESPONSE_RESULT, _LENGTH) + _varint(inner)
     return b"".join((outer, head, data, tail))
@@ -291,7 +299,9 @@ def bitmap(members: Iterable[int], size: int) -> bytes:
 def members_of(bits: bytes, size: int) -> list[int]:
     """The member indices set in a bitmap; Rejection if it names members beyond ``size``."""
     if len(bits) != (size + 7) // 8:
-        raise Rejection("bad-result", f"contributor bitmap has {len(bits)} bytes for {size} members")
+        raise Rejection(
+            "bad-result", f"contributor bitmap has {len(bits)} bytes for {size} members"
+        )
     found = [i for i in range(size) if bits[i // 8] >> (i % 8) & 1]
     if any(bits[i // 8] >> (i % 8) & 1 for i in range(size, len(bits) * 8)):
         raise Rejection("bad-result", "contributor bitmap names members outside the group")

@@ -1,0 +1,164 @@
+"""Signed declarations, group formation by a leader and the checks every member makes."""
+
+import pytest
+
+from swarmloco.net.averaging.group import (
+    NONCE_BYTES,
+    build_group,
+    capped,
+    check_declaration,
+    check_group,
+    sign_declaration,
+)
+from swarmloco.net.identity import Identity
+from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import averaging_pb2 as pb
+
+SWARM = "ab" * 20
+NUMEL = 64 * 100
+
+
+def declare(
+    identity: Identity,
+    *,
+    weight: float = 1.0,
+    endpoint: str = "127.0.0.1:1000",
+    bandwidth: float = 1.0,
+    round: int = 3,
+    numel: int = NUMEL,
+) -> pb.MemberDeclaration:
+    return sign_declaration(
+        identity,
+        endpoint=endpoint,
+        weight=weight,
+        bandwidth=bandwidth,
+        swarm_id=SWARM,
+        round=round,
+        numel=numel,
+        block_size=64,
+        timestamp_ms=1_000_000,
+    )
+
+
+def check(d: pb.MemberDeclaration, **kw):
+    args = dict(swarm_id=SWARM, round=3, numel=NUMEL, block_size=64)
+    args.update(kw)
+    return check_declaration(d, **args)
+
+
+def test_declarations_are_signed_and_bound_to_their_round():
+    me = Identity.generate()
+    member = check(declare(me, weight=5.0))
+    assert member.peer_id == me.peer_id_hex and member.weight == 5.0 and member.serving
+    tampered = declare(me)
+    tampered.weight = 1e9
+    with pytest.raises(Rejection, match="signature"):
+        check(tampered)
+    with pytest.raises(Rejection) as info:
+        check(declare(me, round=2))
+    assert info.value.code == "stale-round"
+    with pytest.raises(Rejection) as info:
+        check(declare(me, numel=NUMEL + 64))
+    assert info.value.code == "bad-size"
+    with pytest.raises(Rejection, match="too long ago"):
+        check(declare(me), now_ms=1_000_000 + 700_000, max_age_ms=600_000)
+    client = check(declare(me, endpoint="", bandwidth=5.0))
+    assert client.bandwidth == 0.0 and not client.serving
+
+
+def test_capping_strikes_until_no_weight_is_out_of_bounds():
+    assert set(capped([1.0, 1.0, 1.0, 1e9], 10.0)) == {3}
+    # Striking 1e9 lowers the median, which exposes 50 (> 10 x 1).
+    struck = capped([1.0, 1.0, 1.0, 50.0, 1e9, 1e9], 10.0)
+    assert set(struck) == {3, 4, 5}
+    assert capped([1.0, 2.0, 3.0], 0.0) == {}
+    assert 1 in capped([1.0, float("nan"), 2.0], 10.0)
+
+
+def test_a_leaders_group_checks_out_on_every_member():
+    ids = [Identity.generate() for _ in range(4)]
+    decls = [
+        declare(ids[0], bandwidth=1.0),
+        declare(ids[1], bandwidth=3.0),
+        declare(ids[2], endpoint=""),  # client mode: no part
+        declare(ids[3], weight=1e9),  # struck
+    ]
+    info, struck = build_group(
+        decls, round=3, numel=NUMEL, block_size=64, cap_multiple=10.0, nonce=b"n" * NONCE_BYTES
+    )
+    assert info is not None and set(struck) == {3}
+    for d in decls[:3]:
+        group = check_group(info, me=d, swarm_id=SWARM, cap_multiple=10.0)
+        assert group.size == 3 and group.group_id == info.group_id
+        assert group.parts == ((0, 25), (25, 75), (100, 0))
+        assert group.reducing == [0, 1]
+    with pytest.raises(Rejection, match="own declaration"):
+        check_group(info, me=decls[3], swarm_id=SWARM, cap_multiple=10.0)
+
+
+def _mutated(info: pb.GroupInfo, mutate) -> pb.GroupInfo:
+    copy = pb.GroupInfo()
+    copy.CopyFrom(info)
+    mutate(copy)
+    return copy
+
+
+def test_members_refuse_a_group_the_leader_bent():
+    ids = [Identity.generate() for _ in range(3)]
+    decls = [declare(i) for i in ids]
+    info, _ = build_group(
+        decls, round=3, numel=NUMEL, block_size=64, cap_multiple=10.0, nonce=b"n" * NONCE_BYTES
+    )
+    assert info is not None
+    me = decls[0]
+
+    def swap_parts(g):
+        g.part_blocks[0] += 1
+        g.part_blocks[1] -= 1
+
+    def add_whale(g):
+        g.members.append(declare(Identity.generate(), weight=1e9))
+        g.part_first_block.append(100)
+        g.part_blocks.append(0)
+
+    def change_id(g):
+        g.group_id = b"\x00" * 16
+
+    def duplicate(g):
+        g.members.append(g.members[1])
+
+    def wrong_round(g):
+        g.round = 4
+
+    for mutate, what in [
+        (swap_parts, "proportional"),
+        (add_whale, "bad weight"),
+        (change_id, "group id"),
+        (duplicate, "twice"),
+        (wrong_round, "round"),
+    ]:
+        with pytest.raises(Rejection, match=what):
+            check_group(_mutated(info, mutate), me=me, swarm_id=SWARM, cap_multiple=10.0)
+
+
+def test_no_group_without_a_serving_member():
+    info, _ = build_group(
+        [declare(Identity.generate(), endpoint="")],
+        round=3,
+        numel=NUMEL,
+        block_size=64,
+        cap_multiple=10.0,
+        nonce=b"n" * NONCE_BYTES,
+    )
+    assert info is None
+
+
+def test_member_part_ranges():
+    ids = [Identity.generate() for _ in range(2)]
+    decls = [declare(i) for i in ids]
+    info, _ = build_group(
+        decls, round=3, numel=NUMEL, block_size=64, cap_multiple=10.0, nonce=b"n" * NONCE_BYTES
+    )
+    group = check_group(info, me=decls[1], swarm_id=SWARM, cap_multiple=10.0)
+    assert group.part_range(0) == (0, 50 * 64) and group.part_range(1) == (50 * 64, NUMEL)
+    assert group.index_of(ids[1].peer_id_hex) == 1

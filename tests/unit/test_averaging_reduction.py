@@ -1,0 +1,177 @@
+"""The reducer of one part, without sockets: sums, deadlines, exclusions and refusals."""
+
+import pytest
+import torch
+
+from swarmloco.core.aggregate import AggregatorConfig
+from swarmloco.core.codec import CodecConfig, chunk_spans, dequantize, quantize
+from swarmloco.net.averaging.reduction import PartReduction
+from swarmloco.net.rejections import Rejection
+
+CODEC = CodecConfig(block_size=64, chunk_bytes=4 * (64 + 4), backend="eager")  # 4 blocks a chunk
+NUMEL = 64 * 10  # 3 chunks: 4 + 4 + 2 blocks
+
+
+def make(senders=(0, 1, 2), weights=(1.0, 2.0, 3.0), timeout=1.0, now=0.0, **agg):
+    return PartReduction(
+        part=0,
+        epoch=0,
+        spans=chunk_spans(NUMEL, CODEC),
+        weights=list(weights),
+        senders=senders,
+        codec=CODEC,
+        aggregator=AggregatorConfig(**agg),
+        timeout=timeout,
+        now=now,
+    )
+
+
+def chunks_of(x: torch.Tensor):
+    q, s = quantize(x, CODEC)
+    return [
+        (q[span.start : span.stop], s[span.first_block : span.first_block + span.blocks])
+        for span in chunk_spans(NUMEL, CODEC)
+    ]
+
+
+def decoded(x: torch.Tensor) -> torch.Tensor:
+    q, s = quantize(x, CODEC)
+    return dequantize(q, s, 64, "eager")
+
+
+def finish_all(reduction: PartReduction) -> list[tuple[int, torch.Tensor, list[int]]]:
+    out = []
+    while reduction.ready():
+        index, q, s, contributors = reduction.finish()
+        out.append((index, dequantize(q, s, 64, "eager"), contributors))
+    return out
+
+
+def test_the_mean_is_weighted_and_chunks_complete_in_order():
+    xs = [torch.randn(NUMEL) for _ in range(3)]
+    r = make()
+    parts = [chunks_of(x) for x in xs]
+    for sender in (0, 1):
+        for k, (q, s) in enumerate(parts[sender]):
+            assert r.accept(sender, k, q, s, now=0.1)
+    assert not r.ready()  # sender 2 has delivered nothing
+    r.accept(2, 0, *parts[2][0], now=0.2)
+    done = finish_all(r)
+    assert [k for k, _, _ in done] == [0] and done[0][2] == [0, 1, 2]
+    for k in (1, 2):
+        r.accept(2, k, *parts[2][k], now=0.3)
+    done += finish_all(r)
+    assert r.done and [k for k, _, _ in done] == [0, 1, 2]
+    mean = torch.cat([t for _, t, _ in done])
+    exact = (decoded(xs[0]) + 2 * decoded(xs[1]) + 3 * decoded(xs[2])) / 6
+    bound = max(x.abs().max() for x in xs) / 127
+    assert (mean - exact).abs().max() <= bound
+    assert r.included() == {0: 3, 1: 3, 2: 3}
+
+
+def test_a_sender_that_stops_is_excluded_and_each_chunk_keeps_an_exact_mean():
+    xs = [torch.randn(NUMEL) for _ in range(3)]
+    parts = [chunks_of(x) for x in xs]
+    r = make(timeout=1.0)
+    for k in range(3):
+        r.accept(0, k, *parts[0][k], now=0.0, remote=False)
+        r.accept(1, k, *parts[1][k], now=0.1)
+    r.accept(2, 0, *parts[2][0], now=0.2)  # then silence
+    assert r.next_deadline() == pytest.approx(1.1)  # chunk 1 first arrived at 0.1
+    assert r.expire(1.0) == []
+    assert r.expire(1.2) == [2]
+    assert "missed the deadline of chunk 1" in r.left[2]
+    done = finish_all(r)
+    assert [c for _, _, c in done] == [[0, 1, 2], [0, 1], [0, 1]]
+    assert r.included() == {0: 3, 1: 3, 2: 1}
+    exact_k1 = (decoded(xs[0]) + 2 * decoded(xs[1])) / 3
+    span = chunk_spans(NUMEL, CODEC)[1]
+    assert torch.allclose(done[1][1], exact_k1[span.start : span.stop], atol=0.05)
+    # Its late chunk is ignored, not refused.
+    assert r.accept(2, 1, *parts[2][1], now=1.3) is False
+
+
+def test_a_lagging_sender_is_excluded_once_far_behind_the_others():
+    xs = [torch.randn(NUMEL) for _ in range(3)]
+    parts = [chunks_of(x) for x in xs]
+    r = make(timeout=1.0)
+    for k in range(3):
+        r.accept(0, k, *parts[0][k], now=0.0, remote=False)
+    # Sender 2 keeps delivering, but 1.0 s behind sender 1 on every chunk.
+    r.accept(1, 0, *parts[1][0], now=0.0)
+    r.accept(1, 1, *parts[1][1], now=0.1)
+    r.accept(1, 2, *parts[1][2], now=0.2)
+    r.accept(2, 0, *parts[2][0], now=0.9)
+    assert r.expire(1.05) == []
+    assert r.expire(1.15) == [2]  # chunk 1 arrived from sender 1 at 0.1
+
+
+@pytest.mark.parametrize(
+    "mutate, code",
+    [
+        (lambda q, s: (q[:-64], s[:-1]), "bad-chunk"),
+        (lambda q, s: (q, torch.full_like(s, float("nan"))), "bad-chunk"),
+        (lambda q, s: (q, -s), "bad-chunk"),
+        (lambda q, s: (q.to(torch.int16), s), "bad-chunk"),
+    ],
+)
+def test_invalid_chunks_are_refused_before_they_touch_the_sum(mutate, code):
+    r = make()
+    q, s = chunks_of(torch.randn(NUMEL))[0]
+    with pytest.raises(Rejection) as info:
+        r.accept(1, 0, *mutate(q, s), now=0.0)
+    assert info.value.code == code
+    assert r.included()[1] == 0
+
+
+def test_duplicates_gaps_and_strangers_are_refused():
+    r = make()
+    parts = chunks_of(torch.randn(NUMEL))
+    r.accept(1, 0, *parts[0], now=0.0)
+    with pytest.raises(Rejection) as info:
+        r.accept(1, 0, *parts[0], now=0.0)
+    assert info.value.code == "duplicate"
+    with pytest.raises(Rejection) as info:
+        r.accept(1, 2, *parts[2], now=0.0)
+    assert info.value.code == "bad-index"
+    with pytest.raises(Rejection) as info:
+        r.accept(7, 0, *parts[0], now=0.0)
+    assert info.value.code == "not-member"
+
+
+def test_trimmed_mean_holds_against_two_of_eight_flipped_updates():
+    torch.manual_seed(0)
+    base = torch.randn(NUMEL)
+    honest = [base + 0.1 * torch.randn(NUMEL) for _ in range(6)]
+    hostile = [-1000 * h for h in honest[:2]]
+    r = make(senders=range(8), weights=[1.0] * 8, method="trimmed_mean", trim=2)
+    for sender, x in enumerate(honest + hostile):
+        for k, (q, s) in enumerate(chunks_of(x)):
+            r.accept(sender, k, q, s, now=0.0)
+    mean = torch.cat([t for _, t, _ in finish_all(r)])
+    stacked = torch.stack([decoded(h) for h in honest])
+    slack = stacked.abs().max() / 127
+    assert (mean >= stacked.min(0).values - slack).all()
+    assert (mean <= stacked.max(0).values + slack).all()
+
+
+def test_the_first_contribution_is_written_not_added():
+    # The accumulator comes from a reused buffer full of garbage.
+    x = torch.randn(NUMEL)
+    buffer = torch.full((NUMEL,), 1e30)
+    r = PartReduction(
+        part=0,
+        epoch=0,
+        spans=chunk_spans(NUMEL, CODEC),
+        weights=[2.0],
+        senders=[0],
+        codec=CODEC,
+        aggregator=AggregatorConfig(),
+        timeout=1.0,
+        now=0.0,
+        buffer=buffer,
+    )
+    for k, (q, s) in enumerate(chunks_of(x)):
+        r.accept(0, k, q, s, now=0.0)
+    mean = torch.cat([t for _, t, _ in finish_all(r)])
+    assert (mean - decoded(x)).abs().max() <= x.abs().max() / 127

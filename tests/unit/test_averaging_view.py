@@ -1,0 +1,105 @@
+"""One member's view of a round: failover claims, convergence, digest and report."""
+
+import pytest
+
+from swarmloco.core.codec import CodecConfig
+from swarmloco.errors import RoundAborted
+from swarmloco.net.averaging.group import Group, Member
+from swarmloco.net.averaging.view import Claim, RoundView
+from swarmloco.net.averaging.wire import bitmap
+from swarmloco.net.rejections import Rejection
+
+CODEC = CodecConfig(block_size=64, chunk_bytes=4 * (64 + 4), backend="eager")
+
+
+def group(serving=(True, True, True, False)) -> Group:
+    members = tuple(
+        Member(f"{i:040x}", b"k" * 32, "127.0.0.1:1" if s else "", 1.0, 1.0 if s else 0.0)
+        for i, s in enumerate(serving)
+    )
+    n_serving = sum(serving)
+    blocks = 8
+    parts, first = [], 0
+    for s in serving:
+        size = blocks if s else 0
+        parts.append((first, size))
+        first += size
+    return Group(
+        group_id=b"g" * 16,
+        round=1,
+        members=members,
+        parts=tuple(parts),
+        numel=64 * blocks * n_serving,
+        block_size=64,
+    )
+
+
+def fill(view: RoundView, part: int, contributors=(0, 1, 2, 3)) -> None:
+    for k in range(view.received(part), len(view.spans[part])):
+        view.on_result(part, k, bitmap(contributors, view.group.size))
+
+
+def test_parts_of_a_failed_reducer_move_to_the_next_serving_member():
+    view = RoundView(group(), me=3, codec=CODEC)
+    assert view.parts == [0, 1, 2] and view.owner[2] == Claim(0, 2)
+    fill(view, 1)
+    # Member 2 fails: part 2 goes to the next serving member after it, skipping the client
+    # (3): member 0, one epoch up.
+    assert view.fail(2, "gone") == [2]
+    assert view.owner[2] == Claim(1, 0)
+    # Member 1 fails too, but we already hold its whole part: nothing moves.
+    assert view.fail(1, "gone") == []
+    # Member 0 fails: part 0 and part 2 have nowhere left to go.
+    with pytest.raises(RoundAborted):
+        view.fail(0, "gone")
+
+
+def test_claims_converge_on_the_highest_epoch_then_the_closest_backup():
+    view = RoundView(group(), me=1, codec=CODEC)
+    assert not view.notice(0, Claim(0, 1))  # epoch 0 belongs to the part's own reducer
+    assert view.notice(0, Claim(1, 2))
+    assert view.notice(0, Claim(1, 1))  # same epoch, closer after member 0
+    assert not view.notice(0, Claim(1, 2))
+    assert view.notice(0, Claim(2, 2))
+    assert view.owner[0] == Claim(2, 2)
+    with pytest.raises(Rejection):
+        view.notice(3, Claim(1, 0))  # the client has no part
+
+
+def test_a_move_forgets_what_was_received_of_the_part():
+    view = RoundView(group(), me=0, codec=CODEC)
+    fill(view, 1)
+    assert view.part_complete(1)
+    view.notice(1, Claim(1, 2))
+    assert view.received(1) == 0 and not view.expects(1, 0, 1) and view.expects(1, 1, 2)
+
+
+def test_results_must_come_in_order_and_name_somebody():
+    view = RoundView(group(), me=0, codec=CODEC)
+    view.on_result(0, 0, bitmap([0], 4))
+    with pytest.raises(Rejection):
+        view.on_result(0, 2, bitmap([0], 4))
+    with pytest.raises(Rejection):
+        view.on_result(0, 1, bitmap([], 4))
+
+
+def test_digest_and_report_say_who_counted_where():
+    a, b = RoundView(group(), me=0, codec=CODEC), RoundView(group(), me=1, codec=CODEC)
+    for view in (a, b):
+        fill(view, 0)
+        fill(view, 1)
+    fill(a, 2, (0, 1, 2))
+    view_c = b
+    view_c.on_result(2, 0, bitmap([0, 1, 2, 3], 4))
+    fill(view_c, 2, (0, 1, 2))
+    assert a.complete and b.complete
+    assert a.digest() != b.digest()  # member 3 counted in chunk 0 of part 2 only for b
+    report = {p.part: p for p in b.report()}
+    assert report[2].included["0" * 39 + "3"] == 1
+    assert report[2].included["0" * 39 + "0"] == report[2].chunks == 2
+    assert (report[1].start, report[1].stop) == (512, 1024)
+    a2 = RoundView(group(), me=2, codec=CODEC)
+    for part in (0, 1):
+        fill(a2, part)
+    fill(a2, 2, (0, 1, 2))
+    assert a2.digest() == a.digest()
