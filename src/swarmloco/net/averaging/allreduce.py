@@ -880,10 +880,17 @@ class _Round:
 
 # --------------------------------------------------------------------------- streams
 
-# What a broken stream raises: on the client side an AioRpcError; on the server side,
+# What a broken stream raises: on the client side an AioRpcError, or InvalidStateError
+# ("RPC already finished") when writing to a call that just ended; on the server side,
 # reading from or writing to a stream whose client vanished raises grpc's internal
 # ExecuteBatchError (a cygrpc.BaseError); a cut scripted by the fault plan raises FaultCut.
-_STREAM_ERRORS = (grpc.aio.AioRpcError, cygrpc.BaseError, NetworkError, FaultCut)
+_STREAM_ERRORS = (
+    grpc.aio.AioRpcError,
+    asyncio.InvalidStateError,
+    cygrpc.BaseError,
+    NetworkError,
+    FaultCut,
+)
 
 
 class _Outgoing:
