@@ -1,0 +1,94 @@
+"""Matchmaking and stream admission on loopback: dead leaders, strangers, join faults."""
+
+import asyncio
+import time
+
+import grpc
+from avgutil import SWARM, averaging_peers, random_vectors
+from netutil import closed_port
+
+from swarmloco.net.averaging import (
+    BandwidthConfig,
+    BandwidthLimiter,
+    Fault,
+    FaultPlan,
+    MatchmakingConfig,
+    wire,
+)
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.identity import Identity
+from swarmloco.net.records import round_key
+from swarmloco.proto.v1 import averaging_pb2 as pb
+
+
+async def form(peers, round, numel, deadline):
+    return await asyncio.gather(
+        *(
+            p.matchmaker.form_group(
+                round, weight=1.0, numel=numel, block_size=64, deadline=deadline
+            )
+            for p in peers
+        )
+    )
+
+
+async def test_a_leader_that_announced_and_died_costs_one_failed_call():
+    config = MatchmakingConfig(max_group_size=2, gather_s=5.0, poll_s=0.1)
+    async with averaging_peers(3, matchmaking=config) as peers:
+        # Peer 2 announces itself as the earliest peer of round 1, with an endpoint nobody
+        # listens on, and takes no part (a peer that crashed right after announcing).
+        ghost = peers[2].node.dht
+        await ghost.store(
+            round_key(SWARM, 1),
+            {
+                "endpoint": f"127.0.0.1:{closed_port()}",
+                "weight": 1.0,
+                "bandwidth": 1.0,
+                "client_mode": False,
+                "announced_at": 1.0,
+                "numel": 640,
+            },
+            ttl=60,
+        )
+        started = time.monotonic()
+        groups = await form(peers[:2], 1, 640, Deadline.after(10))
+        assert time.monotonic() - started < 3
+        assert groups[0].group_id == groups[1].group_id and groups[0].size == 2
+
+
+async def test_join_faults_fire_and_the_group_still_forms():
+    plan = FaultPlan([Fault(action="delay", phase="join", seconds=0.2)])
+    async with averaging_peers(3, faults={1: plan, 2: plan}) as peers:
+        groups = await form(peers, 1, 640, Deadline.after(10))
+    assert len({g.group_id for g in groups}) == 1 and groups[0].size == 3
+    assert plan.fired[0] >= 1
+
+
+async def test_strangers_and_forged_hellos_are_refused_and_counted():
+    slow = {i: BandwidthLimiter(BandwidthConfig(upload_bytes_per_s=100_000)) for i in (0, 1)}
+    vectors = random_vectors(2, 64 * 1000, seed=3)
+    async with averaging_peers(2, limiters=slow) as peers:
+        deadline = Deadline.after(20)
+        groups = await form(peers, 1, vectors[0].numel(), deadline)
+        group = groups[0]
+        rounds = asyncio.gather(
+            *(
+                p.averager.all_reduce(g, v, deadline=deadline)
+                for p, g, v in zip(peers, groups, vectors)
+            )
+        )
+        target = next(p for p in peers if p.peer_id == group.members[0].peer_id)
+        stranger = Identity.generate()
+        hello = pb.StreamHello(group_id=group.group_id, round=1, sender=1, reducer=0)
+        payload = wire.hello_payload(group.group_id, 1, 1, 0)
+        hello.signature = stranger.sign(wire.HELLO_DOMAIN, payload)  # not member 1's key
+        async with grpc.aio.insecure_channel(target.node.endpoint) as channel:
+            call = channel.stream_stream(wire.AGGREGATE_PATH)(timeout=10)
+            await call.write(wire.request(hello=hello))
+            answer = wire.decode_response(await call.read())
+            assert answer.WhichOneof("kind") == "refusal"
+            assert answer.refusal.code == "not-member"
+            call.cancel()
+        results = await rounds
+        assert results[0].report.digest == results[1].report.digest
+        assert target.averager.rejections.counts["not-member"] == 1
