@@ -22,7 +22,7 @@ from avgutil import (
 )
 
 from swarmloco.core.aggregate import AggregatorConfig
-from swarmloco.core.codec import chunk_spans
+from swarmloco.core.codec import ErrorFeedback, chunk_spans, dequantize, quantize
 from swarmloco.errors import RejectedInput, RoundAborted
 from swarmloco.net.averaging import AllReduceResult, Fault, FaultPlan, MatchmakingConfig
 from swarmloco.net.deadline import Deadline
@@ -171,21 +171,34 @@ async def test_a_weight_far_above_the_median_is_struck_by_the_leader():
         assert_exact(result, dict(zip(ids, vectors)), dict(zip(ids, weights)))
 
 
-async def test_trimmed_mean_keeps_two_flipped_members_of_eight_inside_the_honest_spread():
+@pytest.mark.parametrize(
+    "aggregator",
+    [AggregatorConfig(method="trimmed_mean", trim=2), AggregatorConfig(method="centered_clip")],
+)
+async def test_robust_aggregators_keep_two_flipped_members_of_eight_inside_the_honest_spread(
+    aggregator,
+):
     size = 8
     torch.manual_seed(5)
     base = torch.randn(64 * 30)
     vectors = [base + 0.1 * torch.randn(base.numel()) for _ in range(6)]
     vectors += [-1000 * v for v in vectors[:2]]
-    config = dataclasses.replace(FAST, aggregator=AggregatorConfig(method="trimmed_mean", trim=2))
+    config = dataclasses.replace(FAST, aggregator=aggregator)
     async with averaging_peers(size, config=config) as peers:
         results = ok(await run_round(peers, 1, vectors, [1.0] * size, timeout=20))
     assert_identical(results)
     honest = torch.stack(vectors[:6])
     slack = 2 * honest.abs().max() / 127
     mean = results[0].mean
-    assert (mean >= honest.min(0).values - slack).all()
-    assert (mean <= honest.max(0).values + slack).all()
+    if aggregator.method == "trimmed_mean":  # coordinate-wise: inside the honest range
+        assert (mean >= honest.min(0).values - slack).all()
+        assert (mean <= honest.max(0).values + slack).all()
+    else:  # CenteredClip bounds distances: per chunk, within the honest radius
+        center = honest.mean(0)
+        for span in chunk_spans(mean.numel(), FAST.codec):
+            piece = slice(span.start, span.stop)
+            radius = (honest[:, piece] - center[piece]).norm(dim=1).max()
+            assert (mean[piece] - center[piece]).norm() <= radius + slack * span.numel**0.5
     plain = sum(vectors) / size
     assert (plain - base).abs().max() > 100  # what a plain mean would have let through
 
@@ -264,3 +277,36 @@ async def test_a_round_that_cannot_finish_by_its_deadline_aborts_for_everyone():
         assert all("deadline" in str(r) for r in results)
         await before.assert_back(sockets=False)
     await baseline.assert_back()
+
+
+async def test_error_feedback_keeps_the_residual_of_a_round_and_rolls_back_an_aborted_one():
+    vectors = random_vectors(2, 64 * 20, seed=8)
+    feedback = [ErrorFeedback(v.numel(), FAST.codec) for v in vectors]
+    async with averaging_peers(2) as peers:
+        deadline = Deadline.after(15)
+        results = ok(
+            await asyncio.gather(
+                *(
+                    _average_with_feedback(p, 1, v, ef, deadline)
+                    for p, v, ef in zip(peers, vectors, feedback)
+                )
+            )
+        )
+        assert_identical(results)
+        for v, ef in zip(vectors, feedback):
+            q, s = quantize(v, FAST.codec)
+            assert torch.equal(ef.residual, v - dequantize(q, s, 64, "eager"))
+        # Round 2 cannot form (min_group_size 3): the residual is what it was.
+        before = [ef.residual.clone() for ef in feedback]
+        for p in peers:
+            p.matchmaker.config = MatchmakingConfig(min_group_size=3, gather_s=0.3, poll_s=0.1)
+        with pytest.raises(RoundAborted):
+            await _average_with_feedback(peers[0], 2, vectors[0], feedback[0], Deadline.after(5))
+        assert torch.equal(feedback[0].residual, before[0])
+
+
+async def _average_with_feedback(peer, round, vector, feedback, deadline):
+    group = await peer.matchmaker.form_group(
+        round, weight=1.0, numel=vector.numel(), block_size=64, deadline=deadline
+    )
+    return await peer.averager.all_reduce(group, vector, deadline=deadline, error_feedback=feedback)

@@ -9,25 +9,24 @@ bootstrap node and the dashboard never do.
 - ``view``: :class:`RoundView`, one member's view of a round: failover, digest, report
   (pure);
 - ``wire``: the bytes of the Aggregate stream (copy-free encoding of the hot messages);
-- ``allreduce``: :class:`Averager`, the streams, deadlines, failures and agreement;
+- ``allreduce``: :class:`Averager` (the public API, the protocol in its docstring) and
+  :class:`AveragingConfig`;
+- ``round``: one member's side of one round: deadlines, failover, agreement;
+- ``streams``: the two ends of an Aggregate stream (reader and writer tasks);
+- ``report``: :class:`AllReduceResult` and :class:`AllReduceReport`;
 - ``limiter``: :class:`BandwidthLimiter`, token buckets for upload and download;
 - ``faults``: :class:`FaultPlan`, the fault-injection seam (drop, delay, cut, corrupt,
   replay, stall per peer, round and phase);
 - ``service``: :func:`averaging_service`, the gRPC service to register on the server.
 """
 
-from swarmloco.net.averaging.allreduce import (
-    AllReduceReport,
-    AllReduceResult,
-    Averager,
-    AveragingConfig,
-)
+from swarmloco.net.averaging.allreduce import Averager, AveragingConfig
 from swarmloco.net.averaging.faults import Fault, FaultPlan
 from swarmloco.net.averaging.group import Group, Member
 from swarmloco.net.averaging.limiter import BandwidthConfig, BandwidthLimiter
 from swarmloco.net.averaging.matchmaking import Matchmaker, MatchmakingConfig
+from swarmloco.net.averaging.report import AllReduceReport, AllReduceResult, PartReport
 from swarmloco.net.averaging.service import averaging_service
-from swarmloco.net.averaging.view import PartReport
 
 __all__ = [
     "AllReduceReport",

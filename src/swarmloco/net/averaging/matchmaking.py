@@ -307,7 +307,10 @@ class Matchmaker:
                 if data is None:  # dropped: the leader never hears of us
                     await asyncio.sleep(deadline.remaining())
                     return None
-            return await self.client.call(endpoint, JOIN, request, timeout=deadline, attempts=2)
+            # A leader answers once its gathering window closes; twice that window is as
+            # long as an honest leader can take, whatever the round deadline.
+            wait = Deadline.after(min(deadline.remaining(), 2 * self.config.gather_s))
+            return await self.client.call(endpoint, JOIN, request, timeout=wait, attempts=2)
         except (RpcError, FaultCut) as exc:
             logger.info("round %d: leader %s did not answer: %s", me.round, endpoint, exc)
             return None

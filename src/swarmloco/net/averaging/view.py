@@ -25,6 +25,7 @@ import struct
 from swarmloco.core.codec import ChunkSpan, CodecConfig, chunk_spans
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging.group import Group
+from swarmloco.net.averaging.report import PartReport
 from swarmloco.net.averaging.wire import members_of
 from swarmloco.net.rejections import Rejection
 
@@ -35,25 +36,6 @@ class Claim:
 
     epoch: int
     reducer: int
-
-
-@dataclasses.dataclass(frozen=True)
-class PartReport:
-    """Who counted in one part of the result."""
-
-    part: int
-    start: int
-    """First element of the part in the flat vector."""
-    stop: int
-    """One past its last element (chunks: ``codec.chunk_spans(stop - start, codec)``)."""
-    reducer: str
-    """Peer id of the member whose result everyone used."""
-    epoch: int
-    """0 if the part's own reducer delivered it; n after n failovers."""
-    chunks: int
-    included: dict[str, int]
-    """Per member peer id: how many leading chunks of the part include its contribution
-    (a member absent from the dict counted in none)."""
 
 
 def part_spans(group: Group, codec: CodecConfig) -> list[list[ChunkSpan]]:

@@ -1,0 +1,62 @@
+"""What one member learns from one round: the mean and the account of who counted where.
+
+:class:`AllReduceReport` is what the daemon logs, shows on the dashboard and checks before
+it applies the outer step; a test can recompute the exact mean of the contributors it
+names, chunk by chunk (the chunks of a part are ``codec.chunk_spans(stop - start)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class PartReport:
+    """Who counted in one part of the result."""
+
+    part: int
+    start: int
+    """First element of the part in the flat vector."""
+    stop: int
+    """One past its last element (chunks: ``codec.chunk_spans(stop - start, codec)``)."""
+    reducer: str
+    """Peer id of the member whose result everyone used."""
+    epoch: int
+    """0 if the part's own reducer delivered it; n after n failovers."""
+    chunks: int
+    included: dict[str, int]
+    """Per member peer id: how many leading chunks of the part include its contribution
+    (a member absent from the dict counted in none)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceReport:
+    """What happened in one round, from one member's point of view."""
+
+    round: int
+    group_id: str
+    me: str
+    members: tuple[str, ...]
+    """Peer ids in part order."""
+    parts: tuple[PartReport, ...]
+    """Per part: final reducer, epoch and how many leading chunks include each member."""
+    excluded: dict[str, str]
+    """Peer id -> why it was left out of something (failed, struck, missed a deadline)."""
+    rejections: dict[str, int]
+    """Rejected inputs during this round, by code."""
+    bytes_sent: int
+    bytes_received: int
+    timings: dict[str, float]
+    """Seconds: quantize, exchange (until we held every part), agreement, total."""
+    agreed: int
+    """Serving members whose verdict matched our digest."""
+    digest: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceResult:
+    mean: torch.Tensor
+    """The weighted mean, padded like the input; identical on every member that returns."""
+    report: AllReduceReport

@@ -1,0 +1,270 @@
+"""The two ends of an ``Aggregate`` stream within one round, as one member sees them.
+
+:class:`OutgoingStream` is the stream a member opens to a serving member: its slices of the
+parts that member reduces go out, the averaged chunks, failover notices and the verdict
+come back. :class:`IncomingStream` is the same stream on the serving side. Each end runs a
+reader and a writer task (so a slow reader never blocks a writer), writes through the
+fault plan and the bandwidth limiter (``RoundRun.write_out``), keeps the stream alive with
+heartbeats when idle, and hands every message to its :class:`~.round.RoundRun`, which owns
+all state. A broken stream is reported to the round, which decides what it means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from grpc._cython import cygrpc
+
+from swarmloco.errors import NetworkError
+from swarmloco.net.averaging import wire
+from swarmloco.net.averaging.faults import FaultCut, Phase
+from swarmloco.net.averaging.view import Claim
+from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import averaging_pb2 as pb
+
+if TYPE_CHECKING:
+    from swarmloco.net.averaging.round import RoundRun
+
+CLOSE = object()  # queue sentinel: the writer half-closes (client) or stops (server)
+
+# What a broken stream raises: on the client side an AioRpcError, or InvalidStateError
+# ("RPC already finished") when writing to a call that just ended; on the server side,
+# reading from or writing to a stream whose client vanished raises grpc's internal
+# ExecuteBatchError (a cygrpc.BaseError); a cut scripted by the fault plan raises FaultCut.
+STREAM_ERRORS = (
+    grpc.aio.AioRpcError,
+    asyncio.InvalidStateError,
+    cygrpc.BaseError,
+    NetworkError,
+    FaultCut,
+)
+
+
+class OutgoingStream:
+    """Our stream to serving member ``member``: our slices out, its results back."""
+
+    def __init__(self, rnd: RoundRun, member: int) -> None:
+        self.rnd = rnd
+        self.member = member
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self.verdict = False
+        self.sent = 0
+        self.last_heard = rnd.a.clock()
+        if member in rnd.view.owner:
+            self.send(("part", member, 0))
+
+    def send(self, job: Any) -> None:
+        self.queue.put_nowait(job)
+
+    def close(self) -> None:
+        """Half-close once the queue is empty (the committed path)."""
+        self.queue.put_nowait(CLOSE)
+
+    def abort(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    async def run(self) -> None:
+        rnd = self.rnd
+        endpoint = rnd.group.members[self.member].endpoint
+        call = rnd.a.client.channel(endpoint).stream_stream(wire.AGGREGATE_PATH)(
+            timeout=max(rnd.deadline.remaining(), 0.001), wait_for_ready=True
+        )
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._writer = tg.create_task(self._write(call))
+                self._reader = tg.create_task(self._read(call))
+        finally:
+            if not call.done():
+                call.cancel()
+
+    def _broken(self, reason: str) -> None:
+        for task in (self._reader, self._writer):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        if not self.verdict:
+            self.rnd.fail(self.member, reason)
+
+    async def _write(self, call: Any) -> None:
+        rnd = self.rnd
+        hello = pb.StreamHello(
+            group_id=rnd.group.group_id, round=rnd.group.round, sender=rnd.me, reducer=self.member
+        )
+        payload = wire.hello_payload(hello.group_id, hello.round, hello.sender, hello.reducer)
+        hello.signature = rnd.a.identity.sign(wire.HELLO_DOMAIN, payload)
+        try:
+            await self._send(call, "hello", wire.request(hello=hello))
+            while True:
+                try:
+                    async with asyncio.timeout(rnd.cfg.heartbeat_s):
+                        job = await self.queue.get()
+                except TimeoutError:
+                    await self._send(call, "heartbeat", wire.HEARTBEAT_REQUEST)
+                    continue
+                if job is CLOSE:
+                    await call.done_writing()
+                    return
+                if job[0] == "part":
+                    await self._send_part(call, job[1], job[2])
+                else:
+                    await self._send(call, job[0], job[1])
+        except STREAM_ERRORS as exc:
+            self._broken(f"sending to it failed: {describe(exc)}")
+
+    async def _send_part(self, call: Any, part: int, epoch: int) -> None:
+        rnd = self.rnd
+        claim = Claim(epoch, self.member)
+        for index in range(len(rnd.view.spans[part])):
+            if rnd.view.owner.get(part) != claim:
+                return  # the part moved on meanwhile
+            payload, scales = rnd.slice_of(part, index)
+            message = wire.encode_chunk(
+                group_id=rnd.group.group_id,
+                round=rnd.group.round,
+                part=part,
+                epoch=epoch,
+                index=index,
+                payload=payload,
+                scales=scales,
+            )
+            await self._send(call, "chunk", message)
+
+    async def _send(self, call: Any, phase: Phase, message: bytes) -> None:
+        self.sent += await self.rnd.write_out(phase, self.member, message, call.write, self.sent)
+
+    async def _read(self, call: Any) -> None:
+        rnd = self.rnd
+        member = self.member
+        try:
+            while True:
+                data = await call.read()
+                if data is grpc.aio.EOF:
+                    if not self.verdict:
+                        self._broken("it ended the stream before its verdict")
+                    return
+                await rnd.received(self, data)
+                try:
+                    self._dispatch(wire.decode_response(data))
+                except Rejection as rejection:
+                    rnd.a.rejections.record(rejection, rnd.group.members[member].peer_id)
+                    self._broken(f"it sent invalid data: {rejection.reason}")
+                    return
+        except STREAM_ERRORS as exc:
+            self._broken(f"its stream broke: {describe(exc)}")
+
+    def _dispatch(self, message: wire.ResultMessage | pb.AggregateResponse) -> None:
+        rnd = self.rnd
+        if isinstance(message, wire.ResultMessage):
+            rnd.on_result(self.member, message)
+            return
+        kind = message.WhichOneof("kind")
+        if kind == "rerun":
+            rnd.on_rerun(self.member, message.rerun.part, message.rerun.epoch)
+        elif kind == "verdict":
+            self.verdict = True
+            rnd.on_verdict(self.member, message.verdict)
+            self.close()
+        elif kind == "refusal":
+            self._broken(f"it refused us: {message.refusal.reason}")
+        elif kind != "heartbeat":
+            raise Rejection("malformed", f"unexpected {kind or 'empty'} message")
+
+
+class IncomingStream:
+    """A member's stream to us: its chunks in, our results, notices and verdict out."""
+
+    def __init__(self, rnd: RoundRun, sender: int, context: grpc.aio.ServicerContext) -> None:
+        self.rnd = rnd
+        self.sender = sender
+        self.peer = rnd.group.members[sender].peer_id
+        self.context = context
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.clean = False
+        self.end_reason = ""
+        self.last_heard = rnd.a.clock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+
+    def send(self, phase: Phase, message: bytes) -> None:
+        if not self._closing:
+            self.queue.put_nowait((phase, message))
+
+    def send_close(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self.queue.put_nowait(CLOSE)
+
+    def abort(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            self._tasks = [tg.create_task(self._read()), tg.create_task(self._write())]
+
+    async def _stall_point(self) -> None:
+        faults = self.rnd.a.faults
+        if faults is not None:
+            await faults.handler(peer=self.peer, round=self.rnd.group.round)
+
+    async def _read(self) -> None:
+        rnd = self.rnd
+        try:
+            while True:
+                await self._stall_point()
+                data = await self.context.read()
+                if data is grpc.aio.EOF:
+                    self.clean = not self.context.cancelled() and (
+                        self.sender in rnd.done or rnd.decided or self.sender in rnd.view.failed
+                    )
+                    self.end_reason = "it ended its stream early"
+                    return
+                await rnd.received(self, data)
+                try:
+                    message = wire.decode_request(data)
+                    if isinstance(message, wire.ChunkMessage):
+                        rnd.on_chunk(self.sender, message)
+                        continue
+                    kind = message.WhichOneof("kind")
+                    if kind == "done":
+                        rnd.on_done(self.sender, bytes(message.done.digest))
+                    elif kind != "heartbeat":
+                        raise Rejection("malformed", f"unexpected {kind or 'empty'} message")
+                except Rejection as rejection:
+                    rnd.strike(self.sender, rejection)
+                    self.clean = True
+                    return
+        except STREAM_ERRORS as exc:
+            self.end_reason = f"its stream broke: {describe(exc)}"
+
+    async def _write(self) -> None:
+        rnd = self.rnd
+        sent = 0
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(rnd.cfg.heartbeat_s):
+                        item = await self.queue.get()
+                except TimeoutError:
+                    item = ("heartbeat", wire.HEARTBEAT_RESPONSE)
+                if item is CLOSE:
+                    return
+                await self._stall_point()
+                phase, message = item
+                sent += await rnd.write_out(phase, self.sender, message, self.context.write, sent)
+        except STREAM_ERRORS as exc:
+            self.end_reason = f"sending to it failed: {describe(exc)}"
+            for task in self._tasks:
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {(exc.details() or '').strip()}"
+    return str(exc) or type(exc).__name__
