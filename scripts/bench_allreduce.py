@@ -390,7 +390,7 @@ def kill_trials(
 ) -> dict[str, Any]:
     rng = random.Random(args.seed)
     deadline = 30.0
-    outcome = {
+    outcome: dict[str, Any] = {
         "kill_trials": 0,
         "kill_hangs": 0,
         "kill_completed": 0,
@@ -399,6 +399,7 @@ def kill_trials(
         "kill_reruns": 0,
         "kill_recovery_s": [],
     }
+    reasons: list[str] = []
     for trial in range(args.kill_trials):
         victim = rng.randrange(len(workers))
         round = first_round + trial
@@ -427,6 +428,8 @@ def kill_trials(
                 outcome["kill_recovery_s"].append(event["t_done"] - t_kill)
             else:
                 aborted += 1
+                reasons.append(event["error"][:300])
+                log(f"kill trial {trial}: survivor {w.index} aborted: {event['error']}")
         outcome["kill_trials"] += 1
         outcome["kill_hangs"] += hung
         if hung:
@@ -442,6 +445,7 @@ def kill_trials(
         workers[victim] = Worker("swarmloco", victim, args, bootstrap)
         # One unmeasured round with the new peer (its codec kernels warm up).
         swarmloco_round(workers, first_round + args.kill_trials + trial + 1000)
+    outcome["kill_abort_reasons"] = reasons
     recovery = outcome.pop("kill_recovery_s")
     outcome["kill_survivor_done_after_kill_s_median"] = (
         statistics.median(recovery) if recovery else None

@@ -15,13 +15,15 @@ import dataclasses
 import json
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
-from swarmloco.core.codec import CodecConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "net"))
+from avgutil import CODEC, FAST
+
 from swarmloco.net.averaging import (
     Averager,
-    AveragingConfig,
     BandwidthConfig,
     BandwidthLimiter,
     Fault,
@@ -35,16 +37,8 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 
 SWARM = "ef" * 20
-CODEC = CodecConfig(block_size=64, chunk_bytes=4 * (64 + 4), backend="eager")
-CONFIG = AveragingConfig(
-    codec=CODEC,
-    sender_timeout_s=1.0,
-    reducer_timeout_s=2.0,
-    liveness_timeout_s=1.0,
-    heartbeat_s=0.2,
-    open_timeout_s=3.0,
-    close_grace_s=1.0,
-)
+# The loopback tests' settings: small chunks, second-scale timeouts.
+CONFIG = dataclasses.replace(FAST, open_timeout_s=3.0)
 
 
 def vector_of(index: int, numel: int) -> torch.Tensor:

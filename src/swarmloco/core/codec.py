@@ -266,15 +266,7 @@ def dequantize_accumulate_(
     config: CodecConfig,
 ) -> None:
     """``acc += weight * decode(q, scale)`` in place, in one pass."""
-    if acc.dtype != torch.float32:
-        raise CodecError(f"accumulator must be float32, got {acc.dtype}")
-    if not math.isfinite(weight):
-        raise CodecError(f"weight must be finite, got {weight}")
-    ab = _blocks(acc, config.block_size, "accumulator")
-    qb = _blocks(q, config.block_size, "payload")
-    if ab.shape != qb.shape:
-        raise CodecError(f"payload has {q.numel()} elements, accumulator {acc.numel()}")
-    _check_decode_args(qb, scale)
+    ab, qb = _decode_target(acc, q, scale, weight, config, "accumulator")
     _KERNELS.run("accumulate", _accumulate_kernel, config.backend, ab, qb, scale, float(weight))
 
 
@@ -291,16 +283,29 @@ def dequantize_into_(
     existing buffer: the averaging layer decodes results into a reused buffer this way and
     starts each reducer's sum with its first contribution, so no buffer is zero-filled.
     """
-    if out.dtype != torch.float32:
-        raise CodecError(f"output must be float32, got {out.dtype}")
+    ob, qb = _decode_target(out, q, scale, weight, config, "output")
+    _KERNELS.run("decode_into", _decode_into_kernel, config.backend, ob, qb, scale, float(weight))
+
+
+def _decode_target(
+    target: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    weight: float,
+    config: CodecConfig,
+    what: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks of the in-place decoders; the block views of ``target`` and ``q``."""
+    if target.dtype != torch.float32:
+        raise CodecError(f"{what} must be float32, got {target.dtype}")
     if not math.isfinite(weight):
         raise CodecError(f"weight must be finite, got {weight}")
-    ob = _blocks(out, config.block_size, "output")
+    tb = _blocks(target, config.block_size, what)
     qb = _blocks(q, config.block_size, "payload")
-    if ob.shape != qb.shape:
-        raise CodecError(f"payload has {q.numel()} elements, output {out.numel()}")
+    if tb.shape != qb.shape:
+        raise CodecError(f"payload has {q.numel()} elements, {what} {target.numel()}")
     _check_decode_args(qb, scale)
-    _KERNELS.run("decode_into", _decode_into_kernel, config.backend, ob, qb, scale, float(weight))
+    return tb, qb
 
 
 def _check_decode_args(qb: torch.Tensor, scale: torch.Tensor) -> None:
