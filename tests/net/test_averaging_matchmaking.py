@@ -1,9 +1,11 @@
 """Matchmaking and stream admission on loopback: dead leaders, strangers, join faults."""
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
+import pytest
 from avgutil import SWARM, averaging_peers, random_vectors
 from netutil import closed_port
 
@@ -17,7 +19,8 @@ from swarmloco.net.averaging import (
 )
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
-from swarmloco.net.records import round_key
+from swarmloco.net.records import make_record, round_key, validate
+from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
 
@@ -92,3 +95,31 @@ async def test_strangers_and_forged_hellos_are_refused_and_counted():
         results = await rounds
         assert results[0].report.digest == results[1].report.digest
         assert target.averager.rejections.counts["not-member"] == 1
+
+
+def test_round_entries_are_owned_signed_and_schema_checked():
+    owner = Identity.generate()
+    key = round_key(SWARM, 12)
+    value = {
+        "endpoint": "127.0.0.1:5000",
+        "weight": 3.0,
+        "bandwidth": 1e6,
+        "client_mode": False,
+        "announced_at": 1000.0,
+        "numel": 4096,
+    }
+    record = make_record(key, value, expiration=2000.0, owner=owner)
+    assert record.subkey == owner.peer_id_hex
+    assert validate(record, now=1000.0) == value
+    with pytest.raises(ValueError, match="weight"):
+        make_record(key, {**value, "weight": 3}, expiration=2000.0, owner=owner)
+    with pytest.raises(ValueError, match="round number"):
+        round_key(SWARM, -1)
+    forged = dataclasses.replace(
+        record,
+        value=make_record(
+            key, {**value, "weight": 1e9}, expiration=2000.0, owner=Identity.generate()
+        ).value,
+    )
+    with pytest.raises(Rejection):
+        validate(forged, now=1000.0)

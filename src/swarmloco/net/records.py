@@ -481,4 +481,6 @@ ROUND = register(
 
 
 def round_key(swarm_id: str, round: int) -> str:
+    if not isinstance(round, int) or isinstance(round, bool) or not 0 <= round < 10**19:
+        raise ValueError(f"a round number is an integer in [0, 10^19), got {round!r}")
     return swarm_key(swarm_id, f"round/{round}")
