@@ -59,7 +59,7 @@ class Fault:
     action: Action
     phase: Phase
     peer: str | None = None
-    """Hex peer id of the remote end (None: any peer)."""
+    """Hex peer id of the remote end; for ``join``, the leader's HOST:PORT (None: any)."""
     round: int | None = None
     """Round it applies to (None: every round)."""
     skip: int = 0

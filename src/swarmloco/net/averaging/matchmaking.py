@@ -299,17 +299,17 @@ class Matchmaker:
         """Ask the leader at ``endpoint`` for the group; None if it cannot be reached."""
         request = pb.JoinRequest(member=me)
         self._following[me.round] = endpoint
+        # A leader answers once its gathering window closes; twice that window is as long
+        # as an honest leader can take, whatever the round deadline.
+        wait = Deadline.after(min(deadline.remaining(), 2 * self.config.gather_s))
         try:
             if self.faults is not None:
                 data = await self.faults.outgoing(
                     "join", peer=endpoint, round=me.round, message=request.SerializeToString()
                 )
-                if data is None:  # dropped: the leader never hears of us
-                    await asyncio.sleep(deadline.remaining())
+                if data is None:  # dropped: the leader never hears of us, we never hear back
+                    await asyncio.sleep(wait.remaining())
                     return None
-            # A leader answers once its gathering window closes; twice that window is as
-            # long as an honest leader can take, whatever the round deadline.
-            wait = Deadline.after(min(deadline.remaining(), 2 * self.config.gather_s))
             return await self.client.call(endpoint, JOIN, request, timeout=wait, attempts=2)
         except (RpcError, FaultCut) as exc:
             logger.info("round %d: leader %s did not answer: %s", me.round, endpoint, exc)
