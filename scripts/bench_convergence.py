@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="inner lr (preset default)")
     p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--fragments", type=int, default=2)
     p.add_argument("--delay", type=int, default=5)
     p.add_argument("--alpha", type=float, default=0.5)
@@ -59,7 +60,7 @@ def main() -> None:
         lr=args.lr or base.inner.lr,
         warmup_steps=min(base.inner.warmup_steps, args.steps // 10),
     )
-    outer = dataclasses.replace(base.outer, lr=args.outer_lr)
+    outer = dataclasses.replace(base.outer, lr=args.outer_lr, momentum=args.outer_momentum)
     plain = StreamingConfig(sync_every=args.sync_every)
     streaming = StreamingConfig(
         sync_every=args.sync_every, fragments=args.fragments, delay=args.delay, alpha=args.alpha
