@@ -15,11 +15,16 @@ Targets: diloco_int8 within 2% of sync; int8 within 0.5% of fp32.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import machine
@@ -29,6 +34,29 @@ from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync
 from swarmloco.train.spec import DataSpec
 from swarmloco.train.tasks import get_task, resolve_model
 
+ARMS = ("sync", "diloco_fp32", "diloco_int8", "streaming_int8")
+
+
+def _run_arm(job: tuple[Any, ...]) -> dict[str, Any]:
+    """One arm in its own process (spawned, one torch thread)."""
+    arm, preset, run, streaming, workers, steps, progress = job
+    torch.set_num_threads(1)
+    task = get_task("gpt-bytes")
+    model = resolve_model(task, preset)
+    data = task.load_data(model, DataSpec())
+    exchange = "int8" if arm.endswith("int8") else "fp32"
+    sim = SimulationConfig(workers=workers, steps=steps, exchange=exchange, eval_every=50)
+    if arm == "sync":
+        result = run_sync(task, model, data, run, sim, label=arm, progress=progress)
+    else:
+        if arm == "streaming_int8":
+            run = dataclasses.replace(run, streaming=streaming)
+        result = run_diloco(task, model, data, run, sim, label=arm, progress=progress)
+    summary = result.summary()
+    summary["data"] = data.description
+    summary["model_params"] = sum(p.numel() for p in task.build_model(model).parameters())
+    return summary
+
 
 def main() -> None:
     p = argparse.ArgumentParser(
@@ -36,17 +64,21 @@ def main() -> None:
     )
     p.add_argument("--preset", default="tiny")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=500)
     p.add_argument("--sync-every", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="inner lr (preset default)")
     p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--fragments", type=int, default=2)
     p.add_argument("--delay", type=int, default=5)
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", default="sync,diloco_fp32,diloco_int8,streaming_int8")
     p.add_argument("--progress", action="store_true", help="progress bars on stderr")
+    p.add_argument(
+        "--parallel", type=int, default=2, help="arms run at once, each in its own 1-thread process"
+    )
     args = p.parse_args()
 
     task = get_task("gpt-bytes")
@@ -59,34 +91,25 @@ def main() -> None:
         lr=args.lr or base.inner.lr,
         warmup_steps=min(base.inner.warmup_steps, args.steps // 10),
     )
-    outer = dataclasses.replace(base.outer, lr=args.outer_lr)
+    outer = dataclasses.replace(base.outer, lr=args.outer_lr, momentum=args.outer_momentum)
     plain = StreamingConfig(sync_every=args.sync_every)
     streaming = StreamingConfig(
         sync_every=args.sync_every, fragments=args.fragments, delay=args.delay, alpha=args.alpha
     )
     run = dataclasses.replace(base, inner=inner, outer=outer, streaming=plain, seed=args.seed)
-    data = task.load_data(model, DataSpec())
     started = time.monotonic()
-
-    def sim(exchange: str) -> SimulationConfig:
-        return SimulationConfig(
-            workers=args.workers, steps=args.steps, exchange=exchange, eval_every=args.steps
-        )
-
-    results = {}
-    for arm in args.arms.split(","):
-        if arm == "sync":
-            r = run_sync(task, model, data, run, sim("fp32"), label=arm, progress=args.progress)
-        elif arm == "diloco_fp32":
-            r = run_diloco(task, model, data, run, sim("fp32"), label=arm, progress=args.progress)
-        elif arm == "diloco_int8":
-            r = run_diloco(task, model, data, run, sim("int8"), label=arm, progress=args.progress)
-        elif arm == "streaming_int8":
-            srun = dataclasses.replace(run, streaming=streaming)
-            r = run_diloco(task, model, data, srun, sim("int8"), label=arm, progress=args.progress)
-        else:
-            raise SystemExit(f"unknown arm {arm!r}")
-        results[arm] = r
+    arms = args.arms.split(",")
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {sorted(unknown)}; arms: {', '.join(ARMS)}")
+    jobs = [
+        (arm, args.preset, run, streaming, args.workers, args.steps, args.progress) for arm in arms
+    ]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.parallel, mp_context=ctx) as pool:
+        results = dict(zip(arms, pool.map(_run_arm, jobs), strict=True))
+    data_description = results[arms[0]].pop("data")
+    model_params = results[arms[0]].pop("model_params")
 
     out: dict[str, object] = {
         "benchmark": "convergence",
@@ -94,7 +117,7 @@ def main() -> None:
         "settings": {
             "task": task.name,
             "preset": args.preset,
-            "model_params": sum(p.numel() for p in task.build_model(model).parameters()),
+            "model_params": model_params,
             "batch_size_per_worker": args.batch_size,
             "seq_len": model["seq_len"],
             "inner_lr": inner.lr,
@@ -102,28 +125,32 @@ def main() -> None:
             "outer_momentum": outer.momentum,
             "streaming": dataclasses.asdict(streaming),
             "seed": args.seed,
-            "data": data.description,
+            "data": data_description,
+            "arms_in_parallel": args.parallel,
+            "torch_threads_per_arm": 1,
         },
         "workers": args.workers,
         "sync_every": args.sync_every,
         "steps": args.steps,
-        "tokens": next(iter(results.values())).tokens,
+        "tokens": results[arms[0]]["tokens"],
     }
+    loss = {arm: r["final_eval_loss"] for arm, r in results.items()}
     for arm, r in results.items():
-        out[f"{arm}_final_eval_loss"] = r.final_eval_loss
-        out[f"{arm}_seconds"] = round(r.seconds, 1)
-    if "sync" in results and "diloco_int8" in results:
-        out["diloco_int8_over_sync"] = (
-            results["diloco_int8"].final_eval_loss / results["sync"].final_eval_loss
+        out[f"{arm}_final_eval_loss"] = r["final_eval_loss"]
+        out[f"{arm}_eval_curve"] = r["eval_curve"]
+        out[f"{arm}_seconds"] = round(r["seconds"], 1)
+        if r["bytes_per_worker"]:
+            out[f"{arm}_bytes_per_worker"] = r["bytes_per_worker"]
+    if "sync" in loss and "diloco_int8" in loss:
+        out["diloco_int8_over_sync"] = loss["diloco_int8"] / loss["sync"]
+        out["target_diloco_int8_within_2pct_of_sync"] = loss["diloco_int8"] <= 1.02 * loss["sync"]
+    if "diloco_fp32" in loss and "diloco_int8" in loss:
+        out["int8_over_fp32"] = loss["diloco_int8"] / loss["diloco_fp32"]
+        out["target_int8_within_half_pct_of_fp32"] = (
+            abs(loss["diloco_int8"] / loss["diloco_fp32"] - 1) <= 0.005
         )
-    if "diloco_fp32" in results and "diloco_int8" in results:
-        out["int8_over_fp32"] = (
-            results["diloco_int8"].final_eval_loss / results["diloco_fp32"].final_eval_loss
-        )
-    if "sync" in results and "streaming_int8" in results:
-        out["streaming_int8_over_sync"] = (
-            results["streaming_int8"].final_eval_loss / results["sync"].final_eval_loss
-        )
+    if "sync" in loss and "streaming_int8" in loss:
+        out["streaming_int8_over_sync"] = loss["streaming_int8"] / loss["sync"]
     out["total_seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(out, indent=2))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -115,7 +115,6 @@ def run_diloco(
     *,
     label: str = "diloco",
     progress: bool = True,
-    on_eval: Callable[[int, float], None] | None = None,
 ) -> ArmResult:
     """N workers, inner AdamW, outer Nesterov on fragments per the streaming schedule."""
     device = torch.device(sim.device)
@@ -194,8 +193,6 @@ def run_diloco(
             land(f)
         if step % sim.eval_every == 0 and step < sim.steps:
             curve.append((step, eval_global()))
-            if on_eval:
-                on_eval(step, curve[-1][1])
         bar.update(1, loss=loss, eval=curve[-1][1])
     # Finish: sync every fragment that trained since its last sync, so that the global
     # model holds the workers' last steps. A fragment whose exchange is still in flight
