@@ -24,6 +24,7 @@ cheap checks run first and the signature check last.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 import re
@@ -51,11 +52,11 @@ class SchemaError(ValueError):
     """A value does not match its schema (the message names the field)."""
 
 
-class Schema:
+class Schema(abc.ABC):
     """A check of one decoded msgpack value. Subclasses raise SchemaError with the path."""
 
-    def check(self, value: Any, where: str) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def check(self, value: Any, where: str) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
