@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 Resp = TypeVar("Resp", bound=Message)
 _MAX_REPLICATIONS = 16  # newcomers being handed records at once
+_MAX_PENDING_REPLICATIONS = 1024  # newcomers waiting for a hand-off (beyond: republish)
 _MAX_REPLICATED_KEYS = 4096
 ContactCallback = Callable[[Contact], None]
 
@@ -287,6 +288,9 @@ class DHTNode:
         self._published: dict[tuple[str, str], Record] = {}
         self._verifying: set[bytes] = set()
         self._replicating: set[bytes] = set()
+        # Bounds concurrent hand-offs; newcomers beyond it wait their turn instead of being
+        # skipped (a skipped newcomer would miss its records until the next republish).
+        self._replication_slots = asyncio.Semaphore(_MAX_REPLICATIONS)
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -609,7 +613,7 @@ class DHTNode:
             return
         if self._on_added is not None:
             self._on_added(contact)
-        if len(self.storage) and len(self._replicating) < _MAX_REPLICATIONS:
+        if len(self.storage) and len(self._replicating) < _MAX_PENDING_REPLICATIONS:
             self._replicating.add(contact.peer_id)
             self._spawn(self._replicate_to(contact))
 
@@ -617,37 +621,41 @@ class DHTNode:
         """Hand a newcomer the records it is now one of the k closest nodes to (Kademlia
         section 2.5), so that gets find them at once instead of after the next republish.
 
-        Only the node closest to a key (among those it knows) sends it, so a newcomer gets
-        each record about once. At most ``_MAX_REPLICATED_KEYS`` keys are considered per
-        newcomer; beyond that republishing alone moves records.
+        Every holder that counts the newcomer among the k closest nodes it knows to a key
+        sends it, not only the holder closest to the key (the paper's rule to save
+        messages): the closest holders often do not know the newcomer (its bucket in their
+        table is full) or are newcomers themselves still waiting for the record, and the
+        newcomer would then miss it until the next republish. The price is a few
+        duplicate stores of small records per join; the receiver drops duplicates. At most
+        ``_MAX_REPLICATED_KEYS`` keys are considered per newcomer; beyond that republishing
+        alone moves records.
         """
         try:
-            records: list[Record] = []
-            for key in self.storage.keys()[:_MAX_REPLICATED_KEYS]:
-                target = key_id(key)
-                ours = distance(self.peer_id, target)
-                others = self.routing.closest(target, self.config.k, exclude=newcomer.peer_id)
-                if others and distance(others[0].peer_id, target) < ours:
-                    continue  # someone closer will send it
-                bound = (
-                    distance(others[-1].peer_id, target) if len(others) >= self.config.k else None
-                )
-                if bound is None or distance(newcomer.peer_id, target) < bound:
-                    records.extend(self.storage.get(key))
-            deadline = Deadline.after(self.config.lookup_timeout_s)
-            batch = self.config.max_records_per_request
-            for start in range(0, len(records), batch):
-                request = signed_store_request(
-                    self.identity,
-                    self.card,
-                    records[start : start + batch],
-                    timestamp_ms=int(self.clock() * 1000),
-                )
-                if await self._call(newcomer, self._transport.store, request, deadline) is None:
-                    return
-                self.stats["replicated"] += len(records[start : start + batch])
+            async with self._replication_slots:
+                await self._hand_off(newcomer)
         finally:
             self._replicating.discard(newcomer.peer_id)
+
+    async def _hand_off(self, newcomer: Contact) -> None:
+        records: list[Record] = []
+        for key in self.storage.keys()[:_MAX_REPLICATED_KEYS]:
+            target = key_id(key)
+            others = self.routing.closest(target, self.config.k, exclude=newcomer.peer_id)
+            bound = distance(others[-1].peer_id, target) if len(others) >= self.config.k else None
+            if bound is None or distance(newcomer.peer_id, target) < bound:
+                records.extend(self.storage.get(key))
+        deadline = Deadline.after(self.config.lookup_timeout_s)
+        batch = self.config.max_records_per_request
+        for start in range(0, len(records), batch):
+            request = signed_store_request(
+                self.identity,
+                self.card,
+                records[start : start + batch],
+                timestamp_ms=int(self.clock() * 1000),
+            )
+            if await self._call(newcomer, self._transport.store, request, deadline) is None:
+                return
+            self.stats["replicated"] += len(records[start : start + batch])
 
     def _failed(self, contact: Contact, why: str) -> None:
         self.stats["failed_calls"] += 1
