@@ -93,15 +93,20 @@ def main() -> None:
     )
     outer = dataclasses.replace(base.outer, lr=args.outer_lr, momentum=args.outer_momentum)
     plain = StreamingConfig(sync_every=args.sync_every)
-    streaming = StreamingConfig(
-        sync_every=args.sync_every, fragments=args.fragments, delay=args.delay, alpha=args.alpha
-    )
-    run = dataclasses.replace(base, inner=inner, outer=outer, streaming=plain, seed=args.seed)
-    started = time.monotonic()
     arms = args.arms.split(",")
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}; arms: {', '.join(ARMS)}")
+    # Checked only when the streaming arm runs (F may not fit a short --sync-every).
+    streaming = (
+        StreamingConfig(
+            sync_every=args.sync_every, fragments=args.fragments, delay=args.delay, alpha=args.alpha
+        )
+        if "streaming_int8" in arms
+        else plain
+    )
+    run = dataclasses.replace(base, inner=inner, outer=outer, streaming=plain, seed=args.seed)
+    started = time.monotonic()
     jobs = [
         (arm, args.preset, run, streaming, args.workers, args.steps, args.progress) for arm in arms
     ]
