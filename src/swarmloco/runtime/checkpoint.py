@@ -1,0 +1,381 @@
+"""Crash-safe checkpoints of a peer's whole training state.
+
+A checkpoint is a directory under the store's root::
+
+    ckpt-<round>-<step>/
+        tensors.safetensors   every tensor (global params, outer momentum, local params,
+                              optimizer moments, RNG states), raw buffers, never pickle
+        state.msgpack         everything else, with tensors replaced by references
+        MANIFEST.json         written last: format, swarm id, round, step, size and
+                              SHA-256 of each file
+
+It is written into a hidden temporary directory, every file is fsynced, the manifest goes
+last, and only then is the directory renamed into place (and the root fsynced). A kill -9 at
+any moment therefore leaves either the complete new checkpoint or none of it; a directory
+whose manifest is missing or whose files do not match it does not count as a checkpoint.
+The newest ``keep`` checkpoints are kept. A full disk fails the save with a clear error and
+leaves the earlier checkpoints as they were.
+
+Nested state (an optimizer's ``state_dict``, a data loader's state, RNG states) goes through
+:func:`flatten` / :func:`unflatten`: tensors go to the safetensors file, the rest to msgpack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+from safetensors.torch import load_file
+
+from swarmloco.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "swarmloco-checkpoint/1"
+TENSORS = "tensors.safetensors"
+STATE = "state.msgpack"
+MANIFEST = "MANIFEST.json"
+_NAME = re.compile(r"^ckpt-(\d{10})-(\d{12})$")
+_TMP_PREFIX = ".tmp-"
+_HASH_BLOCK = 1 << 20
+
+
+# --- nested state <-> (msgpack skeleton, flat tensors) ------------------------------------
+
+
+def flatten(obj: Any, tensors: dict[str, torch.Tensor], prefix: str = "t") -> Any:
+    """A msgpack-able copy of ``obj`` with every tensor moved into ``tensors``.
+
+    Tensors become ``{"__tensor__": name}``, tuples ``{"__tuple__": [...]}`` and dicts with
+    non-string keys ``{"__items__": [[k, v], ...]}`` so that :func:`unflatten` gives back
+    the same structure (an optimizer state dict keys its parameters by int).
+    """
+    if isinstance(obj, torch.Tensor):
+        name = f"{prefix}.{len(tensors)}"
+        tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
+        return {"__tensor__": name}
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: flatten(v, tensors, prefix) for k, v in obj.items()}
+        return {"__items__": [[k, flatten(v, tensors, prefix)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [flatten(v, tensors, prefix) for v in obj]}
+    if isinstance(obj, list):
+        return [flatten(v, tensors, prefix) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
+    raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__}")
+
+
+def unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """The inverse of :func:`flatten`."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            name = obj["__tensor__"]
+            if name not in tensors:
+                raise CheckpointError(f"checkpoint state refers to a missing tensor {name!r}")
+            return tensors[name]
+        if set(obj) == {"__tuple__"}:
+            return tuple(unflatten(v, tensors) for v in obj["__tuple__"])
+        if set(obj) == {"__items__"}:
+            return {k: unflatten(v, tensors) for k, v in obj["__items__"]}
+        return {k: unflatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unflatten(v, tensors) for v in obj]
+    return obj
+
+
+# --- the store ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint: ``state`` is the nested state given to :meth:`save`."""
+
+    path: Path
+    swarm_id: str
+    round: int
+    step: int
+    created_at: float
+    state: dict[str, Any]
+
+
+def checkpoint_name(round_: int, step: int) -> str:
+    return f"ckpt-{round_:010d}-{step:012d}"
+
+
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _HashingWriter:
+    """A file written once, hashed as it is written, fsynced on close."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "wb")  # noqa: SIM115 (closed in close())
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+        self.size += len(data)
+
+    def close(self) -> dict[str, Any]:
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+        return {"bytes": self.size, "sha256": self._hash.hexdigest()}
+
+
+def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Write ``tensors`` in the safetensors format straight from their buffers (no
+    serialized copy in memory); returns the file's size and hash."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"cannot checkpoint tensor {name!r} of dtype {t.dtype}")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
+    out = _HashingWriter(path)
+    try:
+        out.write(len(encoded).to_bytes(8, "little"))
+        out.write(encoded)
+        for t in tensors.values():
+            if t.numel():
+                out.write(t.reshape(-1).view(torch.uint8).numpy().data)
+    except BaseException:
+        out.close()
+        raise
+    return out.close()
+
+
+def _write_bytes(path: Path, data: bytes) -> dict[str, Any]:
+    out = _HashingWriter(path)
+    try:
+        out.write(data)
+    except BaseException:
+        out.close()
+        raise
+    return out.close()
+
+
+class CheckpointStore:
+    """The checkpoints of one peer of one swarm, under ``root`` (one writer at a time).
+
+    Opening the store takes an exclusive lock on ``root/.lock`` (a second daemon on the
+    same data directory fails at once instead of interleaving saves) and removes temporary
+    directories that a killed save left behind.
+    """
+
+    def __init__(self, root: Path | str, *, swarm_id: str, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.root = Path(root)
+        self.swarm_id = swarm_id
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.root / ".lock", "a+")  # noqa: SIM115 (held for the store's life)
+        try:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise CheckpointError(
+                f"checkpoint directory {self.root} is in use by another process; "
+                "give each peer its own --data-dir"
+            ) from None
+        for leftover in self.root.glob(f"{_TMP_PREFIX}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def close(self) -> None:
+        if not self._lock.closed:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_UN)
+            self._lock.close()
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- saving --
+
+    def save(self, *, round: int, step: int, state: Mapping[str, Any]) -> Path:
+        """Write ``state`` (nested dicts/lists of tensors and plain values) as the checkpoint
+        of (``round``, ``step``) and return its directory; then drop all but the newest
+        ``keep`` checkpoints. Raises :class:`CheckpointError` when the disk is full or not
+        writable; earlier checkpoints are left as they were."""
+        if self._lock.closed:
+            raise CheckpointError("the checkpoint store is closed")
+        final = self.root / checkpoint_name(round, step)
+        tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
+        started = time.monotonic()
+        try:
+            tmp.mkdir()
+            tensors: dict[str, torch.Tensor] = {}
+            skeleton = flatten(dict(state), tensors)
+            files = {
+                TENSORS: _write_safetensors(tmp / TENSORS, tensors),
+                STATE: _write_bytes(tmp / STATE, msgpack.packb(skeleton, use_bin_type=True)),
+            }
+            manifest = {
+                "format": FORMAT,
+                "swarm_id": self.swarm_id,
+                "round": round,
+                "step": step,
+                "created_at": time.time(),
+                "files": files,
+            }
+            _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            _fsync_dir(tmp)
+            if final.exists():  # the same (round, step) saved again: replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise CheckpointError(
+                    f"no space to write checkpoint {final.name} in {self.root} "
+                    f"({os.strerror(e.errno or 0)}); free some space. "
+                    f"Earlier checkpoints are intact: {self._names() or 'none'}"
+                ) from e
+            raise CheckpointError(
+                f"cannot write checkpoint {final.name} in {self.root}: {e}"
+            ) from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        total = sum(int(f["bytes"]) for f in files.values())
+        logger.info(
+            "checkpoint %s saved: %.1f MB in %.2f s",
+            final.name,
+            total / 1e6,
+            time.monotonic() - started,
+        )
+        self._prune()
+        return final
+
+    def _names(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if _NAME.match(p.name))
+
+    def _prune(self) -> None:
+        valid = [p for p in self._candidates() if self._read_manifest(p) is not None]
+        for stale in valid[self.keep :]:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    # -- loading --
+
+    def _candidates(self) -> list[Path]:
+        """Checkpoint directories, newest first."""
+        return [self.root / n for n in reversed(self._names())]
+
+    def _read_manifest(self, path: Path) -> dict[str, Any] | None:
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            return None
+        return manifest
+
+    def _verify(self, path: Path) -> tuple[dict[str, Any] | None, str]:
+        manifest = self._read_manifest(path)
+        if manifest is None:
+            return None, "no valid manifest (an interrupted save)"
+        if manifest.get("swarm_id") != self.swarm_id:
+            return None, f"belongs to swarm {manifest.get('swarm_id')!r}"
+        files = manifest.get("files")
+        if not isinstance(files, dict) or set(files) != {TENSORS, STATE}:
+            return None, "manifest lists the wrong files"
+        for name, expected in files.items():
+            file = path / name
+            try:
+                size = file.stat().st_size
+            except OSError:
+                return None, f"{name} is missing"
+            if size != expected.get("bytes") or _sha256(file) != expected.get("sha256"):
+                return None, f"{name} does not match its hash in the manifest"
+        return manifest, ""
+
+    def inventory(self) -> list[tuple[Path, str]]:
+        """Every checkpoint directory, newest first, with '' if valid or why it is not."""
+        return [(p, self._verify(p)[1]) for p in self._candidates()]
+
+    def latest(self) -> Checkpoint | None:
+        """The newest valid checkpoint of this swarm, or None. Invalid ones are skipped with
+        a warning (never deleted: a person may want to look at them)."""
+        for path in self._candidates():
+            manifest, why = self._verify(path)
+            if manifest is None:
+                logger.warning("skipping checkpoint %s: %s", path, why)
+                continue
+            try:
+                return self._load(path, manifest)
+            except (CheckpointError, OSError, ValueError) as e:
+                logger.warning("skipping checkpoint %s: %s", path, e)
+        return None
+
+    def _load(self, path: Path, manifest: Mapping[str, Any]) -> Checkpoint:
+        tensors = load_file(str(path / TENSORS))
+        skeleton = msgpack.unpackb((path / STATE).read_bytes(), raw=False, strict_map_key=False)
+        state = unflatten(skeleton, tensors)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint {path} holds no state mapping")
+        return Checkpoint(
+            path=path,
+            swarm_id=str(manifest["swarm_id"]),
+            round=int(manifest["round"]),
+            step=int(manifest["step"]),
+            created_at=float(manifest["created_at"]),
+            state=state,
+        )
