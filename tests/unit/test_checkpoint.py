@@ -181,7 +181,7 @@ def test_a_second_store_on_the_same_directory_is_refused(tmp_path):
         CheckpointStore(tmp_path, swarm_id=SWARM),
         pytest.raises(CheckpointError, match="in use by another process"),
     ):
-        CheckpointStore(tmp_path, swarm_id=SWARM)
+        CheckpointStore(tmp_path, swarm_id=SWARM).open()
     with CheckpointStore(tmp_path, swarm_id=SWARM):  # free again once closed
         pass
 
@@ -201,3 +201,10 @@ def test_a_state_that_cannot_be_saved_leaves_nothing_behind(tmp_path):
             store.save(round=2, step=2, state={"bad": object()})
         assert [p.name for p in tmp_path.iterdir() if p.name != ".lock"] == [checkpoint_name(1, 1)]
         assert store.latest().state == {"v": 1}
+
+
+def test_a_closed_store_refuses_to_save(tmp_path):
+    store = CheckpointStore(tmp_path / "never-created", swarm_id=SWARM)
+    assert not (tmp_path / "never-created").exists()  # the constructor does no I/O
+    with pytest.raises(CheckpointError, match="not open"):
+        store.save(round=1, step=1, state={})

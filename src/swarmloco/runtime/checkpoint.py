@@ -34,7 +34,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import msgpack
 import torch
@@ -212,9 +212,10 @@ def _write_bytes(path: Path, data: bytes) -> dict[str, Any]:
 class CheckpointStore:
     """The checkpoints of one peer of one swarm, under ``root`` (one writer at a time).
 
-    Opening the store takes an exclusive lock on ``root/.lock`` (a second daemon on the
-    same data directory fails at once instead of interleaving saves) and removes temporary
-    directories that a killed save left behind.
+    Use it as a context manager (or call :meth:`open` and :meth:`close`). Opening takes an
+    exclusive lock on ``root/.lock`` (a second daemon on the same data directory fails at
+    once instead of interleaving saves) and removes temporary directories that a killed
+    save left behind. The constructor does no I/O.
     """
 
     def __init__(self, root: Path | str, *, swarm_id: str, keep: int = 3) -> None:
@@ -223,29 +224,41 @@ class CheckpointStore:
         self.root = Path(root)
         self.swarm_id = swarm_id
         self.keep = keep
+        self._lock: IO[str] | None = None
+
+    def open(self) -> CheckpointStore:
+        if self._lock is not None:
+            return self
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.root / ".lock", "a+")  # noqa: SIM115 (held for the store's life)
+        lock = open(self.root / ".lock", "a+")  # noqa: SIM115 (held until close())
         try:
-            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._lock.close()
+            lock.close()
             raise CheckpointError(
                 f"checkpoint directory {self.root} is in use by another process; "
                 "give each peer its own --data-dir"
             ) from None
+        self._lock = lock
         for leftover in self.root.glob(f"{_TMP_PREFIX}*"):
             shutil.rmtree(leftover, ignore_errors=True)
+        return self
 
     def close(self) -> None:
-        if not self._lock.closed:
+        if self._lock is not None:
             fcntl.flock(self._lock.fileno(), fcntl.LOCK_UN)
             self._lock.close()
+            self._lock = None
 
     def __enter__(self) -> CheckpointStore:
-        return self
+        return self.open()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _require_open(self) -> None:
+        if self._lock is None:
+            raise CheckpointError("the checkpoint store is not open (use it in a with block)")
 
     # -- saving --
 
@@ -254,8 +267,7 @@ class CheckpointStore:
         of (``round``, ``step``) and return its directory; then drop all but the newest
         ``keep`` checkpoints. Raises :class:`CheckpointError` when the disk is full or not
         writable; earlier checkpoints are left as they were."""
-        if self._lock.closed:
-            raise CheckpointError("the checkpoint store is closed")
+        self._require_open()
         final = self.root / checkpoint_name(round, step)
         tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
         started = time.monotonic()
@@ -354,6 +366,7 @@ class CheckpointStore:
     def latest(self) -> Checkpoint | None:
         """The newest valid checkpoint of this swarm, or None. Invalid ones are skipped with
         a warning (never deleted: a person may want to look at them)."""
+        self._require_open()
         for path in self._candidates():
             manifest, why = self._verify(path)
             if manifest is None:
