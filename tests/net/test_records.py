@@ -14,6 +14,8 @@ from swarmloco.net.records import (
     make_record,
     manifest_key,
     peers_key,
+    progress_key,
+    progress_report,
     sign,
     swarm_key,
     validate,
@@ -172,3 +174,26 @@ def test_swarm_key_checks_its_parts():
 def _resign(owner: Identity, record: Record) -> Record:
     """Sign a (bad) record properly, so that only the property under test is wrong."""
     return sign(record, owner)
+
+
+def test_progress_record_becomes_a_pacing_report():
+    owner = Identity.generate()
+    value = {"round": 3, "tokens": 40_960, "tokens_per_s": 812.5, "at": NOW}
+    record = make_record(progress_key(SWARM), value, expiration=NOW + 30, owner=owner)
+    report = progress_report(record.subkey, validate(record, now=NOW))
+    assert (report.peer, report.round, report.tokens) == (owner.peer_id_hex, 3, 40_960)
+    assert (report.tokens_per_s, report.at) == (812.5, NOW)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"tokens": 1.5}, {"tokens": -1}, {"tokens_per_s": -2.0}, {"tokens_per_s": 3}, {"round": -1}],
+)
+def test_progress_values_that_cannot_be_true_are_rejected(change):
+    owner = Identity.generate()
+    value = {"round": 3, "tokens": 10, "tokens_per_s": 1.0, "at": NOW}
+    good = make_record(progress_key(SWARM), value, expiration=NOW + 30, owner=owner)
+    bad = _resign(owner, dataclasses.replace(good, value=msgpack.packb(value | change)))
+    assert rejected(bad).code == "schema"
+    with pytest.raises(ValueError):  # and the publisher's own API refuses it
+        make_record(progress_key(SWARM), value | change, expiration=NOW + 30, owner=owner)

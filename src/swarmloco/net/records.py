@@ -34,6 +34,7 @@ from typing import Any
 import msgpack
 
 from swarmloco.core.manifest import MAX_MANIFEST_BYTES, check_swarm_id, swarm_id_of
+from swarmloco.core.pacing import ProgressReport
 from swarmloco.net.identity import Identity, peer_id_of, verify
 from swarmloco.net.rejections import Rejection
 
@@ -448,6 +449,48 @@ def manifest_key(swarm_id: str) -> str:
 
 def peers_key(swarm_id: str) -> str:
     return swarm_key(swarm_id, "peers")
+
+
+PROGRESS = register(
+    RecordKind(
+        name="progress",
+        pattern="progress",
+        # One signed entry per training peer, refreshed every few seconds: its work towards
+        # the next round, from which every peer estimates when the round is due
+        # (core/pacing.py).
+        schema=Struct(
+            {
+                # The round the peer works towards (its last applied round + 1).
+                "round": Int(minimum=0),
+                # Tokens processed since its last applied round.
+                "tokens": Int(minimum=0),
+                # Its recent training rate.
+                "tokens_per_s": Float(minimum=0.0),
+                # Unix seconds when the report was made.
+                "at": Float(minimum=0.0),
+            }
+        ),
+        owned=True,
+        max_ttl=600.0,
+        max_value_bytes=256,
+        max_subkeys=4096,
+    )
+)
+
+
+def progress_key(swarm_id: str) -> str:
+    return swarm_key(swarm_id, "progress")
+
+
+def progress_report(peer: str, value: Mapping[str, Any]) -> ProgressReport:
+    """A validated ``progress`` value (as a DHT get returns it) as a pacing report."""
+    return ProgressReport(
+        peer=peer,
+        round=int(value["round"]),
+        tokens=int(value["tokens"]),
+        tokens_per_s=float(value["tokens_per_s"]),
+        at=float(value["at"]),
+    )
 
 
 # -- the kinds of the averaging layer --------------------------------------------------------

@@ -1,0 +1,158 @@
+"""When the swarm's next outer round is due (DESIGN section 3), as a pure function of the
+progress reports that peers publish.
+
+Peers train at different speeds. Each publishes, every few seconds, how many tokens it has
+processed since the last round and its current rate. Round r is due when the swarm's tokens
+since the last round reach ``tokens_per_round``; every peer projects the reports forward to
+estimate that moment, and joins matchmaking then, so fast and slow peers arrive together
+(the fast ones having contributed more tokens, and so more weight).
+
+Nothing here reads a clock or the network: the caller passes the reports and ``now``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Iterable
+
+from swarmloco.core.config import require_int, require_non_negative, require_positive
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgressReport:
+    """What one peer says of its work towards a round."""
+
+    peer: str
+    round: int
+    """The round the peer is working towards (its last applied round + 1)."""
+    tokens: int
+    """Tokens it processed since its last applied round."""
+    tokens_per_s: float
+    """Its recent training rate."""
+    at: float
+    """Unix seconds when the report was made."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PacingConfig:
+    tokens_per_round: int
+    """Swarm-wide tokens per outer round (H steps x the nominal global batch)."""
+    stale_after_s: float = 60.0
+    """Reports older than this count with their tokens but no longer with their rate (the
+    peer may have left or stalled)."""
+
+    def __post_init__(self) -> None:
+        require_int("tokens_per_round", self.tokens_per_round, minimum=1)
+        require_positive("stale_after_s", self.stale_after_s)
+
+
+class Verdict(enum.Enum):
+    WAIT = "wait"
+    """Not due yet; ``due_at`` says when it is expected."""
+    DUE = "due"
+    """The swarm's projected tokens reached the target: join matchmaking now."""
+    BEHIND = "behind"
+    """Some peer already works on a later round: this peer missed a round and must fetch
+    the newer state before it trains on."""
+    STALLED = "stalled"
+    """Nobody is making progress (no fresh rate): no due time can be estimated."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    verdict: Verdict
+    due_at: float
+    """Projected unix time the round is due (``now`` when due; ``inf`` when stalled)."""
+    tokens_now: float
+    """The swarm's projected tokens for the round at ``now``."""
+    tokens_per_s: float
+    """The swarm's rate from fresh reports."""
+    peers: int
+    """Peers counted (one report each, the newest)."""
+    reason: str
+    """A line the dashboard can show."""
+
+
+def estimate(
+    reports: Iterable[ProgressReport], *, round: int, now: float, config: PacingConfig
+) -> Estimate:
+    """When round ``round`` is due, from the newest report of each peer.
+
+    Reports for earlier rounds are ignored (those peers are catching up); a report for a
+    later round makes the verdict :attr:`Verdict.BEHIND`. A fresh report counts its tokens
+    plus its rate times the time since it was made; a stale one only its tokens.
+
+    The timing trusts what peers report: one peer over-reporting makes the round due
+    early. What that peer can do to the *result* is bounded elsewhere (the leader caps
+    declared weights at a multiple of the group median).
+    """
+    require_int("round", round, minimum=0)
+    require_non_negative("now", now)
+    newest: dict[str, ProgressReport] = {}
+    for report in reports:
+        known = newest.get(report.peer)
+        if known is None or (report.round, report.at) > (known.round, known.at):
+            newest[report.peer] = report
+    ahead = [r for r in newest.values() if r.round > round]
+    if ahead:
+        latest = max(r.round for r in ahead)
+        return Estimate(
+            Verdict.BEHIND,
+            now,
+            0.0,
+            0.0,
+            len(ahead),
+            f"{len(ahead)} peer(s) already work on round {latest}; fetch the newer state",
+        )
+    current = [r for r in newest.values() if r.round == round and _sane(r)]
+    tokens_now = 0.0
+    rate = 0.0
+    for r in current:
+        age = max(0.0, now - r.at)
+        fresh = age <= config.stale_after_s
+        tokens_now += r.tokens
+        if fresh:
+            tokens_now += r.tokens_per_s * age
+            rate += r.tokens_per_s
+    target = config.tokens_per_round
+    if tokens_now >= target:
+        return Estimate(
+            Verdict.DUE,
+            now,
+            tokens_now,
+            rate,
+            len(current),
+            f"round {round} due: {tokens_now:,.0f} of {target:,} tokens "
+            f"from {len(current)} peer(s)",
+        )
+    if rate <= 0:
+        return Estimate(
+            Verdict.STALLED,
+            math.inf,
+            tokens_now,
+            0.0,
+            len(current),
+            f"round {round}: {tokens_now:,.0f} of {target:,} tokens and no peer making progress",
+        )
+    due_in = (target - tokens_now) / rate
+    return Estimate(
+        Verdict.WAIT,
+        now + due_in,
+        tokens_now,
+        rate,
+        len(current),
+        f"round {round} due in {due_in:.1f} s: {tokens_now:,.0f} of {target:,} tokens, "
+        f"{rate:,.0f} tokens/s from {len(current)} peer(s)",
+    )
+
+
+def _sane(report: ProgressReport) -> bool:
+    """Reports come from untrusted peers; ones that cannot be true do not count."""
+    return (
+        report.tokens >= 0
+        and math.isfinite(report.tokens_per_s)
+        and report.tokens_per_s >= 0
+        and math.isfinite(report.at)
+    )

@@ -1,0 +1,124 @@
+"""When a round is due, from the peers' progress reports."""
+
+import math
+
+import pytest
+
+from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimate
+
+CONFIG = PacingConfig(tokens_per_round=1_000_000, stale_after_s=60.0)
+
+
+def report(peer="a", *, round=5, tokens=0, rate=1000.0, at=100.0):
+    return ProgressReport(peer=peer, round=round, tokens=tokens, tokens_per_s=rate, at=at)
+
+
+def test_one_peer_projects_its_own_rate():
+    e = estimate(
+        [report(tokens=400_000, rate=10_000.0, at=100.0)], round=5, now=110.0, config=CONFIG
+    )
+    assert e.verdict is Verdict.WAIT
+    assert e.tokens_now == pytest.approx(500_000)
+    assert e.due_at == pytest.approx(160.0)  # 500,000 more at 10,000/s
+    assert "due in 50.0 s" in e.reason
+
+
+def test_rates_add_up_across_peers():
+    reports = [
+        report("fast", tokens=300_000, rate=30_000.0, at=100.0),
+        report("slow", tokens=100_000, rate=10_000.0, at=100.0),
+    ]
+    e = estimate(reports, round=5, now=100.0, config=CONFIG)
+    assert (e.peers, e.tokens_per_s) == (2, 40_000.0)
+    assert e.due_at == pytest.approx(115.0)
+
+
+def test_due_once_the_projection_reaches_the_target():
+    reports = [report("a", tokens=600_000, at=100.0), report("b", tokens=390_000, at=100.0)]
+    # 990,000 + 2 x 1,000/s x 5 s = 1,000,000
+    e = estimate(reports, round=5, now=105.0, config=CONFIG)
+    assert e.verdict is Verdict.DUE and e.due_at == 105.0
+
+
+def test_only_the_newest_report_of_a_peer_counts():
+    reports = [report("a", tokens=900_000, at=90.0), report("a", tokens=100_000, at=100.0)]
+    e = estimate(reports, round=5, now=100.0, config=CONFIG)
+    assert e.tokens_now == pytest.approx(100_000) and e.peers == 1
+
+
+def test_a_stale_peer_counts_its_tokens_but_not_its_rate():
+    reports = [
+        report("gone", tokens=200_000, rate=50_000.0, at=0.0),
+        report("here", tokens=100_000, rate=1_000.0, at=100.0),
+    ]
+    e = estimate(reports, round=5, now=100.0, config=CONFIG)
+    assert e.tokens_now == pytest.approx(300_000)
+    assert e.tokens_per_s == 1_000.0
+
+
+def test_nobody_progressing_is_stalled_not_a_division_by_zero():
+    e = estimate([report(tokens=10, rate=0.0)], round=5, now=100.0, config=CONFIG)
+    assert e.verdict is Verdict.STALLED and math.isinf(e.due_at)
+    e = estimate([], round=5, now=100.0, config=CONFIG)
+    assert e.verdict is Verdict.STALLED and e.peers == 0
+
+
+def test_a_peer_on_a_later_round_means_we_are_behind():
+    reports = [report("a", round=5, tokens=10), report("b", round=7, tokens=10)]
+    e = estimate(reports, round=5, now=100.0, config=CONFIG)
+    assert e.verdict is Verdict.BEHIND and "round 7" in e.reason
+
+
+def test_peers_still_on_an_earlier_round_are_ignored():
+    reports = [report("late", round=4, tokens=999_999, rate=1e6), report("a", round=5, tokens=0)]
+    e = estimate(reports, round=5, now=100.0, config=CONFIG)
+    assert e.peers == 1 and e.tokens_now == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        report("x", tokens=-5),
+        report("x", rate=float("nan")),
+        report("x", rate=float("inf")),
+        report("x", rate=-1.0),
+        report("x", at=float("nan")),
+    ],
+)
+def test_reports_that_cannot_be_true_do_not_count(bad):
+    e = estimate([bad, report("a", tokens=10)], round=5, now=100.0, config=CONFIG)
+    assert e.peers == 1 and e.tokens_now == 10
+
+
+def test_fast_and_slow_peers_arrive_together():
+    """Every peer re-estimates from the others' last reports (published every 5 s); all of
+    them reach DUE within one report interval, the fast ones with more tokens."""
+    rates = {"a": 40_000.0, "b": 20_000.0, "c": 5_000.0}
+    tokens = dict.fromkeys(rates, 0.0)
+    published = {p: report(p, tokens=0, rate=r, at=0.0) for p, r in rates.items()}
+    due_at = {}
+    t = 0.0
+    while len(due_at) < len(rates) and t < 1000:
+        t += 1.0
+        for p, r in rates.items():
+            tokens[p] += r
+            if t % 5 == 0:
+                published[p] = report(p, tokens=int(tokens[p]), rate=r, at=t)
+        for p in rates:
+            if p not in due_at:
+                mine = report(p, tokens=int(tokens[p]), rate=rates[p], at=t)
+                others = [v for k, v in published.items() if k != p]
+                if estimate([*others, mine], round=5, now=t, config=CONFIG).verdict is Verdict.DUE:
+                    due_at[p] = t
+    assert len(due_at) == 3
+    assert max(due_at.values()) - min(due_at.values()) <= 5.0
+    assert tokens["a"] > tokens["b"] > tokens["c"]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="tokens_per_round"):
+        PacingConfig(tokens_per_round=0)
+    with pytest.raises(ValueError, match="stale_after_s"):
+        PacingConfig(tokens_per_round=1, stale_after_s=0)
+    with pytest.raises(ValueError, match="round"):
+        estimate([], round=-1, now=0.0, config=CONFIG)
