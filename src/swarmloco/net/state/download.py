@@ -298,7 +298,7 @@ class _Attempt:
             async with asyncio.timeout(wait):
                 data = await call.read()
         except TimeoutError:
-            if self.deadline.expired:
+            if wait < self.config.chunk_timeout_s:  # the overall deadline was the nearer
                 raise _Failed(
                     "deadline", f"the deadline passed while waiting for {what}{self._progress()}"
                 ) from None
