@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import grpc
 
-from swarmloco.core.config import require_int, require_positive
+from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.core.state import StateSnapshot
 from swarmloco.net.averaging.limiter import BandwidthLimiter
 from swarmloco.net.identity import Identity
@@ -45,14 +45,21 @@ class DonorConfig:
     """How a peer serves its state to others."""
 
     chunk_bytes: int = 1024 * 1024
-    """Bytes of state per chunk message (requesters accept 4 KiB to 4 MiB by default)."""
+    """Bytes of state per chunk message, 4 KiB to 4 MiB (what requesters accept by
+    default: see ``wire.ReceiveLimits``)."""
     max_concurrent_downloads: int = 2
     """Downloads served at once; further requests are refused with RESOURCE_EXHAUSTED."""
     write_timeout_s: float = 30.0
     """A requester that takes no message for this long is dropped (frees its slot)."""
 
     def __post_init__(self) -> None:
-        require_int("chunk_bytes", self.chunk_bytes, minimum=1)
+        limits = wire.ReceiveLimits()
+        require_int("chunk_bytes", self.chunk_bytes, minimum=limits.min_chunk_bytes)
+        require(
+            self.chunk_bytes <= limits.max_chunk_bytes,
+            f"chunk_bytes must be at most {limits.max_chunk_bytes} (requesters refuse larger "
+            f"chunks), got {self.chunk_bytes}",
+        )
         require_int("max_concurrent_downloads", self.max_concurrent_downloads, minimum=1)
         require_positive("write_timeout_s", self.write_timeout_s)
 
@@ -109,8 +116,25 @@ class StateDonor:
         self._active += 1
         try:
             await self._serve(snapshot, request, context)
+        except _Stalled:
+            stalled = True
+        else:
+            stalled = False
         finally:
             self._active -= 1
+        if stalled:
+            # The slot is free already: the status waits behind the data the requester
+            # does not read, and leaves when it reads, cancels or its deadline passes.
+            self.stats["dropped"] += 1
+            logger.info(
+                "dropped the download of %s: it took nothing for %.1fs",
+                context.peer(),
+                self.config.write_timeout_s,
+            )
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the requester took nothing for {self.config.write_timeout_s}s",
+            )
 
     async def _serve(
         self,
@@ -148,16 +172,11 @@ class StateDonor:
             async with asyncio.timeout(self.config.write_timeout_s):
                 await context.write(message)
         except TimeoutError:
-            self.stats["dropped"] += 1
-            logger.info(
-                "dropped the download of %s: it took nothing for %.1fs",
-                context.peer(),
-                self.config.write_timeout_s,
-            )
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the requester took nothing for {self.config.write_timeout_s}s",
-            )
+            raise _Stalled from None
+
+
+class _Stalled(Exception):
+    """The requester took no message for ``write_timeout_s``."""
 
 
 def state_service(donor: StateDonor) -> Service:

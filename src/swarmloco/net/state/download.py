@@ -133,6 +133,11 @@ async def download_state(
     failures: list[DonorFailure] = []
     for given in donors:
         donor = Donor(given.peer_id, given.endpoint)
+        if not donor.endpoint:
+            failures.append(
+                DonorFailure(donor, "client-mode", "a client-mode peer serves no state")
+            )
+            continue
         if deadline.expired:
             failures.append(DonorFailure(donor, "deadline", "not tried: the deadline passed"))
             continue
@@ -307,8 +312,10 @@ class _Attempt:
             ) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            label = _STATUS_CODES.get(code, "rpc-error")
             details = (exc.details() or "").strip()
+            label = _STATUS_CODES.get(code, "rpc-error")
+            if "larger than max" in details:  # gRPC's own message size limit, not a busy donor
+                label = "too-large"
             said = f"{code.name}: {details}" if details else code.name
             raise _Failed(label, f"{said}{self._progress()}") from None
         return None if data is grpc.aio.EOF else bytes(data)

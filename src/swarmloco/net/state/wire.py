@@ -178,6 +178,9 @@ def check_header(
     ``peer_id`` (hex) is who we asked: the header must be signed by that peer's key.
     ``round``/``digest``/``schema``: what we want (None: anything). Raises Rejection with
     the reason, whose code says which check failed.
+
+    The timestamp is not checked: the nonce already binds the header to this request (a
+    replayed header fails), and the clocks of volunteers' machines disagree.
     """
     if bytes(header.nonce) != nonce:
         raise Rejection("replayed", "the header answers another request (its nonce differs)")
