@@ -33,6 +33,7 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.server import Service
 from swarmloco.net.state import wire
+from swarmloco.proto.v1 import state_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class StateDonor:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this peer already serves {self._active} downloads; ask another donor",
             )
+            return
         snapshot = self._snapshot()
         if snapshot is None:
             self.stats["no-state"] += 1
@@ -139,7 +141,7 @@ class StateDonor:
     async def _serve(
         self,
         snapshot: StateSnapshot,
-        request: wire.pb.DownloadRequest,
+        request: pb.DownloadRequest,
         context: grpc.aio.ServicerContext,
     ) -> None:
         chunk_bytes = self.config.chunk_bytes

@@ -29,7 +29,7 @@ import grpc
 
 from swarmloco.core.config import require_positive
 from swarmloco.core.manifest import check_swarm_id
-from swarmloco.core.state import StateSchema, StateSnapshot
+from swarmloco.core.state import DIGEST_BYTES, StateSchema, StateSnapshot
 from swarmloco.errors import NetworkError
 from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
@@ -127,6 +127,13 @@ async def download_state(
     by ``deadline``.
     """
     swarm_id = check_swarm_id(swarm_id)
+    if expected_digest is not None and len(expected_digest) != DIGEST_BYTES:
+        raise ValueError(
+            f"expected_digest must be a {DIGEST_BYTES}-byte state digest, got "
+            f"{len(expected_digest)} bytes"
+        )
+    if expected_round is not None and expected_round < 0:
+        raise ValueError(f"expected_round must be >= 0, got {expected_round}")
     config = config or DownloadConfig()
     rejections = rejections or RejectionLog(logger)
     started = time.monotonic()
