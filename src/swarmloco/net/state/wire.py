@@ -1,0 +1,374 @@
+"""The bytes of a state download: the signed header, the chunks, and their checks (pure).
+
+A ``Download`` stream (``proto/swarmloco/v1/state.proto``) is a :class:`StateHeader`
+signed by the donor, then the concatenated raw bytes of the state's tensors in the
+header's order, cut into chunks of ``header.chunk_bytes`` (the last one shorter). The donor
+builds the header with :func:`sign_header` and the chunks with :func:`state_chunks`; the
+requester checks the header with :func:`check_header` and feeds the chunks to a
+:class:`StateAssembler`, which checks each chunk's index and size as it arrives, writes it
+into preallocated tensors and hashes it, and at the end compares the digest.
+
+Everything here raises :class:`~swarmloco.net.rejections.Rejection` with a short code on
+bad input; nothing does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+
+import msgpack
+import torch
+
+from swarmloco.core.config import require_int
+from swarmloco.core.state import (
+    DIGEST_BYTES,
+    DTYPES,
+    StateHasher,
+    StateSchema,
+    StateSnapshot,
+    TensorSpec,
+    check_name,
+    raw_bytes,
+)
+from swarmloco.net.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
+from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import state_pb2 as pb
+
+SERVICE_NAME = "swarmloco.v1.StateTransfer"
+DOWNLOAD_PATH = f"/{SERVICE_NAME}/Download"
+HEADER_DOMAIN = b"swarmloco/v1/state-header\x00"
+NONCE_BYTES = 16
+MAX_NONCE_BYTES = 64
+MAX_REQUEST_BYTES = 1024
+CHUNK_OVERHEAD_BYTES = 32
+"""Protobuf framing around a chunk's data, at most (field keys and varints)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReceiveLimits:
+    """What a requester accepts from a donor before it knows the donor is honest."""
+
+    max_state_bytes: int = 16 * 1024**3
+    """Largest state (sum of the tensors' bytes) to allocate memory for."""
+    max_tensors: int = 64
+    """Most tensors a state may hold."""
+    min_chunk_bytes: int = 4096
+    """Smallest chunk a donor may cut the state into (tiny chunks waste the receiver's CPU)."""
+    max_chunk_bytes: int = 4 * 1024 * 1024
+    """Largest chunk a donor may send (must fit in a gRPC message)."""
+    max_header_bytes: int = 64 * 1024
+    """Largest header message."""
+
+    def __post_init__(self) -> None:
+        require_int("max_state_bytes", self.max_state_bytes, minimum=0)
+        require_int("max_tensors", self.max_tensors, minimum=1)
+        require_int("min_chunk_bytes", self.min_chunk_bytes, minimum=1)
+        require_int("max_chunk_bytes", self.max_chunk_bytes, minimum=self.min_chunk_bytes)
+        require_int("max_header_bytes", self.max_header_bytes, minimum=1024)
+
+
+# -- requests --------------------------------------------------------------------------------
+
+
+def encode_request(
+    *, swarm_id: str, nonce: bytes, round: int | None = None, digest: bytes | None = None
+) -> bytes:
+    request = pb.DownloadRequest(swarm_id=swarm_id, nonce=nonce, digest=digest or b"")
+    if round is not None:
+        request.round = round
+    return request.SerializeToString()
+
+
+def decode_request(data: bytes) -> pb.DownloadRequest:
+    """A request from the network, checked for shape; Rejection("malformed") otherwise."""
+    if len(data) > MAX_REQUEST_BYTES:
+        raise Rejection("malformed", f"a download request of {len(data)} bytes is too large")
+    try:
+        request = pb.DownloadRequest.FromString(data)
+    except Exception:  # any parse failure of untrusted bytes means "malformed"
+        raise Rejection("malformed", "the request is not a valid DownloadRequest") from None
+    if not NONCE_BYTES <= len(request.nonce) <= MAX_NONCE_BYTES:
+        raise Rejection(
+            "malformed",
+            f"the request nonce has {len(request.nonce)} bytes, not {NONCE_BYTES} to "
+            f"{MAX_NONCE_BYTES}",
+        )
+    if request.digest and len(request.digest) != DIGEST_BYTES:
+        raise Rejection("malformed", f"the requested digest is not {DIGEST_BYTES} bytes")
+    return request
+
+
+# -- the header ------------------------------------------------------------------------------
+
+
+def header_payload(header: pb.StateHeader) -> bytes:
+    """What the donor signs: every field of the header but the signature."""
+    return msgpack.packb(
+        [
+            bytes(header.public_key),
+            header.swarm_id,
+            header.round,
+            [[t.name, t.dtype, t.numel] for t in header.tensors],
+            header.total_bytes,
+            header.chunk_bytes,
+            bytes(header.digest),
+            header.timestamp_ms,
+            bytes(header.nonce),
+        ],
+        use_bin_type=True,
+    )
+
+
+def sign_header(
+    identity: Identity,
+    snapshot: StateSnapshot,
+    *,
+    nonce: bytes,
+    chunk_bytes: int,
+    timestamp_ms: int,
+) -> pb.StateHeader:
+    """The donor's signed header for ``snapshot``, answering the request of ``nonce``."""
+    specs = snapshot.specs
+    header = pb.StateHeader(
+        public_key=identity.public_key,
+        swarm_id=snapshot.swarm_id,
+        round=snapshot.round,
+        tensors=[pb.TensorInfo(name=s.name, dtype=s.dtype, numel=s.numel) for s in specs],
+        total_bytes=sum(s.nbytes for s in specs),
+        chunk_bytes=chunk_bytes,
+        digest=snapshot.digest,
+        timestamp_ms=timestamp_ms,
+        nonce=nonce,
+    )
+    header.signature = identity.sign(HEADER_DOMAIN, header_payload(header))
+    return header
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedHeader:
+    """A header that passed :func:`check_header`: what the stream that follows must hold."""
+
+    swarm_id: str
+    round: int
+    specs: tuple[TensorSpec, ...]
+    total_bytes: int
+    chunk_bytes: int
+    digest: bytes
+    timestamp_ms: int
+
+    @property
+    def chunks(self) -> int:
+        return chunk_count(self.total_bytes, self.chunk_bytes)
+
+
+def check_header(
+    header: pb.StateHeader,
+    *,
+    peer_id: str,
+    nonce: bytes,
+    swarm_id: str,
+    round: int | None = None,
+    digest: bytes | None = None,
+    schema: StateSchema | None = None,
+    limits: ReceiveLimits,
+) -> CheckedHeader:
+    """Check a donor's header against the request and the donor's identity.
+
+    ``peer_id`` (hex) is who we asked: the header must be signed by that peer's key.
+    ``round``/``digest``/``schema``: what we want (None: anything). Raises Rejection with
+    the reason, whose code says which check failed.
+
+    The timestamp is not checked: the nonce already binds the header to this request (a
+    replayed header fails), and the clocks of volunteers' machines disagree.
+    """
+    if bytes(header.nonce) != nonce:
+        raise Rejection("replayed", "the header answers another request (its nonce differs)")
+    if len(header.public_key) != PUBLIC_KEY_BYTES:
+        raise Rejection("bad-header", "the header carries no valid public key")
+    signer = peer_id_of(bytes(header.public_key)).hex()
+    if signer != peer_id:
+        raise Rejection(
+            "wrong-donor", f"the header is signed by peer {signer[:12]}, not by {peer_id[:12]}"
+        )
+    if not verify(header.public_key, header.signature, HEADER_DOMAIN, header_payload(header)):
+        raise Rejection("bad-signature", "the header's signature does not match the donor's key")
+    if header.swarm_id != swarm_id:
+        raise Rejection(
+            "wrong-swarm",
+            f"the donor serves swarm {header.swarm_id[:40]!r}, not {swarm_id}",
+        )
+    if round is not None and header.round != round:
+        raise Rejection("wrong-round", f"the donor holds round {header.round}, not {round}")
+    if len(header.digest) != DIGEST_BYTES:
+        raise Rejection("bad-header", f"the header's digest is not {DIGEST_BYTES} bytes")
+    if digest is not None and bytes(header.digest) != digest:
+        raise Rejection(
+            "wrong-digest",
+            f"the donor's round-{header.round} state has digest {header.digest.hex()[:16]}, "
+            f"not the expected {digest.hex()[:16]}",
+        )
+    specs = _check_layout(header, limits)
+    if schema is not None:
+        problem = schema.mismatch(specs)
+        if problem:
+            raise Rejection("bad-layout", f"the donor's state does not fit: {problem}")
+    return CheckedHeader(
+        swarm_id=header.swarm_id,
+        round=header.round,
+        specs=specs,
+        total_bytes=header.total_bytes,
+        chunk_bytes=header.chunk_bytes,
+        digest=bytes(header.digest),
+        timestamp_ms=header.timestamp_ms,
+    )
+
+
+def _check_layout(header: pb.StateHeader, limits: ReceiveLimits) -> tuple[TensorSpec, ...]:
+    if len(header.tensors) > limits.max_tensors:
+        raise Rejection(
+            "too-large", f"the state has {len(header.tensors)} tensors, > {limits.max_tensors}"
+        )
+    specs = []
+    for info in header.tensors:
+        problem = check_name(info.name)
+        if problem:
+            raise Rejection("bad-layout", problem)
+        if info.dtype not in DTYPES:
+            raise Rejection("bad-layout", f"tensor {info.name} has unknown dtype {info.dtype!r}")
+        specs.append(TensorSpec(info.name, info.dtype, info.numel))
+    names = [s.name for s in specs]
+    if names != sorted(set(names)):
+        raise Rejection("bad-layout", "the tensors are not named once each, in sorted order")
+    total = sum(s.nbytes for s in specs)
+    if total != header.total_bytes:
+        raise Rejection(
+            "bad-layout",
+            f"the header says {header.total_bytes} bytes, its tensors make {total}",
+        )
+    if total > limits.max_state_bytes:
+        raise Rejection(
+            "too-large", f"the state has {total} bytes, > {limits.max_state_bytes} accepted"
+        )
+    if not limits.min_chunk_bytes <= header.chunk_bytes <= limits.max_chunk_bytes:
+        raise Rejection(
+            "bad-layout",
+            f"chunks of {header.chunk_bytes} bytes are outside "
+            f"[{limits.min_chunk_bytes}, {limits.max_chunk_bytes}]",
+        )
+    return tuple(specs)
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+def header_response(header: pb.StateHeader) -> bytes:
+    return pb.DownloadResponse(header=header).SerializeToString()
+
+
+def chunk_response(index: int, data: bytes | memoryview) -> bytes:
+    return pb.DownloadResponse(
+        chunk=pb.StateChunk(index=index, data=bytes(data))
+    ).SerializeToString()
+
+
+def decode_response(data: bytes) -> pb.DownloadResponse:
+    try:
+        return pb.DownloadResponse.FromString(data)
+    except Exception:  # any parse failure of untrusted bytes means "malformed"
+        raise Rejection("malformed", "the donor sent bytes that are no DownloadResponse") from None
+
+
+# -- chunks ----------------------------------------------------------------------------------
+
+
+def chunk_count(total_bytes: int, chunk_bytes: int) -> int:
+    return -(-total_bytes // chunk_bytes)
+
+
+def state_chunks(
+    tensors: Mapping[str, torch.Tensor], chunk_bytes: int
+) -> Iterator[bytes | memoryview]:
+    """The tensors' bytes, concatenated in order and cut every ``chunk_bytes``.
+
+    A chunk within one tensor is a view of it (no copy); one that straddles tensors is
+    joined from its pieces.
+    """
+    pending: list[memoryview] = []
+    size = 0
+    for tensor in tensors.values():
+        raw = raw_bytes(tensor)
+        pos = 0
+        while pos < len(raw):
+            take = min(chunk_bytes - size, len(raw) - pos)
+            pending.append(raw[pos : pos + take])
+            size += take
+            pos += take
+            if size == chunk_bytes:
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                pending, size = [], 0
+    if size:
+        yield pending[0] if len(pending) == 1 else b"".join(pending)
+
+
+class StateAssembler:
+    """Writes the chunks of a checked header into new tensors, checking and hashing them."""
+
+    def __init__(self, header: CheckedHeader) -> None:
+        self.header = header
+        self.tensors = {spec.name: spec.empty() for spec in header.specs}
+        self._raws = [raw_bytes(t) for t in self.tensors.values()]
+        self._hasher = StateHasher(header.specs)
+        self.received_bytes = 0
+        self.next_index = 0
+        self._tensor = 0
+        self._pos = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.next_index == self.header.chunks
+
+    def accept(self, index: int, data: bytes | memoryview) -> None:
+        """Take chunk ``index``; Rejection if it is not the next one or has the wrong size."""
+        header = self.header
+        if self.complete:
+            raise Rejection("bad-chunk", f"chunk {index} arrived after the last chunk")
+        if index != self.next_index:
+            raise Rejection(
+                "bad-chunk", f"chunk {index} arrived where chunk {self.next_index} was due"
+            )
+        want = min(header.chunk_bytes, header.total_bytes - self.received_bytes)
+        if len(data) != want:
+            raise Rejection("bad-chunk", f"chunk {index} has {len(data)} bytes, {want} were due")
+        self._hasher.update(data)
+        view = memoryview(data)
+        pos = 0
+        while pos < len(view):
+            raw = self._raws[self._tensor]
+            room = len(raw) - self._pos
+            if room == 0:
+                self._tensor += 1
+                self._pos = 0
+                continue
+            take = min(room, len(view) - pos)
+            raw[self._pos : self._pos + take] = view[pos : pos + take]
+            self._pos += take
+            pos += take
+        self.received_bytes += len(view)
+        self.next_index += 1
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The tensors, once every chunk arrived and the digest matches the header's."""
+        if not self.complete:
+            raise Rejection(
+                "truncated",
+                f"the stream ended after {self.next_index} of {self.header.chunks} chunks",
+            )
+        digest = self._hasher.digest()
+        if digest != self.header.digest:
+            raise Rejection(
+                "bad-digest",
+                f"the state hashes to {digest.hex()[:16]}, the donor's header promised "
+                f"{self.header.digest.hex()[:16]} (corrupted in transit or by the donor)",
+            )
+        return self.tensors

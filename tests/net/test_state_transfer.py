@@ -1,0 +1,610 @@
+"""State transfer on loopback: real gRPC servers on port 0, honest and hostile donors.
+
+Hostile donors are real ``swarmloco.v1.StateTransfer`` servicers defined here: they build
+the honest stream with the same wire helpers and then break one thing in it (a corrupted
+chunk, a forged signature, a stall, a truncation...), and count that the fault fired.
+Every download is checked to leave no task behind, whether it succeeded or failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import grpc
+import pytest
+import torch
+from avgutil import Leftovers
+from netutil import closed_port, wait_for
+
+from swarmloco.core.state import MOMENTUM, THETA_G, StateSchema, StateSnapshot, state_digest
+from swarmloco.net.averaging import BandwidthConfig, BandwidthLimiter
+from swarmloco.net.client import RpcClient
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.server import PeerServer, ServerConfig, Service
+from swarmloco.net.state import (
+    Donor,
+    DonorConfig,
+    DownloadConfig,
+    DownloadedState,
+    StateDonor,
+    StateTransferError,
+    download_state,
+    state_service,
+    wire,
+)
+from swarmloco.proto.v1 import state_pb2 as pb
+
+SWARM = "5a" * 20
+OTHER_SWARM = "a5" * 20
+CHUNK = 64 * 1024
+FAST = DownloadConfig(chunk_timeout_s=1.0)
+
+
+def make_snapshot(
+    numel: int,
+    *,
+    momentum: int | None = -1,
+    seed: int = 0,
+    round: int = 5,
+    swarm_id: str = SWARM,
+    dtype: torch.dtype = torch.float32,
+) -> StateSnapshot:
+    """A state of ``numel`` parameters; momentum of the same length (-1), of ``momentum``
+    values, or none (None)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {THETA_G: torch.randn(numel, generator=g).to(dtype)}
+    if momentum is not None:
+        tensors[MOMENTUM] = torch.randn(numel if momentum < 0 else momentum, generator=g)
+    return StateSnapshot.of(swarm_id=swarm_id, round=round, tensors=tensors)
+
+
+def assert_same_state(got: StateSnapshot, want: StateSnapshot) -> None:
+    assert (got.swarm_id, got.round, got.digest) == (want.swarm_id, want.round, want.digest)
+    assert list(got.tensors) == list(want.tensors)
+    for name, tensor in want.tensors.items():
+        received = got.tensors[name]
+        assert received.dtype == tensor.dtype and received.shape == tensor.shape
+        # Bit for bit: compare the raw bytes, so that even NaN payloads would have to match.
+        assert torch.equal(received.view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+@dataclasses.dataclass
+class Served:
+    """A donor on loopback: who it claims to be and where it listens."""
+
+    identity: Identity
+    port: int
+    donor: StateDonor | None = None
+    fired: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def as_donor(self) -> Donor:
+        return Donor(self.identity.peer_id_hex, f"127.0.0.1:{self.port}")
+
+
+@asynccontextmanager
+async def serving(service: Service) -> AsyncIterator[int]:
+    async with PeerServer(ServerConfig(grace_s=0.5), [service]) as server:
+        yield server.port
+
+
+@asynccontextmanager
+async def honest(
+    snapshot: StateSnapshot | None,
+    *,
+    config: DonorConfig | None = None,
+    limiter: BandwidthLimiter | None = None,
+) -> AsyncIterator[Served]:
+    identity = Identity.generate()
+    donor = StateDonor(
+        identity=identity,
+        snapshot=lambda: snapshot,
+        config=config or DonorConfig(chunk_bytes=CHUNK),
+        limiter=limiter,
+    )
+    async with serving(state_service(donor)) as port:
+        yield Served(identity, port, donor)
+
+
+# -- hostile donors ----------------------------------------------------------------------------
+
+Messages = list[bytes]
+
+
+def honest_messages(
+    identity: Identity, snapshot: StateSnapshot, nonce: bytes, *, signer: Identity | None = None
+) -> tuple[pb.StateHeader, list[bytes]]:
+    header = wire.sign_header(
+        signer or identity, snapshot, nonce=nonce, chunk_bytes=CHUNK, timestamp_ms=1
+    )
+    chunks = [bytes(c) for c in wire.state_chunks(snapshot.tensors, CHUNK)]
+    return header, chunks
+
+
+def resign(header: pb.StateHeader, identity: Identity) -> pb.StateHeader:
+    header.signature = identity.sign(wire.HEADER_DOMAIN, wire.header_payload(header))
+    return header
+
+
+Twist = Callable[[Identity, StateSnapshot, bytes], tuple[Messages, int | None]]
+"""Builds a hostile stream: (messages to send, index of the message to stall before)."""
+
+
+def _stream(header: pb.StateHeader, chunks: list[bytes]) -> Messages:
+    return [wire.header_response(header)] + [
+        wire.chunk_response(i, c) for i, c in enumerate(chunks)
+    ]
+
+
+def corrupt_chunk(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    flipped = bytearray(chunks[1])
+    flipped[100] ^= 0x01
+    chunks[1] = bytes(flipped)
+    return _stream(header, chunks), None
+
+
+def lying_digest(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    header.digest = bytes(32)
+    return _stream(resign(header, identity), chunks), None
+
+
+def forged_signature(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    # Claims to be the donor (its public key) but signs with another key.
+    header, chunks = honest_messages(identity, snapshot, nonce, signer=Identity.generate())
+    header.public_key = identity.public_key
+    return _stream(header, chunks), None
+
+
+def impostor(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    # A valid signature, by a key that is not the donor we asked.
+    header, chunks = honest_messages(identity, snapshot, nonce, signer=Identity.generate())
+    return _stream(header, chunks), None
+
+
+def replayed(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    # The donor's own valid header, signed for another request.
+    header, chunks = honest_messages(identity, snapshot, bytes(16))
+    return _stream(header, chunks), None
+
+
+def stall(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    return _stream(header, chunks), 3  # header and two chunks, then nothing
+
+
+def stall_before_header(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    return _stream(header, chunks), 0
+
+
+def truncate(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    return _stream(header, chunks)[:-2], None  # ends cleanly, two chunks short
+
+
+def oversize_chunk(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    chunks[0] = chunks[0] + b"\x00" * 1024
+    return _stream(header, chunks), None
+
+
+def oversize_header(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    header.swarm_id = "x" * 100_000
+    return _stream(resign(header, identity), chunks), None
+
+
+def short_chunk(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    chunks[2] = chunks[2][:-4]
+    return _stream(header, chunks), None
+
+
+def skipped_index(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    messages = _stream(header, chunks)
+    return messages[:2] + messages[3:], None
+
+
+def extra_chunk(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    return [*_stream(header, chunks), wire.chunk_response(len(chunks), b"\x00" * 8)], None
+
+
+def garbage(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, _ = honest_messages(identity, snapshot, nonce)
+    return [wire.header_response(header), b"\xff\xff\xff\xff"], None
+
+
+def huge_claim(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    # A header that asks the requester to allocate a petabyte.
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    header.tensors[0].numel = 2**48
+    header.total_bytes = sum(t.numel * 4 for t in header.tensors)
+    return _stream(resign(header, identity), chunks), None
+
+
+@asynccontextmanager
+async def hostile(snapshot: StateSnapshot, twist: Twist) -> AsyncIterator[Served]:
+    """A donor that answers every request with ``twist``'s stream (ignoring what it asks)."""
+    identity = Identity.generate()
+    served = Served(identity, 0)
+
+    async def download(data: bytes, context: grpc.aio.ServicerContext) -> None:
+        request = pb.DownloadRequest.FromString(data)
+        messages, stall_at = twist(identity, snapshot, bytes(request.nonce))
+        served.fired["requests"] += 1
+        for i, message in enumerate(messages):
+            if i == stall_at:
+                served.fired["stalled"] += 1
+                await asyncio.Event().wait()  # until the requester gives up and cancels
+            await context.write(message)
+        served.fired["finished"] += 1
+
+    handler = grpc.unary_stream_rpc_method_handler(download)
+    generic = grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {"Download": handler})
+    service = Service(wire.SERVICE_NAME, lambda s: s.add_generic_rpc_handlers((generic,)))
+    async with serving(service) as port:
+        served.port = port
+        yield served
+
+
+async def fetch(
+    client: RpcClient, donors: list[Served | Donor], *, timeout: float = 10.0, **kwargs
+) -> DownloadedState:
+    return await download_state(
+        client,
+        [d.as_donor if isinstance(d, Served) else d for d in donors],
+        swarm_id=kwargs.pop("swarm_id", SWARM),
+        deadline=Deadline.after(timeout),
+        config=kwargs.pop("config", FAST),
+        **kwargs,
+    )
+
+
+# -- clean downloads ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("numel", "momentum"),
+    [
+        (3 * CHUNK // 4 * 2 + 7, -1),  # ends mid-chunk, straddles tensors
+        (CHUNK // 4 * 3, -1),  # whole chunks exactly
+        (1_000_003, -1),  # several MB
+        (12_345, 0),  # a 0-length momentum
+        (12_345, None),  # no momentum (a fresh swarm)
+        (5, None),  # less than one chunk
+        (0, None),  # nothing at all: a header and no chunks
+    ],
+)
+async def test_a_clean_download_is_bit_identical(numel, momentum):
+    snapshot = make_snapshot(numel, momentum=momentum, seed=numel)
+    async with honest(snapshot) as donor, RpcClient() as client:
+        before = Leftovers.now()
+        got = await fetch(client, [donor])
+        await before.assert_back(sockets=False)
+    assert_same_state(got.snapshot, snapshot)
+    assert got.donor == donor.as_donor and got.failures == ()
+    assert donor.donor is not None and donor.donor.stats["served"] == 1
+    assert donor.donor.stats["bytes"] == snapshot.nbytes
+    assert got.snapshot.digest == state_digest(snapshot.tensors)
+
+
+async def test_other_dtypes_and_the_schema_of_a_diloco_state():
+    tensors = {
+        "a": torch.arange(1000, dtype=torch.int64),
+        "b": torch.randn(777).to(torch.bfloat16),
+        "c": torch.rand(5000) > 0.5,
+        THETA_G: torch.randn(4321),
+    }
+    snapshot = StateSnapshot.of(swarm_id=SWARM, round=0, tensors=tensors)
+    async with honest(snapshot) as donor, RpcClient() as client:
+        got = await fetch(client, [donor])
+        assert_same_state(got.snapshot, snapshot)
+        # The same state does not fit the schema of a DiLoCo model of 4321 parameters.
+        with pytest.raises(StateTransferError, match="holds a tensor 'a'"):
+            await fetch(client, [donor], schema=StateSchema.diloco(4321))
+
+
+async def test_served_through_a_net_node_like_any_other_service():
+    snapshot = make_snapshot(100_000, seed=3)
+    identity = Identity.generate()
+    donor = StateDonor(identity=identity, snapshot=lambda: snapshot)
+    node = NetNode(identity=identity, config=NodeConfig(), services=[state_service(donor)])
+    async with node:
+        joiner = NetNode(identity=Identity.generate(), config=NodeConfig(peers=(node.endpoint,)))
+        async with joiner:
+            got = await download_state(
+                joiner.client,
+                [Donor(identity.peer_id_hex, node.endpoint)],
+                swarm_id=SWARM,
+                expected_round=5,
+                expected_digest=snapshot.digest,
+                schema=StateSchema.diloco(100_000),
+                deadline=Deadline.after(10),
+            )
+    assert_same_state(got.snapshot, snapshot)
+
+
+# -- falling back to the next donor ------------------------------------------------------------
+
+
+async def fallback(bad: Served | Donor, good: Served, snapshot: StateSnapshot, client, **kwargs):
+    before = Leftovers.now()
+    started = time.monotonic()
+    got = await fetch(client, [bad, good], **kwargs)
+    elapsed = time.monotonic() - started
+    await before.assert_back(sockets=False)
+    assert_same_state(got.snapshot, snapshot)
+    assert got.donor == good.as_donor
+    assert len(got.failures) == 1
+    failure = got.failures[0]
+    assert failure.donor == (bad.as_donor if isinstance(bad, Served) else bad)
+    return failure, elapsed
+
+
+async def test_falls_back_when_the_first_donor_is_down():
+    snapshot = make_snapshot(50_000)
+    down = Donor(Identity.generate().peer_id_hex, f"127.0.0.1:{closed_port()}")
+    async with honest(snapshot) as good, RpcClient() as client:
+        failure, _ = await fallback(down, good, snapshot, client)
+    assert failure.code == "unreachable" and "UNAVAILABLE" in failure.reason
+
+
+async def test_a_client_mode_peer_is_not_asked():
+    snapshot = make_snapshot(50_000)
+    client_mode = Donor(Identity.generate().peer_id_hex, "")
+    async with honest(snapshot) as good, RpcClient() as client:
+        failure, _ = await fallback(client_mode, good, snapshot, client)
+    assert failure.code == "client-mode"
+
+
+async def test_falls_back_when_the_first_donor_serves_another_swarm():
+    snapshot = make_snapshot(50_000)
+    foreign = make_snapshot(50_000, swarm_id=OTHER_SWARM)
+    async with honest(foreign) as other, honest(snapshot) as good, RpcClient() as client:
+        failure, _ = await fallback(other, good, snapshot, client)
+        assert other.donor is not None
+        assert other.donor.stats["declined"] == 1 and other.donor.stats["chunks"] == 0
+    assert failure.code == "wrong-swarm" and OTHER_SWARM[:12] in failure.reason
+
+
+async def test_falls_back_when_the_first_donor_has_no_state_yet():
+    snapshot = make_snapshot(50_000)
+    async with honest(None) as empty, honest(snapshot) as good, RpcClient() as client:
+        failure, _ = await fallback(empty, good, snapshot, client)
+    assert failure.code == "no-state" and "no state" in failure.reason
+
+
+@pytest.mark.parametrize(
+    ("twist", "code"),
+    [
+        (corrupt_chunk, "bad-digest"),
+        (lying_digest, "bad-digest"),
+        (forged_signature, "bad-signature"),
+        (impostor, "wrong-donor"),
+        (replayed, "replayed"),
+        (truncate, "truncated"),
+        (oversize_chunk, "too-large"),
+        (oversize_header, "too-large"),
+        (short_chunk, "bad-chunk"),
+        (skipped_index, "bad-chunk"),
+        (extra_chunk, "malformed"),
+        (garbage, "malformed"),
+        (huge_claim, "too-large"),
+    ],
+)
+async def test_falls_back_when_the_first_donor_misbehaves(twist, code):
+    snapshot = make_snapshot(200_003)
+    async with hostile(snapshot, twist) as bad, honest(snapshot) as good, RpcClient() as client:
+        failure, _ = await fallback(bad, good, snapshot, client)
+        assert bad.fired["requests"] == 1
+    assert failure.code == code, failure
+
+
+@pytest.mark.parametrize("twist", [stall, stall_before_header])
+async def test_a_stalled_donor_is_left_after_one_chunk_timeout(twist):
+    snapshot = make_snapshot(200_003)
+    async with hostile(snapshot, twist) as bad, honest(snapshot) as good, RpcClient() as client:
+        failure, elapsed = await fallback(bad, good, snapshot, client, timeout=20.0)
+        assert bad.fired["stalled"] == 1 and bad.fired["finished"] == 0
+    assert failure.code == "stalled", failure
+    # One chunk timeout (1 s) and the good download, far inside the 20 s deadline.
+    assert elapsed < 5.0
+    if twist is stall:
+        assert "after 2 of" in failure.reason
+
+
+async def test_a_wrong_dtype_or_length_is_refused_before_the_payload():
+    snapshot = make_snapshot(30_000)
+    half = make_snapshot(30_000, dtype=torch.float16)
+    short = make_snapshot(29_999)
+    schema = StateSchema.diloco(30_000)
+    async with (
+        honest(half) as bad_dtype,
+        honest(short) as bad_numel,
+        honest(snapshot) as good,
+        RpcClient() as client,
+    ):
+        got = await fetch(client, [bad_dtype, bad_numel, good], schema=schema)
+        assert_same_state(got.snapshot, snapshot)
+    assert [f.code for f in got.failures] == ["bad-layout", "bad-layout"]
+    assert "float16" in got.failures[0].reason and "29999" in got.failures[1].reason
+
+
+# -- expected round and digest -----------------------------------------------------------------
+
+
+async def test_a_donor_with_another_digest_is_skipped_without_its_payload():
+    majority = make_snapshot(300_000, seed=1)
+    minority = make_snapshot(300_000, seed=2)
+    async with honest(minority) as odd, honest(majority) as good, RpcClient() as client:
+        before = Leftovers.now()
+        got = await fetch(client, [odd, good], expected_digest=majority.digest)
+        await before.assert_back(sockets=False)
+        assert odd.donor is not None and good.donor is not None
+        assert odd.donor.stats["declined"] == 1
+        assert odd.donor.stats["chunks"] == 0 and odd.donor.stats["bytes"] == 0
+        assert good.donor.stats["served"] == 1
+    assert_same_state(got.snapshot, majority)
+    assert [f.code for f in got.failures] == ["wrong-digest"]
+
+
+async def test_a_donor_that_ignores_the_expected_digest_is_still_skipped():
+    # The hostile donor streams everything whatever the request says; the requester stops
+    # reading at the header.
+    majority = make_snapshot(100_000, seed=1)
+    minority = make_snapshot(100_000, seed=2)
+    async with (
+        hostile(minority, lambda i, s, n: (_stream(*honest_messages(i, s, n)), None)) as odd,
+        honest(majority) as good,
+        RpcClient() as client,
+    ):
+        failure, _ = await fallback(odd, good, majority, client, expected_digest=majority.digest)
+    assert failure.code == "wrong-digest"
+
+
+async def test_a_donor_at_another_round_is_skipped():
+    old = make_snapshot(10_000, round=4)
+    current = make_snapshot(10_000, round=5)
+    async with honest(old) as behind, honest(current) as good, RpcClient() as client:
+        failure, _ = await fallback(behind, good, current, client, expected_round=5)
+    assert failure.code == "wrong-round" and "round 4" in failure.reason
+
+
+# -- when nobody delivers ----------------------------------------------------------------------
+
+
+async def test_when_every_donor_fails_the_error_names_each_and_why():
+    snapshot = make_snapshot(50_000)
+    down = Donor(Identity.generate().peer_id_hex, f"127.0.0.1:{closed_port()}")
+    async with (
+        hostile(snapshot, corrupt_chunk) as corrupt,
+        honest(make_snapshot(50_000, swarm_id=OTHER_SWARM)) as foreign,
+        hostile(snapshot, stall) as stalled,
+        RpcClient() as client,
+    ):
+        before = Leftovers.now()
+        with pytest.raises(StateTransferError) as caught:
+            await fetch(client, [down, corrupt, foreign, stalled])
+        await before.assert_back(sockets=False)
+    error = caught.value
+    assert [f.code for f in error.failures] == [
+        "unreachable",
+        "bad-digest",
+        "wrong-swarm",
+        "stalled",
+    ]
+    message = str(error)
+    assert "any of 4 donor(s)" in message
+    for failure in error.failures:
+        assert str(failure.donor) in message and failure.reason in message
+
+
+async def test_no_donor_at_all_says_what_to_do():
+    async with RpcClient() as client:
+        with pytest.raises(StateTransferError, match="no donor to ask"):
+            await fetch(client, [])
+
+
+async def test_the_overall_deadline_bounds_every_donor():
+    snapshot = make_snapshot(50_000)
+    slow = DownloadConfig(chunk_timeout_s=30.0)
+    async with (
+        hostile(snapshot, stall) as first,
+        hostile(snapshot, stall) as second,
+        RpcClient() as client,
+    ):
+        before = Leftovers.now()
+        started = time.monotonic()
+        with pytest.raises(StateTransferError, match="deadline passed") as caught:
+            await fetch(client, [first, second], timeout=0.8, config=slow)
+        assert time.monotonic() - started < 3.0
+        await before.assert_back(sockets=False)
+    assert [f.code for f in caught.value.failures] == ["deadline", "deadline"]
+
+
+# -- the donor under hostile or heavy load -----------------------------------------------------
+
+
+async def test_a_hostile_requester_cannot_crash_the_donor():
+    snapshot = make_snapshot(20_000)
+    async with honest(snapshot) as donor, RpcClient() as client:
+        assert donor.donor is not None
+        channel = client.channel(donor.as_donor.endpoint)
+        raw = channel.unary_stream(wire.DOWNLOAD_PATH)
+        bad_requests = [
+            b"\xff\xff\xff\xff\x0f",  # not protobuf
+            b"\x0a\xff\xff\xff\xff\x0f",  # a length that runs past the end
+            pb.DownloadRequest(swarm_id=SWARM, nonce=b"short").SerializeToString(),
+            pb.DownloadRequest(swarm_id=SWARM, nonce=bytes(16), digest=b"x").SerializeToString(),
+            b"\x00" * 5000,  # too large
+        ]
+        for request in bad_requests:
+            call = raw(request, timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call.read()
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert donor.donor.rejections.counts["malformed"] == len(bad_requests)
+        assert donor.donor.active == 0
+        got = await fetch(client, [donor])  # still serving
+        assert_same_state(got.snapshot, snapshot)
+
+
+async def test_a_busy_donor_refuses_at_once_and_the_requester_moves_on():
+    snapshot = make_snapshot(1_000_000)
+    slow = BandwidthLimiter(BandwidthConfig(upload_bytes_per_s=256 * 1024))
+    async with AsyncExitStack() as stack:
+        busy = await stack.enter_async_context(
+            honest(snapshot, config=DonorConfig(max_concurrent_downloads=1), limiter=slow)
+        )
+        good = await stack.enter_async_context(honest(snapshot))
+        client = await stack.enter_async_context(RpcClient())
+        assert busy.donor is not None
+        # Occupy the busy donor's only slot with a download that reads its header and
+        # waits (the limiter keeps the donor sending for many seconds).
+        request = wire.encode_request(swarm_id=SWARM, nonce=bytes(16))
+        hog = client.channel(busy.as_donor.endpoint).unary_stream(wire.DOWNLOAD_PATH)(
+            request, timeout=30
+        )
+        first = pb.DownloadResponse.FromString(await hog.read())
+        assert first.WhichOneof("kind") == "header" and busy.donor.active == 1
+        try:
+            failure, elapsed = await fallback(busy, good, snapshot, client)
+        finally:
+            hog.cancel()
+        assert failure.code == "busy" and "ask another donor" in failure.reason
+        assert busy.donor.stats["busy"] == 1
+        assert elapsed < 5.0
+        await wait_for(lambda: busy.donor is not None and busy.donor.active == 0)
+
+
+async def test_a_requester_that_stops_reading_loses_its_slot():
+    # More than HTTP/2 flow control lets the donor send ahead of a requester that reads
+    # nothing, so the donor's writes block and its write timeout drops the requester.
+    snapshot = StateSnapshot.of(swarm_id=SWARM, round=1, tensors={THETA_G: torch.zeros(6_000_000)})
+    config = DonorConfig(max_concurrent_downloads=1, write_timeout_s=0.3)
+    async with honest(snapshot, config=config) as donor, RpcClient() as client:
+        assert donor.donor is not None
+        request = wire.encode_request(swarm_id=SWARM, nonce=bytes(16))
+        hog = client.channel(donor.as_donor.endpoint).unary_stream(wire.DOWNLOAD_PATH)(
+            request, timeout=30
+        )
+        try:
+            assert pb.DownloadResponse.FromString(await hog.read()).HasField("header")
+            await wait_for(lambda: donor.donor is not None and donor.donor.active == 0)
+            assert donor.donor.stats["dropped"] == 1
+            assert donor.donor.stats["bytes"] < snapshot.nbytes
+            got = await fetch(client, [donor])  # the slot is free for the next requester
+            assert_same_state(got.snapshot, snapshot)
+        finally:
+            hog.cancel()
