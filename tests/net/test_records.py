@@ -11,6 +11,7 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.records import (
     PEERS,
     Record,
+    digest_key,
     make_record,
     manifest_key,
     peers_key,
@@ -197,3 +198,15 @@ def test_progress_values_that_cannot_be_true_are_rejected(change):
     assert rejected(bad).code == "schema"
     with pytest.raises(ValueError):  # and the publisher's own API refuses it
         make_record(progress_key(SWARM), value | change, expiration=NOW + 30, owner=owner)
+
+
+def test_digest_record_of_a_round():
+    owner = Identity.generate()
+    value = {"digest": b"\x07" * 32, "endpoint": "127.0.0.1:4000", "at": NOW}
+    record = make_record(digest_key(SWARM, 12), value, expiration=NOW + 60, owner=owner)
+    assert validate(record, now=NOW) == value
+    for bad in ({"digest": b"\x07" * 31}, {"digest": b"\x07" * 33}, {"endpoint": "nowhere"}):
+        forged = _resign(owner, dataclasses.replace(record, value=msgpack.packb(value | bad)))
+        assert rejected(forged).code == "schema"
+    with pytest.raises(ValueError, match="round number"):
+        digest_key(SWARM, -1)

@@ -24,6 +24,7 @@ from types import MappingProxyType
 
 import torch
 
+from swarmloco.core.agreement import DIGEST_BYTES
 from swarmloco.core.manifest import check_swarm_id
 
 THETA_G = "theta_g"
@@ -31,7 +32,6 @@ THETA_G = "theta_g"
 MOMENTUM = "momentum"
 """Name of the outer optimizer's momentum buffer (flat fp32, absent in a fresh swarm)."""
 
-DIGEST_BYTES = 32
 MAX_NAME_CHARS = 128
 _NAME = re.compile(rf"[A-Za-z0-9_.\-/]{{1,{MAX_NAME_CHARS}}}")
 _DIGEST_DOMAIN = b"swarmloco/v1/state\x00"

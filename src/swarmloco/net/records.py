@@ -33,6 +33,7 @@ from typing import Any
 
 import msgpack
 
+from swarmloco.core.agreement import DIGEST_BYTES
 from swarmloco.core.manifest import MAX_MANIFEST_BYTES, check_swarm_id, swarm_id_of
 from swarmloco.core.pacing import ProgressReport
 from swarmloco.net.identity import Identity, peer_id_of, verify
@@ -116,15 +117,18 @@ class Str(Schema):
 
 @dataclasses.dataclass(frozen=True)
 class Bin(Schema):
-    """Raw bytes (msgpack bin) of at most ``max_bytes``."""
+    """Raw bytes (msgpack bin) of at least ``min_bytes`` and at most ``max_bytes``."""
 
     max_bytes: int
+    min_bytes: int = 0
 
     def check(self, value: Any, where: str) -> None:
         if type(value) is not bytes:
             raise SchemaError(f"{where} must be bytes, got {type(value).__name__}")
         if len(value) > self.max_bytes:
             raise SchemaError(f"{where} is {len(value)} bytes; at most {self.max_bytes}")
+        if len(value) < self.min_bytes:
+            raise SchemaError(f"{where} is {len(value)} bytes; at least {self.min_bytes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,6 +423,9 @@ MANIFEST = register(
     )
 )
 
+# HOST:PORT where a peer serves gRPC; empty for client-mode peers.
+ENDPOINT = Str(262, pattern=r"|[^\s/]{1,255}:[0-9]{1,5}")
+
 PEER_ROLES = frozenset({"bootstrap", "trainer", "client", "dashboard"})
 
 PEERS = register(
@@ -428,7 +435,7 @@ PEERS = register(
         schema=Struct(
             {
                 # HOST:PORT where the peer serves gRPC; empty for client-mode peers.
-                "endpoint": Str(262, pattern=r"|[^\s/]{1,255}:[0-9]{1,5}"),
+                "endpoint": ENDPOINT,
                 "role": Str(16, choices=PEER_ROLES),
                 "version": Str(32),
                 # Whether the peer accepts inbound connections (serves parts and state).
@@ -504,7 +511,7 @@ ROUND = register(
         schema=Struct(
             {
                 # HOST:PORT where the peer serves gRPC; empty for client-mode peers.
-                "endpoint": Str(262, pattern=r"|[^\s/]{1,255}:[0-9]{1,5}"),
+                "endpoint": ENDPOINT,
                 # Declared weight (tokens since the last round); the leader caps it.
                 "weight": Float(minimum=0.0),
                 # Declared reduction bandwidth (bytes/s); 0 in client mode.
@@ -524,7 +531,40 @@ ROUND = register(
 )
 
 
-def round_key(swarm_id: str, round: int) -> str:
+def _check_round(round: int) -> None:
     if not isinstance(round, int) or isinstance(round, bool) or not 0 <= round < 10**19:
         raise ValueError(f"a round number is an integer in [0, 10^19), got {round!r}")
+
+
+def round_key(swarm_id: str, round: int) -> str:
+    _check_round(round)
     return swarm_key(swarm_id, f"round/{round}")
+
+
+DIGEST = register(
+    RecordKind(
+        name="digest/<r>",
+        pattern=r"digest/(0|[1-9][0-9]{0,18})",
+        # One signed entry per peer that applied round r: the digest of its global state
+        # after the round. The majority digest is the swarm's state (core/agreement.py); a
+        # peer that disagrees re-downloads it from a holder of the majority.
+        schema=Struct(
+            {
+                "digest": Bin(DIGEST_BYTES, min_bytes=DIGEST_BYTES),
+                # HOST:PORT where the peer serves its state; empty for client-mode peers.
+                "endpoint": ENDPOINT,
+                # Unix seconds when the round was applied.
+                "at": Float(minimum=0.0),
+            }
+        ),
+        owned=True,
+        max_ttl=6 * 3600.0,
+        max_value_bytes=384,
+        max_subkeys=4096,
+    )
+)
+
+
+def digest_key(swarm_id: str, round: int) -> str:
+    _check_round(round)
+    return swarm_key(swarm_id, f"digest/{round}")
