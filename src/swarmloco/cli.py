@@ -82,15 +82,6 @@ def _add_data_dir_option(parser: argparse.ArgumentParser, role: str, what: str) 
     )
 
 
-def _training_not_available(command: str, flag: str, instead: str) -> int:
-    print(
-        f"swarmloco {command}: error: training from the command line is not available yet in "
-        f"this version; run with {flag} to {instead}",
-        file=sys.stderr,
-    )
-    return 2
-
-
 # -- peer layer ---------------------------------------------------------------------------
 
 
@@ -176,52 +167,255 @@ def _bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("the training peer")
+    g.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    g.add_argument(
+        "--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)"
+    )
+    g.add_argument(
+        "--announce-host",
+        default=None,
+        help="host other peers should dial (default: the bound host, or as the peers see us)",
+    )
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    g.add_argument(
+        "--peer-name",
+        default="",
+        help="how dashboards name this peer (default: the host name)",
+    )
+    g.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
+    )
+    g.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="torch.compile the model (default: the swarm's choice: on CUDA only)",
+    )
+    g.add_argument(
+        "--codec",
+        choices=("auto", "compiled", "eager"),
+        default=None,
+        help="how this peer runs the int8 codec: compiled (fast, compiles for a few seconds "
+        "at start), eager, or auto (compiled where possible; the default)",
+    )
+    g.add_argument(
+        "--max-rounds",
+        type=int,
+        default=None,
+        metavar="R",
+        help="leave once the swarm's state reached round R (default: train until stopped)",
+    )
+    g.add_argument(
+        "--round-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="matchmaking plus all-reduce of one round (default: %(default)s)",
+    )
+    g.add_argument(
+        "--gather",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long a round's leader waits for the others to join (default: %(default)s)",
+    )
+    g.add_argument(
+        "--min-group",
+        type=int,
+        default=1,
+        metavar="N",
+        help="abort a round with fewer peers than this and retry later (default: 1, i.e. a "
+        "peer alone averages with itself)",
+    )
+    g.add_argument(
+        "--progress-interval",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how often the peer publishes its progress (default: %(default)s)",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        metavar="ROUNDS",
+        help="rounds between checkpoints; 0: only when stopping (default: %(default)s)",
+    )
+    g.add_argument(
+        "--events",
+        metavar="FILE",
+        default=None,
+        help="write one JSON object per event (ready, round, checkpoint, ...) to FILE; - for "
+        "stdout",
+    )
+
+
+def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
+    """Train as a peer of ``manifest`` until stopped (SIGINT/SIGTERM) or --max-rounds."""
+    import json
+    import signal
+
+    import torch
+
+    from swarmloco.net.averaging import MatchmakingConfig
+    from swarmloco.net.identity import Identity
+    from swarmloco.net.node import NodeConfig
+    from swarmloco.net.server import ServerConfig
+    from swarmloco.runtime.peer import Peer, PeerConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = PeerConfig(
+        data_dir=args.data_dir,
+        node=NodeConfig(
+            server=ServerConfig(host=args.host, port=args.port),
+            announce_host=args.announce_host,
+            peers=tuple(args.peers),
+        ),
+        device=args.device,
+        name=args.peer_name,
+        compile=args.compile,
+        codec_backend=args.codec,
+        max_rounds=args.max_rounds,
+        round_timeout_s=args.round_timeout,
+        matchmaking=MatchmakingConfig(gather_s=args.gather, min_group_size=args.min_group),
+        progress_interval_s=args.progress_interval,
+        checkpoint_every=args.checkpoint_every,
+    )
+    sink = None
+    events_file = None
+    if args.events:
+        events_file = sys.stdout if args.events == "-" else open(args.events, "a", encoding="utf-8")  # noqa: SIM115
+
+        def sink(event: dict[str, Any]) -> None:
+            assert events_file is not None
+            events_file.write(json.dumps(event) + "\n")
+            events_file.flush()
+
+    peer = Peer(manifest, config, identity=Identity.load_or_create(args.data_dir), on_event=sink)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        peer.stop(f"signal {signal.Signals(signum).name}")
+        # A second signal stops at once (the default handlers come back).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        summary = peer.run()
+    finally:
+        if events_file is not None and events_file is not sys.stdout:
+            events_file.close()
+    logging.getLogger("swarmloco.peer").info(
+        "left swarm %s at round %d after %d steps (%d rounds applied, %d aborted, %d downloads)%s",
+        summary.swarm_id[:12],
+        summary.round,
+        summary.steps,
+        summary.rounds_applied,
+        summary.rounds_aborted,
+        summary.downloads,
+        f": {summary.stopped_because}" if summary.stopped_because else "",
+    )
+    return 0
+
+
 @command
 def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "create",
-        help="create a swarm: build its manifest, print its id, publish it",
+        help="create a swarm, print its id, and train as its first peer",
         description=(
             "Create a new swarm (a training run). The manifest (task, model, data, "
-            "hyperparameters, your public key) is built from --task and --preset; its hash is "
-            "the swarm id, printed alone on one line of stdout. With --no-train the manifest "
-            "is published to the DHT through --peer and the command exits; others join with "
-            "`swarmloco join SWARM_ID --peer HOST:PORT`."
+            "hyperparameters, your public key) is built from the options below; its hash is "
+            "the swarm id, printed alone on the first line of stdout. Then this process "
+            "trains as the swarm's first peer: it serves on --host/--port, publishes the "
+            "manifest, and averages with every peer that joins "
+            "(`swarmloco join SWARM_ID --peer HOST:PORT`). Without --peer it starts a new "
+            "network (others join through this peer's address, logged at start). With "
+            "--no-train the manifest is only published through --peer."
         ),
         epilog=(
-            "example: swarmloco create --task gpt-bytes --preset tiny "
-            "--peer 127.0.0.1:31337 --no-train"
+            "examples:\n"
+            "  swarmloco create --task gpt-bytes --preset tiny --host 127.0.0.1\n"
+            "  swarmloco create --preset tiny --sync-every 100 --peer 127.0.0.1:31337\n"
+            "  swarmloco create --preset tiny --peer 127.0.0.1:31337 --no-train"
         ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--task", default="gpt-bytes", help="task to train (default: %(default)s)")
     parser.add_argument(
         "--preset", default="tiny", help="model size preset of the task (default: %(default)s)"
     )
     parser.add_argument("--name", default="", help="a human label for dashboards (optional)")
+    h = parser.add_argument_group("hyperparameters (default: the preset's; all enter the manifest)")
+    h.add_argument(
+        "--sync-every", type=int, default=None, metavar="H", help="inner steps per round"
+    )
+    h.add_argument("--batch-size", type=int, default=None, help="sequences per inner step")
+    h.add_argument("--lr", type=float, default=None, help="peak inner learning rate")
+    h.add_argument("--outer-lr", type=float, default=None, help="outer learning rate")
+    h.add_argument(
+        "--total-steps", type=int, default=None, help="inner steps of the cosine schedule"
+    )
+    h.add_argument("--seed", type=int, default=None, help="seed of the initial model and data")
+    _add_data_options(parser)
     _add_peer_option(parser, required=False)
     _add_data_dir_option(
-        parser, "peer", "where this peer keeps its key; its public half is the swarm's creator"
+        parser,
+        "peer",
+        "where this peer keeps its key (its public half is the swarm's creator) and checkpoints",
     )
     parser.add_argument(
         "--no-train", action="store_true", help="only publish the manifest, then exit"
     )
+    _add_peer_run_options(parser)
     parser.set_defaults(handler=_create)
 
 
 def _create(args: argparse.Namespace) -> int:
-    if not args.no_train:
-        return _training_not_available(
-            "create", "--no-train", "create the swarm and publish its manifest"
-        )
-    if not args.peers:
-        raise ValueError("--no-train publishes the manifest through a peer: pass --peer HOST:PORT")
-    from swarmloco.net.identity import Identity
-    from swarmloco.train.tasks import build_manifest  # imports torch
+    import dataclasses
 
+    from swarmloco.net.identity import Identity
+    from swarmloco.train.tasks import build_manifest, get_task  # imports torch
+
+    if args.no_train and not args.peers:
+        raise ValueError("--no-train publishes the manifest through a peer: pass --peer HOST:PORT")
     identity = Identity.load_or_create(args.data_dir)
+    run = get_task(args.task).default_run(args.preset)
+    inner_changes = {
+        k: v
+        for k, v in (
+            ("batch_size", args.batch_size),
+            ("lr", args.lr),
+            ("total_steps", args.total_steps),
+        )
+        if v is not None
+    }
+    run = dataclasses.replace(run, inner=dataclasses.replace(run.inner, **inner_changes))
+    if args.sync_every is not None:
+        run = dataclasses.replace(
+            run, streaming=dataclasses.replace(run.streaming, sync_every=args.sync_every)
+        )
+    if args.outer_lr is not None:
+        run = dataclasses.replace(run, outer=dataclasses.replace(run.outer, lr=args.outer_lr))
+    if args.seed is not None:
+        run = dataclasses.replace(run, seed=args.seed)
+    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else None
     manifest = build_manifest(
-        args.task, args.preset, creator=identity.public_key.hex(), name=args.name
+        args.task,
+        args.preset,
+        creator=identity.public_key.hex(),
+        name=args.name,
+        data=_data_spec(args),
+        run=run,
+        model_overrides=overrides,
     )
+    print(manifest.swarm_id, flush=True)
+    if not args.no_train:
+        return _run_peer(manifest, args)
 
     async def publish() -> int:
         from swarmloco.net.node import NetNode, NodeConfig
@@ -232,7 +426,6 @@ def _create(args: argparse.Namespace) -> int:
             return await publish_manifest(node.dht, manifest)
 
     stored = run_async(publish())
-    print(manifest.swarm_id, flush=True)
     logging.getLogger("swarmloco.create").info(
         "published the manifest of swarm %s on %d DHT nodes", manifest.swarm_id, stored
     )
@@ -243,13 +436,22 @@ def _create(args: argparse.Namespace) -> int:
 def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "join",
-        help="join a swarm by its id (for now: --dry-run checks and prints its manifest)",
+        help="join a swarm by its id: download its state and train",
         description=(
             "Join the swarm SWARM_ID through --peer. The manifest is fetched from the DHT and "
             "its hash checked against the id: a manifest that hashes to anything else is "
-            "refused. With --dry-run the verified manifest is printed and the command exits."
+            "refused. Then the peer downloads the swarm's latest state from peers holding "
+            "its majority digest and trains, averaging with the others every H steps, until "
+            "stopped (Ctrl-C or SIGTERM: it finishes the current round, checkpoints and "
+            "leaves). Run it again with the same --data-dir to resume from the newest "
+            "checkpoint. With --dry-run the verified manifest is printed and the command exits."
         ),
-        epilog="example: swarmloco join 3f2a...9c1d --peer 127.0.0.1:31337 --dry-run",
+        epilog=(
+            "examples:\n"
+            "  swarmloco join 3f2a...9c1d --peer 127.0.0.1:31337 --data-dir ./peer2\n"
+            "  swarmloco join 3f2a...9c1d --peer 127.0.0.1:31337 --dry-run"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("swarm_id", metavar="SWARM_ID", help="the id printed by `swarmloco create`")
     _add_peer_option(parser, required=True)
@@ -257,28 +459,44 @@ def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument(
         "--dry-run", action="store_true", help="fetch, verify and print the manifest, then exit"
     )
+    _add_peer_run_options(parser)
     parser.set_defaults(handler=_join)
 
 
 def _join(args: argparse.Namespace) -> int:
-    from swarmloco.core.manifest import check_swarm_id
+    from swarmloco.core.manifest import SwarmManifest, check_swarm_id
+    from swarmloco.errors import ManifestError
     from swarmloco.net.identity import Identity
 
     swarm_id = check_swarm_id(args.swarm_id)
-    if not args.dry_run:
-        return _training_not_available("join", "--dry-run", "fetch and verify the swarm's manifest")
 
-    async def fetch() -> str:
+    async def fetch() -> SwarmManifest:
         from swarmloco.net.node import NetNode, NodeConfig
         from swarmloco.net.swarm import fetch_manifest
 
-        # A dry run leaves nothing behind: a throwaway identity, no key file.
+        # Fetching leaves nothing behind: a throwaway identity, no key file.
         config = NodeConfig(server=None, peers=tuple(args.peers))
         async with NetNode(identity=Identity.generate(), config=config) as node:
-            return (await fetch_manifest(node.dht, swarm_id)).describe()
+            return await fetch_manifest(node.dht, swarm_id)
 
-    print(run_async(fetch()), flush=True)
-    return 0
+    try:
+        manifest = run_async(fetch())
+    except ManifestError:
+        # A swarm whose peers all restarted: our own verified copy serves (and is
+        # republished when the peer starts).
+        local = args.data_dir / "swarms" / swarm_id / "manifest.json"
+        if args.dry_run or not local.is_file():
+            raise
+        manifest = SwarmManifest.from_bytes(local.read_bytes(), expected_id=swarm_id)
+        logging.getLogger("swarmloco.join").warning(
+            "the network does not hold swarm %s's manifest; using the copy in %s",
+            swarm_id[:12],
+            local,
+        )
+    if args.dry_run:
+        print(manifest.describe(), flush=True)
+        return 0
+    return _run_peer(manifest, args)
 
 
 def build_parser() -> argparse.ArgumentParser:

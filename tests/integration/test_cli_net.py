@@ -113,18 +113,11 @@ def test_a_peer_address_that_does_not_answer_fails_within_seconds():
     assert time.monotonic() - started < 10  # the join deadline is 5 s
 
 
-def test_commands_that_need_the_daemon_say_so_and_fail(tmp_path):
-    create = swarmloco("create", "--peer", "127.0.0.1:1", "--data-dir", str(tmp_path))
-    assert create.returncode != 0 and "not available yet" in create.stderr
-    join = swarmloco("join", "12" * 20, "--peer", "127.0.0.1:1")
-    assert join.returncode != 0 and "not available yet" in join.stderr
-
-
 def test_every_command_explains_itself():
     for command in ("bootstrap", "create", "join"):
         result = swarmloco(command, "--help")
         assert result.returncode == 0
-        assert "example:" in result.stdout
+        assert "example" in result.stdout
         assert "--peer" in result.stdout and "--data-dir" in result.stdout
 
 

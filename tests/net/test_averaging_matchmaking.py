@@ -59,6 +59,38 @@ async def test_a_leader_that_announced_and_died_costs_one_failed_call():
         assert groups[0].group_id == groups[1].group_id and groups[0].size == 2
 
 
+async def test_a_leader_closes_once_the_expected_peers_joined():
+    # A long gathering window: without `expected` the leader would wait all of it.
+    config = MatchmakingConfig(gather_s=8.0, poll_s=0.1)
+    async with averaging_peers(3, matchmaking=config) as peers:
+        started = time.monotonic()
+        groups = await asyncio.gather(
+            *(
+                p.matchmaker.form_group(
+                    1,
+                    weight=1.0,
+                    numel=640,
+                    block_size=64,
+                    deadline=Deadline.after(20),
+                    expected=3,
+                )
+                for p in peers
+            )
+        )
+        assert time.monotonic() - started < 4
+        assert len({g.group_id for g in groups}) == 1 and groups[0].size == 3
+        # Alone and expecting nobody else: a group of one at once.
+        started = time.monotonic()
+        alone = await peers[0].matchmaker.form_group(
+            2, weight=1.0, numel=640, block_size=64, deadline=Deadline.after(20), expected=1
+        )
+        assert alone.size == 1 and time.monotonic() - started < 2
+        with pytest.raises(ValueError, match="expected"):
+            await peers[0].matchmaker.form_group(
+                3, weight=1.0, numel=640, block_size=64, deadline=Deadline.after(5), expected=0
+            )
+
+
 async def test_join_faults_fire_and_the_group_still_forms():
     plan = FaultPlan([Fault(action="delay", phase="join", seconds=0.2)])
     async with averaging_peers(3, faults={1: plan, 2: plan}) as peers:

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -404,6 +405,24 @@ class ErrorFeedback:
     def commit(self) -> None:
         """The last encoded message was applied: it can no longer be rolled back."""
         self._can_rollback = False
+
+
+def warm_up(config: CodecConfig) -> float:
+    """Compile every kernel of ``config``'s backend now; return the seconds it took.
+
+    The compiled kernels are built on first use, which takes seconds. A peer calls this
+    before it joins a swarm, so that its first round does not stall its event loop (and
+    the other members, who would take the silence for a failure).
+    """
+    started = time.monotonic()
+    x = torch.linspace(-1.0, 1.0, 4 * config.block_size)
+    q, scale = quantize(x, config)
+    quantize(x, config, out=(torch.empty_like(q), torch.empty_like(scale)))
+    dequantize(q, scale, config.block_size, config.backend)
+    acc = torch.zeros_like(x)
+    dequantize_accumulate_(acc, q, scale, 0.5, config)
+    dequantize_into_(acc, q, scale, config, 2.0)
+    return time.monotonic() - started
 
 
 # --------------------------------------------------------------------------- chunks

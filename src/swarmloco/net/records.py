@@ -568,3 +568,69 @@ DIGEST = register(
 def digest_key(swarm_id: str, round: int) -> str:
     _check_round(round)
     return swarm_key(swarm_id, f"digest/{round}")
+
+
+# -- the kinds of the training daemon ----------------------------------------------------------
+
+PEER_STATES = frozenset({"starting", "downloading", "training", "averaging", "stopping"})
+
+ROUND_SUMMARY = Struct(
+    {
+        "round": Int(minimum=0),
+        # Peers in the group (0 when the round aborted).
+        "group": Int(minimum=0, maximum=1 << 16),
+        # Matchmaking plus exchange, seconds.
+        "seconds": Float(minimum=0.0),
+        "bytes_sent": Int(minimum=0),
+        "bytes_received": Int(minimum=0),
+        # fp32 bytes of the update this peer averaged (the ratio to bytes_sent is the
+        # compression the codec gave).
+        "payload_bytes": Int(minimum=0),
+        "ok": Bool(),
+        "at": Float(minimum=0.0),
+    }
+)
+
+STATUS = register(
+    RecordKind(
+        name="status",
+        pattern="status",
+        # One signed entry per training peer, refreshed every few seconds: what the
+        # dashboard and `swarmloco status` show. Nothing else reads it.
+        schema=Struct(
+            {
+                "name": Str(64),
+                "state": Str(16, choices=PEER_STATES),
+                # The round of its global state, and its inner steps since it started.
+                "round": Int(minimum=0),
+                "step": Int(minimum=0),
+                # Tokens it trained on since it started (all rounds).
+                "tokens": Int(minimum=0),
+                "tokens_per_s": Float(minimum=0.0),
+                # Last inner (training) loss, and the eval loss of the global model at its
+                # last round; absent until known.
+                "loss": Float(),
+                "eval_loss": Float(),
+                "device": Str(64),
+                "version": Str(32),
+                "started_at": Float(minimum=0.0),
+                "rounds_applied": Int(minimum=0),
+                "rounds_aborted": Int(minimum=0),
+                "downloads": Int(minimum=0),
+                "last_error": Str(240),
+                # Its last rounds, oldest first.
+                "rounds": ListOf(ROUND_SUMMARY, max_items=8),
+                "at": Float(minimum=0.0),
+            },
+            optional=frozenset({"loss", "eval_loss"}),
+        ),
+        owned=True,
+        max_ttl=600.0,
+        max_value_bytes=2048,
+        max_subkeys=4096,
+    )
+)
+
+
+def status_key(swarm_id: str) -> str:
+    return swarm_key(swarm_id, "status")

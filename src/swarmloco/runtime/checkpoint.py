@@ -289,10 +289,13 @@ class CheckpointStore:
             }
             _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
+            replaced = None
             if final.exists():  # the same (round, step) saved again: replace it
-                shutil.rmtree(final)
+                replaced = self._discard(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -323,7 +326,15 @@ class CheckpointStore:
     def _prune(self) -> None:
         valid = [p for p in self._candidates() if self._read_manifest(p) is not None]
         for stale in valid[self.keep :]:
-            shutil.rmtree(stale, ignore_errors=True)
+            shutil.rmtree(self._discard(stale), ignore_errors=True)
+
+    def _discard(self, path: Path) -> Path:
+        """Rename a checkpoint out of the way before deleting it: a kill in the middle of a
+        deletion must not leave a half-deleted directory under a checkpoint's name (the
+        temporary name is cleaned up on the next open)."""
+        doomed = self.root / f"{_TMP_PREFIX}old-{path.name}-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(path, doomed)
+        return doomed
 
     # -- loading --
 

@@ -154,17 +154,29 @@ class Matchmaker:
     # -- the public API ----------------------------------------------------------------
 
     async def form_group(
-        self, round: int, *, weight: float, numel: int, block_size: int, deadline: Deadline
+        self,
+        round: int,
+        *,
+        weight: float,
+        numel: int,
+        block_size: int,
+        deadline: Deadline,
+        expected: int | None = None,
     ) -> Group:
         """The group this peer averages ``round`` with.
 
         ``weight``: this peer's weight (tokens since the last round, > 0); ``numel``: the
-        padded length of the vector; ``block_size``: the codec's block size. Raises
+        padded length of the vector; ``block_size``: the codec's block size; ``expected``:
+        how many peers (this one included) are known to work on this round: if this peer
+        leads, it closes the group as soon as that many joined instead of waiting out the
+        gathering window (None: wait it out, or until ``max_group_size``). Raises
         RoundAborted when no group forms by ``deadline``, RejectedInput when the leader
         refused this peer (e.g. its weight is above the cap).
         """
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be a finite positive number, got {weight!r}")
+        if expected is not None and (not isinstance(expected, int) or expected < 1):
+            raise ValueError(f"expected must be a positive number of peers, got {expected!r}")
         cfg = self.config
         endpoint = self.dht.endpoint
         me = sign_declaration(
@@ -182,7 +194,7 @@ class Matchmaker:
         key = round_key(self.swarm_id, round)
         try:
             await self._announce(key, me, announced_at, deadline)
-            return await self._find_group(round, me, announced_at, deadline)
+            return await self._find_group(round, me, announced_at, deadline, expected)
         finally:
             self.dht.forget_published(key, self.identity.peer_id_hex)
             self._following.pop(round, None)
@@ -230,7 +242,12 @@ class Matchmaker:
         return found
 
     async def _find_group(
-        self, round: int, me: pb.MemberDeclaration, announced_at: float, deadline: Deadline
+        self,
+        round: int,
+        me: pb.MemberDeclaration,
+        announced_at: float,
+        deadline: Deadline,
+        expected: int | None,
     ) -> Group:
         tried: set[str] = set()
         not_leading: dict[str, float] = {}
@@ -243,7 +260,9 @@ class Matchmaker:
                 if not untried:
                     if me.endpoint:
                         try:
-                            return await self._lead(round, me, announced_at, tried, deadline)
+                            return await self._lead(
+                                round, me, announced_at, tried, deadline, expected
+                            )
                         except _Handover as handover:
                             next_endpoint = handover.endpoint
                             continue
@@ -324,8 +343,10 @@ class Matchmaker:
         announced_at: float,
         tried: set[str],
         deadline: Deadline,
+        expected: int | None = None,
     ) -> Group:
         cfg = self.config
+        enough = min(cfg.max_group_size, expected or cfg.max_group_size)
         loop = asyncio.get_running_loop()
         gathering = _Gathering(
             round=round,
@@ -340,7 +361,7 @@ class Matchmaker:
         self._following.pop(round, None)
         close_at = loop.time() + min(cfg.gather_s, deadline.remaining())
         try:
-            while len(gathering.declarations) < cfg.max_group_size:
+            while len(gathering.declarations) < enough:
                 left = close_at - loop.time()
                 if left <= 0:
                     break

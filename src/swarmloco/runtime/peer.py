@@ -1,0 +1,813 @@
+"""The peer daemon: one training peer of a swarm, composed from the layers below it.
+
+A :class:`Peer` trains in the calling thread and does all its networking on a
+:class:`~swarmloco.runtime.loop_thread.LoopThread`:
+
+1. **Start.** Load (or create) the peer's key, build the model of the manifest, restore the
+   newest valid checkpoint of this swarm from ``data_dir`` if there is one, start the
+   server (DHT, averaging, state transfer on one port), join the network, (re)publish the
+   manifest and announce the peer.
+2. **Catch up.** Read the swarm's ``progress`` records: if other peers already work on a
+   later round than this peer's state, download the state of the round before it from the
+   holders of that round's majority ``digest`` (falling back from donor to donor), take
+   it as the global and local parameters, and keep the local optimizer and data position.
+3. **Train.** Inner AdamW steps. Every ``sync_every`` steps (the manifest's H) the peer
+   averages ``delta = theta_g - theta`` (weighted by the tokens it processed since its last
+   round) with the peers that are ready for the same round, applies the outer Nesterov
+   step to ``theta_g`` on CPU, sets ``theta = theta_g``, publishes the digest of the new
+   global state and checkpoints. A round that fails changes nothing: ``delta`` keeps
+   growing and the next attempt carries it. Before each round the peer checks the
+   digests of its own last round; if it holds a minority digest, or the swarm has applied
+   the round it is about to form, it downloads the majority's state instead.
+4. **Stop.** On :meth:`stop` (SIGINT/SIGTERM in the CLI) or after ``max_rounds``: a final
+   checkpoint, then the network is left and the loop thread stopped.
+
+Plain DiLoCo (one fragment, no overlap) runs here; a manifest asking for Streaming DiLoCo
+fragments is refused with a clear error until the daemon schedules fragments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmloco import __version__
+from swarmloco.core.agreement import Majority, majority
+from swarmloco.core.codec import Backend, ErrorFeedback, warm_up
+from swarmloco.core.config import require, require_int, require_positive
+from swarmloco.core.flat import FlatLayout
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.core.outer import OuterOptimizer
+from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimate
+from swarmloco.core.state import MOMENTUM, THETA_G, StateSchema, StateSnapshot
+from swarmloco.errors import RoundAborted, SwarmlocoError
+from swarmloco.net.averaging import (
+    Averager,
+    AveragingConfig,
+    Matchmaker,
+    MatchmakingConfig,
+    averaging_service,
+)
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.records import digest_key, progress_key, progress_report, status_key
+from swarmloco.net.state import (
+    Donor,
+    DownloadConfig,
+    StateDonor,
+    StateTransferError,
+    download_state,
+    state_service,
+)
+from swarmloco.net.swarm import announce_peer, publish_manifest
+from swarmloco.runtime.checkpoint import CheckpointStore
+from swarmloco.runtime.loop_thread import LoopThread
+from swarmloco.train.data import BatchStream, eval_windows
+from swarmloco.train.inner import CompileMode, InnerLoop, evaluate
+from swarmloco.train.tasks import run_from_manifest
+
+logger = logging.getLogger(__name__)
+
+EventSink = Callable[[dict[str, Any]], None]
+DIGEST_TTL_S = 3600.0
+PROGRESS_TTL_S = 120.0
+_FRESH_S = 30.0  # reports older than this are from peers that left or stalled
+_MAX_WAIT_ROUNDS = 4
+_CATCH_UP_RETRY_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """How one peer runs (its own choices: nothing here enters the manifest)."""
+
+    data_dir: Path
+    """The peer's key, and per swarm its manifest copy and checkpoints."""
+    node: NodeConfig = dataclasses.field(default_factory=NodeConfig)
+    """Where to serve and which peers to join through."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N, or auto (cuda when available)."""
+    max_rounds: int | None = None
+    """Leave after the swarm's state reached this round (None: until stopped)."""
+    round_timeout_s: float = 120.0
+    """Matchmaking plus all-reduce of one round."""
+    matchmaking: MatchmakingConfig = dataclasses.field(default_factory=MatchmakingConfig)
+    averaging: AveragingConfig = dataclasses.field(default_factory=AveragingConfig)
+    download: DownloadConfig = dataclasses.field(default_factory=DownloadConfig)
+    state_timeout_s: float = 300.0
+    """Downloading the swarm's state, all donors together."""
+    checkpoint_every: int = 1
+    """Rounds between checkpoints (0: only when the peer stops)."""
+    keep_checkpoints: int = 3
+    eval_every: int = 1
+    """Evaluate the global model every this many rounds (0: never)."""
+    progress_interval_s: float = 5.0
+    """How often the peer publishes its progress record."""
+    compile: CompileMode | None = None
+    """Override the inner loop's torch.compile choice (auto, on, off)."""
+    name: str = ""
+    """How the dashboard names this peer (default: the host name)."""
+    codec_backend: Backend | None = None
+    """Override the codec's backend (auto, compiled, eager); the wire format is the same."""
+
+    def __post_init__(self) -> None:
+        if self.max_rounds is not None:
+            require_int("max_rounds", self.max_rounds, minimum=1)
+        require_positive("round_timeout_s", self.round_timeout_s)
+        require_positive("state_timeout_s", self.state_timeout_s)
+        require_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        require_int("keep_checkpoints", self.keep_checkpoints, minimum=1)
+        require_int("eval_every", self.eval_every, minimum=0)
+        require_positive("progress_interval_s", self.progress_interval_s)
+        require(len(self.name) <= 64, f"a peer name has at most 64 characters, got {self.name!r}")
+        require(
+            self.compile in (None, "auto", "on", "off"),
+            f"compile must be auto, on or off, got {self.compile!r}",
+        )
+        require(
+            self.codec_backend in (None, "auto", "compiled", "eager"),
+            f"codec backend must be auto, compiled or eager, got {self.codec_backend!r}",
+        )
+
+
+@dataclasses.dataclass
+class PeerSummary:
+    """What a peer did, returned by :meth:`Peer.run`."""
+
+    swarm_id: str
+    peer_id: str
+    round: int
+    steps: int
+    rounds_applied: int
+    rounds_aborted: int
+    downloads: int
+    last_eval_loss: float | None
+    stopped_because: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name} was asked for, but torch sees no CUDA device")
+    return device
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def worker_of(peer_id: str) -> int:
+    """The data stream of a peer: distinct per peer id, the same after a restart."""
+    return int(peer_id[:15], 16)
+
+
+class Peer:
+    """One training peer. Constructing does no I/O; :meth:`run` does everything."""
+
+    def __init__(
+        self,
+        manifest: SwarmManifest,
+        config: PeerConfig,
+        *,
+        identity: Identity | None = None,
+        on_event: EventSink | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.swarm_id = manifest.swarm_id
+        self.config = config
+        self.identity = identity
+        self.on_event = on_event
+        self._stop = threading.Event()
+        self._stop_reason = ""
+        self._snapshot: StateSnapshot | None = None
+        self.state = "starting"
+        self.started_at = time.time()
+        self.last_error = ""
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
+
+    # -- control ---------------------------------------------------------------------------
+
+    def stop(self, reason: str = "asked to stop") -> None:
+        """Ask the peer to finish its current step (or round), checkpoint and leave."""
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            self._stop.set()
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            self.on_event({"event": event, "time": time.time(), **fields})
+
+    # -- the whole life of the peer ----------------------------------------------------------
+
+    def run(self) -> PeerSummary:
+        cfg = self.config
+        self.identity = self.identity or Identity.load_or_create(cfg.data_dir)
+        self.peer_id = self.identity.peer_id_hex
+        swarm_dir = cfg.data_dir / "swarms" / self.swarm_id
+        swarm_dir.mkdir(parents=True, exist_ok=True)
+        _write_manifest_copy(swarm_dir / "manifest.json", self.manifest)
+        self._build()
+        store = CheckpointStore(
+            swarm_dir / "checkpoints", swarm_id=self.swarm_id, keep=cfg.keep_checkpoints
+        )
+        with store, LoopThread(name="swarmloco-peer-loop") as loop:
+            self.store, self.loop = store, loop
+            self._restore()
+            self._start_network()
+            try:
+                self._catch_up(initial=True)
+                self._train()
+            finally:
+                self._leave()
+        return self.summary
+
+    # -- building the training state --------------------------------------------------------
+
+    def _build(self) -> None:
+        task, model_config, data_spec, run = run_from_manifest(self.manifest)
+        if run.streaming.fragments != 1 or run.streaming.delay != 0:
+            raise ValueError(
+                f"this swarm uses Streaming DiLoCo ({run.streaming.fragments} fragments, delay "
+                f"{run.streaming.delay}); the peer daemon runs plain DiLoCo only (fragments 1, "
+                "delay 0) in this version"
+            )
+        if self.config.compile is not None:
+            run = dataclasses.replace(
+                run, inner=dataclasses.replace(run.inner, compile=self.config.compile)
+            )
+        if self.config.codec_backend is not None:
+            run = dataclasses.replace(
+                run, codec=dataclasses.replace(run.codec, backend=self.config.codec_backend)
+            )
+        self.run_config = run
+        self.device = resolve_device(self.config.device)
+        seconds = warm_up(run.codec)  # before any round: compiling stalls the event loop
+        logger.info("codec (%s) ready in %.1fs", run.codec.backend, seconds)
+        torch.manual_seed(run.seed)  # every peer starts from the same initial parameters
+        model = task.build_model(model_config)
+        self.eval_model = copy.deepcopy(model)
+        named = list(model.named_parameters())
+        self.layout = FlatLayout(
+            [(n, tuple(p.shape)) for n, p in named], [0] * len(named), run.codec.block_size
+        )
+        self.theta_g = self.layout.gather([p for _, p in named], self.layout.zeros())
+        self.outer = OuterOptimizer(self.layout.numel, run.outer)
+        self.inner = InnerLoop(model, run.inner, self.device)
+        self.params = [p for _, p in self.inner.model.named_parameters()]
+        data = task.load_data(model_config, data_spec)
+        self.seq_len = int(model_config["seq_len"])
+        self.stream = BatchStream(
+            data.train,
+            seq_len=self.seq_len,
+            batch_size=run.inner.batch_size,
+            vocab_size=data.vocab_size,
+            seed=run.seed,
+            worker=worker_of(self.peer_id),
+        )
+        self.batches = iter(self.stream)
+        self.evalset = eval_windows(data.val, seq_len=self.seq_len, count=data_spec.eval_sequences)
+        self.tokens_per_step = run.inner.batch_size * run.inner.grad_accum * self.seq_len
+        self.feedback = (
+            ErrorFeedback(self.layout.numel, run.codec) if run.codec.error_feedback else None
+        )
+        self.delta = self.layout.zeros()
+        self.mean = self.layout.zeros()
+        self.schema = StateSchema.diloco(self.layout.numel)
+        self.round = 0  # outer steps applied to theta_g: the state's round
+        self.steps = 0
+        self.steps_since_round = 0
+        self.tokens_since_round = 0
+        self.rounds_applied = 0
+        self.rounds_aborted = 0
+        self.downloads = 0
+        self.last_eval: float | None = None
+        self._dirty = False  # trained since the last checkpoint
+        self._rate = _Rate()
+        self._reports: list[ProgressReport] = []
+        self._last_loss = float("nan")
+        self._expected: int | None = None  # peers known to work on the next round
+        self._next_catch_up = 0.0
+        self._publish_snapshot(None)
+        logger.info(
+            "swarm %s: %s, %s parameters, device %s, sync every %d steps of %d tokens",
+            self.swarm_id[:12],
+            self.manifest.task,
+            f"{self.layout.real_numel:,}",
+            self.device,
+            run.streaming.sync_every,
+            self.tokens_per_step,
+        )
+
+    def _publish_snapshot(self, digest: bytes | None) -> None:
+        """What the state donor serves from now on: a copy of the committed global state."""
+        tensors = {THETA_G: self.theta_g.clone()}
+        if self.outer.steps > 0:
+            tensors[MOMENTUM] = self.outer.momentum_buffer.clone()
+        self._snapshot = StateSnapshot.of(
+            swarm_id=self.swarm_id, round=self.round, tensors=tensors, digest=digest
+        )
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        found = self.store.latest()
+        if found is None:
+            return
+        s = found.state
+        try:
+            self.theta_g.copy_(s["theta_g"])
+            self.outer.load_state_dict(
+                {"momentum_buffer": s["momentum"], "steps": s["outer_steps"]}
+            )
+            self.layout.scatter(s["params"], self.params)
+            self.inner.load_state_dict(s["inner"])
+            self.stream.load_state_dict(json.loads(s["data"]))
+            torch.set_rng_state(s["rng"])
+            self.round = int(s["round"])
+            self.steps = int(s["steps"])
+            self.steps_since_round = int(s["steps_since_round"])
+            self.tokens_since_round = int(s["tokens_since_round"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise SwarmlocoError(
+                f"checkpoint {found.path} does not fit this peer's model: {exc}; move it away "
+                "to start over"
+            ) from exc
+        self._publish_snapshot(None)
+        logger.info("resumed from %s: round %d, step %d", found.path.name, self.round, self.steps)
+        self._emit("resumed", round=self.round, step=self.steps, checkpoint=str(found.path))
+
+    def _checkpoint(self) -> None:
+        params = self.layout.gather(self.params, self.layout.zeros())
+        state = {
+            "theta_g": self.theta_g,
+            "momentum": self.outer.momentum_buffer,
+            "outer_steps": self.outer.steps,
+            "params": params,
+            "inner": self.inner.state_dict(),
+            # JSON: the generator state holds 128-bit integers msgpack cannot carry.
+            "data": json.dumps(self.stream.state_dict()),
+            "rng": torch.get_rng_state(),
+            "round": self.round,
+            "steps": self.steps,
+            "steps_since_round": self.steps_since_round,
+            "tokens_since_round": self.tokens_since_round,
+        }
+        started = time.monotonic()
+        path = self.store.save(round=self.round, step=self.steps, state=state)
+        self._dirty = False
+        self._emit(
+            "checkpoint",
+            round=self.round,
+            step=self.steps,
+            path=str(path),
+            seconds=round(time.monotonic() - started, 3),
+        )
+
+    # -- the network -------------------------------------------------------------------------
+
+    def _start_network(self) -> None:
+        cfg = self.config
+        assert self.identity is not None
+        self.node = NetNode(identity=self.identity, config=cfg.node)
+        self.matchmaker = Matchmaker(
+            identity=self.identity,
+            dht=self.node.dht,
+            client=self.node.client,
+            swarm_id=self.swarm_id,
+            config=cfg.matchmaking,
+        )
+        self.averager = Averager(
+            identity=self.identity,
+            client=self.node.client,
+            config=dataclasses.replace(cfg.averaging, codec=self.run_config.codec),
+        )
+        self.donor = StateDonor(identity=self.identity, snapshot=lambda: self._snapshot)
+        if self.node.server is not None:
+            self.node.server.add_service(averaging_service(self.matchmaker, self.averager))
+            self.node.server.add_service(state_service(self.donor))
+        self.loop.run(self.node.__aenter__(), timeout=60.0)
+        self._network_up = True
+        self.loop.run(self._announce(), timeout=30.0)
+        self.state = "training"
+        self._progress_task = self.loop.submit(self._publish_progress_forever())
+        self._emit(
+            "ready",
+            swarm_id=self.swarm_id,
+            peer_id=self.peer_id,
+            endpoint=self.node.endpoint,
+            round=self.round,
+            params=self.layout.real_numel,
+            device=str(self.device),
+        )
+
+    async def _announce(self) -> None:
+        try:
+            await publish_manifest(self.node.dht, self.manifest)
+        except SwarmlocoError as exc:  # alone on a new network: our own storage holds it
+            logger.info("manifest: %s", exc)
+        await announce_peer(self.node.dht, self.swarm_id, role="trainer")
+
+    def _progress_value(self) -> dict[str, Any]:
+        return {
+            "round": self.round + 1,
+            "tokens": self.tokens_since_round,
+            "tokens_per_s": self._rate.value,
+            "at": time.time(),
+        }
+
+    def _status_value(self) -> dict[str, Any]:
+        value: dict[str, Any] = {
+            "name": (self.config.name or socket.gethostname())[:64],
+            "state": self.state,
+            "round": self.round,
+            "step": self.steps,
+            "tokens": self.steps * self.tokens_per_step,
+            "tokens_per_s": self._rate.value,
+            "device": _describe(self.device)[:64],
+            "version": __version__[:32],
+            "started_at": self.started_at,
+            "rounds_applied": self.rounds_applied,
+            "rounds_aborted": self.rounds_aborted,
+            "downloads": self.downloads,
+            "last_error": self.last_error[:240],
+            "rounds": list(self.history),
+            "at": time.time(),
+        }
+        if math.isfinite(self._last_loss):
+            value["loss"] = self._last_loss
+        if self.last_eval is not None and math.isfinite(self.last_eval):
+            value["eval_loss"] = self.last_eval
+        return value
+
+    async def _publish_progress_forever(self) -> None:
+        announced = time.monotonic()
+        while True:
+            try:
+                key = progress_key(self.swarm_id)
+                await self.node.dht.store(key, self._progress_value(), ttl=PROGRESS_TTL_S)
+                await self.node.dht.store(
+                    status_key(self.swarm_id), self._status_value(), ttl=PROGRESS_TTL_S
+                )
+                result = await self.node.dht.get(key)
+                self._reports = [
+                    progress_report(e.subkey, e.value) for e in result.entries.values()
+                ]
+                if time.monotonic() - announced > 120.0:
+                    await announce_peer(self.node.dht, self.swarm_id, role="trainer")
+                    announced = time.monotonic()
+            except Exception as exc:  # the network may be away for a while: keep training
+                logger.warning("could not publish progress: %s", exc)
+            await asyncio.sleep(self.config.progress_interval_s)
+
+    def _leave(self) -> None:
+        if getattr(self, "_network_up", False):
+            self._progress_task.cancel()
+            with contextlib.suppress(Exception):
+                self.loop.run(self.node.__aexit__(None, None, None), timeout=30.0)
+            self._network_up = False
+        self._emit("stopped", round=self.round, step=self.steps, reason=self._stop_reason)
+
+    # -- catching up with the swarm ------------------------------------------------------------
+
+    async def _swarm_round(self) -> int:
+        """The newest round any other peer works towards (0 when none reports)."""
+        result = await self.node.dht.get(progress_key(self.swarm_id))
+        rounds = [
+            progress_report(e.subkey, e.value).round
+            for e in result.entries.values()
+            if e.subkey != self.peer_id
+        ]
+        return max(rounds, default=0)
+
+    async def _majority_of(self, round: int) -> Majority:
+        result = await self.node.dht.get(digest_key(self.swarm_id, round))
+        self._digest_endpoints = {e.subkey: e.value["endpoint"] for e in result.entries.values()}
+        return majority({e.subkey: e.value["digest"] for e in result.entries.values()})
+
+    def _catch_up(self, *, initial: bool = False) -> None:
+        """Download the swarm's state if this peer's is older or in the minority."""
+        try:
+            newest = self.loop.run(self._swarm_round(), timeout=30.0) - 1
+            target = max(newest, self.round)
+            if target <= 0:
+                return
+            found = self.loop.run(self._majority_of(target), timeout=30.0)
+        except (SwarmlocoError, TimeoutError) as exc:
+            logger.warning("could not read the swarm's state records: %s", exc)
+            return
+        mine = self._snapshot.digest if self._snapshot is not None else b""
+        if found.digest is None or (target == self.round and found.agrees(mine)):
+            return
+        if target == self.round and self.peer_id in found.holders:
+            return
+        why = (
+            f"the swarm is at round {target}, this peer at {self.round}"
+            if target > self.round
+            else f"this peer's round {self.round} digest is in the minority "
+            f"({len(found.holders)} of {found.published} peers hold another)"
+        )
+        logger.info("downloading the swarm's state: %s", why)
+        self._download(target, found, why)
+
+    def _download(self, target: int, found: Majority, why: str) -> None:
+        donors = [
+            Donor(peer, self._digest_endpoints.get(peer, ""))
+            for peer in found.holders
+            if peer != self.peer_id
+        ]
+
+        async def fetch() -> Any:
+            return await download_state(
+                self.node.client,
+                donors,
+                swarm_id=self.swarm_id,
+                deadline=Deadline.after(self.config.state_timeout_s),
+                expected_round=target,
+                expected_digest=found.digest,
+                schema=self.schema,
+                config=self.config.download,
+                rejections=self.node.dht.rejections,
+            )
+
+        previous, self.state = self.state, "downloading"
+        try:
+            got = self.loop.run(fetch(), timeout=self.config.state_timeout_s + 10.0)
+        except StateTransferError as exc:
+            logger.warning("%s", exc)
+            self.last_error = f"state download failed: {exc}"
+            self._emit("download-failed", round=target, error=str(exc))
+            return
+        finally:
+            self.state = previous
+        snap = got.snapshot
+        self.theta_g.copy_(snap.tensors[THETA_G])
+        momentum = snap.tensors.get(MOMENTUM)
+        self.outer.load_state_dict(
+            {
+                "momentum_buffer": momentum if momentum is not None else self.layout.zeros(),
+                "steps": snap.round if momentum is not None else 0,
+            }
+        )
+        self.round = snap.round
+        self._take_global()
+        self._publish_snapshot(snap.digest)
+        self.downloads += 1
+        self._dirty = True
+        self._emit(
+            "downloaded",
+            round=self.round,
+            donor=str(got.donor),
+            bytes=snap.nbytes,
+            seconds=round(got.seconds, 3),
+            why=why,
+        )
+
+    def _take_global(self) -> None:
+        """theta <- theta_g; the local progress since the last round restarts from it."""
+        with torch.no_grad():
+            self.layout.scatter(self.theta_g, self.params)
+        self.steps_since_round = 0
+        self.tokens_since_round = 0
+
+    # -- training ------------------------------------------------------------------------------
+
+    def _train(self) -> None:
+        cfg = self.config
+        while not self._stop.is_set():
+            if cfg.max_rounds is not None and self.round >= cfg.max_rounds:
+                self.stop(f"round {self.round} reached (max rounds {cfg.max_rounds})")
+                break
+            verdict = self._pace()
+            if verdict is Verdict.BEHIND and time.monotonic() >= self._next_catch_up:
+                # Others work on a later round. If its state is not to be had yet (digests
+                # not published, donors busy), train on and look again a little later.
+                self._catch_up()
+                self._next_catch_up = time.monotonic() + _CATCH_UP_RETRY_S
+            elif verdict is Verdict.DUE:
+                self._round()
+                continue
+            started = time.monotonic()
+            loss = self.inner.train_step(self.batches)
+            self.steps += 1
+            self.steps_since_round += 1
+            self.tokens_since_round += self.tokens_per_step
+            self._dirty = True
+            self._rate.add(self.tokens_per_step, time.monotonic() - started)
+            self._last_loss = loss
+        self.state = "stopping"
+        if self._dirty:
+            self._checkpoint()
+
+    def _pace(self) -> Verdict:
+        """Whether to average now (DESIGN section 3, "When a round is due").
+
+        The round is due when the peers working on it have together processed as many
+        tokens as each doing H steps: a fast peer trains on past its H steps while slower
+        ones catch up (and so contributes more tokens, and weight), a slow one joins early,
+        and they arrive at matchmaking together. Alone, a peer averages (with itself) every
+        H steps. It never waits past ``4 H`` steps for peers whose reports promise more.
+        """
+        h = self.run_config.streaming.sync_every
+        if self.steps_since_round == 0:
+            return Verdict.WAIT
+        if self.steps_since_round >= _MAX_WAIT_ROUNDS * h:
+            return Verdict.DUE
+        now = time.time()
+        target = self.round + 1
+        mine = ProgressReport(
+            peer=self.peer_id,
+            round=target,
+            tokens=self.tokens_since_round,
+            tokens_per_s=self._rate.value,
+            at=now,
+        )
+        reports = [r for r in self._reports if r.peer != self.peer_id and now - r.at <= _FRESH_S]
+        working = 1 + len({r.peer for r in reports if r.round == target})
+        # Matchmaking waits for the peers of this round, and for those whose report still
+        # names the round before (they applied it with us and have not reported since):
+        # counting too many costs a gathering window, too few a group split in two.
+        self._expected = 1 + len({r.peer for r in reports if target - 1 <= r.round <= target})
+        config = PacingConfig(tokens_per_round=working * h * self.tokens_per_step)
+        verdict = estimate([mine, *reports], round=target, now=now, config=config).verdict
+        if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
+            return Verdict.DUE if self.steps_since_round >= h else Verdict.WAIT
+        return verdict
+
+    def _round(self) -> None:
+        self._catch_up()
+        if self.steps_since_round == 0:
+            return  # the download replaced this peer's work with the swarm's state
+        target = self.round + 1
+        with torch.no_grad():
+            self.layout.gather(self.params, self.delta)
+            torch.sub(self.theta_g, self.delta, out=self.delta)
+        if not bool(torch.isfinite(self.delta).all()):
+            logger.error(
+                "the local model holds NaN/Inf after %d steps: discarding them and restarting "
+                "from the global state of round %d",
+                self.steps_since_round,
+                self.round,
+            )
+            self._emit("discarded", round=self.round, steps=self.steps_since_round)
+            self._take_global()
+            return
+        weight = float(self.tokens_since_round)
+        started = time.monotonic()
+        self.state = "averaging"
+        try:
+            result = self.loop.run(
+                self._average(target, weight), timeout=self.config.round_timeout_s + 10.0
+            )
+        except (RoundAborted, TimeoutError, SwarmlocoError) as exc:
+            self.state = "training"
+            self.last_error = f"round {target} aborted: {exc}"
+            self._remember(target, 0, started, None)
+            # Nothing applied: delta keeps growing and the next attempt, H steps later,
+            # carries all of it.
+            self.rounds_aborted += 1
+            self.steps_since_round = 0
+            logger.warning("round %d aborted: %s", target, exc)
+            self._emit(
+                "aborted",
+                round=target,
+                error=f"{type(exc).__name__}: {exc}",
+                seconds=round(time.monotonic() - started, 3),
+            )
+            return
+        self.state = "training"
+        self.outer.step(self.theta_g, self.mean)
+        self.round = target
+        self._take_global()
+        self._publish_snapshot(None)
+        assert self._snapshot is not None
+        digest = self._snapshot.digest
+        self.loop.submit(self._publish_digest(target, digest))
+        self.rounds_applied += 1
+        report = result.report
+        self._remember(target, len(report.members), started, report)
+        eval_loss = None
+        if self.config.eval_every and self.round % self.config.eval_every == 0:
+            eval_loss = self._evaluate()
+        self._emit(
+            "round",
+            round=self.round,
+            step=self.steps,
+            group=len(report.members),
+            weight=weight,
+            loss=self._last_loss,
+            eval_loss=eval_loss,
+            digest=digest.hex(),
+            bytes_sent=report.bytes_sent,
+            seconds=round(time.monotonic() - started, 3),
+            excluded=sorted(report.excluded),
+        )
+        logger.info(
+            "round %d applied with %d peer(s) in %.2fs: train loss %.3f%s",
+            self.round,
+            len(report.members),
+            time.monotonic() - started,
+            self._last_loss,
+            f", eval loss {eval_loss:.3f}" if eval_loss is not None else "",
+        )
+        if self.config.checkpoint_every and self.round % self.config.checkpoint_every == 0:
+            self._checkpoint()
+
+    def _remember(self, round: int, group: int, started: float, report: Any) -> None:
+        """One line of the round timeline the status record carries."""
+        self.history.append(
+            {
+                "round": round,
+                "group": group,
+                "seconds": time.monotonic() - started,
+                "bytes_sent": report.bytes_sent if report is not None else 0,
+                "bytes_received": report.bytes_received if report is not None else 0,
+                "payload_bytes": 4 * self.layout.numel,
+                "ok": report is not None,
+                "at": time.time(),
+            }
+        )
+
+    async def _average(self, round: int, weight: float) -> Any:
+        deadline = Deadline.after(self.config.round_timeout_s)
+        group = await self.matchmaker.form_group(
+            round,
+            weight=weight,
+            numel=self.layout.numel,
+            block_size=self.run_config.codec.block_size,
+            deadline=deadline,
+            expected=self._expected,
+        )
+        return await self.averager.all_reduce(
+            group, self.delta, deadline=deadline, out=self.mean, error_feedback=self.feedback
+        )
+
+    async def _publish_digest(self, round: int, digest: bytes) -> None:
+        value = {"digest": digest, "endpoint": self.node.endpoint, "at": time.time()}
+        try:
+            await self.node.dht.store(digest_key(self.swarm_id, round), value, ttl=DIGEST_TTL_S)
+        except Exception as exc:
+            logger.warning("could not publish the digest of round %d: %s", round, exc)
+
+    def _evaluate(self) -> float:
+        params = [p for _, p in self.eval_model.named_parameters()]
+        with torch.no_grad():
+            self.layout.scatter(self.theta_g, params)
+        self.eval_model.to(self.device)
+        loss = evaluate(self.eval_model, self.evalset, self.device, self.inner.amp_dtype)
+        self.last_eval = loss
+        return loss
+
+    @property
+    def summary(self) -> PeerSummary:
+        return PeerSummary(
+            swarm_id=self.swarm_id,
+            peer_id=getattr(self, "peer_id", ""),
+            round=getattr(self, "round", 0),
+            steps=getattr(self, "steps", 0),
+            rounds_applied=getattr(self, "rounds_applied", 0),
+            rounds_aborted=getattr(self, "rounds_aborted", 0),
+            downloads=getattr(self, "downloads", 0),
+            last_eval_loss=getattr(self, "last_eval", None),
+            stopped_because=self._stop_reason,
+        )
+
+
+class _Rate:
+    """Tokens per second over the recent steps (exponential average)."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        rate = tokens / seconds
+        self.value = rate if self.value == 0.0 else 0.9 * self.value + 0.1 * rate
+
+
+def _write_manifest_copy(path: Path, manifest: SwarmManifest) -> None:
+    """Keep the manifest beside the checkpoints (atomic: a torn copy never replaces one)."""
+    data = manifest.to_bytes()
+    if path.exists() and path.read_bytes() == data:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)

@@ -1,0 +1,188 @@
+"""Training peers as real processes (`swarmloco create` / `swarmloco join`) on 127.0.0.1.
+
+Each peer runs with ``--events -``: its stdout carries one JSON object per event (ready,
+round, checkpoint, downloaded, aborted, stopped, ...), collected as they come; its stderr
+(the log) is kept for failure messages.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from cliutil import Bootstrap  # re-exported for the e2e tests
+
+__all__ = ["Bootstrap", "PeerProcess"]
+
+COMMAND = [sys.executable, "-m", "swarmloco.cli"]
+# Small and fast: a tiny GPT on batches of 4, a round every 8 steps, second-scale timeouts.
+FAST_SWARM = ("--preset", "tiny", "--batch-size", "4", "--sync-every", "8", "--seed", "3")
+FAST_PEER = (
+    "--host",
+    "127.0.0.1",
+    "--threads",
+    "1",
+    "--gather",
+    "3",
+    "--round-timeout",
+    "30",
+    "--progress-interval",
+    "0.5",
+    # The compiled codec gives the same bits (tests/unit/test_codec.py) but costs every
+    # process seconds of compiling at start.
+    "--codec",
+    "eager",
+)
+
+Event = dict[str, Any]
+
+
+class PeerProcess:
+    """One `swarmloco create|join ... --events -` process."""
+
+    def __init__(self, args: list[str], data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.process = subprocess.Popen(
+            [*COMMAND, *args, "--data-dir", str(data_dir), "--events", "-"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.events: list[Event] = []
+        self.first_line = ""
+        self.log: list[str] = []
+        self._changed = threading.Condition()
+        self._recorded = False
+        self._threads = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    @classmethod
+    def create(cls, data_dir: Path, *extra: str) -> PeerProcess:
+        return cls(["create", *FAST_SWARM, *FAST_PEER, *extra], data_dir)
+
+    @classmethod
+    def publish(cls, data_dir: Path, peer: str) -> str:
+        """`swarmloco create --no-train`: publish a new swarm's manifest; return its id."""
+        result = subprocess.run(
+            [
+                *COMMAND,
+                "create",
+                *FAST_SWARM,
+                "--no-train",
+                "--peer",
+                peer,
+                "--data-dir",
+                str(data_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip().splitlines()[0]
+
+    @classmethod
+    def join(cls, swarm_id: str, peer: str, data_dir: Path, *extra: str) -> PeerProcess:
+        return cls(["join", swarm_id, "--peer", peer, *FAST_PEER, *extra], data_dir)
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with self._changed:
+                if line.startswith("{"):
+                    self.events.append(json.loads(line))
+                elif not self.first_line:
+                    self.first_line = line.strip()
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.log.append(line)
+
+    def wait_for(
+        self, event: str, where: Callable[[Event], bool] = lambda e: True, timeout: float = 120
+    ) -> Event:
+        """The first ``event`` that satisfies ``where`` (waiting for it up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for e in self.events:
+                    if e["event"] == event and where(e):
+                        return e
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.process.poll() is not None and not self._reading()):
+                    raise AssertionError(
+                        f"no {event!r} event (exit code {self.process.poll()}); events: "
+                        f"{[e['event'] for e in self.events]}; log tail:\n{self.log_tail()}"
+                    )
+                self._changed.wait(min(left, 0.5))
+
+    def _reading(self) -> bool:
+        return self._threads[0].is_alive()
+
+    def of(self, event: str) -> list[Event]:
+        with self._changed:
+            return [e for e in self.events if e["event"] == event]
+
+    @property
+    def swarm_id(self) -> str:
+        self.wait_for("ready")
+        return self.first_line
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.wait_for("ready")["endpoint"])
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "".join(self.log[-lines:])
+
+    def wait(self, timeout: float = 180) -> int:
+        code = self.process.wait(timeout=timeout)
+        for t in self._threads:
+            t.join(timeout=5)
+        self._keep_record()
+        return code
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.wait(timeout=10)
+
+    def _keep_record(self) -> None:
+        """Leave the events and the log beside the peer's data, for whoever debugs a failure."""
+        if self._recorded:
+            return
+        self._recorded = True
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        n = len(list(self.data_dir.glob("run-*.log")))
+        (self.data_dir / f"run-{n}.log").write_text("".join(self.log))
+        (self.data_dir / f"run-{n}.events").write_text(
+            "".join(json.dumps(e) + "\n" for e in self.events)
+        )
+
+    def stop(self, timeout: float = 60) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:
+            self.kill()
+        else:
+            self.wait()

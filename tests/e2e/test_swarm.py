@@ -1,0 +1,95 @@
+"""Real swarms: `swarmloco create` and `swarmloco join` processes training together on
+127.0.0.1, killed, restarted and stopped (DESIGN sections 1, 3 and 6)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from swarmutil import Bootstrap, PeerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def digests_of(peer: PeerProcess) -> dict[int, str]:
+    """The digest of the global state this peer held after each round it applied or fetched."""
+    out: dict[int, str] = {}
+    for e in peer.events:
+        if e["event"] == "round":
+            out[e["round"]] = e["digest"]
+    return out
+
+
+def test_three_peers_train_together_and_hold_the_same_state(tmp_path):
+    rounds = 5
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint)
+        assert len(swarm) == 40
+        with (
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", "--max-rounds", "5") as a,
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", "--max-rounds", "5") as b,
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "c", "--max-rounds", "5") as c,
+        ):
+            peers = (a, b, c)
+            for p in peers:
+                assert p.wait(240) == 0, p.log_tail()
+    for p in peers:
+        stopped = p.of("stopped")[-1]
+        assert stopped["round"] == rounds and "max rounds" in stopped["reason"]
+        # Every applied round left a complete checkpoint behind.
+        assert p.of("checkpoint"), p.log_tail()
+    # The swarm averaged as one group, and members of a group hold the same bytes.
+    groups = [e["group"] for p in peers for e in p.of("round")]
+    assert max(groups) == 3, groups
+    for r in range(1, rounds + 1):
+        held = {digests_of(p)[r] for p in peers if r in digests_of(p)}
+        if any(e["round"] == r and e["group"] > 1 for p in peers for e in p.of("round")):
+            assert len(held) == 1, f"round {r}: {held}"
+    final = {digests_of(p)[rounds] for p in peers}
+    assert len(final) == 1, final
+    # ... and it learned.
+    evals = [e["eval_loss"] for e in a.of("round")]
+    assert evals[-1] < evals[0] - 0.5, evals
+    # A peer that missed rounds took their state from a donor instead of starting over.
+    for p in peers:
+        first = p.of("round")[0]["round"]
+        if first > 1:
+            downloaded = p.of("downloaded")
+            assert downloaded and downloaded[0]["round"] == first - 1, p.events
+
+
+def test_a_killed_peer_resumes_from_its_checkpoint_and_catches_up(tmp_path):
+    rounds = "30"  # enough for the survivor to still be training when the other is back
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint)
+        with (
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", "--max-rounds", rounds) as a,
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", "--max-rounds", rounds) as b,
+        ):
+            b.wait_for("checkpoint", lambda e: e["round"] >= 2, timeout=180)
+            b.kill()  # SIGKILL: no chance to save or say goodbye
+            killed_at = max(e["round"] for e in b.of("checkpoint"))
+            # The survivor goes on (alone) past the round the other peer died in.
+            a.wait_for("round", lambda e: e["round"] >= killed_at + 2, timeout=180)
+            with PeerProcess.join(
+                swarm, boot.endpoint, tmp_path / "b", "--max-rounds", rounds
+            ) as b2:
+                resumed = b2.wait_for("resumed", timeout=120)
+                assert resumed["round"] == killed_at  # its newest complete checkpoint
+                assert b2.wait(240) == 0, b2.log_tail()
+                downloaded = b2.of("downloaded")
+                assert downloaded and downloaded[0]["round"] > killed_at, b2.events
+                assert any(e["group"] == 2 for e in b2.of("round")), b2.events
+            assert a.wait(240) == 0, a.log_tail()
+    assert digests_of(a)[int(rounds)] == digests_of(b2)[int(rounds)]
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path):
+    with PeerProcess.create(tmp_path / "a") as a:
+        a.wait_for("round", lambda e: e["round"] >= 1, timeout=120)
+        a.process.send_signal(signal.SIGTERM)
+        assert a.wait(60) == 0, a.log_tail()
+        stopped = a.of("stopped")[-1]
+        assert stopped["reason"] == "signal SIGTERM"
+        last = a.of("checkpoint")[-1]
+        assert (last["round"], last["step"]) == (stopped["round"], stopped["step"])
