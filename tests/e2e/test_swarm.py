@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import signal
+import time
 
 import pytest
 from swarmutil import Bootstrap, PeerProcess
@@ -93,3 +96,53 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path):
         assert stopped["reason"] == "signal SIGTERM"
         last = a.of("checkpoint")[-1]
         assert (last["round"], last["step"]) == (stopped["round"], stopped["step"])
+
+
+def test_a_peer_lying_about_its_round_does_not_stall_the_swarm(tmp_path):
+    """A hostile peer claims, in validly signed records, to work on round 10^15 (which
+    would make every honest peer think it missed rounds) and publishes a made-up digest for
+    every round: the honest peers keep averaging together and agree."""
+    import asyncio
+
+    from swarmloco.net.identity import Identity
+    from swarmloco.net.node import NetNode, NodeConfig
+    from swarmloco.net.records import digest_key, progress_key
+    from swarmloco.runtime.loop_thread import LoopThread
+
+    async def lie(boot: str, swarm: str, stop: asyncio.Event) -> int:
+        config = NodeConfig(server=None, peers=(boot,))
+        stored = 0
+        async with NetNode(identity=Identity.generate(), config=config) as node:
+            while not stop.is_set():
+                now = time.time()
+                claim = {"round": 10**15, "tokens": 10**12, "tokens_per_s": 1e9, "at": now}
+                stored += await node.dht.store(progress_key(swarm), claim, ttl=60)
+                for r in range(1, 6):
+                    fake = {"digest": bytes([r]) * 32, "endpoint": "127.0.0.1:1", "at": now}
+                    await node.dht.store(digest_key(swarm, r), fake, ttl=60)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+        return stored
+
+    rounds, n = 4, "4"
+    with Bootstrap(tmp_path / "boot") as boot, LoopThread() as loop:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint)
+        stop = asyncio.Event()
+        liar = loop.submit(lie(boot.endpoint, swarm, stop))
+        with (
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", "--max-rounds", n) as a,
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", "--max-rounds", n) as b,
+        ):
+            for p in (a, b):
+                assert p.wait(240) == 0, p.log_tail()
+        loop.loop.call_soon_threadsafe(stop.set)
+        assert liar.result(timeout=30) > 0  # the lies were stored
+    for p in (a, b):
+        assert not p.of("downloaded"), p.events  # nothing adopted from the liar
+    assert digests_of(a)[rounds] == digests_of(b)[rounds]
+    assert any(e["group"] == 2 for e in a.of("round"))
+    # Rounds came about every H = 8 steps, not only at the 4 H a peer waits at most for
+    # peers it believes ahead of it.
+    for p in (a, b):
+        steps = [0] + [e["step"] for e in p.of("round")]
+        assert max(y - x for x, y in itertools.pairwise(steps)) < 3 * 8, steps

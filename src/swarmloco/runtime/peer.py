@@ -89,6 +89,8 @@ PROGRESS_TTL_S = 120.0
 _FRESH_S = 30.0  # reports older than this are from peers that left or stalled
 _MAX_WAIT_ROUNDS = 4
 _CATCH_UP_RETRY_S = 2.0
+_UNBACKED_S = 10.0  # how long a claim of a later round without digests is ignored
+_ROUNDS_TRIED = 8  # later rounds whose digests a catch-up looks up
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -233,7 +235,7 @@ class Peer:
             self._restore()
             self._start_network()
             try:
-                self._catch_up(initial=True)
+                self._catch_up()
                 self._train()
             finally:
                 self._leave()
@@ -305,6 +307,7 @@ class Peer:
         self._last_loss = float("nan")
         self._expected: int | None = None  # peers known to work on the next round
         self._next_catch_up = 0.0
+        self._unbacked: dict[str, float] = {}  # peer -> until when its claims are ignored
         self._publish_snapshot(None)
         logger.info(
             "swarm %s: %s, %s parameters, device %s, sync every %d steps of %d tokens",
@@ -487,45 +490,56 @@ class Peer:
 
     # -- catching up with the swarm ------------------------------------------------------------
 
-    async def _swarm_round(self) -> int:
-        """The newest round any other peer works towards (0 when none reports)."""
+    async def _claims(self) -> dict[str, int]:
+        """Peer id -> the round it says it works towards, for every other peer reporting."""
         result = await self.node.dht.get(progress_key(self.swarm_id))
-        rounds = [
-            progress_report(e.subkey, e.value).round
+        return {
+            e.subkey: progress_report(e.subkey, e.value).round
             for e in result.entries.values()
             if e.subkey != self.peer_id
-        ]
-        return max(rounds, default=0)
+        }
 
     async def _majority_of(self, round: int) -> Majority:
         result = await self.node.dht.get(digest_key(self.swarm_id, round))
         self._digest_endpoints = {e.subkey: e.value["endpoint"] for e in result.entries.values()}
         return majority({e.subkey: e.value["digest"] for e in result.entries.values()})
 
-    def _catch_up(self, *, initial: bool = False) -> None:
-        """Download the swarm's state if this peer's is older or in the minority."""
+    def _catch_up(self) -> None:
+        """Download the swarm's state if this peer's is older or in the minority.
+
+        Only what published digests back counts: a peer that claims a later round no digest
+        is published for (a liar, or a lone peer ahead of everyone) is left out of pacing
+        for a while instead of stalling this one.
+        """
         try:
-            newest = self.loop.run(self._swarm_round(), timeout=30.0) - 1
-            target = max(newest, self.round)
-            if target <= 0:
+            claims = self.loop.run(self._claims(), timeout=30.0)
+            later = sorted({r - 1 for r in claims.values() if r - 1 > self.round}, reverse=True)
+            for target in later[:_ROUNDS_TRIED]:
+                found = self.loop.run(self._majority_of(target), timeout=30.0)
+                if found.digest is not None:
+                    why = f"the swarm is at round {target}, this peer at {self.round}"
+                    logger.info("downloading the swarm's state: %s", why)
+                    self._download(target, found, why)
+                    return
+            until = time.monotonic() + _UNBACKED_S
+            for peer, r in claims.items():
+                if r - 1 > self.round:
+                    self._unbacked[peer] = until
+            if self.round == 0:
                 return
-            found = self.loop.run(self._majority_of(target), timeout=30.0)
+            found = self.loop.run(self._majority_of(self.round), timeout=30.0)
         except (SwarmlocoError, TimeoutError) as exc:
             logger.warning("could not read the swarm's state records: %s", exc)
             return
         mine = self._snapshot.digest if self._snapshot is not None else b""
-        if found.digest is None or (target == self.round and found.agrees(mine)):
-            return
-        if target == self.round and self.peer_id in found.holders:
+        if found.digest is None or found.agrees(mine):
             return
         why = (
-            f"the swarm is at round {target}, this peer at {self.round}"
-            if target > self.round
-            else f"this peer's round {self.round} digest is in the minority "
+            f"this peer's round {self.round} digest is in the minority "
             f"({len(found.holders)} of {found.published} peers hold another)"
         )
         logger.info("downloading the swarm's state: %s", why)
-        self._download(target, found, why)
+        self._download(self.round, found, why)
 
     def _download(self, target: int, found: Majority, why: str) -> None:
         donors = [
@@ -639,7 +653,14 @@ class Peer:
             tokens_per_s=self._rate.value,
             at=now,
         )
-        reports = [r for r in self._reports if r.peer != self.peer_id and now - r.at <= _FRESH_S]
+        clock = time.monotonic()
+        reports = [
+            r
+            for r in self._reports
+            if r.peer != self.peer_id
+            and now - r.at <= _FRESH_S
+            and not (r.round > target and self._unbacked.get(r.peer, 0.0) > clock)
+        ]
         working = 1 + len({r.peer for r in reports if r.round == target})
         # Matchmaking waits for the peers of this round, and for those whose report still
         # names the round before (they applied it with us and have not reported since):

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""A real swarm on this machine: a bootstrap node and N training peers, each its own process.
+
+    python scripts/local_swarm.py [--peers 3] [--rounds 20] [--preset tiny] [--sync-every 50]
+
+Everything talks over gRPC on 127.0.0.1. The script publishes a new swarm's manifest
+through the bootstrap node, starts the peers (`swarmloco join SWARM_ID --peer ...`), prints
+one line per round as the peers apply it, and when every peer has reached --rounds (or on
+Ctrl-C) stops them all and prints a JSON summary: the rounds, each peer's final eval loss
+and whether all peers hold the same global state (the digest of their last round). Logs,
+events and checkpoints stay in --dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+COMMAND = [sys.executable, "-m", "swarmloco.cli"]
+
+
+def read_events(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """Complete JSON lines appended to ``path`` since ``offset``."""
+    if not path.exists():
+        return [], offset
+    with path.open("rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    events = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+    return events, offset + end
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--peers", type=int, default=3, help="training peers (default: 3)")
+    p.add_argument("--rounds", type=int, default=20, help="stop after this round (default: 20)")
+    p.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    p.add_argument("--sync-every", type=int, default=50, help="H, inner steps per round")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per inner step")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
+    p.add_argument(
+        "--dir", type=Path, default=Path("runs/local-swarm"), help="where peers keep data"
+    )
+    p.add_argument(
+        "--extra",
+        default="",
+        help="more `swarmloco join` options for every peer, as one string",
+    )
+    args = p.parse_args()
+    if args.peers < 1 or args.rounds < 1:
+        p.error("--peers and --rounds must be at least 1")
+
+    run_dir = args.dir / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    children: list[subprocess.Popen[str]] = []
+
+    def stop_all() -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+    try:
+        boot_log = (run_dir / "bootstrap.log").open("w")
+        boot = subprocess.Popen(
+            [
+                *COMMAND,
+                "bootstrap",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--data-dir",
+                str(run_dir / "bootstrap"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=boot_log,
+            text=True,
+        )
+        children.append(boot)
+        assert boot.stdout is not None
+        line = boot.stdout.readline()
+        match = re.search(r"serving on (\S+:\d+)", line)
+        if match is None:
+            print(f"the bootstrap node did not start: {line!r}", file=sys.stderr)
+            return 1
+        endpoint = match.group(1)
+        print(f"bootstrap node on {endpoint}", file=sys.stderr)
+
+        created = subprocess.run(
+            [
+                *COMMAND,
+                "create",
+                "--preset",
+                args.preset,
+                "--sync-every",
+                str(args.sync_every),
+                "--batch-size",
+                str(args.batch_size),
+                "--no-train",
+                "--peer",
+                endpoint,
+                "--data-dir",
+                str(run_dir / "creator"),
+                "--name",
+                "local swarm",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if created.returncode != 0:
+            print(created.stderr, file=sys.stderr)
+            return 1
+        swarm = created.stdout.split()[0]
+        print(
+            f"swarm {swarm}: {args.peers} peers, {args.rounds} rounds, H={args.sync_every}",
+            file=sys.stderr,
+        )
+
+        events = [run_dir / f"peer{i}.events" for i in range(args.peers)]
+        for i in range(args.peers):
+            log = (run_dir / f"peer{i}.log").open("w")
+            children.append(
+                subprocess.Popen(
+                    [
+                        *COMMAND,
+                        "join",
+                        swarm,
+                        "--peer",
+                        endpoint,
+                        "--host",
+                        "127.0.0.1",
+                        "--data-dir",
+                        str(run_dir / f"peer{i}"),
+                        "--events",
+                        str(events[i]),
+                        "--max-rounds",
+                        str(args.rounds),
+                        "--threads",
+                        str(args.threads),
+                        "--peer-name",
+                        f"peer{i}",
+                        *args.extra.split(),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                    text=True,
+                )
+            )
+        offsets = [0] * args.peers
+        last: dict[int, dict[str, Any]] = {}
+        printed = 0
+        peers = children[1:]
+        while any(c.poll() is None for c in peers):
+            for i in range(args.peers):
+                new, offsets[i] = read_events(events[i], offsets[i])
+                for e in new:
+                    if e["event"] in ("round", "downloaded"):
+                        last[i] = e
+                    if e["event"] == "round" and e["round"] > printed:
+                        printed = e["round"]
+                        loss = e.get("eval_loss")
+                        shown = f"{loss:.3f}" if loss is not None else "-"
+                        print(
+                            f"round {e['round']:4d}: {e['group']} peer(s), "
+                            f"{e['seconds']:.2f}s, eval loss {shown}",
+                            file=sys.stderr,
+                        )
+                    elif e["event"] in ("aborted", "download-failed"):
+                        print(f"peer{i}: {e['event']}: {e.get('error', '')}", file=sys.stderr)
+            time.sleep(0.5)
+        codes = [c.returncode for c in peers]
+    except KeyboardInterrupt:
+        print("interrupted: stopping the peers", file=sys.stderr)
+        codes = []
+    finally:
+        stop_all()
+
+    finals: dict[str, Any] = {}
+    digests = set()
+    for i, path in enumerate(events):
+        evs, _ = read_events(path, 0)
+        rounds = [e for e in evs if e["event"] == "round"]
+        if rounds:
+            digests.add(rounds[-1]["digest"])
+            finals[f"peer{i}"] = {
+                "round": rounds[-1]["round"],
+                "eval_loss": rounds[-1].get("eval_loss"),
+                "rounds_applied": len(rounds),
+                "downloads": sum(e["event"] == "downloaded" for e in evs),
+            }
+    print(
+        json.dumps(
+            {
+                "swarm": swarm if "swarm" in locals() else None,
+                "peers": args.peers,
+                "rounds": args.rounds,
+                "exit_codes": codes,
+                "final": finals,
+                "same_final_state": len(digests) == 1,
+                "seconds": round(time.monotonic() - started, 1),
+                "dir": str(run_dir),
+            },
+            indent=2,
+        )
+    )
+    return 0 if codes and all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
