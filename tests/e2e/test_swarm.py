@@ -137,8 +137,10 @@ def test_a_peer_lying_about_its_round_does_not_stall_the_swarm(tmp_path):
                 assert p.wait(240) == 0, p.log_tail()
         loop.loop.call_soon_threadsafe(stop.set)
         assert liar.result(timeout=30) > 0  # the lies were stored
+    honest = {p.wait_for("ready")["peer_id"][:12] for p in (a, b)}
     for p in (a, b):
-        assert not p.of("downloaded"), p.events  # nothing adopted from the liar
+        # A peer may take the other's state (one started first); never the liar's.
+        assert all(e["donor"][:12] in honest for e in p.of("downloaded")), p.events
     assert digests_of(a)[rounds] == digests_of(b)[rounds]
     assert any(e["group"] == 2 for e in a.of("round"))
     # Rounds came about every H = 8 steps, not only at the 4 H a peer waits at most for

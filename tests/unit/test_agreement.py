@@ -1,6 +1,6 @@
 """The majority digest of a round: which state is the swarm's."""
 
-from swarmloco.core.agreement import DIGEST_BYTES, majority
+from swarmloco.core.agreement import DIGEST_BYTES, majority, ranking
 
 A, B, C = (bytes([i]) * DIGEST_BYTES for i in (1, 2, 3))
 
@@ -27,3 +27,11 @@ def test_nobody_published():
     m = majority({})
     assert m.digest is None and m.holders == () and m.share == 0.0
     assert not m.agrees(A)
+
+
+def test_ranking_lists_every_digest_most_held_first():
+    ranked = ranking({"a": B, "b": C, "c": B, "d": A, "e": C, "f": B})
+    assert [r.digest for r in ranked] == [B, C, A]
+    assert ranked[0].holders == ("a", "c", "f") and ranked[1].holders == ("b", "e")
+    assert all(r.published == 6 for r in ranked)
+    assert ranking({}) == []

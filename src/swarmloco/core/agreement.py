@@ -35,18 +35,29 @@ class Majority:
         return self.digest is not None and digest == self.digest
 
 
+def ranking(published: Mapping[str, bytes]) -> list[Majority]:
+    """Every digest published for a round with its holders, most held first.
+
+    ``published``: peer id -> digest; malformed digests are ignored. Ties are broken by the
+    smaller digest, so that every peer reading the same records ranks them the same way.
+    A peer tries the first; if none of its holders can hand the state over, the next.
+    """
+    valid = {
+        peer: d for peer, d in published.items() if isinstance(d, bytes) and len(d) == DIGEST_BYTES
+    }
+    counts = Counter(valid.values())
+    order = sorted(counts, key=lambda d: (-counts[d], d))
+    return [
+        Majority(d, tuple(sorted(peer for peer, x in valid.items() if x == d)), len(valid))
+        for d in order
+    ]
+
+
 def majority(published: Mapping[str, bytes]) -> Majority:
     """The digest published by the most peers (``published``: peer id -> digest).
 
     Malformed digests are ignored. A tie is broken by the smaller digest, so that every
     peer reading the same records picks the same one.
     """
-    valid = {
-        peer: d for peer, d in published.items() if isinstance(d, bytes) and len(d) == DIGEST_BYTES
-    }
-    if not valid:
-        return Majority(None, (), 0)
-    counts = Counter(valid.values())
-    digest = min(counts, key=lambda d: (-counts[d], d))
-    holders = tuple(sorted(peer for peer, d in valid.items() if d == digest))
-    return Majority(digest, holders, len(valid))
+    ranked = ranking(published)
+    return ranked[0] if ranked else Majority(None, (), 0)

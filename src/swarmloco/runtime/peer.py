@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from swarmloco import __version__
-from swarmloco.core.agreement import Majority, majority
+from swarmloco.core.agreement import ranking
 from swarmloco.core.codec import Backend, ErrorFeedback, warm_up
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.core.flat import FlatLayout
@@ -91,6 +91,7 @@ _MAX_WAIT_ROUNDS = 4
 _CATCH_UP_RETRY_S = 2.0
 _UNBACKED_S = 10.0  # how long a claim of a later round without digests is ignored
 _ROUNDS_TRIED = 8  # later rounds whose digests a catch-up looks up
+_DIGESTS_TRIED = 3  # digests of one round tried, most held first
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -499,27 +500,25 @@ class Peer:
             if e.subkey != self.peer_id
         }
 
-    async def _majority_of(self, round: int) -> Majority:
+    async def _digests_of(self, round: int) -> dict[str, tuple[bytes, str]]:
+        """Peer id -> (digest, endpoint) of everyone who published one for ``round``."""
         result = await self.node.dht.get(digest_key(self.swarm_id, round))
-        self._digest_endpoints = {e.subkey: e.value["endpoint"] for e in result.entries.values()}
-        return majority({e.subkey: e.value["digest"] for e in result.entries.values()})
+        return {e.subkey: (e.value["digest"], e.value["endpoint"]) for e in result.entries.values()}
 
     def _catch_up(self) -> None:
         """Download the swarm's state if this peer's is older or in the minority.
 
-        Only what published digests back counts: a peer that claims a later round no digest
-        is published for (a liar, or a lone peer ahead of everyone) is left out of pacing
-        for a while instead of stalling this one.
+        Only what published digests back counts: a peer that claims a later round no
+        reachable holder of a digest backs (a liar, or a lone peer ahead of everyone) is
+        left out of pacing for a while instead of stalling this one.
         """
         try:
             claims = self.loop.run(self._claims(), timeout=30.0)
             later = sorted({r - 1 for r in claims.values() if r - 1 > self.round}, reverse=True)
             for target in later[:_ROUNDS_TRIED]:
-                found = self.loop.run(self._majority_of(target), timeout=30.0)
-                if found.digest is not None:
-                    why = f"the swarm is at round {target}, this peer at {self.round}"
-                    logger.info("downloading the swarm's state: %s", why)
-                    self._download(target, found, why)
+                published = self.loop.run(self._digests_of(target), timeout=30.0)
+                why = f"the swarm is at round {target}, this peer at {self.round}"
+                if published and self._adopt(target, published, why):
                     return
             until = time.monotonic() + _UNBACKED_S
             for peer, r in claims.items():
@@ -527,27 +526,39 @@ class Peer:
                     self._unbacked[peer] = until
             if self.round == 0:
                 return
-            found = self.loop.run(self._majority_of(self.round), timeout=30.0)
+            published = self.loop.run(self._digests_of(self.round), timeout=30.0)
         except (SwarmlocoError, TimeoutError) as exc:
             logger.warning("could not read the swarm's state records: %s", exc)
             return
-        mine = self._snapshot.digest if self._snapshot is not None else b""
-        if found.digest is None or found.agrees(mine):
-            return
-        why = (
-            f"this peer's round {self.round} digest is in the minority "
-            f"({len(found.holders)} of {found.published} peers hold another)"
-        )
-        logger.info("downloading the swarm's state: %s", why)
-        self._download(self.round, found, why)
+        assert self._snapshot is not None
+        mine = self._snapshot.digest
+        published.pop(self.peer_id, None)
+        ours = 1 + sum(d == mine for d, _ in published.values())
+        why = f"this peer's round {self.round} state is held by fewer peers than another"
+        self._adopt(self.round, published, why, more_than=ours)
 
-    def _download(self, target: int, found: Majority, why: str) -> None:
-        donors = [
-            Donor(peer, self._digest_endpoints.get(peer, ""))
-            for peer in found.holders
-            if peer != self.peer_id
-        ]
+    def _adopt(
+        self,
+        target: int,
+        published: dict[str, tuple[bytes, str]],
+        why: str,
+        *,
+        more_than: int = 0,
+    ) -> bool:
+        """Download the state of round ``target`` that the most peers published (held by
+        more than ``more_than``); when none of its holders delivers, the next most held."""
+        endpoints = {peer: endpoint for peer, (_, endpoint) in published.items()}
+        ranked = ranking({peer: digest for peer, (digest, _) in published.items()})
+        for candidate in ranked[:_DIGESTS_TRIED]:
+            if len(candidate.holders) <= more_than or candidate.digest is None:
+                break
+            donors = [Donor(p, endpoints[p]) for p in candidate.holders if p != self.peer_id]
+            logger.info("downloading the swarm's state: %s", why)
+            if self._download(target, candidate.digest, donors, why):
+                return True
+        return False
 
+    def _download(self, target: int, digest: bytes, donors: list[Donor], why: str) -> bool:
         async def fetch() -> Any:
             return await download_state(
                 self.node.client,
@@ -555,7 +566,7 @@ class Peer:
                 swarm_id=self.swarm_id,
                 deadline=Deadline.after(self.config.state_timeout_s),
                 expected_round=target,
-                expected_digest=found.digest,
+                expected_digest=digest,
                 schema=self.schema,
                 config=self.config.download,
                 rejections=self.node.dht.rejections,
@@ -568,7 +579,7 @@ class Peer:
             logger.warning("%s", exc)
             self.last_error = f"state download failed: {exc}"
             self._emit("download-failed", round=target, error=str(exc))
-            return
+            return False
         finally:
             self.state = previous
         snap = got.snapshot
@@ -593,6 +604,7 @@ class Peer:
             seconds=round(got.seconds, 3),
             why=why,
         )
+        return True
 
     def _take_global(self) -> None:
         """theta <- theta_g; the local progress since the last round restarts from it."""
