@@ -1,0 +1,198 @@
+"""Reading a swarm's records from the DHT, once (:func:`read_swarm`) or every few seconds
+(:class:`Collector`), and keeping the latest view and a bounded history for the dashboard.
+
+The collector survives the network going away: a failed poll keeps the last records (their
+ages keep growing, so peers turn offline on time), puts the error in the view and, when no
+DHT node answered at all, joins the network again through the peers it was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from swarmloco.core.config import require_int, require_positive
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.dashboard.view import (
+    FRESH_S,
+    HISTORY_POINTS,
+    History,
+    Reading,
+    build_view,
+    current_round,
+)
+from swarmloco.errors import ManifestError, NetworkError
+from swarmloco.net.dht.node import DHTNode, GetResult
+from swarmloco.net.records import digest_key, peers_key, progress_key, status_key
+from swarmloco.net.swarm import fetch_manifest
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectorConfig:
+    interval_s: float = 2.0
+    """Seconds between two polls of the DHT."""
+    fresh_s: float = FRESH_S
+    """A peer whose status record is older than this is shown offline."""
+    timeout_s: float = 5.0
+    """Deadline of each DHT lookup of one poll."""
+    history_points: int = HISTORY_POINTS
+    """Points kept per loss curve."""
+
+    def __post_init__(self) -> None:
+        require_positive("interval_s", self.interval_s)
+        require_positive("fresh_s", self.fresh_s)
+        require_positive("timeout_s", self.timeout_s)
+        require_int("history_points", self.history_points, minimum=1)
+
+
+def _values(result: GetResult) -> dict[str, Mapping[str, Any]]:
+    return {subkey: entry.value for subkey, entry in result.entries.items()}
+
+
+async def read_swarm(
+    dht: DHTNode,
+    swarm_id: str,
+    *,
+    manifest: SwarmManifest | None,
+    timeout_s: float = 5.0,
+    fresh_s: float = FRESH_S,
+    clock: Clock = time.time,
+) -> Reading:
+    """One poll: the swarm's peers, progress and status records, then the digests of the
+    current round. Raises NetworkError when no DHT node answered."""
+    async with asyncio.TaskGroup() as group:
+        status_task = group.create_task(dht.get(status_key(swarm_id), timeout=timeout_s))
+        progress_task = group.create_task(dht.get(progress_key(swarm_id), timeout=timeout_s))
+        peers_task = group.create_task(dht.get(peers_key(swarm_id), timeout=timeout_s))
+        manifest_task = (
+            group.create_task(_try_manifest(dht, swarm_id)) if manifest is None else None
+        )
+    results = [status_task.result(), progress_task.result(), peers_task.result()]
+    if all(result.responded == 0 and not result.entries for result in results):
+        raise NetworkError(
+            "no DHT node answered: the peers the dashboard joined through may be down (retrying)"
+        )
+    if manifest_task is not None:
+        manifest = manifest_task.result()
+    at = clock()
+    status = _values(results[0])
+    round_now = current_round(status, now=at, fresh_s=fresh_s)
+    digests: dict[str, bytes] = {}
+    if round_now is not None:
+        found = await dht.get(digest_key(swarm_id, round_now), timeout=timeout_s)
+        digests = {subkey: entry.value["digest"] for subkey, entry in found.entries.items()}
+    return Reading(
+        swarm_id=swarm_id,
+        at=at,
+        manifest=manifest,
+        peers=_values(results[2]),
+        progress=_values(results[1]),
+        status=status,
+        digest_round=round_now,
+        digests=digests,
+    )
+
+
+async def _try_manifest(dht: DHTNode, swarm_id: str) -> SwarmManifest | None:
+    try:
+        return await fetch_manifest(dht, swarm_id)
+    except ManifestError:
+        return None
+
+
+class Collector:
+    """Polls one swarm's records every ``config.interval_s`` and keeps the latest view.
+
+    Construct it, then run :meth:`run` as a task of the application's task group (cancel
+    it to stop). :attr:`view` is always a complete view, from the start on.
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: DHTNode,
+        swarm_id: str,
+        manifest: SwarmManifest | None = None,
+        rejoin: Sequence[str] = (),
+        config: CollectorConfig | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        self.dht = dht
+        self.swarm_id = swarm_id
+        self.config = config or CollectorConfig()
+        self.history = History(points=self.config.history_points)
+        self.polls = 0
+        self.failures = 0
+        self._rejoin = tuple(rejoin)
+        self._clock = clock
+        self._manifest = manifest
+        self._reading = Reading(
+            swarm_id=swarm_id, at=clock(), manifest=manifest, error="not read yet"
+        )
+        self._view = self._build()
+
+    @property
+    def view(self) -> dict[str, Any]:
+        """The view of the latest poll (or of the last good one, with the error)."""
+        return self._view
+
+    def _build(self) -> dict[str, Any]:
+        return build_view(
+            self._reading,
+            now=self._clock(),
+            history=self.history,
+            fresh_s=self.config.fresh_s,
+        )
+
+    async def poll(self) -> dict[str, Any]:
+        """Read the records once and return the new view (never raises for network errors)."""
+        self.polls += 1
+        try:
+            reading = await read_swarm(
+                self.dht,
+                self.swarm_id,
+                manifest=self._manifest,
+                timeout_s=self.config.timeout_s,
+                fresh_s=self.config.fresh_s,
+                clock=self._clock,
+            )
+        except Exception as exc:  # the network or a peer misbehaving: keep the last records
+            self.failures += 1
+            error = str(exc) or type(exc).__name__
+            if error != self._reading.error:
+                logger.warning("reading swarm %s failed: %s", self.swarm_id[:12], error)
+            self._reading = dataclasses.replace(self._reading, error=error)
+            if isinstance(exc, NetworkError) and self._rejoin:
+                await self._join_again()
+        else:
+            if self._reading.error and self.polls > 1:
+                logger.info("reading swarm %s works again", self.swarm_id[:12])
+            self._manifest = reading.manifest
+            self._reading = reading
+            self.history.add(reading, fresh_s=self.config.fresh_s)
+        self._view = self._build()
+        return self._view
+
+    async def _join_again(self) -> None:
+        try:
+            await self.dht.join(self._rejoin, timeout=self.config.timeout_s)
+        except NetworkError as exc:
+            logger.debug("joining again failed: %s", exc)
+        else:
+            logger.info("joined the network again through %s", ", ".join(self._rejoin))
+
+    async def run(self) -> None:
+        """Poll forever, ``interval_s`` apart (start to start when polls are fast)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self.poll()
+            await asyncio.sleep(max(0.0, self.config.interval_s - (loop.time() - started)))

@@ -1,0 +1,161 @@
+"""The view as text for a terminal (``swarmloco status``). Pure; the view's strings are
+already cleaned of control characters (view.py), so printing them is safe."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def human(value: float | None, unit: str = "") -> str:
+    """1234567 -> ``1.23M``; None -> ``-``."""
+    if value is None:
+        return "-"
+    for factor, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g}{suffix}{unit}"
+    return f"{value:.3g}{unit}"
+
+
+def human_bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for factor, suffix in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if value >= factor:
+            return f"{value / factor:.3g} {suffix}"
+    return f"{value:.0f} B"
+
+
+def duration(seconds: float | None) -> str:
+    """``3725`` -> ``1h02m``; None -> ``-``."""
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns, two spaces apart."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = []
+    for row in [headers, *rows]:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return lines
+
+
+def _swarm_line(swarm: Mapping[str, Any]) -> str:
+    if not swarm.get("known"):
+        return f"swarm {swarm['id']} (manifest not read)"
+    parts = [f"swarm {swarm['id']}"]
+    if swarm.get("name"):
+        parts.append(repr(swarm["name"]))
+    task = swarm.get("task", "")
+    if swarm.get("preset"):
+        task += f"/{swarm['preset']}"
+    parts.append(task)
+    if swarm.get("params"):
+        parts.append(f"{human(swarm['params'])} parameters")
+    if swarm.get("created_at"):
+        parts.append(f"created {swarm['created_at']}")
+    return "  ".join(parts)
+
+
+def render(view: Mapping[str, Any]) -> str:
+    """The view as a few lines of summary, the per-peer table and the latest rounds."""
+    lines = [_swarm_line(view["swarm"])]
+    if view.get("error"):
+        lines.append(f"error: {view['error']}")
+    agreement = view.get("agreement")
+    agree = (
+        f"{agreement['holders']}/{agreement['published']} agree on round {agreement['round']}"
+        if agreement and agreement["published"]
+        else "no digests yet"
+    )
+    loss = f"  loss {_loss(view.get('loss'))}" if view.get("loss") is not None else ""
+    eval_loss = (
+        f"  eval loss {_loss(view.get('eval_loss'))}" if view.get("eval_loss") is not None else ""
+    )
+    round_now = view.get("round")
+    lines.append(
+        f"peers online {view['peers_online']} (of {view['peers_known']} known)  "
+        f"round {'-' if round_now is None else round_now}  "
+        f"{human(view.get('tokens_per_s'))} tokens/s  {agree}{loss}{eval_loss}"
+    )
+    upcoming = view.get("next_round")
+    if upcoming and upcoming["peers"]:
+        lines.append(
+            f"round {upcoming['round']}: {human(upcoming['tokens'])} tokens so far from "
+            f"{upcoming['peers']} peer(s)"
+        )
+    peers = view.get("peers", [])
+    if peers:
+        lines.append("")
+        rows = [
+            [
+                p["name"] or "-",
+                p["short_id"],
+                p["state"] if p["online"] else f"offline ({duration(p['age_s'])})",
+                str(p["round"]),
+                human(p["tokens_per_s"]),
+                f"{100 * p['share']:.1f}%",
+                _loss(p["loss"]),
+                _loss(p["eval_loss"]),
+                p["device"] or "-",
+                duration(p["uptime_s"]),
+                p["version"] or "-",
+                p["last_error"][:60] or "-",
+            ]
+            for p in peers
+        ]
+        lines += table(
+            [
+                "NAME",
+                "ID",
+                "STATE",
+                "ROUND",
+                "TOK/S",
+                "SHARE",
+                "LOSS",
+                "EVAL",
+                "DEVICE",
+                "UPTIME",
+                "VERSION",
+                "LAST ERROR",
+            ],
+            rows,
+        )
+        if view.get("peers_not_shown"):
+            lines.append(f"... and {view['peers_not_shown']} more peers")
+    rounds = view.get("rounds", [])[-8:]
+    if rounds:
+        lines.append("")
+        lines += table(
+            ["ROUND", "GROUP", "SECONDS", "SENT/PEER", "PAYLOAD", "RATIO", "FAILURES"],
+            [
+                [
+                    str(r["round"]),
+                    str(r["group"]),
+                    "-" if r["seconds"] is None else f"{r['seconds']:.2f}",
+                    human_bytes(r["bytes_sent"]),
+                    human_bytes(r["payload_bytes"]),
+                    "-" if r["compression"] is None else f"{r['compression']:.2f}x",
+                    str(r["failures"]),
+                ]
+                for r in rounds
+            ],
+        )
+    for warning in view.get("warnings", []):
+        lines.append(f"warning: {warning}")
+    return "\n".join(lines)

@@ -1,0 +1,495 @@
+"""What the dashboard shows, as a pure function of the records it read and the time.
+
+:class:`Reading` holds one poll of a swarm's records (manifest, peers, progress, status and
+the digests of the current round), as validated DHT values. :func:`build_view` turns a
+reading, the :class:`History` of earlier readings and ``now`` into the JSON-able view that
+``/api/v1/state``, ``/metrics``, the page and ``swarmloco status`` all render.
+
+Records are signed and schema-checked by the DHT layer, but their *content* is what a peer
+claims: clocks run ahead, rates can be absurd, names can carry terminal escapes. Nothing a
+peer publishes can crash the view or poison the swarm's figures: text is cleaned, rates
+beyond :data:`MAX_TOKENS_PER_S` are not counted, the current round ignores peers far ahead
+of the median, and per-round figures are medians over the peers that reported them.
+
+Nothing here reads a clock or the network; no torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+import unicodedata
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from swarmloco.core.agreement import majority
+from swarmloco.core.manifest import SwarmManifest
+
+VIEW_VERSION = 1
+"""Version of the JSON layout of the view (``/api/v1/state``)."""
+FRESH_S = 30.0
+"""A peer whose status record is older than this is shown offline (peers publish every few
+seconds)."""
+MAX_TOKENS_PER_S = 1e9
+"""No single peer trains faster than this; a claimed rate above it is not counted."""
+MAX_ROUND_LEAD = 1000
+"""A peer claiming a round this far beyond the median of online peers does not set the
+swarm's current round (it is lying or from another run's bug)."""
+MAX_ABS_LOSS = 1e9
+"""Losses beyond this magnitude are not shown (they would flatten every curve)."""
+CLOCK_AHEAD_S = 5.0
+"""A record dated this far in our future is reported as coming from a clock that runs ahead."""
+MAX_PEERS_SHOWN = 512
+"""Rows of the per-peer table (online peers first); the rest are counted, not listed."""
+MAX_TIMELINE_ROUNDS = 60
+"""Rounds of the timeline in the view (the newest)."""
+MAX_HISTORY_ROUNDS = 200
+"""Rounds a :class:`History` keeps."""
+MAX_TRACKED_PEERS = 64
+"""Peers whose loss curve a :class:`History` keeps (the most recently updated)."""
+HISTORY_POINTS = 720
+"""Points per curve a :class:`History` keeps (24 minutes at one point every 2 s)."""
+MAX_WARNINGS = 20
+
+_SHORT_ID = 12
+_TEXT_DROP = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reading:
+    """One poll of a swarm's records: DHT values by owner (peer id in hex)."""
+
+    swarm_id: str
+    at: float
+    """Our clock (unix seconds) when the records were read."""
+    manifest: SwarmManifest | None = None
+    peers: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    """``peers`` record values: endpoint, role, version, public."""
+    progress: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    """``progress`` record values: round worked towards, tokens since it, rate, at."""
+    status: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    """``status`` record values (runtime/peer.py publishes them)."""
+    digest_round: int | None = None
+    """The round whose ``digest/<r>`` records are in ``digests`` (None: none were read)."""
+    digests: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
+    """Peer id -> the digest it published for ``digest_round``."""
+    error: str = ""
+    """Why the poll failed ("" when it did not); the records are then from an earlier poll."""
+
+
+# -- small, defensive helpers ------------------------------------------------------------------
+
+
+def clean_text(value: Any, max_chars: int = 240) -> str:
+    """``value`` as one line of printable text: control, format (bidi) and line-separator
+    characters are dropped, so a peer's name cannot move a terminal's cursor or reorder a
+    table."""
+    if not isinstance(value, str):
+        return ""
+    kept = "".join(
+        " " if ch in "\t\n\r" else ch
+        for ch in value[: 4 * max_chars]
+        if ch in "\t\n\r" or unicodedata.category(ch) not in _TEXT_DROP
+    )
+    return " ".join(kept.split())[:max_chars]
+
+
+def _number(value: Any, *, low: float = -math.inf, high: float = math.inf) -> float | None:
+    """A finite float in [low, high], or None (bools and non-numbers are not numbers)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    if not math.isfinite(number) or not low <= number <= high:
+        return None
+    return number
+
+
+def _count(value: Any) -> int:
+    """A non-negative integer, or 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _rate(value: Any) -> float:
+    rate = _number(value, low=0.0, high=MAX_TOKENS_PER_S)
+    return 0.0 if rate is None else rate
+
+
+def _loss(value: Any) -> float | None:
+    return _number(value, low=-MAX_ABS_LOSS, high=MAX_ABS_LOSS)
+
+
+def _at(value: Mapping[str, Any]) -> float:
+    return _number(value.get("at"), low=0.0) or 0.0
+
+
+def age_of(value: Mapping[str, Any], now: float) -> float:
+    """Seconds since the record was made; a record dated in the future is 0 s old."""
+    return max(0.0, now - _at(value))
+
+
+def is_fresh(value: Mapping[str, Any], now: float, fresh_s: float = FRESH_S) -> bool:
+    return age_of(value, now) <= fresh_s
+
+
+def short_id(peer_id: str) -> str:
+    return peer_id[:_SHORT_ID]
+
+
+def current_round(
+    status: Mapping[str, Mapping[str, Any]], *, now: float, fresh_s: float = FRESH_S
+) -> int | None:
+    """The swarm's round: the highest round of an online peer, ignoring claims more than
+    :data:`MAX_ROUND_LEAD` beyond the median (None when no peer is online)."""
+    rounds = [
+        value["round"]
+        for value in status.values()
+        if is_fresh(value, now, fresh_s) and _is_round(value.get("round"))
+    ]
+    if not rounds:
+        return None
+    median = statistics.median_low(rounds)
+    return max(r for r in rounds if r <= median + MAX_ROUND_LEAD)
+
+
+def _is_round(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _round_to(value: float | None, digits: int) -> float | None:
+    """Fewer digits in the JSON (the page draws pixels, not 17 significant digits)."""
+    if value is None:
+        return None
+    return float(f"{value:.{digits}g}")
+
+
+# -- history -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Curve:
+    name: str
+    points: collections.deque[tuple[float, float]]
+
+
+class History:
+    """Bounded memory of earlier readings: loss curves (per peer and for the swarm) and the
+    round timeline beyond the last 8 rounds a status record carries.
+
+    Curves are sampled on our clock (the time of the reading), not the peers', so a peer
+    whose clock runs ahead cannot draw into the future. Points are added only when a peer
+    published a new status record; each curve keeps at most ``points``, and at most
+    ``peers`` peers (the most recently updated) keep a curve.
+    """
+
+    def __init__(
+        self,
+        *,
+        points: int = HISTORY_POINTS,
+        peers: int = MAX_TRACKED_PEERS,
+        rounds: int = MAX_HISTORY_ROUNDS,
+    ) -> None:
+        if points < 1 or peers < 1 or rounds < 1:
+            raise ValueError("history limits must be positive")
+        self._points = points
+        self._max_peers = peers
+        self._max_rounds = rounds
+        self._last_at: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.peer_loss: collections.OrderedDict[str, _Curve] = collections.OrderedDict()
+        self.swarm_loss: collections.deque[tuple[float, float]] = collections.deque(maxlen=points)
+        self.swarm_eval_loss: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=points
+        )
+        self.swarm_tokens_per_s: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=points
+        )
+        # round -> peer id -> the peer's summary of that round
+        self.rounds: dict[int, dict[str, Mapping[str, Any]]] = {}
+
+    def add(self, reading: Reading, *, fresh_s: float = FRESH_S) -> None:
+        """Take in a reading (a failed poll's reading adds nothing)."""
+        if reading.error:
+            return
+        now = reading.at
+        updated = False
+        for peer_id, value in reading.status.items():
+            at = _at(value)
+            if self._last_at.get(peer_id) == at:
+                continue
+            updated = True
+            self._last_at[peer_id] = at
+            self._last_at.move_to_end(peer_id)
+            loss = _loss(value.get("loss"))
+            if loss is not None:
+                curve = self.peer_loss.get(peer_id)
+                if curve is None:
+                    curve = _Curve("", collections.deque(maxlen=self._points))
+                    self.peer_loss[peer_id] = curve
+                curve.name = clean_text(value.get("name"), 64)
+                curve.points.append((now, loss))
+                self.peer_loss.move_to_end(peer_id)
+        while len(self.peer_loss) > self._max_peers:
+            self.peer_loss.popitem(last=False)
+        while len(self._last_at) > 4 * self._max_peers + len(reading.status):
+            self._last_at.popitem(last=False)
+        online = [v for v in reading.status.values() if is_fresh(v, now, fresh_s)]
+        if updated and online:
+            losses = [x for v in online if (x := _loss(v.get("loss"))) is not None]
+            if losses:
+                self.swarm_loss.append((now, statistics.median(losses)))
+            evals = [x for v in online if (x := _loss(v.get("eval_loss"))) is not None]
+            if evals:
+                self.swarm_eval_loss.append((now, statistics.median(evals)))
+            self.swarm_tokens_per_s.append(
+                (now, math.fsum(_rate(v.get("tokens_per_s")) for v in online))
+            )
+        self._add_rounds(reading, fresh_s)
+
+    def _add_rounds(self, reading: Reading, fresh_s: float) -> None:
+        latest = current_round(reading.status, now=reading.at, fresh_s=fresh_s)
+        for peer_id, value in reading.status.items():
+            rounds = value.get("rounds")
+            if not isinstance(rounds, list):
+                continue
+            for summary in rounds:
+                if not isinstance(summary, Mapping) or not _is_round(summary.get("round")):
+                    continue
+                number = summary["round"]
+                # A peer inventing far-future rounds must not push the real ones out.
+                if latest is not None and number > latest + 1:
+                    continue
+                self.rounds.setdefault(number, {})[peer_id] = summary
+        if len(self.rounds) > self._max_rounds:
+            for number in sorted(self.rounds)[: len(self.rounds) - self._max_rounds]:
+                del self.rounds[number]
+
+
+# -- the view ----------------------------------------------------------------------------------
+
+
+def build_view(
+    reading: Reading,
+    *,
+    now: float,
+    history: History | None = None,
+    fresh_s: float = FRESH_S,
+) -> dict[str, Any]:
+    """The dashboard's view of ``reading`` at ``now`` (JSON-able: no NaN, no infinities).
+
+    ``history`` is what earlier readings left (it must already have taken ``reading``);
+    without one, the view holds only what this reading says.
+    """
+    if history is None:
+        history = History()
+        history.add(reading, fresh_s=fresh_s)
+    warnings: list[str] = []
+    round_now = current_round(reading.status, now=now, fresh_s=fresh_s)
+    peers = _peer_rows(reading, now=now, fresh_s=fresh_s, warnings=warnings)
+    online = [row for row in peers if row["online"]]
+    for row in peers:
+        if round_now is not None and row["online"] and row["round"] > round_now:
+            warnings.append(
+                f"peer {row['id'][:_SHORT_ID]} claims round {row['round']}, far ahead of the "
+                "others: not counted as the swarm's round"
+            )
+    losses = [row["loss"] for row in online if row["loss"] is not None]
+    evals = [row["eval_loss"] for row in online if row["eval_loss"] is not None]
+    roles = collections.Counter(
+        clean_text(value.get("role"), 16) or "unknown" for value in reading.peers.values()
+    )
+    view: dict[str, Any] = {
+        "version": VIEW_VERSION,
+        "swarm": _swarm(reading),
+        "now": now,
+        "read_at": reading.at,
+        "read_age_s": _round_to(max(0.0, now - reading.at), 3),
+        "error": clean_text(reading.error, 500) or None,
+        "fresh_s": fresh_s,
+        "peers_online": len(online),
+        "peers_known": len(reading.status),
+        "peers_listed": dict(sorted(roles.items())),
+        "tokens_per_s": _round_to(math.fsum(row["tokens_per_s"] for row in online), 6),
+        "tokens": sum(row["tokens"] for row in peers),
+        "round": round_now,
+        "next_round": _next_round(reading, round_now, now=now, fresh_s=fresh_s),
+        "agreement": _agreement(reading, round_now),
+        "loss": _round_to(_median(losses), 5),
+        "eval_loss": _round_to(_median(evals), 5),
+        "peers": peers[:MAX_PEERS_SHOWN],
+        "peers_not_shown": max(0, len(peers) - MAX_PEERS_SHOWN),
+        "rounds": _timeline(history),
+        "history": _curves(history),
+        "warnings": warnings[:MAX_WARNINGS],
+    }
+    return view
+
+
+def _swarm(reading: Reading) -> dict[str, Any]:
+    manifest = reading.manifest
+    if manifest is None:
+        return {"id": reading.swarm_id, "known": False}
+    model = manifest.model
+    params = next(
+        (
+            int(model[key])
+            for key in ("params", "parameters", "num_params", "n_params")
+            if _count(model.get(key)) > 0
+        ),
+        None,
+    )
+    return {
+        "id": reading.swarm_id,
+        "known": True,
+        "name": clean_text(manifest.name, 120),
+        "task": clean_text(manifest.task, 64),
+        "preset": clean_text(model.get("preset"), 32) or None,
+        "params": params,
+        "created_at": clean_text(manifest.created_at, 40),
+    }
+
+
+def _peer_rows(
+    reading: Reading, *, now: float, fresh_s: float, warnings: list[str]
+) -> list[dict[str, Any]]:
+    plain_tokens = {
+        peer_id: _count(value.get("tokens")) for peer_id, value in reading.status.items()
+    }
+    total_tokens = sum(plain_tokens.values())
+    rows: list[dict[str, Any]] = []
+    for peer_id, value in reading.status.items():
+        at = _at(value)
+        if at > now + CLOCK_AHEAD_S:
+            warnings.append(
+                f"peer {short_id(peer_id)}: its clock runs {at - now:.0f} s ahead of ours"
+            )
+        claimed = _number(value.get("tokens_per_s"), low=0.0)
+        if claimed is not None and claimed > MAX_TOKENS_PER_S:
+            warnings.append(f"peer {short_id(peer_id)} claims {claimed:.3g} tokens/s: not counted")
+        started = _number(value.get("started_at"), low=0.0)
+        listing = reading.peers.get(peer_id, {})
+        progress = reading.progress.get(peer_id)
+        fresh = is_fresh(value, now, fresh_s)
+        rows.append(
+            {
+                "id": peer_id,
+                "short_id": short_id(peer_id),
+                "name": clean_text(value.get("name"), 64),
+                "state": clean_text(value.get("state"), 16) or "unknown",
+                "online": fresh,
+                "age_s": _round_to(age_of(value, now), 3),
+                "round": _count(value.get("round")),
+                "step": _count(value.get("step")),
+                "tokens": plain_tokens[peer_id],
+                "tokens_per_s": _round_to(_rate(value.get("tokens_per_s")), 6) if fresh else 0.0,
+                "share": _round_to(plain_tokens[peer_id] / total_tokens, 4)
+                if total_tokens
+                else 0.0,
+                "device": clean_text(value.get("device"), 64),
+                "uptime_s": _round_to(max(0.0, now - started), 6) if started is not None else None,
+                "last_error": clean_text(value.get("last_error"), 240),
+                "version": clean_text(value.get("version"), 32),
+                "loss": _round_to(_loss(value.get("loss")), 5),
+                "eval_loss": _round_to(_loss(value.get("eval_loss")), 5),
+                "rounds_applied": _count(value.get("rounds_applied")),
+                "rounds_aborted": _count(value.get("rounds_aborted")),
+                "downloads": _count(value.get("downloads")),
+                "tokens_since_round": _count(progress.get("tokens"))
+                if isinstance(progress, Mapping)
+                else None,
+                "endpoint": clean_text(listing.get("endpoint"), 262),
+                "public": listing.get("public") is True,
+            }
+        )
+    rows.sort(key=lambda row: (not row["online"], row["name"].lower(), row["id"]))
+    return rows
+
+
+def _next_round(
+    reading: Reading, round_now: int | None, *, now: float, fresh_s: float
+) -> dict[str, Any] | None:
+    """The online peers' work towards the next round, from their progress records."""
+    if round_now is None:
+        return None
+    target = round_now + 1
+    working = [
+        value
+        for value in reading.progress.values()
+        if value.get("round") == target and is_fresh(value, now, fresh_s)
+    ]
+    return {
+        "round": target,
+        "peers": len(working),
+        "tokens": sum(_count(value.get("tokens")) for value in working),
+        "tokens_per_s": _round_to(math.fsum(_rate(v.get("tokens_per_s")) for v in working), 6),
+    }
+
+
+def _agreement(reading: Reading, round_now: int | None) -> dict[str, Any] | None:
+    """How many of the peers that published a digest for the round agree on the majority."""
+    if reading.digest_round is None:
+        return None
+    found = majority(reading.digests)
+    return {
+        "round": reading.digest_round,
+        "current": reading.digest_round == round_now,
+        "published": found.published,
+        "holders": len(found.holders),
+        "share": _round_to(found.share, 4),
+        "digest": found.digest.hex()[:16] if found.digest is not None else None,
+    }
+
+
+def _timeline(history: History) -> list[dict[str, Any]]:
+    """Per round, the figures of the peers that reported it (medians, so one peer's absurd
+    figures do not move them)."""
+    timeline = []
+    for number in sorted(history.rounds)[-MAX_TIMELINE_ROUNDS:]:
+        summaries = list(history.rounds[number].values())
+        ok = [s for s in summaries if s.get("ok") is True]
+        basis = ok or summaries
+        groups = [_count(s.get("group")) for s in ok]
+        seconds = [x for s in basis if (x := _number(s.get("seconds"), low=0.0)) is not None]
+        sent = [_count(s.get("bytes_sent")) for s in basis]
+        received = [_count(s.get("bytes_received")) for s in basis]
+        payload = [_count(s.get("payload_bytes")) for s in basis]
+        ats = [_at(s) for s in basis]
+        median_sent = statistics.median_low(sent) if sent else 0
+        median_payload = statistics.median_low(payload) if payload else 0
+        timeline.append(
+            {
+                "round": number,
+                "reported": len(summaries),
+                "ok": len(ok),
+                "failures": len(summaries) - len(ok),
+                "group": statistics.median_high(groups) if groups else 0,
+                "seconds": _round_to(_median(seconds), 4),
+                "bytes_sent": median_sent,
+                "bytes_received": statistics.median_low(received) if received else 0,
+                "bytes_sent_total": sum(sent) if ok else 0,
+                "payload_bytes": median_payload,
+                "compression": _round_to(median_payload / median_sent, 4) if median_sent else None,
+                "at": statistics.median_low(ats) if ats else None,
+            }
+        )
+    return timeline
+
+
+def _points(points: Iterable[tuple[float, float]]) -> list[list[float]]:
+    return [[round(t, 1), _round_to(v, 5) or 0.0] for t, v in points]
+
+
+def _curves(history: History) -> dict[str, Any]:
+    return {
+        "swarm_loss": _points(history.swarm_loss),
+        "swarm_eval_loss": _points(history.swarm_eval_loss),
+        "swarm_tokens_per_s": _points(history.swarm_tokens_per_s),
+        "peer_loss": [
+            {"id": peer_id, "name": curve.name, "points": _points(curve.points)}
+            for peer_id, curve in history.peer_loss.items()
+        ],
+    }

@@ -1,0 +1,270 @@
+"""The dashboard app over HTTP, reading real DHT nodes on loopback that publish real records."""
+
+import base64
+import hashlib
+import re
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from netutil import loopback_network
+from prometheus_client.parser import text_string_to_metric_families
+
+from swarmloco.core.agreement import DIGEST_BYTES
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.dashboard.app import make_app, serve
+from swarmloco.dashboard.collector import Collector, CollectorConfig
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.records import digest_key, progress_key, status_key
+from swarmloco.net.server import ServerConfig
+from swarmloco.net.swarm import announce_peer, publish_manifest
+
+pytestmark = pytest.mark.timeout(60)
+
+MANIFEST = SwarmManifest(
+    task="gpt-bytes",
+    model={"preset": "tiny", "params": 812_544},
+    data={},
+    hparams={},
+    name="loopback run",
+)
+SWARM = MANIFEST.swarm_id
+AGREED, OTHER = b"\x11" * DIGEST_BYTES, b"\x22" * DIGEST_BYTES
+
+
+def status_value(name: str, *, round: int, tokens: int, loss: float) -> dict[str, Any]:
+    now = time.time()
+    return {
+        "name": name,
+        "state": "training",
+        "round": round,
+        "step": tokens // 1024,
+        "tokens": tokens,
+        "tokens_per_s": 2048.0,
+        "loss": loss,
+        "device": "cpu",
+        "version": "0.1.0",
+        "started_at": now - 60.0,
+        "rounds_applied": round,
+        "rounds_aborted": 1,
+        "downloads": 0,
+        "last_error": "",
+        "rounds": [
+            {
+                "round": round,
+                "group": 3,
+                "seconds": 1.5,
+                "bytes_sent": 1_000_000,
+                "bytes_received": 1_000_000,
+                "payload_bytes": 4_000_000,
+                "ok": True,
+                "at": now - 5.0,
+            }
+        ],
+        "at": now,
+    }
+
+
+async def publish(node: NetNode, name: str, *, round: int, tokens: int, digest: bytes) -> None:
+    """What a training peer publishes (runtime/peer.py), through the real DHT API."""
+    await announce_peer(node.dht, SWARM, role="trainer")
+    await node.dht.store(
+        status_key(SWARM), status_value(name, round=round, tokens=tokens, loss=2.0), ttl=120
+    )
+    await node.dht.store(
+        progress_key(SWARM),
+        {"round": round + 1, "tokens": 4096, "tokens_per_s": 2048.0, "at": time.time()},
+        ttl=120,
+    )
+    await node.dht.store(
+        digest_key(SWARM, round),
+        {"digest": digest, "endpoint": node.endpoint, "at": time.time()},
+        ttl=600,
+    )
+
+
+@asynccontextmanager
+async def dashboard(entry: str, **config: Any):
+    """A client-mode reader joined through ``entry``, its collector, and the app on port 0."""
+    reader = NetNode(identity=Identity.generate(), config=NodeConfig(server=None, peers=(entry,)))
+    async with reader:
+        collector = Collector(
+            dht=reader.dht,
+            swarm_id=SWARM,
+            manifest=MANIFEST,
+            rejoin=(entry,),
+            config=CollectorConfig(**config),
+        )
+        app = make_app(lambda: collector.view)
+        async with serve(app, host="127.0.0.1", port=0) as url, aiohttp.ClientSession() as http:
+            yield collector, url, http
+
+
+@asynccontextmanager
+async def swarm_of_three():
+    async with loopback_network(3) as nodes:
+        await publish_manifest(nodes[0].dht, MANIFEST)
+        for i, node in enumerate(nodes):
+            digest = OTHER if i == 2 else AGREED
+            await publish(node, f"peer-{i}", round=4, tokens=(i + 1) * 100_000, digest=digest)
+        yield nodes
+
+
+async def test_the_state_shows_every_peer_and_the_swarm():
+    async with swarm_of_three() as nodes, dashboard(nodes[0].endpoint) as (collector, url, http):
+        await collector.poll()
+        async with http.get(url + "api/v1/state") as response:
+            assert response.status == 200
+            assert response.content_type == "application/json"
+            assert response.headers["Cache-Control"] == "no-store"
+            assert response.headers["X-Content-Type-Options"] == "nosniff"
+            assert "default-src 'none'" in response.headers["Content-Security-Policy"]
+            view = await response.json()
+        assert view["error"] is None
+        assert view["swarm"]["name"] == "loopback run" and view["swarm"]["params"] == 812_544
+        assert view["peers_online"] == 3 and view["round"] == 4
+        assert view["tokens_per_s"] == 3 * 2048.0
+        assert view["peers_listed"] == {"trainer": 3}
+        assert {p["id"] for p in view["peers"]} == {n.identity.peer_id_hex for n in nodes}
+        shares = {p["name"]: p["share"] for p in view["peers"]}
+        assert shares == {"peer-0": 0.1667, "peer-1": 0.3333, "peer-2": 0.5}
+        assert {p["endpoint"] for p in view["peers"]} == {n.endpoint for n in nodes}
+        assert view["agreement"]["round"] == 4
+        assert (view["agreement"]["holders"], view["agreement"]["published"]) == (2, 3)
+        (round4,) = view["rounds"]
+        assert round4["group"] == 3 and round4["compression"] == 4.0 and round4["reported"] == 3
+        assert view["next_round"] == {
+            "round": 5,
+            "peers": 3,
+            "tokens": 3 * 4096,
+            "tokens_per_s": 3 * 2048.0,
+        }
+        assert view["history"]["swarm_loss"][0][1] == 2.0
+
+
+async def test_metrics_parse_as_prometheus_text():
+    async with swarm_of_three() as nodes, dashboard(nodes[1].endpoint) as (collector, url, http):
+        await collector.poll()
+        async with http.get(url + "metrics") as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            assert response.headers["Cache-Control"] == "no-store"
+            body = await response.text()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+
+    def value(name: str) -> float:
+        (sample,) = families[name].samples
+        return sample.value
+
+    assert value("swarmloco_peers_online") == 3
+    assert value("swarmloco_swarm_tokens_per_second") == 3 * 2048.0
+    assert value("swarmloco_round") == 4
+    assert value("swarmloco_dashboard_read_ok") == 1
+    assert value("swarmloco_round_agreement_ratio") == pytest.approx(2 / 3, abs=1e-3)
+    assert value("swarmloco_last_round_compression_ratio") == 4.0
+    per_peer = {s.labels["name"]: s.value for s in families["swarmloco_peer_tokens"].samples}
+    assert per_peer == {"peer-0": 100_000, "peer-1": 200_000, "peer-2": 300_000}
+    peers = {s.labels["peer"] for s in families["swarmloco_peer_online"].samples}
+    assert peers == {n.identity.peer_id_hex[:12] for n in nodes}
+    (info,) = families["swarmloco_swarm_info"].samples
+    assert info.labels == {
+        "swarm_id": SWARM,
+        "name": "loopback run",
+        "task": "gpt-bytes",
+        "preset": "tiny",
+    }
+
+
+async def test_only_get_and_head_from_a_loopback_host():
+    async with loopback_network(1) as nodes, dashboard(nodes[0].endpoint) as (_, url, http):
+        for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+            for path in ("", "api/v1/state", "metrics", "nowhere"):
+                async with http.request(method, url + path, data=b"x") as response:
+                    assert response.status == 405, (method, path)
+                    assert set(response.headers["Allow"].split(",")) == {"GET", "HEAD"}
+                    assert response.headers["X-Content-Type-Options"] == "nosniff"
+        async with http.head(url) as response:
+            assert response.status == 200 and await response.read() == b""
+        async with http.get(url + "nowhere") as response:
+            assert response.status == 404
+            assert response.headers["X-Content-Type-Options"] == "nosniff"
+        # A page elsewhere that rebinds its own name to 127.0.0.1 is refused.
+        async with http.get(url + "api/v1/state", headers={"Host": "evil.example"}) as response:
+            assert response.status == 421
+        async with http.get(url + "api/v1/state", headers={"Host": "localhost:1"}) as response:
+            assert response.status == 200
+            # Not read yet: the view says so instead of failing.
+            assert (await response.json())["error"] == "not read yet"
+
+
+async def test_the_page_is_self_contained_and_its_script_is_allowed_by_hash():
+    async with (
+        loopback_network(1) as nodes,
+        dashboard(nodes[0].endpoint) as (_, url, http),
+        http.get(url) as response,
+    ):
+        assert response.status == 200
+        assert response.content_type == "text/html"
+        csp = response.headers["Content-Security-Policy"]
+        page = await response.text()
+    (script,) = re.findall(r"<script>(.*?)</script>", page, flags=re.DOTALL)
+    (style,) = re.findall(r"<style>(.*?)</style>", page, flags=re.DOTALL)
+    for inline in (script, style):
+        digest = base64.b64encode(hashlib.sha256(inline.encode()).digest()).decode()
+        assert f"'sha256-{digest}'" in csp
+    assert "'unsafe-inline'" not in csp and "default-src 'none'" in csp
+    assert "connect-src 'self'" in csp
+    # Nothing is loaded from elsewhere: no src/href attributes, no CSS imports or urls, and
+    # the only absolute URL is the SVG namespace (a name, never fetched).
+    assert not re.search(r"\b(src|href)\s*=", page)
+    assert "@import" not in page and "url(" not in page
+    assert set(re.findall(r"[a-z]+://[^\s\"']*", page)) == {"http://www.w3.org/2000/svg"}
+    assert re.findall(r"fetch\(([^,)]*)", page) == ['"api/v1/state"']
+    for needle in (
+        "peers online",
+        "swarm tokens/s",
+        "current round",
+        "loss-chart",
+        "time-chart",
+        "bytes-chart",
+        "compression",
+    ):
+        assert needle in page
+
+
+async def test_the_collector_survives_the_network_going_away_and_joins_again():
+    hub = NetNode(identity=Identity.generate(), config=NodeConfig())
+    await hub.__aenter__()
+    try:
+        port = int(hub.endpoint.rsplit(":", 1)[1])
+        await publish_manifest(hub.dht, MANIFEST)
+        await publish(hub, "hub", round=2, tokens=1000, digest=AGREED)
+        async with dashboard(hub.endpoint, timeout_s=2.0) as (collector, url, http):
+            ok = await collector.poll()
+            assert ok["error"] is None and ok["peers_online"] == 1
+            await hub.__aexit__(None, None, None)  # the only node the reader knows goes away
+            failed = await collector.poll()
+            assert failed["error"] and "no DHT node answered" in failed["error"]
+            # The last records stay on show while they are fresh.
+            assert failed["peers_online"] == 1 and failed["peers"][0]["name"] == "hub"
+            async with http.get(url + "metrics") as response:
+                assert "swarmloco_dashboard_read_ok 0.0" in await response.text()
+            # A node comes back on the same address, with new records; the reader joins it.
+            again = NetNode(
+                identity=Identity.generate(), config=NodeConfig(server=ServerConfig(port=port))
+            )
+            async with again:
+                await publish(again, "hub-again", round=3, tokens=2000, digest=AGREED)
+                deadline = time.monotonic() + 20
+                view = failed
+                while view["error"] and time.monotonic() < deadline:
+                    view = await collector.poll()
+                assert view["error"] is None
+                assert [p["name"] for p in view["peers"]] == ["hub-again"]
+                assert view["round"] == 3
+            assert collector.failures >= 1
+    finally:
+        await hub.__aexit__(None, None, None)

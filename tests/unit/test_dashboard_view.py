@@ -1,0 +1,369 @@
+"""The dashboard's view as a pure function of the records read and the time."""
+
+import json
+import subprocess
+import sys
+import unicodedata
+from typing import Any
+
+import pytest
+
+from swarmloco.core.agreement import DIGEST_BYTES
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.dashboard import text
+from swarmloco.dashboard.view import (
+    MAX_ROUND_LEAD,
+    History,
+    Reading,
+    build_view,
+    clean_text,
+    current_round,
+)
+from swarmloco.net.records import encode_value, progress_key, status_key
+
+NOW = 1_700_000_000.0
+A, B, C, D = ("a" * 40, "b" * 40, "c" * 40, "d" * 40)
+MANIFEST = SwarmManifest(
+    task="gpt-bytes",
+    model={"preset": "tiny", "params": 812_544, "n_layer": 2},
+    data={"source": "stdlib"},
+    hparams={"sync_every": 50},
+    name="nightly run",
+    created_at="2024-01-02T03:04:05+00:00",
+)
+SWARM = MANIFEST.swarm_id
+
+
+def summary(round: int, *, ok: bool = True, **fields: Any) -> dict[str, Any]:
+    value = {
+        "round": round,
+        "group": 3 if ok else 0,
+        "seconds": 2.0,
+        "bytes_sent": 1000,
+        "bytes_received": 1000,
+        "payload_bytes": 4000,
+        "ok": ok,
+        "at": NOW - 10.0,
+    }
+    value.update(fields)
+    return value
+
+
+def status(**fields: Any) -> dict[str, Any]:
+    """A status value as runtime/peer.py publishes it, checked against the record schema, so
+    that every hostile value below is one the DHT layer would let through."""
+    value: dict[str, Any] = {
+        "name": "box",
+        "state": "training",
+        "round": 7,
+        "step": 350,
+        "tokens": 358_400,
+        "tokens_per_s": 1000.0,
+        "loss": 2.5,
+        "eval_loss": 2.6,
+        "device": "cpu (2 threads)",
+        "version": "0.1.0",
+        "started_at": NOW - 3600.0,
+        "rounds_applied": 7,
+        "rounds_aborted": 0,
+        "downloads": 0,
+        "last_error": "",
+        "rounds": [],
+        "at": NOW - 1.0,
+    }
+    value.update(fields)
+    for key in [k for k, v in value.items() if v is None]:
+        del value[key]
+    encode_value(status_key(SWARM), value)  # raises if a peer could not publish it
+    return value
+
+
+def progress(**fields: Any) -> dict[str, Any]:
+    value = {"round": 8, "tokens": 5000, "tokens_per_s": 1000.0, "at": NOW - 1.0}
+    value.update(fields)
+    encode_value(progress_key(SWARM), value)
+    return value
+
+
+def reading(**fields: Any) -> Reading:
+    fields.setdefault("manifest", MANIFEST)
+    return Reading(swarm_id=SWARM, at=NOW, **fields)
+
+
+def view_of(**fields: Any) -> dict[str, Any]:
+    view = build_view(reading(**fields), now=NOW)
+    json.dumps(view, allow_nan=False)  # always valid JSON
+    return view
+
+
+def row(view: dict[str, Any], peer: str) -> dict[str, Any]:
+    return next(p for p in view["peers"] if p["id"] == peer)
+
+
+def test_the_swarm_comes_from_the_manifest():
+    swarm = view_of()["swarm"]
+    assert swarm == {
+        "id": SWARM,
+        "known": True,
+        "name": "nightly run",
+        "task": "gpt-bytes",
+        "preset": "tiny",
+        "params": 812_544,
+        "created_at": "2024-01-02T03:04:05+00:00",
+    }
+    assert view_of(manifest=None)["swarm"] == {"id": SWARM, "known": False}
+
+
+def test_only_peers_with_a_fresh_status_are_online_and_count():
+    view = view_of(
+        status={
+            A: status(name="alpha", round=7, tokens_per_s=1500.0, at=NOW - 2.0),
+            B: status(name="beta", round=7, tokens_per_s=500.0, at=NOW - 29.0),
+            C: status(name="gone", round=9, tokens_per_s=9000.0, at=NOW - 31.0),
+        }
+    )
+    assert view["peers_online"] == 2 and view["peers_known"] == 3
+    assert view["tokens_per_s"] == 2000.0
+    assert view["round"] == 7  # the stale peer's round 9 does not count
+    assert [p["name"] for p in view["peers"]] == ["alpha", "beta", "gone"]  # online first
+    gone = row(view, C)
+    assert gone["online"] is False and gone["tokens_per_s"] == 0.0 and gone["age_s"] == 31.0
+    assert row(view, A)["uptime_s"] == 3600.0 and row(view, A)["short_id"] == A[:12]
+    assert view_of(status={})["round"] is None and view_of()["peers_online"] == 0
+
+
+def test_each_peer_gets_its_share_of_the_tokens_of_all_known_peers():
+    view = view_of(
+        status={
+            A: status(tokens=300_000),
+            B: status(tokens=100_000),
+            C: status(tokens=0, at=NOW - 500.0),
+        }
+    )
+    assert view["tokens"] == 400_000
+    assert (row(view, A)["share"], row(view, B)["share"], row(view, C)["share"]) == (
+        0.75,
+        0.25,
+        0.0,
+    )
+    assert view_of(status={A: status(tokens=0)})["peers"][0]["share"] == 0.0
+
+
+def test_progress_towards_the_next_round_and_the_peer_list():
+    view = view_of(
+        status={A: status(round=7), B: status(round=7)},
+        progress={
+            A: progress(round=8, tokens=5000, tokens_per_s=100.0),
+            B: progress(round=8, tokens=3000, tokens_per_s=50.0),
+            C: progress(round=8, tokens=999, at=NOW - 100.0),  # stale
+            D: progress(round=3, tokens=777),  # catching up
+        },
+        peers={
+            A: {"endpoint": "10.0.0.1:4000", "role": "trainer", "version": "0.1", "public": True},
+            B: {"endpoint": "", "role": "trainer", "version": "0.1", "public": False},
+            D: {
+                "endpoint": "10.0.0.9:31337",
+                "role": "bootstrap",
+                "version": "0.1",
+                "public": True,
+            },
+        },
+    )
+    assert view["next_round"] == {"round": 8, "peers": 2, "tokens": 8000, "tokens_per_s": 150.0}
+    assert view["peers_listed"] == {"bootstrap": 1, "trainer": 2}
+    assert row(view, A)["endpoint"] == "10.0.0.1:4000" and row(view, A)["public"] is True
+    assert row(view, A)["tokens_since_round"] == 5000
+    assert view_of(status={C: status()})["peers"][0]["tokens_since_round"] is None
+
+
+def test_the_timeline_merges_the_peers_rounds_with_medians_and_counts_failures():
+    view = view_of(
+        status={
+            A: status(
+                rounds=[
+                    summary(5, seconds=2.0, bytes_sent=1000, payload_bytes=4000),
+                    summary(6, ok=False, seconds=30.0, bytes_sent=0, bytes_received=0),
+                ]
+            ),
+            B: status(
+                rounds=[
+                    summary(5, seconds=4.0, bytes_sent=1100, payload_bytes=4000),
+                    summary(6, seconds=3.0, bytes_sent=1000, payload_bytes=4000, group=2),
+                ]
+            ),
+            C: status(rounds=[summary(5, seconds=3.0, bytes_sent=900, payload_bytes=4000)]),
+        }
+    )
+    five, six = view["rounds"]
+    assert five["round"] == 5 and five["reported"] == 3 and five["failures"] == 0
+    assert five["group"] == 3 and five["seconds"] == 3.0
+    assert five["bytes_sent"] == 1000 and five["bytes_sent_total"] == 3000
+    assert five["compression"] == 4.0
+    # A round one peer aborted: its figures come from the peer that completed it.
+    assert six["ok"] == 1 and six["failures"] == 1 and six["group"] == 2
+    assert six["seconds"] == 3.0 and six["compression"] == 4.0
+
+
+def test_a_round_every_peer_aborted_has_no_compression_ratio():
+    view = view_of(status={A: status(rounds=[summary(4, ok=False, bytes_sent=0)])})
+    (only,) = view["rounds"]
+    assert only["failures"] == 1 and only["ok"] == 0 and only["group"] == 0
+    assert only["compression"] is None and only["bytes_sent_total"] == 0
+
+
+def test_missing_optional_fields():
+    view = view_of(status={A: status(loss=None, eval_loss=None)})
+    assert view["loss"] is None and view["eval_loss"] is None
+    assert row(view, A)["loss"] is None and row(view, A)["eval_loss"] is None
+    assert view["history"]["swarm_loss"] == [] and view["history"]["peer_loss"] == []
+    assert view["agreement"] is None and view["rounds"] == [] and view["warnings"] == []
+    assert view_of(status={A: status()})["loss"] == 2.5
+
+
+def test_the_swarm_loss_is_the_median_of_the_online_peers():
+    view = view_of(
+        status={
+            A: status(loss=2.0, eval_loss=2.2),
+            B: status(loss=3.0, eval_loss=None),
+            C: status(loss=100.0, eval_loss=2.4),
+            D: status(loss=0.1, at=NOW - 600.0),  # offline
+        }
+    )
+    assert view["loss"] == 3.0 and view["eval_loss"] == 2.3
+    assert view["history"]["swarm_loss"] == [[NOW, 3.0]]
+
+
+def test_agreement_on_the_current_round():
+    one, two = b"\x01" * DIGEST_BYTES, b"\x02" * DIGEST_BYTES
+    view = view_of(
+        status={A: status(round=7)},
+        digest_round=7,
+        digests={A: one, B: one, C: two},
+    )
+    assert view["agreement"] == {
+        "round": 7,
+        "current": True,
+        "published": 3,
+        "holders": 2,
+        "share": 0.6667,
+        "digest": one.hex()[:16],
+    }
+
+
+def test_hostile_but_schema_valid_values_do_not_crash_or_poison_the_view():
+    evil_name = "\x1b[2J\x1b[31mroot\u202eevil\nname\x07"
+    view = view_of(
+        status={
+            A: status(name="honest", round=10, tokens_per_s=1000.0, loss=2.0),
+            B: status(name="honest2", round=10, tokens_per_s=1000.0, loss=2.2),
+            C: status(
+                name=evil_name,
+                round=2**62,
+                tokens=2**63 - 1,
+                tokens_per_s=1e300,
+                loss=-1e300,
+                eval_loss=1e300,
+                device="\x1b]0;owned\x07",
+                last_error="x" * 240,
+                started_at=NOW + 10**9,
+                at=NOW + 3600.0,  # a clock an hour ahead
+                rounds=[
+                    summary(10, seconds=1e300, bytes_sent=0, payload_bytes=2**63 - 1),
+                    summary(2**62, seconds=1.0),
+                ],
+            ),
+        },
+        progress={C: progress(round=11, tokens=2**63 - 1, tokens_per_s=1e300)},
+    )
+    text_of_view = json.dumps(view, allow_nan=False)
+    assert "\x1b" not in text_of_view and "\u202e" not in text_of_view
+    assert view["tokens_per_s"] == 2000.0  # the absurd rate is not counted
+    assert view["round"] == 10  # nor the absurd round
+    assert view["loss"] == 2.1  # the median of 2.0 and 2.2: the absurd loss is dropped
+    evil = row(view, C)
+    assert evil["name"] == "[2J[31mrootevil name" and evil["device"] == "]0;owned"
+    assert evil["online"] is True and evil["uptime_s"] == 0.0 and evil["loss"] is None
+    assert evil["share"] > 0.99  # what it claims is shown as its claim, bounded to [0, 1]
+    assert [r["round"] for r in view["rounds"]] == [10]  # no far-future round
+    assert view["rounds"][0]["reported"] == 1 and view["rounds"][0]["compression"] is None
+    assert view["next_round"]["tokens_per_s"] == 0.0
+    assert any("ahead of ours" in w for w in view["warnings"])
+    assert any("tokens/s" in w for w in view["warnings"])
+    assert any("far ahead" in w for w in view["warnings"])
+    rendered = text.render(view)
+    assert not any(unicodedata.category(ch) == "Cc" for ch in rendered.replace("\n", ""))
+
+
+def test_a_round_far_ahead_of_the_median_does_not_set_the_current_round():
+    status_of = {A: status(round=5), B: status(round=6), C: status(round=6 + MAX_ROUND_LEAD + 1)}
+    assert current_round(status_of, now=NOW) == 6
+    status_of[C] = status(round=6 + MAX_ROUND_LEAD)
+    assert current_round(status_of, now=NOW) == 6 + MAX_ROUND_LEAD
+
+
+def test_clean_text():
+    assert clean_text("a\tb\r\nc  d") == "a b c d"
+    assert clean_text("\u200bzero\u2066width") == "zerowidth"
+    assert clean_text("日本語 ✓") == "日本語 ✓"
+    assert clean_text(None) == "" and clean_text(5) == ""
+    assert clean_text("x" * 1000, 10) == "x" * 10
+
+
+def test_history_adds_points_only_for_new_records_on_our_clock():
+    history = History()
+    first = reading(status={A: status(at=NOW + 500.0, loss=3.0), B: status(loss=None)})
+    history.add(first)
+    history.add(first)  # the same records again: nothing new
+    later = Reading(
+        swarm_id=SWARM,
+        at=NOW + 2.0,
+        status={A: status(at=NOW + 502.0, loss=2.5), B: status(loss=None)},
+    )
+    history.add(later)
+    history.add(Reading(swarm_id=SWARM, at=NOW + 4.0, error="no DHT node answered"))
+    curves = build_view(later, now=NOW + 2.0, history=history)["history"]
+    assert curves["peer_loss"] == [{"id": A, "name": "box", "points": [[NOW, 3.0], [NOW + 2, 2.5]]}]
+    assert curves["swarm_loss"] == [[NOW, 3.0], [NOW + 2.0, 2.5]]
+    assert curves["swarm_tokens_per_s"] == [[NOW, 2000.0], [NOW + 2.0, 2000.0]]
+
+
+def test_history_is_bounded():
+    history = History(points=5, peers=3, rounds=4)
+    for i in range(50):
+        peers = {f"{i % 10:040x}": status(at=NOW + i, round=i, loss=float(i), rounds=[summary(i)])}
+        history.add(Reading(swarm_id=SWARM, at=NOW + i, status=peers))
+    assert len(history.peer_loss) == 3
+    assert all(len(c.points) <= 5 for c in history.peer_loss.values())
+    assert len(history.swarm_loss) == 5 and sorted(history.rounds) == [46, 47, 48, 49]
+    with pytest.raises(ValueError):
+        History(points=0)
+
+
+def test_text_rendering_shows_the_swarm_the_peers_and_the_rounds():
+    view = view_of(
+        status={
+            A: status(name="alpha", rounds=[summary(7)]),
+            B: status(name="beta", at=NOW - 100.0, last_error="round 6 aborted: timeout"),
+        },
+        digest_round=7,
+        digests={A: b"\x01" * DIGEST_BYTES},
+    )
+    rendered = text.render(view)
+    assert f"swarm {SWARM}" in rendered and "'nightly run'" in rendered
+    assert "peers online 1 (of 2 known)" in rendered and "1/1 agree on round 7" in rendered
+    assert "alpha" in rendered and "offline (1m40s)" in rendered and "round 6 aborted" in rendered
+    assert "4.00x" in rendered
+    error_view = build_view(reading(error="no DHT node answered"), now=NOW)
+    assert "error: no DHT node answered" in text.render(error_view)
+
+
+def test_the_dashboard_modules_do_not_import_torch():
+    probe = (
+        "import sys; import swarmloco.dashboard.view, swarmloco.dashboard.collector, "
+        "swarmloco.dashboard.app, swarmloco.dashboard.metrics, swarmloco.dashboard.service, "
+        "swarmloco.dashboard.text; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
