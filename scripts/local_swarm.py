@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""A real swarm on this machine: a bootstrap node and N training peers, each its own process.
+"""A real swarm on this machine: a bootstrap node, N training peers and the dashboard, each
+its own process.
 
     python scripts/local_swarm.py [--peers 3] [--rounds 20] [--preset tiny] [--sync-every 50]
 
 Everything talks over gRPC on 127.0.0.1. The script publishes a new swarm's manifest
-through the bootstrap node, starts the peers (`swarmloco join SWARM_ID --peer ...`), prints
-one line per round as the peers apply it, and when every peer has reached --rounds (or on
-Ctrl-C) stops them all and prints a JSON summary: the rounds, each peer's final eval loss
-and whether all peers hold the same global state (the digest of their last round). Logs,
-events and checkpoints stay in --dir.
+through the bootstrap node, starts the dashboard (http://127.0.0.1:8080/ unless that port
+is taken) and the peers (`swarmloco join SWARM_ID --peer ...`), prints one line per round
+as the peers apply it, and when every peer has reached --rounds (or on Ctrl-C) stops them
+all and prints a JSON summary: the rounds, each peer's final eval loss and whether all
+peers hold the same global state (the digest of their last round). With --keep-dashboard
+the dashboard (and the bootstrap node) stay up after training until Ctrl-C. Logs, events
+and checkpoints stay in --dir.
 """
 
 from __future__ import annotations
@@ -38,6 +41,40 @@ def read_events(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     return events, offset + end
 
 
+def start_dashboard(
+    port: int, swarm: str, boot: str, run_dir: Path, children: list[subprocess.Popen[str]]
+) -> str:
+    """Start `swarmloco dashboard`; its URL, or "" when it could not start (or port < 0)."""
+    for attempt in [port, 0] if port > 0 else [port]:
+        if attempt < 0:
+            return ""
+        log = (run_dir / "dashboard.log").open("a")
+        dash = subprocess.Popen(
+            [
+                *COMMAND,
+                "dashboard",
+                swarm,
+                "--peer",
+                boot,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(attempt),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        assert dash.stdout is not None
+        match = re.search(r"serving (http://\S+)", dash.stdout.readline())
+        if match is not None:
+            children.append(dash)
+            return match.group(1)
+        dash.wait()
+    print("the dashboard did not start (see dashboard.log); going on without it", file=sys.stderr)
+    return ""
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -50,6 +87,14 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     p.add_argument(
         "--dir", type=Path, default=Path("runs/local-swarm"), help="where peers keep data"
+    )
+    p.add_argument(
+        "--dashboard-port", type=int, default=8080, help="0: any free port; -1: no dashboard"
+    )
+    p.add_argument(
+        "--keep-dashboard",
+        action="store_true",
+        help="keep the dashboard up after training, until Ctrl-C",
     )
     p.add_argument(
         "--extra",
@@ -133,6 +178,9 @@ def main() -> int:
             file=sys.stderr,
         )
 
+        url = start_dashboard(args.dashboard_port, swarm, endpoint, run_dir, children)
+        if url:
+            print(f"dashboard: {url}", file=sys.stderr)
         events = [run_dir / f"peer{i}.events" for i in range(args.peers)]
         for i in range(args.peers):
             log = (run_dir / f"peer{i}.log").open("w")
@@ -166,7 +214,7 @@ def main() -> int:
         offsets = [0] * args.peers
         last: dict[int, dict[str, Any]] = {}
         printed = 0
-        peers = children[1:]
+        peers = children[2:] if url else children[1:]
         while any(c.poll() is None for c in peers):
             for i in range(args.peers):
                 new, offsets[i] = read_events(events[i], offsets[i])
@@ -186,6 +234,10 @@ def main() -> int:
                         print(f"peer{i}: {e['event']}: {e.get('error', '')}", file=sys.stderr)
             time.sleep(0.5)
         codes = [c.returncode for c in peers]
+        if url and args.keep_dashboard:
+            print(f"training done; the dashboard stays at {url} until Ctrl-C", file=sys.stderr)
+            while children[1].poll() is None:
+                time.sleep(1)
     except KeyboardInterrupt:
         print("interrupted: stopping the peers", file=sys.stderr)
         codes = []
