@@ -201,6 +201,13 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         help="torch.compile the model (default: the swarm's choice: on CUDA only)",
     )
     g.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve the swarm's dashboard on 127.0.0.1:PORT (0: a free port)",
+    )
+    g.add_argument(
         "--codec",
         choices=("auto", "compiled", "eager"),
         default=None,
@@ -283,6 +290,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         ),
         device=args.device,
         name=args.peer_name,
+        dashboard_port=args.dashboard_port,
         compile=args.compile,
         codec_backend=args.codec,
         max_rounds=args.max_rounds,

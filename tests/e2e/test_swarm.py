@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import signal
 import time
+import urllib.request
 
 import pytest
 from swarmutil import Bootstrap, PeerProcess
@@ -88,8 +90,19 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_catches_up(tmp_path):
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path):
-    with PeerProcess.create(tmp_path / "a") as a:
+    with PeerProcess.create(tmp_path / "a", "--dashboard-port", "0", "--peer-name", "solo") as a:
         a.wait_for("round", lambda e: e["round"] >= 1, timeout=120)
+        # The peer's own dashboard shows it.
+        url = a.wait_for("dashboard")["url"]
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(url + "api/v1/state", timeout=10) as response:
+                view = json.load(response)
+            if view["peers_online"] == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert view["peers_online"] == 1 and view["peers"][0]["name"] == "solo", view
+        assert view["swarm"]["id"] == a.swarm_id
         a.process.send_signal(signal.SIGTERM)
         assert a.wait(60) == 0, a.log_tail()
         stopped = a.of("stopped")[-1]

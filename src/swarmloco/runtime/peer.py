@@ -124,6 +124,8 @@ class PeerConfig:
     """Override the inner loop's torch.compile choice (auto, on, off)."""
     name: str = ""
     """How the dashboard names this peer (default: the host name)."""
+    dashboard_port: int | None = None
+    """Serve the swarm's dashboard on 127.0.0.1 at this port (0: a free one; None: not)."""
     codec_backend: Backend | None = None
     """Override the codec's backend (auto, compiled, eager); the wire format is the same."""
 
@@ -137,6 +139,10 @@ class PeerConfig:
         require_int("eval_every", self.eval_every, minimum=0)
         require_positive("progress_interval_s", self.progress_interval_s)
         require(len(self.name) <= 64, f"a peer name has at most 64 characters, got {self.name!r}")
+        require(
+            self.dashboard_port is None or 0 <= self.dashboard_port < 65536,
+            f"dashboard port must be in [0, 65535], got {self.dashboard_port!r}",
+        )
         require(
             self.compile in (None, "auto", "on", "off"),
             f"compile must be auto, on or off, got {self.compile!r}",
@@ -412,6 +418,9 @@ class Peer:
         self.loop.run(self._announce(), timeout=30.0)
         self.state = "training"
         self._progress_task = self.loop.submit(self._publish_progress_forever())
+        self._dashboard_task = None
+        if cfg.dashboard_port is not None:
+            self._dashboard_task = self.loop.submit(self._serve_dashboard(cfg.dashboard_port))
         self._emit(
             "ready",
             swarm_id=self.swarm_id,
@@ -428,6 +437,25 @@ class Peer:
         except SwarmlocoError as exc:  # alone on a new network: our own storage holds it
             logger.info("manifest: %s", exc)
         await announce_peer(self.node.dht, self.swarm_id, role="trainer")
+
+    async def _serve_dashboard(self, port: int) -> None:
+        """The swarm's dashboard, read through this peer's own DHT node (GET only)."""
+        from swarmloco.dashboard.app import make_app, serve
+        from swarmloco.dashboard.collector import Collector
+
+        collector = Collector(
+            dht=self.node.dht,
+            swarm_id=self.swarm_id,
+            manifest=self.manifest,
+            rejoin=self.config.node.peers,
+        )
+        try:
+            async with serve(make_app(lambda: collector.view), host="127.0.0.1", port=port) as url:
+                logger.info("dashboard of swarm %s at %s", self.swarm_id[:12], url)
+                self._emit("dashboard", url=url)
+                await collector.run()
+        except OSError as exc:  # the port is taken: train on without the page
+            logger.warning("cannot serve the dashboard on port %d: %s", port, exc)
 
     def _progress_value(self) -> dict[str, Any]:
         return {
@@ -484,6 +512,8 @@ class Peer:
     def _leave(self) -> None:
         if getattr(self, "_network_up", False):
             self._progress_task.cancel()
+            if self._dashboard_task is not None:
+                self._dashboard_task.cancel()
             with contextlib.suppress(Exception):
                 self.loop.run(self.node.__aexit__(None, None, None), timeout=30.0)
             self._network_up = False
