@@ -201,6 +201,14 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         help="torch.compile the model (default: the swarm's choice: on CUDA only)",
     )
     g.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        metavar="MBIT",
+        help="cap this peer's upload and download at MBIT megabits/s (averaging and state "
+        "transfer together; default: no cap)",
+    )
+    g.add_argument(
         "--dashboard-port",
         type=int,
         default=None,
@@ -258,6 +266,13 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         help="rounds between checkpoints; 0: only when stopping (default: %(default)s)",
     )
     g.add_argument(
+        "--eval-every",
+        type=int,
+        default=1,
+        metavar="ROUNDS",
+        help="evaluate the global model every this many rounds; 0: never (default: 1)",
+    )
+    g.add_argument(
         "--events",
         metavar="FILE",
         default=None,
@@ -273,7 +288,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
 
     import torch
 
-    from swarmloco.net.averaging import MatchmakingConfig
+    from swarmloco.net.averaging import BandwidthConfig, MatchmakingConfig
     from swarmloco.net.identity import Identity
     from swarmloco.net.node import NodeConfig
     from swarmloco.net.server import ServerConfig
@@ -291,6 +306,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         device=args.device,
         name=args.peer_name,
         dashboard_port=args.dashboard_port,
+        bandwidth=BandwidthConfig.mbit(args.bandwidth) if args.bandwidth else None,
         compile=args.compile,
         codec_backend=args.codec,
         max_rounds=args.max_rounds,
@@ -298,6 +314,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         matchmaking=MatchmakingConfig(gather_s=args.gather, min_group_size=args.min_group),
         progress_interval_s=args.progress_interval,
         checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every,
     )
     sink = None
     events_file = None
@@ -369,6 +386,27 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     h.add_argument(
         "--sync-every", type=int, default=None, metavar="H", help="inner steps per round"
     )
+    h.add_argument(
+        "--fragments",
+        type=int,
+        default=None,
+        metavar="F",
+        help="Streaming DiLoCo: split the model into F fragments, each synced every H steps at "
+        "staggered times (1: plain DiLoCo)",
+    )
+    h.add_argument(
+        "--delay",
+        type=int,
+        default=None,
+        metavar="TAU",
+        help="Streaming DiLoCo: inner steps a fragment's exchange overlaps before it is applied",
+    )
+    h.add_argument(
+        "--alpha",
+        type=float,
+        default=None,
+        help="Streaming DiLoCo: on landing, local = lerp(global, local, alpha) (0: global)",
+    )
     h.add_argument("--batch-size", type=int, default=None, help="sequences per inner step")
     h.add_argument("--lr", type=float, default=None, help="peak inner learning rate")
     h.add_argument("--outer-lr", type=float, default=None, help="outer learning rate")
@@ -410,10 +448,19 @@ def _create(args: argparse.Namespace) -> int:
         if v is not None
     }
     run = dataclasses.replace(run, inner=dataclasses.replace(run.inner, **inner_changes))
-    if args.sync_every is not None:
-        run = dataclasses.replace(
-            run, streaming=dataclasses.replace(run.streaming, sync_every=args.sync_every)
+    streaming_changes = {
+        k: v
+        for k, v in (
+            ("sync_every", args.sync_every),
+            ("fragments", args.fragments),
+            ("delay", args.delay),
+            ("alpha", args.alpha),
         )
+        if v is not None
+    }
+    run = dataclasses.replace(
+        run, streaming=dataclasses.replace(run.streaming, **streaming_changes)
+    )
     if args.outer_lr is not None:
         run = dataclasses.replace(run, outer=dataclasses.replace(run.outer, lr=args.outer_lr))
     if args.seed is not None:

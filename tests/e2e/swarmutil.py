@@ -73,13 +73,14 @@ class PeerProcess:
         return cls(["create", *FAST_SWARM, *FAST_PEER, *extra], data_dir)
 
     @classmethod
-    def publish(cls, data_dir: Path, peer: str) -> str:
+    def publish(cls, data_dir: Path, peer: str, *extra: str) -> str:
         """`swarmloco create --no-train`: publish a new swarm's manifest; return its id."""
         result = subprocess.run(
             [
                 *COMMAND,
                 "create",
                 *FAST_SWARM,
+                *extra,
                 "--no-train",
                 "--peer",
                 peer,

@@ -161,3 +161,35 @@ def test_a_peer_lying_about_its_round_does_not_stall_the_swarm(tmp_path):
     for p in (a, b):
         steps = [0] + [e["step"] for e in p.of("round")]
         assert max(y - x for x, y in itertools.pairwise(steps)) < 3 * 8, steps
+
+
+def test_streaming_diloco_overlaps_fragment_exchanges_with_training(tmp_path):
+    """F = 2 fragments, each synced every H = 8 steps at staggered times; every exchange
+    overlaps tau = 2 inner steps; a peer that joins late downloads the state (with each
+    fragment's momentum) and then holds the same bytes as the others."""
+    streaming = ("--fragments", "2", "--delay", "2", "--alpha", "0.5")
+    rounds = "24"  # long enough for the late peer to start while the others still train
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint, *streaming)
+        with (
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", "--max-rounds", rounds) as a,
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", "--max-rounds", rounds) as b,
+        ):
+            a.wait_for("round", lambda e: e["round"] >= 3, timeout=180)
+            with PeerProcess.join(
+                swarm, boot.endpoint, tmp_path / "c", "--max-rounds", rounds
+            ) as c:
+                peers = (a, b, c)
+                for p in peers:
+                    assert p.wait(240) == 0, p.log_tail()
+    for p in peers:
+        for e in p.of("round"):
+            assert e["fragment"] == (e["round"] - 1) % 2, e
+            assert e["overlap_steps"] >= 2, e  # trained on while the fragment was averaged
+    late = c.of("downloaded")
+    assert late and late[0]["round"] >= 3, c.events
+    final = {digests_of(p)[int(rounds)] for p in peers}
+    assert len(final) == 1, final
+    assert max(e["group"] for e in c.of("round")) == 3
+    evals = [e["eval_loss"] for e in a.of("round")]
+    assert evals[-1] < evals[0], evals

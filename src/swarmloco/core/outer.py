@@ -47,9 +47,19 @@ class OuterOptimizer:
     ``load_state_dict`` carry the momentum for checkpoints and state transfer.
     """
 
-    def __init__(self, numel: int, config: OuterConfig) -> None:
+    def __init__(
+        self, numel: int, config: OuterConfig, *, buffer: torch.Tensor | None = None
+    ) -> None:
+        """``buffer``: where to keep the momentum (e.g. this fragment's slice of one flat
+        vector for the whole model); a new zeroed tensor by default."""
         self.config = config
-        self.momentum_buffer = torch.zeros(numel, dtype=torch.float32)
+        if buffer is None:
+            buffer = torch.zeros(numel, dtype=torch.float32)
+        require(
+            buffer.dtype == torch.float32 and buffer.dim() == 1 and buffer.numel() == numel,
+            f"the momentum buffer must be a flat float32 tensor of {numel} elements",
+        )
+        self.momentum_buffer = buffer
         self.steps = 0
         self._scratch = torch.empty(numel, dtype=torch.float32)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -50,6 +51,7 @@ from swarmloco.core.agreement import ranking
 from swarmloco.core.codec import Backend, ErrorFeedback, warm_up
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.core.flat import FlatLayout
+from swarmloco.core.fragments import assign_fragments
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.outer import OuterOptimizer
 from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimate
@@ -58,6 +60,8 @@ from swarmloco.errors import RoundAborted, SwarmlocoError
 from swarmloco.net.averaging import (
     Averager,
     AveragingConfig,
+    BandwidthConfig,
+    BandwidthLimiter,
     Matchmaker,
     MatchmakingConfig,
     averaging_service,
@@ -86,11 +90,13 @@ logger = logging.getLogger(__name__)
 EventSink = Callable[[dict[str, Any]], None]
 DIGEST_TTL_S = 3600.0
 PROGRESS_TTL_S = 120.0
-_FRESH_S = 30.0  # reports older than this are from peers that left or stalled
+_FRESH_REPORTS = 5  # a report older than this many publishing intervals: the peer left
+_FRESH_MIN_S = 10.0
 _MAX_WAIT_ROUNDS = 4
 _CATCH_UP_RETRY_S = 2.0
 _UNBACKED_S = 10.0  # how long a claim of a later round without digests is ignored
 _ROUNDS_TRIED = 8  # later rounds whose digests a catch-up looks up
+_ROUND_FAILURES = (RoundAborted, SwarmlocoError, TimeoutError, concurrent.futures.CancelledError)
 _DIGESTS_TRIED = 3  # digests of one round tried, most held first
 
 
@@ -124,6 +130,8 @@ class PeerConfig:
     """Override the inner loop's torch.compile choice (auto, on, off)."""
     name: str = ""
     """How the dashboard names this peer (default: the host name)."""
+    bandwidth: BandwidthConfig | None = None
+    """Cap this peer's upload and download (averaging and state transfer together)."""
     dashboard_port: int | None = None
     """Serve the swarm's dashboard on 127.0.0.1 at this port (0: a free one; None: not)."""
     codec_backend: Backend | None = None
@@ -252,12 +260,6 @@ class Peer:
 
     def _build(self) -> None:
         task, model_config, data_spec, run = run_from_manifest(self.manifest)
-        if run.streaming.fragments != 1 or run.streaming.delay != 0:
-            raise ValueError(
-                f"this swarm uses Streaming DiLoCo ({run.streaming.fragments} fragments, delay "
-                f"{run.streaming.delay}); the peer daemon runs plain DiLoCo only (fragments 1, "
-                "delay 0) in this version"
-            )
         if self.config.compile is not None:
             run = dataclasses.replace(
                 run, inner=dataclasses.replace(run.inner, compile=self.config.compile)
@@ -274,11 +276,19 @@ class Peer:
         model = task.build_model(model_config)
         self.eval_model = copy.deepcopy(model)
         named = list(model.named_parameters())
+        streaming = run.streaming
+        self.fragments = streaming.fragments
+        fragment_of = assign_fragments([task.layer_unit(n) for n, _ in named], self.fragments)
         self.layout = FlatLayout(
-            [(n, tuple(p.shape)) for n, p in named], [0] * len(named), run.codec.block_size
+            [(n, tuple(p.shape)) for n, p in named], fragment_of, run.codec.block_size
         )
         self.theta_g = self.layout.gather([p for _, p in named], self.layout.zeros())
-        self.outer = OuterOptimizer(self.layout.numel, run.outer)
+        # One flat momentum vector for the state; each fragment's optimizer owns its slice.
+        self.momentum = self.layout.zeros()
+        self.outers = [
+            OuterOptimizer(b - a, run.outer, buffer=self.momentum[a:b])
+            for a, b in self.layout.fragment_ranges
+        ]
         self.inner = InnerLoop(model, run.inner, self.device)
         self.params = [p for _, p in self.inner.model.named_parameters()]
         data = task.load_data(model_config, data_spec)
@@ -294,11 +304,16 @@ class Peer:
         self.batches = iter(self.stream)
         self.evalset = eval_windows(data.val, seq_len=self.seq_len, count=data_spec.eval_sequences)
         self.tokens_per_step = run.inner.batch_size * run.inner.grad_accum * self.seq_len
+        sizes = [b - a for a, b in self.layout.fragment_ranges]
         self.feedback = (
-            ErrorFeedback(self.layout.numel, run.codec) if run.codec.error_feedback else None
+            [ErrorFeedback(n, run.codec) for n in sizes] if run.codec.error_feedback else None
         )
-        self.delta = self.layout.zeros()
-        self.mean = self.layout.zeros()
+        self.deltas = [torch.zeros(n) for n in sizes]
+        self.means = [torch.zeros(n) for n in sizes]
+        self.scratch = self.layout.zeros()
+        # Tokens each fragment's local copy trained on since that fragment last synced.
+        self.fragment_tokens = [0] * self.fragments
+        self._inflight: _Exchange | None = None
         self.schema = StateSchema.diloco(self.layout.numel)
         self.round = 0  # outer steps applied to theta_g: the state's round
         self.steps = 0
@@ -314,23 +329,29 @@ class Peer:
         self._last_loss = float("nan")
         self._expected: int | None = None  # peers known to work on the next round
         self._next_catch_up = 0.0
+        self.train_seconds = 0.0
+        self._train_started = 0.0
         self._unbacked: dict[str, float] = {}  # peer -> until when its claims are ignored
         self._publish_snapshot(None)
         logger.info(
-            "swarm %s: %s, %s parameters, device %s, sync every %d steps of %d tokens",
+            "swarm %s: %s, %s parameters, device %s, each of %d fragment(s) syncs every %d "
+            "steps of %d tokens (overlap %d steps, mix %.2f)",
             self.swarm_id[:12],
             self.manifest.task,
             f"{self.layout.real_numel:,}",
             self.device,
-            run.streaming.sync_every,
+            self.fragments,
+            streaming.sync_every,
             self.tokens_per_step,
+            streaming.delay,
+            streaming.alpha,
         )
 
     def _publish_snapshot(self, digest: bytes | None) -> None:
         """What the state donor serves from now on: a copy of the committed global state."""
         tensors = {THETA_G: self.theta_g.clone()}
-        if self.outer.steps > 0:
-            tensors[MOMENTUM] = self.outer.momentum_buffer.clone()
+        if self.round > 0:
+            tensors[MOMENTUM] = self.momentum.clone()
         self._snapshot = StateSnapshot.of(
             swarm_id=self.swarm_id, round=self.round, tensors=tensors, digest=digest
         )
@@ -344,9 +365,13 @@ class Peer:
         s = found.state
         try:
             self.theta_g.copy_(s["theta_g"])
-            self.outer.load_state_dict(
-                {"momentum_buffer": s["momentum"], "steps": s["outer_steps"]}
-            )
+            self.momentum.copy_(s["momentum"])
+            steps = [int(n) for n in s["outer_steps"]]
+            if len(steps) != self.fragments:
+                raise ValueError(f"{len(steps)} fragments, the swarm has {self.fragments}")
+            for outer, n in zip(self.outers, steps, strict=True):
+                outer.steps = n
+            self.fragment_tokens = [int(n) for n in s["fragment_tokens"]]
             self.layout.scatter(s["params"], self.params)
             self.inner.load_state_dict(s["inner"])
             self.stream.load_state_dict(json.loads(s["data"]))
@@ -368,8 +393,9 @@ class Peer:
         params = self.layout.gather(self.params, self.layout.zeros())
         state = {
             "theta_g": self.theta_g,
-            "momentum": self.outer.momentum_buffer,
-            "outer_steps": self.outer.steps,
+            "momentum": self.momentum,
+            "outer_steps": [outer.steps for outer in self.outers],
+            "fragment_tokens": self.fragment_tokens,
             "params": params,
             "inner": self.inner.state_dict(),
             # JSON: the generator state holds 128-bit integers msgpack cannot carry.
@@ -404,12 +430,16 @@ class Peer:
             swarm_id=self.swarm_id,
             config=cfg.matchmaking,
         )
+        limiter = BandwidthLimiter(cfg.bandwidth) if cfg.bandwidth is not None else None
         self.averager = Averager(
             identity=self.identity,
             client=self.node.client,
             config=dataclasses.replace(cfg.averaging, codec=self.run_config.codec),
+            limiter=limiter,
         )
-        self.donor = StateDonor(identity=self.identity, snapshot=lambda: self._snapshot)
+        self.donor = StateDonor(
+            identity=self.identity, snapshot=lambda: self._snapshot, limiter=limiter
+        )
         if self.node.server is not None:
             self.node.server.add_service(averaging_service(self.matchmaker, self.averager))
             self.node.server.add_service(state_service(self.donor))
@@ -517,7 +547,16 @@ class Peer:
             with contextlib.suppress(Exception):
                 self.loop.run(self.node.__aexit__(None, None, None), timeout=30.0)
             self._network_up = False
-        self._emit("stopped", round=self.round, step=self.steps, reason=self._stop_reason)
+        wall = time.monotonic() - self._train_started if self._train_started else 0.0
+        self._emit(
+            "stopped",
+            round=self.round,
+            step=self.steps,
+            reason=self._stop_reason,
+            # Time in inner steps over time since training started: what the rounds cost.
+            train_seconds=round(self.train_seconds, 3),
+            wall_seconds=round(wall, 3),
+        )
 
     # -- catching up with the swarm ------------------------------------------------------------
 
@@ -561,11 +600,9 @@ class Peer:
             logger.warning("could not read the swarm's state records: %s", exc)
             return
         assert self._snapshot is not None
-        mine = self._snapshot.digest
-        published.pop(self.peer_id, None)
-        ours = 1 + sum(d == mine for d, _ in published.values())
-        why = f"this peer's round {self.round} state is held by fewer peers than another"
-        self._adopt(self.round, published, why, more_than=ours)
+        published[self.peer_id] = (self._snapshot.digest, self.node.endpoint)
+        why = f"this peer's round {self.round} state is not the one most peers hold"
+        self._adopt(self.round, published, why, mine=self._snapshot.digest)
 
     def _adopt(
         self,
@@ -573,14 +610,18 @@ class Peer:
         published: dict[str, tuple[bytes, str]],
         why: str,
         *,
-        more_than: int = 0,
+        mine: bytes | None = None,
     ) -> bool:
-        """Download the state of round ``target`` that the most peers published (held by
-        more than ``more_than``); when none of its holders delivers, the next most held."""
+        """Download the state of round ``target`` that ranks first (most holders, ties to
+        the smaller digest, the same order on every peer); when none of its holders
+        delivers it (a digest nobody serves: a liar's), the next. With ``mine``, only
+        digests that rank before this peer's own are tried: a split group heals (the
+        ranking picks one side for everyone) while a forged digest can only cost a failed
+        download, never replace a state."""
         endpoints = {peer: endpoint for peer, (_, endpoint) in published.items()}
         ranked = ranking({peer: digest for peer, (digest, _) in published.items()})
         for candidate in ranked[:_DIGESTS_TRIED]:
-            if len(candidate.holders) <= more_than or candidate.digest is None:
+            if candidate.digest is None or candidate.digest == mine:
                 break
             donors = [Donor(p, endpoints[p]) for p in candidate.holders if p != self.peer_id]
             logger.info("downloading the swarm's state: %s", why)
@@ -615,12 +656,12 @@ class Peer:
         snap = got.snapshot
         self.theta_g.copy_(snap.tensors[THETA_G])
         momentum = snap.tensors.get(MOMENTUM)
-        self.outer.load_state_dict(
-            {
-                "momentum_buffer": momentum if momentum is not None else self.layout.zeros(),
-                "steps": snap.round if momentum is not None else 0,
-            }
-        )
+        if momentum is None:
+            self.momentum.zero_()
+        else:
+            self.momentum.copy_(momentum)
+        for f, outer in enumerate(self.outers):
+            outer.steps = rounds_of_fragment(snap.round, f, self.fragments)
         self.round = snap.round
         self._take_global()
         self._publish_snapshot(snap.digest)
@@ -642,32 +683,46 @@ class Peer:
             self.layout.scatter(self.theta_g, self.params)
         self.steps_since_round = 0
         self.tokens_since_round = 0
+        self.fragment_tokens = [0] * self.fragments
 
     # -- training ------------------------------------------------------------------------------
 
     def _train(self) -> None:
         cfg = self.config
+        tau = self.run_config.streaming.delay
+        self._train_started = time.monotonic()
         while not self._stop.is_set():
             if cfg.max_rounds is not None and self.round >= cfg.max_rounds:
                 self.stop(f"round {self.round} reached (max rounds {cfg.max_rounds})")
                 break
-            verdict = self._pace()
-            if verdict is Verdict.BEHIND and time.monotonic() >= self._next_catch_up:
-                # Others work on a later round. If its state is not to be had yet (digests
-                # not published, donors busy), train on and look again a little later.
-                self._catch_up()
-                self._next_catch_up = time.monotonic() + _CATCH_UP_RETRY_S
-            elif verdict is Verdict.DUE:
-                self._round()
-                continue
+            if self._inflight is not None:
+                if self.steps - self._inflight.step >= tau:
+                    self._land()  # the exchange overlapped tau steps: apply it now
+                    continue
+            else:
+                verdict = self._pace()
+                if verdict is Verdict.BEHIND and time.monotonic() >= self._next_catch_up:
+                    # Others work on a later round. If its state is not to be had yet
+                    # (digests not published, donors busy), train on and look again later.
+                    self._catch_up()
+                    self._next_catch_up = time.monotonic() + _CATCH_UP_RETRY_S
+                elif verdict is Verdict.DUE:
+                    self._start_round()
+                    continue
             started = time.monotonic()
             loss = self.inner.train_step(self.batches)
             self.steps += 1
             self.steps_since_round += 1
             self.tokens_since_round += self.tokens_per_step
+            for f in range(self.fragments):
+                self.fragment_tokens[f] += self.tokens_per_step
             self._dirty = True
-            self._rate.add(self.tokens_per_step, time.monotonic() - started)
+            seconds = time.monotonic() - started
+            self.train_seconds += seconds
+            self._rate.add(self.tokens_per_step, seconds)
             self._last_loss = loss
+        if self._inflight is not None:
+            self._land()
         self.state = "stopping"
         if self._dirty:
             self._checkpoint()
@@ -681,7 +736,8 @@ class Peer:
         and they arrive at matchmaking together. Alone, a peer averages (with itself) every
         H steps. It never waits past ``4 H`` steps for peers whose reports promise more.
         """
-        h = self.run_config.streaming.sync_every
+        # Each fragment syncs every H steps, so some fragment is due every H / F steps.
+        h = self.run_config.streaming.sync_every / self.fragments
         if self.steps_since_round == 0:
             return Verdict.WAIT
         if self.steps_since_round >= _MAX_WAIT_ROUNDS * h:
@@ -696,11 +752,12 @@ class Peer:
             at=now,
         )
         clock = time.monotonic()
+        fresh = max(_FRESH_MIN_S, _FRESH_REPORTS * self.config.progress_interval_s)
         reports = [
             r
             for r in self._reports
             if r.peer != self.peer_id
-            and now - r.at <= _FRESH_S
+            and now - r.at <= fresh
             and not (r.round > target and self._unbacked.get(r.peer, 0.0) > clock)
         ]
         working = 1 + len({r.peer for r in reports if r.round == target})
@@ -708,21 +765,28 @@ class Peer:
         # names the round before (they applied it with us and have not reported since):
         # counting too many costs a gathering window, too few a group split in two.
         self._expected = 1 + len({r.peer for r in reports if target - 1 <= r.round <= target})
-        config = PacingConfig(tokens_per_round=working * h * self.tokens_per_step)
+        config = PacingConfig(tokens_per_round=max(1, round(working * h * self.tokens_per_step)))
         verdict = estimate([mine, *reports], round=target, now=now, config=config).verdict
         if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
             return Verdict.DUE if self.steps_since_round >= h else Verdict.WAIT
         return verdict
 
-    def _round(self) -> None:
+    def _start_round(self) -> None:
+        """Start averaging the next round's fragment; training goes on while it runs."""
         self._catch_up()
         if self.steps_since_round == 0:
             return  # the download replaced this peer's work with the swarm's state
         target = self.round + 1
+        f = (target - 1) % self.fragments
+        delta = self.deltas[f]
         with torch.no_grad():
-            self.layout.gather(self.params, self.delta)
-            torch.sub(self.theta_g, self.delta, out=self.delta)
-        if not bool(torch.isfinite(self.delta).all()):
+            self.layout.gather(self.params, self.scratch, f)
+            torch.sub(
+                self.layout.fragment(self.theta_g, f),
+                self.layout.fragment(self.scratch, f),
+                out=delta,
+            )
+        if not bool(torch.isfinite(delta).all()):
             logger.error(
                 "the local model holds NaN/Inf after %d steps: discarding them and restarting "
                 "from the global state of round %d",
@@ -732,68 +796,93 @@ class Peer:
             self._emit("discarded", round=self.round, steps=self.steps_since_round)
             self._take_global()
             return
-        weight = float(self.tokens_since_round)
-        started = time.monotonic()
+        weight = float(self.fragment_tokens[f])
         self.state = "averaging"
+        future = self.loop.submit(self._average(target, f, weight))
+        self._inflight = _Exchange(target, f, future, self.steps, time.monotonic(), weight)
+        # What trains from now on counts towards the next round.
+        self.steps_since_round = 0
+        self.tokens_since_round = 0
+
+    def _land(self) -> None:
+        """Wait for the exchange in flight; apply its outer step, or count it as aborted."""
+        x = self._inflight
+        assert x is not None
+        self._inflight = None
         try:
-            result = self.loop.run(
-                self._average(target, weight), timeout=self.config.round_timeout_s + 10.0
-            )
-        except (RoundAborted, TimeoutError, SwarmlocoError) as exc:
+            result = x.future.result(timeout=self.config.round_timeout_s + 10.0)
+        except (
+            RoundAborted,
+            SwarmlocoError,
+            TimeoutError,
+            concurrent.futures.CancelledError,
+        ) as exc:
+            x.future.cancel()
             self.state = "training"
-            self.last_error = f"round {target} aborted: {exc}"
-            self._remember(target, 0, started, None)
-            # Nothing applied: delta keeps growing and the next attempt, H steps later,
+            self.last_error = f"round {x.round} aborted: {exc}"
+            self._remember(x.round, 0, x.started, None, x.fragment)
+            # Nothing applied: the fragment's delta keeps growing and the next attempt
             # carries all of it.
             self.rounds_aborted += 1
-            self.steps_since_round = 0
-            logger.warning("round %d aborted: %s", target, exc)
+            logger.warning("round %d aborted: %s", x.round, exc)
             self._emit(
                 "aborted",
-                round=target,
+                round=x.round,
+                fragment=x.fragment,
                 error=f"{type(exc).__name__}: {exc}",
-                seconds=round(time.monotonic() - started, 3),
+                seconds=round(time.monotonic() - x.started, 3),
             )
             return
         self.state = "training"
-        self.outer.step(self.theta_g, self.mean)
-        self.round = target
-        self._take_global()
+        f = x.fragment
+        self.outers[f].step(self.layout.fragment(self.theta_g, f), self.means[f])
+        self.round = x.round
+        self.fragment_tokens[f] = max(0, self.fragment_tokens[f] - int(x.weight))
+        alpha = self.run_config.streaming.alpha
+        with torch.no_grad():
+            if alpha == 0.0:
+                self.layout.scatter(self.theta_g, self.params, f)
+            else:
+                self.layout.lerp_into(self.theta_g, self.params, alpha, f)
         self._publish_snapshot(None)
         assert self._snapshot is not None
         digest = self._snapshot.digest
-        self.loop.submit(self._publish_digest(target, digest))
+        self.loop.submit(self._publish_digest(x.round, digest))
         self.rounds_applied += 1
         report = result.report
-        self._remember(target, len(report.members), started, report)
+        self._remember(x.round, len(report.members), x.started, report, f)
         eval_loss = None
         if self.config.eval_every and self.round % self.config.eval_every == 0:
             eval_loss = self._evaluate()
+        seconds = time.monotonic() - x.started
         self._emit(
             "round",
             round=self.round,
+            fragment=f,
             step=self.steps,
+            overlap_steps=self.steps - x.step,
             group=len(report.members),
-            weight=weight,
+            weight=x.weight,
             loss=self._last_loss,
             eval_loss=eval_loss,
             digest=digest.hex(),
             bytes_sent=report.bytes_sent,
-            seconds=round(time.monotonic() - started, 3),
+            seconds=round(seconds, 3),
             excluded=sorted(report.excluded),
         )
         logger.info(
-            "round %d applied with %d peer(s) in %.2fs: train loss %.3f%s",
+            "round %d (fragment %d) applied with %d peer(s) in %.2fs: train loss %.3f%s",
             self.round,
+            f,
             len(report.members),
-            time.monotonic() - started,
+            seconds,
             self._last_loss,
             f", eval loss {eval_loss:.3f}" if eval_loss is not None else "",
         )
         if self.config.checkpoint_every and self.round % self.config.checkpoint_every == 0:
             self._checkpoint()
 
-    def _remember(self, round: int, group: int, started: float, report: Any) -> None:
+    def _remember(self, round: int, group: int, started: float, report: Any, fragment: int) -> None:
         """One line of the round timeline the status record carries."""
         self.history.append(
             {
@@ -802,24 +891,37 @@ class Peer:
                 "seconds": time.monotonic() - started,
                 "bytes_sent": report.bytes_sent if report is not None else 0,
                 "bytes_received": report.bytes_received if report is not None else 0,
-                "payload_bytes": 4 * self.layout.numel,
+                "payload_bytes": 4 * self.deltas[fragment].numel(),
                 "ok": report is not None,
                 "at": time.time(),
             }
         )
 
-    async def _average(self, round: int, weight: float) -> Any:
+    async def _average(self, round: int, fragment: int, weight: float) -> Any:
         deadline = Deadline.after(self.config.round_timeout_s)
+        delta = self.deltas[fragment]
         group = await self.matchmaker.form_group(
             round,
             weight=weight,
-            numel=self.layout.numel,
+            numel=delta.numel(),
             block_size=self.run_config.codec.block_size,
             deadline=deadline,
             expected=self._expected,
         )
+        expected = self._expected or 1
+        if group.size == 1 and expected > 1:
+            # Others work on this round but none came: they are a round ahead (or behind)
+            # of us. Averaging alone would split the swarm's state; catch up instead.
+            raise RoundAborted(
+                f"round {round}: none of the {expected - 1} other peer(s) working on it "
+                "joined; out of step with them"
+            )
         return await self.averager.all_reduce(
-            group, self.delta, deadline=deadline, out=self.mean, error_feedback=self.feedback
+            group,
+            delta,
+            deadline=deadline,
+            out=self.means[fragment],
+            error_feedback=self.feedback[fragment] if self.feedback else None,
         )
 
     async def _publish_digest(self, round: int, digest: bytes) -> None:
@@ -851,6 +953,23 @@ class Peer:
             last_eval_loss=getattr(self, "last_eval", None),
             stopped_because=self._stop_reason,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+    """A round in flight: started after inner step ``step``, applied ``tau`` steps later."""
+
+    round: int
+    fragment: int
+    future: concurrent.futures.Future[Any]
+    step: int
+    started: float
+    weight: float
+
+
+def rounds_of_fragment(round: int, fragment: int, fragments: int) -> int:
+    """How many of rounds 1..``round`` synced ``fragment`` (round r syncs (r - 1) % F)."""
+    return 0 if round <= fragment else (round - 1 - fragment) // fragments + 1
 
 
 class _Rate:

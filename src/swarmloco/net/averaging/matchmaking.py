@@ -361,6 +361,17 @@ class Matchmaker:
         self._following.pop(round, None)
         close_at = loop.time() + min(cfg.gather_s, deadline.remaining())
         try:
+            if enough <= 1:
+                # Expecting nobody: still give way to a leader that announced before us
+                # (it may count on us), rather than split the round in two.
+                earlier = [
+                    c
+                    for c in await self._candidates(round, me, announced_at, deadline)
+                    if c.endpoint not in tried
+                ]
+                if earlier:
+                    self._hand_over(gathering, earlier[0].endpoint)
+                    raise _Handover(earlier[0].endpoint)
             while len(gathering.declarations) < enough:
                 left = close_at - loop.time()
                 if left <= 0:
