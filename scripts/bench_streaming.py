@@ -161,18 +161,33 @@ def main() -> None:
     p.add_argument("--delay", type=int, default=None, help="tau (default: H/F - 1)")
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--rounds", type=int, default=8, help="full-model syncs per arm")
+    p.add_argument("--arms", default="plain,streaming", help="which arms to run")
+    p.add_argument("--keep", type=Path, default=None, help="keep logs and events in this dir")
     args = p.parse_args()
     tau = args.delay if args.delay is not None else args.sync_every // args.fragments - 1
     started = time.monotonic()
+    arms = args.arms.split(",")
+    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-streaming-") as tmp:
-        plain = run_arm("plain", [], args.rounds, args, Path(tmp) / "plain")
-        streaming = run_arm(
-            "streaming",
-            ["--fragments", str(args.fragments), "--delay", str(tau), "--alpha", str(args.alpha)],
-            args.rounds * args.fragments,
-            args,
-            Path(tmp) / "streaming",
-        )
+        root = args.keep or Path(tmp)
+        if "plain" in arms:
+            results["plain"] = run_arm("plain", [], args.rounds, args, root / "plain")
+        if "streaming" in arms:
+            results["streaming"] = run_arm(
+                "streaming",
+                [
+                    "--fragments",
+                    str(args.fragments),
+                    "--delay",
+                    str(tau),
+                    "--alpha",
+                    str(args.alpha),
+                ],
+                args.rounds * args.fragments,
+                args,
+                root / "streaming",
+            )
+    plain, streaming = results.get("plain"), results.get("streaming")
     print(
         json.dumps(
             {
@@ -190,10 +205,11 @@ def main() -> None:
                     "full_syncs": args.rounds,
                     "torch_threads_per_peer": 1,
                 },
-                "plain_utilization": plain["utilization_median"],
-                "streaming_utilization": streaming["utilization_median"],
-                "target_streaming_utilization_at_least_0_95": streaming["utilization_median"]
-                >= 0.95,
+                "plain_utilization": plain["utilization_median"] if plain else None,
+                "streaming_utilization": streaming["utilization_median"] if streaming else None,
+                "target_streaming_utilization_at_least_0_95": (
+                    streaming["utilization_median"] >= 0.95 if streaming else None
+                ),
                 "plain": plain,
                 "streaming": streaming,
                 "total_seconds": round(time.monotonic() - started, 1),

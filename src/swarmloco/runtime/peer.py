@@ -328,6 +328,8 @@ class Peer:
         self._reports: list[ProgressReport] = []
         self._last_loss = float("nan")
         self._expected: int | None = None  # peers known to work on the next round
+        self._last_group: tuple[int, int] | None = None  # (round, size) of our last group
+        self._progress_wake: asyncio.Event | None = None
         self._next_catch_up = 0.0
         self.train_seconds = 0.0
         self._train_started = 0.0
@@ -521,7 +523,9 @@ class Peer:
 
     async def _publish_progress_forever(self) -> None:
         announced = time.monotonic()
+        self._progress_wake = asyncio.Event()
         while True:
+            self._progress_wake.clear()
             try:
                 key = progress_key(self.swarm_id)
                 await self.node.dht.store(key, self._progress_value(), ttl=PROGRESS_TTL_S)
@@ -537,7 +541,16 @@ class Peer:
                     announced = time.monotonic()
             except Exception as exc:  # the network may be away for a while: keep training
                 logger.warning("could not publish progress: %s", exc)
-            await asyncio.sleep(self.config.progress_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._progress_wake.wait(), timeout=self.config.progress_interval_s
+                )
+
+    def _report_now(self) -> None:
+        """Publish progress (and read the others') at once: a round started or landed."""
+        wake = self._progress_wake
+        if wake is not None:
+            self.loop.loop.call_soon_threadsafe(wake.set)
 
     def _leave(self) -> None:
         if getattr(self, "_network_up", False):
@@ -765,6 +778,10 @@ class Peer:
         # names the round before (they applied it with us and have not reported since):
         # counting too many costs a gathering window, too few a group split in two.
         self._expected = 1 + len({r.peer for r in reports if target - 1 <= r.round <= target})
+        if self._last_group is not None and self._last_group[0] == self.round:
+            # Who averaged the last round with us will most likely average this one too,
+            # even when their reports lag a round behind.
+            self._expected = max(self._expected, self._last_group[1])
         config = PacingConfig(tokens_per_round=max(1, round(working * h * self.tokens_per_step)))
         verdict = estimate([mine, *reports], round=target, now=now, config=config).verdict
         if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
@@ -800,6 +817,7 @@ class Peer:
         self.state = "averaging"
         future = self.loop.submit(self._average(target, f, weight))
         self._inflight = _Exchange(target, f, future, self.steps, time.monotonic(), weight)
+        self._report_now()
         # What trains from now on counts towards the next round.
         self.steps_since_round = 0
         self.tokens_since_round = 0
@@ -824,6 +842,7 @@ class Peer:
             # Nothing applied: the fragment's delta keeps growing and the next attempt
             # carries all of it.
             self.rounds_aborted += 1
+            self._last_group = None  # those we expected did not come
             logger.warning("round %d aborted: %s", x.round, exc)
             self._emit(
                 "aborted",
@@ -850,6 +869,8 @@ class Peer:
         self.loop.submit(self._publish_digest(x.round, digest))
         self.rounds_applied += 1
         report = result.report
+        self._last_group = (x.round, len(report.members))
+        self._report_now()
         self._remember(x.round, len(report.members), x.started, report, f)
         eval_loss = None
         if self.config.eval_every and self.round % self.config.eval_every == 0:
