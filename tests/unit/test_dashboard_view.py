@@ -191,10 +191,16 @@ def test_the_timeline_merges_the_peers_rounds_with_medians_and_counts_failures()
                     summary(6, seconds=3.0, bytes_sent=1000, payload_bytes=4000, group=2),
                 ]
             ),
-            C: status(rounds=[summary(5, seconds=3.0, bytes_sent=900, payload_bytes=4000)]),
+            C: status(
+                rounds=[
+                    summary(5, seconds=3.0, bytes_sent=900, payload_bytes=4000, matchmaking_s=0.5)
+                ]
+            ),
         }
     )
     five, six = view["rounds"]
+    # Only C said how long matchmaking took; peers of older versions leave it out.
+    assert five["matchmaking_s"] == 0.5 and six["matchmaking_s"] is None
     assert five["round"] == 5 and five["reported"] == 3 and five["failures"] == 0
     assert five["group"] == 3 and five["seconds"] == 3.0
     assert five["bytes_sent"] == 1000 and five["bytes_sent_total"] == 3000

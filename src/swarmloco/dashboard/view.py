@@ -454,6 +454,7 @@ def _timeline(history: History) -> list[dict[str, Any]]:
         basis = ok or summaries
         groups = [_count(s.get("group")) for s in ok]
         seconds = [x for s in basis if (x := _number(s.get("seconds"), low=0.0)) is not None]
+        matchmaking = [x for s in ok if (x := _number(s.get("matchmaking_s"), low=0.0)) is not None]
         sent = [_count(s.get("bytes_sent")) for s in basis]
         received = [_count(s.get("bytes_received")) for s in basis]
         payload = [_count(s.get("payload_bytes")) for s in basis]
@@ -468,6 +469,7 @@ def _timeline(history: History) -> list[dict[str, Any]]:
                 "failures": len(summaries) - len(ok),
                 "group": statistics.median_high(groups) if groups else 0,
                 "seconds": _round_to(_median(seconds), 4),
+                "matchmaking_s": _round_to(_median(matchmaking), 4) if matchmaking else None,
                 "bytes_sent": median_sent,
                 "bytes_received": statistics.median_low(received) if received else 0,
                 "bytes_sent_total": sum(sent) if ok else 0,

@@ -579,8 +579,9 @@ ROUND_SUMMARY = Struct(
         "round": Int(minimum=0),
         # Peers in the group (0 when the round aborted).
         "group": Int(minimum=0, maximum=1 << 16),
-        # Matchmaking plus exchange, seconds.
+        # Matchmaking plus exchange, seconds; and of those, matchmaking alone (optional).
         "seconds": Float(minimum=0.0),
+        "matchmaking_s": Float(minimum=0.0),
         "bytes_sent": Int(minimum=0),
         "bytes_received": Int(minimum=0),
         # fp32 bytes of the update this peer averaged (the ratio to bytes_sent is the
@@ -588,7 +589,8 @@ ROUND_SUMMARY = Struct(
         "payload_bytes": Int(minimum=0),
         "ok": Bool(),
         "at": Float(minimum=0.0),
-    }
+    },
+    optional=frozenset({"matchmaking_s"}),
 )
 
 STATUS = register(

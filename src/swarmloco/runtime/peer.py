@@ -828,7 +828,7 @@ class Peer:
         assert x is not None
         self._inflight = None
         try:
-            result = x.future.result(timeout=self.config.round_timeout_s + 10.0)
+            result, matchmaking = x.future.result(timeout=self.config.round_timeout_s + 10.0)
         except (
             RoundAborted,
             SwarmlocoError,
@@ -871,7 +871,7 @@ class Peer:
         report = result.report
         self._last_group = (x.round, len(report.members))
         self._report_now()
-        self._remember(x.round, len(report.members), x.started, report, f)
+        self._remember(x.round, len(report.members), x.started, report, f, matchmaking)
         eval_loss = None
         if self.config.eval_every and self.round % self.config.eval_every == 0:
             eval_loss = self._evaluate()
@@ -889,6 +889,7 @@ class Peer:
             digest=digest.hex(),
             bytes_sent=report.bytes_sent,
             seconds=round(seconds, 3),
+            matchmaking_seconds=round(matchmaking, 3),
             excluded=sorted(report.excluded),
         )
         logger.info(
@@ -903,23 +904,34 @@ class Peer:
         if self.config.checkpoint_every and self.round % self.config.checkpoint_every == 0:
             self._checkpoint()
 
-    def _remember(self, round: int, group: int, started: float, report: Any, fragment: int) -> None:
+    def _remember(
+        self,
+        round: int,
+        group: int,
+        started: float,
+        report: Any,
+        fragment: int,
+        matchmaking: float | None = None,
+    ) -> None:
         """One line of the round timeline the status record carries."""
-        self.history.append(
-            {
-                "round": round,
-                "group": group,
-                "seconds": time.monotonic() - started,
-                "bytes_sent": report.bytes_sent if report is not None else 0,
-                "bytes_received": report.bytes_received if report is not None else 0,
-                "payload_bytes": 4 * self.deltas[fragment].numel(),
-                "ok": report is not None,
-                "at": time.time(),
-            }
-        )
+        line: dict[str, Any] = {
+            "round": round,
+            "group": group,
+            "seconds": time.monotonic() - started,
+            "bytes_sent": report.bytes_sent if report is not None else 0,
+            "bytes_received": report.bytes_received if report is not None else 0,
+            "payload_bytes": 4 * self.deltas[fragment].numel(),
+            "ok": report is not None,
+            "at": time.time(),
+        }
+        if matchmaking is not None:
+            line["matchmaking_s"] = matchmaking
+        self.history.append(line)
 
-    async def _average(self, round: int, fragment: int, weight: float) -> Any:
+    async def _average(self, round: int, fragment: int, weight: float) -> tuple[Any, float]:
+        """The all-reduce result of ``round``, and the seconds matchmaking took."""
         deadline = Deadline.after(self.config.round_timeout_s)
+        started = time.monotonic()
         delta = self.deltas[fragment]
         group = await self.matchmaker.form_group(
             round,
@@ -937,13 +949,15 @@ class Peer:
                 f"round {round}: none of the {expected - 1} other peer(s) working on it "
                 "joined; out of step with them"
             )
-        return await self.averager.all_reduce(
+        matchmaking = time.monotonic() - started
+        result = await self.averager.all_reduce(
             group,
             delta,
             deadline=deadline,
             out=self.means[fragment],
             error_feedback=self.feedback[fragment] if self.feedback else None,
         )
+        return result, matchmaking
 
     async def _publish_digest(self, round: int, digest: bytes) -> None:
         value = {"digest": digest, "endpoint": self.node.endpoint, "at": time.time()}
