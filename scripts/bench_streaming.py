@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -28,88 +27,33 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import machine
-
-COMMAND = [sys.executable, "-m", "swarmloco.cli"]
+from local_swarm import publish_swarm, start_bootstrap, start_peer
 
 
 def run_arm(
     name: str, swarm_args: list[str], rounds: int, args: argparse.Namespace, root: Path
 ) -> dict[str, Any]:
     root.mkdir(parents=True)
-    boot = subprocess.Popen(
-        [
-            *COMMAND,
-            "bootstrap",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--data-dir",
-            str(root / "boot"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    boot, endpoint = start_bootstrap(root)
     peers: list[subprocess.Popen[str]] = []
     try:
-        assert boot.stdout is not None
-        match = re.search(r"serving on (\S+:\d+)", boot.stdout.readline())
-        assert match is not None, "the bootstrap node did not start"
-        endpoint = match.group(1)
-        created = subprocess.run(
-            [
-                *COMMAND,
-                "create",
-                "--preset",
-                args.preset,
-                "--batch-size",
-                str(args.batch_size),
-                "--sync-every",
-                str(args.sync_every),
-                *swarm_args,
-                "--no-train",
-                "--peer",
-                endpoint,
-                "--data-dir",
-                str(root / "creator"),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
+        swarm = publish_swarm(
+            endpoint,
+            root,
+            *("--preset", args.preset, "--batch-size", str(args.batch_size)),
+            *("--sync-every", str(args.sync_every), *swarm_args),
         )
-        swarm = created.stdout.split()[0]
         events = [root / f"peer{i}.events" for i in range(args.peers)]
         for i in range(args.peers):
             peers.append(
-                subprocess.Popen(
-                    [
-                        *COMMAND,
-                        "join",
-                        swarm,
-                        "--peer",
-                        endpoint,
-                        "--host",
-                        "127.0.0.1",
-                        "--data-dir",
-                        str(root / f"peer{i}"),
-                        "--events",
-                        str(events[i]),
-                        "--max-rounds",
-                        str(rounds),
-                        "--threads",
-                        "1",
-                        "--bandwidth",
-                        str(args.mbit),
-                        "--checkpoint-every",
-                        "0",
-                        "--eval-every",
-                        "0",
-                        "--codec",
-                        "compiled",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=(root / f"peer{i}.log").open("w"),
+                start_peer(
+                    swarm,
+                    endpoint,
+                    root,
+                    i,
+                    *("--max-rounds", str(rounds), "--threads", "1"),
+                    *("--bandwidth", str(args.mbit), "--checkpoint-every", "0"),
+                    *("--eval-every", "0", "--codec", "compiled"),
                 )
             )
         for p in peers:

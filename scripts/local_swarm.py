@@ -41,6 +41,82 @@ def read_events(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     return events, offset + end
 
 
+def start_bootstrap(run_dir: Path) -> tuple[subprocess.Popen[str], str]:
+    """A `swarmloco bootstrap` node on 127.0.0.1 (log in run_dir/bootstrap.log); its HOST:PORT.
+
+    Raises RuntimeError when it does not start."""
+    boot = subprocess.Popen(
+        [
+            *COMMAND,
+            "bootstrap",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--data-dir",
+            str(run_dir / "bootstrap"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=(run_dir / "bootstrap.log").open("w"),
+        text=True,
+    )
+    assert boot.stdout is not None
+    line = boot.stdout.readline()
+    match = re.search(r"serving on (\S+:\d+)", line)
+    if match is None:
+        boot.kill()
+        raise RuntimeError(f"the bootstrap node did not start: {line!r}")
+    return boot, match.group(1)
+
+
+def publish_swarm(endpoint: str, run_dir: Path, *options: str) -> str:
+    """`swarmloco create --no-train OPTIONS`: publish a new swarm; its id."""
+    created = subprocess.run(
+        [
+            *COMMAND,
+            "create",
+            *options,
+            "--no-train",
+            "--peer",
+            endpoint,
+            "--data-dir",
+            str(run_dir / "creator"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if created.returncode != 0:
+        raise RuntimeError(f"swarmloco create failed: {created.stderr}")
+    return created.stdout.split()[0]
+
+
+def start_peer(
+    swarm: str, endpoint: str, run_dir: Path, index: int, *options: str
+) -> subprocess.Popen[str]:
+    """`swarmloco join` as peer ``index``: its data in run_dir/peer<i>, its events in
+    peer<i>.events, its log in peer<i>.log."""
+    return subprocess.Popen(
+        [
+            *COMMAND,
+            "join",
+            swarm,
+            "--peer",
+            endpoint,
+            "--host",
+            "127.0.0.1",
+            "--data-dir",
+            str(run_dir / f"peer{index}"),
+            "--events",
+            str(run_dir / f"peer{index}.events"),
+            *options,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(run_dir / f"peer{index}.log").open("w"),
+        text=True,
+    )
+
+
 def start_dashboard(
     port: int, swarm: str, boot: str, run_dir: Path, children: list[subprocess.Popen[str]]
 ) -> str:
@@ -121,58 +197,15 @@ def main() -> int:
                 child.kill()
 
     try:
-        boot_log = (run_dir / "bootstrap.log").open("w")
-        boot = subprocess.Popen(
-            [
-                *COMMAND,
-                "bootstrap",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--data-dir",
-                str(run_dir / "bootstrap"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=boot_log,
-            text=True,
-        )
+        boot, endpoint = start_bootstrap(run_dir)
         children.append(boot)
-        assert boot.stdout is not None
-        line = boot.stdout.readline()
-        match = re.search(r"serving on (\S+:\d+)", line)
-        if match is None:
-            print(f"the bootstrap node did not start: {line!r}", file=sys.stderr)
-            return 1
-        endpoint = match.group(1)
         print(f"bootstrap node on {endpoint}", file=sys.stderr)
-
-        created = subprocess.run(
-            [
-                *COMMAND,
-                "create",
-                "--preset",
-                args.preset,
-                "--sync-every",
-                str(args.sync_every),
-                "--batch-size",
-                str(args.batch_size),
-                "--no-train",
-                "--peer",
-                endpoint,
-                "--data-dir",
-                str(run_dir / "creator"),
-                "--name",
-                "local swarm",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
+        swarm = publish_swarm(
+            endpoint,
+            run_dir,
+            *("--preset", args.preset, "--sync-every", str(args.sync_every)),
+            *("--batch-size", str(args.batch_size), "--name", "local swarm"),
         )
-        if created.returncode != 0:
-            print(created.stderr, file=sys.stderr)
-            return 1
-        swarm = created.stdout.split()[0]
         print(
             f"swarm {swarm}: {args.peers} peers, {args.rounds} rounds, H={args.sync_every}",
             file=sys.stderr,
@@ -183,32 +216,14 @@ def main() -> int:
             print(f"dashboard: {url}", file=sys.stderr)
         events = [run_dir / f"peer{i}.events" for i in range(args.peers)]
         for i in range(args.peers):
-            log = (run_dir / f"peer{i}.log").open("w")
             children.append(
-                subprocess.Popen(
-                    [
-                        *COMMAND,
-                        "join",
-                        swarm,
-                        "--peer",
-                        endpoint,
-                        "--host",
-                        "127.0.0.1",
-                        "--data-dir",
-                        str(run_dir / f"peer{i}"),
-                        "--events",
-                        str(events[i]),
-                        "--max-rounds",
-                        str(args.rounds),
-                        "--threads",
-                        str(args.threads),
-                        "--peer-name",
-                        f"peer{i}",
-                        *args.extra.split(),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=log,
-                    text=True,
+                start_peer(
+                    swarm,
+                    endpoint,
+                    run_dir,
+                    i,
+                    *("--max-rounds", str(args.rounds), "--threads", str(args.threads)),
+                    *("--peer-name", f"peer{i}", *args.extra.split()),
                 )
             )
         offsets = [0] * args.peers
@@ -241,6 +256,9 @@ def main() -> int:
     except KeyboardInterrupt:
         print("interrupted: stopping the peers", file=sys.stderr)
         codes = []
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     finally:
         stop_all()
 
