@@ -193,3 +193,13 @@ def test_streaming_diloco_overlaps_fragment_exchanges_with_training(tmp_path):
     assert max(e["group"] for e in c.of("round")) == 3
     evals = [e["eval_loss"] for e in a.of("round")]
     assert evals[-1] < evals[0], evals
+
+
+def test_a_peer_whose_training_turns_nan_never_shares_it_and_gives_up_clearly(tmp_path):
+    # An absurd learning rate: the local model turns NaN within a few steps, every time.
+    with PeerProcess.create(tmp_path / "a", "--lr", "1e6") as a:
+        assert a.wait(120) == 2
+    discarded = a.of("discarded")
+    assert len(discarded) == 4 and all("NaN" in e["why"] for e in discarded), a.events
+    assert not a.of("round")  # nothing was averaged, so nothing NaN reached a swarm
+    assert "without completing a round; check the data and the learning rate" in "".join(a.log)

@@ -3,27 +3,29 @@
 A :class:`Peer` trains in the calling thread and does all its networking on a
 :class:`~swarmloco.runtime.loop_thread.LoopThread`:
 
-1. **Start.** Load (or create) the peer's key, build the model of the manifest, restore the
-   newest valid checkpoint of this swarm from ``data_dir`` if there is one, start the
-   server (DHT, averaging, state transfer on one port), join the network, (re)publish the
-   manifest and announce the peer.
+1. **Start.** Load (or create) the peer's key, build the model of the manifest, compile
+   the codec, restore the newest valid checkpoint of this swarm from ``data_dir`` if there
+   is one, start the server (DHT, averaging, state transfer on one port), join the
+   network, (re)publish the manifest and announce the peer.
 2. **Catch up.** Read the swarm's ``progress`` records: if other peers already work on a
-   later round than this peer's state, download the state of the round before it from the
-   holders of that round's majority ``digest`` (falling back from donor to donor), take
-   it as the global and local parameters, and keep the local optimizer and data position.
-3. **Train.** Inner AdamW steps. Every ``sync_every`` steps (the manifest's H) the peer
-   averages ``delta = theta_g - theta`` (weighted by the tokens it processed since its last
-   round) with the peers that are ready for the same round, applies the outer Nesterov
-   step to ``theta_g`` on CPU, sets ``theta = theta_g``, publishes the digest of the new
-   global state and checkpoints. A round that fails changes nothing: ``delta`` keeps
-   growing and the next attempt carries it. Before each round the peer checks the
-   digests of its own last round; if it holds a minority digest, or the swarm has applied
-   the round it is about to form, it downloads the majority's state instead.
-4. **Stop.** On :meth:`stop` (SIGINT/SIGTERM in the CLI) or after ``max_rounds``: a final
-   checkpoint, then the network is left and the loop thread stopped.
-
-Plain DiLoCo (one fragment, no overlap) runs here; a manifest asking for Streaming DiLoCo
-fragments is refused with a clear error until the daemon schedules fragments.
+   later round than this peer's state, download the state of the round before it from
+   the holders of the digest most peers published for it (falling back from donor to
+   donor, and from digest to digest), take it as the global and local parameters, and
+   keep the local optimizer and data position.
+3. **Train.** Inner AdamW steps. A round is due when the peers working on it have
+   together trained H steps' worth of tokens each (:meth:`Peer._pace`). Round r averages
+   fragment ``(r - 1) % F`` of ``delta = theta_g - theta`` (weighted by the tokens the
+   fragment trained on since its last sync) with the peers ready for the same round; the
+   exchange runs while the peer trains ``tau`` more steps, then the outer Nesterov step is
+   applied to that fragment of ``theta_g`` on CPU, the fragment's local copy becomes
+   ``lerp(theta_g, theta, alpha)``, the digest of the new global state is published and a
+   checkpoint written. F = 1, tau = 0, alpha = 0 is plain DiLoCo. A round that fails
+   changes nothing: the fragment's delta keeps growing and the next attempt carries it.
+   Before each round the peer checks the digests of its own last round and downloads the
+   state that ranks first if its own does not.
+4. **Stop.** On :meth:`Peer.stop` (SIGINT/SIGTERM in the CLI) or after ``max_rounds``:
+   the exchange in flight lands, a final checkpoint, then the network is left and the loop
+   thread stopped.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ _CATCH_UP_RETRY_S = 2.0
 _UNBACKED_S = 10.0  # how long a claim of a later round without digests is ignored
 _ROUNDS_TRIED = 8  # later rounds whose digests a catch-up looks up
 _ROUND_FAILURES = (RoundAborted, SwarmlocoError, TimeoutError, concurrent.futures.CancelledError)
+_MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
 _DIGESTS_TRIED = 3  # digests of one round tried, most held first
 
 
@@ -332,6 +335,7 @@ class Peer:
         self._progress_wake: asyncio.Event | None = None
         self._next_catch_up = 0.0
         self.train_seconds = 0.0
+        self._nan_in_a_row = 0
         self._train_started = 0.0
         self._unbacked: dict[str, float] = {}  # peer -> until when its claims are ignored
         self._publish_snapshot(None)
@@ -723,7 +727,11 @@ class Peer:
                     self._start_round()
                     continue
             started = time.monotonic()
-            loss = self.inner.train_step(self.batches)
+            try:
+                loss = self.inner.train_step(self.batches)
+            except FloatingPointError as exc:
+                self._discard(str(exc))
+                continue
             self.steps += 1
             self.steps_since_round += 1
             self.tokens_since_round += self.tokens_per_step
@@ -788,6 +796,29 @@ class Peer:
             return Verdict.DUE if self.steps_since_round >= h else Verdict.WAIT
         return verdict
 
+    def _discard(self, why: str) -> None:
+        """NaN or Inf in training: nothing of it may reach the swarm. Drop the local steps
+        since the last round and the optimizer's moments (they hold the NaN too), restart
+        from the global state; give up when it happens again and again."""
+        self._nan_in_a_row += 1
+        logger.error(
+            "%s after %d local steps: discarding them and restarting from the global state "
+            "of round %d (%d time(s) since a round last succeeded)",
+            why,
+            self.steps_since_round,
+            self.round,
+            self._nan_in_a_row,
+        )
+        self._emit("discarded", round=self.round, steps=self.steps_since_round, why=why)
+        if self._nan_in_a_row > _MAX_DISCARDS:
+            raise SwarmlocoError(
+                f"training produced NaN/Inf {self._nan_in_a_row} times from the swarm's global "
+                "state without completing a round; check the data and the learning rate (or "
+                "try --compile off) before joining again"
+            )
+        self.inner.optimizer.state.clear()
+        self._take_global()
+
     def _start_round(self) -> None:
         """Start averaging the next round's fragment; training goes on while it runs."""
         self._catch_up()
@@ -804,14 +835,7 @@ class Peer:
                 out=delta,
             )
         if not bool(torch.isfinite(delta).all()):
-            logger.error(
-                "the local model holds NaN/Inf after %d steps: discarding them and restarting "
-                "from the global state of round %d",
-                self.steps_since_round,
-                self.round,
-            )
-            self._emit("discarded", round=self.round, steps=self.steps_since_round)
-            self._take_global()
+            self._discard("the local model holds NaN/Inf")
             return
         weight = float(self.fragment_tokens[f])
         self.state = "averaging"
@@ -869,6 +893,7 @@ class Peer:
         self.loop.submit(self._publish_digest(x.round, digest))
         self.rounds_applied += 1
         report = result.report
+        self._nan_in_a_row = 0  # a round made it: training works from this state
         self._last_group = (x.round, len(report.members))
         self._report_now()
         self._remember(x.round, len(report.members), x.started, report, f, matchmaking)
