@@ -494,8 +494,10 @@ class Peer:
             logger.warning("cannot serve the dashboard on port %d: %s", port, exc)
 
     def _progress_value(self) -> dict[str, Any]:
+        # The round this peer's new tokens count towards: while round r is in flight,
+        # r + 1 (its tokens since r started are the next round's).
         return {
-            "round": self.round + 1,
+            "round": self.round + 1 + (self._inflight is not None),
             "tokens": self.tokens_since_round,
             "tokens_per_s": self._rate.value,
             "at": time.time(),
@@ -600,7 +602,12 @@ class Peer:
         """
         try:
             claims = self.loop.run(self._claims(), timeout=30.0)
-            later = sorted({r - 1 for r in claims.values() if r - 1 > self.round}, reverse=True)
+            # A peer working towards round r holds the state of round r - 1, or of r - 2
+            # while round r - 1 is in flight on its side.
+            later = sorted(
+                {x for r in claims.values() for x in (r - 1, r - 2) if x > self.round},
+                reverse=True,
+            )
             for target in later[:_ROUNDS_TRIED]:
                 published = self.loop.run(self._digests_of(target), timeout=30.0)
                 why = f"the swarm is at round {target}, this peer at {self.round}"
@@ -608,7 +615,7 @@ class Peer:
                     return
             until = time.monotonic() + _UNBACKED_S
             for peer, r in claims.items():
-                if r - 1 > self.round:
+                if r > self.round + 2:
                     self._unbacked[peer] = until
             if self.round == 0:
                 return
@@ -779,17 +786,24 @@ class Peer:
             for r in self._reports
             if r.peer != self.peer_id
             and now - r.at <= fresh
-            and not (r.round > target and self._unbacked.get(r.peer, 0.0) > clock)
+            and not (r.round > target + 1 and self._unbacked.get(r.peer, 0.0) > clock)
         ]
         working = 1 + len({r.peer for r in reports if r.round == target})
-        # Matchmaking waits for the peers of this round, and for those whose report still
-        # names the round before (they applied it with us and have not reported since):
-        # counting too many costs a gathering window, too few a group split in two.
-        self._expected = 1 + len({r.peer for r in reports if target - 1 <= r.round <= target})
+        # Matchmaking waits for the peers of this round: those whose report names it, the
+        # round before (they applied it with us and have not reported since) or the round
+        # after (they started this one: it is in flight on their side). Counting too many
+        # costs a gathering window, too few a group split in two.
+        self._expected = 1 + len({r.peer for r in reports if target - 1 <= r.round <= target + 1})
         if self._last_group is not None and self._last_group[0] == self.round:
             # Who averaged the last round with us will most likely average this one too,
             # even when their reports lag a round behind.
             self._expected = max(self._expected, self._last_group[1])
+        if any(r.round > target + 1 for r in reports):
+            return Verdict.BEHIND  # others applied rounds this peer has not
+        if any(r.round == target + 1 for r in reports):
+            # Someone started this round already: join it now, with what we have, rather
+            # than fall a gathering window out of step with it.
+            return Verdict.DUE
         config = PacingConfig(tokens_per_round=max(1, round(working * h * self.tokens_per_step)))
         verdict = estimate([mine, *reports], round=target, now=now, config=config).verdict
         if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
