@@ -800,9 +800,10 @@ class Peer:
             self._expected = max(self._expected, self._last_group[1])
         if any(r.round > target + 1 for r in reports):
             return Verdict.BEHIND  # others applied rounds this peer has not
-        if any(r.round == target + 1 for r in reports):
+        if any(r.round == target + 1 for r in reports) and self.steps_since_round >= h / 4:
             # Someone started this round already: join it now, with what we have, rather
-            # than fall a gathering window out of step with it.
+            # than fall a gathering window out of step with it (not before a quarter of
+            # the round's steps: a liar cannot make rounds much more frequent).
             return Verdict.DUE
         config = PacingConfig(tokens_per_round=max(1, round(working * h * self.tokens_per_step)))
         verdict = estimate([mine, *reports], round=target, now=now, config=config).verdict
