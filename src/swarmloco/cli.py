@@ -201,6 +201,14 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         help="torch.compile the model (default: the swarm's choice: on CUDA only)",
     )
     g.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default=None,
+        help="inner-loop arithmetic: auto (bf16 autocast on CUDA, fp16 with loss scaling on "
+        "GPUs without bf16, fp32 on CPU; the default), or one of them; the global state is "
+        "fp32 either way",
+    )
+    g.add_argument(
         "--bandwidth",
         type=float,
         default=None,
@@ -308,6 +316,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         dashboard_port=args.dashboard_port,
         bandwidth=BandwidthConfig.mbit(args.bandwidth) if args.bandwidth else None,
         compile=args.compile,
+        precision=args.precision,
         codec_backend=args.codec,
         max_rounds=args.max_rounds,
         round_timeout_s=args.round_timeout,
@@ -699,6 +708,18 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data streams")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default="auto",
+        help="inner-loop arithmetic (auto: bf16 on CUDA, fp32 on CPU)",
+    )
+    p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="torch.compile the model (auto: on CUDA only)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -729,6 +750,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
         lr=args.lr if args.lr is not None else inner.lr,
         batch_size=args.batch_size or inner.batch_size,
         warmup_steps=min(inner.warmup_steps, max(args.steps // 10, 1)),
+        precision=args.precision,
+        compile=args.compile,
     )
     streaming = StreamingConfig(
         sync_every=args.sync_every, fragments=args.fragments, delay=args.delay, alpha=args.alpha
@@ -780,6 +803,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         "alpha": args.alpha,
         "exchange": args.exchange,
         "device": device,
+        "precision": args.precision,
         "data": data.description,
         "tokens": arms[0].tokens,
         "arms": {a.name: a.summary() for a in arms},

@@ -69,8 +69,13 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_catches_up(tmp_path):
         swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint)
         with (
             PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", "--max-rounds", rounds) as a,
-            PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", "--max-rounds", rounds) as b,
+            # Its first life computes in bf16, its second in fp32: precision is each peer's
+            # own choice, and the global state it shares is fp32 either way.
+            PeerProcess.join(
+                swarm, boot.endpoint, tmp_path / "b", "--max-rounds", rounds, "--precision", "bf16"
+            ) as b,
         ):
+            assert b.wait_for("ready", timeout=120)["precision"] == "bf16"
             b.wait_for("checkpoint", lambda e: e["round"] >= 2, timeout=180)
             b.kill()  # SIGKILL: no chance to save or say goodbye
             killed_at = max(e["round"] for e in b.of("checkpoint"))
@@ -79,6 +84,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_catches_up(tmp_path):
             with PeerProcess.join(
                 swarm, boot.endpoint, tmp_path / "b", "--max-rounds", rounds
             ) as b2:
+                assert b2.wait_for("ready", timeout=120)["precision"] == "fp32"
                 resumed = b2.wait_for("resumed", timeout=120)
                 assert resumed["round"] == killed_at  # its newest complete checkpoint
                 assert b2.wait(240) == 0, b2.log_tail()

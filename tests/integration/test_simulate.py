@@ -68,12 +68,22 @@ def test_streaming_simulation_lowers_eval_loss():
     assert arm["outer_rounds"] == 14
 
 
+def test_bf16_simulation_lowers_eval_loss():
+    summary = _simulate(
+        "--steps", "20", "--sync-every", "10", "--precision", "bf16", "--no-baseline"
+    )
+    assert summary["precision"] == "bf16"
+    curve = [loss for _, loss in summary["arms"]["diloco-int8"]["eval_curve"]]
+    assert curve[-1] < curve[0] - 1.0
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
         (["--delay", "10", "--sync-every", "10"], "delay (10) must be shorter"),
         (["--preset", "huge"], "unknown preset 'huge'"),
         (["--data", "/no/such/dir"], "does not exist"),
+        (["--precision", "fp8"], "invalid choice: 'fp8'"),
     ],
 )
 def test_bad_options_exit_with_a_clear_message(args, message):

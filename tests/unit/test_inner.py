@@ -1,7 +1,7 @@
 """The inner loop: accumulation, mixed precision, compilation, NaN, and its saved state.
 
-The CUDA-only parts (fused AdamW, the fp16 gradient scaler) run only where a GPU is; the
-same code paths are exercised here on CPU with bf16 autocast and an explicit compile.
+Fused AdamW runs only where a GPU is; the other CUDA code paths are exercised here on CPU:
+bf16 and fp16 autocast (fp16 with its gradient scaler) and an explicit compile.
 """
 
 import copy
@@ -76,6 +76,36 @@ def test_bf16_autocast_trains_on_cpu():
     assert all(p.dtype is torch.float32 for p in loop.model.parameters())  # masters stay fp32
 
 
+def test_fp16_trains_on_cpu_with_a_working_gradient_scaler():
+    loop = InnerLoop(make_model(), config(precision="fp16"), CPU)
+    assert loop.amp_dtype is torch.float16
+    assert loop.scaler.is_enabled()
+    batches = repeating(4)
+    first = loop.train_step(batches)
+    for _ in range(30):
+        last = loop.train_step(batches)
+    assert last < 0.8 * first
+    assert all(p.dtype is torch.float32 for p in loop.model.parameters())
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
+    loop = InnerLoop(make_model(), config(precision="fp16"), CPU)
+    batches = repeating(4)
+    loop.train_step(batches)
+    before = params(loop.model).clone()
+    moments = copy.deepcopy(loop.optimizer.state_dict()["state"])
+    loop.scaler.update(new_scale=2.0**100)  # scaled fp16 gradients overflow to inf
+    loop.train_step(batches)
+    assert loop.scaler.get_scale() < 2.0**100
+    torch.testing.assert_close(params(loop.model), before, rtol=0, atol=0)
+    after = loop.optimizer.state_dict()["state"]
+    for key, state in moments.items():
+        torch.testing.assert_close(after[key]["exp_avg"], state["exp_avg"], rtol=0, atol=0)
+    loop.scaler.update(new_scale=1024.0)  # a scale that fits: the next step is taken
+    loop.train_step(batches)
+    assert not torch.equal(params(loop.model), before)
+
+
 def test_precision_resolution():
     assert resolve_precision("auto", CPU) is None
     assert resolve_precision("fp32", CPU) is None
@@ -122,3 +152,15 @@ def test_saved_state_resumes_to_the_same_next_step():
     assert resumed.step == 5
     assert resumed.train_step(batches) == expected
     torch.testing.assert_close(params(resumed.model), params(loop.model), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("fp32", "fp16"), ("fp16", "fp32")])
+def test_a_state_saved_under_one_precision_resumes_under_another(saved, resumed):
+    first = InnerLoop(make_model(), config(precision=saved), CPU)
+    batches = repeating(4)
+    first.train_step(batches)
+    second = InnerLoop(copy.deepcopy(first.model), config(precision=resumed), CPU)
+    second.load_state_dict(first.state_dict())
+    assert second.step == 1
+    assert second.scaler.is_enabled() == (resumed == "fp16")
+    second.train_step(batches)

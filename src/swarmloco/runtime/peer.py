@@ -84,7 +84,7 @@ from swarmloco.net.swarm import announce_peer, publish_manifest
 from swarmloco.runtime.checkpoint import CheckpointStore
 from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.train.data import BatchStream, eval_windows
-from swarmloco.train.inner import CompileMode, InnerLoop, evaluate
+from swarmloco.train.inner import CompileMode, InnerLoop, Precision, evaluate
 from swarmloco.train.tasks import run_from_manifest
 
 logger = logging.getLogger(__name__)
@@ -131,6 +131,8 @@ class PeerConfig:
     """How often the peer publishes its progress record."""
     compile: CompileMode | None = None
     """Override the inner loop's torch.compile choice (auto, on, off)."""
+    precision: Precision | None = None
+    """Override the inner loop's precision (auto, fp32, bf16, fp16)."""
     name: str = ""
     """How the dashboard names this peer (default: the host name)."""
     bandwidth: BandwidthConfig | None = None
@@ -159,6 +161,10 @@ class PeerConfig:
             f"compile must be auto, on or off, got {self.compile!r}",
         )
         require(
+            self.precision in (None, "auto", "fp32", "bf16", "fp16"),
+            f"precision must be auto, fp32, bf16 or fp16, got {self.precision!r}",
+        )
+        require(
             self.codec_backend in (None, "auto", "compiled", "eager"),
             f"codec backend must be auto, compiled or eager, got {self.codec_backend!r}",
         )
@@ -177,6 +183,9 @@ class PeerSummary:
     downloads: int
     last_eval_loss: float | None
     stopped_because: str
+
+
+_PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -266,6 +275,10 @@ class Peer:
         if self.config.compile is not None:
             run = dataclasses.replace(
                 run, inner=dataclasses.replace(run.inner, compile=self.config.compile)
+            )
+        if self.config.precision is not None:
+            run = dataclasses.replace(
+                run, inner=dataclasses.replace(run.inner, precision=self.config.precision)
             )
         if self.config.codec_backend is not None:
             run = dataclasses.replace(
@@ -465,6 +478,7 @@ class Peer:
             round=self.round,
             params=self.layout.real_numel,
             device=str(self.device),
+            precision=_PRECISION_NAMES[self.inner.amp_dtype],
         )
 
     async def _announce(self) -> None:

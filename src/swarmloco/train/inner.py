@@ -121,7 +121,9 @@ class InnerLoop:
             fused=device.type == "cuda",
         )
         self.amp_dtype = resolve_precision(config.precision, device)
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+        # fp16 gradients underflow without loss scaling; on the model's own device (a scaler
+        # made for "cuda" silently disables itself anywhere else).
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         want_compile = config.compile == "on" or (
             config.compile == "auto" and device.type == "cuda"
         )
@@ -175,7 +177,10 @@ class InnerLoop:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
+        # Precision is each peer's own choice: a state saved without loss scaling (fp32,
+        # bf16) resumes under fp16 with a fresh scale, and a scale is dropped where unused.
+        if self.scaler.is_enabled() and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
 
 

@@ -54,7 +54,7 @@ class RunConfig:
         out: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if dataclasses.is_dataclass(value):
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 local = _LOCAL_FIELDS.get(field.name, set())
                 out[field.name] = {
                     k: v for k, v in dataclasses.asdict(value).items() if k not in local
@@ -113,7 +113,7 @@ class GPTBytes:
 
     def default_run(self, preset: str) -> RunConfig:
         if preset == "tiny":
-            inner = InnerConfig(lr=1e-3, warmup_steps=50, total_steps=2000, batch_size=16)
+            inner = InnerConfig(lr=3e-3, warmup_steps=50, total_steps=2000, batch_size=16)
         elif preset == "small":
             inner = InnerConfig(lr=6e-4, warmup_steps=200, total_steps=20_000, batch_size=32)
         else:
