@@ -185,6 +185,13 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="host other peers should dial (default: the bound host, or as the peers see us)",
     )
+    g.add_argument(
+        "--client-mode",
+        action="store_true",
+        help="for a peer that others cannot dial (behind NAT or a firewall): it only calls "
+        "out, sends its update and receives the average, but reduces no part and serves no "
+        "state; needs --peer",
+    )
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     g.add_argument(
         "--peer-name",
@@ -307,7 +314,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
     config = PeerConfig(
         data_dir=args.data_dir,
         node=NodeConfig(
-            server=ServerConfig(host=args.host, port=args.port),
+            server=None if args.client_mode else ServerConfig(host=args.host, port=args.port),
             announce_host=args.announce_host,
             peers=tuple(args.peers),
         ),

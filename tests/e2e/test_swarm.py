@@ -209,3 +209,25 @@ def test_a_peer_whose_training_turns_nan_never_shares_it_and_gives_up_clearly(tm
     assert len(discarded) == 4 and all("NaN" in e["why"] for e in discarded), a.events
     assert not a.of("round")  # nothing was averaged, so nothing NaN reached a swarm
     assert "without completing a round; check the data and the learning rate" in "".join(a.log)
+
+
+def test_a_client_mode_peer_trains_with_the_swarm_without_being_dialed(tmp_path):
+    """A peer behind NAT (--client-mode) serves nothing: it downloads the state from a
+    public peer, then sends its updates and receives the average over calls it makes."""
+    rounds = "30"  # enough for the public peer to still be training when the client is up
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint)
+        with PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", "--max-rounds", rounds) as a:
+            public = a.wait_for("ready", timeout=120)
+            assert public["endpoint"]
+            a.wait_for("round", lambda e: e["round"] >= 2, timeout=180)
+            with PeerProcess.join(
+                swarm, boot.endpoint, tmp_path / "b", "--max-rounds", rounds, "--client-mode"
+            ) as b:
+                assert b.wait_for("ready", timeout=120)["endpoint"] == ""
+                assert b.wait(240) == 0, b.log_tail()
+            assert a.wait(240) == 0, a.log_tail()
+    fetched = b.of("downloaded")
+    assert fetched and fetched[0]["donor"][:12] == public["peer_id"][:12], b.events
+    assert any(e["group"] == 2 for e in b.of("round")), b.events
+    assert digests_of(a)[int(rounds)] == digests_of(b)[int(rounds)]

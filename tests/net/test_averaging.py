@@ -7,6 +7,7 @@ chunk) within the codec's bound, and the round leaves no task, thread or socket 
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -77,6 +78,28 @@ async def test_a_group_of_one_returns_its_own_vector():
     async with averaging_peers(1, matchmaking=MatchmakingConfig(gather_s=0.3)) as peers:
         result = await average(peers[0], 1, vector, 1.0, deadline=Deadline.after(10))
         assert torch.equal(result.mean, vector) and result.report.members == (peers[0].peer_id,)
+
+
+async def test_a_client_mode_peer_that_no_serving_peer_joins_averages_alone():
+    # Peer 0 serves but takes no part in round 1: the client waits one gathering window
+    # for a leader, then applies its own vector (nobody could dial it to join it).
+    vector = random_vectors(1, 640, seed=3)[0]
+    config = MatchmakingConfig(gather_s=0.5, poll_s=0.1)
+    async with averaging_peers(2, clients=(1,), matchmaking=config) as peers:
+        client = peers[1]
+        assert client.node.endpoint == ""
+        started = time.monotonic()
+        result = await average(client, 1, vector, 1.0, deadline=Deadline.after(10))
+        assert time.monotonic() - started >= 0.5
+        assert torch.equal(result.mean, vector) and result.report.members == (client.peer_id,)
+
+
+async def test_a_client_mode_peer_alone_aborts_when_a_group_must_be_larger():
+    vector = random_vectors(1, 640, seed=4)[0]
+    config = MatchmakingConfig(min_group_size=2, gather_s=0.3, poll_s=0.1)
+    async with averaging_peers(2, clients=(1,), matchmaking=config) as peers:
+        with pytest.raises(RoundAborted, match="no serving peer to average with"):
+            await average(peers[1], 1, vector, 1.0, deadline=Deadline.after(10))
 
 
 async def test_a_round_that_cannot_gather_enough_members_aborts_cleanly():

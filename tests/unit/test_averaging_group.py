@@ -141,9 +141,9 @@ def test_members_refuse_a_group_the_leader_bent():
             check_group(_mutated(info, mutate), me=me, swarm_id=SWARM, cap_multiple=10.0)
 
 
-def test_no_group_without_a_serving_member():
+def test_no_group_of_several_without_a_serving_member():
     info, _ = build_group(
-        [declare(Identity.generate(), endpoint="")],
+        [declare(Identity.generate(), endpoint="") for _ in range(2)],
         round=3,
         numel=NUMEL,
         block_size=64,
@@ -151,6 +151,15 @@ def test_no_group_without_a_serving_member():
         nonce=b"n" * NONCE_BYTES,
     )
     assert info is None
+
+
+def test_a_client_mode_member_alone_reduces_its_own_vector():
+    me = declare(Identity.generate(), endpoint="")
+    info, _ = build_group(
+        [me], round=3, numel=NUMEL, block_size=64, cap_multiple=10.0, nonce=b"n" * NONCE_BYTES
+    )
+    group = check_group(info, me=me, swarm_id=SWARM, cap_multiple=10.0)
+    assert group.size == 1 and group.parts == ((0, NUMEL // 64),)
 
 
 def test_member_part_ranges():

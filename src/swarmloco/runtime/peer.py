@@ -661,7 +661,11 @@ class Peer:
         for candidate in ranked[:_DIGESTS_TRIED]:
             if candidate.digest is None or candidate.digest == mine:
                 break
-            donors = [Donor(p, endpoints[p]) for p in candidate.holders if p != self.peer_id]
+            donors = [  # client-mode holders count for the ranking but serve nothing
+                Donor(p, endpoints[p])
+                for p in candidate.holders
+                if p != self.peer_id and endpoints[p]
+            ]
             logger.info("downloading the swarm's state: %s", why)
             if self._download(target, candidate.digest, donors, why):
                 return True

@@ -213,6 +213,12 @@ def _group_id(
     return h.digest()
 
 
+def _part_bandwidths(serving: list[float]) -> list[float]:
+    """What the parts are cut by: the members' declared reduction bandwidths, except that a
+    group of one reduces its own vector (no network), client mode or not."""
+    return [1.0] if len(serving) == 1 else serving
+
+
 def build_group(
     declarations: Sequence[pb.MemberDeclaration],
     *,
@@ -229,7 +235,7 @@ def build_group(
     """
     struck = capped([d.weight for d in declarations], cap_multiple)
     kept = [d for i, d in enumerate(declarations) if i not in struck]
-    bandwidths = [d.bandwidth if d.endpoint else 0.0 for d in kept]
+    bandwidths = _part_bandwidths([d.bandwidth if d.endpoint else 0.0 for d in kept])
     if not kept or sum(bandwidths) <= 0:
         return None, struck
     parts = part_blocks(num_blocks(numel, block_size), bandwidths)
@@ -272,7 +278,7 @@ def check_group(
     violations = weight_violations([m.weight for m in members], cap_multiple)
     if violations:
         raise Rejection("bad-weight", f"the group admits a bad weight: {violations}")
-    bandwidths = [m.bandwidth if m.serving else 0.0 for m in members]
+    bandwidths = _part_bandwidths([m.bandwidth if m.serving else 0.0 for m in members])
     if sum(bandwidths) <= 0:
         raise Rejection("bad-group", "no member of the group serves a part")
     parts = part_blocks(num_blocks(numel, block_size), bandwidths)
@@ -294,7 +300,7 @@ def check_group(
 
 
 def single_group(me: pb.MemberDeclaration, nonce: bytes) -> pb.GroupInfo:
-    """The group of one (a leader nobody joined)."""
+    """The group of one (a leader nobody joined, or a client-mode peer nobody serves)."""
     info, _ = build_group(
         [me],
         round=me.round,
@@ -303,5 +309,5 @@ def single_group(me: pb.MemberDeclaration, nonce: bytes) -> pb.GroupInfo:
         cap_multiple=0.0,
         nonce=nonce,
     )
-    assert info is not None, "a serving peer always forms a group of one"
+    assert info is not None, "a peer always forms a group of one"
     return info

@@ -14,7 +14,8 @@ are redirected there, and so is it. A group of one is a valid outcome; fewer tha
 
 Nothing here waits without a deadline: an unreachable leader costs one call bounded by
 the caller's deadline, after which the next candidate is tried or this peer leads itself
-(client-mode peers never lead; they wait for a serving peer to appear). A round that finds
+(client-mode peers never lead; they wait a gathering window for a serving peer to appear,
+then average alone). A round that finds
 no group by the deadline raises :class:`~swarmloco.errors.RoundAborted`; a member the
 leader refused raises :class:`~swarmloco.errors.RejectedInput`.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
@@ -42,6 +44,7 @@ from swarmloco.net.averaging.group import (
     check_declaration,
     check_group,
     sign_declaration,
+    single_group,
 )
 from swarmloco.net.averaging.wire import SERVICE_NAME
 from swarmloco.net.client import Method, RpcClient, RpcError
@@ -192,6 +195,11 @@ class Matchmaker:
         )
         announced_at = self.clock()
         key = round_key(self.swarm_id, round)
+        # A round tried again (the last attempt aborted) is not formed: followers asking
+        # now should wait for this attempt's gathering, not give up on us.
+        with contextlib.suppress(ValueError):
+            while True:
+                self._finished.remove(round)
         try:
             await self._announce(key, me, announced_at, deadline)
             return await self._find_group(round, me, announced_at, deadline, expected)
@@ -253,6 +261,7 @@ class Matchmaker:
         not_leading: dict[str, float] = {}
         redirects = 0
         next_endpoint: str | None = None
+        unserved_since: float | None = None  # client mode: since when no leader is in sight
         while not deadline.expired:
             if next_endpoint is None:
                 candidates = await self._candidates(round, me, announced_at, deadline)
@@ -266,8 +275,17 @@ class Matchmaker:
                         except _Handover as handover:
                             next_endpoint = handover.endpoint
                             continue
+                    # A client-mode peer cannot lead. When no serving peer it can reach
+                    # shows up for a whole gathering window, it averages alone, as a
+                    # leader nobody joined would.
+                    now = time.monotonic()
+                    if unserved_since is None:
+                        unserved_since = now
+                    if now - unserved_since >= self.config.gather_s:
+                        return self._alone(round, me)
                     await asyncio.sleep(min(self.config.poll_s, deadline.remaining()))
                     continue
+                unserved_since = None
                 next_endpoint = untried[0].endpoint
             endpoint, next_endpoint = next_endpoint, None
             response = await self._join(endpoint, me, deadline)
@@ -297,9 +315,13 @@ class Matchmaker:
             refusal = response.refused
             if outcome == "refused" and refusal.code == "too-few":
                 raise RoundAborted(f"round {round}: {refusal.reason}")
-            if outcome == "refused" and refusal.code == "not-leading":
+            waiting = ("not-leading",) if me.endpoint else ("not-leading", "formed")
+            if outcome == "refused" and refusal.code in waiting:
                 # It announced but has not started leading yet (or never will: after a
-                # gathering window of asking, give up on it).
+                # gathering window of asking, give up on it). A client-mode peer, which
+                # cannot lead, also waits out a leader that formed a group of this round
+                # without it: the leader may try the round again (its last attempt
+                # aborted) and would then take it.
                 since = not_leading.setdefault(endpoint, time.monotonic())
                 if time.monotonic() - since > self.config.gather_s:
                     tried.add(endpoint)
@@ -398,6 +420,19 @@ class Matchmaker:
             for waiter in gathering.waiters.values():
                 if not waiter.done():
                     waiter.set_result(_refused("formed", "the leader stopped gathering"))
+
+    def _alone(self, round: int, me: pb.MemberDeclaration) -> Group:
+        cfg = self.config
+        if cfg.min_group_size > 1:
+            raise RoundAborted(
+                f"round {round}: no serving peer to average with (client mode), at least "
+                f"{cfg.min_group_size} members needed"
+            )
+        logger.info("round %d: no serving peer in sight (client mode): a group of one", round)
+        info = single_group(me, os.urandom(NONCE_BYTES))
+        return check_group(
+            info, me=me, swarm_id=self.swarm_id, cap_multiple=cfg.weight_cap_multiple
+        )
 
     def _hand_over(self, gathering: _Gathering, endpoint: str) -> None:
         logger.info("round %d: handing the group over to %s", gathering.round, endpoint)
