@@ -452,6 +452,11 @@ def _create(args: argparse.Namespace) -> int:
 
     if args.no_train and not args.peers:
         raise ValueError("--no-train publishes the manifest through a peer: pass --peer HOST:PORT")
+    if args.client_mode and not args.peers:
+        raise ValueError(
+            "--client-mode serves nothing, so others could never reach this swarm: pass "
+            "--peer HOST:PORT of a serving peer or bootstrap node"
+        )
     identity = Identity.load_or_create(args.data_dir)
     run = get_task(args.task).default_run(args.preset)
     inner_changes = {

@@ -113,6 +113,13 @@ def test_a_peer_address_that_does_not_answer_fails_within_seconds():
     assert time.monotonic() - started < 10  # the join deadline is 5 s
 
 
+def test_a_client_mode_creator_without_a_peer_is_refused_before_anything_starts(tmp_path):
+    result = swarmloco("create", "--client-mode", "--data-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "--client-mode serves nothing" in result.stderr
+    assert result.stdout == ""  # no swarm id printed for a swarm nobody could reach
+
+
 def test_every_command_explains_itself():
     for command in ("bootstrap", "create", "join"):
         result = swarmloco(command, "--help")
