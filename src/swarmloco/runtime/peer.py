@@ -272,14 +272,12 @@ class Peer:
 
     def _build(self) -> None:
         task, model_config, data_spec, run = run_from_manifest(self.manifest)
+        inner = run.inner  # compile and precision are this peer's own choices
         if self.config.compile is not None:
-            run = dataclasses.replace(
-                run, inner=dataclasses.replace(run.inner, compile=self.config.compile)
-            )
+            inner = dataclasses.replace(inner, compile=self.config.compile)
         if self.config.precision is not None:
-            run = dataclasses.replace(
-                run, inner=dataclasses.replace(run.inner, precision=self.config.precision)
-            )
+            inner = dataclasses.replace(inner, precision=self.config.precision)
+        run = dataclasses.replace(run, inner=inner)
         if self.config.codec_backend is not None:
             run = dataclasses.replace(
                 run, codec=dataclasses.replace(run.codec, backend=self.config.codec_backend)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import math
@@ -197,9 +196,10 @@ class Matchmaker:
         key = round_key(self.swarm_id, round)
         # A round tried again (the last attempt aborted) is not formed: followers asking
         # now should wait for this attempt's gathering, not give up on us.
-        with contextlib.suppress(ValueError):
-            while True:
-                self._finished.remove(round)
+        if round in self._finished:
+            self._finished = collections.deque(
+                (r for r in self._finished if r != round), maxlen=self._finished.maxlen
+            )
         try:
             await self._announce(key, me, announced_at, deadline)
             return await self._find_group(round, me, announced_at, deadline, expected)
@@ -386,14 +386,7 @@ class Matchmaker:
             if enough <= 1:
                 # Expecting nobody: still give way to a leader that announced before us
                 # (it may count on us), rather than split the round in two.
-                earlier = [
-                    c
-                    for c in await self._candidates(round, me, announced_at, deadline)
-                    if c.endpoint not in tried
-                ]
-                if earlier:
-                    self._hand_over(gathering, earlier[0].endpoint)
-                    raise _Handover(earlier[0].endpoint)
+                await self._give_way(gathering, me, announced_at, tried, deadline)
             while len(gathering.declarations) < enough:
                 left = close_at - loop.time()
                 if left <= 0:
@@ -405,14 +398,7 @@ class Matchmaker:
                     continue
                 except TimeoutError:
                     pass
-                earlier = [
-                    c
-                    for c in await self._candidates(round, me, announced_at, deadline)
-                    if c.endpoint not in tried
-                ]
-                if earlier:
-                    self._hand_over(gathering, earlier[0].endpoint)
-                    raise _Handover(earlier[0].endpoint)
+                await self._give_way(gathering, me, announced_at, tried, deadline)
             return self._close(gathering)
         finally:
             gathering.closed = True
@@ -433,6 +419,22 @@ class Matchmaker:
         return check_group(
             info, me=me, swarm_id=self.swarm_id, cap_multiple=cfg.weight_cap_multiple
         )
+
+    async def _give_way(
+        self,
+        gathering: _Gathering,
+        me: pb.MemberDeclaration,
+        announced_at: float,
+        tried: set[str],
+        deadline: Deadline,
+    ) -> None:
+        """Hand the gathering over (raising _Handover) to a serving peer of the round that
+        announced before us and was not tried yet; return if there is none."""
+        candidates = await self._candidates(gathering.round, me, announced_at, deadline)
+        earlier = [c for c in candidates if c.endpoint not in tried]
+        if earlier:
+            self._hand_over(gathering, earlier[0].endpoint)
+            raise _Handover(earlier[0].endpoint)
 
     def _hand_over(self, gathering: _Gathering, endpoint: str) -> None:
         logger.info("round %d: handing the group over to %s", gathering.round, endpoint)
