@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Learning quality at equal tokens on the default task. Prints one JSON object.
 
-Arms (all from the same initial model, all seeing the same number of tokens):
+Arms (all from the same initial model; all but `single` see the same number of tokens):
   sync            one model, `workers` times the batch (synchronous data-parallel)
   diloco_fp32     DiLoCo, exact fp32 averaging
   diloco_int8     DiLoCo, the int8 codec both ways (as on the wire)
   streaming_int8  Streaming DiLoCo: F fragments, overlap tau, mix alpha, int8
+  single          for scale, not at equal tokens: one worker alone, the per-worker batch
 
-Targets: diloco_int8 within 2% of sync; int8 within 0.5% of fp32.
+Targets: diloco_int8 within 2% of sync; int8 within 0.5% of fp32. With the single arm, the
+JSON also says what share of the gain from one worker to the synchronous baseline DiLoCo
+keeps: (single - diloco_int8) / (single - sync).
 
     python scripts/bench_convergence.py [--steps 400] [--workers 4] [--sync-every 50]
 """
@@ -34,7 +37,7 @@ from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync
 from swarmloco.train.spec import DataSpec
 from swarmloco.train.tasks import get_task, resolve_model
 
-ARMS = ("sync", "diloco_fp32", "diloco_int8", "streaming_int8")
+ARMS = ("sync", "diloco_fp32", "diloco_int8", "streaming_int8", "single")
 
 
 def _run_arm(job: tuple[Any, ...]) -> dict[str, Any]:
@@ -47,6 +50,9 @@ def _run_arm(job: tuple[Any, ...]) -> dict[str, Any]:
     exchange = "int8" if arm.endswith("int8") else "fp32"
     sim = SimulationConfig(workers=workers, steps=steps, exchange=exchange, eval_every=50)
     if arm == "sync":
+        result = run_sync(task, model, data, run, sim, label=arm, progress=progress)
+    elif arm == "single":  # the baseline's loop with one worker's batch
+        sim = dataclasses.replace(sim, workers=1)
         result = run_sync(task, model, data, run, sim, label=arm, progress=progress)
     else:
         if arm == "streaming_int8":
@@ -74,7 +80,7 @@ def main() -> None:
     p.add_argument("--delay", type=int, default=5)
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arms", default="sync,diloco_fp32,diloco_int8,streaming_int8")
+    p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--progress", action="store_true", help="progress bars on stderr")
     p.add_argument(
         "--parallel", type=int, default=2, help="arms run at once, each in its own 1-thread process"
@@ -137,7 +143,10 @@ def main() -> None:
         "workers": args.workers,
         "sync_every": args.sync_every,
         "steps": args.steps,
-        "tokens": results[arms[0]]["tokens"],
+        "tokens": next(
+            (r["tokens"] for arm, r in results.items() if arm != "single"),
+            results[arms[0]]["tokens"],
+        ),
     }
     loss = {arm: r["final_eval_loss"] for arm, r in results.items()}
     for arm, r in results.items():
@@ -153,6 +162,13 @@ def main() -> None:
         out["int8_over_fp32"] = loss["diloco_int8"] / loss["diloco_fp32"]
         out["target_int8_within_half_pct_of_fp32"] = (
             abs(loss["diloco_int8"] / loss["diloco_fp32"] - 1) <= 0.005
+        )
+    if "single" in loss:
+        out["single_tokens"] = results["single"]["tokens"]
+    # Only meaningful where the larger batch helped at all (not in very short runs).
+    if {"single", "sync", "diloco_int8"} <= loss.keys() and loss["single"] > loss["sync"]:
+        out["diloco_int8_share_of_sync_gain"] = (loss["single"] - loss["diloco_int8"]) / (
+            loss["single"] - loss["sync"]
         )
     if "sync" in loss and "streaming_int8" in loss:
         out["streaming_int8_over_sync"] = loss["streaming_int8"] / loss["sync"]
