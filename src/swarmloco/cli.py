@@ -278,7 +278,8 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="ROUNDS",
-        help="rounds between checkpoints; 0: only when stopping (default: %(default)s)",
+        help="rounds between checkpoints, written in the background (one is skipped while "
+        "the last is still being written); 0: only when stopping (default: %(default)s)",
     )
     g.add_argument(
         "--eval-every",

@@ -1,7 +1,11 @@
 """Checkpoints: exact round trips, keep-last-K, and every way a checkpoint can be broken."""
 
+import copy
 import json
 import random
+import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from swarmloco.runtime.checkpoint import (
     MANIFEST,
     STATE,
     TENSORS,
+    BackgroundWriter,
     CheckpointStore,
     checkpoint_name,
     flatten,
@@ -208,3 +213,75 @@ def test_a_closed_store_refuses_to_save(tmp_path):
     assert not (tmp_path / "never-created").exists()  # the constructor does no I/O
     with pytest.raises(CheckpointError, match="not open"):
         store.save(round=1, step=1, state={})
+
+
+# --- writing in the background ----------------------------------------------------------
+
+
+class GatedStore(CheckpointStore):
+    """A real store whose writes wait until the test lets them go."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def write(self, **kwargs):
+        assert self.gate.wait(30)
+        return super().write(**kwargs)
+
+
+def test_a_background_write_saves_the_state_as_it_was_when_submitted(tmp_path):
+    state = sample_state()
+    expected = copy.deepcopy(state)
+    with GatedStore(tmp_path, swarm_id=SWARM) as store, BackgroundWriter(store) as writer:
+        writer.submit(round=1, step=10, state=state)
+        assert writer.busy and writer.poll() is None
+        # Training goes on and changes the live tensors in place while the write waits.
+        state["theta_g"].add_(1.0)
+        state["local"]["w"].zero_()
+        store.gate.set()
+        saved = writer.wait()
+        assert saved is not None and (saved.round, saved.step) == (1, 10)
+        assert saved.path == tmp_path / checkpoint_name(1, 10)
+        assert saved.nbytes > 8000 and not writer.busy
+        assert writer.poll() is None  # collected once
+        assert_same(store.latest().state, expected)
+
+
+def test_one_write_at_a_time_and_each_is_collected(tmp_path):
+    with GatedStore(tmp_path, swarm_id=SWARM) as store, BackgroundWriter(store) as writer:
+        writer.submit(round=1, step=10, state=sample_state())
+        with pytest.raises(RuntimeError, match="still being written"):
+            writer.submit(round=2, step=20, state=sample_state())
+        store.gate.set()
+        deadline = time.monotonic() + 30
+        while writer.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="not collected"):
+            writer.submit(round=2, step=20, state=sample_state())
+        assert writer.poll().round == 1
+        writer.submit(round=2, step=20, state=sample_state(1))
+        assert writer.wait().round == 2
+        assert store.latest().round == 2
+
+
+def test_a_failed_background_write_raises_where_it_is_collected(tmp_path):
+    root = tmp_path / "ckpt"
+    with CheckpointStore(root, swarm_id=SWARM) as store, BackgroundWriter(store) as writer:
+        writer.submit(round=1, step=10, state=sample_state())
+        assert writer.wait().round == 1
+        shutil.rmtree(root)  # the directory is gone under the peer's feet
+        writer.submit(round=2, step=20, state=sample_state())
+        with pytest.raises(CheckpointError, match="cannot write checkpoint"):
+            writer.wait()
+
+
+def test_closing_the_writer_finishes_the_write_in_flight(tmp_path):
+    store = GatedStore(tmp_path, swarm_id=SWARM).open()
+    writer = BackgroundWriter(store)
+    writer.submit(round=3, step=30, state=sample_state())
+    threading.Timer(0.2, store.gate.set).start()
+    writer.close()  # blocks until the write is on disk
+    assert not writer.busy
+    assert store.latest().round == 3
+    store.close()

@@ -16,12 +16,17 @@ whose manifest is missing or whose files do not match it does not count as a che
 The newest ``keep`` checkpoints are kept. A full disk fails the save with a clear error and
 leaves the earlier checkpoints as they were.
 
+A :class:`BackgroundWriter` writes on a thread of its own: the caller waits only for a copy
+of the state in memory, not for the seconds that writing, hashing and fsyncing a large
+model's state take.
+
 Nested state (an optimizer's ``state_dict``, a data loader's state, RNG states) goes through
 :func:`flatten` / :func:`unflatten`: tensors go to the safetensors file, the rest to msgpack.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import fcntl
@@ -96,6 +101,26 @@ def unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if isinstance(obj, list):
         return [unflatten(v, tensors) for v in obj]
     return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class StateCopy:
+    """A nested state flattened into private CPU tensors and a msgpack-able skeleton."""
+
+    skeleton: Any
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def copy_state(state: Mapping[str, Any]) -> StateCopy:
+    """A copy of ``state`` that training may no longer change (every tensor copied to the
+    CPU): what a checkpoint writes, taken at one instant."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = flatten(dict(state), tensors)
+    return StateCopy(skeleton, tensors)
 
 
 # --- the store ------------------------------------------------------------------------------
@@ -267,17 +292,20 @@ class CheckpointStore:
         of (``round``, ``step``) and return its directory; then drop all but the newest
         ``keep`` checkpoints. Raises :class:`CheckpointError` when the disk is full or not
         writable; earlier checkpoints are left as they were."""
+        return self.write(round=round, step=step, copy=copy_state(state))
+
+    def write(self, *, round: int, step: int, copy: StateCopy) -> Path:
+        """:meth:`save` of a state copied before (by :func:`copy_state`): the part that
+        may run on another thread while training changes the original state."""
         self._require_open()
         final = self.root / checkpoint_name(round, step)
         tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
         started = time.monotonic()
         try:
             tmp.mkdir()
-            tensors: dict[str, torch.Tensor] = {}
-            skeleton = flatten(dict(state), tensors)
             files = {
-                TENSORS: _write_safetensors(tmp / TENSORS, tensors),
-                STATE: _write_bytes(tmp / STATE, msgpack.packb(skeleton, use_bin_type=True)),
+                TENSORS: _write_safetensors(tmp / TENSORS, copy.tensors),
+                STATE: _write_bytes(tmp / STATE, msgpack.packb(copy.skeleton, use_bin_type=True)),
             }
             manifest = {
                 "format": FORMAT,
@@ -403,3 +431,88 @@ class CheckpointStore:
             created_at=float(manifest["created_at"]),
             state=state,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """A checkpoint the :class:`BackgroundWriter` finished writing."""
+
+    path: Path
+    round: int
+    step: int
+    nbytes: int
+    copy_seconds: float
+    """What the caller's thread spent copying the state (all that training waited for)."""
+    write_seconds: float
+
+
+class BackgroundWriter:
+    """Writes a store's checkpoints on a thread of its own while training goes on.
+
+    :meth:`submit` copies the state on the caller's thread (the copy is all training waits
+    for: a memory copy, where writing, hashing and fsyncing take seconds for a large model)
+    and hands the write to the writer thread. At most one write is in flight. :meth:`poll`
+    reports a finished write, or raises its :class:`CheckpointError`; :meth:`wait` blocks
+    for it. :meth:`close` waits for the write in flight, so that none is cut short by the
+    process leaving (a kill -9 still leaves the earlier checkpoints intact).
+    """
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: concurrent.futures.Future[Saved] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    def submit(self, *, round: int, step: int, state: Mapping[str, Any]) -> None:
+        """Copy ``state`` and start writing it. Raises if a write is still in flight (check
+        :attr:`busy`, or :meth:`wait` first) or the previous one failed."""
+        if self._inflight is not None:
+            if not self._inflight.done():
+                raise RuntimeError("a checkpoint is still being written")
+            raise RuntimeError("the previous checkpoint was not collected (call poll or wait)")
+        started = time.monotonic()
+        copy = copy_state(state)
+        copied = time.monotonic() - started
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="swarmloco-checkpoint"
+            )
+        self._inflight = self._pool.submit(self._write, round, step, copy, copied)
+
+    def _write(self, round: int, step: int, copy: StateCopy, copied: float) -> Saved:
+        started = time.monotonic()
+        path = self.store.write(round=round, step=step, copy=copy)
+        return Saved(path, round, step, copy.nbytes, copied, time.monotonic() - started)
+
+    def poll(self) -> Saved | None:
+        """The write in flight if it has finished (its error raised if it failed), else
+        None."""
+        if self._inflight is None or not self._inflight.done():
+            return None
+        return self.wait()
+
+    def wait(self) -> Saved | None:
+        """Block until the write in flight (if any) is done; return it or raise its error."""
+        future, self._inflight = self._inflight, None
+        return None if future is None else future.result()
+
+    def close(self) -> None:
+        """Wait for the write in flight (its error is logged, not raised) and stop the
+        thread."""
+        if self._inflight is not None:
+            try:
+                self.wait()
+            except Exception as e:
+                logger.error("the last checkpoint could not be written: %s", e)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> BackgroundWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -19,7 +19,8 @@ A :class:`Peer` trains in the calling thread and does all its networking on a
    exchange runs while the peer trains ``tau`` more steps, then the outer Nesterov step is
    applied to that fragment of ``theta_g`` on CPU, the fragment's local copy becomes
    ``lerp(theta_g, theta, alpha)``, the digest of the new global state is published and a
-   checkpoint written. F = 1, tau = 0, alpha = 0 is plain DiLoCo. A round that fails
+   checkpoint written (on the checkpoint writer's thread: training waits only for a copy of
+   the state). F = 1, tau = 0, alpha = 0 is plain DiLoCo. A round that fails
    changes nothing: the fragment's delta keeps growing and the next attempt carries it.
    Before each round the peer checks the digests of its own last round and downloads the
    state that ranks first if its own does not.
@@ -81,7 +82,7 @@ from swarmloco.net.state import (
     state_service,
 )
 from swarmloco.net.swarm import announce_peer, publish_manifest
-from swarmloco.runtime.checkpoint import CheckpointStore
+from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore
 from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.train.data import BatchStream, eval_windows
 from swarmloco.train.inner import CompileMode, InnerLoop, Precision, evaluate
@@ -257,8 +258,12 @@ class Peer:
         store = CheckpointStore(
             swarm_dir / "checkpoints", swarm_id=self.swarm_id, keep=cfg.keep_checkpoints
         )
-        with store, LoopThread(name="swarmloco-peer-loop") as loop:
-            self.store, self.loop = store, loop
+        with (
+            store,
+            BackgroundWriter(store) as writer,
+            LoopThread(name="swarmloco-peer-loop") as loop,
+        ):
+            self.store, self.writer, self.loop = store, writer, loop
             self._restore()
             self._start_network()
             try:
@@ -406,14 +411,23 @@ class Peer:
         logger.info("resumed from %s: round %d, step %d", found.path.name, self.round, self.steps)
         self._emit("resumed", round=self.round, step=self.steps, checkpoint=str(found.path))
 
-    def _checkpoint(self) -> None:
-        params = self.layout.gather(self.params, self.layout.zeros())
+    def _checkpoint(self, *, wait: bool = False) -> None:
+        """Checkpoint the state as it is now. Only the copy of the state happens here; the
+        write runs on the writer's thread while training goes on. While the previous
+        checkpoint is still being written, a round's is skipped (the next one, or the one
+        at stop, carries its state). ``wait``: block until this one is on disk."""
+        self._collect_checkpoint(wait=wait)
+        if self.writer.busy:
+            logger.info(
+                "checkpoint of round %d skipped: the last one is still being written", self.round
+            )
+            return
         state = {
             "theta_g": self.theta_g,
             "momentum": self.momentum,
             "outer_steps": [outer.steps for outer in self.outers],
             "fragment_tokens": self.fragment_tokens,
-            "params": params,
+            "params": self.layout.gather(self.params, self.layout.zeros()),
             "inner": self.inner.state_dict(),
             # JSON: the generator state holds 128-bit integers msgpack cannot carry.
             "data": json.dumps(self.stream.state_dict()),
@@ -423,16 +437,25 @@ class Peer:
             "steps_since_round": self.steps_since_round,
             "tokens_since_round": self.tokens_since_round,
         }
-        started = time.monotonic()
-        path = self.store.save(round=self.round, step=self.steps, state=state)
+        self.writer.submit(round=self.round, step=self.steps, state=state)
         self._dirty = False
-        self._emit(
-            "checkpoint",
-            round=self.round,
-            step=self.steps,
-            path=str(path),
-            seconds=round(time.monotonic() - started, 3),
-        )
+        if wait:
+            self._collect_checkpoint(wait=True)
+
+    def _collect_checkpoint(self, *, wait: bool = False) -> None:
+        """Report the checkpoint written in the background once it is on disk (a failed
+        write raises its CheckpointError here, on the training thread)."""
+        saved = self.writer.wait() if wait else self.writer.poll()
+        if saved is not None:
+            self._emit(
+                "checkpoint",
+                round=saved.round,
+                step=saved.step,
+                path=str(saved.path),
+                bytes=saved.nbytes,
+                seconds=round(saved.write_seconds, 3),
+                copy_seconds=round(saved.copy_seconds, 3),
+            )
 
     # -- the network -------------------------------------------------------------------------
 
@@ -765,11 +788,13 @@ class Peer:
             self.train_seconds += seconds
             self._rate.add(self.tokens_per_step, seconds)
             self._last_loss = loss
+            self._collect_checkpoint()
         if self._inflight is not None:
             self._land()
         self.state = "stopping"
         if self._dirty:
-            self._checkpoint()
+            self._checkpoint(wait=True)
+        self._collect_checkpoint(wait=True)
 
     def _pace(self) -> Verdict:
         """Whether to average now (DESIGN section 3, "When a round is due").
