@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
-"""How long training waits for a checkpoint. Prints one JSON object.
+"""How long training waits at each round for the checkpoint and the state digest. Prints one
+JSON object.
 
 A peer checkpoints after every round by default. Its state is the global parameters and
 outer momentum, the local parameters, and AdamW's two moments: five times the model in
-fp32. For each preset, in one run and on the same disk, this compares:
+fp32. It also hashes the new global state (parameters and momentum) to publish its digest.
+For each preset, in one run and on the same disk, this compares:
 
-  sync        CheckpointStore.save on the training thread (copy, write, hash, fsync)
-  background  what the peer does: BackgroundWriter.submit copies the state on the
-              training thread (the stall) and the write runs on the writer's thread
+  sync        on the training thread: CheckpointStore.save (copy, write, hash, fsync), and
+              the snapshot of the global state with its digest
+  background  what the peer does: it copies the state and the snapshot on the training
+              thread (the stall); the checkpoint writer and the digest thread do the rest
 
-Keys per preset: `params`, `checkpoint_bytes`, `sync_stall_s`, `background_stall_s`,
-`background_write_s` (medians over --repeats), and `stall_ratio` (sync / background).
+Keys per preset: `params`, `checkpoint_bytes`, `checkpoint_sync_stall_s`,
+`checkpoint_background_stall_s`, `checkpoint_background_write_s`, `digest_sync_stall_s`,
+`digest_background_stall_s` (medians over --repeats), and `stall_ratio` (both sync stalls
+over both background stalls).
 
     python scripts/bench_checkpoint.py [--presets tiny,small,base] [--repeats 3] [--dir .]
 """
@@ -31,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import machine
 
+from swarmloco.core.state import MOMENTUM, THETA_G, StateSnapshot
 from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore
 from swarmloco.train.inner import InnerLoop
 from swarmloco.train.tasks import get_task, resolve_model
@@ -76,14 +82,25 @@ def measure(preset: str, repeats: int, root: Path) -> dict[str, Any]:
             assert saved is not None
             write.append(saved.write_seconds)
             nbytes = saved.nbytes
+    digest_sync, digest_stall = [], []
+    for _ in range(repeats):
+        started = time.monotonic()
+        tensors = {THETA_G: state["theta_g"].clone(), MOMENTUM: state["momentum"].clone()}
+        digest_stall.append(time.monotonic() - started)
+        StateSnapshot.of(swarm_id=SWARM, round=1, tensors=tensors)
+        digest_sync.append(time.monotonic() - started)
     result = {
         "params": numel,
         "checkpoint_bytes": nbytes,
-        "sync_stall_s": statistics.median(sync),
-        "background_stall_s": statistics.median(stall),
-        "background_write_s": statistics.median(write),
+        "checkpoint_sync_stall_s": statistics.median(sync),
+        "checkpoint_background_stall_s": statistics.median(stall),
+        "checkpoint_background_write_s": statistics.median(write),
+        "digest_sync_stall_s": statistics.median(digest_sync),
+        "digest_background_stall_s": statistics.median(digest_stall),
     }
-    result["stall_ratio"] = result["sync_stall_s"] / result["background_stall_s"]
+    result["stall_ratio"] = (result["checkpoint_sync_stall_s"] + result["digest_sync_stall_s"]) / (
+        result["checkpoint_background_stall_s"] + result["digest_background_stall_s"]
+    )
     return result
 
 

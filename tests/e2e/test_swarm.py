@@ -43,6 +43,16 @@ def test_three_peers_train_together_and_hold_the_same_state(tmp_path):
         assert stopped["round"] == rounds and "max rounds" in stopped["reason"]
         # Every applied round left a complete checkpoint behind.
         assert p.of("checkpoint"), p.log_tail()
+        # Digests and checkpoints finish off the training thread; their events still come in
+        # order: rounds ascending, a round's before its checkpoint's.
+        order = [
+            (e["event"], e["round"]) for e in p.events if e["event"] in ("round", "checkpoint")
+        ]
+        applied = [r for kind, r in order if kind == "round"]
+        assert applied == sorted(set(applied)), order
+        for i, (kind, r) in enumerate(order):
+            if kind == "checkpoint" and r in applied:
+                assert ("round", r) in order[:i], order
     # The swarm averaged as one group, and members of a group hold the same bytes.
     groups = [e["group"] for p in peers for e in p.of("round")]
     assert max(groups) == 3, groups

@@ -19,8 +19,8 @@ A :class:`Peer` trains in the calling thread and does all its networking on a
    exchange runs while the peer trains ``tau`` more steps, then the outer Nesterov step is
    applied to that fragment of ``theta_g`` on CPU, the fragment's local copy becomes
    ``lerp(theta_g, theta, alpha)``, the digest of the new global state is published and a
-   checkpoint written (on the checkpoint writer's thread: training waits only for a copy of
-   the state). F = 1, tau = 0, alpha = 0 is plain DiLoCo. A round that fails
+   checkpoint written (hashing and writing run on threads of their own: training waits only
+   for copies of the state). F = 1, tau = 0, alpha = 0 is plain DiLoCo. A round that fails
    changes nothing: the fragment's delta keeps growing and the next attempt carries it.
    Before each round the peer checks the digests of its own last round and downloads the
    state that ranks first if its own does not.
@@ -228,6 +228,10 @@ class Peer:
         self._stop = threading.Event()
         self._stop_reason = ""
         self._snapshot: StateSnapshot | None = None
+        # The snapshot of the last round while the digest thread hashes it, and what then.
+        self._hashing: (
+            tuple[concurrent.futures.Future[StateSnapshot], Callable[[bytes], None]] | None
+        ) = None
         self.state = "starting"
         self.started_at = time.time()
         self.last_error = ""
@@ -261,9 +265,10 @@ class Peer:
         with (
             store,
             BackgroundWriter(store) as writer,
+            concurrent.futures.ThreadPoolExecutor(1, "swarmloco-digest") as digester,
             LoopThread(name="swarmloco-peer-loop") as loop,
         ):
-            self.store, self.writer, self.loop = store, writer, loop
+            self.store, self.writer, self.digester, self.loop = store, writer, digester, loop
             self._restore()
             self._start_network()
             try:
@@ -369,14 +374,44 @@ class Peer:
             streaming.alpha,
         )
 
-    def _publish_snapshot(self, digest: bytes | None) -> None:
-        """What the state donor serves from now on: a copy of the committed global state."""
+    def _committed(self) -> dict[str, torch.Tensor]:
+        """A copy of the committed global state (the donor serves it while training goes
+        on and changes the original)."""
         tensors = {THETA_G: self.theta_g.clone()}
         if self.round > 0:
             tensors[MOMENTUM] = self.momentum.clone()
+        return tensors
+
+    def _publish_snapshot(self, digest: bytes | None) -> None:
+        """What the state donor serves from now on: the committed global state (hashed
+        here when its digest is not given)."""
+        self._finish_digest(wait=True)
         self._snapshot = StateSnapshot.of(
-            swarm_id=self.swarm_id, round=self.round, tensors=tensors, digest=digest
+            swarm_id=self.swarm_id, round=self.round, tensors=self._committed(), digest=digest
         )
+
+    def _hash_snapshot(self, then: Callable[[bytes], None]) -> None:
+        """:meth:`_publish_snapshot` of a new round, hashed on the digest thread while
+        training goes on (a large model's state takes seconds to hash). Until the digest is
+        known the donor serves the previous snapshot; then ``then(digest)`` runs on the
+        training thread (in :meth:`_finish_digest`)."""
+        self._finish_digest(wait=True)
+        future = self.digester.submit(
+            StateSnapshot.of, swarm_id=self.swarm_id, round=self.round, tensors=self._committed()
+        )
+        self._hashing = (future, then)
+
+    def _finish_digest(self, *, wait: bool = False) -> None:
+        """Take the snapshot whose digest the digest thread computed, if it is done (or
+        once it is, with ``wait``), and run what waited for its digest."""
+        if self._hashing is None:
+            return
+        future, then = self._hashing
+        if not wait and not future.done():
+            return
+        self._hashing = None
+        self._snapshot = future.result()
+        then(self._snapshot.digest)
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -447,6 +482,7 @@ class Peer:
         write raises its CheckpointError here, on the training thread)."""
         saved = self.writer.wait() if wait else self.writer.poll()
         if saved is not None:
+            self._finish_digest(wait=True)  # the round's event before its checkpoint's
             self._emit(
                 "checkpoint",
                 round=saved.round,
@@ -635,6 +671,7 @@ class Peer:
         reachable holder of a digest backs (a liar, or a lone peer ahead of everyone) is
         left out of pacing for a while instead of stalling this one.
         """
+        self._finish_digest(wait=True)  # this peer's own digest of its last round
         try:
             claims = self.loop.run(self._claims(), timeout=30.0)
             # A peer working towards round r holds the state of round r - 1, or of r - 2
@@ -755,6 +792,7 @@ class Peer:
         tau = self.run_config.streaming.delay
         self._train_started = time.monotonic()
         while not self._stop.is_set():
+            self._finish_digest()
             if cfg.max_rounds is not None and self.round >= cfg.max_rounds:
                 self.stop(f"round {self.round} reached (max rounds {cfg.max_rounds})")
                 break
@@ -791,6 +829,7 @@ class Peer:
             self._collect_checkpoint()
         if self._inflight is not None:
             self._land()
+        self._finish_digest(wait=True)
         self.state = "stopping"
         if self._dirty:
             self._checkpoint(wait=True)
@@ -943,10 +982,13 @@ class Peer:
                 self.layout.scatter(self.theta_g, self.params, f)
             else:
                 self.layout.lerp_into(self.theta_g, self.params, alpha, f)
-        self._publish_snapshot(None)
-        assert self._snapshot is not None
-        digest = self._snapshot.digest
-        self.loop.submit(self._publish_digest(x.round, digest))
+        event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
+
+        def hashed(digest: bytes) -> None:
+            self.loop.submit(self._publish_digest(event["round"], digest))
+            self._emit("round", **event, digest=digest.hex())
+
+        self._hash_snapshot(hashed)
         self.rounds_applied += 1
         report = result.report
         self._nan_in_a_row = 0  # a round made it: training works from this state
@@ -957,21 +999,21 @@ class Peer:
         if self.config.eval_every and self.round % self.config.eval_every == 0:
             eval_loss = self._evaluate()
         seconds = time.monotonic() - x.started
-        self._emit(
-            "round",
-            round=self.round,
-            fragment=f,
-            step=self.steps,
-            overlap_steps=self.steps - x.step,
-            group=len(report.members),
-            weight=x.weight,
-            loss=self._last_loss,
-            eval_loss=eval_loss,
-            digest=digest.hex(),
-            bytes_sent=report.bytes_sent,
-            seconds=round(seconds, 3),
-            matchmaking_seconds=round(matchmaking, 3),
-            excluded=sorted(report.excluded),
+        event.update(
+            {
+                "round": self.round,
+                "fragment": f,
+                "step": self.steps,
+                "overlap_steps": self.steps - x.step,
+                "group": len(report.members),
+                "weight": x.weight,
+                "loss": self._last_loss,
+                "eval_loss": eval_loss,
+                "bytes_sent": report.bytes_sent,
+                "seconds": round(seconds, 3),
+                "matchmaking_seconds": round(matchmaking, 3),
+                "excluded": sorted(report.excluded),
+            }
         )
         logger.info(
             "round %d (fragment %d) applied with %d peer(s) in %.2fs: train loss %.3f%s",
