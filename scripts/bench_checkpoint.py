@@ -66,16 +66,21 @@ def peer_state(preset: str) -> tuple[int, dict[str, Any]]:
 
 def measure(preset: str, repeats: int, root: Path) -> dict[str, Any]:
     numel, state = peer_state(preset)
+    live = state["params"]
+    scratch = torch.empty_like(live)  # the peer gathers its parameters into a scratch vector
+    state["params"] = scratch
     sync, stall, write = [], [], []
     nbytes = 0
     store = CheckpointStore(root / preset, swarm_id=SWARM, keep=1)
     with store, BackgroundWriter(store) as writer:
         for i in range(repeats):
             started = time.monotonic()
+            scratch.copy_(live)
             store.save(round=2 * i + 1, step=i, state=state)
             sync.append(time.monotonic() - started)
 
             started = time.monotonic()
+            scratch.copy_(live)
             writer.submit(round=2 * i + 2, step=i, state=state)
             stall.append(time.monotonic() - started)
             saved = writer.wait()

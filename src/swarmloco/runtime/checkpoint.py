@@ -467,8 +467,9 @@ class BackgroundWriter:
         return self._inflight is not None and not self._inflight.done()
 
     def submit(self, *, round: int, step: int, state: Mapping[str, Any]) -> None:
-        """Copy ``state`` and start writing it. Raises if a write is still in flight (check
-        :attr:`busy`, or :meth:`wait` first) or the previous one failed."""
+        """Copy ``state`` (the caller may change it as soon as this returns) and start
+        writing the copy. Raises if a write is still in flight (check :attr:`busy`) or the
+        last one was not collected (:meth:`poll` or :meth:`wait` first)."""
         if self._inflight is not None:
             if not self._inflight.done():
                 raise RuntimeError("a checkpoint is still being written")

@@ -462,7 +462,8 @@ class Peer:
             "momentum": self.momentum,
             "outer_steps": [outer.steps for outer in self.outers],
             "fragment_tokens": self.fragment_tokens,
-            "params": self.layout.gather(self.params, self.layout.zeros()),
+            # Gathered into the scratch vector: the writer copies it before this returns.
+            "params": self.layout.gather(self.params, self.scratch),
             "inner": self.inner.state_dict(),
             # JSON: the generator state holds 128-bit integers msgpack cannot carry.
             "data": json.dumps(self.stream.state_dict()),
