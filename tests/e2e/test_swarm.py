@@ -204,9 +204,9 @@ def test_streaming_diloco_overlaps_fragment_exchanges_with_training(tmp_path):
             assert e["overlap_steps"] >= 2, e  # trained on while the fragment was averaged
     late = c.of("downloaded")
     assert late and late[0]["round"] >= 3, c.events
-    final = {digests_of(p)[int(rounds)] for p in peers}
-    assert len(final) == 1, final
-    assert max(e["group"] for e in c.of("round")) == 3
+    final = {digests_of(p).get(int(rounds)) for p in peers}
+    assert len(final) == 1 and None not in final, [p.events[-8:] for p in peers]
+    assert max((e["group"] for e in c.of("round")), default=0) == 3, c.events
     evals = [e["eval_loss"] for e in a.of("round")]
     assert evals[-1] < evals[0], evals
 
