@@ -179,6 +179,112 @@ def test_a_peer_lying_about_its_round_does_not_stall_the_swarm(tmp_path):
         assert max(y - x for x, y in itertools.pairwise(steps)) < 3 * 8, steps
 
 
+def _flat_numel(manifest_path) -> int:
+    """The length of a swarm's flat global state, built from its manifest as a peer does."""
+    import torch
+
+    from swarmloco.core.flat import FlatLayout
+    from swarmloco.core.fragments import assign_fragments
+    from swarmloco.core.manifest import SwarmManifest
+    from swarmloco.train.tasks import run_from_manifest
+
+    task, model_config, _, run = run_from_manifest(
+        SwarmManifest.from_bytes(manifest_path.read_bytes())
+    )
+    torch.manual_seed(run.seed)
+    named = list(task.build_model(model_config).named_parameters())
+    units = [task.layer_unit(n) for n, _ in named]
+    shapes = [(n, tuple(p.shape)) for n, p in named]
+    fragment_of = assign_fragments(units, run.streaming.fragments)
+    return FlatLayout(shapes, fragment_of, run.codec.block_size).numel
+
+
+def test_a_liar_serving_a_poisoned_later_state_is_refused_and_a_frozen_peer_heals(tmp_path):
+    """A hostile peer watches the honest rounds and always claims five rounds more, with
+    the digest of a poisoned state (the right size, every value far off) that it really
+    serves, signed. No honest peer takes it, nor even asks for it: one stranger's claim
+    counts only as far as the others' go. Meanwhile one honest peer is frozen (SIGSTOP)
+    while the other applies ten rounds alone; thawed, it heals from its former partner,
+    and both end on one digest."""
+    import asyncio
+
+    import torch
+
+    from swarmloco.core.state import MOMENTUM, THETA_G, StateSnapshot
+    from swarmloco.net.identity import Identity
+    from swarmloco.net.node import NetNode, NodeConfig
+    from swarmloco.net.records import digest_key, progress_key, progress_report
+    from swarmloco.net.state import StateDonor, state_service
+    from swarmloco.runtime.loop_thread import LoopThread
+
+    served: dict[str, StateSnapshot | None] = {"state": None}
+    claimed: list[int] = []
+
+    async def lie(boot: str, swarm: str, numel: int, stop: asyncio.Event) -> int:
+        identity = Identity.generate()
+        donor = StateDonor(identity=identity, snapshot=lambda: served["state"])
+        config = NodeConfig(peers=(boot,))
+        async with NetNode(
+            identity=identity, config=config, services=[state_service(donor)]
+        ) as node:
+            while not stop.is_set():
+                got = await node.dht.get(progress_key(swarm))
+                honest = [
+                    progress_report(e.subkey, e.value).round
+                    for e in got.entries.values()
+                    if e.subkey != identity.peer_id_hex
+                ]
+                if honest:
+                    claim = max(honest) + 5
+                    state = served["state"]
+                    if state is None or state.round != claim - 1:
+                        poison = torch.full((numel,), 10.0)
+                        tensors = {THETA_G: poison, MOMENTUM: torch.zeros(numel)}
+                        state = StateSnapshot.of(swarm_id=swarm, round=claim - 1, tensors=tensors)
+                        served["state"] = state
+                    now = time.time()
+                    value = {"round": claim, "tokens": 0, "tokens_per_s": 1e4, "at": now}
+                    await node.dht.store(progress_key(swarm), value, ttl=60)
+                    record = {"digest": state.digest, "endpoint": node.endpoint, "at": now}
+                    await node.dht.store(digest_key(swarm, claim - 1), record, ttl=60)
+                    claimed.append(claim)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.5)
+        return donor.stats["served"]
+
+    rounds = "36"
+    with Bootstrap(tmp_path / "boot") as boot, LoopThread() as loop:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint)
+        stop = asyncio.Event()
+        with (
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", "--max-rounds", rounds) as a,
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", "--max-rounds", rounds) as b,
+        ):
+            b.wait_for("round", lambda e: e["round"] >= 3 and e["group"] == 2, timeout=180)
+            # The liar comes to a running swarm (a fresh peer that sees no one but a liar
+            # has nothing to tell it from an honest peer: docs/SECURITY.md).
+            numel = _flat_numel(tmp_path / "a" / "swarms" / swarm / "manifest.json")
+            liar = loop.submit(lie(boot.endpoint, swarm, numel, stop))
+            b.process.send_signal(signal.SIGSTOP)
+            frozen_at = max(e["round"] for e in b.of("round"))
+            a.wait_for("round", lambda e: e["round"] >= frozen_at + 10, timeout=240)
+            b.process.send_signal(signal.SIGCONT)
+            for p in (a, b):
+                assert p.wait(300) == 0, p.log_tail()
+        loop.loop.call_soon_threadsafe(stop.set)
+        served = liar.result(timeout=30)
+    assert claimed  # the liar did claim later rounds all along
+    ids = {p: p.wait_for("ready")["peer_id"] for p in (a, b)}
+    for p in (a, b):
+        assert all(e["donor"][:12] in {i[:12] for i in ids.values()} for e in p.of("downloaded"))
+    # One peer's claim cannot lead another past what the rest report: nobody even asked.
+    assert served == 0
+    # The thawed peer took its partner's state of a round at least ten past its own.
+    healed = [e for e in b.of("downloaded") if e["round"] >= frozen_at + 9]
+    assert healed and healed[0]["donor"][:12] == ids[a][:12], b.events
+    assert digests_of(a)[int(rounds)] == digests_of(b)[int(rounds)]
+
+
 def test_streaming_diloco_overlaps_fragment_exchanges_with_training(tmp_path):
     """F = 2 fragments, each synced every H = 8 steps at staggered times; every exchange
     overlaps tau = 2 inner steps; a peer that joins late downloads the state (with each

@@ -8,7 +8,7 @@ from functools import partial
 
 import msgpack
 import pytest
-from netutil import SWARM, closed_port, counter_key, loopback_network, serving
+from netutil import SWARM, closed_port, counter_key, loopback_network, serving, wait_for
 
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import ManifestError, NetworkError
@@ -290,3 +290,20 @@ async def test_leaving_a_node_leaves_no_task_behind():
         assert all(node.dht._tasks for node in nodes)
     leftover = {t for t in asyncio.all_tasks() - before if not t.done()}
     assert leftover == set()
+
+
+async def test_a_node_that_lost_every_contact_joins_again_through_its_entry_points():
+    """A process frozen for a while (SIGSTOP) wakes to find every call it had in flight
+    timed out: each failure drops a contact, and the routing table runs empty. The node
+    joins again through the peers it first joined through and finds records again."""
+    config = dataclasses.replace(DhtConfig(), rejoin_interval_s=0.2)
+    async with loopback_network(3, dht=config) as nodes:
+        lonely = nodes[2].dht
+        await announce_peer(nodes[0].dht, SWARM, role="trainer")
+        for contact in list(lonely.routing):
+            lonely._failed(contact, "timed out while this process was frozen")
+        assert len(lonely.routing) == 0
+        await wait_for(lambda: len(lonely.routing) > 0, timeout=10.0)
+        assert lonely.stats["rejoins"] >= 1
+        peers = await find_peers(lonely, SWARM)
+        assert [p.peer_id for p in peers] == [nodes[0].identity.peer_id_hex]

@@ -143,6 +143,11 @@ def _stream(header: pb.StateHeader, chunks: list[bytes]) -> Messages:
     ]
 
 
+def honest_stream(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
+    header, chunks = honest_messages(identity, snapshot, nonce)
+    return _stream(header, chunks), None
+
+
 def corrupt_chunk(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
     header, chunks = honest_messages(identity, snapshot, nonce)
     flipped = bytearray(chunks[1])
@@ -234,8 +239,11 @@ def huge_claim(identity: Identity, snapshot: StateSnapshot, nonce: bytes):
 
 
 @asynccontextmanager
-async def hostile(snapshot: StateSnapshot, twist: Twist) -> AsyncIterator[Served]:
-    """A donor that answers every request with ``twist``'s stream (ignoring what it asks)."""
+async def hostile(
+    snapshot: StateSnapshot, twist: Twist, *, pause: float = 0.0
+) -> AsyncIterator[Served]:
+    """A donor that answers every request with ``twist``'s stream (ignoring what it asks),
+    ``pause`` seconds before each message (a donor that drips)."""
     identity = Identity.generate()
     served = Served(identity, 0)
 
@@ -247,6 +255,8 @@ async def hostile(snapshot: StateSnapshot, twist: Twist) -> AsyncIterator[Served
             if i == stall_at:
                 served.fired["stalled"] += 1
                 await asyncio.Event().wait()  # until the requester gives up and cancels
+            if pause:
+                await asyncio.sleep(pause)
             await context.write(message)
         served.fired["finished"] += 1
 
@@ -422,6 +432,22 @@ async def test_a_stalled_donor_is_left_after_one_chunk_timeout(twist):
     assert elapsed < 5.0
     if twist is stall:
         assert "after 2 of" in failure.reason
+
+
+async def test_a_donor_that_drips_chunks_just_inside_the_chunk_timeout_is_cut_off():
+    """A chunk every 0.6 s never trips the 1 s chunk timeout, but 1.6 MB at that pace would
+    take 15 s: the donor gets its chunk timeout plus the state's size at 1 MB/s (2.6 s)."""
+    snapshot = make_snapshot(200_003)
+    async with (
+        hostile(snapshot, honest_stream, pause=0.6) as bad,
+        honest(snapshot) as good,
+        RpcClient() as client,
+    ):
+        failure, elapsed = await fallback(bad, good, snapshot, client, timeout=20.0)
+        assert bad.fired["finished"] == 0
+    assert failure.code == "slow", failure
+    assert "the whole state" in failure.reason
+    assert elapsed < 8.0  # far from the 15 s the drip would have taken
 
 
 async def test_a_wrong_dtype_or_length_is_refused_before_the_payload():

@@ -5,6 +5,7 @@ import torch
 
 from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.core.codec import CodecConfig, chunk_spans, dequantize, quantize
+from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging.reduction import PartReduction
 from swarmloco.net.rejections import Rejection
 
@@ -175,3 +176,43 @@ def test_the_first_contribution_is_written_not_added():
         r.accept(0, k, q, s, now=0.0)
     mean = torch.cat([t for _, t, _ in finish_all(r)])
     assert (mean - decoded(x)).abs().max() <= x.abs().max() / 127
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean", "centered_clip"])
+def test_a_chunk_whose_weighted_values_could_overflow_the_sum_is_refused(method):
+    # Token counts as weights: 2e5 each. A finite update of 1e36 would make the sum Inf.
+    r = make(weights=(2e5, 2e5, 2e5), method=method)
+    honest = chunks_of(torch.randn(NUMEL))
+    r.accept(0, 0, *honest[0], now=0.0)
+    with pytest.raises(Rejection) as info:
+        r.accept(1, 0, *chunks_of(torch.randn(NUMEL) * 1e36)[0], now=0.0)
+    assert info.value.code == "too-large" and "overflow" in info.value.reason
+    assert r.included()[1] == 0
+    # The largest values that pass still sum to a finite mean.
+    r.accept(2, 0, *chunks_of(torch.randn(NUMEL) * 1e30)[0], now=0.0)
+    r.exclude(1, "struck")
+    r.accept(0, 1, *honest[1], now=0.0)
+    index, q, s, contributors = r.finish()
+    assert index == 0 and contributors == [0, 2]
+    assert torch.isfinite(dequantize(q, s, 64, "eager")).all()
+
+
+def test_a_mean_that_is_not_finite_aborts_instead_of_leaving_the_reducer():
+    # Weights whose sum overflows (each finite): nothing may be quantized from it.
+    r = make(senders=(0, 1), weights=(1e308, 1e308))
+    zeros = chunks_of(torch.zeros(NUMEL))
+    for sender in (0, 1):
+        r.accept(sender, 0, *zeros[0], now=0.0)
+    with pytest.raises(RoundAborted, match="chunk 0"):
+        r.finish()
+    assert r.completed == 0
+
+
+def test_centered_clip_stays_finite_for_the_largest_values_a_reducer_accepts():
+    r = make(senders=range(4), weights=[1.0] * 4, method="centered_clip")
+    big = torch.finfo(torch.float32).max / (128 * 4)
+    for sender in range(4):
+        x = torch.randn(NUMEL).sign() * big * (1 if sender < 3 else -1)
+        for k, (q, s) in enumerate(chunks_of(x)):
+            r.accept(sender, k, q, s, now=0.0)
+    assert all(torch.isfinite(t).all() for _, t, _ in finish_all(r))

@@ -99,6 +99,12 @@ def test_decode_rejects_bad_scales_and_sizes():
         codec.dequantize(q, bad, 1024, "eager")
     with pytest.raises(CodecError, match="finite"):
         codec.dequantize(q, -s, 1024, "eager")
+    # Finite, but 127 times it is not: decoding valid input never yields Inf.
+    with pytest.raises(CodecError, match="at most"):
+        codec.dequantize(q, torch.full_like(s, 3e38), 1024, "eager")
+    assert torch.isfinite(
+        codec.dequantize(q.fill_(-128), torch.full_like(s, codec.MAX_SCALE), 1024, "eager")
+    ).all()
     with pytest.raises(CodecError, match="expected 2 scales"):
         codec.dequantize(q, s[:1], 1024, "eager")
     with pytest.raises(CodecError, match="multiple of the block size"):

@@ -77,14 +77,15 @@ def centered_clip(
     w = torch.tensor(weights, dtype=torch.float32)
     w = w / w.sum()
     v = stacked.median(dim=0).values
+    # Norms in float64: the squares of large but valid float32 values overflow float32.
     if tau <= 0:
-        tau = float(torch.linalg.vector_norm(stacked - v, dim=1).median())
+        tau = float(torch.linalg.vector_norm(stacked - v, dim=1, dtype=torch.float64).median())
         if tau == 0.0:
             return v
     for _ in range(iterations):
         diff = stacked - v
-        norms = torch.linalg.vector_norm(diff, dim=1).clamp_min(1e-30)
-        scale = torch.clamp(tau / norms, max=1.0)
+        norms = torch.linalg.vector_norm(diff, dim=1, dtype=torch.float64).clamp_min(1e-30)
+        scale = torch.clamp(tau / norms, max=1.0).to(torch.float32)
         v = v + (w * scale) @ diff
     return v
 

@@ -40,6 +40,9 @@ from swarmloco.errors import CodecError
 log = logging.getLogger(__name__)
 
 QMAX = 127
+MAX_SCALE = float(torch.finfo(torch.float32).max) / 128
+"""The largest scale a decoder accepts: an int8 value (at most 128 in magnitude) times it
+is still a finite float32, so decoding valid input never yields Inf."""
 R = TypeVar("R")
 ScaleDType = Literal["float32", "float16"]
 Backend = Literal["auto", "compiled", "eager"]
@@ -316,9 +319,9 @@ def _check_decode_args(qb: torch.Tensor, scale: torch.Tensor) -> None:
         raise CodecError(f"expected {qb.shape[0]} scales, got {scale.numel()}")
     if scale.dtype not in (torch.float32, torch.float16):
         raise CodecError(f"scales must be float32 or float16, got {scale.dtype}")
-    finite = torch.isfinite(scale) & (scale >= 0)
+    finite = torch.isfinite(scale) & (scale >= 0) & (scale <= MAX_SCALE)
     if not bool(finite.all()):
-        raise CodecError("scales must be finite and non-negative")
+        raise CodecError(f"scales must be finite, non-negative and at most {MAX_SCALE:.3g}")
 
 
 # --------------------------------------------------------------------------- any-shape API

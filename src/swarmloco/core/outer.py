@@ -87,6 +87,12 @@ class OuterOptimizer:
         theta_g.sub_(step)
         self.steps += 1
 
+    @property
+    def last_update(self) -> torch.Tensor:
+        """What the last :meth:`step` subtracted from ``theta_g`` (``lr * step``; valid
+        until the next step)."""
+        return self._scratch
+
     def _check(self, t: torch.Tensor, what: str) -> None:
         require(
             t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 1,

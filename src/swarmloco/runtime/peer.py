@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from swarmloco import __version__
-from swarmloco.core.agreement import ranking
+from swarmloco.core.adoption import Evidence
 from swarmloco.core.codec import Backend, ErrorFeedback, warm_up
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.core.flat import FlatLayout
@@ -73,15 +73,9 @@ from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import digest_key, progress_key, progress_report, status_key
-from swarmloco.net.state import (
-    Donor,
-    DownloadConfig,
-    StateDonor,
-    StateTransferError,
-    download_state,
-    state_service,
-)
+from swarmloco.net.state import DownloadedState, StateDonor, state_service
 from swarmloco.net.swarm import announce_peer, publish_manifest
+from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
 from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore
 from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.train.data import BatchStream, eval_windows
@@ -98,10 +92,9 @@ _FRESH_MIN_S = 10.0
 _MAX_WAIT_ROUNDS = 4
 _CATCH_UP_RETRY_S = 2.0
 _UNBACKED_S = 10.0  # how long a claim of a later round without digests is ignored
-_ROUNDS_TRIED = 8  # later rounds whose digests a catch-up looks up
 _ROUND_FAILURES = (RoundAborted, SwarmlocoError, TimeoutError, concurrent.futures.CancelledError)
 _MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
-_DIGESTS_TRIED = 3  # digests of one round tried, most held first
+_DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,9 +113,8 @@ class PeerConfig:
     """Matchmaking plus all-reduce of one round."""
     matchmaking: MatchmakingConfig = dataclasses.field(default_factory=MatchmakingConfig)
     averaging: AveragingConfig = dataclasses.field(default_factory=AveragingConfig)
-    download: DownloadConfig = dataclasses.field(default_factory=DownloadConfig)
-    state_timeout_s: float = 300.0
-    """Downloading the swarm's state, all donors together."""
+    catchup: CatchUpConfig = dataclasses.field(default_factory=CatchUpConfig)
+    """Which states to download from whom, on what evidence, and how long it may take."""
     checkpoint_every: int = 1
     """Rounds between checkpoints (0: only when the peer stops)."""
     keep_checkpoints: int = 3
@@ -147,7 +139,6 @@ class PeerConfig:
         if self.max_rounds is not None:
             require_int("max_rounds", self.max_rounds, minimum=1)
         require_positive("round_timeout_s", self.round_timeout_s)
-        require_positive("state_timeout_s", self.state_timeout_s)
         require_int("checkpoint_every", self.checkpoint_every, minimum=0)
         require_int("keep_checkpoints", self.keep_checkpoints, minimum=1)
         require_int("eval_every", self.eval_every, minimum=0)
@@ -359,6 +350,9 @@ class Peer:
         self._nan_in_a_row = 0
         self._train_started = 0.0
         self._unbacked: dict[str, float] = {}  # peer -> until when its claims are ignored
+        self._distrusted: dict[str, float] = {}  # peer -> until when it is not asked for state
+        self._refusals_told: set[tuple[int, str]] = set()
+        self.evidence = Evidence()
         self._publish_snapshot(None)
         logger.info(
             "swarm %s: %s, %s parameters, device %s, each of %d fragment(s) syncs every %d "
@@ -437,6 +431,8 @@ class Peer:
             self.steps = int(s["steps"])
             self.steps_since_round = int(s["steps_since_round"])
             self.tokens_since_round = int(s["tokens_since_round"])
+            # Checkpoints from before evidence was kept hold none: the peer starts fresh.
+            self.evidence = Evidence.from_state(s.get("evidence", {}))
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise SwarmlocoError(
                 f"checkpoint {found.path} does not fit this peer's model: {exc}; move it away "
@@ -472,6 +468,7 @@ class Peer:
             "steps": self.steps,
             "steps_since_round": self.steps_since_round,
             "tokens_since_round": self.tokens_since_round,
+            "evidence": self.evidence.to_state(),
         }
         self.writer.submit(round=self.round, step=self.steps, state=state)
         self._dirty = False
@@ -516,6 +513,16 @@ class Peer:
         )
         self.donor = StateDonor(
             identity=self.identity, snapshot=lambda: self._snapshot, limiter=limiter
+        )
+        self.catchup = CatchUp(
+            me=self.peer_id,
+            swarm_id=self.swarm_id,
+            dht=self.node.dht,
+            client=self.node.client,
+            schema=self.schema,
+            evidence=self.evidence,
+            config=cfg.catchup,
+            rejections=self.node.dht.rejections,
         )
         if self.node.server is not None:
             self.node.server.add_service(averaging_service(self.matchmaker, self.averager))
@@ -651,109 +658,54 @@ class Peer:
 
     # -- catching up with the swarm ------------------------------------------------------------
 
-    async def _claims(self) -> dict[str, int]:
-        """Peer id -> the round it says it works towards, for every other peer reporting."""
-        result = await self.node.dht.get(progress_key(self.swarm_id))
-        return {
-            e.subkey: progress_report(e.subkey, e.value).round
-            for e in result.entries.values()
-            if e.subkey != self.peer_id
-        }
-
-    async def _digests_of(self, round: int) -> dict[str, tuple[bytes, str]]:
-        """Peer id -> (digest, endpoint) of everyone who published one for ``round``."""
-        result = await self.node.dht.get(digest_key(self.swarm_id, round))
-        return {e.subkey: (e.value["digest"], e.value["endpoint"]) for e in result.entries.values()}
-
     def _catch_up(self) -> None:
-        """Download the swarm's state if this peer's is older or in the minority.
+        """Download the swarm's state if this peer's is older or in the minority, on the
+        evidence ``runtime/catchup.py`` asks for.
 
-        Only what published digests back counts: a peer that claims a later round no
-        reachable holder of a digest backs (a liar, or a lone peer ahead of everyone) is
-        left out of pacing for a while instead of stalling this one.
+        Peers that claim later rounds no adoptable state backs (liars, or a lone peer ahead
+        of everyone) are left out of pacing for a while instead of stalling this one, and
+        the holders of a state refused after its download for longer.
         """
         self._finish_digest(wait=True)  # this peer's own digest of its last round
-        try:
-            claims = self.loop.run(self._claims(), timeout=30.0)
-            # A peer working towards round r holds the state of round r - 1, or of r - 2
-            # while round r - 1 is in flight on its side.
-            later = sorted(
-                {x for r in claims.values() for x in (r - 1, r - 2) if x > self.round},
-                reverse=True,
-            )
-            for target in later[:_ROUNDS_TRIED]:
-                published = self.loop.run(self._digests_of(target), timeout=30.0)
-                why = f"the swarm is at round {target}, this peer at {self.round}"
-                if published and self._adopt(target, published, why):
-                    return
-            until = time.monotonic() + _UNBACKED_S
-            for peer, r in claims.items():
-                if r > self.round + 2:
-                    self._unbacked[peer] = until
-            if self.round == 0:
-                return
-            published = self.loop.run(self._digests_of(self.round), timeout=30.0)
-        except (SwarmlocoError, TimeoutError) as exc:
-            logger.warning("could not read the swarm's state records: %s", exc)
-            return
         assert self._snapshot is not None
-        published[self.peer_id] = (self._snapshot.digest, self.node.endpoint)
-        why = f"this peer's round {self.round} state is not the one most peers hold"
-        self._adopt(self.round, published, why, mine=self._snapshot.digest)
-
-    def _adopt(
-        self,
-        target: int,
-        published: dict[str, tuple[bytes, str]],
-        why: str,
-        *,
-        mine: bytes | None = None,
-    ) -> bool:
-        """Download the state of round ``target`` that ranks first (most holders, ties to
-        the smaller digest, the same order on every peer); when none of its holders
-        delivers it (a digest nobody serves: a liar's), the next. With ``mine``, only
-        digests that rank before this peer's own are tried: a split group heals (the
-        ranking picks one side for everyone) while a forged digest can only cost a failed
-        download, never replace a state."""
-        endpoints = {peer: endpoint for peer, (_, endpoint) in published.items()}
-        ranked = ranking({peer: digest for peer, (digest, _) in published.items()})
-        for candidate in ranked[:_DIGESTS_TRIED]:
-            if candidate.digest is None or candidate.digest == mine:
-                break
-            donors = [  # client-mode holders count for the ranking but serve nothing
-                Donor(p, endpoints[p])
-                for p in candidate.holders
-                if p != self.peer_id and endpoints[p]
-            ]
-            logger.info("downloading the swarm's state: %s", why)
-            if self._download(target, candidate.digest, donors, why):
-                return True
-        return False
-
-    def _download(self, target: int, digest: bytes, donors: list[Donor], why: str) -> bool:
-        async def fetch() -> Any:
-            return await download_state(
-                self.node.client,
-                donors,
-                swarm_id=self.swarm_id,
-                deadline=Deadline.after(self.config.state_timeout_s),
-                expected_round=target,
-                expected_digest=digest,
-                schema=self.schema,
-                config=self.config.download,
-                rejections=self.node.dht.rejections,
-            )
-
-        previous, self.state = self.state, "downloading"
         try:
-            got = self.loop.run(fetch(), timeout=self.config.state_timeout_s + 10.0)
-        except StateTransferError as exc:
-            logger.warning("%s", exc)
-            self.last_error = f"state download failed: {exc}"
-            self._emit("download-failed", round=target, error=str(exc))
-            return False
-        finally:
-            self.state = previous
+            found = self.loop.run(
+                self.catchup.find(
+                    round=self.round,
+                    digest=self._snapshot.digest if self.round > 0 else None,
+                    theta_g=self.theta_g,
+                    distrusted={p for p, t in self._distrusted.items() if t > time.monotonic()},
+                ),
+                timeout=self.config.catchup.state_timeout_s + 30.0,
+            )
+        except (SwarmlocoError, TimeoutError) as exc:
+            logger.warning("could not catch up with the swarm: %s", exc)
+            return
+        now = time.monotonic()
+        for peer in found.unbacked:
+            self._unbacked[peer] = now + _UNBACKED_S
+        for peer in found.distrusted:
+            self._distrusted[peer] = now + _DISTRUSTED_S
+            self._unbacked[peer] = now + _DISTRUSTED_S
+        for refusal in found.refused:
+            key = (refusal.round, refusal.digest)
+            if key not in self._refusals_told:  # once per state, not at every look
+                self._refusals_told.add(key)
+                self._emit(
+                    "refused",
+                    round=refusal.round,
+                    digest=refusal.digest,
+                    holders=len(refusal.holders),
+                    why=refusal.reason,
+                )
+        if found.failed:
+            self.last_error = f"state download failed: {found.failed[-1]}"
+            self._emit("download-failed", round=self.round, error=found.failed[-1])
+        if found.adopted is not None:
+            self._take(found.adopted, found.why)
+
+    def _take(self, got: DownloadedState, why: str) -> None:
+        """Make a downloaded state this peer's global state (and local parameters)."""
         snap = got.snapshot
         self.theta_g.copy_(snap.tensors[THETA_G])
         momentum = snap.tensors.get(MOMENTUM)
@@ -766,8 +718,10 @@ class Peer:
         self.round = snap.round
         self._take_global()
         self._publish_snapshot(snap.digest)
+        self.evidence.adopted(time.time())
         self.downloads += 1
         self._dirty = True
+        logger.info("took the swarm's state of round %d from %s: %s", self.round, got.donor, why)
         self._emit(
             "downloaded",
             round=self.round,
@@ -776,7 +730,6 @@ class Peer:
             seconds=round(got.seconds, 3),
             why=why,
         )
-        return True
 
     def _take_global(self) -> None:
         """theta <- theta_g; the local progress since the last round restarts from it."""
@@ -949,12 +902,11 @@ class Peer:
         self._inflight = None
         try:
             result, matchmaking = x.future.result(timeout=self.config.round_timeout_s + 10.0)
-        except (
-            RoundAborted,
-            SwarmlocoError,
-            TimeoutError,
-            concurrent.futures.CancelledError,
-        ) as exc:
+            if not bool(torch.isfinite(self.means[x.fragment]).all()):
+                raise RoundAborted(f"round {x.round}: the group's mean is not finite")
+        except Exception as exc:  # whatever the others sent: the round fails, never the peer
+            if not isinstance(exc, _ROUND_FAILURES):
+                logger.error("round %d failed on an unexpected error", x.round, exc_info=exc)
             x.future.cancel()
             self.state = "training"
             self.last_error = f"round {x.round} aborted: {exc}"
@@ -975,6 +927,11 @@ class Peer:
         self.state = "training"
         f = x.fragment
         self.outers[f].step(self.layout.fragment(self.theta_g, f), self.means[f])
+        movement = float(torch.linalg.vector_norm(self.outers[f].last_update))
+        self.evidence.applied(movement, time.time())
+        self.evidence.grouped(
+            x.round, result.report.members, self.peer_id, self.config.catchup.adoption
+        )
         self.round = x.round
         self.fragment_tokens[f] = max(0, self.fragment_tokens[f] - int(x.weight))
         alpha = self.run_config.streaming.alpha

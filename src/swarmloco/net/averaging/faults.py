@@ -10,8 +10,9 @@ a broken or hostile peer:
 * ``drop``: the message is not sent (the stream stays open);
 * ``delay``: the message is sent ``seconds`` late;
 * ``cut``: the stream is torn down once more than ``after_bytes`` went out on it;
-* ``corrupt``: the message is altered (``nan`` scales, ``truncate``d payload,
-  ``stale-round``, shifted ``index``);
+* ``corrupt``: the message is altered (``nan`` scales, ``huge`` finite scales whose
+  values overflow float32 when decoded, ``truncate``d payload, ``stale-round``, shifted
+  ``index``);
 * ``replay``: the message this peer sent at the same point of an earlier round goes out
   instead (an old chunk replayed into a new round);
 * ``stall``: the sending task, or the serving handler (phase ``handler``), blocks for
@@ -42,10 +43,10 @@ Action = Literal["drop", "delay", "cut", "corrupt", "replay", "stall"]
 Phase = Literal[
     "join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler"
 ]
-Corruption = Literal["nan", "truncate", "stale-round", "index"]
+Corruption = Literal["nan", "huge", "truncate", "stale-round", "index"]
 _ACTIONS = ("drop", "delay", "cut", "corrupt", "replay", "stall")
 _PHASES = ("join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler")
-_CORRUPTIONS = ("nan", "truncate", "stale-round", "index")
+_CORRUPTIONS = ("nan", "huge", "truncate", "stale-round", "index")
 
 
 class FaultCut(NetworkError):
@@ -226,9 +227,10 @@ def corrupt(phase: str, message: bytes, how: Corruption) -> bytes:
 def _corrupt_tensors(
     payload: torch.Tensor, scales: torch.Tensor, how: Corruption
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if how == "nan":
-        nan = struct.pack("<f", math.nan) if scales.numel() % 4 == 0 else b"\x00\x7e"
-        raw = nan * (scales.numel() // len(nan))
+    if how in ("nan", "huge"):
+        value = math.nan if how == "nan" else 3e38  # 127 * 3e38 is Inf in float32
+        word = struct.pack("<f", value) if scales.numel() % 4 == 0 else b"\x00\x7e"
+        raw = word * (scales.numel() // len(word))
         return payload, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if how == "truncate":
         return payload[: payload.numel() // 2].clone(), scales

@@ -13,12 +13,19 @@ Senders leave in two ways:
   The chunks it delivered so far stay in the sum; it is left out of the rest, and its
   late chunks are ignored. It keeps receiving results.
 * *struck*: it sent something invalid (wrong size or index, NaN/Inf scales, a stale
-  round or group, a duplicate). Same as excluded, plus the caller refuses its stream.
+  round or group, a duplicate, values so large that the weighted sum could overflow).
+  Same as excluded, plus the caller refuses its stream.
 
 Either way each chunk's mean is normalized by the weights of exactly the senders it
 includes, and since every sender delivers in order, the senders a chunk includes are those
 whose *included prefix* is longer than the chunk index: :meth:`included` is the whole
 account of who counted where.
+
+No sum can overflow: a chunk is accepted only if its weighted values are at most
+``FLOAT32_MAX / senders`` in magnitude, so the sum of every sender's is still finite. A
+mean that is not finite anyway (a robust aggregator's arithmetic) raises
+:class:`~swarmloco.errors.RoundAborted` from :meth:`PartReduction.finish`: nothing of it
+leaves the reducer.
 
 Deadlines (the caller's clock, in seconds): a live sender must deliver its next chunk
 within ``timeout`` of the earlier of (a) its previous chunk (or the start) and (b) the
@@ -43,8 +50,11 @@ from swarmloco.core.codec import (
     dequantize_into_,
     quantize,
 )
-from swarmloco.errors import CodecError
+from swarmloco.errors import CodecError, RoundAborted
 from swarmloco.net.rejections import Rejection
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_MAX_QUANT = 128  # the largest magnitude of an int8 value
 
 
 class PartReduction:
@@ -83,6 +93,9 @@ class PartReduction:
         self._weight_sum = [0.0] * len(self.spans)
         self.next_index: dict[int, int] = {s: 0 for s in senders}
         self.live: set[int] = set(self.next_index)
+        # What one sender's weighted chunk may hold at most, in magnitude, so that the sum
+        # of every sender's stays a finite float32.
+        self._limit = FLOAT32_MAX / max(1, len(self.next_index))
         self.left: dict[int, str] = {}
         """Senders excluded or struck, with the reason."""
         self._last_progress: dict[int, float] = dict.fromkeys(self.next_index, now)
@@ -127,6 +140,14 @@ class PartReduction:
             raise Rejection("bad-index", f"part {self.part} has only {len(self.spans)} chunks")
         span = self.spans[index]
         weight = self.weights[sender]
+        if scales.numel():
+            largest = weight * _MAX_QUANT * float(scales.max())
+            if largest > self._limit:  # NaN scales fail the decoder's checks below
+                raise Rejection(
+                    "too-large",
+                    f"chunk {index} of part {self.part} holds values up to {largest:.3g} "
+                    "(weighted): the sum would overflow",
+                )
         try:
             if self._acc is not None:
                 acc = self._acc[span.start : span.stop]
@@ -191,7 +212,8 @@ class PartReduction:
     def finish(self) -> tuple[int, torch.Tensor, torch.Tensor, list[int]]:
         """Complete the next ready chunk: ``(index, int8 payload, scales, contributors)``.
 
-        The mean is normalized by the weights of exactly the contributors listed.
+        The mean is normalized by the weights of exactly the contributors listed. Raises
+        RoundAborted if it is not finite (then the chunk stays incomplete).
         """
         assert self.ready(), "finish() needs a ready chunk"
         k = self.completed
@@ -199,7 +221,9 @@ class PartReduction:
         contributors = self.contributors(k)
         total = self._weight_sum[k]
         if not contributors or not math.isfinite(total) or total <= 0:
-            raise Rejection("no-contributors", f"chunk {k} of part {self.part} has no sender")
+            raise RoundAborted(
+                f"chunk {k} of part {self.part} has no sender or weights summing to {total}"
+            )
         if self._acc is not None:
             mean = self._acc[span.start : span.stop]
             mean.mul_(1.0 / total)
@@ -207,6 +231,10 @@ class PartReduction:
             received = self._buffered.pop(k)
             mean = aggregate(
                 [t for _, t in received], [self.weights[s] for s, _ in received], self.aggregator
+            )
+        if not bool(torch.isfinite(mean).all()):
+            raise RoundAborted(
+                f"the mean of chunk {k} of part {self.part} is not finite; nothing applied"
             )
         payload, scales = quantize(mean.contiguous(), self.codec)
         self.completed += 1

@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from swarmloco.core.codec import ErrorFeedback, dequantize_into_, quantize
-from swarmloco.errors import RoundAborted
+from swarmloco.errors import RoundAborted, SwarmlocoError
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import Phase
 from swarmloco.net.averaging.group import Group
@@ -124,6 +124,17 @@ class RoundRun:
                 f"round {self.group.round} missed its deadline; still lacking parts "
                 f"{self.view.missing()}, failed members {self._failed_labels()}"
             ) from None
+        except RoundAborted:
+            raise
+        except Exception as exc:
+            # Whatever other members sent, a round ends in RoundAborted: an error raised
+            # while handling their messages (an ExceptionGroup of our tasks) must not take
+            # the peer down. It is a bug on our side or an input we failed to refuse, so
+            # say where.
+            logger.exception("round %d failed on an unexpected error", self.group.round)
+            raise RoundAborted(
+                f"round {self.group.round} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         return AllReduceResult(self.result, self._report())
 
     async def _exchange(self) -> None:
@@ -323,7 +334,15 @@ class RoundRun:
                 inc.send("rerun", notice)
         for index in range(reduction.chunks):
             payload, scales = self.slice_of(part, index)
-            reduction.accept(self.me, index, payload, scales, self.a.clock(), remote=False)
+            try:
+                reduction.accept(self.me, index, payload, scales, self.a.clock(), remote=False)
+            except Rejection as rejection:  # what the others would refuse from us
+                self.error = RoundAborted(
+                    f"round {self.group.round}: this peer's own update cannot be averaged: "
+                    f"{rejection.reason}"
+                )
+                self.changed.set()
+                return
         self._drain(part)
 
     def slice_of(self, part: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,7 +362,12 @@ class RoundRun:
         if reduction is None:
             return
         while reduction.ready():
-            index, payload, scales, contributors = reduction.finish()
+            try:
+                index, payload, scales, contributors = reduction.finish()
+            except RoundAborted as exc:
+                self.error = exc  # nothing of a broken mean may leave this member
+                self.changed.set()
+                return
             bits = wire.bitmap(contributors, self.n)
             message = wire.encode_result(
                 part=part,
@@ -510,7 +534,7 @@ class RoundRun:
                 scales,
                 result.contributors,
             )
-        except ValueError as exc:  # CodecError: NaN/Inf or negative scales
+        except SwarmlocoError as exc:  # CodecError: NaN/Inf, negative or huge scales
             raise Rejection("bad-result", str(exc)) from None
 
     def on_rerun(self, reducer: int, part: int, epoch: int) -> None:

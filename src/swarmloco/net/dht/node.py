@@ -89,6 +89,9 @@ class DhtConfig:
     """Contacts not heard from for this long are pinged and dropped if they fail."""
     sweep_interval_s: float = 60.0
     """How often expired records are dropped from storage."""
+    rejoin_interval_s: float = 5.0
+    """A node whose routing table ran empty (every contact failed, e.g. after the process
+    was frozen) joins again through the peers it first joined through, this often."""
     max_records_per_request: int = 64
     """Most records in one store request."""
     max_clock_skew_s: float = 600.0
@@ -110,6 +113,7 @@ class DhtConfig:
             "republish_interval_s",
             "liveness_interval_s",
             "sweep_interval_s",
+            "rejoin_interval_s",
             "max_clock_skew_s",
         ):
             require_positive(name, getattr(self, name))
@@ -293,6 +297,7 @@ class DHTNode:
         self._replication_slots = asyncio.Semaphore(_MAX_REPLICATIONS)
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._entry_points: tuple[str, ...] = ()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -317,6 +322,7 @@ class DHTNode:
         self._spawn(self._every(cfg.republish_interval_s, self.republish))
         self._spawn(self._every(cfg.liveness_interval_s / 2, self.check_liveness))
         self._spawn(self._every(cfg.sweep_interval_s, self._sweep))
+        self._spawn(self._every(cfg.rejoin_interval_s, self._rejoin_if_alone))
         return self
 
     async def __aexit__(
@@ -351,6 +357,20 @@ class DHTNode:
     async def _sweep(self) -> None:
         self.storage.sweep()
 
+    async def _rejoin_if_alone(self) -> None:
+        """Every contact failed (a frozen process finds all its calls timed out when it
+        wakes): without a contact no lookup can reach anyone, so join again through the
+        peers the node first joined through."""
+        if len(self.routing) > 0 or not self._entry_points:
+            return
+        self.stats["rejoins"] += 1
+        try:
+            answered = await self.join(self._entry_points)
+        except NetworkError as exc:
+            logger.warning("lost every DHT contact and cannot join again yet: %s", exc)
+            return
+        logger.info("lost every DHT contact; joined again through %d peer(s)", answered)
+
     # -- joining -----------------------------------------------------------------------
 
     async def join(
@@ -366,6 +386,7 @@ class DHTNode:
         answers sees it and announces ``that-host:announce_port``. Raises NetworkError
         naming every address and why it failed when none answers within the join timeout.
         """
+        self._entry_points = tuple(peers)
         budget = timeout or self.config.join_timeout_s
         deadline = Deadline.after(budget)
         request = pb.PingRequest(sender=self.card.to_proto())

@@ -3,7 +3,9 @@
 :func:`download_state` asks the donors one after another, in the order given, under one
 overall deadline. From each it expects a header signed by that donor's key and bound to a
 fresh nonce, then every chunk in order, each within ``chunk_timeout_s`` of the message
-before it (the gRPC call itself may last until the overall deadline). Chunks are checked
+before it, the header within ``header_timeout_s`` and the whole state at no less than
+``min_rate_bytes_s`` on average (a donor that stalls, or drips a chunk now and then, holds
+the requester for a bounded time whatever the overall deadline). Chunks are checked
 and written into preallocated tensors as they arrive and hashed on the way; the state is
 returned only if the digest matches the signed header (and ``expected_digest``, when the
 caller knows the majority digest of the round).
@@ -95,13 +97,21 @@ class DownloadConfig:
     """How a peer downloads state."""
 
     chunk_timeout_s: float = 10.0
-    """The header, and then every chunk, must arrive within this long of the message before
-    it; a donor that stalls longer is left for the next one."""
+    """Every chunk must arrive within this long of the message before it; a donor that
+    stalls longer is left for the next one."""
+    header_timeout_s: float = 5.0
+    """The signed header must arrive within this long of the request (a donor serves a
+    state it holds ready: the header costs it nothing)."""
+    min_rate_bytes_s: float = 1e6
+    """After the header, a donor has ``chunk_timeout_s`` plus the state's size at this
+    rate to deliver all of it."""
     limits: wire.ReceiveLimits = dataclasses.field(default_factory=wire.ReceiveLimits)
     """What is accepted from a donor (state size, tensors, chunk and header sizes)."""
 
     def __post_init__(self) -> None:
         require_positive("chunk_timeout_s", self.chunk_timeout_s)
+        require_positive("header_timeout_s", self.header_timeout_s)
+        require_positive("min_rate_bytes_s", self.min_rate_bytes_s)
 
 
 async def download_state(
@@ -244,6 +254,11 @@ class _Attempt:
         self.nonce = secrets.token_bytes(wire.NONCE_BYTES)
         self.received = 0
         self.expected = 0
+        # What this donor may take, at most: the header first, then the whole state.
+        self.budget = self._capped(config.header_timeout_s)
+
+    def _capped(self, seconds: float) -> Deadline:
+        return Deadline(min(self.deadline.at, Deadline.after(seconds).at))
 
     async def run(self) -> StateSnapshot:
         request = wire.encode_request(
@@ -280,6 +295,10 @@ class _Attempt:
         )
         assembler = wire.StateAssembler(header)
         self.expected = header.chunks
+        config = self.config
+        self.budget = self._capped(
+            config.chunk_timeout_s + header.total_bytes / config.min_rate_bytes_s
+        )
         while not assembler.complete:
             data = await self._next(call, f"chunk {assembler.next_index}")
             if data is None:
@@ -305,14 +324,21 @@ class _Attempt:
 
     async def _next(self, call: Any, what: str) -> bytes | None:
         """The next message (None at the end of the stream), within the chunk timeout."""
-        wait = self.deadline.timeout(self.config.chunk_timeout_s)
+        wait = min(self.deadline.timeout(self.config.chunk_timeout_s), self.budget.remaining())
         try:
             async with asyncio.timeout(wait):
                 data = await call.read()
         except TimeoutError:
-            if wait < self.config.chunk_timeout_s:  # the overall deadline was the nearer
+            if self.deadline.expired:
                 raise _Failed(
                     "deadline", f"the deadline passed while waiting for {what}{self._progress()}"
+                ) from None
+            if self.budget.expired:
+                allowed = "the header" if not self.expected else "the whole state"
+                raise _Failed(
+                    "slow",
+                    f"too slow: {allowed} did not arrive in the time allowed for it "
+                    f"(waiting for {what}{self._progress()})",
                 ) from None
             raise _Failed(
                 "stalled", f"sent nothing for {wait:.1f}s while {what} was due{self._progress()}"

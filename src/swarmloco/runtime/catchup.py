@@ -1,0 +1,322 @@
+"""Catching up with the swarm: which later (or majority) state to download, and from whom.
+
+A peer is *behind* when other peers report working on later rounds than its state's, and
+*in the minority* when the digest it holds for its round is not the one most peers hold.
+Either way it looks for another state (:meth:`CatchUp.find`):
+
+1. Read the swarm's ``progress`` claims; the rounds worth a look are those other peers hold
+   (a peer working towards round r holds r - 1, or r - 2 while r - 1 is in flight), newest
+   first, a stranger's claim capped at the ``quorum``-th highest claim (one peer alone
+   cannot lead this one past what the others report; a witness can). Read the digests
+   published for each.
+2. Rank the candidate states: those held by a *witness* (a peer that averaged with this one
+   lately) first, then the newer round, then the most held; a fresh peer, which has no
+   witness yet, takes the most held first.
+3. Take each candidate only with evidence (``core/adoption.py``): backed by a witness or a
+   quorum of holders, a round that time allows; download it from its holders (witnesses
+   first, at most ``donors_per_digest``, each bounded by the download's own limits); then
+   check that it lies within what the outer steps move from this peer's own ``theta_g``.
+   A state that fails the distance check is refused and its holders distrusted.
+
+It runs on the peer's event loop while the training thread waits for it, so it reads the
+peer's ``theta_g`` without a copy. Everything it refused is returned for the log, the
+events and the dashboard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from swarmloco.core.adoption import (
+    AdoptionConfig,
+    Evidence,
+    backing,
+    distance_bound,
+    round_plausible,
+)
+from swarmloco.core.agreement import ranking
+from swarmloco.core.config import require_int, require_positive
+from swarmloco.core.state import THETA_G, StateSchema
+from swarmloco.net.client import RpcClient
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.dht.node import DHTNode
+from swarmloco.net.records import digest_key, progress_key, progress_report
+from swarmloco.net.rejections import RejectionLog
+from swarmloco.net.state import (
+    Donor,
+    DownloadConfig,
+    DownloadedState,
+    StateTransferError,
+    download_state,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CatchUpConfig:
+    """How a peer looks for, checks and downloads the swarm's state."""
+
+    adoption: AdoptionConfig = dataclasses.field(default_factory=AdoptionConfig)
+    """The evidence a state takes before it replaces this peer's."""
+    download: DownloadConfig = dataclasses.field(default_factory=DownloadConfig)
+    """Per-donor limits (header, chunks, minimum rate)."""
+    state_timeout_s: float = 300.0
+    """One catch-up, every candidate and donor together."""
+    rounds_tried: int = 8
+    """Later rounds whose digests are read, newest first."""
+    donors_per_digest: int = 4
+    """Holders of one digest asked for it before moving on to the next candidate."""
+
+    def __post_init__(self) -> None:
+        require_positive("state_timeout_s", self.state_timeout_s)
+        require_int("rounds_tried", self.rounds_tried, minimum=1)
+        require_int("donors_per_digest", self.donors_per_digest, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A state some peers published a digest for."""
+
+    round: int
+    digest: bytes
+    holders: tuple[str, ...]
+    endpoints: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A candidate state not adopted, and why."""
+
+    round: int
+    digest: str
+    reason: str
+    holders: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Found:
+    """What one :meth:`CatchUp.find` came to."""
+
+    adopted: DownloadedState | None = None
+    why: str = ""
+    refused: list[Refusal] = dataclasses.field(default_factory=list)
+    failed: list[str] = dataclasses.field(default_factory=list)
+    """Downloads that failed (every donor of a digest), as messages."""
+    unbacked: set[str] = dataclasses.field(default_factory=set)
+    """Peers claiming later rounds that no adoptable state backs (pacing ignores them)."""
+    distrusted: set[str] = dataclasses.field(default_factory=set)
+    """Holders of a state refused after its download (it was not a plausible successor)."""
+
+
+class CatchUp:
+    """Finds, checks and downloads a later or majority state for one peer."""
+
+    def __init__(
+        self,
+        *,
+        me: str,
+        swarm_id: str,
+        dht: DHTNode,
+        client: RpcClient,
+        schema: StateSchema,
+        evidence: Evidence,
+        config: CatchUpConfig | None = None,
+        rejections: RejectionLog | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.me = me
+        self.swarm_id = swarm_id
+        self.dht = dht
+        self.client = client
+        self.schema = schema
+        self.evidence = evidence
+        self.config = config or CatchUpConfig()
+        self.rejections = rejections
+        self.clock = clock
+
+    async def claims(self) -> dict[str, int]:
+        """Peer id -> the round it says it works towards, for every other peer reporting."""
+        result = await self.dht.get(progress_key(self.swarm_id))
+        return {
+            e.subkey: progress_report(e.subkey, e.value).round
+            for e in result.entries.values()
+            if e.subkey != self.me
+        }
+
+    async def digests_of(self, round: int) -> dict[str, tuple[bytes, str]]:
+        """Peer id -> (digest, endpoint) of everyone who published one for ``round``."""
+        result = await self.dht.get(digest_key(self.swarm_id, round))
+        return {e.subkey: (e.value["digest"], e.value["endpoint"]) for e in result.entries.values()}
+
+    async def find(
+        self, *, round: int, digest: bytes | None, theta_g: torch.Tensor, distrusted: set[str]
+    ) -> Found:
+        """A later state than ``round``'s, or the majority's state of ``round`` when this
+        peer's (``digest``) is not it; ``distrusted``: holders whose states were refused
+        before (never asked again)."""
+        deadline = Deadline.after(self.config.state_timeout_s)
+        found = Found()
+        claims = await self.claims()
+        counted = self._counted(claims)
+        later = sorted(
+            {x for r in counted for x in (r - 1, r - 2) if x > round},
+            reverse=True,
+        )[: self.config.rounds_tried]
+        candidates: list[Candidate] = []
+        for target in later:
+            candidates += self._candidates(target, await self.digests_of(target))
+        why = "the swarm is at round {target}, this peer at " + str(round)
+        if await self._try(candidates, round, theta_g, distrusted, deadline, found, why):
+            return found
+        backed = {h for c in candidates for h in c.holders if not self._unbacked_reason(c)}
+        found.unbacked = {p for p, r in claims.items() if r > round + 2 and p not in backed}
+        if round == 0 or digest is None:
+            return found
+        published = await self.digests_of(round)
+        published[self.me] = (digest, "")
+        mine = self._candidates(round, published)
+        # Only digests that rank before this peer's own: a split group heals (the ranking
+        # picks one side for everyone) while a forged digest can only cost a download.
+        ahead = []
+        for c in mine:
+            if c.digest == digest:
+                break
+            ahead.append(c)
+        why = f"this peer's round {round} state is not the one most peers hold"
+        await self._try(ahead, round, theta_g, distrusted, deadline, found, why)
+        return found
+
+    def _counted(self, claims: dict[str, int]) -> list[int]:
+        """The rounds claimed, a stranger's capped at the ``quorum``-th highest claim: one
+        peer alone cannot lead this one to a later round than others report (a witness
+        can: a peer that fell behind its partners must follow them)."""
+        quorum = self.config.adoption.quorum
+        ranked = sorted(claims.values(), reverse=True)
+        if not ranked:
+            return []
+        ceiling = ranked[min(quorum, len(ranked)) - 1]
+        witnesses = self.evidence.witnesses
+        return [r if peer in witnesses else min(r, ceiling) for peer, r in claims.items()]
+
+    def _candidates(self, round: int, published: dict[str, tuple[bytes, str]]) -> list[Candidate]:
+        endpoints = {peer: endpoint for peer, (_, endpoint) in published.items()}
+        ranked = ranking({peer: d for peer, (d, _) in published.items()})
+        return [
+            Candidate(round, m.digest, m.holders, endpoints) for m in ranked if m.digest is not None
+        ]
+
+    def _order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        witnesses = self.evidence.witnesses
+        if self.evidence.fresh:  # nothing to hold claims against: the most held state first
+            return sorted(candidates, key=lambda c: (-len(c.holders), -c.round))
+        return sorted(
+            candidates,
+            key=lambda c: (not (set(c.holders) & witnesses.keys()), -c.round, -len(c.holders)),
+        )
+
+    def _unbacked_reason(self, c: Candidate) -> str | None:
+        return backing(c.holders, self.evidence, self.config.adoption)
+
+    async def _try(
+        self,
+        candidates: Sequence[Candidate],
+        round: int,
+        theta_g: torch.Tensor,
+        distrusted: set[str],
+        deadline: Deadline,
+        found: Found,
+        why: str,
+    ) -> bool:
+        adoption = self.config.adoption
+        for c in self._order(candidates):
+            ahead = c.round - round
+            reason = self._unbacked_reason(c) or round_plausible(
+                ahead, self.clock(), self.evidence, adoption
+            )
+            donors = self._donors(c, distrusted)
+            if reason is None and not donors:
+                reason = "none of its holders serves state (client mode, or distrusted)"
+            if reason is not None:
+                self._refuse(found, c, reason)
+                continue
+            got = await self._download(c, donors, deadline, found)
+            if got is None:
+                continue
+            bound = distance_bound(ahead, self.evidence, adoption)
+            if bound is not None:
+                distance = float(torch.linalg.vector_norm(got.snapshot.tensors[THETA_G] - theta_g))
+                if not distance <= bound:  # NaN fails too
+                    self._refuse(
+                        found,
+                        c,
+                        f"lies {distance:.4g} away from this peer's state, while {ahead} "
+                        f"round(s) of outer steps move it at most {bound:.4g}",
+                    )
+                    found.distrusted |= set(c.holders)
+                    continue
+            found.adopted = got
+            found.why = why.format(target=c.round)
+            return True
+        return False
+
+    def _donors(self, c: Candidate, distrusted: set[str]) -> list[Donor]:
+        usable = [
+            p for p in c.holders if p != self.me and c.endpoints.get(p) and p not in distrusted
+        ]
+        witnesses = [p for p in usable if p in self.evidence.witnesses]
+        others = [p for p in usable if p not in self.evidence.witnesses]
+        random.shuffle(others)  # a stalling holder cannot always be asked first
+        chosen = (witnesses + others)[: self.config.donors_per_digest]
+        return [Donor(p, c.endpoints[p]) for p in chosen]
+
+    async def _download(
+        self, c: Candidate, donors: list[Donor], deadline: Deadline, found: Found
+    ) -> DownloadedState | None:
+        logger.info(
+            "downloading the state of round %d (digest %s, %d holder(s))",
+            c.round,
+            c.digest.hex()[:12],
+            len(c.holders),
+        )
+        try:
+            return await download_state(
+                self.client,
+                donors,
+                swarm_id=self.swarm_id,
+                deadline=deadline,
+                expected_round=c.round,
+                expected_digest=c.digest,
+                schema=self.schema,
+                config=self.config.download,
+                rejections=self.rejections,
+            )
+        except StateTransferError as exc:
+            logger.warning("%s", exc)
+            found.failed.append(str(exc))
+            return None
+
+    def _refuse(self, found: Found, c: Candidate, reason: str) -> None:
+        refusal = Refusal(c.round, c.digest.hex(), reason, c.holders)
+        found.refused.append(refusal)
+        logger.info(
+            "not adopting the state of round %d (digest %s): %s",
+            c.round,
+            refusal.digest[:12],
+            reason,
+        )
+
+
+def describe(found: Found) -> dict[str, Any]:
+    """The parts of a :class:`Found` worth an event."""
+    return {
+        "refused": [dataclasses.asdict(r) | {"holders": len(r.holders)} for r in found.refused],
+        "failed": len(found.failed),
+    }

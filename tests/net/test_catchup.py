@@ -1,0 +1,273 @@
+"""Catching up on loopback: honest holders, a liar that serves a poisoned state matching
+its own digest, and donors that stall, all real gRPC servers with signed DHT records.
+
+The peer under test is at round 10 with a known history (witnesses, the size of its outer
+steps, its round interval); the others publish ``progress`` claims and ``digest/<r>``
+records through their own keys and serve their states with a real ``StateDonor``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from contextlib import AsyncExitStack
+
+import grpc
+import pytest
+import torch
+
+from swarmloco.core.adoption import AdoptionConfig, Evidence
+from swarmloco.core.state import MOMENTUM, THETA_G, StateSchema, StateSnapshot
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.records import digest_key, progress_key
+from swarmloco.net.server import Service
+from swarmloco.net.state import DownloadConfig, StateDonor, state_service, wire
+from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
+
+SWARM = "c7" * 20
+NUMEL = 4096
+STEP = 0.05  # the norm of one outer step of the peer under test
+CONFIG = CatchUpConfig(
+    download=DownloadConfig(chunk_timeout_s=1.0, header_timeout_s=1.0), state_timeout_s=60.0
+)
+
+
+def state_after(theta: torch.Tensor, rounds: int, seed: int = 0) -> torch.Tensor:
+    """``theta`` moved by ``rounds`` outer steps of norm STEP (random directions)."""
+    g = torch.Generator().manual_seed(seed)
+    out = theta.clone()
+    for _ in range(rounds):
+        d = torch.randn(NUMEL, generator=g)
+        out += STEP * d / d.norm()
+    return out
+
+
+def snapshot(round: int, theta: torch.Tensor) -> StateSnapshot:
+    return StateSnapshot.of(
+        swarm_id=SWARM, round=round, tensors={THETA_G: theta, MOMENTUM: torch.zeros(NUMEL)}
+    )
+
+
+@dataclasses.dataclass
+class Holder:
+    """A peer on loopback that claims a round and publishes (and may serve) a state."""
+
+    node: NetNode
+    state: StateSnapshot | None
+
+    @property
+    def peer_id(self) -> str:
+        return self.node.identity.peer_id_hex
+
+    async def publish(self, *, claim: int, state: StateSnapshot, endpoint: str | None = None):
+        now = time.time()
+        progress = {"round": claim, "tokens": 0, "tokens_per_s": 1000.0, "at": now}
+        assert await self.node.dht.store(progress_key(SWARM), progress, ttl=60)
+        digest = {"digest": state.digest, "endpoint": endpoint or self.node.endpoint, "at": now}
+        assert await self.node.dht.store(digest_key(SWARM, state.round), digest, ttl=60)
+
+
+def _stalling_service(stalled: list[int]) -> Service:
+    """A StateTransfer service that accepts every download and never sends a byte."""
+
+    async def download(data: bytes, context: grpc.aio.ServicerContext) -> None:
+        stalled.append(1)
+        await asyncio.Event().wait()
+
+    handler = grpc.unary_stream_rpc_method_handler(download)
+    generic = grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {"Download": handler})
+    return Service(wire.SERVICE_NAME, lambda s: s.add_generic_rpc_handlers((generic,)))
+
+
+async def node(stack: AsyncExitStack, *peers: str) -> NetNode:
+    """A plain node on loopback (the bootstrap, or the peer that catches up)."""
+    return await stack.enter_async_context(
+        NetNode(identity=Identity.generate(), config=NodeConfig(peers=peers))
+    )
+
+
+async def holder(stack: AsyncExitStack, boot: NetNode, *, stalls: list[int] | None = None):
+    identity = Identity.generate()
+    h = Holder(node=None, state=None)  # type: ignore[arg-type]
+    if stalls is not None:
+        service = _stalling_service(stalls)
+    else:
+        donor = StateDonor(identity=identity, snapshot=lambda: h.state)
+        service = state_service(donor)
+    h.node = await stack.enter_async_context(
+        NetNode(identity=identity, config=NodeConfig(peers=(boot.endpoint,)), services=[service])
+    )
+    return h
+
+
+def seasoned(witnesses: list[str], *, last_round_at: float) -> Evidence:
+    """Rounds 1..10 averaged with ``witnesses``, 10 s apart, each step of norm STEP."""
+    evidence = Evidence()
+    for r in range(1, 11):
+        evidence.applied(STEP, at=last_round_at - 10 * (10 - r))
+        evidence.grouped(r, witnesses, "me", AdoptionConfig())
+    return evidence
+
+
+def catchup(me: NetNode, evidence: Evidence, config: CatchUpConfig = CONFIG) -> CatchUp:
+    return CatchUp(
+        me=me.identity.peer_id_hex,
+        swarm_id=SWARM,
+        dht=me.dht,
+        client=me.client,
+        schema=StateSchema.diloco(NUMEL),
+        evidence=evidence,
+        config=config,
+    )
+
+
+@pytest.mark.parametrize("liar_is_a_witness", [False, True])
+async def test_a_liar_serving_a_poisoned_state_that_matches_its_digest_is_never_adopted(
+    liar_is_a_witness,
+):
+    """The liar claims round 16 (R + 5 from the honest round 11), publishes the digest of
+    round 15 and serves a state that matches it. The honest holders are strangers too (this
+    peer's last partner left), backed by their number. As a stranger, the liar's claim
+    counts only as far as the others' go: its round is never a candidate. As a former group
+    partner it is followed, but 5 rounds in 2 s are implausible; once enough time passed,
+    its state lies too far from this peer's to be a successor."""
+    theta = torch.randn(NUMEL)
+    honest_state = snapshot(11, state_after(theta, 1, seed=1))
+    poisoned = snapshot(15, theta + 100.0)
+    async with AsyncExitStack() as stack:
+        boot = await node(stack)
+        a, b = await holder(stack, boot), await holder(stack, boot)
+        liar = await holder(stack, boot)
+        me = await node(stack, boot.endpoint)
+        for h in (a, b):
+            h.state = honest_state
+            await h.publish(claim=12, state=honest_state)
+        liar.state = poisoned
+        await liar.publish(claim=16, state=poisoned)
+        gone = Identity.generate().peer_id_hex  # the partner of this peer's last rounds
+        witnesses = [gone] + ([liar.peer_id] if liar_is_a_witness else [])
+        now = time.time()
+        evidence = seasoned(witnesses, last_round_at=now - 2.0)
+        found = await catchup(me, evidence).find(
+            round=10, digest=None, theta_g=theta, distrusted=set()
+        )
+        assert found.adopted is not None
+        assert found.adopted.snapshot.digest == honest_state.digest
+        assert found.adopted.donor.peer_id in (a.peer_id, b.peer_id)
+        refused = [r for r in found.refused if r.digest == poisoned.digest.hex()]
+        if liar_is_a_witness:
+            assert refused, found.refused
+            assert "rounds ahead" in refused[0].reason
+            # Later, when 5 rounds would have had time to pass: the distance check.
+            late = seasoned(witnesses, last_round_at=now - 60.0)
+            again = await catchup(me, late).find(
+                round=10, digest=None, theta_g=theta, distrusted=set()
+            )
+            assert again.adopted is not None
+            assert again.adopted.snapshot.digest == honest_state.digest
+            far = [r for r in again.refused if r.digest == poisoned.digest.hex()]
+            assert far and "away from this peer's state" in far[0].reason
+            assert liar.peer_id in again.distrusted
+        else:  # a stranger's claim counts only as far as the others' go
+            assert not refused and not found.distrusted
+
+
+async def test_an_honest_peer_stopped_for_ten_rounds_still_heals():
+    theta = torch.randn(NUMEL)
+    ahead = snapshot(20, state_after(theta, 10, seed=2))
+    async with AsyncExitStack() as stack:
+        boot = await node(stack)
+        a = await holder(stack, boot)
+        me = await node(stack, boot.endpoint)
+        a.state = ahead
+        await a.publish(claim=21, state=ahead)
+        # Frozen for 110 s: ten rounds of 10 s went by.
+        evidence = seasoned([a.peer_id], last_round_at=time.time() - 110.0)
+        found = await catchup(me, evidence).find(
+            round=10, digest=None, theta_g=theta, distrusted=set()
+        )
+    assert found.adopted is not None and found.adopted.snapshot.round == 20
+    assert "round 20" in found.why
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+async def test_ten_stalling_fake_donors_hold_healing_for_a_bounded_time(fresh):
+    """Ten keys publish one forged digest for the later round (ten holders outrank the one
+    honest holder) and stall every download. A peer with history asks its witness first;
+    a fresh peer tries at most ``donors_per_digest`` (4) fakes, each cut off by the header
+    timeout (1 s), before the honest holder: healing completes within 4 s plus the
+    download, whatever the number of fakes."""
+    theta = torch.randn(NUMEL)
+    honest_state = snapshot(11, state_after(theta, 1, seed=3))
+    forged = snapshot(11, theta - 1.0)
+    stalls: list[int] = []
+    async with AsyncExitStack() as stack:
+        boot = await node(stack)
+        a = await holder(stack, boot)
+        a.state = honest_state
+        await a.publish(claim=12, state=honest_state)
+        fakes = [await holder(stack, boot, stalls=stalls) for _ in range(10)]
+        for f in fakes:
+            await f.publish(claim=12, state=forged)
+        me = await node(stack, boot.endpoint)
+        evidence = Evidence() if fresh else seasoned([a.peer_id], last_round_at=time.time())
+        started = time.monotonic()
+        found = await catchup(me, evidence).find(
+            round=10, digest=None, theta_g=theta, distrusted=set()
+        )
+        elapsed = time.monotonic() - started
+    assert found.adopted is not None
+    assert found.adopted.snapshot.digest == honest_state.digest
+    if fresh:
+        assert len(stalls) == 4 and len(found.failed) == 1
+        assert "too slow" in found.failed[0]
+        assert elapsed < 4 * 1.0 + 3.0
+    else:
+        assert stalls == [] and not found.failed
+        assert elapsed < 3.0
+
+
+async def test_a_fresh_peer_follows_no_stranger_past_what_the_others_report():
+    """One honest holder at round 11, a liar claiming round 16: a fresh peer (nothing to
+    hold a claim against) counts the liar's claim only up to the others' and never asks
+    it for its state."""
+    theta = torch.randn(NUMEL)
+    honest_state = snapshot(11, state_after(theta, 1, seed=4))
+    async with AsyncExitStack() as stack:
+        boot = await node(stack)
+        a, liar = await holder(stack, boot), await holder(stack, boot)
+        a.state = honest_state
+        await a.publish(claim=12, state=honest_state)
+        liar.state = snapshot(15, theta + 100.0)
+        await liar.publish(claim=16, state=liar.state)
+        me = await node(stack, boot.endpoint)
+        found = await catchup(me, Evidence()).find(
+            round=0, digest=None, theta_g=theta, distrusted=set()
+        )
+        assert found.adopted is not None and found.adopted.snapshot.round == 11
+        assert found.adopted.snapshot.digest == honest_state.digest
+        assert not found.refused  # the liar's round was never a candidate
+
+
+async def test_two_strangers_holding_one_state_each_back_neither():
+    """A peer with history, two strangers each holding a different state of round 11 (one
+    of them a liar's): neither is a witness, neither has a quorum: nothing is adopted."""
+    theta = torch.randn(NUMEL)
+    async with AsyncExitStack() as stack:
+        boot = await node(stack)
+        a, liar = await holder(stack, boot), await holder(stack, boot)
+        a.state = snapshot(11, state_after(theta, 1, seed=5))
+        await a.publish(claim=12, state=a.state)
+        liar.state = snapshot(11, theta + 100.0)
+        await liar.publish(claim=12, state=liar.state)
+        me = await node(stack, boot.endpoint)
+        gone = Identity.generate().peer_id_hex
+        evidence = seasoned([gone], last_round_at=time.time())
+        found = await catchup(me, evidence).find(
+            round=10, digest=None, theta_g=theta, distrusted=set()
+        )
+    assert found.adopted is None
+    assert len(found.refused) == 2
+    assert all("held by 1 peer" in r.reason for r in found.refused)

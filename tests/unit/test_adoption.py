@@ -1,0 +1,89 @@
+"""The evidence a peer asks for before it adopts another peer's state (pure)."""
+
+import pytest
+
+from swarmloco.core.adoption import (
+    AdoptionConfig,
+    Evidence,
+    backing,
+    distance_bound,
+    round_plausible,
+)
+
+CONFIG = AdoptionConfig()
+
+
+def seasoned() -> Evidence:
+    """A peer that averaged rounds 1..10 with peers a and b, a round every 10 s."""
+    evidence = Evidence()
+    for r in range(1, 11):
+        evidence.applied(0.5 + 0.01 * r, at=1000.0 + 10 * r)
+        evidence.grouped(r, ["me", "a", "b"], "me", CONFIG)
+    return evidence
+
+
+def test_a_witness_backs_a_state_alone_and_strangers_need_a_quorum():
+    evidence = seasoned()
+    assert backing(["a"], evidence, CONFIG) is None
+    assert backing(["x", "y"], evidence, CONFIG) is None
+    why = backing(["liar"], evidence, CONFIG)
+    assert why is not None and "held by 1 peer" in why and "2 holders" in why
+
+
+def test_a_fresh_peer_has_nothing_to_hold_a_claim_against():
+    fresh = Evidence()
+    assert fresh.fresh
+    assert backing(["x"], fresh, CONFIG) is None
+    # A peer that averaged alone is not fresh: it has a state of its own to keep.
+    alone = Evidence()
+    alone.applied(0.1, at=10.0)
+    assert not alone.fresh
+    assert backing(["x"], alone, CONFIG) is not None
+
+
+def test_witnesses_expire_after_witness_rounds():
+    config = AdoptionConfig(witness_rounds=5)
+    evidence = Evidence()
+    evidence.grouped(1, ["me", "old"], "me", config)
+    evidence.grouped(6, ["me", "new"], "me", config)
+    assert set(evidence.witnesses) == {"old", "new"}
+    evidence.grouped(7, ["me", "new"], "me", config)
+    assert set(evidence.witnesses) == {"new"}
+
+
+def test_rounds_cannot_come_faster_than_time_allows():
+    evidence = seasoned()  # last round at t = 1100, rounds 10 s apart
+    assert round_plausible(2, 1100.5, evidence, CONFIG) is None  # the slack
+    why = round_plausible(5, 1102.0, evidence, CONFIG)
+    assert why is not None and "5 rounds ahead" in why
+    # A peer stopped for 100 s (ten rounds): 2 + 4 * 100 / 10 = 42 rounds are plausible.
+    assert round_plausible(10, 1200.0, evidence, CONFIG) is None
+    assert round_plausible(43, 1200.0, evidence, CONFIG) is not None
+    # Without a measured interval there is nothing to hold a claim against.
+    assert round_plausible(1000, 0.0, Evidence(), CONFIG) is None
+
+
+def test_the_distance_bound_grows_with_the_rounds_missed():
+    evidence = seasoned()
+    median = sorted(evidence.movements)[len(evidence.movements) // 2]
+    assert distance_bound(0, evidence, CONFIG) == pytest.approx(4 * 2 * median, rel=0.05)
+    assert distance_bound(10, evidence, CONFIG) == pytest.approx(4 * 12 * median, rel=0.05)
+    assert distance_bound(3, Evidence(), CONFIG) is None
+
+
+def test_evidence_survives_a_checkpoint_and_ignores_garbage_movements():
+    evidence = seasoned()
+    evidence.applied(float("nan"), at=1200.0)
+    assert len(evidence.movements) == 10
+    restored = Evidence.from_state(evidence.to_state())
+    assert restored == evidence
+    assert Evidence.from_state({}) == Evidence()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("quorum", 0), ("witness_rounds", 0), ("max_speedup", 0.0), ("movement_slack", -1.0)],
+)
+def test_config_is_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        AdoptionConfig(**{field: value})
