@@ -32,7 +32,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import machine
 
-from swarmloco.core.fragments import StreamingConfig
 from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync
 from swarmloco.train.spec import DataSpec
 from swarmloco.train.tasks import get_task, resolve_model
@@ -42,7 +41,7 @@ ARMS = ("sync", "diloco_fp32", "diloco_int8", "streaming_int8", "single")
 
 def _run_arm(job: tuple[Any, ...]) -> dict[str, Any]:
     """One arm in its own process (spawned, one torch thread)."""
-    arm, preset, run, streaming, workers, steps, progress = job
+    arm, preset, run, streaming, workers, steps, progress = job  # streaming: (F, tau, alpha)
     torch.set_num_threads(1)
     task = get_task("gpt-bytes")
     model = resolve_model(task, preset)
@@ -56,7 +55,9 @@ def _run_arm(job: tuple[Any, ...]) -> dict[str, Any]:
         result = run_sync(task, model, data, run, sim, label=arm, progress=progress)
     else:
         if arm == "streaming_int8":
-            run = dataclasses.replace(run, streaming=streaming)
+            fragments, delay, alpha = streaming
+            spec = dataclasses.replace(run.spec, fragments=fragments, delay=delay, alpha=alpha)
+            run = dataclasses.replace(run, spec=spec)
         result = run_diloco(task, model, data, run, sim, label=arm, progress=progress)
     summary = result.summary()
     summary["data"] = data.description
@@ -97,21 +98,22 @@ def main() -> None:
         lr=args.lr or base.inner.lr,
         warmup_steps=min(base.inner.warmup_steps, args.steps // 10),
     )
-    outer = dataclasses.replace(base.outer, lr=args.outer_lr, momentum=args.outer_momentum)
-    plain = StreamingConfig(sync_every=args.sync_every)
     arms = args.arms.split(",")
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}; arms: {', '.join(ARMS)}")
-    # Checked only when the streaming arm runs (F may not fit a short --sync-every).
-    streaming = (
-        StreamingConfig(
-            sync_every=args.sync_every, fragments=args.fragments, delay=args.delay, alpha=args.alpha
-        )
-        if "streaming_int8" in arms
-        else plain
+    spec = dataclasses.replace(
+        base.spec,
+        sync_every=args.sync_every,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        seed=args.seed,
     )
-    run = dataclasses.replace(base, inner=inner, outer=outer, streaming=plain, seed=args.seed)
+    # Checked only when the streaming arm runs (F may not fit a short --sync-every).
+    streaming = (args.fragments, args.delay, args.alpha)
+    if "streaming_int8" in arms:
+        dataclasses.replace(spec, fragments=args.fragments, delay=args.delay, alpha=args.alpha)
+    run = dataclasses.replace(base, inner=inner, spec=spec)
     started = time.monotonic()
     jobs = [
         (arm, args.preset, run, streaming, args.workers, args.steps, args.progress) for arm in arms
@@ -132,9 +134,9 @@ def main() -> None:
             "batch_size_per_worker": args.batch_size,
             "seq_len": model["seq_len"],
             "inner_lr": inner.lr,
-            "outer_lr": outer.lr,
-            "outer_momentum": outer.momentum,
-            "streaming": dataclasses.asdict(streaming),
+            "outer_lr": spec.outer_lr,
+            "outer_momentum": spec.outer_momentum,
+            "streaming": dict(zip(("fragments", "delay", "alpha"), streaming, strict=True)),
             "seed": args.seed,
             "data": data_description,
             "arms_in_parallel": args.parallel,

@@ -1,3 +1,75 @@
-"""swarmloco: DiLoCo and Streaming DiLoCo on a swarm of unreliable peers."""
+"""swarmloco: DiLoCo and Streaming DiLoCo on a swarm of unreliable peers.
+
+The library API (see ``runtime/api.py`` and the README, "Train your own model")::
+
+    import swarmloco
+    swarm = swarmloco.create(swarmloco.RunSpec(sync_every=100), model, optimizer,
+                             data_dir="peer0")
+    with swarm:
+        ...   # your own loop: loss.backward(); optimizer.step()
+
+Names are imported on first use, so that ``import swarmloco`` (and the DHT-only bootstrap
+node and the dashboard, which never need torch) stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "RunSpec": "swarmloco.core.runspec",
+    "AggregatorConfig": "swarmloco.core.aggregate",
+    "CodecConfig": "swarmloco.core.codec",
+    "create": "swarmloco.runtime.api",
+    "join": "swarmloco.runtime.api",
+    "Swarm": "swarmloco.runtime.swarm",
+    "PeerConfig": "swarmloco.runtime.config",
+    "export": "swarmloco.runtime.export",
+    "simulate": "swarmloco.train.simulate",
+    "SwarmlocoError": "swarmloco.errors",
+    "ModelMismatch": "swarmloco.errors",
+    "Stopped": "swarmloco.errors",
+}
+
+__all__ = [
+    "AggregatorConfig",
+    "CodecConfig",
+    "ModelMismatch",
+    "PeerConfig",
+    "RunSpec",
+    "Stopped",
+    "Swarm",
+    "SwarmlocoError",
+    "__version__",
+    "create",
+    "export",
+    "join",
+    "simulate",
+]
+
+if TYPE_CHECKING:
+    from swarmloco.core.aggregate import AggregatorConfig
+    from swarmloco.core.codec import CodecConfig
+    from swarmloco.core.runspec import RunSpec
+    from swarmloco.errors import ModelMismatch, Stopped, SwarmlocoError
+    from swarmloco.runtime.api import create, join
+    from swarmloco.runtime.config import PeerConfig
+    from swarmloco.runtime.export import export
+    from swarmloco.runtime.swarm import Swarm
+    from swarmloco.train.simulate import simulate
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'swarmloco' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -174,6 +174,22 @@ def _bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _peer_default(field: str) -> Any:
+    """A PeerConfig default (imported lazily: the config module imports the averaging layer)."""
+    from swarmloco.runtime.config import PeerConfig, default
+
+    return default(PeerConfig, field)
+
+
+# The matchmaking layer imports torch; --help must not. tests/unit/test_cli_defaults.py
+# checks these against MatchmakingConfig.
+_MATCHMAKING_DEFAULTS = {"gather_s": 5.0, "min_group_size": 1}
+
+
+def _matchmaking_default(field: str) -> Any:
+    return _MATCHMAKING_DEFAULTS[field]
+
+
 def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("the training peer")
     g.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
@@ -247,21 +263,21 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--round-timeout",
         type=float,
-        default=120.0,
+        default=_peer_default("round_timeout_s"),
         metavar="SECONDS",
         help="matchmaking plus all-reduce of one round (default: %(default)s)",
     )
     g.add_argument(
         "--gather",
         type=float,
-        default=5.0,
+        default=_matchmaking_default("gather_s"),
         metavar="SECONDS",
         help="how long a round's leader waits for the others to join (default: %(default)s)",
     )
     g.add_argument(
         "--min-group",
         type=int,
-        default=1,
+        default=_matchmaking_default("min_group_size"),
         metavar="N",
         help="abort a round with fewer peers than this and retry later (default: 1, i.e. a "
         "peer alone averages with itself)",
@@ -269,14 +285,14 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--progress-interval",
         type=float,
-        default=2.0,
+        default=_peer_default("progress_interval_s"),
         metavar="SECONDS",
         help="how often the peer publishes its progress (default: %(default)s)",
     )
     g.add_argument(
         "--checkpoint-every",
         type=int,
-        default=1,
+        default=_peer_default("checkpoint_every"),
         metavar="ROUNDS",
         help="rounds between checkpoints, written in the background (one is skipped while "
         "the last is still being written); 0: only when stopping (default: %(default)s)",
@@ -284,9 +300,9 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--eval-every",
         type=int,
-        default=1,
+        default=_peer_default("eval_every"),
         metavar="ROUNDS",
-        help="evaluate the global model every this many rounds; 0: never (default: 1)",
+        help="evaluate the global model every this many rounds; 0: never (default: %(default)s)",
     )
     g.add_argument(
         "--events",
@@ -298,9 +314,9 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
-    """Train as a peer of ``manifest`` until stopped (SIGINT/SIGTERM) or --max-rounds."""
+    """Train as a peer of ``manifest`` until stopped (SIGINT/SIGTERM), the run's end or
+    --max-rounds."""
     import json
-    import signal
 
     import torch
 
@@ -308,23 +324,21 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
     from swarmloco.net.identity import Identity
     from swarmloco.net.node import NodeConfig
     from swarmloco.net.server import ServerConfig
-    from swarmloco.runtime.peer import Peer, PeerConfig
+    from swarmloco.runtime.config import PeerConfig
+    from swarmloco.runtime.daemon import DaemonConfig, train_task
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = PeerConfig(
+    peer = PeerConfig(
         data_dir=args.data_dir,
         node=NodeConfig(
             server=None if args.client_mode else ServerConfig(host=args.host, port=args.port),
             announce_host=args.announce_host,
             peers=tuple(args.peers),
         ),
-        device=args.device,
         name=args.peer_name,
         dashboard_port=args.dashboard_port,
         bandwidth=BandwidthConfig.mbit(args.bandwidth) if args.bandwidth else None,
-        compile=args.compile,
-        precision=args.precision,
         codec_backend=args.codec,
         max_rounds=args.max_rounds,
         round_timeout_s=args.round_timeout,
@@ -332,6 +346,9 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         progress_interval_s=args.progress_interval,
         checkpoint_every=args.checkpoint_every,
         eval_every=args.eval_every,
+    )
+    config = DaemonConfig(
+        peer=peer, device=args.device, compile=args.compile, precision=args.precision
     )
     sink = None
     events_file = None
@@ -343,26 +360,20 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
             events_file.write(json.dumps(event) + "\n")
             events_file.flush()
 
-    peer = Peer(manifest, config, identity=Identity.load_or_create(args.data_dir), on_event=sink)
-
-    def on_signal(signum: int, _frame: object) -> None:
-        peer.stop(f"signal {signal.Signals(signum).name}")
-        # A second signal stops at once (the default handlers come back).
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     try:
-        summary = peer.run()
+        summary = train_task(
+            manifest, config, identity=Identity.load_or_create(args.data_dir), on_event=sink
+        )
     finally:
         if events_file is not None and events_file is not sys.stdout:
             events_file.close()
     logging.getLogger("swarmloco.peer").info(
-        "left swarm %s at round %d after %d steps (%d rounds applied, %d aborted, %d downloads)%s",
+        "left swarm %s at round %d after %d steps (global step %d; %d rounds applied, %d "
+        "aborted, %d downloads)%s",
         summary.swarm_id[:12],
         summary.round,
         summary.steps,
+        summary.global_step,
         summary.rounds_applied,
         summary.rounds_aborted,
         summary.downloads,
@@ -428,7 +439,17 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     h.add_argument("--lr", type=float, default=None, help="peak inner learning rate")
     h.add_argument("--outer-lr", type=float, default=None, help="outer learning rate")
     h.add_argument(
-        "--total-steps", type=int, default=None, help="inner steps of the cosine schedule"
+        "--total-steps",
+        type=int,
+        default=None,
+        help="the run's length in the swarm's inner steps (rounds x H / F); the cosine "
+        "schedule ends there too",
+    )
+    h.add_argument(
+        "--aggregator",
+        choices=("mean", "trimmed_mean", "centered_clip"),
+        default=None,
+        help="how each part's reducer combines the members' updates (default: mean)",
     )
     h.add_argument("--seed", type=int, default=None, help="seed of the initial model and data")
     _add_data_options(parser)
@@ -470,23 +491,21 @@ def _create(args: argparse.Namespace) -> int:
         if v is not None
     }
     run = dataclasses.replace(run, inner=dataclasses.replace(run.inner, **inner_changes))
-    streaming_changes = {
+    spec_changes = {
         k: v
         for k, v in (
             ("sync_every", args.sync_every),
             ("fragments", args.fragments),
             ("delay", args.delay),
             ("alpha", args.alpha),
+            ("outer_lr", args.outer_lr),
+            ("seed", args.seed),
+            ("total_steps", args.total_steps),
+            ("aggregator", args.aggregator),
         )
         if v is not None
     }
-    run = dataclasses.replace(
-        run, streaming=dataclasses.replace(run.streaming, **streaming_changes)
-    )
-    if args.outer_lr is not None:
-        run = dataclasses.replace(run, outer=dataclasses.replace(run.outer, lr=args.outer_lr))
-    if args.seed is not None:
-        run = dataclasses.replace(run, seed=args.seed)
+    run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, **spec_changes))
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else None
     manifest = build_manifest(
         args.task,
@@ -748,7 +767,6 @@ def _run_simulate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from swarmloco.core.fragments import StreamingConfig
     from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync
     from swarmloco.train.tasks import get_task, resolve_model
 
@@ -766,14 +784,17 @@ def _run_simulate(args: argparse.Namespace) -> int:
         precision=args.precision,
         compile=args.compile,
     )
-    streaming = StreamingConfig(
-        sync_every=args.sync_every, fragments=args.fragments, delay=args.delay, alpha=args.alpha
+    spec = dataclasses.replace(
+        run.spec,
+        sync_every=args.sync_every,
+        fragments=args.fragments,
+        delay=args.delay,
+        alpha=args.alpha,
+        outer_lr=run.spec.outer_lr if args.outer_lr is None else args.outer_lr,
+        codec=dataclasses.replace(run.spec.codec, error_feedback=args.error_feedback),
+        seed=args.seed,
     )
-    outer = run.outer if args.outer_lr is None else dataclasses.replace(run.outer, lr=args.outer_lr)
-    codec = dataclasses.replace(run.codec, error_feedback=args.error_feedback)
-    run = dataclasses.replace(
-        run, inner=inner, streaming=streaming, outer=outer, codec=codec, seed=args.seed
-    )
+    run = dataclasses.replace(run, inner=inner, spec=spec)
     import torch
 
     if args.threads:

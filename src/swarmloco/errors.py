@@ -42,3 +42,18 @@ class RejectedInput(SwarmlocoError):
 
 class RoundAborted(SwarmlocoError):
     """An averaging round could not complete; nothing was applied."""
+
+
+class ModelMismatch(SwarmlocoError):
+    """A peer's model is not the one its swarm trains; the message names the differences."""
+
+    def __init__(self, message: str, differences: list[str]) -> None:
+        super().__init__(message)
+        self.differences = differences
+
+
+class Stopped(BaseException):
+    """Raised from ``optimizer.step()`` once the peer was asked to stop (a signal, the end
+    of the run, ``swarm.stop()``) and the training loop stepped again: it leaves the loop at
+    a step boundary, and ``with swarm`` swallows it after landing the round in flight and
+    writing a checkpoint. A BaseException, so that ``except Exception`` does not catch it."""

@@ -180,23 +180,13 @@ def test_a_peer_lying_about_its_round_does_not_stall_the_swarm(tmp_path):
 
 
 def _flat_numel(manifest_path) -> int:
-    """The length of a swarm's flat global state, built from its manifest as a peer does."""
-    import torch
-
-    from swarmloco.core.flat import FlatLayout
-    from swarmloco.core.fragments import assign_fragments
+    """The length of a swarm's flat global state: the manifest alone says (its signature)."""
     from swarmloco.core.manifest import SwarmManifest
-    from swarmloco.train.tasks import run_from_manifest
+    from swarmloco.runtime.swarm import manifest_signature, manifest_spec
 
-    task, model_config, _, run = run_from_manifest(
-        SwarmManifest.from_bytes(manifest_path.read_bytes())
-    )
-    torch.manual_seed(run.seed)
-    named = list(task.build_model(model_config).named_parameters())
-    units = [task.layer_unit(n) for n, _ in named]
-    shapes = [(n, tuple(p.shape)) for n, p in named]
-    fragment_of = assign_fragments(units, run.streaming.fragments)
-    return FlatLayout(shapes, fragment_of, run.codec.block_size).numel
+    manifest = SwarmManifest.from_bytes(manifest_path.read_bytes())
+    block = manifest_spec(manifest).codec.block_size
+    return manifest_signature(manifest).layout(block).numel
 
 
 def test_a_liar_serving_a_poisoned_later_state_is_refused_and_a_frozen_peer_heals(tmp_path):

@@ -2,7 +2,7 @@
 that downloads round R must set each fragment's step count exactly as the peers that
 applied rounds 1..R did (Nesterov's first step differs from the others)."""
 
-from swarmloco.runtime.peer import rounds_of_fragment
+from swarmloco.train.diloco import rounds_of_fragment
 
 
 def test_step_counts_match_replaying_the_rounds():

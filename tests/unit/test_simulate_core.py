@@ -5,8 +5,6 @@ import torch
 
 from swarmloco.core import codec
 from swarmloco.core.codec import CodecConfig
-from swarmloco.core.fragments import StreamingConfig
-from swarmloco.core.outer import OuterConfig
 from swarmloco.train.simulate import SimulationConfig, exchange_mean, run_diloco
 from swarmloco.train.spec import DataSpec, GPTConfig
 from swarmloco.train.tasks import get_task
@@ -26,13 +24,15 @@ def test_one_worker_with_plain_averaging_is_plain_training(small):
     """Outer lr 1 without momentum sets theta_g to the worker's theta: syncing every 10
     steps or only at the end must give the same model (up to fp32 rounding of g - (g - t))."""
     task, model, data, run = small
-    run = dataclasses.replace(run, outer=OuterConfig(lr=1.0, momentum=0.0))
+    run = dataclasses.replace(
+        run, spec=dataclasses.replace(run.spec, outer_lr=1.0, outer_momentum=0.0)
+    )
     sim = SimulationConfig(workers=1, steps=40, exchange="fp32", eval_every=40)
     often = run_diloco(
         task,
         model,
         data,
-        dataclasses.replace(run, streaming=StreamingConfig(sync_every=10)),
+        dataclasses.replace(run, spec=dataclasses.replace(run.spec, sync_every=10)),
         sim,
         progress=False,
     )
@@ -40,7 +40,7 @@ def test_one_worker_with_plain_averaging_is_plain_training(small):
         task,
         model,
         data,
-        dataclasses.replace(run, streaming=StreamingConfig(sync_every=40)),
+        dataclasses.replace(run, spec=dataclasses.replace(run.spec, sync_every=40)),
         sim,
         progress=False,
     )

@@ -17,14 +17,20 @@ def test_manifest_round_trip_gives_back_the_run():
     assert task.name == "gpt-bytes"
     assert model == dataclasses.asdict(GPT_PRESETS["tiny"])
     assert data.source == "stdlib"
-    assert run.outer.lr == 0.7 and run.streaming.sync_every == 50
+    assert run.spec.outer.lr == 0.7 and run.spec.streaming.sync_every == 50
+    assert run.spec.total_steps == run.inner.total_steps  # the run ends with the schedule
     assert run == task.default_run("tiny")
+    # The signature pins the model down: the preset's parameters, the seed's weights.
+    signature = again.model["signature"]
+    names = [name for name, *_ in signature["params"]]
+    built = task.build_model(model)
+    assert names == [n for n, _ in built.named_parameters()]
 
 
 def test_local_choices_stay_out_of_the_manifest():
     m = build_manifest("gpt-bytes", "tiny", creator="")
     assert "precision" not in m.hparams["inner"] and "compile" not in m.hparams["inner"]
-    assert "backend" not in m.hparams["codec"]
+    assert "backend" not in m.hparams["run"]["codec"]
 
 
 def test_unknown_names_are_clear_errors():

@@ -31,6 +31,9 @@ THETA_G = "theta_g"
 """Name of the global parameters (flat fp32) in a snapshot."""
 MOMENTUM = "momentum"
 """Name of the outer optimizer's momentum buffer (flat fp32, absent in a fresh swarm)."""
+TOKENS = "tokens"
+"""Name of the swarm's token count (int64[1]: the summed weights of every round's group;
+absent in a fresh swarm)."""
 
 MAX_NAME_CHARS = 128
 _NAME = re.compile(rf"[A-Za-z0-9_.\-/]{{1,{MAX_NAME_CHARS}}}")
@@ -223,10 +226,15 @@ class StateSchema:
 
     @classmethod
     def diloco(cls, numel: int) -> StateSchema:
-        """``theta_g`` (fp32, ``numel``) and, except in a fresh swarm, the outer momentum."""
+        """``theta_g`` (fp32, ``numel``) and, except in a fresh swarm, the outer momentum
+        and the swarm's token count."""
         return cls(
-            (TensorSpec(THETA_G, "float32", numel), TensorSpec(MOMENTUM, "float32", numel)),
-            optional=frozenset({MOMENTUM}),
+            (
+                TensorSpec(THETA_G, "float32", numel),
+                TensorSpec(MOMENTUM, "float32", numel),
+                TensorSpec(TOKENS, "int64", 1),
+            ),
+            optional=frozenset({MOMENTUM, TOKENS}),
         )
 
     def mismatch(self, specs: Iterable[TensorSpec]) -> str | None:

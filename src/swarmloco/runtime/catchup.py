@@ -56,6 +56,7 @@ from swarmloco.net.state import (
     StateTransferError,
     download_state,
 )
+from swarmloco.net.swarm import find_peers
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,30 @@ class CatchUp:
         why = f"this peer's round {round} state is not the one most peers hold"
         await self._try(ahead, round, theta_g, distrusted, deadline, found, why)
         return found
+
+    async def initial(self, digest: bytes) -> DownloadedState | None:
+        """The round-0 state (the run's initial weights) from any peer of the swarm still at
+        round 0, checked against ``digest`` (the manifest's): no trust is needed."""
+        peers = await find_peers(self.dht, self.swarm_id)
+        donors = [Donor(p.peer_id, p.endpoint) for p in peers if p.peer_id != self.me]
+        donors = [d for d in donors if d.endpoint][: self.config.donors_per_digest * 2]
+        if not donors:
+            return None
+        try:
+            return await download_state(
+                self.client,
+                donors,
+                swarm_id=self.swarm_id,
+                deadline=Deadline.after(self.config.state_timeout_s),
+                expected_round=0,
+                expected_digest=digest,
+                schema=self.schema,
+                config=self.config.download,
+                rejections=self.rejections,
+            )
+        except StateTransferError as exc:
+            logger.info("no peer serves the initial state: %s", exc)
+            return None
 
     def _counted(self, claims: dict[str, int]) -> list[int]:
         """The rounds claimed, a stranger's capped at the ``quorum``-th highest claim: one

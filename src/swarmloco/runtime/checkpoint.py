@@ -64,9 +64,10 @@ _HASH_BLOCK = 1 << 20
 def flatten(obj: Any, tensors: dict[str, torch.Tensor], prefix: str = "t") -> Any:
     """A msgpack-able copy of ``obj`` with every tensor moved into ``tensors``.
 
-    Tensors become ``{"__tensor__": name}``, tuples ``{"__tuple__": [...]}`` and dicts with
-    non-string keys ``{"__items__": [[k, v], ...]}`` so that :func:`unflatten` gives back
-    the same structure (an optimizer state dict keys its parameters by int).
+    Tensors become ``{"__tensor__": name}``, tuples ``{"__tuple__": [...]}``, dicts with
+    non-string keys ``{"__items__": [[k, v], ...]}`` and integers beyond 64 bits
+    ``{"__bigint__": "digits"}`` so that :func:`unflatten` gives back the same structure
+    (an optimizer state dict keys its parameters by int; an RNG state holds 128-bit ints).
     """
     if isinstance(obj, torch.Tensor):
         name = f"{prefix}.{len(tensors)}"
@@ -80,6 +81,8 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor], prefix: str = "t") -> An
         return {"__tuple__": [flatten(v, tensors, prefix) for v in obj]}
     if isinstance(obj, list):
         return [flatten(v, tensors, prefix) for v in obj]
+    if isinstance(obj, int) and not isinstance(obj, bool) and not -(2**63) <= obj < 2**64:
+        return {"__bigint__": str(obj)}  # msgpack carries 64 bits (RNG states hold 128)
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return obj
     raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__}")
@@ -97,6 +100,8 @@ def unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             return tuple(unflatten(v, tensors) for v in obj["__tuple__"])
         if set(obj) == {"__items__"}:
             return {k: unflatten(v, tensors) for k, v in obj["__items__"]}
+        if set(obj) == {"__bigint__"}:
+            return int(obj["__bigint__"])
         return {k: unflatten(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
         return [unflatten(v, tensors) for v in obj]
@@ -243,16 +248,27 @@ class CheckpointStore:
     save left behind. The constructor does no I/O.
     """
 
-    def __init__(self, root: Path | str, *, swarm_id: str, keep: int = 3) -> None:
+    def __init__(
+        self, root: Path | str, *, swarm_id: str, keep: int = 3, readonly: bool = False
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self.root = Path(root)
         self.swarm_id = swarm_id
         self.keep = keep
+        self.readonly = readonly
+        """Only read (no lock, nothing cleaned up): safe beside a running peer, since a
+        checkpoint appears and disappears by renaming."""
         self._lock: IO[str] | None = None
+        self._reading = False
 
     def open(self) -> CheckpointStore:
-        if self._lock is not None:
+        if self._lock is not None or self._reading:
+            return self
+        if self.readonly:
+            if not self.root.is_dir():
+                raise CheckpointError(f"no checkpoints in {self.root}")
+            self._reading = True
             return self
         self.root.mkdir(parents=True, exist_ok=True)
         lock = open(self.root / ".lock", "a+")  # noqa: SIM115 (held until close())
@@ -270,6 +286,7 @@ class CheckpointStore:
         return self
 
     def close(self) -> None:
+        self._reading = False
         if self._lock is not None:
             fcntl.flock(self._lock.fileno(), fcntl.LOCK_UN)
             self._lock.close()
@@ -281,8 +298,10 @@ class CheckpointStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _require_open(self) -> None:
-        if self._lock is None:
+    def _require_open(self, *, writing: bool = False) -> None:
+        if writing and self.readonly:
+            raise CheckpointError("the checkpoint store was opened read-only")
+        if self._lock is None and not self._reading:
             raise CheckpointError("the checkpoint store is not open (use it in a with block)")
 
     # -- saving --
@@ -297,7 +316,7 @@ class CheckpointStore:
     def write(self, *, round: int, step: int, copy: StateCopy) -> Path:
         """:meth:`save` of a state copied before (by :func:`copy_state`): the part that
         may run on another thread while training changes the original state."""
-        self._require_open()
+        self._require_open(writing=True)
         final = self.root / checkpoint_name(round, step)
         tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
         started = time.monotonic()

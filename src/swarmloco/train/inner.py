@@ -131,6 +131,9 @@ class InnerLoop:
             torch.compile(self.model) if want_compile else self.model  # type: ignore[assignment]
         )
         self.step = 0
+        self.lr_step: Callable[[], int] = lambda: self.step
+        """The step the learning rate is scheduled on: this loop's own by default; a peer
+        of a swarm schedules on the swarm's global step."""
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.amp_dtype is None:
@@ -142,7 +145,7 @@ class InnerLoop:
         cfg = self.config
         self.model.train()
         for group in self.optimizer.param_groups:
-            group["lr"] = cfg.lr_at(self.step)
+            group["lr"] = cfg.lr_at(self.lr_step())
         total = torch.zeros((), device=self.device)
         for _ in range(cfg.grad_accum):
             x, y = next(batches)
@@ -169,14 +172,17 @@ class InnerLoop:
         return evaluate(self.model, windows, self.device, self.amp_dtype, batch_size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "step": self.step,
-        }
+        return {"optimizer": self.optimizer.state_dict(), **self.loop_state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        self.load_loop_state_dict(state)
+
+    def loop_state_dict(self) -> dict[str, Any]:
+        """The loop's own state without the optimizer's (a swarm checkpoints that itself)."""
+        return {"scaler": self.scaler.state_dict(), "step": self.step}
+
+    def load_loop_state_dict(self, state: dict[str, Any]) -> None:
         # Precision is each peer's own choice: a state saved without loss scaling (fp32,
         # bf16) resumes under fp16 with a fresh scale, and a scale is dropped where unused.
         if self.scaler.is_enabled() and state["scaler"]:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
+from torch import nn
 
 from swarmloco.core.codec import (
     CodecConfig,
@@ -25,14 +27,20 @@ from swarmloco.core.codec import (
     quantize,
 )
 from swarmloco.core.config import require, require_int
-from swarmloco.core.flat import FlatLayout
-from swarmloco.core.fragments import FragmentSchedule, assign_fragments
-from swarmloco.core.outer import OuterOptimizer
+from swarmloco.core.fragments import FragmentSchedule
+from swarmloco.core.runspec import RunSpec
+from swarmloco.core.signature import (
+    LayerUnit,
+    default_layer_unit,
+    parameters_in_order,
+    signature_of,
+)
 from swarmloco.progress import Progress
 from swarmloco.train.data import BatchStream, TokenData, eval_windows
-from swarmloco.train.inner import InnerLoop, evaluate
+from swarmloco.train.diloco import DilocoState
+from swarmloco.train.inner import InnerLoop, evaluate, resolve_precision
 from swarmloco.train.spec import DataSpec
-from swarmloco.train.tasks import RunConfig, Task
+from swarmloco.train.tasks import RunConfig, Task, build_task_model
 
 Exchange = Literal["int8", "fp32"]
 SYNC_WORKER_ID = 1_000_000  # the baseline's data stream, apart from every worker's
@@ -80,10 +88,6 @@ class ArmResult:
         return dataclasses.asdict(self)
 
 
-def _params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p for _, p in model.named_parameters()]
-
-
 def exchange_mean(
     deltas: list[torch.Tensor],
     weights: list[float],
@@ -106,6 +110,147 @@ def exchange_mean(
     return dequantize(q, s, codec.block_size, codec.backend)
 
 
+@dataclasses.dataclass
+class SimWorker:
+    """One simulated peer: its model and one inner step of its own loop (returns the loss)."""
+
+    model: nn.Module
+    step: Callable[[], float]
+
+
+def diloco_arm(
+    spec: RunSpec,
+    template: nn.Module,
+    workers: Sequence[SimWorker],
+    evaluate: Callable[[nn.Module], float],
+    *,
+    steps: int,
+    exchange: Exchange = "int8",
+    eval_every: int = 50,
+    tokens_per_step: int = 1,
+    layer_unit: LayerUnit = default_layer_unit,
+    label: str = "diloco",
+    progress: bool = True,
+) -> ArmResult:
+    """DiLoCo over ``workers`` (each starting from ``template``'s weights): inner steps in
+    turn, outer Nesterov on fragments per the streaming schedule, the exchange computed as
+    the all-reduce would (``exchange_mean``). The same :class:`DilocoState` and schedule as
+    a real peer's; ``evaluate`` scores the global model."""
+    codec = spec.codec
+    signature = signature_of(
+        template, fragments=spec.fragments, block_size=codec.block_size, layer_unit=layer_unit
+    )
+    state = DilocoState(signature.layout(codec.block_size), spec.outer, codec)
+    state.set_global(parameters_in_order(template, signature.params))
+    params = [parameters_in_order(w.model, signature.params) for w in workers]
+    schedule = FragmentSchedule(spec.streaming)
+    feedback = None
+    if exchange == "int8" and codec.error_feedback:
+        feedback = [
+            [ErrorFeedback(b - a, codec) for _ in workers] for a, b in state.layout.fragment_ranges
+        ]
+    eval_model = copy.deepcopy(template).to(next(workers[0].model.parameters()).device)
+    eval_params = parameters_in_order(eval_model, signature.params)
+
+    def eval_global() -> float:
+        state.layout.scatter(state.theta_g, eval_params)
+        return evaluate(eval_model)
+
+    scratch = [state.layout.zeros() for _ in workers]
+    last_start = [0] * state.fragments
+    wire = 0
+
+    def sync(fragment: int) -> None:
+        nonlocal wire
+        deltas = [
+            state.delta(fragment, p, out=state.layout.fragment(buf, fragment))
+            for p, buf in zip(params, scratch, strict=True)
+        ]
+        weights = [1.0] * len(workers)  # equal tokens per worker in a simulation
+        mean = exchange_mean(
+            deltas, weights, exchange, codec, feedback[fragment] if feedback else None
+        )
+        state.apply(fragment, state.round + 1, mean)
+        n = mean.numel()
+        wire += codec.wire_bytes(n) if exchange == "int8" else 4 * n
+
+    def land(fragment: int) -> None:
+        for p in params:
+            state.land(fragment, p, spec.alpha)
+
+    curve: list[tuple[int, float]] = [(0, eval_global())]
+    bar = Progress(steps, label, enabled=progress)
+    started = time.monotonic()
+    loss = float("nan")
+    for step in range(1, steps + 1):
+        loss = sum(w.step() for w in workers) / len(workers)
+        for f in schedule.starts_after(step):
+            sync(f)
+            last_start[f] = step
+        for f in schedule.lands_after(step):
+            land(f)
+        if step % eval_every == 0 and step < steps:
+            curve.append((step, eval_global()))
+        bar.update(1, loss=loss, eval=curve[-1][1])
+    # Finish: sync every fragment that trained since its last sync, so that the global
+    # model holds the workers' last steps. A fragment whose exchange is still in flight
+    # (started less than tau steps ago) is already in theta_g: syncing it again would count
+    # the outer step twice.
+    for f in range(state.fragments):
+        in_flight = last_start[f] > 0 and last_start[f] + spec.delay > steps
+        if last_start[f] < steps and not in_flight:
+            sync(f)
+    final = eval_global()
+    curve.append((steps, final))
+    bar.update(0, loss=loss, eval=final)
+    bar.close()
+    return ArmResult(
+        name=label,
+        final_eval_loss=final,
+        eval_curve=curve,
+        final_train_loss=loss,
+        tokens=len(workers) * steps * tokens_per_step,
+        seconds=time.monotonic() - started,
+        outer_rounds=state.round,
+        bytes_per_worker=wire,
+    )
+
+
+def sync_arm(
+    model: nn.Module,
+    step: Callable[[], float],
+    evaluate: Callable[[nn.Module], float],
+    *,
+    steps: int,
+    eval_every: int = 50,
+    tokens: int = 0,
+    label: str = "sync",
+    progress: bool = True,
+) -> ArmResult:
+    """The data-parallel baseline: ``step`` takes one step of N workers' batches."""
+    curve: list[tuple[int, float]] = [(0, evaluate(model))]
+    bar = Progress(steps, label, enabled=progress)
+    started = time.monotonic()
+    loss = float("nan")
+    for i in range(1, steps + 1):
+        loss = step()
+        if i % eval_every == 0 and i < steps:
+            curve.append((i, evaluate(model)))
+        bar.update(1, loss=loss, eval=curve[-1][1])
+    final = evaluate(model)
+    curve.append((steps, final))
+    bar.update(0, loss=loss, eval=final)
+    bar.close()
+    return ArmResult(
+        name=label,
+        final_eval_loss=final,
+        eval_curve=curve,
+        final_train_loss=loss,
+        tokens=tokens,
+        seconds=time.monotonic() - started,
+    )
+
+
 def run_diloco(
     task: Task,
     model_config: dict[str, Any],
@@ -116,106 +261,38 @@ def run_diloco(
     label: str = "diloco",
     progress: bool = True,
 ) -> ArmResult:
-    """N workers, inner AdamW, outer Nesterov on fragments per the streaming schedule."""
+    """A built-in task's DiLoCo arm: N workers with the task's AdamW loop and data."""
     device = torch.device(sim.device)
-    torch.manual_seed(run.seed)
-    template = task.build_model(model_config)
-    names = [n for n, _ in template.named_parameters()]
-    shapes = [(n, tuple(p.shape)) for n, p in template.named_parameters()]
-    fragment_of = assign_fragments([task.layer_unit(n) for n in names], run.streaming.fragments)
-    layout = FlatLayout(shapes, fragment_of, run.codec.block_size)
-    theta_g = layout.gather(_params(template), layout.zeros())
-    outer = [OuterOptimizer(b - a, run.outer) for a, b in layout.fragment_ranges]
-    schedule = FragmentSchedule(run.streaming)
+    template = build_task_model(task, model_config, run)
     seq_len = int(model_config["seq_len"])
-    workers = [InnerLoop(copy.deepcopy(template), run.inner, device) for _ in range(sim.workers)]
-    streams: list[Iterator[tuple[torch.Tensor, torch.Tensor]]] = [
-        iter(
+    workers = []
+    for i in range(sim.workers):
+        loop = InnerLoop(copy.deepcopy(template), run.inner, device)
+        stream = iter(
             BatchStream(
                 data.train,
                 seq_len=seq_len,
                 batch_size=run.inner.batch_size,
                 vocab_size=data.vocab_size,
-                seed=run.seed,
+                seed=run.spec.seed,
                 worker=i,
             )
         )
-        for i in range(sim.workers)
-    ]
-    feedback = None
-    if sim.exchange == "int8" and run.codec.error_feedback:
-        feedback = [
-            [ErrorFeedback(b - a, run.codec) for _ in workers] for a, b in layout.fragment_ranges
-        ]
-    evalset = eval_windows(data.val, seq_len=seq_len, count=_eval_count(data, run))
-    eval_model = copy.deepcopy(template).to(device)
-
-    def eval_global() -> float:
-        layout.scatter(theta_g, _params(eval_model))
-        return evaluate(eval_model, evalset, device, workers[0].amp_dtype)
-
-    scratch = [layout.zeros() for _ in workers]
-    last_start = [0] * layout.num_fragments
-    rounds = 0
-    wire = 0
-
-    def sync(fragment: int) -> None:
-        nonlocal rounds, wire
-        g = layout.fragment(theta_g, fragment)
-        deltas = []
-        for w, buf in zip(workers, scratch, strict=True):
-            layout.gather(_params(w.model), buf, fragment)
-            local = layout.fragment(buf, fragment)
-            torch.sub(g, local, out=local)  # delta = theta_g - theta (DiLoCo, Alg. 1)
-            deltas.append(local)
-        weights = [1.0] * len(workers)  # equal tokens per worker in a simulation
-        mean = exchange_mean(
-            deltas, weights, sim.exchange, run.codec, feedback[fragment] if feedback else None
-        )
-        outer[fragment].step(g, mean)
-        rounds += 1
-        wire += run.codec.wire_bytes(g.numel()) if sim.exchange == "int8" else 4 * g.numel()
-
-    def land(fragment: int) -> None:
-        for w in workers:
-            layout.lerp_into(theta_g, _params(w.model), run.streaming.alpha, fragment)
-
-    curve: list[tuple[int, float]] = [(0, eval_global())]
-    bar = Progress(sim.steps, label, enabled=progress)
-    started = time.monotonic()
-    loss = float("nan")
-    for step in range(1, sim.steps + 1):
-        loss = sum(w.train_step(s) for w, s in zip(workers, streams, strict=True)) / len(workers)
-        for f in schedule.starts_after(step):
-            sync(f)
-            last_start[f] = step
-        for f in schedule.lands_after(step):
-            land(f)
-        if step % sim.eval_every == 0 and step < sim.steps:
-            curve.append((step, eval_global()))
-        bar.update(1, loss=loss, eval=curve[-1][1])
-    # Finish: sync every fragment that trained since its last sync, so that the global
-    # model holds the workers' last steps. A fragment whose exchange is still in flight
-    # (started less than tau steps ago) is already in theta_g: syncing it again would count
-    # the outer step twice.
-    for f in range(layout.num_fragments):
-        in_flight = last_start[f] > 0 and last_start[f] + run.streaming.delay > sim.steps
-        if last_start[f] < sim.steps and not in_flight:
-            sync(f)
-    final = eval_global()
-    curve.append((sim.steps, final))
-    bar.update(0, loss=loss, eval=final)
-    bar.close()
-    tokens = sim.workers * sim.steps * run.inner.batch_size * run.inner.grad_accum * seq_len
-    return ArmResult(
-        name=label,
-        final_eval_loss=final,
-        eval_curve=curve,
-        final_train_loss=loss,
-        tokens=tokens,
-        seconds=time.monotonic() - started,
-        outer_rounds=rounds,
-        bytes_per_worker=wire,
+        workers.append(SimWorker(loop.model, functools.partial(loop.train_step, stream)))
+    evalset = eval_windows(data.val, seq_len=seq_len, count=_eval_count(data))
+    amp = resolve_precision(run.inner.precision, device)
+    return diloco_arm(
+        run.spec,
+        template,
+        workers,
+        lambda m: evaluate(m, evalset, device, amp),
+        steps=sim.steps,
+        exchange=sim.exchange,
+        eval_every=sim.eval_every,
+        tokens_per_step=run.inner.batch_size * run.inner.grad_accum * seq_len,
+        layer_unit=task.layer_unit,
+        label=label,
+        progress=progress,
     )
 
 
@@ -229,10 +306,9 @@ def run_sync(
     label: str = "sync",
     progress: bool = True,
 ) -> ArmResult:
-    """The data-parallel baseline: one model, N times the batch, as many steps."""
+    """A built-in task's data-parallel baseline: one model, N times the batch."""
     device = torch.device(sim.device)
-    torch.manual_seed(run.seed)
-    model = task.build_model(model_config)
+    model = build_task_model(task, model_config, run)
     inner = dataclasses.replace(run.inner, grad_accum=run.inner.grad_accum * sim.workers)
     loop = InnerLoop(model, inner, device)
     seq_len = int(model_config["seq_len"])
@@ -242,35 +318,135 @@ def run_sync(
             seq_len=seq_len,
             batch_size=inner.batch_size,
             vocab_size=data.vocab_size,
-            seed=run.seed,
+            seed=run.spec.seed,
             worker=SYNC_WORKER_ID,
         )
     )
-    evalset = eval_windows(data.val, seq_len=seq_len, count=_eval_count(data, run))
-    curve: list[tuple[int, float]] = [(0, loop.evaluate(evalset))]
-    bar = Progress(sim.steps, label, enabled=progress)
-    started = time.monotonic()
-    loss = float("nan")
-    for step in range(1, sim.steps + 1):
-        loss = loop.train_step(stream)
-        if step % sim.eval_every == 0 and step < sim.steps:
-            curve.append((step, loop.evaluate(evalset)))
-        bar.update(1, loss=loss, eval=curve[-1][1])
-    final = loop.evaluate(evalset)
-    curve.append((sim.steps, final))
-    bar.update(0, loss=loss, eval=final)
-    bar.close()
-    tokens = sim.steps * inner.batch_size * inner.grad_accum * seq_len
-    return ArmResult(
-        name=label,
-        final_eval_loss=final,
-        eval_curve=curve,
-        final_train_loss=loss,
-        tokens=tokens,
-        seconds=time.monotonic() - started,
+    evalset = eval_windows(data.val, seq_len=seq_len, count=_eval_count(data))
+    return sync_arm(
+        loop.model,
+        functools.partial(loop.train_step, stream),
+        lambda m: evaluate(m, evalset, device, loop.amp_dtype),
+        steps=sim.steps,
+        eval_every=sim.eval_every,
+        tokens=sim.steps * inner.batch_size * inner.grad_accum * seq_len,
+        label=label,
+        progress=progress,
     )
 
 
-def _eval_count(data: TokenData, run: RunConfig) -> int:
+def _eval_count(data: TokenData) -> int:
     spec_count = getattr(data, "eval_sequences", None)
     return int(spec_count) if spec_count else DataSpec().eval_sequences
+
+
+# --------------------------------------------------------------------------- any model
+
+
+@dataclasses.dataclass
+class SimulationResult:
+    """What :func:`simulate` measured: the DiLoCo arm and (optionally) the baseline."""
+
+    diloco: ArmResult
+    sync: ArmResult | None
+
+    @property
+    def diloco_over_sync(self) -> float | None:
+        """DiLoCo's final eval loss over the synchronous baseline's (1.0: as good)."""
+        if self.sync is None:
+            return None
+        return self.diloco.final_eval_loss / self.sync.final_eval_loss
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"diloco": self.diloco.summary()}
+        if self.sync is not None:
+            out["sync"] = self.sync.summary()
+            out["diloco_over_sync"] = self.diloco_over_sync
+        return out
+
+
+def simulate(
+    spec: RunSpec,
+    *,
+    model: Callable[[], nn.Module],
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    loss: Callable[[nn.Module, Any], torch.Tensor],
+    batches: Callable[[int], Iterable[Any]],
+    evaluate: Callable[[nn.Module], float],
+    workers: int = 4,
+    steps: int = 300,
+    exchange: Exchange = "int8",
+    eval_every: int = 50,
+    baseline: bool = True,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    grad_clip: float = 0.0,
+    layer_unit: LayerUnit = default_layer_unit,
+    progress: bool = False,
+) -> SimulationResult:
+    """Simulate a run of ``spec`` on your own model before going live: ``workers`` peers in
+    this process, each with its own optimizer and data, averaging exactly as a swarm
+    would; and the synchronous baseline (one model, each step on ``workers`` batches) at
+    equal tokens. Tune H (``sync_every``) and the outer learning rate here.
+
+    ``model()``: a new model (called once, after ``torch.manual_seed(spec.seed)``; every
+    worker starts from a copy). ``optimizer(model)``: its optimizer. ``loss(model,
+    batch)``: the loss of a batch (the simulator runs backward and the step).
+    ``batches(i)``: data stream ``i`` (workers use 0..N-1, the baseline N..2N-1).
+    ``evaluate(model)``: the held-out loss. ``scheduler(optimizer)``: an LR scheduler,
+    stepped after each optimizer step. ``grad_clip``: clip the gradient norm (0: not).
+    """
+    require_int("workers", workers, minimum=1)
+    require_int("steps", steps, minimum=1)
+    torch.manual_seed(spec.seed)
+    template = model()
+
+    def stepper(net: nn.Module, streams: list[Any]) -> Callable[[], float]:
+        opt = optimizer(net)
+        sched = scheduler(opt) if scheduler is not None else None
+
+        def step() -> float:
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for stream in streams:
+                value = loss(net, next(stream)) / len(streams)
+                value.backward()
+                total += float(value.detach())
+            if grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+            opt.step()
+            if sched is not None:
+                sched.step()
+            return total
+
+        return step
+
+    sims = []
+    for i in range(workers):
+        net = copy.deepcopy(template)
+        sims.append(SimWorker(net, stepper(net, [iter(batches(i))])))
+    diloco = diloco_arm(
+        spec,
+        template,
+        sims,
+        evaluate,
+        steps=steps,
+        exchange=exchange,
+        eval_every=eval_every,
+        layer_unit=layer_unit,
+        label=f"diloco-{exchange}",
+        progress=progress,
+    )
+    sync = None
+    if baseline:
+        net = copy.deepcopy(template)
+        streams = [iter(batches(workers + i)) for i in range(workers)]
+        sync = sync_arm(
+            net,
+            stepper(net, streams),
+            evaluate,
+            steps=steps,
+            eval_every=eval_every,
+            tokens=steps * workers,
+            progress=progress,
+        )
+    return SimulationResult(diloco, sync)

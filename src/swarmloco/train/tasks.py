@@ -15,11 +15,9 @@ from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
-from swarmloco.core.codec import CodecConfig
-from swarmloco.core.config import from_mapping, require_int
-from swarmloco.core.fragments import StreamingConfig
+from swarmloco.core.config import from_mapping
 from swarmloco.core.manifest import SwarmManifest
-from swarmloco.core.outer import OuterConfig
+from swarmloco.core.runspec import RunSpec
 from swarmloco.train.inner import InnerConfig
 from swarmloco.train.spec import GPT_PRESETS, DataSpec, GPTConfig
 
@@ -28,53 +26,37 @@ if TYPE_CHECKING:
 
     from swarmloco.train.data import TokenData
 
-# Settings each peer chooses for itself: they never enter a manifest.
-_LOCAL_FIELDS = {"inner": {"precision", "compile"}, "codec": {"backend"}}
+_LOCAL_INNER_FIELDS = {"precision", "compile"}  # each peer's own choices: never in a manifest
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """The hyperparameters every peer of a run shares (the manifest's ``hparams``)."""
+    """The hyperparameters every peer of a built-in task's run shares: the inner loop (the
+    daemon builds each peer's optimizer from it) and the run spec."""
 
     inner: InnerConfig = dataclasses.field(default_factory=InnerConfig)
     """The local AdamW loop."""
-    outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
-    """The outer Nesterov step."""
-    streaming: StreamingConfig = dataclasses.field(default_factory=StreamingConfig)
-    """When fragments sync (H, F, tau, alpha)."""
-    codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)
-    """How updates are quantized on the wire."""
-    seed: int = 0
-    """Seed of the initial parameters and of every worker's data stream."""
-
-    def __post_init__(self) -> None:
-        require_int("seed", self.seed, minimum=0)
+    spec: RunSpec = dataclasses.field(default_factory=RunSpec)
+    """When and how the peers average (H, F, tau, alpha, outer step, codec, aggregator),
+    the seed, and the run's length."""
 
     def to_manifest(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                local = _LOCAL_FIELDS.get(field.name, set())
-                out[field.name] = {
-                    k: v for k, v in dataclasses.asdict(value).items() if k not in local
-                }
-            else:
-                out[field.name] = value
-        return out
+        inner = {
+            k: v for k, v in dataclasses.asdict(self.inner).items() if k not in _LOCAL_INNER_FIELDS
+        }
+        return {"inner": inner, "run": self.spec.to_manifest()}
 
     @classmethod
     def from_manifest(cls, hparams: Mapping[str, Any]) -> RunConfig:
-        kinds = {
-            "inner": InnerConfig,
-            "outer": OuterConfig,
-            "streaming": StreamingConfig,
-            "codec": CodecConfig,
-        }
-        values: dict[str, Any] = {}
-        for key, value in hparams.items():
-            values[key] = from_mapping(kinds[key], value) if key in kinds else value
-        return from_mapping(cls, values)
+        unknown = sorted(set(hparams) - {"inner", "run"})
+        if unknown:
+            raise ValueError(
+                f"unknown RunConfig option(s): {', '.join(unknown)}; known options: inner, run"
+            )
+        return cls(
+            inner=from_mapping(InnerConfig, hparams.get("inner", {})),
+            spec=RunSpec.from_manifest(hparams.get("run", {})),
+        )
 
 
 class Task(Protocol):
@@ -118,7 +100,8 @@ class GPTBytes:
             inner = InnerConfig(lr=6e-4, warmup_steps=200, total_steps=20_000, batch_size=32)
         else:
             inner = InnerConfig(lr=4e-4, warmup_steps=1000, total_steps=100_000, batch_size=16)
-        return RunConfig(inner=inner)
+        # The run ends where the cosine schedule does.
+        return RunConfig(inner=inner, spec=RunSpec(total_steps=inner.total_steps))
 
     def build_model(self, model: Mapping[str, Any]) -> nn.Module:
         from swarmloco.train.model import GPT
@@ -184,7 +167,7 @@ def build_manifest(
     data_dict = dataclasses.asdict(data)
     return SwarmManifest(
         task=t.name,
-        model={"preset": preset, **model},
+        model={"preset": preset, **model, "signature": task_signature(t, model, run)},
         data=data_dict,
         hparams=run.to_manifest(),
         creator=creator,
@@ -192,10 +175,31 @@ def build_manifest(
     )
 
 
+def build_task_model(task: Task, model: Mapping[str, Any], run: RunConfig) -> nn.Module:
+    """The task's model with the run's initial weights (every peer builds the same)."""
+    import torch
+
+    torch.manual_seed(run.spec.seed)
+    return task.build_model(model)
+
+
+def task_signature(task: Task, model: Mapping[str, Any], run: RunConfig) -> dict[str, Any]:
+    """The manifest's model signature of a task's model (see ``core/signature.py``)."""
+    from swarmloco.core.signature import signature_of
+
+    signature = signature_of(
+        build_task_model(task, model, run),
+        fragments=run.spec.fragments,
+        block_size=run.spec.codec.block_size,
+        layer_unit=task.layer_unit,
+    )
+    return signature.to_manifest()
+
+
 def run_from_manifest(manifest: SwarmManifest) -> tuple[Task, dict[str, Any], DataSpec, RunConfig]:
     """Everything a peer needs to train from a manifest: task, model config, data, hparams."""
     task = get_task(manifest.task)
-    model = {k: v for k, v in manifest.model.items() if k != "preset"}
+    model = {k: v for k, v in manifest.model.items() if k not in ("preset", "signature")}
     data_values = dict(manifest.data)
     for key in ("paths", "suffixes"):
         if key in data_values:

@@ -1,0 +1,196 @@
+"""The library API: :func:`create` and :func:`join` a swarm with your own model.
+
+::
+
+    import swarmloco
+    spec = swarmloco.RunSpec(sync_every=100, total_steps=10_000)
+    swarm = swarmloco.create(spec, model, optimizer, data_dir="peer0", tokens_per_step=512)
+    print(swarm.swarm_id)                    # give it to the others
+    sched = swarm.scheduler(lambda step: min(1.0, (step + 1) / 500))   # follows the swarm
+    with swarm:                              # checks the model, resumes, catches up
+        for x, y in loader:                  # your loop, optimizer, scaler, clipping
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()                 # rounds start and land after this step
+            sched.step()
+            optimizer.zero_grad()
+
+and on another machine, ``swarmloco.join(SWARM_ID, model, optimizer, data_dir="peer1",
+peers=["HOST:PORT"])`` with the same model. Both return a :class:`~.swarm.Swarm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.core.runspec import RunSpec
+from swarmloco.core.signature import LayerUnit, ModelSignature, default_layer_unit, signature_of
+from swarmloco.net.identity import Identity
+from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.swarm import Evaluator, EventSink, Swarm
+
+CUSTOM_TASK = "custom"
+"""The task name of runs whose model lives in their creator's own script."""
+
+
+def run_manifest(
+    spec: RunSpec,
+    signature: ModelSignature,
+    *,
+    creator: str,
+    task: str = CUSTOM_TASK,
+    name: str = "",
+    model: Mapping[str, Any] | None = None,
+    data: Mapping[str, Any] | None = None,
+) -> SwarmManifest:
+    """The manifest of a run of a user's model: the spec, the model's signature, and any
+    model description worth keeping (``model``, e.g. a Hugging Face config for export)."""
+    return SwarmManifest(
+        task=task,
+        model={**(model or {}), "signature": signature.to_manifest()},
+        data=dict(data or {}),
+        hparams={"run": spec.to_manifest()},
+        creator=creator,
+        name=name,
+    )
+
+
+def peer_config(
+    config: PeerConfig | None,
+    *,
+    data_dir: str | Path | None,
+    peers: Sequence[str],
+    tokens_per_step: int | None,
+    host: str | None,
+    port: int | None,
+) -> PeerConfig:
+    """``config`` (or the defaults) with the shortcuts given as arguments applied."""
+    if config is None:
+        if data_dir is None:
+            raise ValueError("give data_dir (where the peer keeps its key and checkpoints)")
+        config = PeerConfig(data_dir=Path(data_dir))
+    changes: dict[str, Any] = {}
+    if data_dir is not None:
+        changes["data_dir"] = Path(data_dir)
+    if tokens_per_step is not None:
+        changes["tokens_per_step"] = tokens_per_step
+    node = config.node
+    if peers:
+        node = dataclasses.replace(node, peers=tuple(peers))
+    if node.server is not None:
+        server = node.server
+        if host is not None:
+            server = dataclasses.replace(server, host=host)
+        if port is not None:
+            server = dataclasses.replace(server, port=port)
+        node = dataclasses.replace(node, server=server)
+    if node != config.node:
+        changes["node"] = node
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def create(
+    spec: RunSpec,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    data_dir: str | Path | None = None,
+    peers: Sequence[str] = (),
+    tokens_per_step: int | None = None,
+    name: str = "",
+    task: str = CUSTOM_TASK,
+    layer_unit: LayerUnit = default_layer_unit,
+    model_info: Mapping[str, Any] | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    config: PeerConfig | None = None,
+    on_event: EventSink | None = None,
+    evaluate: Evaluator | None = None,
+) -> Swarm:
+    """A new swarm training ``model`` (its current weights are the run's initial weights),
+    with this process as its first peer. The swarm id is ``swarm.swarm_id``; other peers
+    :func:`join` it with the same model.
+
+    ``data_dir``: the peer's key and checkpoints (or ``config.data_dir``). ``peers``:
+    HOST:PORT of peers or bootstrap nodes to join through (none: start a network; others
+    join through this peer's address, ``swarm.endpoint`` once entered). ``tokens_per_step``:
+    what one optimizer step trains on (the averaging weight). ``layer_unit``: the layer of
+    a parameter, for Streaming DiLoCo fragments. ``model_info``: kept in the manifest beside
+    the signature (``swarmloco export`` writes a ``config`` entry as ``config.json``).
+    ``host``/``port``: where to serve (default 127.0.0.1, any free port). ``config``: every
+    other choice of the peer (:class:`PeerConfig`). ``evaluate``: the global model's loss,
+    run every ``config.eval_every`` rounds (see :meth:`Swarm.load_global_into`).
+    """
+    config = peer_config(
+        config,
+        data_dir=data_dir,
+        peers=peers,
+        tokens_per_step=tokens_per_step,
+        host=host,
+        port=port,
+    )
+    identity = Identity.load_or_create(config.data_dir)
+    signature = signature_of(
+        model, fragments=spec.fragments, block_size=spec.codec.block_size, layer_unit=layer_unit
+    )
+    manifest = run_manifest(
+        spec,
+        signature,
+        creator=identity.public_key.hex(),
+        task=task,
+        name=name,
+        model=model_info,
+    )
+    return Swarm(
+        manifest,
+        model,
+        optimizer,
+        config,
+        identity=identity,
+        on_event=on_event,
+        evaluate=evaluate,
+    )
+
+
+def join(
+    swarm_id: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    data_dir: str | Path | None = None,
+    peers: Sequence[str] = (),
+    tokens_per_step: int | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    config: PeerConfig | None = None,
+    on_event: EventSink | None = None,
+    evaluate: Evaluator | None = None,
+) -> Swarm:
+    """A peer of the swarm ``swarm_id`` training ``model``, which must be the swarm's
+    (the same parameter names, shapes and dtypes: checked on enter, before the peer
+    averages anything). The manifest is fetched through ``peers`` on enter (or read from
+    the data directory's copy when no peer has it). Arguments as for :func:`create`."""
+    config = peer_config(
+        config,
+        data_dir=data_dir,
+        peers=peers,
+        tokens_per_step=tokens_per_step,
+        host=host,
+        port=port,
+    )
+    identity = Identity.load_or_create(config.data_dir)
+    return Swarm(
+        swarm_id,
+        model,
+        optimizer,
+        config,
+        identity=identity,
+        on_event=on_event,
+        evaluate=evaluate,
+    )

@@ -1,0 +1,148 @@
+"""The peer daemon: what ``swarmloco create/join`` run for built-in and entry-point tasks.
+
+A short loop over the public :class:`~swarmloco.runtime.swarm.Swarm`, as a user's own
+script would be: build the task's model (seeded as every peer does), its AdamW inner loop
+and its data stream from the manifest, register what a checkpoint must carry, schedule
+the learning rate on the swarm's global step, and train until the peer is asked to stop.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.errors import SwarmlocoError
+from swarmloco.net.identity import Identity
+from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.swarm import EventSink, Summary, Swarm
+from swarmloco.train.data import BatchStream, eval_windows
+from swarmloco.train.inner import CompileMode, InnerLoop, Precision, evaluate
+from swarmloco.train.tasks import build_task_model, run_from_manifest
+
+logger = logging.getLogger(__name__)
+
+_PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """How the daemon runs a task's peer: the peer's choices and the inner loop's."""
+
+    peer: PeerConfig
+    """The peer (network, rounds, checkpoints, dashboard)."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N, or auto (cuda when available)."""
+    compile: CompileMode | None = None
+    """Override the inner loop's torch.compile choice (auto, on, off)."""
+    precision: Precision | None = None
+    """Override the inner loop's precision (auto, fp32, bf16, fp16)."""
+
+    def __post_init__(self) -> None:
+        if self.compile not in (None, "auto", "on", "off"):
+            raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
+        if self.precision not in (None, "auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"precision must be auto, fp32, bf16 or fp16, got {self.precision!r}")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name} was asked for, but torch sees no CUDA device")
+    return device
+
+
+class _LoopState:
+    """The inner loop's own state (loss scale, step) for the swarm's checkpoints; the
+    optimizer's the swarm checkpoints itself."""
+
+    def __init__(self, loop: InnerLoop) -> None:
+        self.loop = loop
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loop.loop_state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loop.load_loop_state_dict(state)
+
+
+def train_task(
+    manifest: SwarmManifest,
+    config: DaemonConfig,
+    *,
+    identity: Identity,
+    on_event: EventSink | None = None,
+) -> Summary:
+    """Train as a peer of ``manifest``'s task until stopped, the run's end or max rounds."""
+    try:
+        task, model_config, data_spec, run = run_from_manifest(manifest)
+    except ValueError as exc:
+        if manifest.task == "custom":
+            raise SwarmlocoError(
+                f"swarm {manifest.swarm_id} trains a model defined in its creator's own script, "
+                "not a registered task: join it from that script (swarmloco.join)"
+            ) from exc
+        raise
+    inner = run.inner  # compile and precision are this peer's own choices
+    if config.compile is not None:
+        inner = dataclasses.replace(inner, compile=config.compile)
+    if config.precision is not None:
+        inner = dataclasses.replace(inner, precision=config.precision)
+    device = resolve_device(config.device)
+    model = build_task_model(task, model_config, run)
+    eval_model = copy.deepcopy(model).to(device)
+    loop = InnerLoop(model, inner, device)
+    data = task.load_data(model_config, data_spec)
+    seq_len = int(model_config["seq_len"])
+    evalset = eval_windows(data.val, seq_len=seq_len, count=data_spec.eval_sequences)
+    peer = dataclasses.replace(
+        config.peer, tokens_per_step=inner.batch_size * inner.grad_accum * seq_len
+    )
+    precision = _PRECISION_NAMES[loop.amp_dtype]
+
+    def events(event: dict[str, Any]) -> None:
+        if event["event"] == "ready":
+            event["precision"] = precision
+        if on_event is not None:
+            on_event(event)
+
+    def evaluate_global() -> float:
+        swarm.load_global_into(eval_model)
+        return evaluate(eval_model, evalset, device, loop.amp_dtype)
+
+    swarm = Swarm(
+        manifest,
+        loop.model,
+        loop.optimizer,
+        peer,
+        identity=identity,
+        on_event=events,
+        evaluate=evaluate_global,
+    )
+    stream = BatchStream(
+        data.train,
+        seq_len=seq_len,
+        batch_size=inner.batch_size,
+        vocab_size=data.vocab_size,
+        seed=run.spec.seed,
+        worker=swarm.data_seed,
+    )
+    swarm.register("inner", _LoopState(loop))
+    swarm.register("data", stream)
+    loop.lr_step = lambda: swarm.global_step  # the learning rate follows the swarm
+    batches = iter(stream)
+    with swarm:
+        while not swarm.stopping:
+            try:
+                loss = loop.train_step(batches)
+            except FloatingPointError as exc:
+                swarm.discard_local(str(exc))
+                continue
+            swarm.log(loss=loss)
+    return swarm.summary

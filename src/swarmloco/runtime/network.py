@@ -1,0 +1,267 @@
+"""A peer's presence in its swarm: everything it does on the network, on its event loop.
+
+:class:`SwarmNetwork` composes the layers of ``net/`` for one peer of one swarm: its node
+(gRPC server, client and DHT), matchmaking and the all-reduce, the state donor, catch-up,
+and the records it keeps publishing (``progress`` and ``status``, read back for pacing
+and the dashboard; ``digest/<r>`` per round). Its coroutines run on the peer's event loop;
+the training thread reaches them through the peer's :class:`LoopThread` bridge.
+
+Constructing it does no I/O (a test builds one with a fault plan and hands it to the
+peer); ``async with`` starts it: the node joins the network, the manifest is (re)published,
+the peer announced, and the publishing loop (and the dashboard, if asked) starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from swarmloco.core.adoption import Evidence
+from swarmloco.core.codec import ErrorFeedback
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.core.pacing import ProgressReport
+from swarmloco.core.state import StateSchema, StateSnapshot
+from swarmloco.errors import RoundAborted, SwarmlocoError
+from swarmloco.net.averaging import (
+    AllReduceResult,
+    Averager,
+    AveragingConfig,
+    BandwidthLimiter,
+    FaultPlan,
+    Matchmaker,
+    averaging_service,
+)
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode
+from swarmloco.net.records import digest_key, progress_key, progress_report, status_key
+from swarmloco.net.state import StateDonor, state_service
+from swarmloco.net.swarm import announce_peer, publish_manifest
+from swarmloco.runtime.catchup import CatchUp
+from swarmloco.runtime.config import PeerConfig
+
+logger = logging.getLogger(__name__)
+
+DIGEST_TTL_S = 3600.0
+PROGRESS_TTL_S = 120.0
+ANNOUNCE_EVERY_S = 120.0
+
+Provider = Callable[[], dict[str, Any]]
+
+
+class SwarmNetwork:
+    """One peer's node, averaging, donor, catch-up and records (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        identity: Identity,
+        manifest: SwarmManifest,
+        config: PeerConfig,
+        averaging: AveragingConfig,
+        schema: StateSchema,
+        evidence: Evidence,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        self.identity = identity
+        self.peer_id = identity.peer_id_hex
+        self.manifest = manifest
+        self.swarm_id = manifest.swarm_id
+        self.config = config
+        self.node = NetNode(identity=identity, config=config.node)
+        self.matchmaker = Matchmaker(
+            identity=identity,
+            dht=self.node.dht,
+            client=self.node.client,
+            swarm_id=self.swarm_id,
+            config=config.matchmaking,
+            faults=faults,
+        )
+        limiter = BandwidthLimiter(config.bandwidth) if config.bandwidth is not None else None
+        self.averager = Averager(
+            identity=identity,
+            client=self.node.client,
+            config=averaging,
+            limiter=limiter,
+            faults=faults,
+        )
+        self.snapshot: Callable[[], StateSnapshot | None] = lambda: None
+        """What the donor serves (the peer sets it before entering)."""
+        self.donor = StateDonor(
+            identity=identity, snapshot=lambda: self.snapshot(), limiter=limiter
+        )
+        if self.node.server is not None:
+            self.node.server.add_service(averaging_service(self.matchmaker, self.averager))
+            self.node.server.add_service(state_service(self.donor))
+        self.catchup = CatchUp(
+            me=self.peer_id,
+            swarm_id=self.swarm_id,
+            dht=self.node.dht,
+            client=self.node.client,
+            schema=schema,
+            evidence=evidence,
+            config=config.catchup,
+            rejections=self.node.dht.rejections,
+        )
+        self.progress: Provider = dict
+        """This peer's ``progress`` value (set by the peer before entering)."""
+        self.status: Provider = dict
+        """This peer's ``status`` value (set by the peer before entering)."""
+        self.on_dashboard: Callable[[str], None] = lambda url: None
+        self.reports: list[ProgressReport] = []
+        """Every peer's latest progress report, as last read (this peer's included)."""
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def endpoint(self) -> str:
+        """Where others dial this peer ("" in client mode)."""
+        return self.node.endpoint
+
+    async def __aenter__(self) -> SwarmNetwork:
+        await self.node.__aenter__()
+        try:
+            try:
+                await publish_manifest(self.node.dht, self.manifest)
+            except SwarmlocoError as exc:  # alone on a new network: our own storage holds it
+                logger.info("manifest: %s", exc)
+            await announce_peer(self.node.dht, self.swarm_id, role="trainer")
+        except BaseException:
+            await self.node.__aexit__(None, None, None)
+            raise
+        self._wake = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._publish_forever())]
+        if self.config.dashboard_port is not None:
+            self._tasks.append(
+                asyncio.create_task(self._serve_dashboard(self.config.dashboard_port))
+            )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        await self.node.__aexit__(None, None, None)
+
+    # -- records ---------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Publish progress (and read the others') now: a round started or landed. Call
+        on the loop (``loop.call_soon_threadsafe(network.wake)`` from another thread)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _publish_forever(self) -> None:
+        assert self._wake is not None
+        announced = time.monotonic()
+        while True:
+            self._wake.clear()
+            try:
+                key = progress_key(self.swarm_id)
+                await self.node.dht.store(key, self.progress(), ttl=PROGRESS_TTL_S)
+                await self.node.dht.store(
+                    status_key(self.swarm_id), self.status(), ttl=PROGRESS_TTL_S
+                )
+                result = await self.node.dht.get(key)
+                self.reports = [progress_report(e.subkey, e.value) for e in result.entries.values()]
+                if time.monotonic() - announced > ANNOUNCE_EVERY_S:
+                    await announce_peer(self.node.dht, self.swarm_id, role="trainer")
+                    announced = time.monotonic()
+            except Exception as exc:  # the network may be away for a while: keep training
+                logger.warning("could not publish progress: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.config.progress_interval_s)
+
+    async def publish_digest(self, round: int, digest: bytes) -> None:
+        value = {"digest": digest, "endpoint": self.endpoint, "at": time.time()}
+        try:
+            await self.node.dht.store(digest_key(self.swarm_id, round), value, ttl=DIGEST_TTL_S)
+        except Exception as exc:
+            logger.warning("could not publish the digest of round %d: %s", round, exc)
+
+    async def _serve_dashboard(self, port: int) -> None:
+        """The swarm's dashboard, read through this peer's own DHT node (GET only)."""
+        from swarmloco.dashboard.app import make_app, serve
+        from swarmloco.dashboard.collector import Collector
+
+        collector = Collector(
+            dht=self.node.dht,
+            swarm_id=self.swarm_id,
+            manifest=self.manifest,
+            rejoin=self.config.node.peers,
+        )
+        try:
+            async with serve(make_app(lambda: collector.view), host="127.0.0.1", port=port) as url:
+                logger.info("dashboard of swarm %s at %s", self.swarm_id[:12], url)
+                self.on_dashboard(url)
+                await collector.run()
+        except OSError as exc:  # the port is taken: train on without the page
+            logger.warning("cannot serve the dashboard on port %d: %s", port, exc)
+
+    # -- one round -------------------------------------------------------------------------
+
+    async def average(
+        self,
+        round: int,
+        delta: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        weight: float,
+        expected: int | None,
+        error_feedback: ErrorFeedback | None = None,
+    ) -> RoundOutcome:
+        """The all-reduce result of ``round`` (written to ``out``). ``expected``: how many
+        peers work on this round, this one included (None: unknown)."""
+        deadline = Deadline.after(self.config.round_timeout_s)
+        started = time.monotonic()
+        group = await self.matchmaker.form_group(
+            round,
+            weight=weight,
+            numel=delta.numel(),
+            block_size=self.averager.config.codec.block_size,
+            deadline=deadline,
+            expected=expected,
+        )
+        if group.size == 1 and (expected or 1) > 1:
+            # Others work on this round but none came: they are a round ahead (or behind)
+            # of us. Averaging alone would split the swarm's state; catch up instead.
+            raise RoundAborted(
+                f"round {round}: none of the {(expected or 1) - 1} other peer(s) working on "
+                "it joined; out of step with them"
+            )
+        matchmaking = time.monotonic() - started
+        result = await self.averager.all_reduce(
+            group, delta, deadline=deadline, out=out, error_feedback=error_feedback
+        )
+        return RoundOutcome(result, matchmaking, float(sum(group.weights)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundOutcome:
+    """A round that completed, as :meth:`SwarmNetwork.average` returns it."""
+
+    result: AllReduceResult
+    matchmaking_s: float
+    """Seconds from asking for a group to having one."""
+    group_tokens: float
+    """The group's declared weights summed: the tokens the round averaged (the same on
+    every member)."""
+
+
+def averaging_config(config: PeerConfig, manifest_codec: Any, aggregator: Any) -> AveragingConfig:
+    """The peer's averaging timeouts with the run's codec and aggregator (and this peer's
+    own codec backend)."""
+    codec = manifest_codec
+    if config.codec_backend is not None:
+        codec = dataclasses.replace(codec, backend=config.codec_backend)
+    return dataclasses.replace(config.averaging, codec=codec, aggregator=aggregator)

@@ -1,0 +1,1066 @@
+"""One peer of a swarm, around the user's own training loop: :class:`Swarm`.
+
+``with swarm:`` around a loop of ``loss.backward(); optimizer.step()``. The user's model,
+optimizer, gradient scaler, clipping and LR scheduler stay theirs: the swarm hooks the
+optimizer's step (a post hook; or the loop calls :meth:`Swarm.step`), counts the step and
+its tokens, and does the swarm's work between two steps:
+
+1. **Enter.** Fetch the manifest (a swarm id) or take it (``create``), refuse a model that
+   is not the swarm's (names, shapes, dtypes; before any other network traffic), restore
+   the newest checkpoint of this swarm from the data directory (model, optimizer, the
+   objects registered with :meth:`Swarm.register`, the DiLoCo state), start networking
+   and catch up with the swarm (downloading its state, or the initial weights when this
+   model's differ from the manifest's).
+2. **Between steps.** A round is due when the peers working on it have together trained
+   H / F steps' worth of tokens each (:meth:`Swarm._pace`). Round r averages fragment
+   ``(r - 1) % F`` of ``delta = theta_g - theta`` (weighted by the tokens the fragment
+   trained on since its last sync) with the peers ready for the same round; the exchange
+   runs while the loop trains ``tau`` more steps, then the outer Nesterov step is applied
+   to that fragment of ``theta_g`` on the CPU, the fragment's local copy becomes
+   ``lerp(theta_g, theta, alpha)``, the digest of the new global state is published and a
+   checkpoint written (hashing and writing run on threads of their own). A round that
+   fails changes nothing. Before each round the peer checks that its state is the swarm's
+   and downloads the swarm's when it is behind or outvoted (``runtime/catchup.py``).
+3. **Exit.** The round in flight lands, a final checkpoint is written, the peer leaves.
+   Once asked to stop (a signal, ``max_rounds``, the end of the run, :meth:`Swarm.stop`)
+   the next ``optimizer.step()`` raises :class:`~swarmloco.errors.Stopped`, which leaves
+   the loop at a step boundary and which ``with swarm`` swallows.
+
+The learning rate follows the swarm: :attr:`Swarm.global_step` is the swarm's progress
+in inner steps (``round * H / F`` plus this peer's steps into the next round), so a peer
+that joins at round 100 schedules from there, not from its own first step
+(:meth:`Swarm.lr_lambda`, :meth:`Swarm.scheduler`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import math
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from swarmloco import __version__
+from swarmloco.core.adoption import Evidence
+from swarmloco.core.codec import warm_up
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimate
+from swarmloco.core.runspec import RunSpec
+from swarmloco.core.signature import (
+    ModelSignature,
+    initial_digest,
+    parameters_in_order,
+    params_of,
+)
+from swarmloco.errors import ModelMismatch, RoundAborted, Stopped, SwarmlocoError
+from swarmloco.net.identity import Identity
+from swarmloco.net.state import DownloadedState
+from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore
+from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.loop_thread import LoopThread
+from swarmloco.runtime.network import SwarmNetwork, averaging_config
+from swarmloco.runtime.snapshots import Snapshots
+from swarmloco.train.diloco import DilocoState, fragment_of_round
+
+logger = logging.getLogger(__name__)
+
+EventSink = Callable[[dict[str, Any]], None]
+Evaluator = Callable[[], float]
+
+_FRESH_REPORTS = 5  # a report older than this many publishing intervals: the peer left
+_FRESH_MIN_S = 10.0
+_MAX_WAIT_ROUNDS = 4
+_CATCH_UP_RETRY_S = 2.0
+_UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs is ignored
+_DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
+_MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
+_INITIAL_RETRY_S = 2.0
+_ROUND_FAILURES = (SwarmlocoError, TimeoutError)
+
+
+class Stateful(Protocol):
+    """What :meth:`Swarm.register` checkpoints: a scheduler, a data loader, an RNG."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+@dataclasses.dataclass
+class Summary:
+    """What a peer did, in :attr:`Swarm.summary`."""
+
+    swarm_id: str
+    peer_id: str
+    round: int
+    steps: int
+    global_step: int
+    rounds_applied: int
+    rounds_aborted: int
+    downloads: int
+    last_eval_loss: float | None
+    stopped_because: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+    """A round in flight: started after local step ``step``, applied ``tau`` steps later."""
+
+    round: int
+    fragment: int
+    future: Any  # concurrent.futures.Future[tuple[AllReduceResult, float]]
+    step: int
+    started: float
+    weight: float
+
+
+def manifest_spec(manifest: SwarmManifest) -> RunSpec:
+    try:
+        return RunSpec.from_manifest(manifest.hparams["run"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SwarmlocoError(
+            f"swarm {manifest.swarm_id}'s manifest has no valid run spec: {exc}"
+        ) from exc
+
+
+def manifest_signature(manifest: SwarmManifest) -> ModelSignature:
+    signature = manifest.model.get("signature")
+    if not isinstance(signature, Mapping):
+        raise SwarmlocoError(
+            f"swarm {manifest.swarm_id}'s manifest has no model signature: it was made by an "
+            "older swarmloco; create the run again"
+        )
+    return ModelSignature.from_manifest(signature)
+
+
+class Swarm:
+    """One peer of one swarm around the user's training loop (see the module docstring).
+
+    Build it with :func:`swarmloco.create` or :func:`swarmloco.join`; constructing does no
+    I/O. ``source`` is the run's manifest, or a swarm id whose manifest is fetched on enter.
+    ``network``: the peer's network (built on enter by default; tests inject one with a
+    fault plan). ``evaluate``: returns the loss of the global model (after
+    :meth:`load_global_into` of the caller's eval copy), run every ``eval_every`` rounds.
+    """
+
+    def __init__(
+        self,
+        source: SwarmManifest | str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: PeerConfig,
+        *,
+        identity: Identity,
+        network: SwarmNetwork | None = None,
+        on_event: EventSink | None = None,
+        evaluate: Evaluator | None = None,
+    ) -> None:
+        self.manifest = source if isinstance(source, SwarmManifest) else None
+        self.swarm_id = source.swarm_id if isinstance(source, SwarmManifest) else source
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.identity = identity
+        self.peer_id = identity.peer_id_hex
+        self.network = network
+        self.on_event = on_event
+        self.evaluate = evaluate
+        self.objects: dict[str, Stateful] = {}
+        self.state = "starting"
+        self.started_at = time.time()
+        self.last_error = ""
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
+        self.steps = 0
+        self.steps_since_round = 0
+        self.tokens_since_round = 0
+        self.rounds_applied = 0
+        self.rounds_aborted = 0
+        self.downloads = 0
+        self.last_eval: float | None = None
+        self.last_loss = float("nan")
+        self.train_seconds = 0.0
+        self.evidence = Evidence()
+        self._global_step = 0
+        self._stop = threading.Event()
+        self._stop_reason = ""
+        self._stack: contextlib.ExitStack | None = None
+        self._inflight: _Exchange | None = None
+        self._rate = _Rate()
+        self._dirty = False
+        self._consistent = True  # False while a round's result is being applied
+        self._expected: int | None = None  # peers known to work on the next round
+        self._last_group: tuple[int, int] | None = None  # (round, size) of our last group
+        self._next_catch_up = 0.0
+        self._nan_in_a_row = 0
+        self._train_started = 0.0
+        self._step_ended = 0.0
+        self._unbacked: dict[str, float] = {}
+        self._distrusted: dict[str, float] = {}
+        self._refusals_told: set[tuple[int, str]] = set()
+        self._hook: Any = None
+
+    # -- what the user reads and calls ------------------------------------------------------
+
+    @property
+    def spec(self) -> RunSpec:
+        """The run's shared hyperparameters (known once entered, or at once for a create)."""
+        if self.manifest is None:
+            raise SwarmlocoError("the run spec is known once the swarm is entered (with swarm:)")
+        return manifest_spec(self.manifest)
+
+    @property
+    def round(self) -> int:
+        """The round of this peer's global state."""
+        return self.diloco.round if hasattr(self, "diloco") else 0
+
+    @property
+    def global_step(self) -> int:
+        """The swarm's progress in inner steps: ``round * H / F`` plus this peer's steps into
+        the next round (at most H / F; never decreasing)."""
+        return self._global_step
+
+    @property
+    def data_seed(self) -> int:
+        """A seed for this peer's data sampler: distinct per peer (it comes from the peer's
+        key), the same after a restart with the same data directory."""
+        return int(self.peer_id[:15], 16)
+
+    @property
+    def endpoint(self) -> str:
+        """HOST:PORT where other peers reach this one once entered ("" in client mode)."""
+        return self.network.endpoint if self.network is not None else ""
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the peer was asked to stop; a loop that checks it ends cleanly."""
+        return self._stop.is_set()
+
+    def stop(self, reason: str = "asked to stop") -> None:
+        """Ask the peer to stop at the next step (thread-safe)."""
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            self._stop.set()
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """Checkpoint ``obj`` (``state_dict``/``load_state_dict``) with the peer, and
+        restore it on enter: a scheduler, a data loader, an RNG. Register before entering."""
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"{name!r} has no state_dict/load_state_dict to checkpoint")
+        if self._stack is not None:
+            raise SwarmlocoError("register objects before entering the swarm (with swarm:)")
+        self.objects[name] = obj
+
+    def lr_lambda(self, schedule: Callable[[int], float]) -> Callable[[int], float]:
+        """A ``LambdaLR`` factor that follows the swarm: ``schedule(global_step)``, whatever
+        step count the scheduler keeps itself."""
+        return lambda _: schedule(self.global_step)
+
+    def scheduler(self, schedule: Callable[[int], float]) -> torch.optim.lr_scheduler.LambdaLR:
+        """``LambdaLR(optimizer, lr_lambda(schedule))``: call its ``step()`` after each
+        ``optimizer.step()`` as usual; it is registered (checkpointed) as ``scheduler``."""
+        sched = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_lambda(schedule))
+        if self._stack is None and "scheduler" not in self.objects:
+            self.register("scheduler", sched)
+        return sched
+
+    def log(self, *, loss: float | None = None) -> None:
+        """Report the training loss (shown on the dashboard and in round events)."""
+        if loss is not None:
+            self.last_loss = float(loss)
+
+    def load_global_into(self, module: torch.nn.Module) -> None:
+        """Copy the global parameters (``theta_g``) into ``module`` (e.g. an eval copy)."""
+        with torch.no_grad():
+            self.diloco.layout.scatter(
+                self.diloco.theta_g, parameters_in_order(module, self.signature.params)
+            )
+
+    @property
+    def summary(self) -> Summary:
+        return Summary(
+            swarm_id=self.swarm_id,
+            peer_id=self.peer_id,
+            round=self.round,
+            steps=self.steps,
+            global_step=self.global_step,
+            rounds_applied=self.rounds_applied,
+            rounds_aborted=self.rounds_aborted,
+            downloads=self.downloads,
+            last_eval_loss=self.last_eval,
+            stopped_because=self._stop_reason,
+        )
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            self.on_event({"event": event, "time": time.time(), **fields})
+
+    # -- entering -----------------------------------------------------------------------------
+
+    def __enter__(self) -> Swarm:
+        if self._stack is not None:
+            raise SwarmlocoError("this swarm object is already entered")
+        stack = contextlib.ExitStack()
+        try:
+            self._enter(stack)
+        except BaseException:
+            self._stack = None
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def _enter(self, stack: contextlib.ExitStack) -> None:
+        cfg = self.config
+        self.loop = stack.enter_context(LoopThread(name="swarmloco-peer-loop"))
+        if self.manifest is None:
+            self.manifest = self._fetch_manifest()
+        manifest = self.manifest
+        spec = manifest_spec(manifest)
+        self.signature = manifest_signature(manifest)
+        differences = self.signature.differences(params_of(self.model))
+        if differences:
+            lines = "\n".join(f"  - {d}" for d in differences)
+            raise ModelMismatch(
+                f"this model is not the one swarm {self.swarm_id} trains:\n{lines}\nbuild the "
+                "model exactly as the swarm's creator did (same class, config and dtype)",
+                differences,
+            )
+        self.h = spec.steps_per_round
+        self.spec_ = spec
+        codec = spec.codec
+        if cfg.codec_backend is not None:
+            codec = dataclasses.replace(codec, backend=cfg.codec_backend)
+        seconds = warm_up(codec)  # before any round: compiling stalls the event loop
+        logger.info("codec (%s) ready in %.1fs", codec.backend, seconds)
+        self.diloco = DilocoState(self.signature.layout(codec.block_size), spec.outer, codec)
+        self.params = parameters_in_order(self.model, self.signature.params)
+        swarm_dir = cfg.data_dir / "swarms" / self.swarm_id
+        swarm_dir.mkdir(parents=True, exist_ok=True)
+        _write_manifest_copy(swarm_dir / "manifest.json", manifest)
+        self.store = stack.enter_context(
+            CheckpointStore(
+                swarm_dir / "checkpoints", swarm_id=self.swarm_id, keep=cfg.keep_checkpoints
+            )
+        )
+        self.writer = stack.enter_context(BackgroundWriter(self.store))
+        self.snapshots = stack.enter_context(Snapshots(self.swarm_id))
+        own_initial = True
+        if not self._restore():
+            own_initial = initial_digest(self.model, self.signature, codec.block_size) == (
+                self.signature.init_digest
+            )
+            if own_initial:
+                self.diloco.set_global(self.params)
+        self.snapshots.publish(self.round, self.diloco.committed())
+        self._start_network(stack, spec)
+        self._train_started = time.monotonic()
+        self._catch_up()
+        if not own_initial and self.round == 0:
+            self._fetch_initial()
+        if cfg.hook:
+            self._hook = self.optimizer.register_step_post_hook(lambda *_: self.step())
+            stack.callback(self._hook.remove)
+        if cfg.handle_signals and threading.current_thread() is threading.main_thread():
+            self._install_signal_handlers(stack)
+        self.state = "training"
+        self._step_ended = time.monotonic()
+        self._emit(
+            "ready",
+            swarm_id=self.swarm_id,
+            peer_id=self.peer_id,
+            endpoint=self.network.endpoint if self.network else "",
+            round=self.round,
+            global_step=self.global_step,
+            params=self.signature.numel,
+            device=str(self._device),
+        )
+        logger.info(
+            "swarm %s: %s parameters, each of %d fragment(s) syncs every %d steps (overlap %d "
+            "steps, mix %.2f); this peer at round %d, global step %d",
+            self.swarm_id[:12],
+            f"{self.signature.numel:,}",
+            spec.fragments,
+            spec.sync_every,
+            spec.delay,
+            spec.alpha,
+            self.round,
+            self.global_step,
+        )
+
+    @property
+    def _device(self) -> torch.device:
+        return self.params[0].device
+
+    def _fetch_manifest(self) -> SwarmManifest:
+        from swarmloco.core.manifest import check_swarm_id
+        from swarmloco.errors import ManifestError
+        from swarmloco.net.node import NetNode, NodeConfig
+        from swarmloco.net.swarm import fetch_manifest
+
+        swarm_id = check_swarm_id(self.swarm_id)
+        self.swarm_id = swarm_id
+        local = self.config.data_dir / "swarms" / swarm_id / "manifest.json"
+        peers = self.config.node.peers
+        if peers:
+
+            async def fetch() -> SwarmManifest:
+                # Fetching leaves nothing behind: a throwaway identity, no key file.
+                config = NodeConfig(server=None, peers=peers)
+                async with NetNode(identity=Identity.generate(), config=config) as node:
+                    return await fetch_manifest(node.dht, swarm_id)
+
+            try:
+                return self.loop.run(fetch(), timeout=60.0)
+            except (ManifestError, SwarmlocoError, TimeoutError):
+                if not local.is_file():
+                    raise
+        elif not local.is_file():
+            raise SwarmlocoError(
+                f"cannot join swarm {swarm_id}: no peer to fetch its manifest from (give "
+                "peers=[HOST:PORT]) and no copy in the data directory"
+            )
+        # A swarm whose peers all restarted: our own verified copy serves (and is
+        # republished when the peer starts).
+        logger.warning("using the copy of swarm %s's manifest in %s", swarm_id[:12], local)
+        return SwarmManifest.from_bytes(local.read_bytes(), expected_id=swarm_id)
+
+    def _start_network(self, stack: contextlib.ExitStack, spec: RunSpec) -> None:
+        assert self.manifest is not None
+        if self.network is None:
+            self.network = SwarmNetwork(
+                identity=self.identity,
+                manifest=self.manifest,
+                config=self.config,
+                averaging=averaging_config(self.config, spec.codec, spec.aggregator),
+                schema=self.diloco.schema,
+                evidence=self.evidence,
+            )
+        network = self.network
+        network.catchup.evidence = self.evidence  # restored from a checkpoint, maybe
+        network.snapshot = lambda: self.snapshots.current
+        network.progress = self._progress_value
+        network.status = self._status_value
+        network.on_dashboard = lambda url: self._emit("dashboard", url=url)
+        self.loop.run(network.__aenter__(), timeout=60.0)
+        stack.callback(self._leave_network)
+
+    def _leave_network(self) -> None:
+        assert self.network is not None
+        with contextlib.suppress(Exception):
+            self.loop.run(self.network.__aexit__(None, None, None), timeout=30.0)
+
+    def _install_signal_handlers(self, stack: contextlib.ExitStack) -> None:
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def on_signal(signum: int, _frame: object) -> None:
+            name = signal.Signals(signum).name
+            logger.warning("%s: stopping after this step (again to stop at once)", name)
+            self.stop(f"signal {name}")
+            # A second signal stops at once (the default handlers come back).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+        for s in previous:
+            signal.signal(s, on_signal)
+
+        def restore() -> None:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+        stack.callback(restore)
+
+    def _fetch_initial(self) -> None:
+        """This model's initial weights are not the manifest's and the swarm has no later
+        state yet: fetch round 0's from a peer, checked against the manifest's digest."""
+        assert self.network is not None
+        deadline = time.monotonic() + self.config.catchup.state_timeout_s
+        while self.round == 0:
+            got = self.loop.run(
+                self.network.catchup.initial(self.signature.init_digest),
+                timeout=self.config.catchup.state_timeout_s + 30.0,
+            )
+            if got is not None:
+                self._take(got, "this model's initial weights are not the swarm's")
+                return
+            self._catch_up()
+            if self.round > 0:
+                return
+            if time.monotonic() > deadline:
+                raise SwarmlocoError(
+                    "this model's initial weights differ from the swarm's, and no peer serves "
+                    "the swarm's state: seed torch as the swarm's creator did before building "
+                    f"the model (torch.manual_seed({self.spec_.seed})), or join while a peer "
+                    "of the swarm is up"
+                )
+            time.sleep(_INITIAL_RETRY_S)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _restore(self) -> bool:
+        found = self.store.latest()
+        if found is None:
+            return False
+        s = found.state
+        try:
+            self.diloco.load_state_dict(s["diloco"])
+            self.model.load_state_dict(s["model"])
+            self.optimizer.load_state_dict(s["optimizer"])
+            objects = s.get("objects", {})
+            for name, obj in self.objects.items():
+                if name not in objects:
+                    raise KeyError(f"object {name!r} (registered now, not when it was saved)")
+                obj.load_state_dict(objects[name])
+            torch.set_rng_state(s["rng"])
+            self.steps = int(s["steps"])
+            self.steps_since_round = int(s["steps_since_round"])
+            self.tokens_since_round = int(s["tokens_since_round"])
+            self._global_step = int(s["global_step"])
+            self.evidence = Evidence.from_state(s.get("evidence", {}))
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise SwarmlocoError(
+                f"checkpoint {found.path} does not fit this peer: {exc}; move it away to start over"
+            ) from exc
+        logger.info(
+            "resumed from %s: round %d, step %d, global step %d",
+            found.path.name,
+            self.round,
+            self.steps,
+            self.global_step,
+        )
+        self._emit(
+            "resumed",
+            round=self.round,
+            step=self.steps,
+            global_step=self.global_step,
+            checkpoint=str(found.path),
+        )
+        return True
+
+    def _checkpoint(self, *, wait: bool = False) -> None:
+        """Checkpoint the state as it is now: only the copy happens here, the write on the
+        writer's thread. While the previous one is still being written, a round's is
+        skipped (the next one, or the one at exit, carries its state)."""
+        self._collect_checkpoint(wait=wait)
+        if self.writer.busy:
+            logger.info("checkpoint of round %d skipped: the last one is being written", self.round)
+            return
+        state = {
+            "diloco": self.diloco.state_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
+            "rng": torch.get_rng_state(),
+            "steps": self.steps,
+            "steps_since_round": self.steps_since_round,
+            "tokens_since_round": self.tokens_since_round,
+            "global_step": self._global_step,
+            "evidence": self.evidence.to_state(),
+        }
+        self.writer.submit(round=self.round, step=self.steps, state=state)
+        self._dirty = False
+        if wait:
+            self._collect_checkpoint(wait=True)
+
+    def _collect_checkpoint(self, *, wait: bool = False) -> None:
+        """Report a checkpoint written in the background once it is on disk (a failed
+        write raises its CheckpointError here, on the training thread)."""
+        saved = self.writer.wait() if wait else self.writer.poll()
+        if saved is not None:
+            self.snapshots.finish(wait=True)  # the round's event before its checkpoint's
+            self._emit(
+                "checkpoint",
+                round=saved.round,
+                step=saved.step,
+                path=str(saved.path),
+                bytes=saved.nbytes,
+                seconds=round(saved.write_seconds, 3),
+                copy_seconds=round(saved.copy_seconds, 3),
+            )
+
+    # -- leaving ------------------------------------------------------------------------------
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: Any, tb: Any) -> bool:
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return False
+        interrupted = exc_type is not None and not issubclass(exc_type, (Exception, Stopped))
+        try:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            if exc_type is not None and issubclass(exc_type, Exception):
+                self.stop(f"the training loop raised {exc_type.__name__}")
+            if self._inflight is not None:
+                if interrupted:
+                    self._inflight.future.cancel()  # a second Ctrl-C: do not wait for it
+                    self._inflight = None
+                else:
+                    self._land()
+            self.snapshots.finish(wait=True)
+            self.state = "stopping"
+            if self._dirty and self._consistent:
+                self._checkpoint(wait=True)
+            self._collect_checkpoint(wait=True)
+        finally:
+            wall = time.monotonic() - self._train_started if self._train_started else 0.0
+            stack.close()
+            self._emit(
+                "stopped",
+                round=self.round,
+                step=self.steps,
+                global_step=self.global_step,
+                reason=self._stop_reason,
+                # Time in inner steps over time since training started: what rounds cost.
+                train_seconds=round(self.train_seconds, 3),
+                wall_seconds=round(wall, 3),
+            )
+        return exc_type is not None and issubclass(exc_type, Stopped)
+
+    # -- between two steps --------------------------------------------------------------------
+
+    def step(self, tokens: int | None = None) -> None:
+        """One optimizer step of the training loop happened (the hook calls this; with
+        ``hook=False`` the loop does, after each ``optimizer.step()``). ``tokens``: what
+        the step trained on (default: the config's ``tokens_per_step``)."""
+        if self._stack is None:
+            raise SwarmlocoError("step() outside `with swarm:`")
+        started = time.monotonic()
+        seconds = started - self._step_ended
+        n = self.config.tokens_per_step if tokens is None else int(tokens)
+        self.steps += 1
+        self.steps_since_round += 1
+        self.tokens_since_round += n
+        self.diloco.trained(n)
+        self._dirty = True
+        self.train_seconds += seconds
+        self._rate.add(n, seconds)
+        self._advance_global()
+        if self._stop.is_set():  # the loop stepped on after a stop: leave it here
+            raise Stopped(self._stop_reason)
+        self._between_steps()
+        self._step_ended = time.monotonic()
+
+    def _advance_global(self) -> None:
+        pending = 1 if self._inflight is not None else 0
+        swarm = int((self.round + pending) * self.h) + min(self.steps_since_round, int(self.h))
+        self._global_step = max(self._global_step, swarm)
+
+    def _between_steps(self) -> None:
+        tau = self.spec_.delay
+        while True:
+            self.snapshots.finish()
+            self._collect_checkpoint()
+            if self._ends():
+                return
+            if self._inflight is not None:
+                if self.steps - self._inflight.step >= tau:
+                    self._land()  # the exchange overlapped tau steps: apply it now
+                    continue
+                return
+            verdict = self._pace()
+            if verdict is Verdict.BEHIND and time.monotonic() >= self._next_catch_up:
+                # Others work on a later round. If its state is not to be had yet (digests
+                # not published, donors busy), train on and look again later.
+                self._catch_up()
+                self._next_catch_up = time.monotonic() + _CATCH_UP_RETRY_S
+                return
+            if verdict is Verdict.DUE:
+                self._start_round()
+                if self._inflight is not None and tau == 0:
+                    continue
+            return
+
+    def _ends(self) -> bool:
+        """Whether the peer must stop now (and asks itself to)."""
+        cfg, spec = self.config, self.spec_
+        if cfg.max_rounds is not None and self.round >= cfg.max_rounds:
+            self.stop(f"round {self.round} reached (max rounds {cfg.max_rounds})")
+        elif spec.total_steps is not None and self.global_step >= spec.total_steps:
+            self.stop(f"the run is over: global step {self.global_step} of {spec.total_steps}")
+        elif spec.total_tokens is not None and self.diloco.tokens >= spec.total_tokens:
+            self.stop(f"the run is over: {self.diloco.tokens} of {spec.total_tokens} tokens")
+        return self._stop.is_set()
+
+    def discard_local(self, why: str) -> None:
+        """NaN or Inf in training: nothing of it may reach the swarm. Drop the local steps
+        since the last round and the optimizer's moments (they hold the NaN too), restart
+        from the global state; give up when it happens again and again."""
+        self._nan_in_a_row += 1
+        logger.error(
+            "%s after %d local steps: discarding them and restarting from the global state "
+            "of round %d (%d time(s) since a round last succeeded)",
+            why,
+            self.steps_since_round,
+            self.round,
+            self._nan_in_a_row,
+        )
+        self._emit("discarded", round=self.round, steps=self.steps_since_round, why=why)
+        if self._nan_in_a_row > _MAX_DISCARDS:
+            raise SwarmlocoError(
+                f"training produced NaN/Inf {self._nan_in_a_row} times from the swarm's global "
+                "state without completing a round; check the data and the learning rate (or "
+                "try --compile off) before joining again"
+            )
+        self.optimizer.state.clear()
+        self._take_global()
+
+    def _take_global(self) -> None:
+        self.diloco.take_global(self.params)
+        self.steps_since_round = 0
+        self.tokens_since_round = 0
+
+    # -- pacing -------------------------------------------------------------------------------
+
+    def _fresh_reports(self, now: float) -> list[ProgressReport]:
+        assert self.network is not None
+        clock = time.monotonic()
+        fresh = max(_FRESH_MIN_S, _FRESH_REPORTS * self.config.progress_interval_s)
+        target = self.round + 1
+        return [
+            r
+            for r in self.network.reports
+            if r.peer != self.peer_id
+            and now - r.at <= fresh
+            and not (r.round > target + 1 and self._unbacked.get(r.peer, 0.0) > clock)
+        ]
+
+    def _pace(self) -> Verdict:
+        """Whether to average now (DESIGN section 3, "When a round is due").
+
+        The round is due when the peers working on it have together processed as many
+        tokens as each doing H / F steps: a fast peer trains on past its steps while slower
+        ones catch up (and so contributes more tokens, and weight), a slow one joins early,
+        and they arrive at matchmaking together. Alone, a peer averages (with itself) every
+        H / F steps. It never waits past ``4 H / F`` steps for peers whose reports promise
+        more.
+        """
+        h = self.h
+        if self.steps_since_round == 0:
+            return Verdict.WAIT
+        if self.steps_since_round >= _MAX_WAIT_ROUNDS * h:
+            return Verdict.DUE
+        now = time.time()
+        target = self.round + 1
+        mine = ProgressReport(
+            peer=self.peer_id,
+            round=target,
+            tokens=self.tokens_since_round,
+            tokens_per_s=self._rate.value,
+            at=now,
+        )
+        reports = self._fresh_reports(now)
+        working = 1 + len({r.peer for r in reports if r.round == target})
+        # Matchmaking waits for the peers of this round: those whose report names it, the
+        # round before (they applied it with us and have not reported since) or the round
+        # after (they started this one: it is in flight on their side). Counting too many
+        # costs a gathering window, too few a group split in two.
+        self._expected = 1 + len({r.peer for r in reports if target - 1 <= r.round <= target + 1})
+        if self._last_group is not None and self._last_group[0] == self.round:
+            # Who averaged the last round with us will most likely average this one too,
+            # even when their reports lag a round behind.
+            self._expected = max(self._expected, self._last_group[1])
+        if any(r.round > target + 1 for r in reports):
+            return Verdict.BEHIND  # others applied rounds this peer has not
+        if any(r.round == target + 1 for r in reports) and self.steps_since_round >= h / 4:
+            # Someone started this round already: join it now, with what we have, rather
+            # than fall a gathering window out of step with it (not before a quarter of
+            # the round's steps: a liar cannot make rounds much more frequent).
+            return Verdict.DUE
+        tokens_per_step = max(1, self.tokens_since_round // max(1, self.steps_since_round))
+        config = PacingConfig(tokens_per_round=max(1, round(working * h * tokens_per_step)))
+        verdict = estimate([mine, *reports], round=target, now=now, config=config).verdict
+        if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
+            return Verdict.DUE if self.steps_since_round >= h else Verdict.WAIT
+        return verdict
+
+    # -- catching up ----------------------------------------------------------------------------
+
+    def _catch_up(self) -> None:
+        """Download the swarm's state if this peer's is older or in the minority, on the
+        evidence ``runtime/catchup.py`` asks for.
+
+        Peers that claim later rounds no adoptable state backs (liars, or a lone peer ahead
+        of everyone) are left out of pacing for a while instead of stalling this one, and
+        the holders of a state refused after its download for longer.
+        """
+        assert self.network is not None
+        self.snapshots.finish(wait=True)  # this peer's own digest of its last round
+        current = self.snapshots.current
+        assert current is not None
+        try:
+            found = self.loop.run(
+                self.network.catchup.find(
+                    round=self.round,
+                    digest=current.digest if self.round > 0 else None,
+                    theta_g=self.diloco.theta_g,
+                    distrusted={p for p, t in self._distrusted.items() if t > time.monotonic()},
+                ),
+                timeout=self.config.catchup.state_timeout_s + 30.0,
+            )
+        except (SwarmlocoError, TimeoutError) as exc:
+            logger.warning("could not catch up with the swarm: %s", exc)
+            return
+        now = time.monotonic()
+        for peer in found.unbacked:
+            self._unbacked[peer] = now + _UNBACKED_S
+        for peer in found.distrusted:
+            self._distrusted[peer] = now + _DISTRUSTED_S
+            self._unbacked[peer] = now + _DISTRUSTED_S
+        for refusal in found.refused:
+            key = (refusal.round, refusal.digest)
+            if key not in self._refusals_told:  # once per state, not at every look
+                self._refusals_told.add(key)
+                self._emit(
+                    "refused",
+                    round=refusal.round,
+                    digest=refusal.digest,
+                    holders=len(refusal.holders),
+                    why=refusal.reason,
+                )
+        if found.failed:
+            self.last_error = f"state download failed: {found.failed[-1]}"
+            self._emit("download-failed", round=self.round, error=found.failed[-1])
+        if found.adopted is not None:
+            self._take(found.adopted, found.why)
+
+    def _take(self, got: DownloadedState, why: str) -> None:
+        """Make a downloaded state this peer's global state (and local parameters)."""
+        snap = got.snapshot
+        self.diloco.adopt(snap)
+        self._take_global()
+        self._global_step = max(self._global_step, int(self.round * self.h))
+        self.snapshots.publish(self.round, self.diloco.committed(), snap.digest)
+        self.evidence.adopted(time.time())
+        self.downloads += 1
+        self._dirty = True
+        logger.info("took the swarm's state of round %d from %s: %s", self.round, got.donor, why)
+        self._emit(
+            "downloaded",
+            round=self.round,
+            global_step=self.global_step,
+            donor=str(got.donor),
+            bytes=snap.nbytes,
+            seconds=round(got.seconds, 3),
+            why=why,
+        )
+
+    # -- one round ------------------------------------------------------------------------------
+
+    def _start_round(self) -> None:
+        """Start averaging the next round's fragment; training goes on while it runs."""
+        assert self.network is not None
+        self._catch_up()
+        if self.steps_since_round == 0:
+            return  # the download replaced this peer's work with the swarm's state
+        target = self.round + 1
+        f = fragment_of_round(target, self.diloco.fragments)
+        delta = self.diloco.delta(f, self.params)
+        if not bool(torch.isfinite(delta).all()):
+            self.discard_local("the local model holds NaN/Inf")
+            return
+        weight = float(self.diloco.fragment_tokens[f])
+        self.state = "averaging"
+        feedback = self.diloco.feedback[f] if self.diloco.feedback else None
+        future = self.loop.submit(
+            self.network.average(
+                target,
+                delta,
+                self.diloco.means[f],
+                weight=weight,
+                expected=self._expected,
+                error_feedback=feedback,
+            )
+        )
+        self._inflight = _Exchange(target, f, future, self.steps, time.monotonic(), weight)
+        self.loop.loop.call_soon_threadsafe(self.network.wake)
+        # What trains from now on counts towards the next round.
+        self.steps_since_round = 0
+        self.tokens_since_round = 0
+
+    def _land(self) -> None:
+        """Wait for the exchange in flight; apply its outer step, or count it as aborted."""
+        x = self._inflight
+        assert x is not None and self.network is not None
+        self._inflight = None
+        try:
+            outcome = x.future.result(timeout=self.config.round_timeout_s + 10.0)
+            if not bool(torch.isfinite(self.diloco.means[x.fragment]).all()):
+                raise RoundAborted(f"round {x.round}: the group's mean is not finite")
+        except Exception as exc:  # whatever the others sent: the round fails, never the peer
+            if not isinstance(exc, _ROUND_FAILURES):
+                logger.error("round %d failed on an unexpected error", x.round, exc_info=exc)
+            x.future.cancel()
+            self.state = "training"
+            self.last_error = f"round {x.round} aborted: {exc}"
+            self._remember(x.round, 0, x.started, None, x.fragment)
+            # Nothing applied: the fragment's delta keeps growing and the next attempt
+            # carries all of it.
+            self.rounds_aborted += 1
+            self._last_group = None  # those we expected did not come
+            logger.warning("round %d aborted: %s", x.round, exc)
+            self._emit(
+                "aborted",
+                round=x.round,
+                fragment=x.fragment,
+                error=f"{type(exc).__name__}: {exc}",
+                seconds=round(time.monotonic() - x.started, 3),
+            )
+            return
+        self.state = "training"
+        f = x.fragment
+        report, matchmaking = outcome.result.report, outcome.matchmaking_s
+        self._consistent = False
+        movement = self.diloco.apply(f, x.round, weight=x.weight, group_tokens=outcome.group_tokens)
+        self.diloco.land(f, self.params, self.spec_.streaming.alpha)
+        self._consistent = True
+        self._advance_global()
+        self.evidence.applied(movement, time.time())
+        self.evidence.grouped(x.round, report.members, self.peer_id, self.config.catchup.adoption)
+        event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
+
+        def hashed(digest: bytes) -> None:
+            assert self.network is not None
+            self.loop.submit(self.network.publish_digest(event["round"], digest))
+            self._emit("round", **event, digest=digest.hex())
+
+        self.snapshots.hash_later(self.round, self.diloco.committed(), hashed)
+        self.rounds_applied += 1
+        self._nan_in_a_row = 0  # a round made it: training works from this state
+        self._last_group = (x.round, len(report.members))
+        self.loop.loop.call_soon_threadsafe(self.network.wake)
+        self._remember(x.round, len(report.members), x.started, report, f, matchmaking)
+        eval_loss = None
+        if (
+            self.evaluate is not None
+            and self.config.eval_every
+            and (self.round % self.config.eval_every == 0)
+        ):
+            eval_loss = self.last_eval = float(self.evaluate())
+        seconds = time.monotonic() - x.started
+        event.update(
+            {
+                "round": self.round,
+                "fragment": f,
+                "step": self.steps,
+                "global_step": self.global_step,
+                "overlap_steps": self.steps - x.step,
+                "group": len(report.members),
+                "weight": x.weight,
+                "lr": float(self.optimizer.param_groups[0]["lr"]),
+                "loss": self.last_loss,
+                "eval_loss": eval_loss,
+                "bytes_sent": report.bytes_sent,
+                "seconds": round(seconds, 3),
+                "matchmaking_seconds": round(matchmaking, 3),
+                "excluded": sorted(report.excluded),
+            }
+        )
+        logger.info(
+            "round %d (fragment %d) applied with %d peer(s) in %.2fs: train loss %.3f%s",
+            self.round,
+            f,
+            len(report.members),
+            seconds,
+            self.last_loss,
+            f", eval loss {eval_loss:.3f}" if eval_loss is not None else "",
+        )
+        if self.config.checkpoint_every and self.round % self.config.checkpoint_every == 0:
+            self._checkpoint()
+
+    def _remember(
+        self,
+        round: int,
+        group: int,
+        started: float,
+        report: Any,
+        fragment: int,
+        matchmaking: float | None = None,
+    ) -> None:
+        """One line of the round timeline the status record carries."""
+        line: dict[str, Any] = {
+            "round": round,
+            "group": group,
+            "seconds": time.monotonic() - started,
+            "bytes_sent": report.bytes_sent if report is not None else 0,
+            "bytes_received": report.bytes_received if report is not None else 0,
+            "payload_bytes": 4 * self.diloco.deltas[fragment].numel(),
+            "ok": report is not None,
+            "at": time.time(),
+        }
+        if matchmaking is not None:
+            line["matchmaking_s"] = matchmaking
+        self.history.append(line)
+
+    # -- records ----------------------------------------------------------------------------
+
+    def _progress_value(self) -> dict[str, Any]:
+        # The round this peer's new tokens count towards: while round r is in flight,
+        # r + 1 (its tokens since r started are the next round's).
+        return {
+            "round": self.round + 1 + (self._inflight is not None),
+            "tokens": self.tokens_since_round,
+            "tokens_per_s": self._rate.value,
+            "at": time.time(),
+        }
+
+    def _status_value(self) -> dict[str, Any]:
+        value: dict[str, Any] = {
+            "name": (self.config.name or socket.gethostname())[:64],
+            "state": self.state,
+            "round": self.round,
+            "step": self.steps,
+            "tokens": self.steps * self.config.tokens_per_step,
+            "tokens_per_s": self._rate.value,
+            "device": describe_device(self._device)[:64],
+            "version": __version__[:32],
+            "started_at": self.started_at,
+            "rounds_applied": self.rounds_applied,
+            "rounds_aborted": self.rounds_aborted,
+            "downloads": self.downloads,
+            "last_error": self.last_error[:240],
+            "rounds": list(self.history),
+            "at": time.time(),
+        }
+        if math.isfinite(self.last_loss):
+            value["loss"] = self.last_loss
+        if self.last_eval is not None and math.isfinite(self.last_eval):
+            value["eval_loss"] = self.last_eval
+        return value
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+class _Rate:
+    """Tokens per second over the recent steps (exponential average)."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        rate = tokens / seconds
+        self.value = rate if self.value == 0.0 else 0.9 * self.value + 0.1 * rate
+
+
+def _write_manifest_copy(path: Path, manifest: SwarmManifest) -> None:
+    """Keep the manifest beside the checkpoints (atomic: a torn copy never replaces one)."""
+    data = manifest.to_bytes()
+    if path.exists() and path.read_bytes() == data:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
