@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 from collections.abc import Iterator
@@ -27,9 +28,9 @@ import torch
 from torch import nn
 
 import swarmloco
+from swarmloco.net.averaging import MatchmakingConfig
 
 DIM, CLASSES, HIDDEN = 32, 10, 128
-TOTAL_STEPS = 2_000
 WARMUP = 100
 
 
@@ -54,11 +55,13 @@ def batches(seed: int, batch_size: int = 64) -> Iterator[tuple[torch.Tensor, tor
         yield c[y] + torch.randn(batch_size, DIM, generator=g) * 1.5, y
 
 
-def schedule(step: int) -> float:
-    """Linear warmup, then cosine to a tenth, on the swarm's global step."""
+def schedule(step: int, total_steps: int | None) -> float:
+    """Linear warmup, then cosine to a tenth by the run's end, on the swarm's global step."""
     if step < WARMUP:
         return (step + 1) / WARMUP
-    progress = min(1.0, (step - WARMUP) / (TOTAL_STEPS - WARMUP))
+    if total_steps is None:
+        return 1.0
+    progress = min(1.0, (step - WARMUP) / max(1, total_steps - WARMUP))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -70,9 +73,17 @@ def main() -> None:
     p.add_argument("--data-dir", required=True, help="this peer's key and checkpoints")
     p.add_argument("--port", type=int, default=0, help="port to serve on (0: any free)")
     p.add_argument("--sync-every", type=int, default=20, help="H: inner steps per round")
+    p.add_argument("--total-steps", type=int, default=2000, help="the run's length")
     p.add_argument("--max-rounds", type=int, default=None, help="leave at this round")
+    p.add_argument(
+        "--min-peers",
+        type=int,
+        default=1,
+        help="average only in groups of at least this many (1: a peer alone averages with itself)",
+    )
     p.add_argument("--events", nargs="?", const="-", help="one JSON object per event on stdout (-)")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     def on_event(event: dict) -> None:
         if args.events:
@@ -80,10 +91,14 @@ def main() -> None:
 
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    config = swarmloco.PeerConfig(data_dir=Path(args.data_dir), max_rounds=args.max_rounds)
+    config = swarmloco.PeerConfig(
+        data_dir=Path(args.data_dir),
+        max_rounds=args.max_rounds,
+        matchmaking=MatchmakingConfig(min_group_size=args.min_peers),
+    )
     common = dict(peers=args.peer, port=args.port, config=config, on_event=on_event)
     if args.command == "create":
-        spec = swarmloco.RunSpec(sync_every=args.sync_every, total_steps=TOTAL_STEPS)
+        spec = swarmloco.RunSpec(sync_every=args.sync_every, total_steps=args.total_steps)
         swarm = swarmloco.create(spec, model, optimizer, name="mlp example", **common)
         print(swarm.swarm_id, flush=True)
     else:
@@ -91,7 +106,6 @@ def main() -> None:
             p.error("join needs the SWARM_ID that create printed")
         swarm = swarmloco.join(args.swarm_id, model, optimizer, **common)
 
-    sched = swarm.scheduler(schedule)  # the learning rate follows the swarm's progress
     stream = batches(swarm.data_seed)
     held_out = next(batches(seed=12345, batch_size=2048))  # the same on every peer
     loss_fn = nn.CrossEntropyLoss()
@@ -105,6 +119,9 @@ def main() -> None:
     swarm.evaluate = evaluate  # scored after every round, shown in events and the dashboard
     with swarm:
         print(f"peer {swarm.peer_id[:12]} serving on {swarm.endpoint}", file=sys.stderr)
+        # The learning rate follows the swarm's progress (its global step), not this
+        # peer's, over the run's length (a joiner reads it from the manifest on entering).
+        sched = swarm.scheduler(lambda step: schedule(step, swarm.spec.total_steps))
         for x, y in stream:
             loss = loss_fn(model(x), y)
             optimizer.zero_grad()
@@ -117,4 +134,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except swarmloco.SwarmlocoError as exc:
+        sys.exit(f"error: {exc}")

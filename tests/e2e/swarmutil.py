@@ -48,10 +48,10 @@ Event = dict[str, Any]
 class PeerProcess:
     """One `swarmloco create|join ... --events -` process."""
 
-    def __init__(self, args: list[str], data_dir: Path) -> None:
+    def __init__(self, args: list[str], data_dir: Path, *, command: list[str] = COMMAND) -> None:
         self.data_dir = data_dir
         self.process = subprocess.Popen(
-            [*COMMAND, *args, "--data-dir", str(data_dir), "--events", "-"],
+            [*command, *args, "--data-dir", str(data_dir), "--events", "-"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -67,6 +67,11 @@ class PeerProcess:
         ]
         for t in self._threads:
             t.start()
+
+    @classmethod
+    def script(cls, path: Path, data_dir: Path, *args: str) -> PeerProcess:
+        """A user's own training script that takes --data-dir and --events -."""
+        return cls(list(args), data_dir, command=[sys.executable, str(path)])
 
     @classmethod
     def create(cls, data_dir: Path, *extra: str) -> PeerProcess:

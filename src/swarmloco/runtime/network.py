@@ -49,7 +49,10 @@ from swarmloco.runtime.config import PeerConfig
 
 logger = logging.getLogger(__name__)
 
-DIGEST_TTL_S = 3600.0
+# Catch-up looks at recent rounds only (donors serve their latest state), and a DHT node
+# keeps a bounded number of records per sender: a digest per round for an hour would crowd
+# out the records that matter once rounds come every few seconds.
+DIGEST_TTL_S = 300.0
 PROGRESS_TTL_S = 120.0
 ANNOUNCE_EVERY_S = 120.0
 

@@ -320,6 +320,8 @@ class Swarm:
 
     def _enter(self, stack: contextlib.ExitStack) -> None:
         cfg = self.config
+        if cfg.handle_signals and threading.current_thread() is threading.main_thread():
+            self._install_signal_handlers(stack)  # Ctrl-C while starting: stop at step one
         self.loop = stack.enter_context(LoopThread(name="swarmloco-peer-loop"))
         if self.manifest is None:
             self.manifest = self._fetch_manifest()
@@ -369,8 +371,6 @@ class Swarm:
         if cfg.hook:
             self._hook = self.optimizer.register_step_post_hook(lambda *_: self.step())
             stack.callback(self._hook.remove)
-        if cfg.handle_signals and threading.current_thread() is threading.main_thread():
-            self._install_signal_handlers(stack)
         self.state = "training"
         self._step_ended = time.monotonic()
         self._emit(
@@ -684,8 +684,9 @@ class Swarm:
         cfg, spec = self.config, self.spec_
         if cfg.max_rounds is not None and self.round >= cfg.max_rounds:
             self.stop(f"round {self.round} reached (max rounds {cfg.max_rounds})")
-        elif spec.total_steps is not None and self.global_step >= spec.total_steps:
-            self.stop(f"the run is over: global step {self.global_step} of {spec.total_steps}")
+        elif spec.total_steps is not None and self.round * self.h >= spec.total_steps:
+            # By rounds, not this peer's own steps: every peer stops after the same round.
+            self.stop(f"the run is over: round {self.round} reached {spec.total_steps} steps")
         elif spec.total_tokens is not None and self.diloco.tokens >= spec.total_tokens:
             self.stop(f"the run is over: {self.diloco.tokens} of {spec.total_tokens} tokens")
         return self._stop.is_set()

@@ -38,8 +38,11 @@ class StorageConfig:
     """Most records one node keeps for others."""
     max_bytes: int = 64 * 1024 * 1024
     """Most bytes (keys, subkeys, values) one node keeps for others."""
-    max_records_per_sender: int = 256
-    """Most records one node keeps on behalf of one sending peer."""
+    max_records_per_sender: int = 4096
+    """Most records one node keeps on behalf of one sending peer. A node hands a newcomer
+    every record of its neighbourhood it holds (in a small swarm, everyone's: a peer's
+    progress and status, and a ``round/<r>`` and ``digest/<r>`` per recent round), so this
+    bounds a flood, not what an honest neighbour hands over."""
 
     def __post_init__(self) -> None:
         require_int("max_records", self.max_records, minimum=1)

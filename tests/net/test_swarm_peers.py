@@ -1,0 +1,332 @@
+"""The Swarm object in-process: real peers on loopback gRPC, each training loop in a thread.
+
+These test the peer's policy (rounds, pacing weights, catch-up, NaN discard, hostile
+members) and the library contract (the user's optimizer, scheduler, scaler and clipping
+are left alone; another model is refused) without processes: collaborators such as the
+network are injected where a test needs a fault plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from avgutil import FAST
+from torch import nn
+
+import swarmloco
+from swarmloco.core.adoption import Evidence
+from swarmloco.core.runspec import RunSpec
+from swarmloco.core.state import StateSchema
+from swarmloco.errors import ModelMismatch
+from swarmloco.net.averaging import Fault, FaultPlan, MatchmakingConfig
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NodeConfig
+from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.network import SwarmNetwork, averaging_config
+from swarmloco.runtime.swarm import Swarm, manifest_signature, manifest_spec
+
+pytestmark = pytest.mark.timeout(180)
+
+SPEC = RunSpec(sync_every=4, codec=dataclasses.replace(FAST.codec))
+
+
+def mlp(width: int = 16, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1)).to(dtype)
+
+
+def batches(seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randn(32, 8, generator=g)
+        yield x, x.sum(1, keepdim=True).sin()
+
+
+def config(tmp: Path, name: str, *peers: str, **changes: Any) -> PeerConfig:
+    values: dict[str, Any] = {
+        "node": NodeConfig(peers=peers),
+        "handle_signals": False,
+        "progress_interval_s": 0.2,
+        "matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05),
+        "averaging": FAST,
+        "codec_backend": "eager",
+    }
+    return PeerConfig(data_dir=tmp / name, **{**values, **changes})
+
+
+class Events(list):
+    def __call__(self, event: dict[str, Any]) -> None:
+        self.append(event)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self if e["event"] == kind]
+
+
+def train(swarm: Swarm, model: nn.Module, opt: torch.optim.Optimizer, data: Iterator) -> None:
+    """A plain user loop, until the swarm stops it (max rounds: Stopped, swallowed)."""
+    with swarm:
+        for x, y in data:
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            swarm.log(loss=loss.item())
+
+
+def run_peers(*jobs: tuple[Swarm, nn.Module, torch.optim.Optimizer, Iterator]) -> None:
+    errors: list[BaseException] = []
+
+    def run(job: Any) -> None:
+        try:
+            train(*job)
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads), "a peer did not stop"
+    assert not errors, errors
+
+
+def test_the_hook_leaves_the_users_optimizer_scheduler_scaler_and_clipping_alone(tmp_path):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    events = Events()
+    swarm = swarmloco.create(
+        SPEC, model, opt, config=config(tmp_path, "a", max_rounds=6), on_event=events
+    )
+    sched = swarm.scheduler(lambda step: 0.5 ** (step // 8))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    data = batches(1)
+    seen: dict[str, Any] = {"clipped": [], "lr": [], "skipped": 0}
+    with swarm:
+        seen["hooks"] = len(opt._optimizer_step_post_hooks)
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if i == 5:
+                loss = loss * float("inf")  # an overflow: the scaler skips this step
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            after = math.sqrt(sum(float(p.grad.norm()) ** 2 for p in model.parameters()))
+            seen["clipped"].append((float(norm), after))
+            before = swarm.steps
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if swarm.steps == before:
+                seen["skipped"] += 1
+                assert scaler.get_scale() == scale / 2  # the scaler did its job
+            sched.step()
+            seen["lr"].append((swarm.global_step, opt.param_groups[0]["lr"]))
+    # The optimizer is the user's own, only hooked while the swarm is entered.
+    assert type(opt) is torch.optim.AdamW
+    assert seen["hooks"] == 1 and not opt._optimizer_step_post_hooks
+    assert seen["skipped"] == 1  # the skipped step never reached the swarm
+    finite = [(n, a) for n, a in seen["clipped"] if math.isfinite(n)]
+    assert all(a <= 0.01 * 1.001 for _, a in finite) and any(n > 0.01 for n, _ in finite)
+    # The scheduler ran on the swarm's global step, whatever its own counter says.
+    assert all(lr == pytest.approx(1e-2 * 0.5 ** (g // 8)) for g, lr in seen["lr"])
+    assert [e["round"] for e in events.of("round")] == [1, 2, 3, 4, 5, 6]
+    assert events.of("stopped")[0]["reason"] == "round 6 reached (max rounds 6)"
+
+
+@pytest.mark.parametrize(
+    "other, named",
+    [
+        (lambda: mlp(width=32), "0.weight: expected (16, 8), got (32, 8)"),
+        (lambda: mlp(dtype=torch.bfloat16), "0.weight: expected float32, got bfloat16"),
+        (
+            lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Sequential(nn.Linear(16, 1))),
+            "2.weight: not in this model, which has 2.0.weight of the same shape (1, 16)",
+        ),
+    ],
+    ids=["wider", "dtype", "renamed"],
+)
+def test_a_model_that_is_not_the_swarms_is_refused_before_any_network_traffic(
+    tmp_path, other, named
+):
+    model = mlp()
+    creator = swarmloco.create(
+        SPEC, model, torch.optim.SGD(model.parameters(), lr=0.1), config=config(tmp_path, "a")
+    )
+    assert creator.manifest is not None
+    copy = tmp_path / "b" / "swarms" / creator.swarm_id / "manifest.json"
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(creator.manifest.to_bytes())
+    wrong = other()
+    joiner = swarmloco.join(
+        creator.swarm_id, wrong, torch.optim.SGD(wrong.parameters(), lr=0.1),
+        config=config(tmp_path, "b"),
+    )  # fmt: skip
+    with pytest.raises(ModelMismatch) as caught, joiner:
+        pass
+    assert named in str(caught.value) and named in "\n".join(caught.value.differences)
+    assert joiner.network is None  # refused before any server or DHT node existed
+
+
+@dataclasses.dataclass
+class Peer:
+    swarm: Swarm
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    events: Events
+    seed: int
+
+    @property
+    def job(self) -> tuple[Swarm, nn.Module, torch.optim.Optimizer, Iterator]:
+        return self.swarm, self.model, self.opt, batches(self.seed)
+
+
+def _peer(tmp: Path, name: str, spec_or_id: Any, *peers: str, **changes: Any) -> Peer:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    events = Events()
+    cfg = config(tmp, name, *peers, **changes)
+    if isinstance(spec_or_id, RunSpec):
+        swarm = swarmloco.create(spec_or_id, model, opt, config=cfg, on_event=events)
+    else:
+        swarm = swarmloco.join(spec_or_id, model, opt, config=cfg, on_event=events)
+    return Peer(swarm, model, opt, events, seed=sum(map(ord, name)))
+
+
+class Background:
+    """``run_peers`` in a thread; :meth:`join` re-raises what it raised."""
+
+    def __init__(self, *jobs: Any) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=jobs)
+        self.thread.start()
+
+    def _run(self, *jobs: Any) -> None:
+        try:
+            run_peers(*jobs)
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self) -> None:
+        self.thread.join(150)
+        assert not self.thread.is_alive()
+        if self.error is not None:
+            raise self.error
+
+
+class Watch:
+    """Wraps a peer's event list: ``reached`` is set once it applied ``round``."""
+
+    def __init__(self, events: Events, round: int) -> None:
+        self.events = events
+        self.round = round
+        self.reached = threading.Event()
+        self.ready = threading.Event()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self.events(event)
+        if event["event"] == "ready":
+            self.ready.set()
+        if event["event"] == "round" and event["round"] >= self.round:
+            self.reached.set()
+
+
+def test_peers_average_with_their_token_weights_and_a_late_one_catches_up(tmp_path):
+    spec = dataclasses.replace(SPEC, total_steps=4 * 16)
+    two = {"matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2)}
+    a = _peer(tmp_path, "a", spec, tokens_per_step=100, **two)
+    watch = Watch(a.events, round=4)
+    a.swarm.on_event = watch
+    first = Background(a.job)
+    assert watch.ready.wait(60)
+    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, tokens_per_step=30, **two)
+    second = Background(b.job)
+    assert watch.reached.wait(120)
+    c = _peer(tmp_path, "c", a.swarm.swarm_id, a.swarm.endpoint, tokens_per_step=30)
+    run_peers(c.job)
+    first.join()
+    second.join()
+    peers = (a, b, c)
+    # The run ended for all after round 16 (64 global steps of H / F = 4), on one state.
+    assert [p.swarm.round for p in peers] == [16, 16, 16]
+    assert len({p.swarm.snapshots.current.digest for p in peers}) == 1
+    for p in peers:
+        assert p.events.of("stopped")[0]["reason"].startswith("the run is over")
+    # The late one took the swarm's state, and its global step, before averaging.
+    fetched = c.events.of("downloaded")
+    assert fetched and fetched[0]["round"] >= 4, c.events
+    assert fetched[0]["global_step"] == fetched[0]["round"] * 4
+    assert max(e["group"] for e in c.events.of("round")) == 3
+    # Each averaged with the weight of the tokens it trained on since its last round.
+    assert all(e["weight"] % 100 == 0 for e in a.events.of("round"))
+    assert all(e["weight"] % 30 == 0 for e in b.events.of("round"))
+
+
+def test_nan_in_the_users_training_is_discarded_and_never_averaged(tmp_path):
+    peer = _peer(tmp_path, "a", SPEC, max_rounds=4)
+    swarm, model, opt, events = peer.swarm, peer.model, peer.opt, peer.events
+
+    def poisoned() -> Iterator:
+        for i, (x, y) in enumerate(batches(2)):
+            yield (x * float("nan") if i == 2 else x), y
+
+    run_peers((swarm, model, opt, poisoned()))
+    assert len(events.of("discarded")) == 1 and "NaN" in events.of("discarded")[0]["why"]
+    assert [e["round"] for e in events.of("round")] == [1, 2, 3, 4]
+    assert torch.isfinite(swarm.diloco.theta_g).all()
+
+
+def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tmp_path):
+    """Three peers; one answers every result chunk with NaN scales (its network built by
+    the test with a fault plan). The honest two keep training and their rounds complete,
+    on one state."""
+    spec = dataclasses.replace(SPEC, total_steps=4 * 8)
+    three = {"matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2)}
+    a = _peer(tmp_path, "a", spec, **three)
+    watch = Watch(a.events, round=1)
+    a.swarm.on_event = watch
+    first = Background(a.job)
+    assert watch.ready.wait(60)
+    swarm_id, endpoint = a.swarm.swarm_id, a.swarm.endpoint
+    b = _peer(tmp_path, "b", swarm_id, endpoint, **three)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = config(tmp_path, "c", endpoint)
+    identity = Identity.load_or_create(cfg.data_dir)
+    manifest = a.swarm.manifest
+    assert manifest is not None
+    run = manifest_spec(manifest)
+    plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="nan")])
+    hostile = Swarm(
+        manifest,
+        model,
+        opt,
+        cfg,
+        identity=identity,
+        network=SwarmNetwork(
+            identity=identity,
+            manifest=manifest,
+            config=cfg,
+            averaging=averaging_config(cfg, run.codec, run.aggregator),
+            schema=StateSchema.diloco(
+                manifest_signature(manifest).layout(run.codec.block_size).numel
+            ),
+            evidence=Evidence(),
+            faults=plan,
+        ),
+    )
+    run_peers(b.job, (hostile, model, opt, batches(9)))
+    first.join()
+    assert plan.fired[0] > 0
+    for p in (a, b):
+        assert p.events.of("stopped")[0]["reason"].startswith("the run is over")
+        assert any(e["excluded"] for e in p.events.of("round"))  # the hostile one, struck
+    assert a.swarm.snapshots.current.digest == b.swarm.snapshots.current.digest
