@@ -37,7 +37,10 @@ TOTAL_STEPS = 400
 
 def build_model() -> GPT2LMHeadModel:
     torch.manual_seed(0)  # every peer starts from the same weights (else it fetches them)
-    config = GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2)
+    config = GPT2Config(
+        vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
     return GPT2LMHeadModel(config)
 
 

@@ -7,6 +7,7 @@ round, checkpoint, downloaded, aborted, stopped, ...), collected as they come; i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -106,9 +107,14 @@ class PeerProcess:
     def _read_stdout(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
+            event = None
+            if line.startswith("{"):
+                # A training library may print dict reprs too (transformers' Trainer logs).
+                with contextlib.suppress(json.JSONDecodeError):
+                    event = json.loads(line)
             with self._changed:
-                if line.startswith("{"):
-                    self.events.append(json.loads(line))
+                if event is not None:
+                    self.events.append(event)
                 elif not self.first_line:
                     self.first_line = line.strip()
                 self._changed.notify_all()

@@ -12,14 +12,17 @@
 The Trainer keeps its own optimizer, scheduler, gradient accumulation and clipping. The
 callback runs the swarm's work after every optimizer step (``on_step_end``), makes the
 Trainer's learning-rate schedule follow the swarm's global step instead of the Trainer's
-own, stops training when the swarm stops (the run's end, ``max_rounds``, Ctrl-C), and
-records the model's config in the manifest so that ``swarmloco export`` writes a
-directory ``from_pretrained`` loads.
+own (so give ``max_steps`` the run's length: it is the schedule's horizon), stops
+training when the swarm stops (the run's end, ``max_rounds``, Ctrl-C) and not before
+(a peer's own steps may outrun ``max_steps`` while it waits for others; training still
+ends when the data's epochs run out), and records the model's config in the manifest so
+that ``swarmloco export`` writes a directory ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,7 +97,12 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
         # (accumulation, clipping, scheduler), where it can stop training cleanly.
         config = dataclasses.replace(config, hook=False)
         if self.spec is not None:
-            info = {"config": model.config.to_dict()} if hasattr(model, "config") else None
+            # Through JSON: the manifest takes string keys only (id2label's are ints).
+            info = (
+                {"config": json.loads(model.config.to_json_string())}
+                if hasattr(model, "config")
+                else None
+            )
             swarm = swarmloco.create(
                 self.spec, model, optimizer, model_info=info, config=config, on_event=self.on_event
             )
@@ -106,7 +114,7 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
             )
         scheduler = kwargs.get("lr_scheduler")
         lambdas = getattr(scheduler, "lr_lambdas", None)
-        if lambdas is not None:
+        if scheduler is not None and lambdas is not None:
             # The Trainer's LambdaLR counts its own steps: let it read the swarm's instead.
             scheduler.lr_lambdas = [swarm.lr_lambda(f) for f in lambdas]
             swarm.register("lr_scheduler", scheduler)
@@ -122,8 +130,9 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
         except Stopped:
             control.should_training_stop = True
             return
-        if swarm.stopping:
-            control.should_training_stop = True
+        # The swarm decides when training ends (the run's length is in global steps; this
+        # peer's own step count, which the Trainer's max_steps bounds, may run ahead).
+        control.should_training_stop = swarm.stopping
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
