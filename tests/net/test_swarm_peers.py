@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,9 +43,13 @@ def mlp(width: int = 16, *, seed: int = 0, dtype: torch.dtype = torch.float32) -
     return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1)).to(dtype)
 
 
-def batches(seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(seed: int, pause: float = 0.0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Regression batches; ``pause``: seconds each step takes besides the MLP's own few
+    (the workload of a real model, so that rounds are not faster than a download)."""
     g = torch.Generator().manual_seed(seed)
     while True:
+        if pause:
+            time.sleep(pause)
         x = torch.randn(32, 8, generator=g)
         yield x, x.sum(1, keepdim=True).sin()
 
@@ -183,13 +188,16 @@ class Peer:
     opt: torch.optim.Optimizer
     events: Events
     seed: int
+    pause: float = 0.0
 
     @property
     def job(self) -> tuple[Swarm, nn.Module, torch.optim.Optimizer, Iterator]:
-        return self.swarm, self.model, self.opt, batches(self.seed)
+        return self.swarm, self.model, self.opt, batches(self.seed, self.pause)
 
 
-def _peer(tmp: Path, name: str, spec_or_id: Any, *peers: str, **changes: Any) -> Peer:
+def _peer(
+    tmp: Path, name: str, spec_or_id: Any, *peers: str, pause: float = 0.01, **changes: Any
+) -> Peer:
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     events = Events()
@@ -198,7 +206,7 @@ def _peer(tmp: Path, name: str, spec_or_id: Any, *peers: str, **changes: Any) ->
         swarm = swarmloco.create(spec_or_id, model, opt, config=cfg, on_event=events)
     else:
         swarm = swarmloco.join(spec_or_id, model, opt, config=cfg, on_event=events)
-    return Peer(swarm, model, opt, events, seed=sum(map(ord, name)))
+    return Peer(swarm, model, opt, events, seed=sum(map(ord, name)), pause=pause)
 
 
 class Background:
@@ -240,7 +248,8 @@ class Watch:
 
 
 def test_peers_average_with_their_token_weights_and_a_late_one_catches_up(tmp_path):
-    spec = dataclasses.replace(SPEC, total_steps=4 * 16)
+    h = 10
+    spec = dataclasses.replace(SPEC, sync_every=h, total_steps=h * 16)
     two = {"matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2)}
     a = _peer(tmp_path, "a", spec, tokens_per_step=100, **two)
     watch = Watch(a.events, round=4)
@@ -250,12 +259,12 @@ def test_peers_average_with_their_token_weights_and_a_late_one_catches_up(tmp_pa
     b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, tokens_per_step=30, **two)
     second = Background(b.job)
     assert watch.reached.wait(120)
-    c = _peer(tmp_path, "c", a.swarm.swarm_id, a.swarm.endpoint, tokens_per_step=30)
+    c = _peer(tmp_path, "c", a.swarm.swarm_id, a.swarm.endpoint, tokens_per_step=30, **two)
     run_peers(c.job)
     first.join()
     second.join()
     peers = (a, b, c)
-    # The run ended for all after round 16 (64 global steps of H / F = 4), on one state.
+    # The run ended for all after round 16 (160 global steps of H / F = 10), on one state.
     assert [p.swarm.round for p in peers] == [16, 16, 16]
     assert len({p.swarm.snapshots.current.digest for p in peers}) == 1
     for p in peers:
@@ -263,7 +272,7 @@ def test_peers_average_with_their_token_weights_and_a_late_one_catches_up(tmp_pa
     # The late one took the swarm's state, and its global step, before averaging.
     fetched = c.events.of("downloaded")
     assert fetched and fetched[0]["round"] >= 4, c.events
-    assert fetched[0]["global_step"] == fetched[0]["round"] * 4
+    assert fetched[0]["global_step"] == fetched[0]["round"] * h
     assert max(e["group"] for e in c.events.of("round")) == 3
     # Each averaged with the weight of the tokens it trained on since its last round.
     assert all(e["weight"] % 100 == 0 for e in a.events.of("round"))
