@@ -10,13 +10,18 @@
    group to the moment the last member holds the result (the agreement included), and the
    CPU time of each peer process over that span. Bytes are the averaging messages each
    peer sent (``bytes_sent``), also cross-checked with the loopback interface counters.
+   Every member declares its vector's norm, so the group's norm bound (4x the median) is
+   checked on every chunk, as in a daemon.
 2. The same with every peer limited to ``--mbit`` (100) Mbit/s up and down by the
    averager's bandwidth limiter; the ideal is the bytes each peer must send at that rate.
-3. ``--kill-trials`` (20) rounds in which one peer, chosen at random, is SIGKILLed at a
+3. ``--aggregators``: the same rounds with each aggregator (norm bound on) and with the
+   plain mean without the bound, interleaved: ``aggregator_round_s`` gives each median
+   and its ratio to the unbounded mean.
+4. ``--kill-trials`` (20) rounds in which one peer, chosen at random, is SIGKILLed at a
    random moment of the exchange: a *hang* is a survivor that has neither the result nor
    an abort by the round deadline plus 15 s. The killed peer is restarted for the next
    trial.
-4. hivemind 1.1.12's ``DecentralizedAverager`` with ``Uniform8BitQuantization`` on the
+5. hivemind 1.1.12's ``DecentralizedAverager`` with ``Uniform8BitQuantization`` on the
    same payload, peers and machine (each peer is this script with ``--worker hivemind``):
    matchmaking runs with ``require_trigger``; once every peer has its group all are
    triggered at once and the round runs from the trigger to the last peer's result; CPU
@@ -93,12 +98,14 @@ def _vector(index: int, params: int, padded: int) -> Any:
 
 def swarmloco_worker(args: argparse.Namespace) -> None:
     import asyncio
+    import dataclasses
     import faulthandler
     import logging
 
     import torch
     import uvloop
 
+    from swarmloco.core.aggregate import AggregatorConfig
     from swarmloco.core.codec import (
         CodecConfig,
         dequantize_accumulate_,
@@ -147,6 +154,7 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
         assert node.server is not None
         node.server.add_service(averaging_service(matchmaker, averager))
         vector = _vector(args.index, args.params, padded)
+        norm = float(torch.linalg.vector_norm(vector, dtype=torch.float64))
         # Compile the codec kernels now (seconds, once per process), not inside a round.
         small = torch.randn(4 * codec.block_size)
         q, scales = quantize(small, codec)
@@ -167,6 +175,13 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
                     return
                 mbit = command.get("mbit", 0)
                 averager.limiter = BandwidthLimiter(BandwidthConfig.mbit(mbit)) if mbit else None
+                averager.config = dataclasses.replace(
+                    averager.config,
+                    aggregator=AggregatorConfig(
+                        method=command.get("aggregator", "mean"),
+                        norm_clip=command.get("norm_clip", 4.0),
+                    ),
+                )
                 deadline = Deadline.after(command["deadline"])
                 t0 = time.time()
                 try:
@@ -176,6 +191,7 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
                         numel=padded,
                         block_size=codec.block_size,
                         deadline=deadline,
+                        norm=norm,
                     )
                     t_group = time.time()
                     _emit({"event": "group", "t": t_group, "size": group.size})
@@ -338,11 +354,24 @@ def start_workers(kind: str, args: argparse.Namespace) -> list[Worker]:
 
 
 def swarmloco_round(
-    workers: list[Worker], round: int, *, mbit: float = 0.0, deadline: float = 60.0
+    workers: list[Worker],
+    round: int,
+    *,
+    mbit: float = 0.0,
+    deadline: float = 60.0,
+    aggregator: str = "mean",
+    norm_clip: float = 4.0,
 ) -> dict[str, Any]:
     lo_before = loopback_tx_bytes()
     for w in workers:
-        w.send(cmd="round", round=round, mbit=mbit, deadline=deadline)
+        w.send(
+            cmd="round",
+            round=round,
+            mbit=mbit,
+            deadline=deadline,
+            aggregator=aggregator,
+            norm_clip=norm_clip,
+        )
     results = []
     for w in workers:
         event = w.read(timeout=deadline + 30)
@@ -453,6 +482,27 @@ def kill_trials(
     return outcome
 
 
+def aggregator_rounds(args: argparse.Namespace, workers: list[Worker]) -> dict[str, Any]:
+    """Median round seconds per aggregator, against the plain mean without the norm bound
+    (the rounds interleaved, so that drifts of the machine hit every arm alike)."""
+    arms = [("mean, no bound", "mean", 0.0)] + [
+        (method, method, 4.0) for method in args.aggregators.split(",")
+    ]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+    for r in range(args.rounds):
+        for i, (name, method, clip) in enumerate(arms):
+            rnd = 300 + r * len(arms) + i
+            times[name].append(
+                swarmloco_round(workers, rnd, aggregator=method, norm_clip=clip)["round_s"]
+            )
+        log(f"aggregator rounds {r}: " + ", ".join(f"{n} {t[-1]:.3f}s" for n, t in times.items()))
+    base = statistics.median(times["mean, no bound"])
+    return {
+        name: {"round_s": statistics.median(t), "over_unbounded_mean": statistics.median(t) / base}
+        for name, t in times.items()
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from _bench_common import machine
 
@@ -486,6 +536,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sent = max(r["bytes_sent_per_peer"] for r in limited)
             out["limited_ideal_s"] = sent / (args.mbit * 1e6 / 8)
             out["limited_mbit"] = args.mbit
+        if args.aggregators:
+            out["aggregator_round_s"] = aggregator_rounds(args, workers)
         if args.kill_trials:
             log(f"{args.kill_trials} kill trials")
             out.update(kill_trials(args, workers, 200))
@@ -524,6 +576,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "limited_rounds": args.limited_rounds,
         "kill_trials": args.kill_trials,
         "mbit": args.mbit,
+        "aggregators": args.aggregators,
+        "norm_clip": 4.0,
         "codec": "int8 absmax, block 1024, fp32 scales, 1 MiB chunks",
         "event_loop": "uvloop",
         "torch_threads_per_peer": 1,
@@ -559,6 +613,11 @@ def main() -> None:
     parser.add_argument("--limited-rounds", type=int, default=1)
     parser.add_argument("--mbit", type=float, default=100.0)
     parser.add_argument("--kill-trials", type=int, default=20)
+    parser.add_argument(
+        "--aggregators",
+        default="mean,trimmed_mean,centered_clip",
+        help="aggregators (with the norm bound) to time against the unbounded mean ('' skips)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hivemind", action="store_true")
     parser.add_argument("--worker", choices=("swarmloco", "hivemind"), help=argparse.SUPPRESS)

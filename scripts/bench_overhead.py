@@ -6,7 +6,8 @@ one peer alone, in this process:
 
   plain       the loop without a swarm: median seconds per step
   hooked      the same loop inside ``with swarm`` (the optimizer's step hooked), between
-              rounds (H far beyond the measured steps): median seconds per step
+              rounds (H far beyond the measured steps): median seconds per step; the two
+              arms alternate step by step, with the swarm's network thread running
   rounds      the same with a round every H steps: the stall of a step that runs a round
               (median over rounds of that step's time minus the median step)
 
@@ -98,12 +99,15 @@ def peer(tmp: Path, name: str, sync_every: int, model: Any, opt: Any) -> swarmlo
 
 def bench_preset(preset: str, steps: int, batch_size: int, tmp: Path) -> dict[str, Any]:
     _, _, plain_step = user_loop(preset, batch_size)
-    timed(plain_step, 3)
-    plain = timed(plain_step, steps)
     model, opt, hooked_step = user_loop(preset, batch_size)
     with peer(tmp, f"{preset}-hooked", 100_000, model, opt):
+        timed(plain_step, 3)
         timed(hooked_step, 3)
-        hooked = timed(hooked_step, steps)
+        # Interleaved, step by step: a drift of the machine hits both arms alike.
+        plain, hooked = [], []
+        for _ in range(steps):
+            plain += timed(plain_step, 1)
+            hooked += timed(hooked_step, 1)
     h = 10
     model, opt, round_step = user_loop(preset, batch_size)
     swarm = peer(tmp, f"{preset}-rounds", h, model, opt)

@@ -65,8 +65,10 @@ async def averaging_peers(
     faults: dict[int, FaultPlan] | None = None,
     limiters: dict[int, BandwidthLimiter] | None = None,
     bandwidths: dict[int, float] | None = None,
+    configs: dict[int, AveragingConfig] | None = None,
 ) -> AsyncIterator[list[AvgPeer]]:
-    """``size`` peers on 127.0.0.1 joined through the first (which must serve)."""
+    """``size`` peers on 127.0.0.1 joined through the first (which must serve);
+    ``configs``: per peer, an averaging config other than ``config`` (a liar's)."""
     assert 0 not in clients
     faults = faults or {}
     limiters = limiters or {}
@@ -97,7 +99,7 @@ async def averaging_peers(
             averager = Averager(
                 identity=identity,
                 client=node.client,
-                config=config,
+                config=(configs or {}).get(i, config),
                 faults=faults.get(i),
                 limiter=limiters.get(i),
             )
@@ -109,14 +111,22 @@ async def averaging_peers(
 
 
 async def average(
-    peer: AvgPeer, round: int, vector: torch.Tensor, weight: float, *, deadline: Deadline
+    peer: AvgPeer,
+    round: int,
+    vector: torch.Tensor,
+    weight: float,
+    *,
+    deadline: Deadline,
+    norm: float | None = None,
 ) -> AllReduceResult:
+    """One member's round; it declares ``norm`` (default: its vector's, as a peer does)."""
     group = await peer.matchmaker.form_group(
         round,
         weight=weight,
         numel=vector.numel(),
         block_size=peer.averager.config.codec.block_size,
         deadline=deadline,
+        norm=float(vector.double().norm()) if norm is None else norm,
     )
     return await peer.averager.all_reduce(group, vector, deadline=deadline)
 
@@ -128,10 +138,15 @@ async def run_round(
     weights: Sequence[float],
     *,
     timeout: float = 20.0,
+    norms: Sequence[float | None] | None = None,
 ) -> list[AllReduceResult | BaseException]:
     deadline = Deadline.after(timeout)
+    norms = norms or [None] * len(peers)
     return await asyncio.gather(
-        *(average(p, round, v, w, deadline=deadline) for p, v, w in zip(peers, vectors, weights)),
+        *(
+            average(p, round, v, w, deadline=deadline, norm=n)
+            for p, v, w, n in zip(peers, vectors, weights, norms, strict=True)
+        ),
         return_exceptions=True,
     )
 

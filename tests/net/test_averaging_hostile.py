@@ -6,12 +6,25 @@ round ends in a result or in RoundAborted (never another error, which would take
 process down), the offender is counted, and the next round completes for everyone.
 """
 
+import dataclasses
+
 import pytest
 import torch
-from avgutil import assert_exact, assert_identical, averaging_peers, random_vectors, run_round
+from avgutil import (
+    FAST,
+    assert_exact,
+    assert_identical,
+    averaging_peers,
+    random_vectors,
+    run_round,
+)
 
+from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import AllReduceResult, Fault, FaultPlan
+
+# A member that does not scale its own update down to the group's bound (a liar's code).
+_UNBOUNDED = dataclasses.replace(FAST, aggregator=AggregatorConfig(norm_clip=0.0))
 
 
 def _outcomes(results) -> list[AllReduceResult | RoundAborted]:
@@ -63,7 +76,7 @@ async def test_a_member_whose_weighted_update_would_overflow_the_sum_is_struck()
     weights = [2e5] * size
     vectors = random_vectors(size, 64 * 200, seed=4)
     vectors[hostile] = vectors[hostile] * 1e36
-    async with averaging_peers(size, clients=(hostile,)) as peers:
+    async with averaging_peers(size, clients=(hostile,), configs={hostile: _UNBOUNDED}) as peers:
         results = _outcomes(await run_round(peers, 1, vectors, weights, timeout=15))
         ids = [p.peer_id for p in peers]
         honest = [r for i, r in enumerate(results) if i != hostile]
@@ -78,12 +91,65 @@ async def test_a_member_whose_weighted_update_would_overflow_the_sum_is_struck()
 
 
 async def test_a_serving_member_refuses_to_send_its_own_update_if_the_sum_would_overflow():
+    # Without the norm bound (which would scale the update down before it is sent).
     size, hostile = 3, 2
     vectors = random_vectors(size, 64 * 200, seed=5)
     vectors[hostile] = vectors[hostile] * 1e36
-    async with averaging_peers(size) as peers:
+    async with averaging_peers(size, config=_UNBOUNDED) as peers:
         results = _outcomes(await run_round(peers, 1, vectors, [2e5] * size, timeout=15))
         assert isinstance(results[hostile], RoundAborted)
         assert "own update cannot be averaged" in str(results[hostile])
         assert all(isinstance(r, AllReduceResult) for i, r in enumerate(results) if i != hostile)
         await _then_a_clean_round(peers, size)
+
+
+@pytest.mark.parametrize("method", ["mean", "centered_clip"])
+async def test_a_member_sending_a_huge_finite_update_moves_nobody(method):
+    """One member of four declares an honest norm and sends 1e30 (the poisoning of the
+    hostile-peers issue, where every member applied a mean of 2.5e29): each reducer strikes
+    it at its first chunk, the others average without it, exactly."""
+    size, hostile = 4, 3
+    vectors = random_vectors(size, 64 * 200, seed=6)
+    honest_norm = float(vectors[hostile].norm())
+    vectors[hostile] = vectors[hostile] * 1e30
+    norms = [None] * size
+    norms[hostile] = honest_norm
+    config = dataclasses.replace(FAST, aggregator=AggregatorConfig(method=method))
+    liar = {hostile: _UNBOUNDED}
+    async with averaging_peers(size, clients=(hostile,), config=config, configs=liar) as peers:
+        results = _outcomes(
+            await run_round(peers, 1, vectors, [1.0] * size, timeout=15, norms=norms)
+        )
+        ids = [p.peer_id for p in peers]
+        honest = [r for i, r in enumerate(results) if i != hostile]
+        assert all(isinstance(r, AllReduceResult) for r in honest), honest
+        assert_identical(honest)
+        for result in honest:
+            assert all(ids[hostile] not in p.included for p in result.report.parts)
+            if method == "mean":
+                assert_exact(result, dict(zip(ids, vectors)), dict.fromkeys(ids, 1.0))
+            largest = max(float(v.abs().max()) for i, v in enumerate(vectors) if i != hostile)
+            assert float(result.mean.abs().max()) <= largest * 1.01
+        assert sum(p.averager.rejections.counts["too-large"] for p in peers) == size - 1
+
+
+async def test_an_honest_member_far_above_the_group_is_scaled_to_the_bound_not_struck():
+    """A member whose update is 100x the others' (a bug, or a different learning rate)
+    still counts, scaled down to 4x the median declared norm: its influence is bounded,
+    and the round completes for everyone."""
+    size, big = 3, 2
+    vectors = random_vectors(size, 64 * 200, seed=7)
+    vectors[big] = vectors[big] * 100
+    async with averaging_peers(size) as peers:
+        results = _outcomes(await run_round(peers, 1, vectors, [1.0] * size, timeout=15))
+        assert all(isinstance(r, AllReduceResult) for r in results), results
+        assert_identical(results)
+        median = sorted(float(v.norm()) for v in vectors)[1]
+        report = results[big].report
+        assert report.norm_bound == pytest.approx(4 * median, rel=1e-6)
+        assert report.clipped == pytest.approx(4 * median / float(vectors[big].norm()), rel=1e-4)
+        assert all(r.report.clipped == 1.0 for i, r in enumerate(results) if i != big)
+        ids = [p.peer_id for p in peers]
+        scaled = [v * (report.clipped if i == big else 1.0) for i, v in enumerate(vectors)]
+        assert_exact(results[0], dict(zip(ids, scaled)), dict.fromkeys(ids, 1.0))
+        assert not any(p.averager.rejections.counts for p in peers)

@@ -8,6 +8,7 @@ from swarmloco.net.averaging.group import (
     capped,
     check_declaration,
     check_group,
+    norm_bound,
     sign_declaration,
 )
 from swarmloco.net.identity import Identity
@@ -26,6 +27,7 @@ def declare(
     bandwidth: float = 1.0,
     round: int = 3,
     numel: int = NUMEL,
+    norm: float = 0.0,
 ) -> pb.MemberDeclaration:
     return sign_declaration(
         identity,
@@ -37,6 +39,7 @@ def declare(
         numel=numel,
         block_size=64,
         timestamp_ms=1_000_000,
+        norm=norm,
     )
 
 
@@ -64,6 +67,36 @@ def test_declarations_are_signed_and_bound_to_their_round():
         check(declare(me), now_ms=1_000_000 + 700_000, max_age_ms=600_000)
     client = check(declare(me, endpoint="", bandwidth=5.0))
     assert client.bandwidth == 0.0 and not client.serving
+
+
+def test_the_declared_norm_is_signed_and_must_be_a_finite_non_negative_number():
+    me = Identity.generate()
+    assert check(declare(me, norm=2.5)).norm == 2.5
+    tampered = declare(me, norm=2.5)
+    tampered.norm = 1e30
+    with pytest.raises(Rejection, match="signature"):
+        check(tampered)
+    for bad in (float("nan"), float("inf"), -1.0):
+        forged = declare(me)
+        forged.norm = bad  # a liar signs whatever it likes: the value itself is refused
+        with pytest.raises(Rejection) as info:
+            check(forged)
+        assert info.value.code == "bad-norm"
+
+
+def test_the_norm_bound_is_a_multiple_of_the_lower_median_of_declared_norms():
+    assert norm_bound([1.0, 2.0, 3.0], 4.0) == 8.0
+    assert norm_bound([1.0, 2.0, 3.0, 4.0], 4.0) == 8.0  # the lower of the middle two
+    # A liar declaring a huge norm cannot raise the bound; one declaring a tiny norm lowers
+    # it only to the next honest member's (with three or more members).
+    assert norm_bound([1.0, 1.2, 1e30], 4.0) == pytest.approx(4.8)
+    assert norm_bound([1e-30, 1.0, 1.2], 4.0) == 4.0
+    # Two members: the smaller declaration rules (a liar can only shrink the round).
+    assert norm_bound([1.0, 1e30], 4.0) == 4.0
+    # Undeclared (0) norms are left out; nobody declaring, or no multiple: no bound.
+    assert norm_bound([0.0, 2.0, 0.0], 4.0) == 8.0
+    assert norm_bound([0.0, 0.0], 4.0) == float("inf")
+    assert norm_bound([1.0, 2.0], 0.0) == float("inf")
 
 
 def test_capping_strikes_until_no_weight_is_out_of_bounds():

@@ -1,10 +1,14 @@
 """The reducer of one part, without sockets: sums, deadlines, exclusions and refusals."""
 
+import dataclasses
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from swarmloco.core.aggregate import AggregatorConfig
-from swarmloco.core.codec import CodecConfig, chunk_spans, dequantize, quantize
+from swarmloco.core.codec import CodecConfig, ErrorFeedback, chunk_spans, dequantize, quantize
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging.reduction import PartReduction
 from swarmloco.net.rejections import Rejection
@@ -216,3 +220,84 @@ def test_centered_clip_stays_finite_for_the_largest_values_a_reducer_accepts():
         for k, (q, s) in enumerate(chunks_of(x)):
             r.accept(sender, k, q, s, now=0.0)
     assert all(torch.isfinite(t).all() for _, t, _ in finish_all(r))
+
+
+def _bounded(bound: float, **agg) -> PartReduction:
+    return PartReduction(
+        part=0,
+        epoch=0,
+        spans=chunk_spans(NUMEL, CODEC),
+        weights=[1.0, 1.0, 1.0],
+        senders=(0, 1, 2),
+        codec=CODEC,
+        aggregator=AggregatorConfig(**agg),
+        timeout=1.0,
+        now=0.0,
+        norm_bound=bound,
+    )
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean", "centered_clip"])
+def test_a_sender_past_the_groups_norm_bound_is_struck_before_that_chunk_counts(method):
+    r = _bounded(10.0, method=method)
+    at_bound = torch.randn(NUMEL)
+    at_bound *= 10.0 * (1 - 1e-6) / at_bound.norm()
+    for sender in (0, 1):
+        for k, (q, s) in enumerate(chunks_of(at_bound)):
+            r.accept(sender, k, q, s, now=0.0)
+    # Sender 2's first chunk fits (a third of its update); the second takes it past.
+    liar = torch.zeros(NUMEL)
+    liar[:256] = 5.0 / 16  # norm 5 in chunk 0 (256 values)
+    liar[256:512] = 100.0 / 16  # norm 100 in chunk 1
+    chunks = chunks_of(liar)
+    r.accept(2, 0, *chunks[0], now=0.0)
+    with pytest.raises(Rejection) as info:
+        r.accept(2, 1, *chunks[1], now=0.0)
+    assert info.value.code == "too-large" and "bound 10" in info.value.reason
+    assert r.included()[2] == 1
+    r.exclude(2, "struck")
+    done = finish_all(r)
+    assert [c for _, _, c in done] == [[0, 1, 2], [0, 1], [0, 1]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    log_scale=st.floats(-20, 30),
+    scale_dtype=st.sampled_from(["float32", "float16"]),
+    feedback=st.booleans(),
+    spiky=st.booleans(),
+)
+def test_an_honest_update_clipped_to_the_bound_always_passes(
+    seed, log_scale, scale_dtype, feedback, spiky
+):
+    """Whatever the values, the scale type and error feedback: quantization never takes an
+    honest sender's clipped update past what the reducer allows."""
+    codec = dataclasses.replace(CODEC, scale_dtype=scale_dtype)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(NUMEL, generator=g) * 10.0 ** (log_scale / 10)
+    if spiky:
+        x[torch.randint(0, NUMEL, (5,), generator=g)] *= 1000
+    bound = float(x.norm()) / 3  # the sender must scale its update down
+    if feedback:
+        ef = ErrorFeedback(NUMEL, codec)
+        ef.encode(torch.randn(NUMEL, generator=g) * float(x.abs().max()))  # a residual left
+        ef.commit()
+        q, s = ef.encode(x, max_norm=bound)
+    else:
+        q, s = quantize(x * (bound / float(x.norm()) * (1 - 1e-6)), codec)
+    r = PartReduction(
+        part=0,
+        epoch=0,
+        spans=chunk_spans(NUMEL, codec),
+        weights=[1.0],
+        senders=[0],
+        codec=codec,
+        aggregator=AggregatorConfig(),
+        timeout=1.0,
+        now=0.0,
+        norm_bound=bound,
+    )
+    for k, span in enumerate(chunk_spans(NUMEL, codec)):
+        blocks = s[span.first_block : span.first_block + span.blocks]
+        assert r.accept(0, k, q[span.start : span.stop], blocks, now=0.0)

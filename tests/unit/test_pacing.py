@@ -122,3 +122,31 @@ def test_config_validation():
         PacingConfig(tokens_per_round=1, stale_after_s=0)
     with pytest.raises(ValueError, match="round"):
         estimate([], round=-1, now=0.0, config=CONFIG)
+
+
+def test_a_peer_over_reporting_counts_at_most_a_plausible_rate_and_tokens():
+    honest = [report(p, tokens=10_000, rate=1_000.0, at=100.0) for p in ("me", "b", "c")]
+    liar = report("liar", tokens=10**12, rate=1e12, at=100.0)
+    # Trusting every report, the liar makes the round due at once.
+    assert estimate([*honest, liar], round=5, now=100.0, config=CONFIG).verdict is Verdict.DUE
+    # Bounded: its rate counts 10x the median (10,000/s), its tokens twice what that makes
+    # since the round began here (at 90: 2 x 10,000 x 10 s).
+    e = estimate([*honest, liar], round=5, now=100.0, config=CONFIG, trusted="me", since=90.0)
+    assert e.verdict is Verdict.WAIT
+    assert e.tokens_per_s == pytest.approx(3 * 1_000 + 10_000)
+    assert e.tokens_now == pytest.approx(3 * 10_000 + 200_000)
+    # Our own report is never capped (a fast box alone among slow ones paces itself).
+    fast_me = report("me", tokens=900_000, rate=1e6, at=100.0)
+    e = estimate([fast_me, *honest[1:]], round=5, now=100.0, config=CONFIG, trusted="me")
+    assert e.tokens_per_s == pytest.approx(1e6 + 2_000)
+
+
+def test_honest_peers_within_the_cap_count_in_full():
+    reports = [
+        report("me", tokens=50_000, rate=5_000.0, at=100.0),
+        report("gpu", tokens=400_000, rate=40_000.0, at=100.0),  # 8x the median: kept
+        report("laptop", tokens=10_000, rate=1_000.0, at=100.0),
+    ]
+    free = estimate(reports, round=5, now=100.0, config=CONFIG)
+    bounded = estimate(reports, round=5, now=100.0, config=CONFIG, trusted="me", since=85.0)
+    assert (bounded.tokens_now, bounded.tokens_per_s) == (free.tokens_now, free.tokens_per_s)

@@ -1,7 +1,10 @@
 """Robust aggregation of one chunk: coordinate-wise trimmed mean and CenteredClip.
 
-Plain averaging (the default) lets one member move the mean arbitrarily far. In a public run
-a reducer can instead buffer every sender's decoded chunk and combine them robustly:
+In every mode each member's update is first bounded to ``norm_clip`` times the group's
+median declared norm (see ``net/averaging/group.py`` and ``reduction.py``), so no member
+moves the mean further than that, weighted. Within the bound, a plain mean still follows
+one member all the way; a reducer can instead buffer every sender's decoded chunk and
+combine them robustly:
 
 * trimmed mean: per coordinate, drop the ``trim`` largest and ``trim`` smallest values and
   average the rest (unweighted);
@@ -14,6 +17,7 @@ a reducer can instead buffer every sender's decoded chunk and combine them robus
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -36,6 +40,10 @@ class AggregatorConfig:
     """centered_clip: clipping radius (0: the median distance of the senders to the median)."""
     clip_iterations: int = 5
     """centered_clip: fixed-point iterations."""
+    norm_clip: float = 4.0
+    """Every mode: each member's update is bounded to this multiple of the group's median
+    declared update norm (an honest member scales its own down to it; a reducer strikes a
+    sender whose slice exceeds it). 0: no bound."""
 
     def __post_init__(self) -> None:
         require(
@@ -45,6 +53,12 @@ class AggregatorConfig:
         require_int("trim", self.trim, minimum=0)
         require_non_negative("clip_tau", self.clip_tau)
         require_int("clip_iterations", self.clip_iterations, minimum=1)
+        require(
+            isinstance(self.norm_clip, (int, float))
+            and math.isfinite(self.norm_clip)
+            and (self.norm_clip == 0 or self.norm_clip >= 1),
+            f"norm_clip must be 0 (no bound) or a multiple >= 1, got {self.norm_clip!r}",
+        )
 
     @property
     def streaming(self) -> bool:

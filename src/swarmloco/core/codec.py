@@ -366,6 +366,15 @@ def decode(encoded: Encoded, backend: Backend = "auto") -> torch.Tensor:
     return flat[: encoded.numel].reshape(encoded.shape)
 
 
+def l2_norm(x: torch.Tensor) -> float:
+    """The L2 norm of ``x`` as a Python float: in float32 (one fast pass), and again in
+    float64 only if that overflowed (squares of values above ~1.8e19 do)."""
+    norm = float(torch.linalg.vector_norm(x))
+    if math.isfinite(norm):
+        return norm
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64))
+
+
 class ErrorFeedback:
     """The sender-side residual of error feedback (*1-bit Adam*, section 3.1).
 
@@ -380,8 +389,14 @@ class ErrorFeedback:
         self._backup = torch.empty_like(self.residual)
         self._can_rollback = False
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize ``x + residual`` and update the residual in place (no allocation)."""
+    def encode(
+        self, x: torch.Tensor, max_norm: float = math.inf
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``x + residual`` and update the residual in place (no allocation).
+
+        ``max_norm``: if ``x + residual`` is longer, it is scaled down to that L2 norm first
+        (what is cut off is dropped, not carried to the next message).
+        """
         if x.shape != self.residual.shape:
             raise CodecError(
                 f"error feedback was set up for {self.residual.numel()} padded elements, "
@@ -389,6 +404,10 @@ class ErrorFeedback:
             )
         self._backup.copy_(self.residual)
         self.residual.add_(x)
+        if math.isfinite(max_norm):
+            norm = l2_norm(self.residual)
+            if norm > max_norm:
+                self.residual.mul_(max_norm / norm * (1 - 1e-6))
         try:
             q, scale = quantize(self.residual, self.config)
         except CodecError:

@@ -42,10 +42,14 @@ class PacingConfig:
     stale_after_s: float = 60.0
     """Reports older than this count with their tokens but no longer with their rate (the
     peer may have left or stalled)."""
+    rate_cap_multiple: float = 10.0
+    """Another peer's rate counts at most this multiple of the median reported rate, and
+    its tokens at most what that rate makes, twice over, since the round began here."""
 
     def __post_init__(self) -> None:
         require_int("tokens_per_round", self.tokens_per_round, minimum=1)
         require_positive("stale_after_s", self.stale_after_s)
+        require_positive("rate_cap_multiple", self.rate_cap_multiple)
 
 
 class Verdict(enum.Enum):
@@ -76,7 +80,13 @@ class Estimate:
 
 
 def estimate(
-    reports: Iterable[ProgressReport], *, round: int, now: float, config: PacingConfig
+    reports: Iterable[ProgressReport],
+    *,
+    round: int,
+    now: float,
+    config: PacingConfig,
+    trusted: str | None = None,
+    since: float | None = None,
 ) -> Estimate:
     """When round ``round`` is due, from the newest report of each peer.
 
@@ -84,9 +94,13 @@ def estimate(
     later round makes the verdict :attr:`Verdict.BEHIND`. A fresh report counts its tokens
     plus its rate times the time since it was made; a stale one only its tokens.
 
-    The timing trusts what peers report: one peer over-reporting makes the round due
-    early. What that peer can do to the *result* is bounded elsewhere (the leader caps
-    declared weights at a multiple of the group median).
+    Reports other than ``trusted``'s (this peer's own) are bounded: a rate counts at most
+    ``rate_cap_multiple`` times the median rate of all reports, and with ``since`` (when
+    the round began on this peer, unix seconds) the tokens at most twice what that capped
+    rate makes from ``since`` to the report. One peer over-reporting therefore brings a
+    round forward by at most what that many fast honest peers would. What it can do to the
+    *result* is bounded elsewhere (weights capped at a multiple of the group median, updates
+    at a multiple of the median norm).
     """
     require_int("round", round, minimum=0)
     require_non_negative("now", now)
@@ -107,15 +121,22 @@ def estimate(
             f"{len(ahead)} peer(s) already work on round {latest}; fetch the newer state",
         )
     current = [r for r in newest.values() if r.round == round and _sane(r)]
+    rates = sorted(r.tokens_per_s for r in current)
+    cap = config.rate_cap_multiple * rates[(len(rates) - 1) // 2] if rates else 0.0
     tokens_now = 0.0
     rate = 0.0
     for r in current:
+        r_rate, r_tokens = float(r.tokens_per_s), float(r.tokens)
+        if r.peer != trusted and cap > 0:
+            r_rate = min(r_rate, cap)
+            if since is not None:
+                r_tokens = min(r_tokens, 2 * cap * max(0.0, r.at - since))
         age = max(0.0, now - r.at)
         fresh = age <= config.stale_after_s
-        tokens_now += r.tokens
+        tokens_now += r_tokens
         if fresh:
-            tokens_now += r.tokens_per_s * age
-            rate += r.tokens_per_s
+            tokens_now += r_rate * age
+            rate += r_rate
     target = config.tokens_per_round
     if tokens_now >= target:
         return Estimate(

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swarmloco.core.config import require, require_int, require_positive
+from swarmloco.core.config import require, require_int, require_non_negative, require_positive
 from swarmloco.net.node import NodeConfig
 
 if TYPE_CHECKING:
@@ -67,6 +67,10 @@ class PeerConfig:
     never)."""
     progress_interval_s: float = 2.0
     """How often the peer publishes its progress record."""
+    linger_s: float = 60.0
+    """When the run is over (its total steps or tokens reached), how long the peer may stay
+    to serve the final state to peers still working towards a round it applied (it leaves
+    as soon as none is; 0: at once)."""
     name: str = ""
     """How the dashboard names this peer (default: the host name)."""
     bandwidth: BandwidthConfig | None = None
@@ -93,6 +97,7 @@ class PeerConfig:
         require_int("keep_checkpoints", self.keep_checkpoints, minimum=1)
         require_int("eval_every", self.eval_every, minimum=0)
         require_positive("progress_interval_s", self.progress_interval_s)
+        require_non_negative("linger_s", self.linger_s)
         require(len(self.name) <= 64, f"a peer name has at most 64 characters, got {self.name!r}")
         require(
             self.dashboard_port is None or 0 <= self.dashboard_port < 65536,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from swarmloco.core.adoption import Evidence
-from swarmloco.core.codec import ErrorFeedback
+from swarmloco.core.codec import ErrorFeedback, l2_norm
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.pacing import ProgressReport
 from swarmloco.core.state import StateSchema, StateSnapshot
@@ -234,6 +234,7 @@ class SwarmNetwork:
             block_size=self.averager.config.codec.block_size,
             deadline=deadline,
             expected=expected,
+            norm=l2_norm(delta),
         )
         if group.size == 1 and (expected or 1) > 1:
             # Others work on this round but none came: they are a round ahead (or behind)

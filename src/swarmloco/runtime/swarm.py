@@ -182,6 +182,7 @@ class Swarm:
         self.steps = 0
         self.steps_since_round = 0
         self.tokens_since_round = 0
+        self._counting_since = time.time()  # when the counts above began
         self.rounds_applied = 0
         self.rounds_aborted = 0
         self.downloads = 0
@@ -191,6 +192,7 @@ class Swarm:
         self.evidence = Evidence()
         self._global_step = 0
         self._stop = threading.Event()
+        self._run_over = False  # the run reached its end here (not just this peer stopping)
         self._stop_reason = ""
         self._stack: contextlib.ExitStack | None = None
         self._inflight: _Exchange | None = None
@@ -610,6 +612,8 @@ class Swarm:
             if self._dirty and self._consistent:
                 self._checkpoint(wait=True)
             self._collect_checkpoint(wait=True)
+            if self._run_over and not interrupted:
+                self._linger()
         finally:
             wall = time.monotonic() - self._train_started if self._train_started else 0.0
             stack.close()
@@ -686,10 +690,35 @@ class Swarm:
             self.stop(f"round {self.round} reached (max rounds {cfg.max_rounds})")
         elif spec.total_steps is not None and self.round * self.h >= spec.total_steps:
             # By rounds, not this peer's own steps: every peer stops after the same round.
+            self._run_over = True
             self.stop(f"the run is over: round {self.round} reached {spec.total_steps} steps")
         elif spec.total_tokens is not None and self.diloco.tokens >= spec.total_tokens:
+            self._run_over = True
             self.stop(f"the run is over: {self.diloco.tokens} of {spec.total_tokens} tokens")
         return self._stop.is_set()
+
+    def _linger(self) -> None:
+        """The run is over: stay a donor while other peers still work towards a round this
+        one applied (a group of them may be short of members now, and can only finish by
+        downloading the final state), for at most ``linger_s``."""
+        if self.network is None or self.config.linger_s <= 0:
+            return
+        deadline = time.monotonic() + self.config.linger_s
+        told = False
+        while time.monotonic() < deadline:
+            behind = {r.peer for r in self._fresh_reports(time.time()) if r.round <= self.round}
+            if not behind:
+                return
+            if not told:
+                told = True
+                logger.info(
+                    "the run is over; serving its final state to %d peer(s) still finishing "
+                    "(at most %.0f s)",
+                    len(behind),
+                    self.config.linger_s,
+                )
+                self._emit("lingering", round=self.round, peers=len(behind))
+            time.sleep(min(1.0, self.config.progress_interval_s / 2))  # reports come in
 
     def discard_local(self, why: str) -> None:
         """NaN or Inf in training: nothing of it may reach the swarm. Drop the local steps
@@ -718,6 +747,7 @@ class Swarm:
         self.diloco.take_global(self.params)
         self.steps_since_round = 0
         self.tokens_since_round = 0
+        self._counting_since = time.time()
 
     # -- pacing -------------------------------------------------------------------------------
 
@@ -778,7 +808,14 @@ class Swarm:
             return Verdict.DUE
         tokens_per_step = max(1, self.tokens_since_round // max(1, self.steps_since_round))
         config = PacingConfig(tokens_per_round=max(1, round(working * h * tokens_per_step)))
-        verdict = estimate([mine, *reports], round=target, now=now, config=config).verdict
+        verdict = estimate(
+            [mine, *reports],
+            round=target,
+            now=now,
+            config=config,
+            trusted=self.peer_id,
+            since=self._counting_since,
+        ).verdict
         if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
             return Verdict.DUE if self.steps_since_round >= h else Verdict.WAIT
         return verdict
@@ -886,6 +923,7 @@ class Swarm:
         # What trains from now on counts towards the next round.
         self.steps_since_round = 0
         self.tokens_since_round = 0
+        self._counting_since = time.time()
 
     def _land(self) -> None:
         """Wait for the exchange in flight; apply its outer step, or count it as aborted."""
@@ -963,6 +1001,8 @@ class Swarm:
                 "seconds": round(seconds, 3),
                 "matchmaking_seconds": round(matchmaking, 3),
                 "excluded": sorted(report.excluded),
+                "rejections": dict(report.rejections),
+                "clipped": report.clipped,
             }
         )
         logger.info(

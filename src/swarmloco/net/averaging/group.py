@@ -2,13 +2,15 @@
 group from them and how every member checks the group it is handed.
 
 All pure: no sockets, no clock of its own (times are arguments). A member declares what it
-brings to round r (key, endpoint, weight, bandwidth, vector size) and signs it; the leader
-strikes declarations whose weight is out of bounds (:func:`weight_violations`, repeated
-until none is left, since striking a large weight lowers the median), orders the rest,
-cuts the vector into parts proportional to the declared bandwidths (:func:`part_blocks`;
-client-mode members get none) and names the group by hashing all of it with a nonce.
-Because the declarations travel signed and unchanged, every member re-checks everything
-the leader did (:func:`check_group`) instead of trusting it.
+brings to round r (key, endpoint, weight, bandwidth, vector size, its update's norm) and
+signs it; the leader strikes declarations whose weight is out of bounds
+(:func:`weight_violations`, repeated until none is left, since striking a large weight
+lowers the median), orders the rest, cuts the vector into parts proportional to the
+declared bandwidths (:func:`part_blocks`; client-mode members get none) and names the
+group by hashing all of it with a nonce. Because the declarations travel signed and
+unchanged, every member re-checks everything the leader did (:func:`check_group`) instead
+of trusting it, and derives the same bound on every update from the declared norms
+(:meth:`Group.norm_bound`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Member:
     """HOST:PORT it serves on; empty in client mode."""
     weight: float
     bandwidth: float
+    norm: float = 0.0
+    """The L2 norm it declared for its update (0: not declared)."""
 
     @property
     def serving(self) -> bool:
@@ -87,6 +91,22 @@ class Group:
     def weights(self) -> list[float]:
         return [m.weight for m in self.members]
 
+    def norm_bound(self, multiple: float) -> float:
+        """The largest L2 norm an update may have in this group: ``multiple`` times the
+        lower median of the norms its members declared (undeclared ones aside). A member
+        declaring a huge norm cannot raise it unless most members do; one declaring a tiny
+        norm can at most lower it to the next honest one's (in groups of three or more).
+        ``inf`` when ``multiple`` is 0 or nobody declared a norm."""
+        return norm_bound([m.norm for m in self.members], multiple)
+
+
+def norm_bound(norms: Sequence[float], multiple: float) -> float:
+    """``multiple`` x the lower median of the positive ``norms`` (``inf``: no bound)."""
+    declared = sorted(n for n in norms if n > 0)
+    if multiple <= 0 or not declared:
+        return math.inf
+    return multiple * declared[(len(declared) - 1) // 2]
+
 
 # -- declarations ----------------------------------------------------------------------------
 
@@ -103,6 +123,7 @@ def _declaration_payload(d: pb.MemberDeclaration) -> bytes:
             d.numel,
             d.block_size,
             d.timestamp_ms,
+            float(d.norm),
         ],
         use_bin_type=True,
     )
@@ -119,8 +140,10 @@ def sign_declaration(
     numel: int,
     block_size: int,
     timestamp_ms: int,
+    norm: float = 0.0,
 ) -> pb.MemberDeclaration:
-    """This peer's signed declaration for ``round``."""
+    """This peer's signed declaration for ``round`` (``norm``: of its update; 0: not
+    declared)."""
     declaration = pb.MemberDeclaration(
         public_key=identity.public_key,
         endpoint=endpoint,
@@ -131,6 +154,7 @@ def sign_declaration(
         numel=numel,
         block_size=block_size,
         timestamp_ms=timestamp_ms,
+        norm=float(norm),
     )
     declaration.signature = identity.sign(DECLARATION_DOMAIN, _declaration_payload(declaration))
     return declaration
@@ -165,6 +189,8 @@ def check_declaration(
         )
     if not math.isfinite(d.weight) or not math.isfinite(d.bandwidth) or d.bandwidth < 0:
         raise Rejection("bad-weight", "declared weight or bandwidth is not a finite number")
+    if not math.isfinite(d.norm) or d.norm < 0:
+        raise Rejection("bad-norm", f"declared update norm {d.norm} is not a finite number >= 0")
     if d.bandwidth > 0 and not d.endpoint:
         raise Rejection("bad-declaration", "a client-mode member cannot declare bandwidth")
     if now_ms is not None and max_age_ms and abs(now_ms - d.timestamp_ms) > max_age_ms:
@@ -177,6 +203,7 @@ def check_declaration(
         endpoint=d.endpoint,
         weight=float(d.weight),
         bandwidth=float(d.bandwidth),
+        norm=float(d.norm),
     )
 
 

@@ -164,6 +164,7 @@ class Matchmaker:
         block_size: int,
         deadline: Deadline,
         expected: int | None = None,
+        norm: float = 0.0,
     ) -> Group:
         """The group this peer averages ``round`` with.
 
@@ -173,12 +174,16 @@ class Matchmaker:
         leads, it closes the group as soon as that many joined instead of waiting out the
         gathering window (None: wait it out, or until ``max_group_size``). Raises
         RoundAborted when no group forms by ``deadline``, RejectedInput when the leader
-        refused this peer (e.g. its weight is above the cap).
+        refused this peer (e.g. its weight is above the cap). ``norm``: the L2 norm of the
+        update this peer brings (0: not declared); the group bounds every update by a
+        multiple of the median declared norm.
         """
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be a finite positive number, got {weight!r}")
         if expected is not None and (not isinstance(expected, int) or expected < 1):
             raise ValueError(f"expected must be a positive number of peers, got {expected!r}")
+        if not (isinstance(norm, (int, float)) and math.isfinite(norm) and norm >= 0):
+            raise ValueError(f"norm must be a finite number >= 0, got {norm!r}")
         cfg = self.config
         endpoint = self.dht.endpoint
         me = sign_declaration(
@@ -191,6 +196,7 @@ class Matchmaker:
             numel=numel,
             block_size=block_size,
             timestamp_ms=int(self.clock() * 1000),
+            norm=norm,
         )
         announced_at = self.clock()
         key = round_key(self.swarm_id, round)

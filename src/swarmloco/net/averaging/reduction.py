@@ -21,6 +21,14 @@ includes, and since every sender delivers in order, the senders a chunk includes
 whose *included prefix* is longer than the chunk index: :meth:`included` is the whole
 account of who counted where.
 
+No member moves the mean further than the group allows: with a finite ``norm_bound`` (see
+:meth:`~swarmloco.net.averaging.group.Group.norm_bound`), a sender's slice of the part,
+decoded, must stay within the bound plus the codec's rounding (``||decode|| <= bound *
+(1 + 1e-3) + sqrt(sum over blocks of block_size * scale^2)``, which an honest sender's
+clipped update always meets); a chunk that would take it past is struck as ``too-large``
+before it touches the sum. Each reducer sees one part, so a liar's whole update is at most
+``sqrt(parts)`` times the bound.
+
 No sum can overflow: a chunk is accepted only if its weighted values are at most
 ``FLOAT32_MAX / senders`` in magnitude, so the sum of every sender's is still finite. A
 mean that is not finite anyway (a robust aggregator's arithmetic) raises
@@ -73,6 +81,7 @@ class PartReduction:
         timeout: float,
         now: float,
         buffer: torch.Tensor | None = None,
+        norm_bound: float = math.inf,
     ) -> None:
         self.part = part
         self.epoch = epoch
@@ -96,6 +105,10 @@ class PartReduction:
         # What one sender's weighted chunk may hold at most, in magnitude, so that the sum
         # of every sender's stays a finite float32.
         self._limit = FLOAT32_MAX / max(1, len(self.next_index))
+        self.norm_bound = norm_bound
+        # Per sender: the squared norm of its decoded slice so far, and its rounding allowance.
+        self._norm_sq: dict[int, float] = dict.fromkeys(self.next_index, 0.0)
+        self._slack_sq: dict[int, float] = dict.fromkeys(self.next_index, 0.0)
         self.left: dict[int, str] = {}
         """Senders excluded or struck, with the reason."""
         self._last_progress: dict[int, float] = dict.fromkeys(self.next_index, now)
@@ -148,6 +161,8 @@ class PartReduction:
                     f"chunk {index} of part {self.part} holds values up to {largest:.3g} "
                     "(weighted): the sum would overflow",
                 )
+        if math.isfinite(self.norm_bound) and scales.numel():
+            self._check_norm(sender, index, payload, scales)
         try:
             if self._acc is not None:
                 acc = self._acc[span.start : span.stop]
@@ -168,6 +183,28 @@ class PartReduction:
         if remote:
             self._first_remote.setdefault(index, now)
         return True
+
+    def _check_norm(
+        self, sender: int, index: int, payload: torch.Tensor, scales: torch.Tensor
+    ) -> None:
+        block = self.codec.block_size
+        if payload.numel() != scales.numel() * block or not bool(torch.isfinite(scales).all()):
+            return  # the decoder refuses it below, with the precise reason
+        # Per block sqrt(sum q^2) in float32 (exact enough: at most 128 * sqrt(block)).
+        per_block = torch.linalg.vector_norm(payload.view(-1, block).to(torch.float32), dim=1)
+        s2 = scales.double().square()
+        norm_sq = self._norm_sq[sender] + float(torch.dot(per_block.double().square(), s2))
+        slack_sq = self._slack_sq[sender] + block * float(s2.sum())
+        allowed = self.norm_bound * (1 + 1e-3) + math.sqrt(slack_sq)
+        if math.sqrt(norm_sq) > allowed:
+            raise Rejection(
+                "too-large",
+                f"chunk {index} of part {self.part} takes the sender's update to norm "
+                f"{math.sqrt(norm_sq):.3g} in this part alone, above the group's bound "
+                f"{self.norm_bound:.3g}",
+            )
+        self._norm_sq[sender] = norm_sq
+        self._slack_sq[sender] = slack_sq
 
     def exclude(self, sender: int, reason: str) -> None:
         """Leave ``sender`` out of every chunk it has not delivered yet."""

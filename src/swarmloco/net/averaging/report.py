@@ -53,6 +53,10 @@ class AllReduceReport:
     agreed: int
     """Serving members whose verdict matched our digest."""
     digest: str
+    norm_bound: float = float("inf")
+    """The group's bound on every update's L2 norm (inf: none)."""
+    clipped: float = 1.0
+    """The factor our own update was scaled by to fit the bound (1.0: it fitted)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
 
-from swarmloco.core.codec import ErrorFeedback, dequantize_into_, quantize
+from swarmloco.core.codec import ErrorFeedback, dequantize_into_, l2_norm, quantize
 from swarmloco.errors import RoundAborted, SwarmlocoError
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import Phase
@@ -66,6 +67,8 @@ class RoundRun:
         self.servers = [i for i, m in enumerate(group.members) if m.serving]
         self.result = result
         self.error_feedback = error_feedback
+        self.norm_bound = group.norm_bound(self.cfg.aggregator.norm_clip)
+        self.clipped = 1.0
         self.buffers: list[torch.Tensor] = []
         self.q = torch.empty(0, dtype=torch.int8)
         self.scales = torch.empty(0)
@@ -137,11 +140,33 @@ class RoundRun:
             ) from exc
         return AllReduceResult(self.result, self._report())
 
+    def _bounded(self, vector: torch.Tensor) -> torch.Tensor:
+        """``vector``, scaled down to the group's norm bound if it exceeds it (a copy; the
+        caller's vector stays as it is)."""
+        if not math.isfinite(self.norm_bound):
+            return vector
+        norm = l2_norm(vector)
+        if norm <= self.norm_bound:
+            return vector
+        # A hair below the bound, so that float rounding cannot take it past.
+        self.clipped = self.norm_bound / norm * (1 - 1e-6)
+        clipped = self._take(vector.numel(), torch.float32)
+        torch.mul(vector, self.clipped, out=clipped)
+        logger.info(
+            "round %d: our update's norm %.3g is above the group's bound %.3g: scaled by %.3g",
+            self.group.round,
+            norm,
+            self.norm_bound,
+            self.clipped,
+        )
+        return clipped
+
     async def _exchange(self) -> None:
         t0 = self.a.clock()
         if self.error_feedback is not None:
-            self.q, self.scales = self.error_feedback.encode(self.vector)
+            self.q, self.scales = self.error_feedback.encode(self.vector, max_norm=self.norm_bound)
         else:
+            self.vector = self._bounded(self.vector)
             codec = self.cfg.codec
             self.q = self._take(self.group.numel, torch.int8)
             self.scales = self._take(self.group.numel // codec.block_size, codec.scale_torch_dtype)
@@ -314,6 +339,7 @@ class RoundRun:
             aggregator=self.cfg.aggregator,
             timeout=self.cfg.sender_timeout_s,
             now=self.a.clock(),
+            norm_bound=self.norm_bound,
             buffer=self._take(self.group.parts[part][1] * self.group.block_size, torch.float32)
             if self.cfg.aggregator.streaming
             else None,
@@ -629,6 +655,8 @@ class RoundRun:
             timings=dict(self.timings),
             agreed=sum(1 for v in self.verdicts.values() if v.agreed and v.digest == self.my_done),
             digest=(self.my_done or b"").hex(),
+            norm_bound=self.norm_bound,
+            clipped=self.clipped,
         )
 
     # -- transport helpers -------------------------------------------------------------
