@@ -237,7 +237,8 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="MBIT",
         help="cap this peer's upload and download at MBIT megabits/s (averaging and state "
-        "transfer together; default: no cap)",
+        "transfer together; default: no cap); the peer then reduces a part of each round "
+        "sized to that rate",
     )
     g.add_argument(
         "--dashboard-port",

@@ -199,6 +199,56 @@ async def test_joining_through_addresses_that_do_not_answer_fails_clearly_and_so
     assert elapsed < 5
 
 
+async def test_one_answering_address_is_enough_and_dead_ones_do_not_hold_the_join():
+    async with loopback_network(2) as nodes:
+        dead = f"127.0.0.1:{closed_port()}"
+        config = NodeConfig(
+            server=None, peers=(dead, nodes[1].endpoint), dht=DhtConfig(join_timeout_s=60)
+        )
+        # Waiting out the dead address would take the whole 60 s join timeout.
+        async with asyncio.timeout(15), NetNode(identity=Identity.generate(), config=config) as n:
+            assert {c.endpoint for c in n.dht.routing} >= {nodes[1].endpoint}
+
+
+async def test_remembered_peers_that_all_fail_leave_the_node_alone_not_failed(caplog):
+    gone = (f"127.0.0.1:{closed_port()}", f"127.0.0.1:{closed_port()}")
+    quick = DhtConfig(join_timeout_s=0.5)
+    alone = NodeConfig(remembered=gone, dht=quick)
+    async with NetNode(identity=Identity.generate(), config=alone) as node:
+        assert len(node.dht.routing) == 0
+    assert "none of the 2 peer(s) remembered from the last run answered" in caplog.text
+    # An address the operator gave still has to answer.
+    given = NodeConfig(peers=gone[:1], remembered=gone[1:], dht=quick)
+    with pytest.raises(NetworkError, match="cannot join the network"):
+        async with NetNode(identity=Identity.generate(), config=given):
+            pass
+
+
+@pytest.mark.parametrize("ahead", [20.0, 900.0])
+async def test_a_clock_far_off_the_swarms_is_refused_at_join_and_a_small_skew_is_warned(
+    ahead, caplog
+):
+    """The entry peer's clock runs ``ahead`` seconds ahead of ours (ours is behind)."""
+
+    def skewed(transport):
+        return DHTNode(
+            identity=Identity.generate(), transport=transport, clock=lambda: time.time() + ahead
+        )
+
+    async with serving(skewed) as entry:
+        config = NodeConfig(server=None, peers=(entry.endpoint,))
+        if ahead > DhtConfig().max_clock_skew_s:
+            with pytest.raises(NetworkError) as info:
+                async with NetNode(identity=Identity.generate(), config=config):
+                    pass
+            message = str(info.value)
+            assert "clock is 900 s behind" in message and "NTP" in message
+        else:
+            async with NetNode(identity=Identity.generate(), config=config) as node:
+                assert node.dht.clock_skew_s == pytest.approx(ahead, abs=1.0)
+            assert "clock is 20 s behind the clock of the 1 peer(s)" in caplog.text
+
+
 class RogueNode(DHTNode):
     """A peer that serves a manifest of another run under the key of the asked one."""
 

@@ -9,7 +9,10 @@ network are injected where a test needs a fault plan.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
 import math
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -23,14 +26,16 @@ from torch import nn
 
 import swarmloco
 from swarmloco.core.adoption import Evidence
+from swarmloco.core.grouping import part_blocks
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.state import StateSchema
 from swarmloco.errors import ModelMismatch
-from swarmloco.net.averaging import Fault, FaultPlan, MatchmakingConfig
+from swarmloco.net.averaging import BandwidthConfig, Fault, FaultPlan, MatchmakingConfig
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NodeConfig
+from swarmloco.runtime.checkpoint import CheckpointStore
 from swarmloco.runtime.config import PeerConfig
-from swarmloco.runtime.network import SwarmNetwork, averaging_config
+from swarmloco.runtime.network import SwarmNetwork, averaging_config, matchmaking_config
 from swarmloco.runtime.swarm import Swarm, manifest_signature, manifest_spec
 
 pytestmark = pytest.mark.timeout(180)
@@ -273,6 +278,8 @@ def test_peers_average_with_their_token_weights_and_a_late_one_catches_up(tmp_pa
     fetched = c.events.of("downloaded")
     assert fetched and fetched[0]["round"] >= 4, c.events
     assert fetched[0]["global_step"] == fetched[0]["round"] * h
+    # ... and checkpointed it at once (a crash now would not lose the download).
+    assert fetched[0]["round"] in [e["round"] for e in c.events.of("checkpoint")]
     assert max(e["group"] for e in c.events.of("round")) == 3
     # Each averaged with the weight of the tokens it trained on since its last round.
     assert all(e["weight"] % 100 == 0 for e in a.events.of("round"))
@@ -339,3 +346,117 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
         assert p.events.of("stopped")[0]["reason"].startswith("the run is over")
         assert any(e["excluded"] for e in p.events.of("round"))  # the hostile one, struck
     assert a.swarm.snapshots.current.digest == b.swarm.snapshots.current.digest
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (root only): a disk that can really fill up."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return filler
+
+
+def test_a_full_disk_fails_a_checkpoint_training_goes_on_and_the_next_one_succeeds(small_disk):
+    peer = _peer(small_disk, "a", SPEC, pause=0.0, checkpoint_retry_s=0.2)
+    swarm, model, opt, events = peer.swarm, peer.model, peer.opt, peer.events
+    filler: Path | None = None
+    failed_at: int | None = None
+    with swarm:
+        for x, y in batches(3):
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if filler is None and events.of("checkpoint"):
+                filler = _fill(small_disk)  # the disk is full from now on
+            elif filler is not None and failed_at is None and events.of("checkpoint-failed"):
+                failed_at = swarm.round
+                assert swarm.last_error.startswith("checkpoint failed: no space")
+            elif failed_at is not None and filler.exists() and swarm.round >= failed_at + 2:
+                filler.unlink()  # space is back, two rounds later
+            elif (
+                failed_at is not None
+                and not filler.exists()
+                and events.of("checkpoint")[-1]["round"] > failed_at
+            ):
+                break  # a checkpoint after the failure is on disk
+    assert failed_at is not None
+    failures = events.of("checkpoint-failed")
+    assert failures and "no space" in failures[0]["error"]
+    # Training went on while the disk was full: rounds were applied past the failure.
+    rounds = [e["round"] for e in events.of("round")]
+    assert rounds == list(range(1, rounds[-1] + 1)) and rounds[-1] >= failed_at + 2
+    # The last checkpoint is complete and at the round it was taken, and the error cleared.
+    assert swarm.last_error == ""
+    with CheckpointStore(
+        small_disk / "a" / "swarms" / swarm.swarm_id / "checkpoints",
+        swarm_id=swarm.swarm_id,
+        readonly=True,
+    ) as store:
+        latest = store.latest()
+        assert latest is not None and latest.round > failed_at
+
+
+def test_a_restarted_peer_whose_bootstrap_is_dead_rejoins_through_the_peers_it_knew(tmp_path):
+    a = _peer(tmp_path, "a", SPEC)
+    watch = Watch(a.events, round=2)
+    a.swarm.on_event = watch
+    first = Background(a.job)
+    assert watch.ready.wait(60)
+    c = _peer(tmp_path, "c", a.swarm.swarm_id, a.swarm.endpoint)
+    c_up = Watch(c.events, round=1)
+    c.swarm.on_event = c_up
+    third = Background(c.job)
+    assert c_up.ready.wait(60)
+    # b knows the swarm only through c.
+    b = _peer(tmp_path, "b", a.swarm.swarm_id, c.swarm.endpoint, max_rounds=3)
+    run_peers(b.job)
+    remembered = json.loads(
+        (tmp_path / "b" / "swarms" / a.swarm.swarm_id / "peers.json").read_text()
+    )["peers"]
+    assert a.swarm.endpoint in remembered and b.swarm.endpoint not in remembered
+    dead = c.swarm.endpoint
+    c.swarm.stop("the test stops b's bootstrap")
+    third.join()
+    # b again, on its data directory, given only its dead bootstrap: it joins through a.
+    again = _peer(
+        tmp_path, "b", a.swarm.swarm_id, dead, max_rounds=a.swarm.round + 3,
+        matchmaking=MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
+    )  # fmt: skip
+    run_peers(again.job)
+    a.swarm.stop("the test is over")
+    first.join()
+    assert again.events.of("ready")
+    assert any(e["group"] == 2 for e in again.events.of("round")), again.events
+
+
+def test_a_peers_bandwidth_cap_is_what_it_declares_to_matchmaking(tmp_path):
+    free = config(tmp_path, "a")
+    assert matchmaking_config(free) == free.matchmaking
+    capped = config(tmp_path, "b", bandwidth=BandwidthConfig.mbit(8, 4))
+    declared = matchmaking_config(capped).bandwidth
+    assert declared == BandwidthConfig.mbit(4).upload_bytes_per_s  # the slower direction
+    # Parts are cut by the declared bandwidths: next to an uncapped peer (the 100 Mbit/s
+    # default), the capped one reduces 1/26 of the vector.
+    parts = part_blocks(2600, [free.matchmaking.bandwidth, declared])
+    assert [blocks for _, blocks in parts] == [2500, 100]

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from swarmloco.core.config import require
+from swarmloco.errors import NetworkError
 from swarmloco.net.client import ClientConfig, RpcClient
 from swarmloco.net.dht.contact import Contact
 from swarmloco.net.dht.node import DhtConfig, DHTNode
@@ -39,11 +40,15 @@ class NodeConfig:
     the address the first peer that answers sees us at."""
     peers: tuple[str, ...] = ()
     """HOST:PORT of peers to join through (none: start a new network)."""
+    remembered: tuple[str, ...] = ()
+    """HOST:PORT of peers known from an earlier run, tried together with ``peers``: any one
+    answering is enough. If only these were given and none answers, the node starts alone
+    (with a warning) instead of failing."""
     client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
     dht: DhtConfig = dataclasses.field(default_factory=DhtConfig)
 
     def __post_init__(self) -> None:
-        for peer in self.peers:
+        for peer in (*self.peers, *self.remembered):
             parse_endpoint(peer)
         require(
             self.server is not None or bool(self.peers),
@@ -96,7 +101,7 @@ class NetNode:
                 host = self.config.announce_host or self.server.config.host
                 if not is_unspecified(host):
                     self.dht.set_endpoint(self.server.endpoint(host))
-                elif self.config.peers:
+                elif self.config.peers or self.config.remembered:
                     announce_port = self.server.port  # learn our host from the peers
                 else:
                     # Nobody to ask how we are seen: announce our address on the default
@@ -109,8 +114,21 @@ class NetNode:
                     )
                     self.dht.set_endpoint(self.server.endpoint(guessed))
             await stack.enter_async_context(self.dht)
-            if self.config.peers:
-                await self.dht.join(self.config.peers, announce_port=announce_port)
+            entry = tuple(dict.fromkeys((*self.config.peers, *self.config.remembered)))
+            if entry:
+                try:
+                    await self.dht.join(entry, announce_port=announce_port)
+                except NetworkError as exc:
+                    if self.config.peers:
+                        raise
+                    logger.warning(
+                        "none of the %d peer(s) remembered from the last run answered; "
+                        "starting alone (%s)",
+                        len(entry),
+                        exc,
+                    )
+                    if announce_port is not None and self.server is not None:
+                        self.dht.set_endpoint(self.server.endpoint(guess_host()))
             self._stack = stack.pop_all()
         return self
 

@@ -62,6 +62,8 @@ class PeerConfig:
     """Rounds between checkpoints (0: only when the peer stops)."""
     keep_checkpoints: int = 3
     """Checkpoints kept on disk, newest first."""
+    checkpoint_retry_s: float = 30.0
+    """After a checkpoint write failed (a full disk), how long until the next try."""
     eval_every: int = 1
     """Evaluate the global model every this many rounds, when there is an evaluator (0:
     never)."""
@@ -98,6 +100,7 @@ class PeerConfig:
         require_int("eval_every", self.eval_every, minimum=0)
         require_positive("progress_interval_s", self.progress_interval_s)
         require_non_negative("linger_s", self.linger_s)
+        require_positive("checkpoint_retry_s", self.checkpoint_retry_s)
         require(len(self.name) <= 64, f"a peer name has at most 64 characters, got {self.name!r}")
         require(
             self.dashboard_port is None or 0 <= self.dashboard_port < 65536,

@@ -36,6 +36,7 @@ from swarmloco.net.averaging import (
     BandwidthLimiter,
     FaultPlan,
     Matchmaker,
+    MatchmakingConfig,
     averaging_service,
 )
 from swarmloco.net.deadline import Deadline
@@ -84,7 +85,7 @@ class SwarmNetwork:
             dht=self.node.dht,
             client=self.node.client,
             swarm_id=self.swarm_id,
-            config=config.matchmaking,
+            config=matchmaking_config(config),
             faults=faults,
         )
         limiter = BandwidthLimiter(config.bandwidth) if config.bandwidth is not None else None
@@ -211,6 +212,12 @@ class SwarmNetwork:
         except OSError as exc:  # the port is taken: train on without the page
             logger.warning("cannot serve the dashboard on port %d: %s", port, exc)
 
+    async def known_peers(self, limit: int) -> list[str]:
+        """Endpoints of up to ``limit`` peers in this node's routing table (on the loop)."""
+        own = self.node.dht.endpoint
+        known = [c.endpoint for c in self.node.dht.routing if c.endpoint and c.endpoint != own]
+        return known[:limit]
+
     # -- one round -------------------------------------------------------------------------
 
     async def average(
@@ -260,6 +267,20 @@ class RoundOutcome:
     group_tokens: float
     """The group's declared weights summed: the tokens the round averaged (the same on
     every member)."""
+
+
+def matchmaking_config(config: PeerConfig) -> MatchmakingConfig:
+    """The peer's matchmaking, declaring no more reduction bandwidth than its cap allows
+    (the slower of its upload and download limits): the part a member reduces is
+    proportional to what it declares, so a capped peer is given a smaller one."""
+    mm = config.matchmaking
+    cap = config.bandwidth
+    if cap is None:
+        return mm
+    limits = [r for r in (cap.upload_bytes_per_s, cap.download_bytes_per_s) if r > 0]
+    if not limits or min(limits) >= mm.bandwidth:
+        return mm
+    return dataclasses.replace(mm, bandwidth=min(limits))
 
 
 def averaging_config(config: PeerConfig, manifest_codec: Any, aggregator: Any) -> AveragingConfig:

@@ -37,8 +37,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
 import math
+import os
 import signal
 import socket
 import threading
@@ -61,7 +63,14 @@ from swarmloco.core.signature import (
     parameters_in_order,
     params_of,
 )
-from swarmloco.errors import ModelMismatch, RoundAborted, Stopped, SwarmlocoError
+from swarmloco.errors import (
+    CheckpointError,
+    ModelMismatch,
+    RoundAborted,
+    Stopped,
+    SwarmlocoError,
+)
+from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.state import DownloadedState
 from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore
@@ -78,6 +87,17 @@ Evaluator = Callable[[], float]
 
 _FRESH_REPORTS = 5  # a report older than this many publishing intervals: the peer left
 _FRESH_MIN_S = 10.0
+_REMEMBER = 32  # peers kept in peers.json for the next start
+
+
+def _is_endpoint(text: str) -> bool:
+    try:
+        parse_endpoint(text)
+    except ValueError:
+        return False
+    return True
+
+
 _MAX_WAIT_ROUNDS = 4
 _CATCH_UP_RETRY_S = 2.0
 _UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs is ignored
@@ -182,7 +202,10 @@ class Swarm:
         self.steps = 0
         self.steps_since_round = 0
         self.tokens_since_round = 0
-        self._counting_since = time.time()  # when the counts above began
+        # When the counts above began, if this peer started the round with the swarm (its
+        # own exchange started it); None after a start or a download: others may have been
+        # counting for long already, and pacing must not cap their tokens by our time.
+        self._counting_since: float | None = None
         self.rounds_applied = 0
         self.rounds_aborted = 0
         self.downloads = 0
@@ -202,6 +225,7 @@ class Swarm:
         self._expected: int | None = None  # peers known to work on the next round
         self._last_group: tuple[int, int] | None = None  # (round, size) of our last group
         self._next_catch_up = 0.0
+        self._checkpoint_due: float | None = None  # a checkpoint owed (retry, or pending)
         self._nan_in_a_row = 0
         self._train_started = 0.0
         self._step_ended = 0.0
@@ -416,7 +440,7 @@ class Swarm:
 
             async def fetch() -> SwarmManifest:
                 # Fetching leaves nothing behind: a throwaway identity, no key file.
-                config = NodeConfig(server=None, peers=peers)
+                config = NodeConfig(server=None, peers=peers, remembered=self._remembered())
                 async with NetNode(identity=Identity.generate(), config=config) as node:
                     return await fetch_manifest(node.dht, swarm_id)
 
@@ -435,13 +459,45 @@ class Swarm:
         logger.warning("using the copy of swarm %s's manifest in %s", swarm_id[:12], local)
         return SwarmManifest.from_bytes(local.read_bytes(), expected_id=swarm_id)
 
+    @property
+    def _peers_file(self) -> Path:
+        return self.config.data_dir / "swarms" / self.swarm_id / "peers.json"
+
+    def _remembered(self) -> tuple[str, ...]:
+        """The peers this one knew when it last ran (``peers.json`` in its data directory):
+        a restart joins through them too, so a dead bootstrap address does not matter."""
+        try:
+            known = json.loads(self._peers_file.read_text())["peers"]
+            return tuple(p for p in known if isinstance(p, str) and _is_endpoint(p))[:_REMEMBER]
+        except (OSError, ValueError, KeyError, TypeError):
+            return ()
+
+    def _remember_peers(self) -> None:
+        """Write the peers this one knows now to ``peers.json`` (best effort)."""
+        if self.network is None:
+            return
+        try:
+            peers = self.loop.run(self.network.known_peers(_REMEMBER), timeout=5.0)
+            if not peers:
+                return
+            tmp = self._peers_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"peers": peers, "at": time.time()}))
+            os.replace(tmp, self._peers_file)
+        except (OSError, TimeoutError, SwarmlocoError) as exc:
+            logger.debug("could not remember the peers this one knows: %s", exc)
+
     def _start_network(self, stack: contextlib.ExitStack, spec: RunSpec) -> None:
         assert self.manifest is not None
         if self.network is None:
+            config = self.config
+            remembered = self._remembered()
+            if remembered:
+                node = dataclasses.replace(config.node, remembered=remembered)
+                config = dataclasses.replace(config, node=node)
             self.network = SwarmNetwork(
                 identity=self.identity,
                 manifest=self.manifest,
-                config=self.config,
+                config=config,
                 averaging=averaging_config(self.config, spec.codec, spec.aggregator),
                 schema=self.diloco.schema,
                 evidence=self.evidence,
@@ -454,9 +510,15 @@ class Swarm:
         network.on_dashboard = lambda url: self._emit("dashboard", url=url)
         self.loop.run(network.__aenter__(), timeout=60.0)
         stack.callback(self._leave_network)
+        skew = network.node.dht.clock_skew_s
+        if abs(skew) > network.node.dht.config.warn_clock_skew_s:
+            where = "behind" if skew > 0 else "ahead of"
+            # Shown on the dashboard until something else goes wrong.
+            self.last_error = f"clock {abs(skew):.0f} s {where} the swarm's: set it right (NTP)"
 
     def _leave_network(self) -> None:
         assert self.network is not None
+        self._remember_peers()
         with contextlib.suppress(Exception):
             self.loop.run(self.network.__aexit__(None, None, None), timeout=30.0)
 
@@ -547,14 +609,20 @@ class Swarm:
         )
         return True
 
-    def _checkpoint(self, *, wait: bool = False) -> None:
+    def _checkpoint(self, *, wait: bool = False, urgent: bool = False) -> None:
         """Checkpoint the state as it is now: only the copy happens here, the write on the
         writer's thread. While the previous one is still being written, a round's is
-        skipped (the next one, or the one at exit, carries its state)."""
+        skipped (the next one, or the one at exit, carries its state); an ``urgent`` one (a
+        downloaded state, which no later round may follow soon) is taken as soon as the
+        writer is free."""
         self._collect_checkpoint(wait=wait)
         if self.writer.busy:
+            if urgent:
+                self._checkpoint_due = time.monotonic()
+                return
             logger.info("checkpoint of round %d skipped: the last one is being written", self.round)
             return
+        self._checkpoint_due = None
         state = {
             "diloco": self.diloco.state_dict(),
             "model": self.model.state_dict(),
@@ -573,10 +641,31 @@ class Swarm:
             self._collect_checkpoint(wait=True)
 
     def _collect_checkpoint(self, *, wait: bool = False) -> None:
-        """Report a checkpoint written in the background once it is on disk (a failed
-        write raises its CheckpointError here, on the training thread)."""
-        saved = self.writer.wait() if wait else self.writer.poll()
+        """Report a checkpoint written in the background once it is on disk. A failed write
+        (a full disk) is reported and tried again ``checkpoint_retry_s`` later; training
+        goes on, and the checkpoints before it stay intact."""
+        try:
+            saved = self.writer.wait() if wait else self.writer.poll()
+        except CheckpointError as exc:
+            retry = self.config.checkpoint_retry_s
+            self._dirty = True
+            self._checkpoint_due = time.monotonic() + retry
+            self.last_error = f"checkpoint failed: {exc}"
+            stopping = self._stop.is_set()
+            logger.log(
+                logging.ERROR if stopping else logging.WARNING,
+                "checkpoint failed%s: %s",
+                "; the work since the last one on disk is lost"
+                if stopping
+                else f"; training goes on, next try in {retry:.0f} s",
+                exc,
+            )
+            self._emit("checkpoint-failed", round=self.round, error=str(exc))
+            return
         if saved is not None:
+            self._remember_peers()
+            if self.last_error.startswith("checkpoint failed"):
+                self.last_error = ""
             self.snapshots.finish(wait=True)  # the round's event before its checkpoint's
             self._emit(
                 "checkpoint",
@@ -663,6 +752,9 @@ class Swarm:
         while True:
             self.snapshots.finish()
             self._collect_checkpoint()
+            due = self._checkpoint_due
+            if due is not None and time.monotonic() >= due and not self.writer.busy:
+                self._checkpoint()
             if self._ends():
                 return
             if self._inflight is not None:
@@ -747,7 +839,7 @@ class Swarm:
         self.diloco.take_global(self.params)
         self.steps_since_round = 0
         self.tokens_since_round = 0
-        self._counting_since = time.time()
+        self._counting_since = None
 
     # -- pacing -------------------------------------------------------------------------------
 
@@ -880,6 +972,8 @@ class Swarm:
         self.evidence.adopted(time.time())
         self.downloads += 1
         self._dirty = True
+        if self.config.checkpoint_every:
+            self._checkpoint(urgent=True)  # what was downloaded is not lost to a crash
         logger.info("took the swarm's state of round %d from %s: %s", self.round, got.donor, why)
         self._emit(
             "downloaded",

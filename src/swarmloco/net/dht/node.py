@@ -81,6 +81,8 @@ class DhtConfig:
     """Longest one store or get may take, all its calls included."""
     join_timeout_s: float = 5.0
     """Longest wait for the initial peers to answer."""
+    join_grace_s: float = 0.5
+    """Once one initial peer answered, how much longer the others get to answer too."""
     refresh_interval_s: float = 600.0
     """A bucket without a lookup for this long is refreshed with a lookup into it."""
     republish_interval_s: float = 600.0
@@ -95,7 +97,11 @@ class DhtConfig:
     max_records_per_request: int = 64
     """Most records in one store request."""
     max_clock_skew_s: float = 600.0
-    """Store requests dated further from our clock are refused (replays)."""
+    """Store requests dated further from our clock are refused (replays); a node whose
+    clock is further off the peers it joins through refuses to start."""
+    warn_clock_skew_s: float = 5.0
+    """A clock further off the entry peers' than this is warned about (progress reports
+    and records are dated: pacing and expiry go wrong by that much)."""
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
@@ -109,12 +115,14 @@ class DhtConfig:
             "rpc_timeout_s",
             "lookup_timeout_s",
             "join_timeout_s",
+            "join_grace_s",
             "refresh_interval_s",
             "republish_interval_s",
             "liveness_interval_s",
             "sweep_interval_s",
             "rejoin_interval_s",
             "max_clock_skew_s",
+            "warn_clock_skew_s",
         ):
             require_positive(name, getattr(self, name))
 
@@ -275,6 +283,9 @@ class DHTNode:
         self.identity = identity
         self.config = config or DhtConfig()
         self.clock = clock
+        self.clock_skew_s = 0.0
+        """How far the entry peers' clocks were ahead of ours when this node joined."""
+        self._offsets: dict[int, float] = {}
         self._transport = transport
         self._rng = rng or random.Random()
         self._on_added = on_contact_added
@@ -382,17 +393,32 @@ class DHTNode:
     ) -> int:
         """Enter the network through ``peers`` (HOST:PORT); return how many answered.
 
-        With ``announce_port``, the node learns its own host from how the first peer that
-        answers sees it and announces ``that-host:announce_port``. Raises NetworkError
-        naming every address and why it failed when none answers within the join timeout.
+        Every address is pinged at once. Once one answers, the others get
+        ``join_grace_s`` more to answer too (a dead address costs that, not the whole join
+        timeout). With ``announce_port``, the node learns its own host from how the first
+        peer that answers sees it and announces ``that-host:announce_port``. Raises
+        NetworkError naming every address and why it failed when none answers within the
+        join timeout.
         """
         self._entry_points = tuple(peers)
         budget = timeout or self.config.join_timeout_s
         deadline = Deadline.after(budget)
         request = pb.PingRequest(sender=self.card.to_proto())
-        outcomes = await asyncio.gather(
-            *(self._ping_endpoint(ep, request, deadline) for ep in peers)
-        )
+        pings = [asyncio.ensure_future(self._ping_endpoint(ep, request, deadline)) for ep in peers]
+        answered: list[pb.PingResponse] = []
+        try:
+            pending: set[asyncio.Future[pb.PingResponse | str]] = set(pings)
+            while pending and not answered:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                answered = [r for f in done if isinstance(r := f.result(), pb.PingResponse)]
+            if pending:
+                await asyncio.wait(pending, timeout=self.config.join_grace_s)
+        finally:
+            for ping in pings:
+                ping.cancel()
+        outcomes = [
+            p.result() if p.done() and not p.cancelled() else "no answer in time" for p in pings
+        ]
         answered = [o for o in outcomes if isinstance(o, pb.PingResponse)]
         if not answered:
             reasons = "; ".join(str(why) for why in outcomes)
@@ -401,11 +427,47 @@ class DHTNode:
                 f"{budget:g}s. Check the address, and that `swarmloco bootstrap` or a peer "
                 f"runs there and is reachable from this machine. Last errors: {reasons}"
             )
+        self._check_clock(answered)
         if announce_port is not None and answered[0].observed_host:
             self.set_endpoint(format_endpoint(answered[0].observed_host, announce_port))
         # Looking ourselves up fills our buckets near us and tells those nodes about us.
         await self.find_nodes(self.peer_id)
         return len(answered)
+
+    def _check_clock(self, answered: Sequence[pb.PingResponse]) -> None:
+        """Compare our clock with the entry peers' (the median of their offsets, each taken
+        at the middle of its ping): refuse to start when it is off by more than records
+        tolerate, warn when pacing would notice."""
+        offsets = sorted(
+            self._offsets[id(r)] for r in answered if id(r) in self._offsets and r.time_ms
+        )
+        self._offsets.clear()
+        if not offsets:
+            return
+        skew = offsets[(len(offsets) - 1) // 2]
+        self.clock_skew_s = skew
+        if abs(skew) <= self.config.warn_clock_skew_s:
+            return
+        where = "behind" if skew > 0 else "ahead of"
+        message = (
+            f"this machine's clock is {abs(skew):.0f} s {where} the clock of the "
+            f"{len(offsets)} peer(s) it joined through"
+        )
+        fix = (
+            "set the clock right (enable NTP, e.g. `timedatectl set-ntp true`, or run "
+            "chronyd or ntpd) and start again"
+        )
+        if abs(skew) > self.config.max_clock_skew_s:
+            raise NetworkError(
+                f"{message}: the swarm refuses records dated more than "
+                f"{self.config.max_clock_skew_s:.0f} s off; {fix}"
+            )
+        logger.warning(
+            "%s: its progress and records are misdated by that much (rounds and expiry go "
+            "wrong); %s",
+            message,
+            fix,
+        )
 
     async def _ping_endpoint(
         self, endpoint: str, request: pb.PingRequest, deadline: Deadline
@@ -415,7 +477,9 @@ class DHTNode:
         while True:
             call_deadline = Deadline.after(deadline.timeout(self.config.rpc_timeout_s))
             try:
+                sent = self.clock()
                 response = await self._transport.ping(endpoint, request, call_deadline)
+                self._offsets[id(response)] = response.time_ms / 1000 - (sent + self.clock()) / 2
             except NetworkError as exc:
                 if deadline.remaining() <= pause:
                     return str(exc)
@@ -718,7 +782,11 @@ class DHTNode:
 
     async def handle_ping(self, request: pb.PingRequest, observed_host: str) -> pb.PingResponse:
         self._sender(request.sender, observed_host)
-        return pb.PingResponse(peer=self.card.to_proto(), observed_host=observed_host)
+        return pb.PingResponse(
+            peer=self.card.to_proto(),
+            observed_host=observed_host,
+            time_ms=int(self.clock() * 1000),
+        )
 
     async def handle_find_node(
         self, request: pb.FindNodeRequest, observed_host: str

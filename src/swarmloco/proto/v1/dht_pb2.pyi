@@ -41,12 +41,14 @@ class PingRequest(_message.Message):
     def __init__(self, sender: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
 
 class PingResponse(_message.Message):
-    __slots__ = ("peer", "observed_host")
+    __slots__ = ("peer", "observed_host", "time_ms")
     PEER_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_HOST_FIELD_NUMBER: _ClassVar[int]
+    TIME_MS_FIELD_NUMBER: _ClassVar[int]
     peer: PeerInfo
     observed_host: str
-    def __init__(self, peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., observed_host: _Optional[str] = ...) -> None: ...
+    time_ms: int
+    def __init__(self, peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., observed_host: _Optional[str] = ..., time_ms: _Optional[int] = ...) -> None: ...
 
 class FindNodeRequest(_message.Message):
     __slots__ = ("sender", "target")
