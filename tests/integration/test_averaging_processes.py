@@ -182,6 +182,18 @@ def test_a_reducer_killed_or_frozen_mid_stream(tmp_path, signum):
     assert set(part.included) == {p.peer_id for i, p in enumerate(peers) if i != 2}
 
 
+def test_a_peer_whose_handler_holds_the_gil(tmp_path):
+    # A pure-Python busy loop in its handler, on its event loop's thread: the whole process
+    # goes silent (no heartbeat on any stream) while its sockets stay open. The others
+    # detect it by liveness and finish without it, well inside the round deadline.
+    spin = {"action": "spin", "phase": "handler", "skip": 20, "seconds": 3 * DEADLINE}
+    done, peers = run_with_victim(
+        tmp_path, 1, lambda p: None, faults=[spin], upload_bytes_per_s=200_000
+    )
+    reports = check_survivors(done, peers, 1)
+    victim_part(reports[0], peers[1].peer_id)
+
+
 def test_a_peer_stuck_in_its_handler(tmp_path):
     # Its handler stops reading and writing while its process, its sockets and the streams
     # it opened itself stay up: its part is rerun elsewhere. (What it sends as a sender is

@@ -1,13 +1,11 @@
 """Checkpoints against real crashes: kill -9 in the middle of saves, a full disk."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import pytest
 import torch
@@ -106,23 +104,6 @@ def test_a_file_size_limit_fails_the_save_cleanly(tmp_path):
             "ckpt-0000000001-000000000001"
         ]
         assert torch.equal(store.latest().state["small"], torch.ones(1000))
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mount = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (the RLIMIT_FSIZE test covers this case)")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_fails_the_save_and_keeps_the_earlier_checkpoint(small_tmpfs):

@@ -17,17 +17,29 @@ CODEC = CodecConfig(block_size=64, chunk_bytes=4 * (64 + 4), backend="eager")  #
 NUMEL = 64 * 10  # 3 chunks: 4 + 4 + 2 blocks
 
 
-def make(senders=(0, 1, 2), weights=(1.0, 2.0, 3.0), timeout=1.0, now=0.0, **agg):
+def make(
+    senders=(0, 1, 2),
+    weights=(1.0, 2.0, 3.0),
+    timeout=1.0,
+    now=0.0,
+    *,
+    codec=CODEC,
+    buffer=None,
+    norm_bound=float("inf"),
+    **agg,
+):
     return PartReduction(
         part=0,
         epoch=0,
-        spans=chunk_spans(NUMEL, CODEC),
+        spans=chunk_spans(NUMEL, codec),
         weights=list(weights),
         senders=senders,
-        codec=CODEC,
+        codec=codec,
         aggregator=AggregatorConfig(**agg),
         timeout=timeout,
         now=now,
+        buffer=buffer,
+        norm_bound=norm_bound,
     )
 
 
@@ -163,19 +175,7 @@ def test_trimmed_mean_holds_against_two_of_eight_flipped_updates():
 def test_the_first_contribution_is_written_not_added():
     # The accumulator comes from a reused buffer full of garbage.
     x = torch.randn(NUMEL)
-    buffer = torch.full((NUMEL,), 1e30)
-    r = PartReduction(
-        part=0,
-        epoch=0,
-        spans=chunk_spans(NUMEL, CODEC),
-        weights=[2.0],
-        senders=[0],
-        codec=CODEC,
-        aggregator=AggregatorConfig(),
-        timeout=1.0,
-        now=0.0,
-        buffer=buffer,
-    )
+    r = make(senders=[0], weights=[2.0], buffer=torch.full((NUMEL,), 1e30))
     for k, (q, s) in enumerate(chunks_of(x)):
         r.accept(0, k, q, s, now=0.0)
     mean = torch.cat([t for _, t, _ in finish_all(r)])
@@ -222,24 +222,9 @@ def test_centered_clip_stays_finite_for_the_largest_values_a_reducer_accepts():
     assert all(torch.isfinite(t).all() for _, t, _ in finish_all(r))
 
 
-def _bounded(bound: float, **agg) -> PartReduction:
-    return PartReduction(
-        part=0,
-        epoch=0,
-        spans=chunk_spans(NUMEL, CODEC),
-        weights=[1.0, 1.0, 1.0],
-        senders=(0, 1, 2),
-        codec=CODEC,
-        aggregator=AggregatorConfig(**agg),
-        timeout=1.0,
-        now=0.0,
-        norm_bound=bound,
-    )
-
-
 @pytest.mark.parametrize("method", ["mean", "trimmed_mean", "centered_clip"])
 def test_a_sender_past_the_groups_norm_bound_is_struck_before_that_chunk_counts(method):
-    r = _bounded(10.0, method=method)
+    r = make(weights=(1.0, 1.0, 1.0), norm_bound=10.0, method=method)
     at_bound = torch.randn(NUMEL)
     at_bound *= 10.0 * (1 - 1e-6) / at_bound.norm()
     for sender in (0, 1):
@@ -286,18 +271,7 @@ def test_an_honest_update_clipped_to_the_bound_always_passes(
         q, s = ef.encode(x, max_norm=bound)
     else:
         q, s = quantize(x * (bound / float(x.norm()) * (1 - 1e-6)), codec)
-    r = PartReduction(
-        part=0,
-        epoch=0,
-        spans=chunk_spans(NUMEL, codec),
-        weights=[1.0],
-        senders=[0],
-        codec=codec,
-        aggregator=AggregatorConfig(),
-        timeout=1.0,
-        now=0.0,
-        norm_bound=bound,
-    )
+    r = make(senders=[0], weights=[1.0], codec=codec, norm_bound=bound)
     for k, span in enumerate(chunk_spans(NUMEL, codec)):
         blocks = s[span.first_block : span.first_block + span.blocks]
         assert r.accept(0, k, q[span.start : span.stop], blocks, now=0.0)

@@ -88,6 +88,13 @@ Evaluator = Callable[[], float]
 _FRESH_REPORTS = 5  # a report older than this many publishing intervals: the peer left
 _FRESH_MIN_S = 10.0
 _REMEMBER = 32  # peers kept in peers.json for the next start
+_MAX_WAIT_ROUNDS = 4
+_CATCH_UP_RETRY_S = 2.0
+_UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs is ignored
+_DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
+_MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
+_INITIAL_RETRY_S = 2.0
+_ROUND_FAILURES = (SwarmlocoError, TimeoutError)
 
 
 def _is_endpoint(text: str) -> bool:
@@ -96,15 +103,6 @@ def _is_endpoint(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-_MAX_WAIT_ROUNDS = 4
-_CATCH_UP_RETRY_S = 2.0
-_UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs is ignored
-_DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
-_MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
-_INITIAL_RETRY_S = 2.0
-_ROUND_FAILURES = (SwarmlocoError, TimeoutError)
 
 
 class Stateful(Protocol):

@@ -16,7 +16,10 @@ a broken or hostile peer:
 * ``replay``: the message this peer sent at the same point of an earlier round goes out
   instead (an old chunk replayed into a new round);
 * ``stall``: the sending task, or the serving handler (phase ``handler``), blocks for
-  ``seconds`` (0: until the round is cancelled) while the process and its sockets stay up.
+  ``seconds`` (0: until the round is cancelled) while the process and its sockets stay up;
+* ``spin``: a pure-Python busy loop of ``seconds`` on the event loop's thread, holding the
+  GIL: the whole process stops answering (heartbeats and every other stream included)
+  while its sockets stay open, as a handler or extension that never yields would make it.
 
 Phases: ``join`` (the matchmaking request), ``hello``, ``chunk``, ``done``, ``heartbeat``
 (what a member sends on its streams), ``result``, ``rerun``, ``verdict`` (what a serving
@@ -30,6 +33,7 @@ import asyncio
 import dataclasses
 import math
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -39,12 +43,12 @@ from swarmloco.core.config import require, require_int, require_non_negative
 from swarmloco.errors import NetworkError
 from swarmloco.net.averaging import wire
 
-Action = Literal["drop", "delay", "cut", "corrupt", "replay", "stall"]
+Action = Literal["drop", "delay", "cut", "corrupt", "replay", "stall", "spin"]
 Phase = Literal[
     "join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler"
 ]
 Corruption = Literal["nan", "huge", "truncate", "stale-round", "index"]
-_ACTIONS = ("drop", "delay", "cut", "corrupt", "replay", "stall")
+_ACTIONS = ("drop", "delay", "cut", "corrupt", "replay", "stall", "spin")
 _PHASES = ("join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler")
 _CORRUPTIONS = ("nan", "huge", "truncate", "stale-round", "index")
 
@@ -68,7 +72,7 @@ class Fault:
     times: int | None = None
     """Fire at most this many times (None: on every matching message after ``skip``)."""
     seconds: float = 0.0
-    """``delay``: how long; ``stall``: how long (0: until cancelled)."""
+    """``delay``, ``spin``: how long; ``stall``: how long (0: until cancelled)."""
     after_bytes: int = 0
     """``cut``: tear the call down once more than this many bytes went out on it."""
     corruption: Corruption = "nan"
@@ -90,6 +94,7 @@ class Fault:
             self.action != "corrupt" or self.phase in ("chunk", "result"),
             "only chunk and result messages can be corrupted",
         )
+        require(self.action != "spin" or self.seconds > 0, "a spin needs seconds > 0")
 
 
 OnFire = Callable[[int, Fault, str, int], None]
@@ -154,6 +159,8 @@ class FaultPlan:
                 await asyncio.sleep(fault.seconds)
             elif fault.action == "stall":
                 await _stall(fault.seconds)
+            elif fault.action == "spin":
+                _spin(fault.seconds)
             elif fault.action == "cut":
                 raise FaultCut(f"fault plan cut the call to {peer[:12]} ({phase})")
             elif fault.action == "corrupt":
@@ -166,6 +173,8 @@ class FaultPlan:
             fault = self._fire(i, peer, round)
             if fault.action == "stall":
                 await _stall(fault.seconds)
+            elif fault.action == "spin":
+                _spin(fault.seconds)
             elif fault.action == "delay":
                 await asyncio.sleep(fault.seconds)
 
@@ -185,6 +194,12 @@ async def _stall(seconds: float) -> None:
         await asyncio.sleep(seconds)
     else:
         await asyncio.Event().wait()  # until the round cancels us
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:  # pure Python: the GIL is held, the event loop blocked
+        pass
 
 
 def corrupt(phase: str, message: bytes, how: Corruption) -> bytes:
