@@ -224,6 +224,7 @@ class Swarm:
         self._last_group: tuple[int, int] | None = None  # (round, size) of our last group
         self._next_catch_up = 0.0
         self._checkpoint_due: float | None = None  # a checkpoint owed (retry, or pending)
+        self._remembered_last: list[str] = []  # what peers.json holds, as written by us
         self._nan_in_a_row = 0
         self._train_started = 0.0
         self._step_ended = 0.0
@@ -471,16 +472,18 @@ class Swarm:
             return ()
 
     def _remember_peers(self) -> None:
-        """Write the peers this one knows now to ``peers.json`` (best effort)."""
+        """Write the peers this one knows now to ``peers.json`` (best effort; only when
+        they changed since the last write)."""
         if self.network is None:
             return
         try:
             peers = self.loop.run(self.network.known_peers(_REMEMBER), timeout=5.0)
-            if not peers:
+            if not peers or peers == self._remembered_last:
                 return
             tmp = self._peers_file.with_suffix(".tmp")
             tmp.write_text(json.dumps({"peers": peers, "at": time.time()}))
             os.replace(tmp, self._peers_file)
+            self._remembered_last = peers
         except (OSError, TimeoutError, SwarmlocoError) as exc:
             logger.debug("could not remember the peers this one knows: %s", exc)
 

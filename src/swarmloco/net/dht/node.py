@@ -61,6 +61,14 @@ _MAX_REPLICATED_KEYS = 4096
 ContactCallback = Callable[[Contact], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    """An entry peer's answer to a join ping, and how far its clock is ahead of ours."""
+
+    response: pb.PingResponse
+    offset: float
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DhtConfig:
     k: int = 20
@@ -285,7 +293,6 @@ class DHTNode:
         self.clock = clock
         self.clock_skew_s = 0.0
         """How far the entry peers' clocks were ahead of ours when this node joined."""
-        self._offsets: dict[int, float] = {}
         self._transport = transport
         self._rng = rng or random.Random()
         self._on_added = on_contact_added
@@ -405,12 +412,12 @@ class DHTNode:
         deadline = Deadline.after(budget)
         request = pb.PingRequest(sender=self.card.to_proto())
         pings = [asyncio.ensure_future(self._ping_endpoint(ep, request, deadline)) for ep in peers]
-        answered: list[pb.PingResponse] = []
         try:
-            pending: set[asyncio.Future[pb.PingResponse | str]] = set(pings)
-            while pending and not answered:
+            pending: set[asyncio.Future[_Answer | str]] = set(pings)
+            while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                answered = [r for f in done if isinstance(r := f.result(), pb.PingResponse)]
+                if any(isinstance(f.result(), _Answer) for f in done):
+                    break
             if pending:
                 await asyncio.wait(pending, timeout=self.config.join_grace_s)
         finally:
@@ -419,7 +426,7 @@ class DHTNode:
         outcomes = [
             p.result() if p.done() and not p.cancelled() else "no answer in time" for p in pings
         ]
-        answered = [o for o in outcomes if isinstance(o, pb.PingResponse)]
+        answered = [o for o in outcomes if isinstance(o, _Answer)]
         if not answered:
             reasons = "; ".join(str(why) for why in outcomes)
             raise NetworkError(
@@ -427,21 +434,19 @@ class DHTNode:
                 f"{budget:g}s. Check the address, and that `swarmloco bootstrap` or a peer "
                 f"runs there and is reachable from this machine. Last errors: {reasons}"
             )
-        self._check_clock(answered)
-        if announce_port is not None and answered[0].observed_host:
-            self.set_endpoint(format_endpoint(answered[0].observed_host, announce_port))
+        self._check_clock([a.offset for a in answered if a.response.time_ms])
+        first = answered[0].response
+        if announce_port is not None and first.observed_host:
+            self.set_endpoint(format_endpoint(first.observed_host, announce_port))
         # Looking ourselves up fills our buckets near us and tells those nodes about us.
         await self.find_nodes(self.peer_id)
         return len(answered)
 
-    def _check_clock(self, answered: Sequence[pb.PingResponse]) -> None:
+    def _check_clock(self, offsets: Sequence[float]) -> None:
         """Compare our clock with the entry peers' (the median of their offsets, each taken
         at the middle of its ping): refuse to start when it is off by more than records
         tolerate, warn when pacing would notice."""
-        offsets = sorted(
-            self._offsets[id(r)] for r in answered if id(r) in self._offsets and r.time_ms
-        )
-        self._offsets.clear()
+        offsets = sorted(offsets)
         if not offsets:
             return
         skew = offsets[(len(offsets) - 1) // 2]
@@ -471,7 +476,7 @@ class DHTNode:
 
     async def _ping_endpoint(
         self, endpoint: str, request: pb.PingRequest, deadline: Deadline
-    ) -> pb.PingResponse | str:
+    ) -> _Answer | str:
         """Ping until it answers or the join deadline passes (it may still be starting)."""
         pause = 0.1
         while True:
@@ -479,7 +484,7 @@ class DHTNode:
             try:
                 sent = self.clock()
                 response = await self._transport.ping(endpoint, request, call_deadline)
-                self._offsets[id(response)] = response.time_ms / 1000 - (sent + self.clock()) / 2
+                offset = response.time_ms / 1000 - (sent + self.clock()) / 2
             except NetworkError as exc:
                 if deadline.remaining() <= pause:
                     return str(exc)
@@ -490,7 +495,7 @@ class DHTNode:
             if contact is None:
                 return "its contact card is invalid"
             self._seen(contact)
-            return response
+            return _Answer(response, offset)
 
     # -- the public API ----------------------------------------------------------------
 
