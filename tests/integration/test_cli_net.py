@@ -149,7 +149,7 @@ async def test_join_refuses_a_manifest_whose_hash_differs():
         async with PeerServer(
             ServerConfig(), [DhtServicer(rogue, rogue.rejections).service()]
         ) as server:
-            rogue.set_endpoint(f"127.0.0.1:{server.port}")
+            rogue.set_endpoint(f"127.0.0.1:{server.port}", tls_fingerprint=server.tls_fingerprint)
             async with rogue:
                 process = await asyncio.create_subprocess_exec(
                     *COMMAND,

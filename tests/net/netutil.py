@@ -62,7 +62,7 @@ async def serving(make: Callable[[DhtTransport], DHTNode]) -> AsyncIterator[DHTN
         async with PeerServer(
             ServerConfig(), [DhtServicer(node, node.rejections).service()]
         ) as server:
-            node.set_endpoint(f"127.0.0.1:{server.port}")
+            node.set_endpoint(f"127.0.0.1:{server.port}", tls_fingerprint=server.tls_fingerprint)
             async with node:
                 yield node
 

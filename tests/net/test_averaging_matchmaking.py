@@ -4,7 +4,6 @@ import asyncio
 import dataclasses
 import time
 
-import grpc
 import pytest
 from avgutil import SWARM, averaging_peers, random_vectors
 from netutil import closed_port
@@ -17,6 +16,7 @@ from swarmloco.net.averaging import (
     MatchmakingConfig,
     wire,
 )
+from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
 from swarmloco.net.records import make_record, round_key, validate
@@ -117,7 +117,8 @@ async def test_strangers_and_forged_hellos_are_refused_and_counted():
         hello = pb.StreamHello(group_id=group.group_id, round=1, sender=1, reducer=0)
         payload = wire.hello_payload(group.group_id, 1, 1, 0)
         hello.signature = stranger.sign(wire.HELLO_DOMAIN, payload)  # not member 1's key
-        async with grpc.aio.insecure_channel(target.node.endpoint) as channel:
+        async with RpcClient() as client:
+            channel = await client.open(target.node.endpoint, 10)
             call = channel.stream_stream(wire.AGGREGATE_PATH)(timeout=10)
             await call.write(wire.request(hello=hello))
             answer = wire.decode_response(await call.read())

@@ -56,7 +56,7 @@ async def test_a_spent_deadline_makes_no_call():
 
 
 async def test_channels_beyond_the_cache_size_are_closed():
-    async with RpcClient(ClientConfig(max_channels=2)) as client:
+    async with RpcClient(ClientConfig(max_channels=2, tls=False)) as client:
         channels = [client.channel(f"127.0.0.1:{port}") for port in (1001, 1002, 1003)]
         assert client.channel("127.0.0.1:1003") is channels[2]
         assert client.channel("127.0.0.1:1001") is not channels[0]  # evicted, reopened

@@ -39,29 +39,40 @@ def echo_service(gate: asyncio.Event | None = None, entered: list[int] | None = 
 
 
 async def health_of(endpoint: str, service: str = "") -> int:
-    async with grpc.aio.insecure_channel(endpoint) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    async with RpcClient() as client:
+        stub = health_pb2_grpc.HealthStub(await client.open(endpoint, 5))
         response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         return response.status
 
 
 async def test_health_and_reflection_answer_standard_tools():
-    node = NetNode(identity=Identity.generate(), config=NodeConfig(), services=[echo_service()])
-    async with node:
+    config = NodeConfig(server=ServerConfig(reflection=True))
+    node = NetNode(identity=Identity.generate(), config=config, services=[echo_service()])
+    async with node, RpcClient() as client:
         endpoint = node.endpoint
         assert node.server is not None and node.server.port > 0
         for service in ("", "swarmloco.v1.Dht", "swarmloco.v1.Echo"):
             assert await health_of(endpoint, service) == health_pb2.HealthCheckResponse.SERVING
-        async with grpc.aio.insecure_channel(endpoint) as channel:
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            requests = [
-                reflection_pb2.ServerReflectionRequest(list_services=""),
-                reflection_pb2.ServerReflectionRequest(file_containing_symbol="swarmloco.v1.Dht"),
-            ]
-            answers = [a async for a in stub.ServerReflectionInfo(iter(requests), timeout=5)]
+        stub = reflection_pb2_grpc.ServerReflectionStub(await client.open(endpoint, 5))
+        requests = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="swarmloco.v1.Dht"),
+        ]
+        answers = [a async for a in stub.ServerReflectionInfo(iter(requests), timeout=5)]
         names = {s.name for s in answers[0].list_services_response.service}
         assert {"swarmloco.v1.Dht", "swarmloco.v1.Echo", "grpc.health.v1.Health"} <= names
         assert answers[1].file_descriptor_response.file_descriptor_proto
+
+
+async def test_reflection_is_off_unless_asked_for():
+    async with PeerServer(ServerConfig()) as server, RpcClient() as client:
+        stub = reflection_pb2_grpc.ServerReflectionStub(
+            await client.open(f"127.0.0.1:{server.port}", 5)
+        )
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _ = [a async for a in stub.ServerReflectionInfo(iter([request]), timeout=5)]
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 async def test_other_layers_register_services_on_the_same_port():
@@ -96,7 +107,8 @@ async def test_fuzzed_protobuf_bytes_crash_nothing_and_store_nothing():
             return bytes(data)
 
         codes = set()
-        async with grpc.aio.insecure_channel(target.endpoint) as channel:
+        async with RpcClient() as client:
+            channel = await client.open(target.endpoint, 5)
             for name in ("Ping", "FindNode", "Store", "FindValue"):
                 raw = channel.unary_unary(f"/swarmloco.v1.Dht/{name}")
                 for _ in range(150):

@@ -566,7 +566,7 @@ async def test_a_hostile_requester_cannot_crash_the_donor():
     snapshot = make_snapshot(20_000)
     async with honest(snapshot) as donor, RpcClient() as client:
         assert donor.donor is not None
-        channel = client.channel(donor.as_donor.endpoint)
+        channel = await client.open(donor.as_donor.endpoint, 10)
         raw = channel.unary_stream(wire.DOWNLOAD_PATH)
         bad_requests = [
             b"\xff\xff\xff\xff\x0f",  # not protobuf
@@ -599,7 +599,7 @@ async def test_a_busy_donor_refuses_at_once_and_the_requester_moves_on():
         # Occupy the busy donor's only slot with a download that reads its header and
         # waits (the limiter keeps the donor sending for many seconds).
         request = wire.encode_request(swarm_id=SWARM, nonce=bytes(16))
-        hog = client.channel(busy.as_donor.endpoint).unary_stream(wire.DOWNLOAD_PATH)(
+        hog = (await client.open(busy.as_donor.endpoint, 10)).unary_stream(wire.DOWNLOAD_PATH)(
             request, timeout=30
         )
         first = pb.DownloadResponse.FromString(await hog.read())
@@ -622,7 +622,7 @@ async def test_a_requester_that_stops_reading_loses_its_slot():
     async with honest(snapshot, config=config) as donor, RpcClient() as client:
         assert donor.donor is not None
         request = wire.encode_request(swarm_id=SWARM, nonce=bytes(16))
-        hog = client.channel(donor.as_donor.endpoint).unary_stream(wire.DOWNLOAD_PATH)(
+        hog = (await client.open(donor.as_donor.endpoint, 10)).unary_stream(wire.DOWNLOAD_PATH)(
             request, timeout=30
         )
         try:

@@ -6,6 +6,11 @@ A call names its :class:`Method` (path and message types) and a deadline (second
 that mean "the request never reached a handler" (``UNAVAILABLE``) are retried, and only
 while both attempts and time are left. Everything else raises :class:`RpcError` at once.
 
+With TLS (the default), a channel to an address is opened only once the certificate its
+server presents is checked against the signed cards for that address and pinned
+(net/tls.py): :meth:`RpcClient.open` does that, and :meth:`RpcClient.call` through it. A
+server whose certificate no card names is refused with UNAUTHENTICATED, never retried.
+
 Fault injection (drop, delay, cut, corrupt, stall) plugs in as grpc.aio client
 interceptors passed to the constructor: they see every unary and streaming call of every
 channel this client opens.
@@ -27,6 +32,7 @@ from google.protobuf.message import Message
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.errors import NetworkError
 from swarmloco.net.deadline import Deadline
+from swarmloco.net.tls import TLS_SERVER_NAME, CertBook, TlsMismatch
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
@@ -70,6 +76,11 @@ class ClientConfig:
     """HTTP/2 keepalive ping interval on idle connections."""
     keepalive_timeout_s: float = 10.0
     """A connection whose keepalive ping is not acknowledged in this time is dead."""
+    tls: bool = True
+    """Dial peers over TLS, checking each server's certificate against the signed cards
+    for its address (every peer of a swarm must agree; see ServerConfig.tls)."""
+    tls_handshake_timeout_s: float = 5.0
+    """Longest wait for a server's certificate when first dialling it."""
 
     def __post_init__(self) -> None:
         require_int("max_message_bytes", self.max_message_bytes, minimum=1024)
@@ -80,6 +91,7 @@ class ClientConfig:
         require(self.max_backoff_s >= self.backoff_s, "max_backoff_s must be >= backoff_s")
         require_positive("keepalive_time_s", self.keepalive_time_s)
         require_positive("keepalive_timeout_s", self.keepalive_timeout_s)
+        require_positive("tls_handshake_timeout_s", self.tls_handshake_timeout_s)
 
     def channel_options(self) -> list[tuple[str, Any]]:
         return [
@@ -111,6 +123,9 @@ class RpcClient:
         self._interceptors = list(interceptors)
         self._rng = rng or random.Random()
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._pems: dict[str, bytes | None] = {}
+        self.certs = CertBook()
+        """The TLS keys of addresses, as signed cards name them, and the pinned ones."""
         self._stubs: dict[tuple[str, str], Any] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -121,34 +136,82 @@ class RpcClient:
         await self.close()
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
-        """The cached channel to ``endpoint`` (for streaming calls of other services)."""
+        """The cached channel to ``endpoint``. With TLS the server's certificate must be
+        checked first: use :meth:`open` unless it is known to be."""
+        pem: bytes | None = None
+        if self.config.tls:
+            pem = self.certs.pinned(endpoint)
+            if pem is None:
+                raise NetworkError(
+                    f"no TLS certificate checked for {endpoint} yet (open the channel with "
+                    "`await client.open(endpoint, timeout)`)"
+                )
         channel = self._channels.get(endpoint)
-        if channel is not None:
+        if channel is not None and self._pems.get(endpoint) == pem:
             self._channels.move_to_end(endpoint)
             return channel
-        channel = grpc.aio.insecure_channel(
-            endpoint,
-            options=self.config.channel_options(),
-            interceptors=self._interceptors or None,
-        )
+        if channel is not None:  # the server's certificate changed: a new channel
+            self._close_later(self._channels.pop(endpoint))
+            self._forget_stubs(endpoint)
+        if pem is None:
+            channel = grpc.aio.insecure_channel(
+                endpoint,
+                options=self.config.channel_options(),
+                interceptors=self._interceptors or None,
+            )
+        else:
+            channel = grpc.aio.secure_channel(
+                endpoint,
+                grpc.ssl_channel_credentials(root_certificates=pem),
+                options=[
+                    *self.config.channel_options(),
+                    ("grpc.ssl_target_name_override", TLS_SERVER_NAME),
+                ],
+                interceptors=self._interceptors or None,
+            )
         self._channels[endpoint] = channel
+        self._pems[endpoint] = pem
         while len(self._channels) > self.config.max_channels:
             gone, old = self._channels.popitem(last=False)
+            self._pems.pop(gone, None)
             self._forget_stubs(gone)
-            # Closing is a coroutine; it runs beside us and close() waits for it.
-            task = asyncio.get_running_loop().create_task(old.close(grace=None))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._close_later(old)
         return channel
+
+    def _close_later(self, channel: grpc.aio.Channel) -> None:
+        # Closing is a coroutine; it runs beside us and close() waits for it.
+        task = asyncio.get_running_loop().create_task(channel.close(grace=None))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def open(self, endpoint: str, timeout: float | Deadline) -> grpc.aio.Channel:
+        """The channel to ``endpoint``, its server's certificate checked first (TLS).
+
+        Raises RpcError: UNAVAILABLE when the server cannot be reached in time,
+        UNAUTHENTICATED when its certificate is not the one the signed cards name."""
+        if self.config.tls and self.certs.pinned(endpoint) is None:
+            deadline = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
+            wait = deadline.timeout(self.config.tls_handshake_timeout_s)
+            try:
+                await self.certs.certificate(endpoint, wait)
+            except TlsMismatch as exc:
+                code = grpc.StatusCode.UNAUTHENTICATED
+                raise RpcError(f"{code.name}: {exc}", endpoint=endpoint, code=code) from None
+            except NetworkError as exc:
+                code = grpc.StatusCode.UNAVAILABLE
+                raise RpcError(f"{code.name}: {exc}", endpoint=endpoint, code=code) from None
+        return self.channel(endpoint)
 
     def _forget_stubs(self, endpoint: str) -> None:
         for slot in [s for s in self._stubs if s[0] == endpoint]:
             del self._stubs[slot]
 
-    def _stub(self, endpoint: str, method: Method[Req, Resp]) -> Any:
+    async def _stub(self, endpoint: str, method: Method[Req, Resp], deadline: Deadline) -> Any:
         stub = self._stubs.get((endpoint, method.path))
-        if stub is None or endpoint not in self._channels:
-            stub = self.channel(endpoint).unary_unary(
+        stale = self.config.tls and self._pems.get(endpoint) != self.certs.pinned(endpoint)
+        if stub is None or endpoint not in self._channels or stale:
+            channel = await self.open(endpoint, deadline)
+            stub = channel.unary_unary(
                 method.path,
                 request_serializer=method.request_type.SerializeToString,
                 response_deserializer=method.response_type.FromString,
@@ -161,6 +224,7 @@ class RpcClient:
     async def forget(self, endpoint: str) -> None:
         """Close the channel to ``endpoint`` (a peer known to be gone)."""
         channel = self._channels.pop(endpoint, None)
+        self._pems.pop(endpoint, None)
         self._forget_stubs(endpoint)
         if channel is not None:
             await channel.close(grace=None)
@@ -168,6 +232,7 @@ class RpcClient:
     async def close(self) -> None:
         channels = list(self._channels.values())
         self._channels.clear()
+        self._pems.clear()
         self._stubs.clear()
         for channel in channels:
             await channel.close(grace=None)
@@ -191,7 +256,6 @@ class RpcClient:
         deadline = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
         attempts = self.config.attempts if attempts is None else attempts
         started = time.monotonic()
-        stub = self._stub(endpoint, method)
         attempt = 0
         while True:
             attempt += 1
@@ -204,13 +268,27 @@ class RpcClient:
                     code=grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
             try:
-                response: Resp = await stub(request, timeout=left)
+                stub = await self._stub(endpoint, method, deadline)
+                response: Resp = await stub(request, timeout=deadline.remaining())
                 return response
+            except RpcError as exc:  # the certificate could not be had, or was refused
+                if exc.code != grpc.StatusCode.UNAVAILABLE or attempt >= attempts:
+                    raise RpcError(
+                        f"{method.name} to {endpoint} failed: {exc} "
+                        f"(attempt {attempt} of {attempts}, "
+                        f"{time.monotonic() - started:.2f}s)",
+                        endpoint=endpoint,
+                        code=exc.code,
+                    ) from None
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
+                details = (exc.details() or "").strip()
+                if self.config.tls and "handshake" in details.lower():
+                    # The server no longer has the certificate we pinned (a restart with
+                    # another key): check its new one on the next attempt.
+                    self.certs.forget(endpoint)
                 retry = code == grpc.StatusCode.UNAVAILABLE and attempt < attempts
                 if not retry:
-                    details = (exc.details() or "").strip()
                     raise RpcError(
                         f"{method.name} to {endpoint} failed: {code.name}: {details} "
                         f"(attempt {attempt} of {attempts}, "

@@ -138,5 +138,15 @@ class Identity:
         """Sign ``domain || payload`` (see :func:`verify`)."""
         return self._private_key.sign(domain + payload)
 
+    def derive_secret(self, domain: bytes) -> bytes:
+        """32 secret bytes for ``domain``, derived from the private key: the same on every
+        run of this identity, and useless for recovering the key (e.g. the TLS key)."""
+        raw = self._private_key.private_bytes(
+            serialization.Encoding.Raw,
+            serialization.PrivateFormat.Raw,
+            serialization.NoEncryption(),
+        )
+        return hashlib.blake2b(domain, key=raw, digest_size=32).digest()
+
     def __repr__(self) -> str:
         return f"Identity(peer_id={self.peer_id_hex})"

@@ -27,6 +27,7 @@ from swarmloco.net.dht.transport import DhtServicer, GrpcDhtTransport
 from swarmloco.net.endpoints import guess_host, is_unspecified, parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.server import PeerServer, ServerConfig, Service
+from swarmloco.net.tls import TlsCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,11 @@ class NodeConfig:
     dht: DhtConfig = dataclasses.field(default_factory=DhtConfig)
 
     def __post_init__(self) -> None:
+        if self.server is not None:
+            require(
+                self.server.tls == self.client.tls,
+                "server.tls and client.tls differ: a peer must speak TLS both ways or not at all",
+            )
         for peer in (*self.peers, *self.remembered):
             parse_endpoint(peer)
         require(
@@ -72,20 +78,38 @@ class NetNode:
         self.identity = identity
         self.config = config
         self.client = RpcClient(config.client, interceptors=interceptors)
+        self._on_contact_removed = on_contact_removed
+        credentials = (
+            TlsCredentials.for_identity(identity)
+            if config.server is not None and config.server.tls
+            else None
+        )
         self.dht = DHTNode(
             identity=identity,
             transport=GrpcDhtTransport(self.client),
             config=config.dht,
             on_contact_added=on_contact_added,
-            on_contact_removed=on_contact_removed,
+            on_contact_removed=self._removed,
+            on_card=self._card,
+            tls_fingerprint=credentials.fingerprint if credentials is not None else b"",
         )
         dht_service = DhtServicer(self.dht, self.dht.rejections).service()
         self.server = (
-            PeerServer(config.server, [dht_service, *services])
+            PeerServer(config.server, [dht_service, *services], credentials=credentials)
             if config.server is not None
             else None
         )
         self._stack = AsyncExitStack()
+
+    def _removed(self, contact: Contact) -> None:
+        self.client.certs.withdraw(contact.endpoint, contact.peer_id)
+        if self._on_contact_removed is not None:
+            self._on_contact_removed(contact)
+
+    def _card(self, contact: Contact) -> None:
+        self.client.certs.claim(
+            contact.endpoint, contact.peer_id, contact.started_at_ms, contact.tls_fingerprint
+        )
 
     @property
     def endpoint(self) -> str:

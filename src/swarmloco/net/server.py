@@ -4,9 +4,12 @@ Limits against misbehaving or hostile clients (DESIGN section 8): the largest me
 accepts, how many RPCs run at once (beyond that a call is refused with RESOURCE_EXHAUSTED
 instead of queueing without bound), how many streams one connection may open, how long
 a new connection may take to finish its handshake, keepalive pings that find dead
-connections, and how long a ping may go unanswered. The standard gRPC health service and
-server reflection are always on, so `grpcurl` and `grpc_health_probe` work against any
-peer.
+connections, and how long a ping may go unanswered. The standard gRPC health service is
+always on, so `grpc_health_probe` works against any peer; server reflection (for
+`grpcurl`) is off unless asked for, so a public peer does not list its services to anyone.
+
+The port serves TLS by default, with the peer's own key and self-signed certificate
+(net/tls.py): callers check the certificate against the peer's signed card.
 
 Other layers add their services with :class:`Service` registrations before the server
 starts (gRPC cannot add services to a running server); :func:`unary_service` builds one
@@ -31,6 +34,7 @@ from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.errors import NetworkError
 from swarmloco.net.endpoints import format_endpoint, is_unspecified
 from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.tls import TlsCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +135,11 @@ class ServerConfig:
     """Connections without calls for this long are closed."""
     grace_s: float = 2.0
     """At shutdown, calls in flight get this long to finish."""
+    tls: bool = True
+    """Serve TLS (the key given to PeerServer, else a fresh one). Every peer of a swarm
+    must agree: a TLS caller cannot talk to a plain server, nor the reverse."""
+    reflection: bool = False
+    """Serve gRPC server reflection (lets `grpcurl` list the services)."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.host, str), "host must be a string")
@@ -170,10 +179,19 @@ class ServerConfig:
 
 
 class PeerServer:
-    """An async context manager that serves ``services`` (plus health and reflection)."""
+    """An async context manager that serves ``services`` (plus health, and reflection if
+    configured), over TLS with ``credentials`` (default: a fresh key) unless ``config.tls``
+    is off."""
 
-    def __init__(self, config: ServerConfig, services: Sequence[Service] = ()) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        services: Sequence[Service] = (),
+        *,
+        credentials: TlsCredentials | None = None,
+    ) -> None:
         self.config = config
+        self.credentials = (credentials or TlsCredentials.generate()) if config.tls else None
         self._services = list(services)
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -183,6 +201,11 @@ class PeerServer:
         if self._server is not None:
             raise RuntimeError("add services before the server starts")
         self._services.append(service)
+
+    @property
+    def tls_fingerprint(self) -> bytes:
+        """What the peer's card publishes of its TLS key (empty without TLS)."""
+        return self.credentials.fingerprint if self.credentials is not None else b""
 
     @property
     def service_names(self) -> list[str]:
@@ -203,11 +226,15 @@ class PeerServer:
         for service in self._services:
             service.register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, server)
+        if self.config.reflection:
+            names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+            reflection.enable_server_reflection(names, server)
         address = format_endpoint(self.config.host or "0.0.0.0", self.config.port)
         try:
-            port = server.add_insecure_port(address)
+            if self.credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, self.credentials.server_credentials())
         except RuntimeError as exc:
             port = 0
             cause = f": {exc}"

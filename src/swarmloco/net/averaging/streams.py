@@ -72,7 +72,12 @@ class OutgoingStream:
     async def run(self) -> None:
         rnd = self.rnd
         endpoint = rnd.group.members[self.member].endpoint
-        call = rnd.a.client.channel(endpoint).stream_stream(wire.AGGREGATE_PATH)(
+        try:
+            channel = await rnd.a.client.open(endpoint, rnd.deadline)
+        except NetworkError as exc:
+            self._broken(f"cannot connect: {exc}")
+            return
+        call = channel.stream_stream(wire.AGGREGATE_PATH)(
             timeout=max(rnd.deadline.remaining(), 0.001), wait_for_ready=True
         )
         try:

@@ -1,4 +1,4 @@
-"""Contacts: a peer's self-signed card (id, public key, endpoint, start time).
+"""Contacts: a peer's self-signed card (id, public key, endpoint, start time, TLS key).
 
 Every contact on the wire is a ``PeerInfo`` signed by the key it names, and the node id is
 derived from that key, so a peer can neither claim someone else's id nor point another
@@ -17,6 +17,7 @@ import msgpack
 from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
 from swarmloco.net.rejections import Rejection
+from swarmloco.net.tls import FINGERPRINT_BYTES
 from swarmloco.proto.v1 import dht_pb2 as pb
 
 _CARD_DOMAIN = b"swarmloco/v1/peer-info\x00"
@@ -31,6 +32,8 @@ class Contact:
     endpoint: str
     started_at_ms: int
     signature: bytes
+    tls_fingerprint: bytes = b""
+    """SHA-256 of the key of the TLS certificate it serves with (empty: no TLS)."""
 
     @property
     def host(self) -> str:
@@ -46,26 +49,36 @@ class Contact:
             endpoint=self.endpoint,
             started_at_ms=self.started_at_ms,
             signature=self.signature,
+            tls_fingerprint=self.tls_fingerprint,
         )
 
     def __str__(self) -> str:
         return f"{self.peer_id.hex()[:12]}@{self.endpoint or 'client'}"
 
 
-def _card_payload(endpoint: str, started_at_ms: int) -> bytes:
-    return msgpack.packb([endpoint, started_at_ms])
+def _card_payload(endpoint: str, started_at_ms: int, tls_fingerprint: bytes) -> bytes:
+    return msgpack.packb([endpoint, started_at_ms, tls_fingerprint])
 
 
-def sign_card(identity: Identity, endpoint: str, *, started_at_ms: int | None = None) -> Contact:
+def sign_card(
+    identity: Identity,
+    endpoint: str,
+    *,
+    started_at_ms: int | None = None,
+    tls_fingerprint: bytes = b"",
+) -> Contact:
     """This peer's own card (``started_at_ms`` defaults to now)."""
     started = int(time.time() * 1000) if started_at_ms is None else started_at_ms
-    signature = identity.sign(_CARD_DOMAIN, _card_payload(endpoint, started))
-    return Contact(identity.peer_id, identity.public_key, endpoint, started, signature)
+    payload = _card_payload(endpoint, started, tls_fingerprint)
+    signature = identity.sign(_CARD_DOMAIN, payload)
+    return Contact(
+        identity.peer_id, identity.public_key, endpoint, started, signature, tls_fingerprint
+    )
 
 
 @functools.lru_cache(maxsize=65536)
 def _checked_card(
-    public_key: bytes, endpoint: str, started_at_ms: int, signature: bytes
+    public_key: bytes, endpoint: str, started_at_ms: int, signature: bytes, tls_fingerprint: bytes
 ) -> Contact | str:
     # Cached whole: every lookup response repeats the same few dozen cards.
     if endpoint:
@@ -73,16 +86,25 @@ def _checked_card(
             parse_endpoint(endpoint)
         except ValueError:
             return f"contact endpoint {endpoint[:80]!r} is not HOST:PORT"
-    if not verify(public_key, signature, _CARD_DOMAIN, _card_payload(endpoint, started_at_ms)):
+    payload = _card_payload(endpoint, started_at_ms, tls_fingerprint)
+    if not verify(public_key, signature, _CARD_DOMAIN, payload):
         return "contact card is not signed by the key it names"
-    return Contact(peer_id_of(public_key), public_key, endpoint, started_at_ms, signature)
+    return Contact(
+        peer_id_of(public_key), public_key, endpoint, started_at_ms, signature, tls_fingerprint
+    )
 
 
 def contact_from_proto(info: pb.PeerInfo) -> Contact:
     """Check a card from the network; Rejection when it is malformed or not self-signed."""
-    if len(info.endpoint) > 262 or len(info.public_key) != PUBLIC_KEY_BYTES:
+    if (
+        len(info.endpoint) > 262
+        or len(info.public_key) != PUBLIC_KEY_BYTES
+        or len(info.tls_fingerprint) not in (0, FINGERPRINT_BYTES)
+    ):
         raise Rejection("bad-contact", "contact card is malformed")
-    checked = _checked_card(info.public_key, info.endpoint, info.started_at_ms, info.signature)
+    checked = _checked_card(
+        info.public_key, info.endpoint, info.started_at_ms, info.signature, info.tls_fingerprint
+    )
     if isinstance(checked, str):
         raise Rejection("bad-contact", checked)
     return checked

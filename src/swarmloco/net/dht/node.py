@@ -287,7 +287,11 @@ class DHTNode:
         rng: random.Random | None = None,
         on_contact_added: ContactCallback | None = None,
         on_contact_removed: ContactCallback | None = None,
+        on_card: ContactCallback | None = None,
+        tls_fingerprint: bytes = b"",
     ) -> None:
+        """``on_card`` sees every verified card, ours excepted (e.g. to learn the TLS keys
+        of addresses); ``tls_fingerprint`` goes into our own card."""
         self.identity = identity
         self.config = config or DhtConfig()
         self.clock = clock
@@ -297,6 +301,8 @@ class DHTNode:
         self._rng = rng or random.Random()
         self._on_added = on_contact_added
         self._on_removed = on_contact_removed
+        self._on_card = on_card
+        self._tls_fingerprint = tls_fingerprint
         self.routing = RoutingTable(
             identity.peer_id,
             k=self.config.k,
@@ -306,7 +312,7 @@ class DHTNode:
         self.storage = Storage(self.config.storage, clock=clock)
         self.rejections = RejectionLog(logger)
         self.stats: Counter[str] = Counter()
-        self.card = sign_card(identity, endpoint)
+        self.card = sign_card(identity, endpoint, tls_fingerprint=tls_fingerprint)
         self._published: dict[tuple[str, str], Record] = {}
         self._verifying: set[bytes] = set()
         self._replicating: set[bytes] = set()
@@ -327,9 +333,12 @@ class DHTNode:
     def endpoint(self) -> str:
         return self.card.endpoint
 
-    def set_endpoint(self, endpoint: str) -> None:
-        """Announce ``endpoint`` from now on (a newly signed card)."""
-        self.card = sign_card(self.identity, endpoint)
+    def set_endpoint(self, endpoint: str, *, tls_fingerprint: bytes | None = None) -> None:
+        """Announce ``endpoint`` (and ``tls_fingerprint``, when given) from now on: a newly
+        signed card."""
+        if tls_fingerprint is not None:
+            self._tls_fingerprint = tls_fingerprint
+        self.card = sign_card(self.identity, endpoint, tls_fingerprint=self._tls_fingerprint)
 
     async def __aenter__(self) -> DHTNode:
         group = asyncio.TaskGroup()
@@ -692,10 +701,16 @@ class DHTNode:
 
     def _card_from(self, info: pb.PeerInfo, *, source: Contact | None) -> Contact | None:
         try:
-            return contact_from_proto(info)
+            contact = contact_from_proto(info)
         except Rejection as rejection:
             self.rejections.record(rejection, str(source) if source else "a peer")
             return None
+        self._card_seen(contact)
+        return contact
+
+    def _card_seen(self, contact: Contact) -> None:
+        if self._on_card is not None and contact.peer_id != self.peer_id:
+            self._on_card(contact)
 
     def _seen(self, contact: Contact) -> None:
         added = self.routing.add(contact, now=time.monotonic())
@@ -764,6 +779,7 @@ class DHTNode:
         except Rejection as rejection:
             self.rejections.record(rejection, observed_host or "a peer")
             raise
+        self._card_seen(contact)
         if contact.reachable and contact.peer_id != self.peer_id:
             if contact.host == observed_host:
                 self._seen(contact)

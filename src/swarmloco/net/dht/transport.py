@@ -85,9 +85,14 @@ class GrpcDhtTransport:
     async def _send(
         self, endpoint: str, method: Method[Req, Resp], request: Req, deadline: Deadline
     ) -> Resp:
-        return await self._client.call(
+        response = await self._client.call(
             endpoint, method, request, timeout=deadline, attempts=self._attempts
         )
+        if self._client.config.tls and "peer" in response.DESCRIPTOR.fields_by_name:
+            # The card it answers with must name the key it serves TLS with: a server
+            # relaying another peer's card is refused (TlsMismatch, a NetworkError).
+            self._client.certs.confirm(endpoint, response.peer.tls_fingerprint)  # type: ignore[attr-defined]
+        return response
 
     async def ping(
         self, endpoint: str, request: pb.PingRequest, deadline: Deadline

@@ -33,7 +33,7 @@ from swarmloco.core.config import require_positive
 from swarmloco.core.manifest import check_swarm_id
 from swarmloco.core.state import DIGEST_BYTES, StateSchema, StateSnapshot
 from swarmloco.errors import NetworkError
-from swarmloco.net.client import RpcClient
+from swarmloco.net.client import RpcClient, RpcError
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.state import wire
@@ -264,7 +264,12 @@ class _Attempt:
         request = wire.encode_request(
             swarm_id=self.swarm_id, nonce=self.nonce, round=self.round, digest=self.digest
         )
-        method = self.client.channel(self.donor.endpoint).unary_stream(wire.DOWNLOAD_PATH)
+        try:
+            channel = await self.client.open(self.donor.endpoint, self.budget)
+        except RpcError as exc:
+            label = "refused" if exc.code == grpc.StatusCode.UNAUTHENTICATED else "unreachable"
+            raise _Failed(label, str(exc)) from None
+        method = channel.unary_stream(wire.DOWNLOAD_PATH)
         call = method(request, timeout=max(self.deadline.remaining(), 0.001))
         try:
             return await self._receive(call)

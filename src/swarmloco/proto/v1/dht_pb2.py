@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16swarmloco/v1/dht.proto\x12\x0cswarmloco.v1\"Z\n\x08PeerInfo\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x15\n\rstarted_at_ms\x18\x03 \x01(\x04\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"u\n\x06Record\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06subkey\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x12\n\nexpiration\x18\x04 \x01(\x01\x12\x18\n\x10owner_public_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"5\n\x0bPingRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\"\\\n\x0cPingResponse\x12$\n\x04peer\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12\x15\n\robserved_host\x18\x02 \x01(\t\x12\x0f\n\x07time_ms\x18\x03 \x01(\x04\"I\n\x0f\x46indNodeRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12\x0e\n\x06target\x18\x02 \x01(\x0c\"a\n\x10\x46indNodeResponse\x12$\n\x04peer\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12\'\n\x07\x63losest\x18\x02 \x03(\x0b\x32\x16.swarmloco.v1.PeerInfo\"\x86\x01\n\x0cStoreRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12%\n\x07records\x18\x02 \x03(\x0b\x32\x14.swarmloco.v1.Record\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x04\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"-\n\x0bStoreResult\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"a\n\rStoreResponse\x12$\n\x04peer\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12*\n\x07results\x18\x02 \x03(\x0b\x32\x19.swarmloco.v1.StoreResult\"G\n\x10\x46indValueRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12\x0b\n\x03key\x18\x02 \x01(\t\"\x89\x01\n\x11\x46indValueResponse\x12$\n\x04peer\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12%\n\x07records\x18\x02 \x03(\x0b\x32\x14.swarmloco.v1.Record\x12\'\n\x07\x63losest\x18\x03 \x03(\x0b\x32\x16.swarmloco.v1.PeerInfo2\x9f\x02\n\x03\x44ht\x12=\n\x04Ping\x12\x19.swarmloco.v1.PingRequest\x1a\x1a.swarmloco.v1.PingResponse\x12I\n\x08\x46indNode\x12\x1d.swarmloco.v1.FindNodeRequest\x1a\x1e.swarmloco.v1.FindNodeResponse\x12@\n\x05Store\x12\x1a.swarmloco.v1.StoreRequest\x1a\x1b.swarmloco.v1.StoreResponse\x12L\n\tFindValue\x12\x1e.swarmloco.v1.FindValueRequest\x1a\x1f.swarmloco.v1.FindValueResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16swarmloco/v1/dht.proto\x12\x0cswarmloco.v1\"s\n\x08PeerInfo\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x15\n\rstarted_at_ms\x18\x03 \x01(\x04\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x17\n\x0ftls_fingerprint\x18\x05 \x01(\x0c\"u\n\x06Record\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06subkey\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x12\n\nexpiration\x18\x04 \x01(\x01\x12\x18\n\x10owner_public_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"5\n\x0bPingRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\"\\\n\x0cPingResponse\x12$\n\x04peer\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12\x15\n\robserved_host\x18\x02 \x01(\t\x12\x0f\n\x07time_ms\x18\x03 \x01(\x04\"I\n\x0f\x46indNodeRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12\x0e\n\x06target\x18\x02 \x01(\x0c\"a\n\x10\x46indNodeResponse\x12$\n\x04peer\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12\'\n\x07\x63losest\x18\x02 \x03(\x0b\x32\x16.swarmloco.v1.PeerInfo\"\x86\x01\n\x0cStoreRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12%\n\x07records\x18\x02 \x03(\x0b\x32\x14.swarmloco.v1.Record\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x04\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"-\n\x0bStoreResult\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"a\n\rStoreResponse\x12$\n\x04peer\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12*\n\x07results\x18\x02 \x03(\x0b\x32\x19.swarmloco.v1.StoreResult\"G\n\x10\x46indValueRequest\x12&\n\x06sender\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12\x0b\n\x03key\x18\x02 \x01(\t\"\x89\x01\n\x11\x46indValueResponse\x12$\n\x04peer\x18\x01 \x01(\x0b\x32\x16.swarmloco.v1.PeerInfo\x12%\n\x07records\x18\x02 \x03(\x0b\x32\x14.swarmloco.v1.Record\x12\'\n\x07\x63losest\x18\x03 \x03(\x0b\x32\x16.swarmloco.v1.PeerInfo2\x9f\x02\n\x03\x44ht\x12=\n\x04Ping\x12\x19.swarmloco.v1.PingRequest\x1a\x1a.swarmloco.v1.PingResponse\x12I\n\x08\x46indNode\x12\x1d.swarmloco.v1.FindNodeRequest\x1a\x1e.swarmloco.v1.FindNodeResponse\x12@\n\x05Store\x12\x1a.swarmloco.v1.StoreRequest\x1a\x1b.swarmloco.v1.StoreResponse\x12L\n\tFindValue\x12\x1e.swarmloco.v1.FindValueRequest\x1a\x1f.swarmloco.v1.FindValueResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,27 +32,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmloco.v1.dht_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PEERINFO']._serialized_start=40
-  _globals['_PEERINFO']._serialized_end=130
-  _globals['_RECORD']._serialized_start=132
-  _globals['_RECORD']._serialized_end=249
-  _globals['_PINGREQUEST']._serialized_start=251
-  _globals['_PINGREQUEST']._serialized_end=304
-  _globals['_PINGRESPONSE']._serialized_start=306
-  _globals['_PINGRESPONSE']._serialized_end=398
-  _globals['_FINDNODEREQUEST']._serialized_start=400
-  _globals['_FINDNODEREQUEST']._serialized_end=473
-  _globals['_FINDNODERESPONSE']._serialized_start=475
-  _globals['_FINDNODERESPONSE']._serialized_end=572
-  _globals['_STOREREQUEST']._serialized_start=575
-  _globals['_STOREREQUEST']._serialized_end=709
-  _globals['_STORERESULT']._serialized_start=711
-  _globals['_STORERESULT']._serialized_end=756
-  _globals['_STORERESPONSE']._serialized_start=758
-  _globals['_STORERESPONSE']._serialized_end=855
-  _globals['_FINDVALUEREQUEST']._serialized_start=857
-  _globals['_FINDVALUEREQUEST']._serialized_end=928
-  _globals['_FINDVALUERESPONSE']._serialized_start=931
-  _globals['_FINDVALUERESPONSE']._serialized_end=1068
-  _globals['_DHT']._serialized_start=1071
-  _globals['_DHT']._serialized_end=1358
+  _globals['_PEERINFO']._serialized_end=155
+  _globals['_RECORD']._serialized_start=157
+  _globals['_RECORD']._serialized_end=274
+  _globals['_PINGREQUEST']._serialized_start=276
+  _globals['_PINGREQUEST']._serialized_end=329
+  _globals['_PINGRESPONSE']._serialized_start=331
+  _globals['_PINGRESPONSE']._serialized_end=423
+  _globals['_FINDNODEREQUEST']._serialized_start=425
+  _globals['_FINDNODEREQUEST']._serialized_end=498
+  _globals['_FINDNODERESPONSE']._serialized_start=500
+  _globals['_FINDNODERESPONSE']._serialized_end=597
+  _globals['_STOREREQUEST']._serialized_start=600
+  _globals['_STOREREQUEST']._serialized_end=734
+  _globals['_STORERESULT']._serialized_start=736
+  _globals['_STORERESULT']._serialized_end=781
+  _globals['_STORERESPONSE']._serialized_start=783
+  _globals['_STORERESPONSE']._serialized_end=880
+  _globals['_FINDVALUEREQUEST']._serialized_start=882
+  _globals['_FINDVALUEREQUEST']._serialized_end=953
+  _globals['_FINDVALUERESPONSE']._serialized_start=956
+  _globals['_FINDVALUERESPONSE']._serialized_end=1093
+  _globals['_DHT']._serialized_start=1096
+  _globals['_DHT']._serialized_end=1383
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PeerInfo(_message.Message):
-    __slots__ = ("public_key", "endpoint", "started_at_ms", "signature")
+    __slots__ = ("public_key", "endpoint", "started_at_ms", "signature", "tls_fingerprint")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    TLS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     endpoint: str
     started_at_ms: int
     signature: bytes
-    def __init__(self, public_key: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    tls_fingerprint: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., signature: _Optional[bytes] = ..., tls_fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class Record(_message.Message):
     __slots__ = ("key", "subkey", "value", "expiration", "owner_public_key", "signature")
