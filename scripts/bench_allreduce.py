@@ -17,11 +17,13 @@
 3. ``--aggregators``: the same rounds with each aggregator (norm bound on) and with the
    plain mean without the bound, interleaved: ``aggregator_round_s`` gives each median
    and its ratio to the unbounded mean.
-4. ``--kill-trials`` (20) rounds in which one peer, chosen at random, is SIGKILLed at a
+4. ``--tls``: a second set of peers that talk plaintext gRPC, its rounds interleaved with
+   the first set's (TLS, the default): ``tls_round_s`` gives both medians and their ratio.
+5. ``--kill-trials`` (20) rounds in which one peer, chosen at random, is SIGKILLed at a
    random moment of the exchange: a *hang* is a survivor that has neither the result nor
    an abort by the round deadline plus 15 s. The killed peer is restarted for the next
    trial.
-5. hivemind 1.1.12's ``DecentralizedAverager`` with ``Uniform8BitQuantization`` on the
+6. hivemind 1.1.12's ``DecentralizedAverager`` with ``Uniform8BitQuantization`` on the
    same payload, peers and machine (each peer is this script with ``--worker hivemind``):
    matchmaking runs with ``require_trigger``; once every peer has its group all are
    triggered at once and the round runs from the trigger to the last peer's result; CPU
@@ -122,9 +124,11 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
         MatchmakingConfig,
         averaging_service,
     )
+    from swarmloco.net.client import ClientConfig
     from swarmloco.net.deadline import Deadline
     from swarmloco.net.identity import Identity
     from swarmloco.net.node import NetNode, NodeConfig
+    from swarmloco.net.server import ServerConfig
 
     faulthandler.register(signal.SIGUSR1)
     logging.basicConfig(
@@ -139,7 +143,11 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
         identity = Identity.generate()
         node = NetNode(
             identity=identity,
-            config=NodeConfig(peers=(args.bootstrap,) if args.bootstrap else ()),
+            config=NodeConfig(
+                peers=(args.bootstrap,) if args.bootstrap else (),
+                server=ServerConfig(tls=not args.plain),
+                client=ClientConfig(tls=not args.plain),
+            ),
         )
         matchmaker = Matchmaker(
             identity=identity,
@@ -285,7 +293,15 @@ def hivemind_worker(args: argparse.Namespace) -> None:
 class Worker:
     """One peer process, driven by JSON lines on its stdin and stdout."""
 
-    def __init__(self, kind: str, index: int, args: argparse.Namespace, bootstrap: str) -> None:
+    def __init__(
+        self,
+        kind: str,
+        index: int,
+        args: argparse.Namespace,
+        bootstrap: str,
+        *,
+        plain: bool = False,
+    ) -> None:
         command = [
             sys.executable,
             __file__,
@@ -300,6 +316,8 @@ class Worker:
         ]
         if bootstrap:
             command += ["--bootstrap", bootstrap]
+        if plain:
+            command.append("--plain")
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.index = index
         self.process = subprocess.Popen(
@@ -347,9 +365,9 @@ class Worker:
                 self.kill()
 
 
-def start_workers(kind: str, args: argparse.Namespace) -> list[Worker]:
-    first = Worker(kind, 0, args, "")
-    rest = [Worker(kind, i, args, first.endpoint) for i in range(1, args.peers)]
+def start_workers(kind: str, args: argparse.Namespace, *, plain: bool = False) -> list[Worker]:
+    first = Worker(kind, 0, args, "", plain=plain)
+    rest = [Worker(kind, i, args, first.endpoint, plain=plain) for i in range(1, args.peers)]
     return [first, *rest]
 
 
@@ -503,6 +521,25 @@ def aggregator_rounds(args: argparse.Namespace, workers: list[Worker]) -> dict[s
     }
 
 
+def tls_rounds(args: argparse.Namespace, workers: list[Worker]) -> dict[str, Any]:
+    """Median round seconds over TLS (``workers``) and over plaintext gRPC (a second set of
+    peers started here), the rounds of the two sets interleaved."""
+    log(f"starting {args.peers} plaintext swarmloco peers")
+    plain = start_workers("swarmloco", args, plain=True)
+    try:
+        swarmloco_round(plain, 0)  # warm-up: the codec kernels compile
+        times: dict[str, list[float]] = {"tls": [], "plain": []}
+        for r in range(args.rounds):
+            times["tls"].append(swarmloco_round(workers, 500 + r)["round_s"])
+            times["plain"].append(swarmloco_round(plain, 500 + r)["round_s"])
+            log(f"tls round {r}: tls {times['tls'][-1]:.3f}s, plain {times['plain'][-1]:.3f}s")
+    finally:
+        for w in plain:
+            w.quit()
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {**medians, "tls_over_plain": medians["tls"] / medians["plain"]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from _bench_common import machine
 
@@ -538,6 +575,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["limited_mbit"] = args.mbit
         if args.aggregators:
             out["aggregator_round_s"] = aggregator_rounds(args, workers)
+        if args.tls:
+            out["tls_round_s"] = tls_rounds(args, workers)
         if args.kill_trials:
             log(f"{args.kill_trials} kill trials")
             out.update(kill_trials(args, workers, 200))
@@ -577,6 +616,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kill_trials": args.kill_trials,
         "mbit": args.mbit,
         "aggregators": args.aggregators,
+        "tls": args.tls,
+        "transport": "gRPC over TLS 1.3 (self-signed P-256, pinned)",
         "norm_clip": 4.0,
         "codec": "int8 absmax, block 1024, fp32 scales, 1 MiB chunks",
         "event_loop": "uvloop",
@@ -602,6 +643,14 @@ def targets(out: dict[str, Any]) -> dict[str, bool | None]:
         "bytes <= 1.05 x min": ratio("bytes_sent_per_peer", "bytes_min_per_peer", 1.05),
         "limited <= 1.15 x ideal": ratio("limited_round_s", "limited_ideal_s", 1.15),
         "kill_hangs == 0": None if "kill_hangs" not in out else out["kill_hangs"] == 0,
+        "tls <= 1.2 x plain": (
+            None if "tls_round_s" not in out else out["tls_round_s"]["tls_over_plain"] <= 1.2
+        ),
+        **{
+            f"{name} <= 1.3 x unbounded mean": arm["over_unbounded_mean"] <= 1.3
+            for name, arm in out.get("aggregator_round_s", {}).items()
+            if name != "mean, no bound"
+        },
     }
 
 
@@ -618,11 +667,18 @@ def main() -> None:
         default="mean,trimmed_mean,centered_clip",
         help="aggregators (with the norm bound) to time against the unbounded mean ('' skips)",
     )
+    parser.add_argument(
+        "--tls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time rounds over TLS against a second set of plaintext peers (default: on)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hivemind", action="store_true")
     parser.add_argument("--worker", choices=("swarmloco", "hivemind"), help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--bootstrap", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "swarmloco":
         swarmloco_worker(args)

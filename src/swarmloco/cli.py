@@ -141,6 +141,12 @@ def _bootstrap_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="another bootstrap node to connect to (optional; repeatable)",
     )
     parser.add_argument(
+        "--reflection",
+        action="store_true",
+        help="serve gRPC server reflection, so `grpcurl` can list the services (off: a "
+        "public node need not describe itself to anyone)",
+    )
+    parser.add_argument(
         "--liveness-interval",
         type=float,
         default=60.0,
@@ -162,6 +168,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
         announce_host=args.announce_host,
         peers=tuple(args.peers),
         liveness_interval_s=args.liveness_interval,
+        reflection=args.reflection,
     )
 
     def ready(endpoint: str, identity: Identity) -> None:
@@ -200,6 +207,11 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "--announce-host",
         default=None,
         help="host other peers should dial (default: the bound host, or as the peers see us)",
+    )
+    g.add_argument(
+        "--reflection",
+        action="store_true",
+        help="serve gRPC server reflection, so `grpcurl` can list the services (default: off)",
     )
     g.add_argument(
         "--client-mode",
@@ -333,7 +345,9 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
     peer = PeerConfig(
         data_dir=args.data_dir,
         node=NodeConfig(
-            server=None if args.client_mode else ServerConfig(host=args.host, port=args.port),
+            server=None
+            if args.client_mode
+            else ServerConfig(host=args.host, port=args.port, reflection=args.reflection),
             announce_host=args.announce_host,
             peers=tuple(args.peers),
         ),

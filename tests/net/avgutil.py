@@ -29,6 +29,7 @@ from swarmloco.net.averaging import (
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.server import ServerConfig
 
 SWARM = "cd" * 20
 # Small chunks so that small test vectors still have several chunks per part.
@@ -66,9 +67,12 @@ async def averaging_peers(
     limiters: dict[int, BandwidthLimiter] | None = None,
     bandwidths: dict[int, float] | None = None,
     configs: dict[int, AveragingConfig] | None = None,
+    server: ServerConfig | None = None,
+    announce_host: str | None = None,
 ) -> AsyncIterator[list[AvgPeer]]:
     """``size`` peers on 127.0.0.1 joined through the first (which must serve);
-    ``configs``: per peer, an averaging config other than ``config`` (a liar's)."""
+    ``configs``: per peer, an averaging config other than ``config`` (a liar's);
+    ``server``/``announce_host``: where the serving peers bind and what they announce."""
     assert 0 not in clients
     faults = faults or {}
     limiters = limiters or {}
@@ -81,7 +85,11 @@ async def averaging_peers(
             if i in clients:
                 node_config = NodeConfig(server=None, peers=first)
             else:
-                node_config = NodeConfig(peers=first)
+                node_config = NodeConfig(
+                    peers=first,
+                    server=server or ServerConfig(),
+                    announce_host=announce_host,
+                )
             node = NetNode(identity=identity, config=node_config)
             mm_config = matchmaking or MatchmakingConfig(
                 max_group_size=size, gather_s=10.0, poll_s=0.2

@@ -37,6 +37,8 @@ class BootstrapConfig:
     """Other bootstrap nodes to join (optional)."""
     liveness_interval_s: float = 60.0
     """Peers not heard from for this long are pinged, and logged as gone if they fail."""
+    reflection: bool = False
+    """Serve gRPC server reflection (for `grpcurl`)."""
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
@@ -52,7 +54,7 @@ async def serve_bootstrap(
     """Serve until ``stop`` is set; call ``ready(endpoint, identity)`` once serving."""
     identity = Identity.load_or_create(config.data_dir)
     node_config = NodeConfig(
-        server=ServerConfig(host=config.host, port=config.port),
+        server=ServerConfig(host=config.host, port=config.port, reflection=config.reflection),
         announce_host=config.announce_host,
         peers=config.peers,
         dht=DhtConfig(liveness_interval_s=config.liveness_interval_s),

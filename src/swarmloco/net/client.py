@@ -60,6 +60,14 @@ class RpcError(NetworkError):
         self.code = code
 
 
+class TlsRefused(RpcError, TlsMismatch):
+    """The server's TLS certificate is not one the signed cards for its address name
+    (code UNAUTHENTICATED); asking again would get the same answer."""
+
+    def __init__(self, message: str, *, endpoint: str) -> None:
+        super().__init__(message, endpoint=endpoint, code=grpc.StatusCode.UNAUTHENTICATED)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientConfig:
     max_message_bytes: int = 8 * 1024 * 1024
@@ -195,8 +203,7 @@ class RpcClient:
             try:
                 await self.certs.certificate(endpoint, wait)
             except TlsMismatch as exc:
-                code = grpc.StatusCode.UNAUTHENTICATED
-                raise RpcError(f"{code.name}: {exc}", endpoint=endpoint, code=code) from None
+                raise TlsRefused(f"UNAUTHENTICATED: {exc}", endpoint=endpoint) from None
             except NetworkError as exc:
                 code = grpc.StatusCode.UNAVAILABLE
                 raise RpcError(f"{code.name}: {exc}", endpoint=endpoint, code=code) from None
@@ -273,13 +280,13 @@ class RpcClient:
                 return response
             except RpcError as exc:  # the certificate could not be had, or was refused
                 if exc.code != grpc.StatusCode.UNAVAILABLE or attempt >= attempts:
-                    raise RpcError(
-                        f"{method.name} to {endpoint} failed: {exc} "
-                        f"(attempt {attempt} of {attempts}, "
-                        f"{time.monotonic() - started:.2f}s)",
-                        endpoint=endpoint,
-                        code=exc.code,
-                    ) from None
+                    message = (
+                        f"{method.name} to {endpoint} failed: {exc} (attempt {attempt} of "
+                        f"{attempts}, {time.monotonic() - started:.2f}s)"
+                    )
+                    if isinstance(exc, TlsRefused):
+                        raise TlsRefused(message, endpoint=endpoint) from None
+                    raise RpcError(message, endpoint=endpoint, code=exc.code) from None
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 details = (exc.details() or "").strip()

@@ -20,7 +20,9 @@ the log (which a stream of garbage would turn into a flood).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -32,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.errors import NetworkError
-from swarmloco.net.endpoints import format_endpoint, is_unspecified
+from swarmloco.net.endpoints import format_endpoint, host_of_grpc_peer, is_unspecified
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.tls import TlsCredentials
 
@@ -121,6 +123,10 @@ class ServerConfig:
     """RPCs handled at once; beyond this new calls are refused with RESOURCE_EXHAUSTED."""
     max_concurrent_streams: int = 128
     """Streams one HTTP/2 connection may have open at once."""
+    max_rpcs_per_host: int = 128
+    """RPCs handled at once for callers from one IP address (all its connections
+    together); beyond this its new calls are refused with RESOURCE_EXHAUSTED, so one host
+    cannot take every slot of ``max_concurrent_rpcs``."""
     handshake_timeout_s: float = 5.0
     """A new connection that has not finished its handshake by then is closed."""
     keepalive_time_s: float = 60.0
@@ -131,7 +137,7 @@ class ServerConfig:
     """How long any HTTP/2 ping may go unanswered (grpc.http2.ping_timeout_ms)."""
     min_client_ping_interval_s: float = 10.0
     """Clients pinging more often than this are told off and, after strikes, cut off."""
-    max_connection_idle_s: float = 600.0
+    max_connection_idle_s: float = 120.0
     """Connections without calls for this long are closed."""
     grace_s: float = 2.0
     """At shutdown, calls in flight get this long to finish."""
@@ -148,6 +154,7 @@ class ServerConfig:
         require_int("max_message_bytes", self.max_message_bytes, minimum=1024)
         require_int("max_concurrent_rpcs", self.max_concurrent_rpcs, minimum=1)
         require_int("max_concurrent_streams", self.max_concurrent_streams, minimum=1)
+        require_int("max_rpcs_per_host", self.max_rpcs_per_host, minimum=1)
         for name in (
             "handshake_timeout_s",
             "keepalive_time_s",
@@ -178,6 +185,73 @@ class ServerConfig:
         ]
 
 
+class PerHostLimit(grpc.aio.ServerInterceptor):
+    """Refuses a call with RESOURCE_EXHAUSTED while its caller's IP address has ``limit``
+    calls in flight (streams count until they end)."""
+
+    def __init__(self, limit: int, rejections: RejectionLog) -> None:
+        self.limit = limit
+        self.active: collections.Counter[str] = collections.Counter()
+        self._rejections = rejections
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+        kind = next(k for k in kinds if getattr(handler, k) is not None)
+        return handler._replace(**{kind: self._limited(getattr(handler, kind))})  # type: ignore[attr-defined]
+
+    def _enter(self, context: grpc.aio.ServicerContext) -> str | None:
+        host = host_of_grpc_peer(context.peer())
+        if self.active[host] >= self.limit:
+            rejection = Rejection(
+                "too-many-calls", f"{self.limit} calls from {host} are in flight already"
+            )
+            self._rejections.record(rejection, host)
+            return None
+        self.active[host] += 1
+        return host
+
+    def _leave(self, host: str) -> None:
+        self.active[host] -= 1
+        if self.active[host] <= 0:
+            del self.active[host]
+
+    def _limited(self, behaviour: Callable[..., Any]) -> Callable[..., Any]:
+        refusal = "too many calls from your address are in flight; try again later"
+        if inspect.isasyncgenfunction(behaviour):
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                host = self._enter(context)
+                if host is None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                try:
+                    async for item in behaviour(request, context):
+                        yield item
+                finally:
+                    if host is not None:
+                        self._leave(host)
+
+            return stream
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            host = self._enter(context)
+            if host is None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            try:
+                return await behaviour(request, context)
+            finally:
+                if host is not None:
+                    self._leave(host)
+
+        return call
+
+
 class PeerServer:
     """An async context manager that serves ``services`` (plus health, and reflection if
     configured), over TLS with ``credentials`` (default: a fresh key) unless ``config.tls``
@@ -195,6 +269,8 @@ class PeerServer:
         self._services = list(services)
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
+        self.rejections = RejectionLog(logger)
+        self.per_host = PerHostLimit(config.max_rpcs_per_host, self.rejections)
         self.port = 0
 
     def add_service(self, service: Service) -> None:
@@ -222,6 +298,7 @@ class PeerServer:
         server = grpc.aio.server(
             options=self.config.options(),
             maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
+            interceptors=[self.per_host],
         )
         for service in self._services:
             service.register(server)

@@ -57,7 +57,7 @@ _MAX_CLAIMS_PER_ENDPOINT = 8
 class TlsMismatch(NetworkError):
     """A server's certificate is not the one the signed cards for its address name."""
 
-    def __init__(self, message: str, *, endpoint: str) -> None:
+    def __init__(self, message: str, *, endpoint: str = "") -> None:
         super().__init__(message)
         self.endpoint = endpoint
 

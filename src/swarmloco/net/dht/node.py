@@ -50,6 +50,7 @@ from swarmloco.net.endpoints import format_endpoint
 from swarmloco.net.identity import PEER_ID_BYTES, Identity
 from swarmloco.net.records import MAX_KEY_CHARS, Record, kind_of, make_record, validate
 from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.tls import TlsMismatch
 from swarmloco.proto.v1 import dht_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -494,6 +495,8 @@ class DHTNode:
                 sent = self.clock()
                 response = await self._transport.ping(endpoint, request, call_deadline)
                 offset = response.time_ms / 1000 - (sent + self.clock()) / 2
+            except TlsMismatch as exc:
+                return str(exc)  # asking again would get the same false certificate
             except NetworkError as exc:
                 if deadline.remaining() <= pause:
                     return str(exc)
