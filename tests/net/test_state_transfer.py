@@ -634,3 +634,36 @@ async def test_a_requester_that_stops_reading_loses_its_slot():
             assert_same_state(got.snapshot, snapshot)
         finally:
             hog.cancel()
+
+
+async def test_one_address_cannot_take_every_download_slot():
+    # Larger than HTTP/2 lets the donor send ahead: the hog, reading nothing, holds its slot.
+    snapshot = make_snapshot(6_000_000)
+    identity = Identity.generate()
+    donor = StateDonor(
+        identity=identity,
+        snapshot=lambda: snapshot,
+        config=DonorConfig(chunk_bytes=CHUNK, max_downloads_per_host=1, limit_loopback=True),
+    )
+    server = PeerServer(ServerConfig(host="::", grace_s=0.5), [state_service(donor)])
+    async with server, RpcClient() as client:
+        request = wire.encode_request(swarm_id=SWARM, nonce=bytes(16))
+        # 127.0.0.1 takes one of the two slots, and may not take the other.
+        hog = (await client.open(f"127.0.0.1:{server.port}", 10)).unary_stream(wire.DOWNLOAD_PATH)(
+            request, timeout=30
+        )
+        try:
+            assert pb.DownloadResponse.FromString(await hog.read()).HasField("header")
+            second = (await client.open(f"127.0.0.1:{server.port}", 10)).unary_stream(
+                wire.DOWNLOAD_PATH
+            )(request, timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await second.read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "download(s) to 127.0.0.1" in (refused.value.details() or "")
+            # Another address gets the free slot.
+            got = await fetch(client, [Donor(identity.peer_id_hex, f"[::1]:{server.port}")])
+            assert_same_state(got.snapshot, snapshot)
+        finally:
+            hog.cancel()
+        await wait_for(lambda: donor.active == 0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import grpc
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.core.state import StateSnapshot
 from swarmloco.net.averaging.limiter import BandwidthLimiter
+from swarmloco.net.endpoints import host_of_grpc_peer
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.server import Service
@@ -50,6 +52,11 @@ class DonorConfig:
     default: see ``wire.ReceiveLimits``)."""
     max_concurrent_downloads: int = 2
     """Downloads served at once; further requests are refused with RESOURCE_EXHAUSTED."""
+    max_downloads_per_host: int = 1
+    """Downloads served at once to one IP address, so one host cannot take every slot."""
+    limit_loopback: bool = False
+    """Apply ``max_downloads_per_host`` to loopback callers too (peers on this machine
+    are its operator's own, e.g. a local swarm)."""
     write_timeout_s: float = 30.0
     """A requester that takes no message for this long is dropped (frees its slot)."""
 
@@ -62,7 +69,15 @@ class DonorConfig:
             f"chunks), got {self.chunk_bytes}",
         )
         require_int("max_concurrent_downloads", self.max_concurrent_downloads, minimum=1)
+        require_int("max_downloads_per_host", self.max_downloads_per_host, minimum=1)
         require_positive("write_timeout_s", self.write_timeout_s)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class StateDonor:
@@ -87,6 +102,7 @@ class StateDonor:
         self._snapshot = snapshot
         self._wall_clock = wall_clock
         self._active = 0
+        self._per_host: collections.Counter[str] = collections.Counter()
 
     @property
     def active(self) -> int:
@@ -108,6 +124,17 @@ class StateDonor:
                 f"this peer already serves {self._active} downloads; ask another donor",
             )
             return
+        host = host_of_grpc_peer(context.peer())
+        if not self.config.limit_loopback and _is_loopback(host):
+            host = ""  # not counted per host
+        if host and self._per_host[host] >= self.config.max_downloads_per_host:
+            self.stats["busy"] += 1
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this peer already serves {self._per_host[host]} download(s) to {host}; "
+                "ask another donor",
+            )
+            return
         snapshot = self._snapshot()
         if snapshot is None:
             self.stats["no-state"] += 1
@@ -116,6 +143,7 @@ class StateDonor:
             )
             return
         self._active += 1
+        self._per_host[host] += 1
         try:
             await self._serve(snapshot, request, context)
         except _Stalled:
@@ -124,6 +152,9 @@ class StateDonor:
             stalled = False
         finally:
             self._active -= 1
+            self._per_host[host] -= 1
+            if self._per_host[host] <= 0:
+                del self._per_host[host]
         if stalled:
             # The slot is free already: the status waits behind the data the requester
             # does not read, and leaves when it reads, cancels or its deadline passes.
