@@ -156,3 +156,31 @@ def test_round_entries_are_owned_signed_and_schema_checked():
     )
     with pytest.raises(Rejection):
         validate(forged, now=1000.0)
+
+
+async def test_a_leader_takes_at_most_its_cap_of_members_from_one_subnet():
+    # Every peer calls from 127.0.0.1: one operator's keys, as far as the leader can tell.
+    config = MatchmakingConfig(
+        max_group_size=5,
+        gather_s=2.0,
+        poll_s=0.1,
+        max_members_per_subnet=2,
+        limit_private_subnets=True,
+    )
+    async with averaging_peers(5, matchmaking=config) as peers:
+        groups = await asyncio.gather(
+            *(
+                p.matchmaker.form_group(
+                    1, weight=1.0, numel=640, block_size=64, deadline=Deadline.after(20)
+                )
+                for p in peers
+            )
+        )
+        assert all(g.size <= 2 for g in groups), [g.size for g in groups]
+        # Those turned away formed groups of their own: every peer averages this round.
+        by_id: dict[bytes, int] = {}
+        for g in groups:
+            by_id[g.group_id] = g.size
+        assert sum(by_id.values()) == 5
+        refused = sum(p.matchmaker.rejections.counts["subnet-full"] for p in peers)
+        assert refused >= 1

@@ -49,6 +49,7 @@ from swarmloco.net.averaging.wire import SERVICE_NAME
 from swarmloco.net.client import Method, RpcClient, RpcError
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.node import DHTNode
+from swarmloco.net.endpoints import host_of_grpc_peer, parse_endpoint, subnet_of
 from swarmloco.net.identity import Identity, peer_id_of
 from swarmloco.net.records import round_key
 from swarmloco.net.rejections import Rejection, RejectionLog
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 JOIN = Method(f"/{SERVICE_NAME}/Join", pb.JoinRequest, pb.JoinResponse)
 _MAX_REDIRECTS = 8
 # Refusals after which asking again (elsewhere) makes sense; the others are final.
-_TRANSIENT = frozenset({"not-leading", "formed", "full"})
+_TRANSIENT = frozenset({"not-leading", "formed", "full", "subnet-full"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,11 +85,18 @@ class MatchmakingConfig:
     """Lifetime of the ``round/<r>`` entry."""
     max_declaration_age_s: float = 600.0
     """A leader refuses declarations signed longer ago (or further ahead) than this."""
+    max_members_per_subnet: int = 4
+    """A leader takes at most this many members calling from one /24 (IPv4) or /64 (IPv6),
+    itself included, so that one operator cannot fill a group with keys of its own."""
+    limit_private_subnets: bool = False
+    """Apply ``max_members_per_subnet`` to loopback and private addresses too (a swarm on
+    one machine or one LAN would otherwise be capped)."""
 
     def __post_init__(self) -> None:
         require_int("min_group_size", self.min_group_size, minimum=1)
         require_int("max_group_size", self.max_group_size, minimum=1)
         require(self.min_group_size <= self.max_group_size, "min_group_size > max_group_size")
+        require_int("max_members_per_subnet", self.max_members_per_subnet, minimum=1)
         for name in ("gather_s", "poll_s", "announce_ttl_s", "max_declaration_age_s"):
             require_positive(name, getattr(self, name))
         require(
@@ -117,6 +125,10 @@ class _Gathering:
     declarations: list[pb.MemberDeclaration]
     waiters: dict[str, asyncio.Future[pb.JoinResponse]]
     joined: asyncio.Event
+    subnets: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    """Members per subnet (exempt addresses are not counted)."""
+    subnet_of: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Each follower's subnet, by peer id."""
     closed: bool = False
 
 
@@ -385,6 +397,9 @@ class Matchmaker:
             waiters={},
             joined=asyncio.Event(),
         )
+        own = self._subnet(parse_endpoint(me.endpoint)[0]) if me.endpoint else None
+        if own is not None:
+            gathering.subnets[own] += 1
         self._leading[round] = gathering
         self._following.pop(round, None)
         close_at = loop.time() + min(cfg.gather_s, deadline.remaining())
@@ -412,6 +427,9 @@ class Matchmaker:
             for waiter in gathering.waiters.values():
                 if not waiter.done():
                     waiter.set_result(_refused("formed", "the leader stopped gathering"))
+
+    def _subnet(self, host: str) -> str | None:
+        return subnet_of(host, limit_private=self.config.limit_private_subnets) if host else None
 
     def _alone(self, round: int, me: pb.MemberDeclaration) -> Group:
         cfg = self.config
@@ -518,9 +536,24 @@ class Matchmaker:
         if waiter is None:
             if len(gathering.declarations) >= self.config.max_group_size:
                 return _refused("full", "the group is full")
+            host = host_of_grpc_peer(context.peer())
+            subnet = self._subnet(host)
+            if (
+                subnet is not None
+                and gathering.subnets[subnet] >= self.config.max_members_per_subnet
+            ):
+                rejection = Rejection(
+                    "subnet-full",
+                    f"the group already has {gathering.subnets[subnet]} members from {subnet}",
+                )
+                self.rejections.record(rejection, host)
+                return _refused(rejection.code, rejection.reason)
             waiter = asyncio.get_running_loop().create_future()
             gathering.waiters[member.peer_id] = waiter
             gathering.declarations.append(declaration)
+            if subnet is not None:
+                gathering.subnets[subnet] += 1
+                gathering.subnet_of[member.peer_id] = subnet
             gathering.joined.set()
         try:
             return await asyncio.shield(waiter)
@@ -531,6 +564,9 @@ class Matchmaker:
                 gathering.declarations = [
                     d for d in gathering.declarations if _peer_of(d) != member.peer_id
                 ]
+                left = gathering.subnet_of.pop(member.peer_id, None)
+                if left is not None:
+                    gathering.subnets[left] -= 1
             raise
 
 
