@@ -984,6 +984,7 @@ class Swarm:
             bytes=snap.nbytes,
             seconds=round(got.seconds, 3),
             why=why,
+            digest=snap.digest.hex(),
         )
 
     # -- one round ------------------------------------------------------------------------------
