@@ -96,6 +96,7 @@ class Peer:
         self.down_until = 0.0
         self.peak_rss = 0.0
         self.killed = False  # the current incarnation was killed by us
+        self.also: tuple[str, ...] = ()  # more entry addresses (a live peer's)
         self.outcomes: list[str] = []  # per restart: resumed, fresh, failed
 
     @property
@@ -118,6 +119,7 @@ class Peer:
                 self.swarm,
                 "--peer",
                 self.boot,
+                *(a for peer in self.also for a in ("--peer", peer)),
                 *PEER_OPTIONS,
                 "--data-dir",
                 str(self.run_dir / self.name),
@@ -206,6 +208,14 @@ class Chaos:
                         boot.wait()
                         self._note("kill-bootstrap", None)
                     if guest.incarnations == 0 and now >= guest_join_at:
+                        # As a newcomer would: the bootstrap, and an address the dashboard
+                        # lists (the bootstrap may be dead by the time it joins).
+                        guest.also = tuple(
+                            e["endpoint"]
+                            for p in peers
+                            for e in p.events[-50:]
+                            if e["event"] == "ready" and e.get("endpoint")
+                        )[:1]
                         guest.start()
                         self._note("join", guest)
                     if guest.alive and now >= guest_leave_at:

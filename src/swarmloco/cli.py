@@ -597,20 +597,26 @@ def _join(args: argparse.Namespace) -> int:
         async with NetNode(identity=Identity.generate(), config=config) as node:
             return await fetch_manifest(node.dht, swarm_id)
 
-    try:
-        manifest = run_async(fetch())
-    except ManifestError:
-        # A swarm whose peers all restarted: our own verified copy serves (and is
-        # republished when the peer starts).
-        local = args.data_dir / "swarms" / swarm_id / "manifest.json"
-        if args.dry_run or not local.is_file():
-            raise
+    local = args.data_dir / "swarms" / swarm_id / "manifest.json"
+    if local.is_file() and not args.dry_run:
+        # A restart: the copy this peer verified when it first joined (checked against the
+        # id again here) needs no network, so a dead --peer address does not matter; the
+        # peers it remembers are joined through when the peer starts.
         manifest = SwarmManifest.from_bytes(local.read_bytes(), expected_id=swarm_id)
-        logging.getLogger("swarmloco.join").warning(
-            "the network does not hold swarm %s's manifest; using the copy in %s",
-            swarm_id[:12],
-            local,
-        )
+    else:
+        try:
+            manifest = run_async(fetch())
+        except ManifestError:
+            # A swarm whose peers all restarted: our own verified copy serves (and is
+            # republished when the peer starts).
+            if args.dry_run or not local.is_file():
+                raise
+            manifest = SwarmManifest.from_bytes(local.read_bytes(), expected_id=swarm_id)
+            logging.getLogger("swarmloco.join").warning(
+                "the network does not hold swarm %s's manifest; using the copy in %s",
+                swarm_id[:12],
+                local,
+            )
     if args.dry_run:
         print(manifest.describe(), flush=True)
         return 0

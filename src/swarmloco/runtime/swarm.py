@@ -427,7 +427,6 @@ class Swarm:
 
     def _fetch_manifest(self) -> SwarmManifest:
         from swarmloco.core.manifest import check_swarm_id
-        from swarmloco.errors import ManifestError
         from swarmloco.net.node import NetNode, NodeConfig
         from swarmloco.net.swarm import fetch_manifest
 
@@ -435,28 +434,23 @@ class Swarm:
         self.swarm_id = swarm_id
         local = self.config.data_dir / "swarms" / swarm_id / "manifest.json"
         peers = self.config.node.peers
-        if peers:
-
-            async def fetch() -> SwarmManifest:
-                # Fetching leaves nothing behind: a throwaway identity, no key file.
-                config = NodeConfig(server=None, peers=peers, remembered=self._remembered())
-                async with NetNode(identity=Identity.generate(), config=config) as node:
-                    return await fetch_manifest(node.dht, swarm_id)
-
-            try:
-                return self.loop.run(fetch(), timeout=60.0)
-            except (ManifestError, SwarmlocoError, TimeoutError):
-                if not local.is_file():
-                    raise
-        elif not local.is_file():
+        if local.is_file():
+            # A restart: our own copy, verified against the id (again, here) when we first
+            # joined, needs no network; a dead entry address then costs nothing.
+            return SwarmManifest.from_bytes(local.read_bytes(), expected_id=swarm_id)
+        if not peers:
             raise SwarmlocoError(
                 f"cannot join swarm {swarm_id}: no peer to fetch its manifest from (give "
                 "peers=[HOST:PORT]) and no copy in the data directory"
             )
-        # A swarm whose peers all restarted: our own verified copy serves (and is
-        # republished when the peer starts).
-        logger.warning("using the copy of swarm %s's manifest in %s", swarm_id[:12], local)
-        return SwarmManifest.from_bytes(local.read_bytes(), expected_id=swarm_id)
+
+        async def fetch() -> SwarmManifest:
+            # Fetching leaves nothing behind: a throwaway identity, no key file.
+            config = NodeConfig(server=None, peers=peers, remembered=self._remembered())
+            async with NetNode(identity=Identity.generate(), config=config) as node:
+                return await fetch_manifest(node.dht, swarm_id)
+
+        return self.loop.run(fetch(), timeout=60.0)
 
     @property
     def _peers_file(self) -> Path:
