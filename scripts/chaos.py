@@ -180,7 +180,11 @@ class Chaos:
         args = self.args
         self.run_dir.mkdir(parents=True, exist_ok=True)
         boot, endpoint = start_bootstrap(self.run_dir)
-        options = [*SWARM_OPTIONS, "--sync-every", str(args.sync_every), "--seed", str(args.seed)]
+        options = [
+            *SWARM_OPTIONS,
+            *("--sync-every", str(args.sync_every), "--seed", str(args.seed)),
+            *("--total-steps", str(args.total_steps)),
+        ]
         swarm = publish_swarm(endpoint, self.run_dir, *options)
         log(f"swarm {swarm[:12]} via {endpoint} in {self.run_dir} (faults: {self.faults})")
         peers = [Peer(i, self.run_dir, swarm, endpoint) for i in range(args.peers)]
@@ -413,6 +417,12 @@ def main() -> None:
         "--sync-every", type=int, default=20, help="inner steps per round (default: 20)"
     )
     parser.add_argument(
+        "--total-steps",
+        type=int,
+        default=100_000,
+        help="the swarm's schedule length, longer than the run (default: 100000)",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="the fault schedule's seed (default: 0)"
     )
     parser.add_argument(
@@ -463,6 +473,7 @@ def main() -> None:
         "peers": args.peers,
         "quiet_s": args.quiet,
         "sync_every": args.sync_every,
+        "total_steps": args.total_steps,
         "seed": args.seed,
         "swarm": " ".join(SWARM_OPTIONS),
         "peer": " ".join(PEER_OPTIONS),
