@@ -146,6 +146,7 @@ def _bootstrap_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="serve gRPC server reflection, so `grpcurl` can list the services (off: a "
         "public node need not describe itself to anyone)",
     )
+    _add_tls_options(parser)
     parser.add_argument(
         "--liveness-interval",
         type=float,
@@ -169,6 +170,8 @@ def _bootstrap(args: argparse.Namespace) -> int:
         peers=tuple(args.peers),
         liveness_interval_s=args.liveness_interval,
         reflection=args.reflection,
+        tls_ca_file=args.tls_ca,
+        **_tls_config(args),
     )
 
     def ready(endpoint: str, identity: Identity) -> None:
@@ -197,6 +200,28 @@ def _matchmaking_default(field: str) -> Any:
     return _MATCHMAKING_DEFAULTS[field]
 
 
+def _add_tls_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="serve TLS with this certificate (PEM, chain after the leaf) instead of the "
+        "peer's own self-signed one; needs --tls-key",
+    )
+    parser.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert (PEM)")
+    parser.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="accept only servers whose certificate this CA (PEM) issued, on top of the "
+        "check against their signed card (for a swarm whose operators run a CA)",
+    )
+
+
+def _tls_config(args: argparse.Namespace) -> dict[str, Any]:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return {"tls_cert_file": args.tls_cert, "tls_key_file": args.tls_key}
+
+
 def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("the training peer")
     g.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
@@ -213,6 +238,7 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve gRPC server reflection, so `grpcurl` can list the services (default: off)",
     )
+    _add_tls_options(g)
     g.add_argument(
         "--client-mode",
         action="store_true",
@@ -334,6 +360,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
     import torch
 
     from swarmloco.net.averaging import BandwidthConfig, MatchmakingConfig
+    from swarmloco.net.client import ClientConfig
     from swarmloco.net.identity import Identity
     from swarmloco.net.node import NodeConfig
     from swarmloco.net.server import ServerConfig
@@ -347,7 +374,10 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         node=NodeConfig(
             server=None
             if args.client_mode
-            else ServerConfig(host=args.host, port=args.port, reflection=args.reflection),
+            else ServerConfig(
+                host=args.host, port=args.port, reflection=args.reflection, **_tls_config(args)
+            ),
+            client=ClientConfig(tls_ca_file=args.tls_ca),
             announce_host=args.announce_host,
             peers=tuple(args.peers),
         ),

@@ -7,10 +7,15 @@ between two peers would relay.
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from netutil import loopback_network
 
@@ -20,7 +25,7 @@ from swarmloco.net.dht.transport import PING, DhtServicer
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.server import PeerServer, ServerConfig
-from swarmloco.net.tls import CertBook, TlsCredentials, fetch_certificate
+from swarmloco.net.tls import CertBook, TlsCredentials, TlsError, fetch_certificate
 from swarmloco.proto.v1 import dht_pb2 as pb
 
 HEALTH = Method(
@@ -127,3 +132,87 @@ async def test_fetching_a_certificate_from_a_dead_address_fails_clearly():
 def test_a_node_must_speak_tls_both_ways_or_not_at_all():
     with pytest.raises(ValueError, match="TLS both ways"):
         NodeConfig(server=ServerConfig(tls=False), client=ClientConfig(tls=True))
+
+
+def _issue(tmp_path, name: str, ca_key, ca_name) -> tuple[str, str]:
+    """A certificate for ``name`` signed by the CA, and its key, as PEM files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC))
+        .not_valid_after(datetime.datetime(2100, 1, 1, tzinfo=datetime.UTC))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(cert_file), str(key_file)
+
+
+async def test_operators_own_certificates_and_ca_work_and_a_self_signed_peer_is_refused(
+    tmp_path,
+):
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "swarm operators' CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC))
+        .not_valid_after(datetime.datetime(2100, 1, 1, tzinfo=datetime.UTC))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_file = tmp_path / "ca.crt"
+    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+    def config(name: str, *peers: str) -> NodeConfig:
+        cert, key = _issue(tmp_path, name, ca_key, ca_name)
+        return NodeConfig(
+            server=ServerConfig(tls_cert_file=cert, tls_key_file=key),
+            client=ClientConfig(tls_ca_file=str(ca_file)),
+            peers=peers,
+        )
+
+    key = "swarmloco/v1/" + "ab" * 20 + "/test-counter"
+    async with NetNode(identity=Identity.generate(), config=config("a.example")) as a:
+        b = NetNode(identity=Identity.generate(), config=config("b.example", a.endpoint))
+        async with b:
+            await b.dht.store(key, {"count": 3, "label": "ca"}, ttl=60)
+            assert (await a.dht.get(key)).entries
+            assert b.client.certs.server_name(a.endpoint) == "a.example"
+        # A peer with the default self-signed certificate is not one the CA issued.
+        async with NetNode(identity=Identity.generate(), config=NodeConfig()) as stranger:
+            with pytest.raises(RpcError) as info:
+                await a.client.call(
+                    stranger.endpoint,
+                    PING,
+                    pb.PingRequest(sender=a.dht.card.to_proto()),
+                    timeout=5,
+                    attempts=1,
+                )
+            assert "certificate verify failed" in str(info.value).lower()
+
+
+def test_a_certificate_whose_key_does_not_match_is_refused_with_the_file_names(tmp_path):
+    first, second = TlsCredentials.generate(), TlsCredentials.generate()
+    (tmp_path / "a.crt").write_bytes(first.cert_pem)
+    (tmp_path / "b.key").write_bytes(second.key_pem)
+    with pytest.raises(TlsError, match="is not the key of the certificate"):
+        TlsCredentials.from_files(tmp_path / "a.crt", tmp_path / "b.key")
+    with pytest.raises(TlsError, match="cannot read"):
+        TlsCredentials.from_files(tmp_path / "missing.crt", tmp_path / "b.key")

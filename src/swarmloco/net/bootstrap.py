@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swarmloco.core.config import require, require_positive
+from swarmloco.net.client import ClientConfig
 from swarmloco.net.dht.contact import Contact
 from swarmloco.net.dht.node import DhtConfig
 from swarmloco.net.identity import Identity
@@ -39,6 +40,11 @@ class BootstrapConfig:
     """Peers not heard from for this long are pinged, and logged as gone if they fail."""
     reflection: bool = False
     """Serve gRPC server reflection (for `grpcurl`)."""
+    tls_cert_file: str | None = None
+    """The operator's own TLS certificate (with ``tls_key_file``); None: self-signed."""
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    """Accept only peers whose certificate this CA issued."""
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
@@ -54,7 +60,14 @@ async def serve_bootstrap(
     """Serve until ``stop`` is set; call ``ready(endpoint, identity)`` once serving."""
     identity = Identity.load_or_create(config.data_dir)
     node_config = NodeConfig(
-        server=ServerConfig(host=config.host, port=config.port, reflection=config.reflection),
+        server=ServerConfig(
+            host=config.host,
+            port=config.port,
+            reflection=config.reflection,
+            tls_cert_file=config.tls_cert_file,
+            tls_key_file=config.tls_key_file,
+        ),
+        client=ClientConfig(tls_ca_file=config.tls_ca_file),
         announce_host=config.announce_host,
         peers=config.peers,
         dht=DhtConfig(liveness_interval_s=config.liveness_interval_s),

@@ -24,6 +24,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -32,7 +33,7 @@ from google.protobuf.message import Message
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.errors import NetworkError
 from swarmloco.net.deadline import Deadline
-from swarmloco.net.tls import TLS_SERVER_NAME, CertBook, TlsMismatch
+from swarmloco.net.tls import CertBook, TlsError, TlsMismatch
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
@@ -89,6 +90,9 @@ class ClientConfig:
     for its address (every peer of a swarm must agree; see ServerConfig.tls)."""
     tls_handshake_timeout_s: float = 5.0
     """Longest wait for a server's certificate when first dialling it."""
+    tls_ca_file: str | None = None
+    """An operator's CA (PEM): servers must present a certificate it issued, as well as
+    the one their card names. None: peers' self-signed certificates."""
 
     def __post_init__(self) -> None:
         require_int("max_message_bytes", self.max_message_bytes, minimum=1024)
@@ -132,7 +136,13 @@ class RpcClient:
         self._rng = rng or random.Random()
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
         self._pems: dict[str, bytes | None] = {}
-        self.certs = CertBook()
+        ca = None
+        if self.config.tls and self.config.tls_ca_file:
+            try:
+                ca = Path(self.config.tls_ca_file).read_bytes()
+            except OSError as exc:
+                raise TlsError(f"cannot read the TLS CA file: {exc}") from None
+        self.certs = CertBook(ca_pem=ca)
         """The TLS keys of addresses, as signed cards name them, and the pinned ones."""
         self._stubs: dict[tuple[str, str], Any] = {}
         self._closing: set[asyncio.Task[None]] = set()
@@ -170,10 +180,10 @@ class RpcClient:
         else:
             channel = grpc.aio.secure_channel(
                 endpoint,
-                grpc.ssl_channel_credentials(root_certificates=pem),
+                grpc.ssl_channel_credentials(root_certificates=self.certs.ca_pem or pem),
                 options=[
                     *self.config.channel_options(),
-                    ("grpc.ssl_target_name_override", TLS_SERVER_NAME),
+                    ("grpc.ssl_target_name_override", self.certs.server_name(endpoint)),
                 ],
                 interceptors=self._interceptors or None,
             )

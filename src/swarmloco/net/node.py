@@ -79,11 +79,14 @@ class NetNode:
         self.config = config
         self.client = RpcClient(config.client, interceptors=interceptors)
         self._on_contact_removed = on_contact_removed
-        credentials = (
-            TlsCredentials.for_identity(identity)
-            if config.server is not None and config.server.tls
-            else None
-        )
+        credentials = None
+        if config.server is not None and config.server.tls:
+            server = config.server
+            credentials = (
+                TlsCredentials.from_files(server.tls_cert_file, server.tls_key_file)
+                if server.tls_cert_file and server.tls_key_file
+                else TlsCredentials.for_identity(identity)
+            )
         self.dht = DHTNode(
             identity=identity,
             transport=GrpcDhtTransport(self.client),

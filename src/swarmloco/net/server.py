@@ -146,6 +146,11 @@ class ServerConfig:
     must agree: a TLS caller cannot talk to a plain server, nor the reverse."""
     reflection: bool = False
     """Serve gRPC server reflection (lets `grpcurl` list the services)."""
+    tls_cert_file: str | None = None
+    """An operator's own certificate (PEM, chain after the leaf) instead of the peer's
+    self-signed one; needs ``tls_key_file``."""
+    tls_key_file: str | None = None
+    """The key of ``tls_cert_file`` (unencrypted PEM)."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.host, str), "host must be a string")
@@ -165,6 +170,10 @@ class ServerConfig:
             "grace_s",
         ):
             require_positive(name, getattr(self, name))
+        require(
+            (self.tls_cert_file is None) == (self.tls_key_file is None),
+            "tls_cert_file and tls_key_file go together",
+        )
 
     def options(self) -> list[tuple[str, Any]]:
         ms = lambda seconds: int(seconds * 1000)  # noqa: E731

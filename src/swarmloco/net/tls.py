@@ -35,6 +35,7 @@ import dataclasses
 import datetime
 import hashlib
 import ssl
+from pathlib import Path
 
 import grpc
 from cryptography import x509
@@ -42,7 +43,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from swarmloco.errors import NetworkError
+from swarmloco.errors import NetworkError, SwarmlocoError
 from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
 
@@ -52,6 +53,10 @@ FINGERPRINT_BYTES = 32
 _KEY_DOMAIN = b"swarmloco/v1/tls-key\x00"
 _MAX_ENDPOINTS = 4096
 _MAX_CLAIMS_PER_ENDPOINT = 8
+
+
+class TlsError(SwarmlocoError):
+    """A TLS certificate, key or CA file given by the operator cannot be used."""
 
 
 class TlsMismatch(NetworkError):
@@ -125,17 +130,49 @@ class TlsCredentials:
         cert_pem = certificate.public_bytes(serialization.Encoding.PEM)
         return cls(key_pem, cert_pem, fingerprint_of(certificate))
 
+    @classmethod
+    def from_files(cls, cert_file: Path | str, key_file: Path | str) -> TlsCredentials:
+        """An operator's own certificate (PEM, the chain after the leaf) and key.
+
+        Raises TlsError naming the file when either cannot be read or they do not match."""
+        try:
+            cert_pem = Path(cert_file).read_bytes()
+            key_pem = Path(key_file).read_bytes()
+        except OSError as exc:
+            raise TlsError(f"cannot read the TLS certificate or key: {exc}") from None
+        try:
+            leaf = x509.load_pem_x509_certificate(cert_pem)
+            key = serialization.load_pem_private_key(key_pem, password=None)
+        except (ValueError, TypeError) as exc:
+            raise TlsError(
+                f"{cert_file} / {key_file}: not a PEM certificate and an unencrypted PEM key "
+                f"({exc})"
+            ) from None
+        ours = key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        theirs = leaf.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        if ours != theirs:
+            raise TlsError(f"the key in {key_file} is not the key of the certificate {cert_file}")
+        return cls(key_pem, cert_pem, fingerprint_of(leaf))
+
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)])
 
 
-async def fetch_certificate(endpoint: str, timeout: float) -> bytes:
-    """The certificate (DER) the server at ``endpoint`` presents, unchecked: one TLS
-    handshake and nothing else. Raises NetworkError when it cannot be had in time."""
+async def fetch_certificate(endpoint: str, timeout: float, *, ca_pem: bytes | None = None) -> bytes:
+    """The certificate (DER) the server at ``endpoint`` presents: one TLS handshake and
+    nothing else. Unchecked, unless ``ca_pem`` is given: then its chain must lead to that
+    CA. Raises NetworkError when it cannot be had in time (or the CA refuses it)."""
     host, port = parse_endpoint(endpoint)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE  # we read it to check it ourselves
+    context.check_hostname = False  # peers are known by key; the card names it
+    if ca_pem is None:
+        context.verify_mode = ssl.CERT_NONE  # we read it to check it ourselves
+    else:
+        context.load_verify_locations(cadata=ca_pem.decode("ascii"))
     context.set_alpn_protocols(["h2"])
     try:
         async with asyncio.timeout(max(timeout, 0.001)):
@@ -154,19 +191,37 @@ async def fetch_certificate(endpoint: str, timeout: float) -> bytes:
     return bytes(der)
 
 
+def _dns_name(certificate: x509.Certificate) -> str:
+    """The first DNS name the certificate is for (its common name if it has none)."""
+    try:
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        dns = names.value.get_values_for_type(x509.DNSName)
+        if dns:
+            return dns[0]
+    except x509.ExtensionNotFound:
+        pass
+    common = certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(common[0].value) if common else TLS_SERVER_NAME
+
+
 @dataclasses.dataclass
 class _Pin:
     fingerprint: bytes
     pem: bytes
     confirmed: bool
     """Whether a signed card named it (False: taken on first use, awaiting a card)."""
+    name: str = TLS_SERVER_NAME
+    """The name to check the certificate for (a CA-issued certificate names its host)."""
 
 
 class CertBook:
     """What a caller knows of the TLS keys behind addresses: the fingerprints signed cards
     claim for them, and the certificate pinned for each address dialled."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, ca_pem: bytes | None = None) -> None:
+        self.ca_pem = ca_pem
+        """An operator's CA: every server's chain must lead to it (on top of the card
+        check), and channels trust it instead of the server's own certificate."""
         # endpoint -> {peer id: (card start time, fingerprint)}, least recently used first
         self._claims: collections.OrderedDict[str, dict[bytes, tuple[int, bytes]]] = (
             collections.OrderedDict()
@@ -215,6 +270,11 @@ class CertBook:
         pin = self._pins.get(endpoint)
         return pin.pem if pin is not None else None
 
+    def server_name(self, endpoint: str) -> str:
+        """The name a channel to ``endpoint`` checks its certificate for."""
+        pin = self._pins.get(endpoint)
+        return pin.name if pin is not None else TLS_SERVER_NAME
+
     def forget(self, endpoint: str) -> None:
         """Drop the pin (the server's certificate changed, or it proved false)."""
         self._pins.pop(endpoint, None)
@@ -240,7 +300,7 @@ class CertBook:
             fetching.exception()  # retrieved here too, in case every caller gave up
 
     async def _fetch(self, endpoint: str, timeout: float) -> bytes:
-        der = await fetch_certificate(endpoint, timeout)
+        der = await fetch_certificate(endpoint, timeout, ca_pem=self.ca_pem)
         try:
             certificate = x509.load_der_x509_certificate(der)
             fingerprint = fingerprint_of(certificate)
@@ -256,7 +316,9 @@ class CertBook:
                 endpoint=endpoint,
             )
         pem = certificate.public_bytes(serialization.Encoding.PEM)
-        self._pins[endpoint] = _Pin(fingerprint, pem, confirmed=bool(claimed))
+        self._pins[endpoint] = _Pin(
+            fingerprint, pem, confirmed=bool(claimed), name=_dns_name(certificate)
+        )
         return pem
 
     def confirm(self, endpoint: str, fingerprint: bytes) -> None:

@@ -542,12 +542,12 @@ class Matchmaker:
                 subnet is not None
                 and gathering.subnets[subnet] >= self.config.max_members_per_subnet
             ):
-                rejection = Rejection(
+                full = Rejection(
                     "subnet-full",
                     f"the group already has {gathering.subnets[subnet]} members from {subnet}",
                 )
-                self.rejections.record(rejection, host)
-                return _refused(rejection.code, rejection.reason)
+                self.rejections.record(full, host)
+                return _refused(full.code, full.reason)
             waiter = asyncio.get_running_loop().create_future()
             gathering.waiters[member.peer_id] = waiter
             gathering.declarations.append(declaration)
