@@ -667,3 +667,24 @@ async def test_one_address_cannot_take_every_download_slot():
         finally:
             hog.cancel()
         await wait_for(lambda: donor.active == 0)
+
+
+async def test_a_donor_that_moved_on_serves_the_round_before_to_whoever_asks_for_it():
+    older, newer = make_snapshot(5000, round=4, seed=1), make_snapshot(5000, round=5, seed=2)
+    identity = Identity.generate()
+    donor = StateDonor(
+        identity=identity,
+        snapshot=lambda: newer,
+        previous=lambda: older,
+        config=DonorConfig(chunk_bytes=CHUNK),
+    )
+    async with serving(state_service(donor)) as port, RpcClient() as client:
+        served = Donor(identity.peer_id_hex, f"127.0.0.1:{port}")
+        got = await fetch(client, [served], expected_round=4, expected_digest=older.digest)
+        assert_same_state(got.snapshot, older)
+        got = await fetch(client, [served], expected_round=5, expected_digest=newer.digest)
+        assert_same_state(got.snapshot, newer)
+        # Another state of round 4 is not served in its place.
+        other = make_snapshot(5000, round=4, seed=3)
+        with pytest.raises(StateTransferError, match="round 5, not 4"):
+            await fetch(client, [served], expected_round=4, expected_digest=other.digest)

@@ -235,11 +235,13 @@ class Background:
 
 
 class Watch:
-    """Wraps a peer's event list: ``reached`` is set once it applied ``round``."""
+    """Wraps a peer's event list: ``reached`` is set once it applied ``round`` (in a group
+    of at least ``group``)."""
 
-    def __init__(self, events: Events, round: int) -> None:
+    def __init__(self, events: Events, round: int, group: int = 1) -> None:
         self.events = events
         self.round = round
+        self.group = group
         self.reached = threading.Event()
         self.ready = threading.Event()
 
@@ -247,7 +249,11 @@ class Watch:
         self.events(event)
         if event["event"] == "ready":
             self.ready.set()
-        if event["event"] == "round" and event["round"] >= self.round:
+        if (
+            event["event"] == "round"
+            and event["round"] >= self.round
+            and event["group"] >= self.group
+        ):
             self.reached.set()
 
 
@@ -408,10 +414,12 @@ def test_a_restarted_peer_whose_bootstrap_is_dead_rejoins_through_the_peers_it_k
     first = Background(a.job)
     assert watch.ready.wait(60)
     c = _peer(tmp_path, "c", a.swarm.swarm_id, a.swarm.endpoint)
-    c_up = Watch(c.events, round=1)
+    c_up = Watch(c.events, round=1, group=2)
     c.swarm.on_event = c_up
     third = Background(c.job)
-    assert c_up.ready.wait(60)
+    # c in step with a (it averaged with it) before b comes: two newcomers at once, with a
+    # running ahead alone, can leave them out of step with it (issue 12's chasing).
+    assert c_up.reached.wait(60)
     # b knows the swarm only through c.
     b = _peer(tmp_path, "b", a.swarm.swarm_id, c.swarm.endpoint, max_rounds=3)
     run_peers(b.job)

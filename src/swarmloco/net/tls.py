@@ -319,6 +319,8 @@ class CertBook:
         self._pins[endpoint] = _Pin(
             fingerprint, pem, confirmed=bool(claimed), name=_dns_name(certificate)
         )
+        while len(self._pins) > _MAX_ENDPOINTS:  # the oldest pin goes; it is fetched again
+            del self._pins[next(iter(self._pins))]
         return pem
 
     def confirm(self, endpoint: str, fingerprint: bytes) -> None:

@@ -98,8 +98,13 @@ class SwarmNetwork:
         )
         self.snapshot: Callable[[], StateSnapshot | None] = lambda: None
         """What the donor serves (the peer sets it before entering)."""
+        self.previous_snapshot: Callable[[], StateSnapshot | None] = lambda: None
+        """The snapshot before it, served to whoever asks for that round."""
         self.donor = StateDonor(
-            identity=identity, snapshot=lambda: self.snapshot(), limiter=limiter
+            identity=identity,
+            snapshot=lambda: self.snapshot(),
+            previous=lambda: self.previous_snapshot(),
+            limiter=limiter,
         )
         if self.node.server is not None:
             self.node.server.add_service(averaging_service(self.matchmaker, self.averager))

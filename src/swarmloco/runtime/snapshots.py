@@ -1,4 +1,6 @@
-"""What a peer's state donor serves: the committed global state of its last round.
+"""What a peer's state donor serves: the committed global state of its last round, and
+the round before it (a peer that decided to download a round as the swarm moved on asks
+for that one).
 
 A new round's state is hashed on a thread of its own while training goes on (a large
 model's state takes seconds to hash): until its digest is known the donor serves the
@@ -26,6 +28,8 @@ class Snapshots:
         self.swarm_id = swarm_id
         self.current: StateSnapshot | None = None
         """What the donor serves (read from the event loop's thread)."""
+        self.previous: StateSnapshot | None = None
+        """The snapshot ``current`` replaced, served to whoever asks for its round."""
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._hashing: tuple[concurrent.futures.Future[StateSnapshot], Then] | None = None
 
@@ -44,10 +48,18 @@ class Snapshots:
         """Serve ``tensors`` (a copy nobody changes) as the state of ``round`` from now on,
         hashed here unless ``digest`` is given."""
         self.finish(wait=True)
-        self.current = StateSnapshot.of(
-            swarm_id=self.swarm_id, round=round, tensors=tensors, digest=digest
+        self._replace(
+            StateSnapshot.of(swarm_id=self.swarm_id, round=round, tensors=tensors, digest=digest)
         )
+        assert self.current is not None
         return self.current
+
+    def _replace(self, snapshot: StateSnapshot) -> None:
+        if self.current is not None and self.current.round < snapshot.round:
+            self.previous = self.current
+        elif self.current is not None:  # the same round again, or an older one: a new line
+            self.previous = None
+        self.current = snapshot
 
     def hash_later(self, round: int, tensors: Mapping[str, torch.Tensor], then: Then) -> None:
         """:meth:`publish` on the digest thread; ``then(digest)`` runs in :meth:`finish`."""
@@ -71,5 +83,6 @@ class Snapshots:
         if not wait and not future.done():
             return
         self._hashing = None
-        self.current = future.result()
+        self._replace(future.result())
+        assert self.current is not None
         then(self.current.digest)

@@ -500,6 +500,7 @@ class Swarm:
         network = self.network
         network.catchup.evidence = self.evidence  # restored from a checkpoint, maybe
         network.snapshot = lambda: self.snapshots.current
+        network.previous_snapshot = lambda: self.snapshots.previous
         network.progress = self._progress_value
         network.status = self._status_value
         network.on_dashboard = lambda url: self._emit("dashboard", url=url)

@@ -85,7 +85,7 @@ class MatchmakingConfig:
     """Lifetime of the ``round/<r>`` entry."""
     max_declaration_age_s: float = 600.0
     """A leader refuses declarations signed longer ago (or further ahead) than this."""
-    max_members_per_subnet: int = 4
+    max_members_per_subnet: int = 16
     """A leader takes at most this many members calling from one /24 (IPv4) or /64 (IPv6),
     itself included, so that one operator cannot fill a group with keys of its own."""
     limit_private_subnets: bool = False

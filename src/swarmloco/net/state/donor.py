@@ -88,6 +88,7 @@ class StateDonor:
         *,
         identity: Identity,
         snapshot: SnapshotProvider,
+        previous: SnapshotProvider | None = None,
         config: DonorConfig | None = None,
         limiter: BandwidthLimiter | None = None,
         wall_clock: Callable[[], float] = time.time,
@@ -100,6 +101,7 @@ class StateDonor:
         """``served``, ``declined`` (header only), ``busy``, ``no-state``, ``dropped``,
         ``chunks``, ``bytes``."""
         self._snapshot = snapshot
+        self._previous = previous
         self._wall_clock = wall_clock
         self._active = 0
         self._per_host: collections.Counter[str] = collections.Counter()
@@ -136,6 +138,16 @@ class StateDonor:
             )
             return
         snapshot = self._snapshot()
+        if snapshot is not None and request.round and request.round != snapshot.round:
+            # Asked for the round before ours (we moved on while the requester decided):
+            # the previous snapshot, if it is that state, saves it a new search.
+            older = self._previous() if self._previous is not None else None
+            if (
+                older is not None
+                and older.round == request.round
+                and (not request.digest or older.digest == request.digest)
+            ):
+                snapshot = older
         if snapshot is None:
             self.stats["no-state"] += 1
             await context.abort(
