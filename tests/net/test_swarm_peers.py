@@ -98,7 +98,9 @@ def run_peers(*jobs: tuple[Swarm, nn.Module, torch.optim.Optimizer, Iterator]) -
         except BaseException as exc:  # reported below, in the test's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    # Daemon threads: a peer that does not stop fails its test, not the whole run (the
+    # process could not exit while it trains on).
+    threads = [threading.Thread(target=run, args=(job,), daemon=True) for job in jobs]
     for t in threads:
         t.start()
     for t in threads:
@@ -218,7 +220,7 @@ class Background:
 
     def __init__(self, *jobs: Any) -> None:
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=jobs)
+        self.thread = threading.Thread(target=self._run, args=jobs, daemon=True)
         self.thread.start()
 
     def _run(self, *jobs: Any) -> None:
