@@ -3,7 +3,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmloco.core.aggregate import AggregatorConfig, aggregate, centered_clip, trimmed_mean
+from swarmloco.core.aggregate import (
+    AggregatorConfig,
+    aggregate,
+    centered_clip,
+    coordinate_median,
+    trimmed_mean,
+)
 from swarmloco.core.grouping import part_blocks, weight_violations
 
 
@@ -50,6 +56,54 @@ def test_trimmed_mean_ignores_two_hostile_of_eight():
     lo = torch.stack(honest).amin(0)
     hi = torch.stack(honest).amax(0)
     assert bool(((out >= lo) & (out <= hi)).all())
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9, 40, 100])
+def test_order_statistics_match_a_full_sort(n):
+    # Selection networks for small groups, torch's sort beyond: the same values either way,
+    # ties included (integers drawn from a small range repeat often).
+    g = torch.Generator().manual_seed(n)
+    chunks = [torch.randint(-3, 4, (2000,), generator=g).float() for _ in range(n)]
+    chunks[0][:10] = 1e30  # large values and exact ties with each other
+    originals = [c.clone() for c in chunks]
+    ordered = torch.stack(chunks).sort(dim=0).values
+    for trim in (0, 1, 2, 3):
+        t = min(trim, (n - 1) // 2)
+        want = ordered[t : n - t].mean(dim=0)
+        assert torch.allclose(trimmed_mean(chunks, trim), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(coordinate_median(chunks), torch.stack(chunks).median(dim=0).values)
+    assert all(torch.equal(c, o) for c, o in zip(chunks, originals))  # inputs untouched
+
+
+def _centered_clip_reference(chunks, weights, iterations):
+    """The algorithm as written (Alg. 2), in float64, forming every difference."""
+    x = torch.stack(chunks).double()
+    w = torch.tensor(weights, dtype=torch.float64)
+    w = w / w.sum()
+    v = x.median(dim=0).values
+    tau = float(torch.linalg.vector_norm(x - v, dim=1).median())
+    for _ in range(iterations):
+        diff = x - v
+        scale = torch.clamp(tau / torch.linalg.vector_norm(diff, dim=1), max=1.0)
+        v = v + (w * scale) @ diff
+    return v
+
+
+@pytest.mark.parametrize("case", ["honest", "one-far", "near-float32-max", "nearly-equal"])
+def test_centered_clip_matches_the_algorithm_as_written(case):
+    g = torch.Generator().manual_seed(7)
+    chunks = [torch.randn(5000, generator=g) for _ in range(5)]
+    weights = [1.0, 2.0, 1.0, 1.0, 3.0]
+    if case == "one-far":
+        chunks[4] = chunks[4] * -1000
+    elif case == "near-float32-max":  # squares overflow float32: the float64 path
+        chunks = [c.clamp(-1, 1) * 6e37 for c in chunks]
+    elif case == "nearly-equal":
+        chunks = [chunks[0] + 1e-4 * c for c in chunks]
+    want = _centered_clip_reference(chunks, weights, iterations=50)
+    got = centered_clip(chunks, weights, iterations=50).double()
+    assert torch.isfinite(got).all()
+    assert float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)) < 1e-5
 
 
 def test_centered_clip_bounds_hostile_influence():
