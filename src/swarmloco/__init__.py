@@ -25,6 +25,7 @@ _EXPORTS = {
     "CodecConfig": "swarmloco.core.codec",
     "create": "swarmloco.runtime.api",
     "join": "swarmloco.runtime.api",
+    "admit": "swarmloco.runtime.api",
     "Swarm": "swarmloco.runtime.swarm",
     "PeerConfig": "swarmloco.runtime.config",
     "export": "swarmloco.runtime.export",
@@ -44,6 +45,7 @@ __all__ = [
     "Swarm",
     "SwarmlocoError",
     "__version__",
+    "admit",
     "create",
     "export",
     "join",
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
     from swarmloco.core.codec import CodecConfig
     from swarmloco.core.runspec import RunSpec
     from swarmloco.errors import ModelMismatch, Stopped, SwarmlocoError
-    from swarmloco.runtime.api import create, join
+    from swarmloco.runtime.api import admit, create, join
     from swarmloco.runtime.config import PeerConfig
     from swarmloco.runtime.export import export
     from swarmloco.runtime.swarm import Swarm

@@ -11,6 +11,7 @@ import msgpack
 from cliutil import COMMAND, Bootstrap, rss_mb, swarmloco
 
 from swarmloco.core.manifest import SwarmManifest
+from swarmloco.net.admission import Membership
 from swarmloco.net.client import RpcClient
 from swarmloco.net.dht.node import DHTNode
 from swarmloco.net.dht.transport import DhtServicer, GrpcDhtTransport
@@ -100,6 +101,59 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         assert boot.stop() == 0
 
 
+def test_the_creator_of_a_private_swarm_admits_peers_and_nobody_else_can(tmp_path):
+    with Bootstrap(tmp_path / "boot") as boot:
+        creator = str(tmp_path / "creator")
+        common = ("--preset", "tiny", "--peer", boot.endpoint, "--no-train")
+        private = swarmloco("create", *common, "--data-dir", creator, "--private")
+        assert private.returncode == 0, private.stderr
+        swarm_id = private.stdout.strip()
+        peer = Identity.load_or_create(tmp_path / "peer").peer_id_hex
+        admitted = swarmloco(
+            "admit",
+            peer,
+            "--swarm",
+            swarm_id,
+            "--peer",
+            boot.endpoint,
+            "--data-dir",
+            creator,
+            "--days",
+            "30",
+        )
+        assert admitted.returncode == 0, admitted.stderr
+        cert = Membership.from_text(admitted.stdout)
+        assert (cert.swarm_id, cert.peer_id) == (swarm_id, peer)
+        assert 29 * 86400 < cert.expires_at - time.time() <= 30 * 86400
+        assert f"admitted peer {peer}" in admitted.stderr
+        # Another key cannot admit; a public swarm has nobody to admit.
+        other = swarmloco(
+            "admit",
+            peer,
+            "--swarm",
+            swarm_id,
+            "--peer",
+            boot.endpoint,
+            "--data-dir",
+            str(tmp_path / "peer"),
+        )
+        assert other.returncode == 2 and "only its creator can admit" in other.stderr
+        public = swarmloco("create", *common, "--data-dir", creator)
+        assert public.returncode == 0, public.stderr
+        open_run = swarmloco(
+            "admit",
+            peer,
+            "--swarm",
+            public.stdout.strip(),
+            "--peer",
+            boot.endpoint,
+            "--data-dir",
+            creator,
+        )
+        assert open_run.returncode == 2 and "is public" in open_run.stderr
+        assert boot.stop() == 0
+
+
 def test_a_peer_address_that_does_not_answer_fails_within_seconds():
     import socket
 
@@ -121,7 +175,7 @@ def test_a_client_mode_creator_without_a_peer_is_refused_before_anything_starts(
 
 
 def test_every_command_explains_itself():
-    for command in ("bootstrap", "create", "join"):
+    for command in ("bootstrap", "create", "join", "admit"):
         result = swarmloco(command, "--help")
         assert result.returncode == 0
         assert "example" in result.stdout

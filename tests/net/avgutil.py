@@ -9,12 +9,13 @@ import os
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import torch
 
 from swarmloco.core.codec import CodecConfig, chunk_spans, padded_numel
+from swarmloco.net.admission import Admission
 from swarmloco.net.averaging import (
     AllReduceReport,
     AllReduceResult,
@@ -69,10 +70,12 @@ async def averaging_peers(
     configs: dict[int, AveragingConfig] | None = None,
     server: ServerConfig | None = None,
     announce_host: str | None = None,
+    gates: Callable[[int, Identity], Admission | None] | None = None,
 ) -> AsyncIterator[list[AvgPeer]]:
     """``size`` peers on 127.0.0.1 joined through the first (which must serve);
     ``configs``: per peer, an averaging config other than ``config`` (a liar's);
-    ``server``/``announce_host``: where the serving peers bind and what they announce."""
+    ``server``/``announce_host``: where the serving peers bind and what they announce;
+    ``gates``: per peer (index, identity), the gate of a private swarm (None: none)."""
     assert 0 not in clients
     faults = faults or {}
     limiters = limiters or {}
@@ -91,6 +94,9 @@ async def averaging_peers(
                     announce_host=announce_host,
                 )
             node = NetNode(identity=identity, config=node_config)
+            gate = gates(i, identity) if gates is not None else None
+            if gate is not None:
+                node.dht.admit(gate)
             mm_config = matchmaking or MatchmakingConfig(
                 max_group_size=size, gather_s=10.0, poll_s=0.2
             )
@@ -103,6 +109,7 @@ async def averaging_peers(
                 swarm_id=SWARM,
                 config=mm_config,
                 faults=faults.get(i),
+                admission=gate,
             )
             averager = Averager(
                 identity=identity,

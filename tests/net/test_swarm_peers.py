@@ -454,3 +454,38 @@ def test_a_peers_bandwidth_cap_is_what_it_declares_to_matchmaking(tmp_path):
     # default), the capped one reduces 1/26 of the vector.
     parts = part_blocks(2600, [free.matchmaking.bandwidth, declared])
     assert [blocks for _, blocks in parts] == [2500, 100]
+
+
+def test_a_private_swarm_turns_away_a_peer_without_a_certificate_and_trains_with_one(tmp_path):
+    spec = dataclasses.replace(SPEC, total_steps=4 * 4)
+    two = {"matchmaking": MatchmakingConfig(gather_s=2.0, poll_s=0.05, min_group_size=2)}
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    watch = Watch(Events(), round=1)
+    creator = swarmloco.create(
+        spec, model, opt, config=config(tmp_path, "a", **two), on_event=watch, private=True
+    )
+    a = Peer(creator, model, opt, watch.events, seed=1)
+    first = Background(a.job)
+    assert watch.ready.wait(60)
+    swarm_id = creator.swarm_id
+
+    # No certificate: refused on enter, before any server or DHT node, with the command
+    # that fixes it.
+    outsider = _peer(tmp_path, "b", swarm_id, creator.endpoint, **two)
+    me = outsider.swarm.identity.peer_id_hex
+    with pytest.raises(swarmloco.SwarmlocoError) as caught, outsider.swarm:
+        pass
+    assert f"swarmloco admit {me} --swarm {swarm_id}" in str(caught.value)
+    assert outsider.swarm.network is None
+
+    # Admitted: the same peer trains with the creator, and keeps its certificate.
+    cert = swarmloco.admit(swarm_id, me, data_dir=tmp_path / "a")
+    b = _peer(tmp_path, "b", swarm_id, creator.endpoint, membership=cert, **two)
+    run_peers(b.job)
+    first.join()
+    assert [p.swarm.round for p in (a, b)] == [4, 4]
+    assert a.swarm.snapshots.current.digest == b.swarm.snapshots.current.digest
+    assert max(e["group"] for e in b.events.of("round")) == 2
+    kept = tmp_path / "b" / "swarms" / swarm_id / "membership"
+    assert kept.read_text().strip() == cert

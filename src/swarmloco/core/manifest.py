@@ -112,6 +112,11 @@ class SwarmManifest:
     """Random salt so that two runs with the same settings get different ids."""
     format: int = FORMAT_VERSION
     """Manifest format version."""
+    admission: str = ""
+    """Who may take part: empty for anyone (a public run), ``certificate`` for the peers
+    holding a membership certificate signed by the creator (a private run; see
+    ``net/admission.py``). Left out of the encoding when empty, so public runs keep the
+    ids they had before the field existed."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task:
@@ -124,6 +129,13 @@ class SwarmManifest:
         for field in ("model", "data", "hparams"):
             if not isinstance(getattr(self, field), Mapping):
                 raise ManifestError(f"manifest {field} must be a mapping")
+        if self.admission not in ("", "certificate"):
+            raise ManifestError(
+                f"manifest admission must be empty (public) or 'certificate' (private), got "
+                f"{self.admission!r}"
+            )
+        if self.admission and not self.creator:
+            raise ManifestError("a private run (admission 'certificate') needs a creator key")
         if self.format != FORMAT_VERSION:
             raise ManifestError(
                 f"manifest format {self.format} is not supported (this swarmloco speaks "
@@ -134,7 +146,15 @@ class SwarmManifest:
             raise ManifestError(f"manifest is {size} bytes; the limit is {MAX_MANIFEST_BYTES}")
 
     def to_dict(self) -> dict[str, JsonValue]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if not self.admission:
+            del out["admission"]
+        return out
+
+    @property
+    def private(self) -> bool:
+        """Whether only peers with a membership certificate may take part."""
+        return self.admission == "certificate"
 
     def to_bytes(self) -> bytes:
         """The canonical encoding (what is hashed, stored in the DHT and sent on the wire)."""

@@ -169,6 +169,17 @@ class Struct(Schema):
                 raise SchemaError(f"{where} lacks the field {name!r}")
 
 
+MEMBER_FIELD = "member"
+"""The optional field of every owned record value: the owner's membership certificate
+of a private swarm (``net/admission.py``)."""
+_MEMBER = Bin(192)
+
+
+def owned_value(fields: Mapping[str, Schema], optional: frozenset[str] = frozenset()) -> Struct:
+    """The schema of an owned record's value: ``fields`` and the optional ``member``."""
+    return Struct({**fields, MEMBER_FIELD: _MEMBER}, optional=optional | {MEMBER_FIELD})
+
+
 # -- record kinds ---------------------------------------------------------------------------
 
 # (swarm id, the match of the kind's pattern against the key name, decoded value) -> None;
@@ -432,7 +443,7 @@ PEERS = register(
     RecordKind(
         name="peers",
         pattern="peers",
-        schema=Struct(
+        schema=owned_value(
             {
                 # HOST:PORT where the peer serves gRPC; empty for client-mode peers.
                 "endpoint": ENDPOINT,
@@ -444,7 +455,7 @@ PEERS = register(
         ),
         owned=True,
         max_ttl=24 * 3600.0,
-        max_value_bytes=512,
+        max_value_bytes=768,
         max_subkeys=4096,
     )
 )
@@ -465,7 +476,7 @@ PROGRESS = register(
         # One signed entry per training peer, refreshed every few seconds: its work towards
         # the next round, from which every peer estimates when the round is due
         # (core/pacing.py).
-        schema=Struct(
+        schema=owned_value(
             {
                 # The round the peer works towards (its last applied round + 1).
                 "round": Int(minimum=0),
@@ -479,7 +490,7 @@ PROGRESS = register(
         ),
         owned=True,
         max_ttl=600.0,
-        max_value_bytes=256,
+        max_value_bytes=512,
         max_subkeys=4096,
     )
 )
@@ -508,7 +519,7 @@ ROUND = register(
         pattern=r"round/(0|[1-9][0-9]{0,18})",
         # One signed entry per peer ready to average round r (net/averaging/matchmaking.py):
         # the earliest-announced serving peer leads the group, the others ask it to.
-        schema=Struct(
+        schema=owned_value(
             {
                 # HOST:PORT where the peer serves gRPC; empty for client-mode peers.
                 "endpoint": ENDPOINT,
@@ -525,7 +536,7 @@ ROUND = register(
         ),
         owned=True,
         max_ttl=3600.0,
-        max_value_bytes=512,
+        max_value_bytes=768,
         max_subkeys=4096,
     )
 )
@@ -548,7 +559,7 @@ DIGEST = register(
         # One signed entry per peer that applied round r: the digest of its global state
         # after the round. The majority digest is the swarm's state (core/agreement.py); a
         # peer that disagrees re-downloads it from a holder of the majority.
-        schema=Struct(
+        schema=owned_value(
             {
                 "digest": Bin(DIGEST_BYTES, min_bytes=DIGEST_BYTES),
                 # HOST:PORT where the peer serves its state; empty for client-mode peers.
@@ -559,7 +570,7 @@ DIGEST = register(
         ),
         owned=True,
         max_ttl=6 * 3600.0,
-        max_value_bytes=384,
+        max_value_bytes=640,
         max_subkeys=4096,
     )
 )
@@ -599,7 +610,7 @@ STATUS = register(
         pattern="status",
         # One signed entry per training peer, refreshed every few seconds: what the
         # dashboard and `swarmloco status` show. Nothing else reads it.
-        schema=Struct(
+        schema=owned_value(
             {
                 "name": Str(64),
                 "state": Str(16, choices=PEER_STATES),
@@ -628,7 +639,7 @@ STATUS = register(
         ),
         owned=True,
         max_ttl=600.0,
-        max_value_bytes=2048,
+        max_value_bytes=2304,
         max_subkeys=4096,
     )
 )

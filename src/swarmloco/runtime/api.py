@@ -48,6 +48,7 @@ def run_manifest(
     name: str = "",
     model: Mapping[str, Any] | None = None,
     data: Mapping[str, Any] | None = None,
+    admission: str = "",
 ) -> SwarmManifest:
     """The manifest of a run of a user's model: the spec, the model's signature, and any
     model description worth keeping (``model``, e.g. a Hugging Face config for export)."""
@@ -58,6 +59,7 @@ def run_manifest(
         hparams={"run": spec.to_manifest()},
         creator=creator,
         name=name,
+        admission=admission,
     )
 
 
@@ -112,6 +114,7 @@ def create(
     config: PeerConfig | None = None,
     on_event: EventSink | None = None,
     evaluate: Evaluator | None = None,
+    private: bool = False,
 ) -> Swarm:
     """A new swarm training ``model`` (its current weights are the run's initial weights),
     with this process as its first peer. The swarm id is ``swarm.swarm_id``; other peers
@@ -126,6 +129,7 @@ def create(
     ``host``/``port``: where to serve (default 127.0.0.1, any free port). ``config``: every
     other choice of the peer (:class:`PeerConfig`). ``evaluate``: the global model's loss,
     run every ``config.eval_every`` rounds (see :meth:`Swarm.load_global_into`).
+    ``private``: only peers this key admits take part (:func:`admit`); default: anyone.
     """
     config = peer_config(
         config,
@@ -146,6 +150,7 @@ def create(
         task=task,
         name=name,
         model=model_info,
+        admission="certificate" if private else "",
     )
     return Swarm(
         manifest,
@@ -171,11 +176,14 @@ def join(
     config: PeerConfig | None = None,
     on_event: EventSink | None = None,
     evaluate: Evaluator | None = None,
+    membership: str = "",
 ) -> Swarm:
     """A peer of the swarm ``swarm_id`` training ``model``, which must be the swarm's
     (the same parameter names, shapes and dtypes: checked on enter, before the peer
     averages anything). The manifest is fetched through ``peers`` on enter (or read from
-    the data directory's copy when no peer has it). Arguments as for :func:`create`."""
+    the data directory's copy when no peer has it). ``membership``: a private swarm's
+    certificate for this peer (from :func:`admit`; kept in the data directory after).
+    Other arguments as for :func:`create`."""
     config = peer_config(
         config,
         data_dir=data_dir,
@@ -184,6 +192,8 @@ def join(
         host=host,
         port=port,
     )
+    if membership:
+        config = dataclasses.replace(config, membership=membership)
     identity = Identity.load_or_create(config.data_dir)
     return Swarm(
         swarm_id,
@@ -194,3 +204,16 @@ def join(
         on_event=on_event,
         evaluate=evaluate,
     )
+
+
+def admit(swarm_id: str, peer_id: str, *, data_dir: str | Path, days: float = 0.0) -> str:
+    """A membership certificate (one line of text) for ``peer_id`` in the private swarm
+    ``swarm_id``, signed with the creator's key in ``data_dir``; it expires after ``days``
+    (0: never). The peer passes it to :func:`join` as ``membership``."""
+    import time
+
+    from swarmloco.net.admission import Membership
+
+    identity = Identity.load_or_create(Path(data_dir))
+    expires_at = int(time.time() + days * 86400) if days else 0
+    return Membership.issue(identity, swarm_id, peer_id, expires_at=expires_at).to_text()

@@ -53,6 +53,7 @@ from swarmloco.net.state import (
     Donor,
     DownloadConfig,
     DownloadedState,
+    Requester,
     StateTransferError,
     download_state,
 )
@@ -132,8 +133,11 @@ class CatchUp:
         config: CatchUpConfig | None = None,
         rejections: RejectionLog | None = None,
         clock: Callable[[], float] = time.time,
+        requester: Requester | None = None,
     ) -> None:
         self.me = me
+        self.requester = requester
+        """Who signs download requests (a private swarm's member; None: unsigned)."""
         self.swarm_id = swarm_id
         self.dht = dht
         self.client = client
@@ -214,6 +218,7 @@ class CatchUp:
                 schema=self.schema,
                 config=self.config.download,
                 rejections=self.rejections,
+                requester=self.requester,
             )
         except StateTransferError as exc:
             logger.info("no peer serves the initial state: %s", exc)
@@ -322,6 +327,7 @@ class CatchUp:
                 schema=self.schema,
                 config=self.config.download,
                 rejections=self.rejections,
+                requester=self.requester,
             )
         except StateTransferError as exc:
             logger.warning("%s", exc)

@@ -75,6 +75,10 @@ class PeerConfig:
     as soon as none is; 0: at once)."""
     name: str = ""
     """How the dashboard names this peer (default: the host name)."""
+    membership: str = ""
+    """A private swarm's membership certificate for this peer, as ``swarmloco admit``
+    prints it (it is kept in the data directory, so a restart needs it no more). Empty:
+    the one kept, if any. Public swarms need none."""
     bandwidth: BandwidthConfig | None = None
     """Cap this peer's upload and download (averaging and state transfer together)."""
     dashboard_port: int | None = None

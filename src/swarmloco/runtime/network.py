@@ -29,6 +29,7 @@ from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.pacing import ProgressReport
 from swarmloco.core.state import StateSchema, StateSnapshot
 from swarmloco.errors import RoundAborted, SwarmlocoError
+from swarmloco.net.admission import Admission
 from swarmloco.net.averaging import (
     AllReduceResult,
     Averager,
@@ -43,7 +44,7 @@ from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode
 from swarmloco.net.records import digest_key, progress_key, progress_report, status_key
-from swarmloco.net.state import StateDonor, state_service
+from swarmloco.net.state import Requester, StateDonor, state_service
 from swarmloco.net.swarm import announce_peer, publish_manifest
 from swarmloco.runtime.catchup import CatchUp
 from swarmloco.runtime.config import PeerConfig
@@ -73,13 +74,18 @@ class SwarmNetwork:
         schema: StateSchema,
         evidence: Evidence,
         faults: FaultPlan | None = None,
+        admission: Admission | None = None,
     ) -> None:
+        """``admission``: the gate of a private swarm (None: a public one)."""
         self.identity = identity
+        self.admission = admission
         self.peer_id = identity.peer_id_hex
         self.manifest = manifest
         self.swarm_id = manifest.swarm_id
         self.config = config
         self.node = NetNode(identity=identity, config=config.node)
+        if admission is not None:
+            self.node.dht.admit(admission)
         self.matchmaker = Matchmaker(
             identity=identity,
             dht=self.node.dht,
@@ -87,6 +93,7 @@ class SwarmNetwork:
             swarm_id=self.swarm_id,
             config=matchmaking_config(config),
             faults=faults,
+            admission=admission,
         )
         limiter = BandwidthLimiter(config.bandwidth) if config.bandwidth is not None else None
         self.averager = Averager(
@@ -105,6 +112,7 @@ class SwarmNetwork:
             snapshot=lambda: self.snapshot(),
             previous=lambda: self.previous_snapshot(),
             limiter=limiter,
+            admission=admission,
         )
         if self.node.server is not None:
             self.node.server.add_service(averaging_service(self.matchmaker, self.averager))
@@ -118,6 +126,7 @@ class SwarmNetwork:
             evidence=evidence,
             config=config.catchup,
             rejections=self.node.dht.rejections,
+            requester=Requester(identity, admission.own_bytes) if admission is not None else None,
         )
         self.progress: Provider = dict
         """This peer's ``progress`` value (set by the peer before entering)."""

@@ -70,6 +70,7 @@ from swarmloco.errors import (
     Stopped,
     SwarmlocoError,
 )
+from swarmloco.net.admission import Admission
 from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.state import DownloadedState
@@ -211,6 +212,8 @@ class Swarm:
         self.last_loss = float("nan")
         self.train_seconds = 0.0
         self.evidence = Evidence()
+        self.admission: Admission | None = None
+        """A private swarm's gate, once entered (None: a public swarm)."""
         self._global_step = 0
         self._stop = threading.Event()
         self._run_over = False  # the run reached its end here (not just this peer stopping)
@@ -351,6 +354,7 @@ class Swarm:
         if self.manifest is None:
             self.manifest = self._fetch_manifest()
         manifest = self.manifest
+        self.admission = self._admission(manifest)
         spec = manifest_spec(manifest)
         self.signature = manifest_signature(manifest)
         differences = self.signature.differences(params_of(self.model))
@@ -452,6 +456,23 @@ class Swarm:
 
         return self.loop.run(fetch(), timeout=60.0)
 
+    def _admission(self, manifest: SwarmManifest) -> Admission | None:
+        """A private swarm's gate, with this peer's certificate: the one in the config
+        (then kept in the data directory for restarts) or the one kept. AdmissionError,
+        saying what to do, before anything else happens, when the peer holds none."""
+        kept = self.config.data_dir / "swarms" / manifest.swarm_id / "membership"
+        given = self.config.membership.strip()
+        text = given
+        if not text and kept.is_file():
+            text = kept.read_text().strip()
+        admission = Admission.of(manifest, self.identity, text or None)
+        if admission is not None and given:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            tmp = kept.with_suffix(".tmp")
+            tmp.write_text(given + "\n")
+            os.replace(tmp, kept)
+        return admission
+
     @property
     def _peers_file(self) -> Path:
         return self.config.data_dir / "swarms" / self.swarm_id / "peers.json"
@@ -496,6 +517,7 @@ class Swarm:
                 averaging=averaging_config(self.config, spec.codec, spec.aggregator),
                 schema=self.diloco.schema,
                 evidence=self.evidence,
+                admission=self.admission,
             )
         network = self.network
         network.catchup.evidence = self.evidence  # restored from a checkpoint, maybe

@@ -158,8 +158,10 @@ def build_manifest(
     data: DataSpec | None = None,
     run: RunConfig | None = None,
     model_overrides: Mapping[str, Any] | None = None,
+    admission: str = "",
 ) -> SwarmManifest:
-    """The manifest of a new run of ``task`` at ``preset`` (unknown names: ValueError)."""
+    """The manifest of a new run of ``task`` at ``preset`` (unknown names: ValueError).
+    ``admission``: ``certificate`` for a private run (default: a public one)."""
     t = get_task(task)
     model = resolve_model(t, preset, model_overrides)
     data = data or DataSpec()
@@ -172,6 +174,7 @@ def build_manifest(
         hparams=run.to_manifest(),
         creator=creator,
         name=name,
+        admission=admission,
     )
 
 

@@ -20,6 +20,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -28,6 +29,9 @@ from swarmloco.core.grouping import part_blocks, weight_violations
 from swarmloco.net.identity import Identity, peer_id_of, verify
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
+
+if TYPE_CHECKING:
+    from swarmloco.net.admission import Admission
 
 DECLARATION_DOMAIN = b"swarmloco/v1/member-declaration\x00"
 GROUP_ID_BYTES = 16
@@ -141,9 +145,10 @@ def sign_declaration(
     block_size: int,
     timestamp_ms: int,
     norm: float = 0.0,
+    membership: bytes = b"",
 ) -> pb.MemberDeclaration:
     """This peer's signed declaration for ``round`` (``norm``: of its update; 0: not
-    declared)."""
+    declared; ``membership``: its certificate, in a private swarm)."""
     declaration = pb.MemberDeclaration(
         public_key=identity.public_key,
         endpoint=endpoint,
@@ -155,6 +160,7 @@ def sign_declaration(
         block_size=block_size,
         timestamp_ms=timestamp_ms,
         norm=float(norm),
+        membership=membership,
     )
     declaration.signature = identity.sign(DECLARATION_DOMAIN, _declaration_payload(declaration))
     return declaration
@@ -169,12 +175,14 @@ def check_declaration(
     block_size: int,
     now_ms: int | None = None,
     max_age_ms: int = 0,
+    admission: Admission | None = None,
 ) -> Member:
     """The member a declaration describes, after checking it fits this round.
 
     ``now_ms``/``max_age_ms`` (leader side) refuse declarations signed too long ago or in
     the future, so an old declaration cannot be replayed into a later group of the same
-    round number. Raises Rejection with the reason.
+    round number. ``admission`` (a private swarm) refuses a declaration without a valid
+    membership certificate for its key. Raises Rejection with the reason.
     """
     if d.swarm_id != swarm_id or d.round != round:
         raise Rejection(
@@ -197,8 +205,11 @@ def check_declaration(
         raise Rejection("stale-round", "declaration was signed too long ago (or in the future)")
     if not verify(d.public_key, d.signature, DECLARATION_DOMAIN, _declaration_payload(d)):
         raise Rejection("bad-signature", "declaration signature does not match")
+    peer_id = peer_id_of(d.public_key).hex()
+    if admission is not None:
+        admission.check(peer_id, d.membership)
     return Member(
-        peer_id=peer_id_of(d.public_key).hex(),
+        peer_id=peer_id,
         public_key=bytes(d.public_key),
         endpoint=d.endpoint,
         weight=float(d.weight),
@@ -283,18 +294,27 @@ def check_group(
     me: pb.MemberDeclaration,
     swarm_id: str,
     cap_multiple: float,
+    admission: Admission | None = None,
 ) -> Group:
     """Check everything about a group a leader sent us; Rejection with the reason if wrong.
 
     The group must contain our own declaration unchanged, every declaration must be signed
-    by its member for this round and vector, no member twice, no weight above the cap, and
-    the parts and the group id must be what we compute ourselves.
+    by its member for this round and vector (and, in a private swarm, show a membership
+    certificate for its key), no member twice, no weight above the cap, and the parts and
+    the group id must be what we compute ourselves.
     """
     round, numel, block_size = me.round, me.numel, me.block_size
     if info.round != round:
         raise Rejection("stale-round", f"group is for round {info.round}, not {round}")
     members = [
-        check_declaration(d, swarm_id=swarm_id, round=round, numel=numel, block_size=block_size)
+        check_declaration(
+            d,
+            swarm_id=swarm_id,
+            round=round,
+            numel=numel,
+            block_size=block_size,
+            admission=admission,
+        )
         for d in info.members
     ]
     ids = [m.peer_id for m in members]

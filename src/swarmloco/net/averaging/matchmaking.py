@@ -35,6 +35,7 @@ import grpc
 
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.errors import RejectedInput, RoundAborted
+from swarmloco.net.admission import Admission
 from swarmloco.net.averaging.faults import FaultCut, FaultPlan
 from swarmloco.net.averaging.group import (
     NONCE_BYTES,
@@ -152,8 +153,12 @@ class Matchmaker:
         config: MatchmakingConfig | None = None,
         faults: FaultPlan | None = None,
         clock: Callable[[], float] = time.time,
+        admission: Admission | None = None,
     ) -> None:
+        """``admission``: a private swarm's gate (only its members are taken into groups
+        or accepted in one, and this peer's declarations show its certificate)."""
         self.identity = identity
+        self.admission = admission
         self.dht = dht
         self.client = client
         self.swarm_id = swarm_id
@@ -209,6 +214,7 @@ class Matchmaker:
             block_size=block_size,
             timestamp_ms=int(self.clock() * 1000),
             norm=norm,
+            membership=self.admission.own_bytes if self.admission is not None else b"",
         )
         announced_at = self.clock()
         key = round_key(self.swarm_id, round)
@@ -318,6 +324,7 @@ class Matchmaker:
                         me=me,
                         swarm_id=self.swarm_id,
                         cap_multiple=self.config.weight_cap_multiple,
+                        admission=self.admission,
                     )
                 except Rejection as rejection:
                     self.rejections.record(rejection, endpoint)
@@ -441,7 +448,11 @@ class Matchmaker:
         logger.info("round %d: no serving peer in sight (client mode): a group of one", round)
         info = single_group(me, os.urandom(NONCE_BYTES))
         return check_group(
-            info, me=me, swarm_id=self.swarm_id, cap_multiple=cfg.weight_cap_multiple
+            info,
+            me=me,
+            swarm_id=self.swarm_id,
+            cap_multiple=cfg.weight_cap_multiple,
+            admission=self.admission,
         )
 
     async def _give_way(
@@ -501,7 +512,11 @@ class Matchmaker:
                 waiter.set_result(pb.JoinResponse(group=info))
         logger.info("round %d: formed a group of %d", gathering.round, size)
         return check_group(
-            info, me=gathering.me, swarm_id=self.swarm_id, cap_multiple=cfg.weight_cap_multiple
+            info,
+            me=gathering.me,
+            swarm_id=self.swarm_id,
+            cap_multiple=cfg.weight_cap_multiple,
+            admission=self.admission,
         )
 
     async def handle_join(
@@ -526,6 +541,7 @@ class Matchmaker:
                 block_size=gathering.block_size,
                 now_ms=int(self.clock() * 1000),
                 max_age_ms=int(self.config.max_declaration_age_s * 1000),
+                admission=self.admission,
             )
         except Rejection as rejection:
             self.rejections.record(rejection, context.peer())

@@ -28,7 +28,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from google.protobuf.message import Message
 
@@ -48,10 +48,20 @@ from swarmloco.net.dht.wire import (
 )
 from swarmloco.net.endpoints import format_endpoint
 from swarmloco.net.identity import PEER_ID_BYTES, Identity
-from swarmloco.net.records import MAX_KEY_CHARS, Record, kind_of, make_record, validate
+from swarmloco.net.records import (
+    MAX_KEY_CHARS,
+    MEMBER_FIELD,
+    Record,
+    kind_of,
+    make_record,
+    validate,
+)
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.tls import TlsMismatch
 from swarmloco.proto.v1 import dht_pb2 as pb
+
+if TYPE_CHECKING:
+    from swarmloco.net.admission import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +269,12 @@ class _Lookup:
                         # Honest nodes store only valid records: one bad record marks
                         # the whole answer as untrustworthy, and bounds the work it costs.
                         break
+                    refused = self.node.gate(record, value)
+                    if refused is not None:
+                        # Valid, but not from a member of a private swarm: a node that is
+                        # no member itself (a bootstrap node) stores it in good faith.
+                        self.node.rejections.record(refused.from_peer(str(contact)), str(contact))
+                        continue
                     self.merge(Entry(record.subkey, value, record.expiration, record))
                 if self.hops is None:
                     self.hops = depth
@@ -323,6 +339,7 @@ class DHTNode:
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._entry_points: tuple[str, ...] = ()
+        self._gates: dict[str, Admission] = {}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -518,6 +535,7 @@ class DHTNode:
         included) stored it; ValueError when the value does not fit the key's schema.
         """
         require_positive("ttl", ttl)
+        value = self._with_membership(key, value)
         try:
             record = make_record(
                 key, value, expiration=self.clock() + ttl, owner=self.identity, subkey=subkey
@@ -561,6 +579,40 @@ class DHTNode:
             logger.warning("own record not stored locally: %s", rejection.reason)
             return 0
 
+    # -- private swarms ------------------------------------------------------------------
+
+    def admit(self, admission: Admission) -> None:
+        """Guard the records of ``admission``'s swarm: this node's gets drop, and it does
+        not store, owned records whose owner shows no valid membership certificate; its own
+        records of that swarm carry its certificate."""
+        self._gates[admission.swarm_id] = admission
+
+    def gate(self, record: Record, value: Any) -> Rejection | None:
+        """Why a valid record must be ignored here (None: it may be used)."""
+        if not self._gates:
+            return None
+        kind, swarm_id, _ = kind_of(record.key)
+        admission = self._gates.get(swarm_id)
+        if admission is None or not kind.owned:
+            return None
+        try:
+            admission.check(record.subkey, value.get(MEMBER_FIELD, b""))
+        except Rejection as rejection:
+            return Rejection(rejection.code, f"{kind.name} record: {rejection.reason}")
+        return None
+
+    def _with_membership(self, key: str, value: Any) -> Any:
+        if not self._gates or not isinstance(value, dict):
+            return value
+        try:
+            kind, swarm_id, _ = kind_of(key)
+        except Rejection:
+            return value  # make_record says what is wrong with the key
+        admission = self._gates.get(swarm_id)
+        if admission is None or not kind.owned or not admission.own_bytes:
+            return value
+        return {**value, MEMBER_FIELD: admission.own_bytes}
+
     async def get(self, key: str, *, timeout: float | None = None) -> GetResult:
         """All live subkeys of ``key`` from the nodes closest to it (and ourselves)."""
         try:
@@ -570,6 +622,8 @@ class DHTNode:
         deadline = Deadline.after(timeout or self.config.lookup_timeout_s)
         lookup = _Lookup(self, key_id(key))
         for record, value in self.storage.entries(key):
+            if self.gate(record, value) is not None:
+                continue
             lookup.merge(Entry(record.subkey, value, record.expiration, record))
             lookup.hops = 0
         request = pb.FindValueRequest(sender=self.card.to_proto(), key=key)
@@ -856,7 +910,12 @@ class DHTNode:
         results = []
         for message in request.records:
             try:
-                stored = self.storage.put(record_from_proto(message), sender=sender.peer_id)
+                record = record_from_proto(message)
+                if self._gates:
+                    refused = self.gate(record, validate(record, now=self.clock()))
+                    if refused is not None:
+                        raise refused
+                stored = self.storage.put(record, sender=sender.peer_id)
             except Rejection as rejection:
                 self.rejections.record(rejection, peer)
                 results.append(pb.StoreResult(stored=False, reason=rejection.reason))

@@ -31,7 +31,7 @@ from swarmloco.net.state.download import (
     StateTransferError,
     download_state,
 )
-from swarmloco.net.state.wire import ReceiveLimits
+from swarmloco.net.state.wire import ReceiveLimits, Requester
 
 __all__ = [
     "Donor",
@@ -40,6 +40,7 @@ __all__ = [
     "DownloadConfig",
     "DownloadedState",
     "ReceiveLimits",
+    "Requester",
     "SnapshotProvider",
     "StateDonor",
     "StateTransferError",

@@ -12,7 +12,8 @@ at once with RESOURCE_EXHAUSTED, so the requester asks another donor instead of 
 a requester that takes no chunk for ``write_timeout_s`` is dropped; an optional shared
 :class:`~swarmloco.net.averaging.limiter.BandwidthLimiter` caps the upload rate (the same
 limiter as averaging's, so the peer's upload cap covers both). A malformed request is
-refused with INVALID_ARGUMENT and counted.
+refused with INVALID_ARGUMENT and counted. In a private swarm, a request not signed by a
+member (``net/admission.py``) is refused with PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import grpc
 
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.core.state import StateSnapshot
+from swarmloco.net.admission import Admission
 from swarmloco.net.averaging.limiter import BandwidthLimiter
 from swarmloco.net.endpoints import host_of_grpc_peer
 from swarmloco.net.identity import Identity
@@ -59,6 +61,9 @@ class DonorConfig:
     are its operator's own, e.g. a local swarm)."""
     write_timeout_s: float = 30.0
     """A requester that takes no message for this long is dropped (frees its slot)."""
+    max_request_age_s: float = 600.0
+    """Private swarms: a signed request made longer ago (or further ahead, by the
+    requester's clock) is refused."""
 
     def __post_init__(self) -> None:
         limits = wire.ReceiveLimits()
@@ -71,6 +76,7 @@ class DonorConfig:
         require_int("max_concurrent_downloads", self.max_concurrent_downloads, minimum=1)
         require_int("max_downloads_per_host", self.max_downloads_per_host, minimum=1)
         require_positive("write_timeout_s", self.write_timeout_s)
+        require_positive("max_request_age_s", self.max_request_age_s)
 
 
 def _is_loopback(host: str) -> bool:
@@ -92,8 +98,12 @@ class StateDonor:
         config: DonorConfig | None = None,
         limiter: BandwidthLimiter | None = None,
         wall_clock: Callable[[], float] = time.time,
+        admission: Admission | None = None,
     ) -> None:
+        """``admission``: a private swarm's gate (only signed requests of members are
+        served)."""
         self.identity = identity
+        self.admission = admission
         self.config = config or DonorConfig()
         self.limiter = limiter
         self.rejections = RejectionLog(logger)
@@ -119,6 +129,19 @@ class StateDonor:
             self.rejections.record(rejection, context.peer())
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
             return  # abort raises; this line is for readers and type checkers
+        if self.admission is not None:
+            try:
+                wire.check_requester(
+                    request,
+                    self.admission,
+                    now_ms=int(self._wall_clock() * 1000),
+                    max_skew_ms=int(self.config.max_request_age_s * 1000),
+                )
+            except Rejection as rejection:
+                self.stats["refused"] += 1
+                self.rejections.record(rejection, context.peer())
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, rejection.reason)
+                return
         if self._active >= self.config.max_concurrent_downloads:
             self.stats["busy"] += 1
             await context.abort(

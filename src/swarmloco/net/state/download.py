@@ -125,13 +125,15 @@ async def download_state(
     schema: StateSchema | None = None,
     config: DownloadConfig | None = None,
     rejections: RejectionLog | None = None,
+    requester: wire.Requester | None = None,
 ) -> DownloadedState:
     """Download the state of ``swarm_id`` from the first of ``donors`` that delivers it.
 
     ``expected_round``/``expected_digest``: the round and digest wanted (None: any); a
     donor whose signed header says otherwise is skipped before its payload is read.
     ``schema``: the tensors the state must hold (e.g. ``StateSchema.diloco(numel)``).
-    ``rejections``: where to count and log invalid input from donors.
+    ``rejections``: where to count and log invalid input from donors. ``requester``: who
+    signs the requests (a member of a private swarm; its donors serve nobody else).
 
     Raises StateTransferError naming every donor and why it failed, when none delivered
     by ``deadline``.
@@ -167,6 +169,7 @@ async def download_state(
             digest=expected_digest,
             schema=schema,
             config=config,
+            requester=requester,
         )
         try:
             snapshot = await attempt.run()
@@ -225,6 +228,7 @@ _STATUS_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION: "no-state",
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
     grpc.StatusCode.UNIMPLEMENTED: "no-service",
+    grpc.StatusCode.PERMISSION_DENIED: "not-admitted",
 }
 
 
@@ -242,8 +246,10 @@ class _Attempt:
         digest: bytes | None,
         schema: StateSchema | None,
         config: DownloadConfig,
+        requester: wire.Requester | None = None,
     ) -> None:
         self.client = client
+        self.requester = requester
         self.donor = donor
         self.swarm_id = swarm_id
         self.deadline = deadline
@@ -262,7 +268,11 @@ class _Attempt:
 
     async def run(self) -> StateSnapshot:
         request = wire.encode_request(
-            swarm_id=self.swarm_id, nonce=self.nonce, round=self.round, digest=self.digest
+            swarm_id=self.swarm_id,
+            nonce=self.nonce,
+            round=self.round,
+            digest=self.digest,
+            requester=self.requester,
         )
         try:
             channel = await self.client.open(self.donor.endpoint, self.budget)

@@ -15,7 +15,9 @@ bad input; nothing does I/O.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import msgpack
 import torch
@@ -35,9 +37,13 @@ from swarmloco.net.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verif
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import state_pb2 as pb
 
+if TYPE_CHECKING:
+    from swarmloco.net.admission import Admission
+
 SERVICE_NAME = "swarmloco.v1.StateTransfer"
 DOWNLOAD_PATH = f"/{SERVICE_NAME}/Download"
 HEADER_DOMAIN = b"swarmloco/v1/state-header\x00"
+REQUEST_DOMAIN = b"swarmloco/v1/download-request\x00"
 NONCE_BYTES = 16
 MAX_NONCE_BYTES = 64
 MAX_REQUEST_BYTES = 1024
@@ -71,13 +77,66 @@ class ReceiveLimits:
 # -- requests --------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Requester:
+    """Who signs download requests, in a private swarm: the peer's key and certificate."""
+
+    identity: Identity
+    membership: bytes = b""
+    clock: Callable[[], float] = time.time
+
+
+def _request_payload(request: pb.DownloadRequest) -> bytes:
+    return msgpack.packb(
+        [
+            request.swarm_id,
+            bytes(request.nonce),
+            request.round if request.HasField("round") else None,
+            bytes(request.digest),
+            request.timestamp_ms,
+        ],
+        use_bin_type=True,
+    )
+
+
 def encode_request(
-    *, swarm_id: str, nonce: bytes, round: int | None = None, digest: bytes | None = None
+    *,
+    swarm_id: str,
+    nonce: bytes,
+    round: int | None = None,
+    digest: bytes | None = None,
+    requester: Requester | None = None,
 ) -> bytes:
+    """A download request; signed, with a membership certificate, when ``requester`` is
+    given (a private swarm's donors serve nothing else)."""
     request = pb.DownloadRequest(swarm_id=swarm_id, nonce=nonce, digest=digest or b"")
     if round is not None:
         request.round = round
+    if requester is not None:
+        request.public_key = requester.identity.public_key
+        request.membership = requester.membership
+        request.timestamp_ms = int(requester.clock() * 1000)
+        request.signature = requester.identity.sign(REQUEST_DOMAIN, _request_payload(request))
     return request.SerializeToString()
+
+
+def check_requester(
+    request: pb.DownloadRequest, admission: Admission, *, now_ms: int, max_skew_ms: int
+) -> str:
+    """The hex peer id of the member who signed ``request``; Rejection (``not-admitted``,
+    ``bad-signature`` or ``stale``) if it is not a recent request signed by a member."""
+    if not request.public_key or not request.signature:
+        raise Rejection(
+            "not-admitted",
+            "this swarm is private: a download request must be signed by a member",
+        )
+    if abs(now_ms - request.timestamp_ms) > max_skew_ms:
+        raise Rejection("stale", "the download request was signed too long ago (or ahead)")
+    if not verify(request.public_key, request.signature, REQUEST_DOMAIN, _request_payload(request)):
+        raise Rejection("bad-signature", "the download request's signature does not match")
+    peer_id = peer_id_of(bytes(request.public_key)).hex()
+    admission.check(peer_id, bytes(request.membership))
+    return peer_id
 
 
 def decode_request(data: bytes) -> pb.DownloadRequest:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MemberDeclaration(_message.Message):
-    __slots__ = ("public_key", "endpoint", "weight", "bandwidth", "swarm_id", "round", "numel", "block_size", "timestamp_ms", "signature", "norm")
+    __slots__ = ("public_key", "endpoint", "weight", "bandwidth", "swarm_id", "round", "numel", "block_size", "timestamp_ms", "signature", "norm", "membership")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class MemberDeclaration(_message.Message):
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     NORM_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     endpoint: str
     weight: float
@@ -30,7 +31,8 @@ class MemberDeclaration(_message.Message):
     timestamp_ms: int
     signature: bytes
     norm: float
-    def __init__(self, public_key: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth: _Optional[float] = ..., swarm_id: _Optional[str] = ..., round: _Optional[int] = ..., numel: _Optional[int] = ..., block_size: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., signature: _Optional[bytes] = ..., norm: _Optional[float] = ...) -> None: ...
+    membership: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth: _Optional[float] = ..., swarm_id: _Optional[str] = ..., round: _Optional[int] = ..., numel: _Optional[int] = ..., block_size: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., signature: _Optional[bytes] = ..., norm: _Optional[float] = ..., membership: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("member",)

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarmloco/v1/state.proto\x12\x0cswarmloco.v1\"`\n\x0f\x44ownloadRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x12\n\x05round\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x42\x08\n\x06_round\"8\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05numel\x18\x03 \x01(\x04\"\xdf\x01\n\x0bStateHeader\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12)\n\x07tensors\x18\x04 \x03(\x0b\x32\x18.swarmloco.v1.TensorInfo\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\r\x12\x0e\n\x06\x64igest\x18\x07 \x01(\x0c\x12\x14\n\x0ctimestamp_ms\x18\x08 \x01(\x04\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x11\n\tsignature\x18\n \x01(\x0c\")\n\nStateChunk\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"r\n\x10\x44ownloadResponse\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.StateHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.swarmloco.v1.StateChunkH\x00\x42\x06\n\x04kind2\\\n\rStateTransfer\x12K\n\x08\x44ownload\x12\x1d.swarmloco.v1.DownloadRequest\x1a\x1e.swarmloco.v1.DownloadResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarmloco/v1/state.proto\x12\x0cswarmloco.v1\"\xb1\x01\n\x0f\x44ownloadRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x12\n\x05round\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x12\x12\n\nmembership\x18\x06 \x01(\x0c\x12\x14\n\x0ctimestamp_ms\x18\x07 \x01(\x04\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x42\x08\n\x06_round\"8\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05numel\x18\x03 \x01(\x04\"\xdf\x01\n\x0bStateHeader\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x10\n\x08swarm_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12)\n\x07tensors\x18\x04 \x03(\x0b\x32\x18.swarmloco.v1.TensorInfo\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\r\x12\x0e\n\x06\x64igest\x18\x07 \x01(\x0c\x12\x14\n\x0ctimestamp_ms\x18\x08 \x01(\x04\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x11\n\tsignature\x18\n \x01(\x0c\")\n\nStateChunk\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"r\n\x10\x44ownloadResponse\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.StateHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.swarmloco.v1.StateChunkH\x00\x42\x06\n\x04kind2\\\n\rStateTransfer\x12K\n\x08\x44ownload\x12\x1d.swarmloco.v1.DownloadRequest\x1a\x1e.swarmloco.v1.DownloadResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmloco.v1.state_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DOWNLOADREQUEST']._serialized_start=42
-  _globals['_DOWNLOADREQUEST']._serialized_end=138
-  _globals['_TENSORINFO']._serialized_start=140
-  _globals['_TENSORINFO']._serialized_end=196
-  _globals['_STATEHEADER']._serialized_start=199
-  _globals['_STATEHEADER']._serialized_end=422
-  _globals['_STATECHUNK']._serialized_start=424
-  _globals['_STATECHUNK']._serialized_end=465
-  _globals['_DOWNLOADRESPONSE']._serialized_start=467
-  _globals['_DOWNLOADRESPONSE']._serialized_end=581
-  _globals['_STATETRANSFER']._serialized_start=583
-  _globals['_STATETRANSFER']._serialized_end=675
+  _globals['_DOWNLOADREQUEST']._serialized_start=43
+  _globals['_DOWNLOADREQUEST']._serialized_end=220
+  _globals['_TENSORINFO']._serialized_start=222
+  _globals['_TENSORINFO']._serialized_end=278
+  _globals['_STATEHEADER']._serialized_start=281
+  _globals['_STATEHEADER']._serialized_end=504
+  _globals['_STATECHUNK']._serialized_start=506
+  _globals['_STATECHUNK']._serialized_end=547
+  _globals['_DOWNLOADRESPONSE']._serialized_start=549
+  _globals['_DOWNLOADRESPONSE']._serialized_end=663
+  _globals['_STATETRANSFER']._serialized_start=665
+  _globals['_STATETRANSFER']._serialized_end=757
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DownloadRequest(_message.Message):
-    __slots__ = ("swarm_id", "nonce", "round", "digest")
+    __slots__ = ("swarm_id", "nonce", "round", "digest", "public_key", "membership", "timestamp_ms", "signature")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     nonce: bytes
     round: int
     digest: bytes
-    def __init__(self, swarm_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., round: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    public_key: bytes
+    membership: bytes
+    timestamp_ms: int
+    signature: bytes
+    def __init__(self, swarm_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., round: _Optional[int] = ..., digest: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., membership: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "dtype", "numel")
