@@ -16,6 +16,7 @@ from avgutil import SWARM, assert_exact, assert_identical, averaging_peers, run_
 from test_state_transfer import fetch, make_snapshot, serving
 
 from swarmloco.core.manifest import SwarmManifest
+from swarmloco.dashboard.collector import read_swarm
 from swarmloco.errors import ManifestError, RejectedInput
 from swarmloco.net.admission import Admission, AdmissionError, Membership
 from swarmloco.net.averaging import MatchmakingConfig
@@ -133,6 +134,12 @@ async def test_a_peer_without_a_certificate_gets_nothing_stored_read_or_averaged
         assert peers[outsider].peer_id in by_outsider.entries  # its own storage kept it
         refusals = sum(p.node.dht.rejections.counts["not-admitted"] for p in members)
         assert refusals > 0
+        # The dashboard of a private swarm, even read through the outsider's node, shows
+        # the members only.
+        reading = await read_swarm(
+            peers[outsider].node.dht, SWARM, manifest=manifest("certificate"), timeout_s=5.0
+        )
+        assert set(reading.progress) == {p.peer_id for p in members}
 
         # A round: the members average among themselves, the outsider is turned away.
         vectors = [torch.randn(4096, generator=torch.Generator().manual_seed(i)) for i in range(4)]

@@ -26,6 +26,7 @@ from swarmloco.dashboard.view import (
     current_round,
 )
 from swarmloco.errors import ManifestError, NetworkError
+from swarmloco.net.admission import Admission
 from swarmloco.net.dht.node import DHTNode, GetResult
 from swarmloco.net.records import digest_key, peers_key, progress_key, status_key
 from swarmloco.net.swarm import fetch_manifest
@@ -53,8 +54,18 @@ class CollectorConfig:
         require_int("history_points", self.history_points, minimum=1)
 
 
-def _values(result: GetResult) -> dict[str, Mapping[str, Any]]:
-    return {subkey: entry.value for subkey, entry in result.entries.items()}
+def _values(result: GetResult, dht: DHTNode) -> dict[str, Mapping[str, Any]]:
+    return {
+        subkey: entry.value
+        for subkey, entry in result.entries.items()
+        if dht.gate(entry.record, entry.value) is None
+    }
+
+
+def _guard(dht: DHTNode, swarm_id: str, manifest: SwarmManifest | None) -> None:
+    """A private swarm's dashboard shows its members only: guard the node's reads."""
+    if manifest is not None and manifest.private and not dht.guards(swarm_id):
+        dht.admit(Admission(swarm_id=swarm_id, creator_public_key=bytes.fromhex(manifest.creator)))
 
 
 async def read_swarm(
@@ -82,19 +93,20 @@ async def read_swarm(
         )
     if manifest_task is not None:
         manifest = manifest_task.result()
+    _guard(dht, swarm_id, manifest)
     at = clock()
-    status = _values(results[0])
+    status = _values(results[0], dht)
     round_now = current_round(status, now=at, fresh_s=fresh_s)
     digests: dict[str, bytes] = {}
     if round_now is not None:
         found = await dht.get(digest_key(swarm_id, round_now), timeout=timeout_s)
-        digests = {subkey: entry.value["digest"] for subkey, entry in found.entries.items()}
+        digests = {subkey: value["digest"] for subkey, value in _values(found, dht).items()}
     return Reading(
         swarm_id=swarm_id,
         at=at,
         manifest=manifest,
-        peers=_values(results[2]),
-        progress=_values(results[1]),
+        peers=_values(results[2], dht),
+        progress=_values(results[1], dht),
         status=status,
         digest_round=round_now,
         digests=digests,

@@ -587,6 +587,10 @@ class DHTNode:
         records of that swarm carry its certificate."""
         self._gates[admission.swarm_id] = admission
 
+    def guards(self, swarm_id: str) -> bool:
+        """Whether :meth:`admit` guards ``swarm_id``'s records."""
+        return swarm_id in self._gates
+
     def gate(self, record: Record, value: Any) -> Rejection | None:
         """Why a valid record must be ignored here (None: it may be used)."""
         if not self._gates:
