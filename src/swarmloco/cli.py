@@ -643,22 +643,27 @@ def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.set_defaults(handler=_join)
 
 
-def _join(args: argparse.Namespace) -> int:
-    from swarmloco.core.manifest import SwarmManifest, check_swarm_id
-    from swarmloco.errors import ManifestError
+def _fetch_manifest(swarm_id: str, peers: Sequence[str]) -> Any:
+    """The verified manifest of ``swarm_id``, fetched through ``peers`` (ManifestError if
+    none has it). Fetching leaves nothing behind: a throwaway identity, no key file."""
+    from swarmloco.core.manifest import SwarmManifest
     from swarmloco.net.identity import Identity
-
-    swarm_id = check_swarm_id(args.swarm_id)
+    from swarmloco.net.node import NetNode, NodeConfig
+    from swarmloco.net.swarm import fetch_manifest
 
     async def fetch() -> SwarmManifest:
-        from swarmloco.net.node import NetNode, NodeConfig
-        from swarmloco.net.swarm import fetch_manifest
-
-        # Fetching leaves nothing behind: a throwaway identity, no key file.
-        config = NodeConfig(server=None, peers=tuple(args.peers))
+        config = NodeConfig(server=None, peers=tuple(peers))
         async with NetNode(identity=Identity.generate(), config=config) as node:
             return await fetch_manifest(node.dht, swarm_id)
 
+    return run_async(fetch())
+
+
+def _join(args: argparse.Namespace) -> int:
+    from swarmloco.core.manifest import SwarmManifest, check_swarm_id
+    from swarmloco.errors import ManifestError
+
+    swarm_id = check_swarm_id(args.swarm_id)
     local = args.data_dir / "swarms" / swarm_id / "manifest.json"
     if local.is_file() and not args.dry_run:
         # A restart: the copy this peer verified when it first joined (checked against the
@@ -667,7 +672,7 @@ def _join(args: argparse.Namespace) -> int:
         manifest = SwarmManifest.from_bytes(local.read_bytes(), expected_id=swarm_id)
     else:
         try:
-            manifest = run_async(fetch())
+            manifest = _fetch_manifest(swarm_id, args.peers)
         except ManifestError:
             # A swarm whose peers all restarted: our own verified copy serves (and is
             # republished when the peer starts).
@@ -737,16 +742,7 @@ def _admit(args: argparse.Namespace) -> int:
     if local.is_file():
         manifest = SwarmManifest.from_bytes(local.read_bytes(), expected_id=swarm_id)
     elif args.peers:
-
-        async def fetch() -> SwarmManifest:
-            from swarmloco.net.node import NetNode, NodeConfig
-            from swarmloco.net.swarm import fetch_manifest
-
-            config = NodeConfig(server=None, peers=tuple(args.peers))
-            async with NetNode(identity=Identity.generate(), config=config) as node:
-                return await fetch_manifest(node.dht, swarm_id)
-
-        manifest = run_async(fetch())
+        manifest = _fetch_manifest(swarm_id, args.peers)
     else:
         raise SwarmlocoError(
             f"no copy of swarm {swarm_id}'s manifest in {args.data_dir}: pass --peer HOST:PORT "

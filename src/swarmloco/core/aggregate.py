@@ -148,11 +148,15 @@ def centered_clip(
     w = torch.tensor(weights, dtype=torch.float64)
     w = w / w.sum()
     m = coordinate_median(chunks)
+
+    def in_float64() -> tuple[torch.Tensor, torch.Tensor]:
+        y64 = torch.stack([c.double() for c in chunks]).sub_(m.double())
+        return y64, torch.linalg.vector_norm(y64, dim=1).square()
+
     y = torch.stack(list(chunks)).sub_(m)
     sq = torch.linalg.vector_norm(y, dim=1).double().square()
     if not bool(torch.isfinite(sq).all()):  # overflowed float32: all of it in float64
-        y = torch.stack([c.double() for c in chunks]).sub_(m.double())
-        sq = torch.linalg.vector_norm(y, dim=1).square()
+        y, sq = in_float64()
     if tau <= 0:
         tau = float(sq.sqrt().median())
         if tau == 0.0:
@@ -162,8 +166,7 @@ def centered_clip(
         dots = (y @ u).double()
         uu = float(torch.linalg.vector_norm(u)) ** 2
         if y.dtype == torch.float32 and not (math.isfinite(uu) and bool(dots.isfinite().all())):
-            y = torch.stack([c.double() for c in chunks]).sub_(m.double())
-            sq = torch.linalg.vector_norm(y, dim=1).square()
+            y, sq = in_float64()
             u = u.double()
             dots, uu = y @ u, float(torch.linalg.vector_norm(u)) ** 2
         distances = (sq - 2.0 * dots + uu).clamp_min(0.0).sqrt()

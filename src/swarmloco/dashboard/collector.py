@@ -54,12 +54,8 @@ class CollectorConfig:
         require_int("history_points", self.history_points, minimum=1)
 
 
-def _values(result: GetResult, dht: DHTNode) -> dict[str, Mapping[str, Any]]:
-    return {
-        subkey: entry.value
-        for subkey, entry in result.entries.items()
-        if dht.gate(entry.record, entry.value) is None
-    }
+def _values(result: GetResult) -> dict[str, Mapping[str, Any]]:
+    return {subkey: entry.value for subkey, entry in result.entries.items()}
 
 
 def _guard(dht: DHTNode, swarm_id: str, manifest: SwarmManifest | None) -> None:
@@ -79,34 +75,31 @@ async def read_swarm(
 ) -> Reading:
     """One poll: the swarm's peers, progress and status records, then the digests of the
     current round. Raises NetworkError when no DHT node answered."""
+    if manifest is None:
+        manifest = await _try_manifest(dht, swarm_id)
+    _guard(dht, swarm_id, manifest)  # before the reads: a private swarm's show members only
     async with asyncio.TaskGroup() as group:
         status_task = group.create_task(dht.get(status_key(swarm_id), timeout=timeout_s))
         progress_task = group.create_task(dht.get(progress_key(swarm_id), timeout=timeout_s))
         peers_task = group.create_task(dht.get(peers_key(swarm_id), timeout=timeout_s))
-        manifest_task = (
-            group.create_task(_try_manifest(dht, swarm_id)) if manifest is None else None
-        )
     results = [status_task.result(), progress_task.result(), peers_task.result()]
     if all(result.responded == 0 and not result.entries for result in results):
         raise NetworkError(
             "no DHT node answered: the peers the dashboard joined through may be down (retrying)"
         )
-    if manifest_task is not None:
-        manifest = manifest_task.result()
-    _guard(dht, swarm_id, manifest)
     at = clock()
-    status = _values(results[0], dht)
+    status = _values(results[0])
     round_now = current_round(status, now=at, fresh_s=fresh_s)
     digests: dict[str, bytes] = {}
     if round_now is not None:
         found = await dht.get(digest_key(swarm_id, round_now), timeout=timeout_s)
-        digests = {subkey: value["digest"] for subkey, value in _values(found, dht).items()}
+        digests = {subkey: entry.value["digest"] for subkey, entry in found.entries.items()}
     return Reading(
         swarm_id=swarm_id,
         at=at,
         manifest=manifest,
-        peers=_values(results[2], dht),
-        progress=_values(results[1], dht),
+        peers=_values(results[2]),
+        progress=_values(results[1]),
         status=status,
         digest_round=round_now,
         digests=digests,
