@@ -507,16 +507,21 @@ def aggregator_rounds(args: argparse.Namespace, workers: list[Worker]) -> dict[s
         (method, method, 4.0) for method in args.aggregators.split(",")
     ]
     times: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in arms}
     for r in range(args.rounds):
         for i, (name, method, clip) in enumerate(arms):
             rnd = 300 + r * len(arms) + i
-            times[name].append(
-                swarmloco_round(workers, rnd, aggregator=method, norm_clip=clip)["round_s"]
-            )
+            outcome = swarmloco_round(workers, rnd, aggregator=method, norm_clip=clip)
+            times[name].append(outcome["round_s"])
+            cpu[name].append(outcome["cpu_s_per_peer"])
         log(f"aggregator rounds {r}: " + ", ".join(f"{n} {t[-1]:.3f}s" for n, t in times.items()))
     base = statistics.median(times["mean, no bound"])
     return {
-        name: {"round_s": statistics.median(t), "over_unbounded_mean": statistics.median(t) / base}
+        name: {
+            "round_s": statistics.median(t),
+            "over_unbounded_mean": statistics.median(t) / base,
+            "cpu_s_per_peer": statistics.median(cpu[name]),
+        }
         for name, t in times.items()
     }
 

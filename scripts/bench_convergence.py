@@ -6,6 +6,8 @@ Arms (all from the same initial model; all but `single` see the same number of t
   diloco_fp32     DiLoCo, exact fp32 averaging
   diloco_int8     DiLoCo, the int8 codec both ways (as on the wire)
   streaming_int8  Streaming DiLoCo: F fragments, overlap tau, mix alpha, int8
+  trimmed_int8    diloco_int8 with the trimmed mean (trim 1) instead of the mean, the
+                  aggregator a public run uses by default
   single          for scale, not at equal tokens: one worker alone, the per-worker batch
 
 Targets: diloco_int8 within 2% of sync; int8 within 0.5% of fp32. With the single arm, the
@@ -32,11 +34,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import machine
 
+from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync
 from swarmloco.train.spec import DataSpec
 from swarmloco.train.tasks import get_task, resolve_model
 
-ARMS = ("sync", "diloco_fp32", "diloco_int8", "streaming_int8", "single")
+ARMS = ("sync", "diloco_fp32", "diloco_int8", "streaming_int8", "trimmed_int8", "single")
 
 
 def _run_arm(job: tuple[Any, ...]) -> dict[str, Any]:
@@ -57,6 +60,9 @@ def _run_arm(job: tuple[Any, ...]) -> dict[str, Any]:
         if arm == "streaming_int8":
             fragments, delay, alpha = streaming
             spec = dataclasses.replace(run.spec, fragments=fragments, delay=delay, alpha=alpha)
+            run = dataclasses.replace(run, spec=spec)
+        if arm == "trimmed_int8":
+            spec = dataclasses.replace(run.spec, aggregator=AggregatorConfig(method="trimmed_mean"))
             run = dataclasses.replace(run, spec=spec)
         result = run_diloco(task, model, data, run, sim, label=arm, progress=progress)
     summary = result.summary()
@@ -172,6 +178,8 @@ def main() -> None:
         out["diloco_int8_share_of_sync_gain"] = (loss["single"] - loss["diloco_int8"]) / (
             loss["single"] - loss["sync"]
         )
+    if "diloco_int8" in loss and "trimmed_int8" in loss:
+        out["trimmed_int8_over_diloco_int8"] = loss["trimmed_int8"] / loss["diloco_int8"]
     if "sync" in loss and "streaming_int8" in loss:
         out["streaming_int8_over_sync"] = loss["streaming_int8"] / loss["sync"]
     out["total_seconds"] = round(time.monotonic() - started, 1)

@@ -519,7 +519,8 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--aggregator",
         choices=("mean", "trimmed_mean", "centered_clip"),
         default=None,
-        help="how each part's reducer combines the members' updates (default: mean)",
+        help="how each part's reducer combines the members' updates (default: trimmed_mean "
+        "in a public run, where anyone may send a lie; mean in a private one)",
     )
     h.add_argument("--seed", type=int, default=None, help="seed of the initial model and data")
     parser.add_argument(
@@ -567,7 +568,7 @@ def _create(args: argparse.Namespace) -> int:
         if v is not None
     }
     run = dataclasses.replace(run, inner=dataclasses.replace(run.inner, **inner_changes))
-    spec_changes = {
+    spec_changes: dict[str, Any] = {
         k: v
         for k, v in (
             ("sync_every", args.sync_every),
@@ -577,7 +578,7 @@ def _create(args: argparse.Namespace) -> int:
             ("outer_lr", args.outer_lr),
             ("seed", args.seed),
             ("total_steps", args.total_steps),
-            ("aggregator", args.aggregator),
+            ("aggregator", args.aggregator or _default_aggregator(args)),
         )
         if v is not None
     }
@@ -641,6 +642,13 @@ def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     _add_peer_run_options(parser)
     parser.set_defaults(handler=_join)
+
+
+def _default_aggregator(args: argparse.Namespace) -> str | None:
+    """A public run averages with the trimmed mean unless told otherwise: anyone may join
+    it, and one peer can pull a plain mean as far as the norm bound lets it (see
+    docs/SECURITY.md). A private run keeps its task's choice."""
+    return None if args.private else "trimmed_mean"
 
 
 def _fetch_manifest(swarm_id: str, peers: Sequence[str]) -> Any:

@@ -92,6 +92,8 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         assert '"task": "gpt-bytes"' in joined.stdout
         creator = Identity.load_or_create(tmp_path / "creator").public_key.hex()
         assert f'"creator": "{creator}"' in joined.stdout
+        # Anyone may join a public run: its default aggregator is a robust one.
+        assert '"method": "trimmed_mean"' in joined.stdout
         # An id nobody created, and something that is not an id at all.
         unknown = swarmloco("join", "12" * 20, "--peer", boot.endpoint, "--dry-run")
         assert unknown.returncode != 0
@@ -108,6 +110,9 @@ def test_the_creator_of_a_private_swarm_admits_peers_and_nobody_else_can(tmp_pat
         private = swarmloco("create", *common, "--data-dir", creator, "--private")
         assert private.returncode == 0, private.stderr
         swarm_id = private.stdout.strip()
+        shown = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--dry-run")
+        assert shown.returncode == 0, shown.stderr
+        assert '"method": "mean"' in shown.stdout  # admitted peers only: the plain mean
         peer = Identity.load_or_create(tmp_path / "peer").peer_id_hex
         admitted = swarmloco(
             "admit",

@@ -16,6 +16,7 @@ from swarmloco.net.averaging import (
     MatchmakingConfig,
     wire,
 )
+from swarmloco.net.averaging.matchmaking import leader_rank
 from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
@@ -35,28 +36,95 @@ async def form(peers, round, numel, deadline):
     )
 
 
+def first_round_led_by(peers, leader, *, start=1):
+    """The first round from ``start`` in which ``peers[leader]`` is first in the order of
+    leadership among ``peers``."""
+    ids = [p.peer_id for p in peers]
+    for round in range(start, start + 1000):
+        ranks = [leader_rank(SWARM, round, i) for i in ids]
+        if min(ranks) == ranks[leader]:
+            return round
+    raise AssertionError("no such round in 1000")
+
+
 async def test_a_leader_that_announced_and_died_costs_one_failed_call():
     config = MatchmakingConfig(max_group_size=2, gather_s=5.0, poll_s=0.1)
     async with averaging_peers(3, matchmaking=config) as peers:
-        # Peer 2 announces itself as the earliest peer of round 1, with an endpoint nobody
+        # Peer 2 announces itself for a round it would lead, with an endpoint nobody
         # listens on, and takes no part (a peer that crashed right after announcing).
+        round = first_round_led_by(peers, 2)
         ghost = peers[2].node.dht
         await ghost.store(
-            round_key(SWARM, 1),
+            round_key(SWARM, round),
             {
                 "endpoint": f"127.0.0.1:{closed_port()}",
                 "weight": 1.0,
                 "bandwidth": 1.0,
                 "client_mode": False,
-                "announced_at": 1.0,
+                "announced_at": time.time(),
                 "numel": 640,
             },
             ttl=60,
         )
         started = time.monotonic()
-        groups = await form(peers[:2], 1, 640, Deadline.after(10))
+        groups = await form(peers[:2], round, 640, Deadline.after(10))
         assert time.monotonic() - started < 3
         assert groups[0].group_id == groups[1].group_id and groups[0].size == 2
+
+
+async def test_an_announcement_claiming_the_earliest_time_does_not_win_leadership():
+    # A liar announces for a round it is last in the order of leadership, dated long
+    # before anyone else, at an address that counts who calls it: the honest peers form
+    # their group without calling it even once.
+    calls = 0
+
+    async def count(reader, writer):
+        nonlocal calls
+        calls += 1
+        writer.close()
+
+    trap = await asyncio.start_server(count, "127.0.0.1", 0)
+    port = trap.sockets[0].getsockname()[1]
+    config = MatchmakingConfig(max_group_size=2, gather_s=5.0, poll_s=0.1)
+    try:
+        async with averaging_peers(3, matchmaking=config) as peers:
+            ids = [p.peer_id for p in peers]
+            round = next(
+                r
+                for r in range(1, 1000)
+                if leader_rank(SWARM, r, ids[2]) > max(leader_rank(SWARM, r, i) for i in ids[:2])
+            )
+            await peers[2].node.dht.store(
+                round_key(SWARM, round),
+                {
+                    "endpoint": f"127.0.0.1:{port}",
+                    "weight": 1.0,
+                    "bandwidth": 1.0,
+                    "client_mode": False,
+                    "announced_at": 0.0,
+                    "numel": 640,
+                },
+                ttl=60,
+            )
+            groups = await form(peers[:2], round, 640, Deadline.after(10))
+            assert groups[0].group_id == groups[1].group_id and groups[0].size == 2
+            leader = groups[0].members[0].peer_id
+            assert leader == min(ids[:2], key=lambda i: leader_rank(SWARM, round, i))
+    finally:
+        trap.close()
+        await trap.wait_closed()
+    assert calls == 0
+
+
+def test_each_peer_leads_about_its_share_of_rounds_whatever_it_announces():
+    ids = [Identity.generate().peer_id_hex for _ in range(4)]
+    led = dict.fromkeys(ids, 0)
+    for round in range(2000):
+        led[min(ids, key=lambda i: leader_rank(SWARM, round, i))] += 1
+    # Binomial(2000, 1/4): mean 500, sd 19; 400 and 600 are more than 5 sd away.
+    assert all(400 < n < 600 for n in led.values()), led
+    assert leader_rank(SWARM, 7, ids[0]) == leader_rank(SWARM, 7, ids[0])
+    assert leader_rank(SWARM, 7, ids[0]) != leader_rank("other", 7, ids[0])
 
 
 async def test_a_leader_closes_once_the_expected_peers_joined():

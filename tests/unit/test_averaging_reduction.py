@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from swarmloco.core.aggregate import AggregatorConfig
@@ -258,6 +258,9 @@ def test_an_honest_update_clipped_to_the_bound_always_passes(
 ):
     """Whatever the values, the scale type and error feedback: quantization never takes an
     honest sender's clipped update past what the reducer allows."""
+    # fp16 scales end at 65504 x 127: the residual set up below (several times the largest
+    # spike) must stay encodable, or the codec rightly refuses it before the test starts.
+    assume(scale_dtype == "float32" or log_scale <= 20)
     codec = dataclasses.replace(CODEC, scale_dtype=scale_dtype)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(NUMEL, generator=g) * 10.0 ** (log_scale / 10)

@@ -5,11 +5,13 @@ from hypothesis import strategies as st
 
 from swarmloco.core.aggregate import (
     AggregatorConfig,
+    TrimmedAccumulator,
     aggregate,
     centered_clip,
     coordinate_median,
     trimmed_mean,
 )
+from swarmloco.core.codec import CodecConfig, dequantize, quantize
 from swarmloco.core.grouping import part_blocks, weight_violations
 
 
@@ -73,6 +75,51 @@ def test_order_statistics_match_a_full_sort(n):
         assert torch.allclose(trimmed_mean(chunks, trim), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(coordinate_median(chunks), torch.stack(chunks).median(dim=0).values)
     assert all(torch.equal(c, o) for c, o in zip(chunks, originals))  # inputs untouched
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 9, 17])
+@pytest.mark.parametrize("trim", [0, 1, 2, 3])
+def test_the_streamed_trimmed_mean_equals_the_buffered_one(n, trim):
+    # Rows arrive one at a time, ties and a far-off row included; fewer rows than
+    # 2 * trim + 1 trim fewer. Only the order of the additions may differ.
+    g = torch.Generator().manual_seed(100 * n + trim)
+    rows = [torch.randint(-3, 4, (2000,), generator=g).float() for _ in range(n)]
+    rows[n // 2][:10] = 1e30
+    rows[0] += torch.randn(2000, generator=g)
+    acc = TrimmedAccumulator(trim)
+    for row in rows:
+        buffer = acc.buffer(row.numel())
+        buffer.copy_(row)
+        acc.add(buffer)
+    assert acc.count == n
+    want = trimmed_mean(rows, trim)
+    assert torch.allclose(acc.result(), want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "auto"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_the_fused_trim_of_one_equals_the_trimmed_mean_of_the_decoded_rows(backend, n):
+    # One pass per quantized row (what a reducer of a public run does), compiled or not.
+    codec = CodecConfig(backend=backend)
+    g = torch.Generator().manual_seed(n)
+    rows = [torch.randn(codec.block_size * 8, generator=g) for _ in range(n)]
+    rows[0][: codec.block_size] *= 1e20  # one block far off
+    rows[-1][-5:] = 0.0  # ties
+    encoded = [quantize(row, codec) for row in rows]
+    decoded = [dequantize(q, s, codec.block_size, "eager") for q, s in encoded]
+    acc = TrimmedAccumulator(1)
+    for q, s in encoded:
+        acc.add_quantized(q, s, codec)
+    assert acc.count == n
+    assert torch.allclose(acc.result(), trimmed_mean(decoded, 1), rtol=1e-6, atol=1e-6)
+
+
+def test_a_huge_value_cannot_cancel_the_streamed_trimmed_mean():
+    # Kept out of the sum, not subtracted from it: 1e30 + 1 - 1e30 would be 0 in float32.
+    acc = TrimmedAccumulator(1)
+    for value in (1.0, 1e30, 2.0, 3.0, -1e30):
+        acc.add(torch.full((4,), value))
+    assert torch.equal(acc.result(), torch.full((4,), 2.0))
 
 
 def _centered_clip_reference(chunks, weights, iterations):

@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from swarmloco.core.codec import CodecConfig, dequantize_into_, dequantize_trim_one_
 from swarmloco.core.config import require, require_int, require_non_negative
 
 Method = Literal["mean", "trimmed_mean", "centered_clip"]
@@ -110,6 +111,108 @@ def trimmed_mean(chunks: Sequence[torch.Tensor], trim: int) -> torch.Tensor:
         return out.div_(len(middle))
     ordered, _ = torch.stack(list(chunks)).sort(dim=0)
     return ordered[trim : n - trim].mean(dim=0)
+
+
+class TrimmedAccumulator:
+    """The trimmed mean of rows that arrive one at a time, kept up to date as they come.
+
+    No row is buffered beyond the ``2 * trim + 1`` needed: per coordinate the ``trim``
+    largest values so far (``top``, largest first) and the ``trim`` smallest (``bottom``,
+    smallest first) are kept, and every value that can no longer be among them is added
+    to ``middle``. A new row passes through ``top`` (each step keeps the larger value and
+    passes the smaller on), then through ``bottom`` (keeps the smaller, passes the larger),
+    and what comes out of both is a middle value for good: ``top`` only ever grows and
+    ``bottom`` only ever shrinks. Each value lands in exactly one place, so nothing is
+    subtracted and a huge value cannot cancel the others out of the sum.
+
+    The result equals :func:`trimmed_mean` of all rows (up to the order of the additions),
+    also when fewer than ``2 * trim + 1`` rows came (then fewer are trimmed). Rows handed
+    to :meth:`add` become this object's storage; :meth:`buffer` hands out one to decode
+    into without allocating.
+    """
+
+    def __init__(self, trim: int) -> None:
+        require_int("trim", trim, minimum=0)
+        self.trim = trim
+        self.count = 0
+        self._rows: list[torch.Tensor] = []  # until 2 * trim + 1 came
+        self._top: list[torch.Tensor] = []
+        self._bottom: list[torch.Tensor] = []
+        self._middle: torch.Tensor | None = None
+        self._free: list[torch.Tensor] = []
+        # add_quantized with trim 1: the largest and smallest values so far.
+        self._hi: torch.Tensor | None = None
+        self._lo: torch.Tensor | None = None
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        """A free float32 buffer of ``numel`` values to decode the next row into."""
+        while self._free:
+            spare = self._free.pop()
+            if spare.numel() == numel:
+                return spare
+        return torch.empty(numel)
+
+    def add(self, row: torch.Tensor) -> None:
+        """Take in ``row`` (kept or overwritten: the caller must not use it again)."""
+        require(self._hi is None, "rows were added quantized: use add_quantized()")
+        self.count += 1
+        if self._middle is None:
+            self._rows.append(row)
+            if len(self._rows) == 2 * self.trim + 1:
+                ordered = self._rows
+                for _ in range(len(ordered)):  # bubble sort, smallest first
+                    for i in range(len(ordered) - 1):
+                        _exchange(ordered, i, i + 1)
+                t = self.trim
+                self._bottom = ordered[:t]
+                self._middle = ordered[t]
+                self._top = ordered[t + 1 :][::-1]
+                self._rows = []
+            return
+        spare = self.buffer(row.numel())
+        x = row
+        for i, kept in enumerate(self._top):
+            torch.maximum(kept, x, out=spare)
+            torch.minimum(kept, x, out=x)
+            self._top[i], spare = spare, kept
+        for i, kept in enumerate(self._bottom):
+            torch.minimum(kept, x, out=spare)
+            torch.maximum(kept, x, out=x)
+            self._bottom[i], spare = spare, kept
+        self._middle.add_(x)
+        self._free += [x, spare]  # both free again: x's values are in the middle sum
+
+    def add_quantized(self, q: torch.Tensor, scale: torch.Tensor, codec: CodecConfig) -> None:
+        """Decode a row of the codec's blocks and take it in. With ``trim == 1`` (what a
+        public run uses) this is one fused pass over the row that keeps the largest and
+        smallest values and adds the rest; otherwise the row is decoded, then added."""
+        if self.trim != 1:
+            row = self.buffer(q.numel())
+            dequantize_into_(row, q, scale, codec)
+            self.add(row)
+            return
+        require(self._hi is not None or self.count == 0, "rows were added decoded: use add()")
+        if self._hi is None:
+            self._hi = torch.full((q.numel(),), -math.inf)
+            self._lo = torch.full((q.numel(),), math.inf)
+            self._middle = torch.zeros(q.numel())
+        assert self._lo is not None and self._middle is not None
+        dequantize_trim_one_(self._hi, self._lo, self._middle, q, scale, codec)
+        self.count += 1
+
+    def result(self) -> torch.Tensor:
+        """The trimmed mean of every row added so far (a new tensor or this object's)."""
+        require(self.count > 0, "no chunks to aggregate")
+        if self._hi is not None:
+            assert self._lo is not None and self._middle is not None
+            if self.count == 1:
+                return self._hi
+            if self.count == 2:
+                return self._hi.add_(self._lo).div_(2)
+            return self._middle.div_(self.count - 2)
+        if self._middle is None:
+            return trimmed_mean(self._rows, self.trim)
+        return self._middle.div_(self.count - 2 * self.trim)
 
 
 def coordinate_median(chunks: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -148,6 +148,22 @@ def _decode_into_kernel(
     out.copy_(q.float() * (scale.float() * weight)[:, None])
 
 
+def _trim_one_kernel(
+    hi: torch.Tensor,
+    lo: torch.Tensor,
+    middle: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    x = q.float() * scale.float()[:, None]
+    fell = torch.minimum(hi, x)  # what the largest so far does not keep: -inf while empty
+    arrived = fell > float("-inf")
+    out = torch.where(arrived, torch.maximum(lo, fell), float("inf"))  # +inf: nothing
+    hi.copy_(torch.maximum(hi, x))
+    lo.copy_(torch.where(arrived, torch.minimum(lo, fell), lo))
+    middle.add_(torch.where(out < float("inf"), out, 0.0))
+
+
 class _Kernels:
     """The three kernels, compiled on first use when the backend allows it."""
 
@@ -289,6 +305,25 @@ def dequantize_into_(
     """
     ob, qb = _decode_target(out, q, scale, weight, config, "output")
     _KERNELS.run("decode_into", _decode_into_kernel, config.backend, ob, qb, scale, float(weight))
+
+
+def dequantize_trim_one_(
+    hi: torch.Tensor,
+    lo: torch.Tensor,
+    middle: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    config: CodecConfig,
+) -> None:
+    """Decode one row into a running trimmed mean that drops one value at each end, in
+    one pass: per coordinate ``hi`` keeps the largest value so far, ``lo`` the smallest,
+    and every other value is added to ``middle``. Start from ``hi = -inf``, ``lo = +inf``,
+    ``middle = 0`` (the codec never decodes an infinity, so they mean *none yet*); after
+    ``n >= 3`` rows the trimmed mean is ``middle / (n - 2)``."""
+    hb, qb = _decode_target(hi, q, scale, 1.0, config, "largest values")
+    lb, _ = _decode_target(lo, q, scale, 1.0, config, "smallest values")
+    mb, _ = _decode_target(middle, q, scale, 1.0, config, "middle sum")
+    _KERNELS.run("trim_one", _trim_one_kernel, config.backend, hb, lb, mb, qb, scale)
 
 
 def _decode_target(

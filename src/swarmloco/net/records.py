@@ -518,7 +518,8 @@ ROUND = register(
         name="round/<r>",
         pattern=r"round/(0|[1-9][0-9]{0,18})",
         # One signed entry per peer ready to average round r (net/averaging/matchmaking.py):
-        # the earliest-announced serving peer leads the group, the others ask it to.
+        # the serving peer first in the round's order of leadership (a hash of the round
+        # and its id, not this announce time) leads the group, the others ask it to.
         schema=owned_value(
             {
                 # HOST:PORT where the peer serves gRPC; empty for client-mode peers.

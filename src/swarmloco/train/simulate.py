@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from swarmloco.core.aggregate import AggregatorConfig, aggregate
 from swarmloco.core.codec import (
     CodecConfig,
     ErrorFeedback,
@@ -94,9 +95,24 @@ def exchange_mean(
     how: Exchange,
     codec: CodecConfig,
     feedback: list[ErrorFeedback] | None = None,
+    aggregator: AggregatorConfig | None = None,
 ) -> torch.Tensor:
-    """The weighted mean the all-reduce would deliver for these block-aligned updates."""
+    """The mean the all-reduce would deliver for these block-aligned updates: weighted, or
+    by ``aggregator`` (a robust one combines the decoded updates, as a reducer would)."""
     total = sum(weights)
+    if aggregator is not None and aggregator.method != "mean":
+        decoded = []
+        for i, d in enumerate(deltas):
+            if how == "fp32":
+                decoded.append(d)
+                continue
+            q, s = feedback[i].encode(d) if feedback else quantize(d, codec)
+            decoded.append(dequantize(q, s, codec.block_size, codec.backend))
+        mean = aggregate(decoded, weights, aggregator)
+        if how == "fp32":
+            return mean
+        q, s = quantize(mean, codec)
+        return dequantize(q, s, codec.block_size, codec.backend)
     if how == "fp32":
         mean = torch.zeros_like(deltas[0])
         for d, w in zip(deltas, weights, strict=True):
@@ -168,7 +184,12 @@ def diloco_arm(
         ]
         weights = [1.0] * len(workers)  # equal tokens per worker in a simulation
         mean = exchange_mean(
-            deltas, weights, exchange, codec, feedback[fragment] if feedback else None
+            deltas,
+            weights,
+            exchange,
+            codec,
+            feedback[fragment] if feedback else None,
+            aggregator=spec.aggregator,
         )
         state.apply(fragment, state.round + 1, mean)
         n = mean.numel()

@@ -2,15 +2,17 @@
 
 :meth:`Matchmaker.form_group` announces this peer under the round's DHT key (a signed,
 owned, short-lived entry: endpoint, weight, bandwidth, client mode, announce time), then
-reads the key back. The earliest-announced *serving* peer leads: the others send it a
+reads the key back. The announced *serving* peer first in the round's order of leadership
+(:func:`leader_rank`, a hash of the round and the peer id) leads: the others send it a
 signed :class:`~swarmloco.proto.v1.averaging_pb2.MemberDeclaration` in a ``Join`` call
 that it answers, as a long poll, once gathering is over. A leader gathers until the group
 reaches ``max_group_size`` or its gathering window closes, strikes members whose weight is
 out of bounds, cuts the parts and answers every member with the same group (or with the
-reason it was left out). A leader that learns of an earlier-announced serving peer while
-gathering (two peers announced at once and missed each other) hands over: its followers
-are redirected there, and so is it. A group of one is a valid outcome; fewer than
-``min_group_size`` members is not.
+reason it was left out). A leader that learns, while gathering, of a serving peer ahead
+of it in that order (one that announced later, or at once and was missed) hands over: its
+followers are redirected there, and so is it. The order is a hash, not the announce time,
+so that no peer can make itself the leader of every round by claiming an early time. A
+group of one is a valid outcome; fewer than ``min_group_size`` members is not.
 
 Nothing here waits without a deadline: an unreachable leader costs one call bounded by
 the caller's deadline, after which the next candidate is tried or this peer leads itself
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -108,7 +111,7 @@ class MatchmakingConfig:
 
 
 class _Handover(Exception):
-    """Internal: the gathering leader found an earlier leader at ``endpoint``."""
+    """Internal: the gathering leader found a peer ahead of it at ``endpoint``."""
 
     def __init__(self, endpoint: str) -> None:
         super().__init__(endpoint)
@@ -135,9 +138,20 @@ class _Gathering:
 
 @dataclasses.dataclass(frozen=True)
 class _Candidate:
+    rank: bytes
     peer_id: str
     endpoint: str
-    announced_at: float
+
+
+def leader_rank(swarm_id: str, round: int, peer_id: str) -> bytes:
+    """Where ``peer_id`` stands in the order of leadership of ``round`` (lowest leads).
+
+    A hash nobody chooses: a peer cannot move itself ahead by what it announces, and each
+    round draws a new order, so one peer leads about one round in as many as there are
+    peers ready for it.
+    """
+    payload = f"{swarm_id}\x00{round}\x00{peer_id}".encode()
+    return hashlib.blake2b(payload, digest_size=16, person=b"swarmloco-leader").digest()
 
 
 class Matchmaker:
@@ -216,7 +230,7 @@ class Matchmaker:
             norm=norm,
             membership=self.admission.own_bytes if self.admission is not None else b"",
         )
-        announced_at = self.clock()
+        announced_at = self.clock()  # shown to others, never trusted (see leader_rank)
         key = round_key(self.swarm_id, round)
         # A round tried again (the last attempt aborted) is not formed: followers asking
         # now should wait for this attempt's gathering, not give up on us.
@@ -226,7 +240,7 @@ class Matchmaker:
             )
         try:
             await self._announce(key, me, announced_at, deadline)
-            return await self._find_group(round, me, announced_at, deadline, expected)
+            return await self._find_group(round, me, deadline, expected)
         finally:
             self.dht.forget_published(key, self.identity.peer_id_hex)
             self._following.pop(round, None)
@@ -252,10 +266,10 @@ class Matchmaker:
             raise RoundAborted(f"round {me.round}: announcing took past the deadline") from None
 
     async def _candidates(
-        self, round: int, me: pb.MemberDeclaration, announced_at: float, deadline: Deadline
+        self, round: int, me: pb.MemberDeclaration, deadline: Deadline
     ) -> list[_Candidate]:
-        """Serving peers of this round and vector size that announced before us, earliest
-        first (all of them if we cannot lead)."""
+        """Serving peers of this round and vector size ahead of us in the order of
+        leadership, first first (all of them if we cannot lead)."""
         key = round_key(self.swarm_id, round)
         timeout = max(min(deadline.remaining(), self.dht.config.lookup_timeout_s), 0.01)
         result = await self.dht.get(key, timeout=timeout)
@@ -267,17 +281,18 @@ class Matchmaker:
                 continue
             if value["numel"] != me.numel:
                 continue
-            found.append(_Candidate(entry.subkey, value["endpoint"], value["announced_at"]))
-        found.sort(key=lambda c: (c.announced_at, c.peer_id))
+            rank = leader_rank(self.swarm_id, round, entry.subkey)
+            found.append(_Candidate(rank, entry.subkey, value["endpoint"]))
+        found.sort(key=lambda c: c.rank)
         if me.endpoint:
-            found = [c for c in found if (c.announced_at, c.peer_id) < (announced_at, mine)]
+            own = leader_rank(self.swarm_id, round, mine)
+            found = [c for c in found if c.rank < own]
         return found
 
     async def _find_group(
         self,
         round: int,
         me: pb.MemberDeclaration,
-        announced_at: float,
         deadline: Deadline,
         expected: int | None,
     ) -> Group:
@@ -288,14 +303,12 @@ class Matchmaker:
         unserved_since: float | None = None  # client mode: since when no leader is in sight
         while not deadline.expired:
             if next_endpoint is None:
-                candidates = await self._candidates(round, me, announced_at, deadline)
+                candidates = await self._candidates(round, me, deadline)
                 untried = [c for c in candidates if c.endpoint not in tried]
                 if not untried:
                     if me.endpoint:
                         try:
-                            return await self._lead(
-                                round, me, announced_at, tried, deadline, expected
-                            )
+                            return await self._lead(round, me, tried, deadline, expected)
                         except _Handover as handover:
                             next_endpoint = handover.endpoint
                             continue
@@ -387,7 +400,6 @@ class Matchmaker:
         self,
         round: int,
         me: pb.MemberDeclaration,
-        announced_at: float,
         tried: set[str],
         deadline: Deadline,
         expected: int | None = None,
@@ -412,9 +424,9 @@ class Matchmaker:
         close_at = loop.time() + min(cfg.gather_s, deadline.remaining())
         try:
             if enough <= 1:
-                # Expecting nobody: still give way to a leader that announced before us
-                # (it may count on us), rather than split the round in two.
-                await self._give_way(gathering, me, announced_at, tried, deadline)
+                # Expecting nobody: still give way to a peer ahead of us (it may count on
+                # us), rather than split the round in two.
+                await self._give_way(gathering, me, tried, deadline)
             while len(gathering.declarations) < enough:
                 left = close_at - loop.time()
                 if left <= 0:
@@ -426,7 +438,7 @@ class Matchmaker:
                     continue
                 except TimeoutError:
                     pass
-                await self._give_way(gathering, me, announced_at, tried, deadline)
+                await self._give_way(gathering, me, tried, deadline)
             return self._close(gathering)
         finally:
             gathering.closed = True
@@ -459,17 +471,16 @@ class Matchmaker:
         self,
         gathering: _Gathering,
         me: pb.MemberDeclaration,
-        announced_at: float,
         tried: set[str],
         deadline: Deadline,
     ) -> None:
-        """Hand the gathering over (raising _Handover) to a serving peer of the round that
-        announced before us and was not tried yet; return if there is none."""
-        candidates = await self._candidates(gathering.round, me, announced_at, deadline)
-        earlier = [c for c in candidates if c.endpoint not in tried]
-        if earlier:
-            self._hand_over(gathering, earlier[0].endpoint)
-            raise _Handover(earlier[0].endpoint)
+        """Hand the gathering over (raising _Handover) to a serving peer of the round ahead
+        of us in the order of leadership and not tried yet; return if there is none."""
+        candidates = await self._candidates(gathering.round, me, deadline)
+        ahead = [c for c in candidates if c.endpoint not in tried]
+        if ahead:
+            self._hand_over(gathering, ahead[0].endpoint)
+            raise _Handover(ahead[0].endpoint)
 
     def _hand_over(self, gathering: _Gathering, endpoint: str) -> None:
         logger.info("round %d: handing the group over to %s", gathering.round, endpoint)

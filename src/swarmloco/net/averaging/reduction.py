@@ -1,9 +1,11 @@
 """The reducer of one part at one epoch: chunks in, averaged chunks out. No I/O.
 
 A :class:`PartReduction` receives every member's slice of a part chunk by chunk (in order
-per sender), checks each chunk before it touches the sum, and accumulates it weighted as
-it arrives (``mean``), or keeps the decoded chunks of each chunk index until they are all
-there (``trimmed_mean``/``centered_clip``). Chunk k is *complete* when every live sender
+per sender), checks each chunk before it touches the sum, and accumulates it as it
+arrives: weighted (``mean``), or through a
+:class:`~swarmloco.core.aggregate.TrimmedAccumulator` that keeps only the extremes
+(``trimmed_mean``); ``centered_clip`` keeps the decoded chunks of each chunk index until
+they are all there. Chunk k is *complete* when every live sender
 has delivered it; chunks complete in order, and the caller quantizes and sends out each
 completed chunk's mean (:meth:`PartReduction.finish`).
 
@@ -49,7 +51,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from swarmloco.core.aggregate import AggregatorConfig, aggregate
+from swarmloco.core.aggregate import AggregatorConfig, TrimmedAccumulator, aggregate
 from swarmloco.core.codec import (
     ChunkSpan,
     CodecConfig,
@@ -99,6 +101,9 @@ class PartReduction:
         if aggregator.streaming:
             self._acc = torch.empty(numel) if buffer is None else buffer[:numel]
         self._buffered: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self._trimmed: dict[int, TrimmedAccumulator] | None = None
+        if aggregator.method == "trimmed_mean":
+            self._trimmed = {}
         self._weight_sum = [0.0] * len(self.spans)
         self.next_index: dict[int, int] = {s: 0 for s in senders}
         self.live: set[int] = set(self.next_index)
@@ -170,6 +175,11 @@ class PartReduction:
                     dequantize_into_(acc, payload, scales, self.codec, weight)
                 else:
                     dequantize_accumulate_(acc, payload, scales, weight, self.codec)
+            elif self._trimmed is not None:
+                trimmer = self._trimmed.get(index)
+                if trimmer is None:
+                    trimmer = self._trimmed[index] = TrimmedAccumulator(self.aggregator.trim)
+                trimmer.add_quantized(payload, scales, self.codec)
             else:
                 decoded = dequantize(payload, scales, self.codec.block_size, self.codec.backend)
                 if decoded.numel() != span.numel:
@@ -264,6 +274,8 @@ class PartReduction:
         if self._acc is not None:
             mean = self._acc[span.start : span.stop]
             mean.mul_(1.0 / total)
+        elif self._trimmed is not None:
+            mean = self._trimmed.pop(k).result()
         else:
             received = self._buffered.pop(k)
             mean = aggregate(
