@@ -40,7 +40,11 @@ def test_error_within_half_a_step_per_block(seed, blocks, block_size, scale_exp)
 
 
 @given(
-    shape=st.lists(st.integers(1, 700), min_size=1, max_size=3),
+    # Up to about 500k values: three dimensions of up to 700 made tensors of 1.4 GB.
+    shape=st.one_of(
+        st.lists(st.integers(1, 700), min_size=1, max_size=2),
+        st.lists(st.integers(1, 60), min_size=3, max_size=3),
+    ),
     block_size=st.sampled_from([16, 100, 1024]),
     seed=st.integers(0, 1000),
 )
