@@ -234,6 +234,13 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         help="host other peers should dial (default: the bound host, or as the peers see us)",
     )
     g.add_argument(
+        "--announce-port",
+        type=int,
+        default=None,
+        help="port other peers should dial, when a router or proxy forwards another port to "
+        "--port (default: the bound port)",
+    )
+    g.add_argument(
         "--reflection",
         action="store_true",
         help="serve gRPC server reflection, so `grpcurl` can list the services (default: off)",
@@ -403,6 +410,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
             ),
             client=ClientConfig(tls_ca_file=args.tls_ca),
             announce_host=args.announce_host,
+            announce_port=args.announce_port,
             peers=tuple(args.peers),
         ),
         name=args.peer_name,

@@ -196,8 +196,9 @@ def test_a_liar_serving_a_poisoned_later_state_is_refused_and_a_frozen_peer_heal
     the digest of a poisoned state (the right size, every value far off) that it really
     serves, signed. No honest peer takes it, nor even asks for it: one stranger's claim
     counts only as far as the others' go. Meanwhile one honest peer is frozen (SIGSTOP)
-    while the other applies six rounds alone; thawed, it heals from its former partner,
-    and both end on one digest."""
+    for 30 s, while the other applies six rounds or more alone; thawed (SIGCONT), it
+    rejoins at the swarm's round, healed from its former partner, and the two average the
+    next round together, on one digest."""
     import asyncio
 
     import torch
@@ -244,13 +245,13 @@ def test_a_liar_serving_a_poisoned_later_state_is_refused_and_a_frozen_peer_heal
                     await asyncio.wait_for(stop.wait(), 0.5)
         return donor.stats["served"]
 
-    rounds = "26"
+    freeze_s = 30.0
     with Bootstrap(tmp_path / "boot") as boot, LoopThread() as loop:
         swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint)
         stop = asyncio.Event()
         with (
-            PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", "--max-rounds", rounds) as a,
-            PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", "--max-rounds", rounds) as b,
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "a") as a,
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "b") as b,
         ):
             b.wait_for("round", lambda e: e["round"] >= 3 and e["group"] == 2, timeout=180)
             # The liar comes to a running swarm (a fresh peer that sees no one but a liar
@@ -258,11 +259,20 @@ def test_a_liar_serving_a_poisoned_later_state_is_refused_and_a_frozen_peer_heal
             numel = _flat_numel(tmp_path / "a" / "swarms" / swarm / "manifest.json")
             liar = loop.submit(lie(boot.endpoint, swarm, numel, stop))
             b.process.send_signal(signal.SIGSTOP)
+            frozen = time.monotonic()
             frozen_at = max(e["round"] for e in b.of("round"))
             a.wait_for("round", lambda e: e["round"] >= frozen_at + 6, timeout=240)
+            time.sleep(max(0.0, freeze_s - (time.monotonic() - frozen)))  # the freeze itself
+            swarm_round = max(e["round"] for e in a.of("round"))
             b.process.send_signal(signal.SIGCONT)
+            together = b.wait_for(
+                "round", lambda e: e["round"] > swarm_round and e["group"] == 2, timeout=180
+            )
+            a.wait_for("round", lambda e: e["round"] >= together["round"], timeout=60)
             for p in (a, b):
-                assert p.wait(300) == 0, p.log_tail()
+                p.process.send_signal(signal.SIGTERM)
+            for p in (a, b):
+                assert p.wait(60) == 0, p.log_tail()
         loop.loop.call_soon_threadsafe(stop.set)
         served = liar.result(timeout=30)
     assert claimed  # the liar did claim later rounds all along
@@ -271,10 +281,12 @@ def test_a_liar_serving_a_poisoned_later_state_is_refused_and_a_frozen_peer_heal
         assert all(e["donor"][:12] in {i[:12] for i in ids.values()} for e in p.of("downloaded"))
     # One peer's claim cannot lead another past what the rest report: nobody even asked.
     assert served == 0
-    # The thawed peer took its partner's state of a round at least six past its own.
+    # Thawed, the peer took its partner's state of the swarm's round (or the one before:
+    # a donor serves both), at least six rounds past its own, then averaged with it again.
     healed = [e for e in b.of("downloaded") if e["round"] >= frozen_at + 5]
     assert healed and healed[0]["donor"][:12] == ids[a][:12], b.events
-    assert digests_of(a)[int(rounds)] == digests_of(b)[int(rounds)]
+    assert healed[0]["round"] >= swarm_round - 1, (swarm_round, healed)
+    assert digests_of(a)[together["round"]] == digests_of(b)[together["round"]]
 
 
 def test_streaming_diloco_overlaps_fragment_exchanges_with_training(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import os
 import re
 import threading
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import torch
+from tcpproxy import TcpProxy
 
 from swarmloco.core.codec import CodecConfig, chunk_spans, padded_numel
 from swarmloco.net.admission import Admission
@@ -71,11 +73,13 @@ async def averaging_peers(
     server: ServerConfig | None = None,
     announce_host: str | None = None,
     gates: Callable[[int, Identity], Admission | None] | None = None,
+    proxies: dict[int, TcpProxy] | None = None,
 ) -> AsyncIterator[list[AvgPeer]]:
     """``size`` peers on 127.0.0.1 joined through the first (which must serve);
     ``configs``: per peer, an averaging config other than ``config`` (a liar's);
     ``server``/``announce_host``: where the serving peers bind and what they announce;
-    ``gates``: per peer (index, identity), the gate of a private swarm (None: none)."""
+    ``gates``: per peer (index, identity), the gate of a private swarm (None: none);
+    ``proxies``: per serving peer, a started proxy it announces instead of its own port."""
     assert 0 not in clients
     faults = faults or {}
     limiters = limiters or {}
@@ -88,12 +92,16 @@ async def averaging_peers(
             if i in clients:
                 node_config = NodeConfig(server=None, peers=first)
             else:
+                proxy = (proxies or {}).get(i)
                 node_config = NodeConfig(
                     peers=first,
                     server=server or ServerConfig(),
                     announce_host=announce_host,
+                    announce_port=proxy.port if proxy is not None else None,
                 )
             node = NetNode(identity=identity, config=node_config)
+            if i not in clients and (proxy := (proxies or {}).get(i)) is not None:
+                proxy.target = functools.partial(_bound, node)
             gate = gates(i, identity) if gates is not None else None
             if gate is not None:
                 node.dht.admit(gate)
@@ -123,6 +131,11 @@ async def averaging_peers(
             await stack.enter_async_context(node)
             peers.append(AvgPeer(node, matchmaker, averager))
         yield peers
+
+
+def _bound(node: NetNode) -> tuple[str, int]:
+    assert node.server is not None
+    return "127.0.0.1", node.server.port
 
 
 async def average(

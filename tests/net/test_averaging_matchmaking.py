@@ -8,6 +8,7 @@ import pytest
 from avgutil import SWARM, averaging_peers, random_vectors
 from netutil import closed_port
 
+from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import (
     BandwidthConfig,
     BandwidthLimiter,
@@ -157,6 +158,41 @@ async def test_a_leader_closes_once_the_expected_peers_joined():
             await peers[0].matchmaker.form_group(
                 3, weight=1.0, numel=640, block_size=64, deadline=Deadline.after(5), expected=0
             )
+
+
+async def test_peers_that_come_after_the_group_formed_wait_for_it_instead_of_splitting():
+    """Peers 0 and 1 form round r's group. Peers 2 and 3 come later (in a round where
+    peer 2 is first in the order of leadership, so it asks nobody): rather than average
+    the round as a second group of two (a split), each aborts it as late, to take the
+    group's result. The marker that says so is the leader's word alone, so it costs one
+    attempt: on the next, the two average together."""
+    config = MatchmakingConfig(max_group_size=4, gather_s=2.0, poll_s=0.1)
+    async with averaging_peers(4, matchmaking=config) as peers:
+        round = first_round_led_by(peers, 2)
+        deadline = Deadline.after(30.0)
+
+        async def join(p, expected):
+            return await p.matchmaker.form_group(
+                round, weight=1.0, numel=64 * 8, block_size=64, deadline=deadline,
+                expected=expected,
+            )  # fmt: skip
+
+        first = await asyncio.gather(join(peers[0], 2), join(peers[1], 2))
+        assert {g.size for g in first} == {2}
+        # The leader marks its entry once the group formed (in the background).
+        key = round_key(SWARM, round)
+        while not any(
+            e.value.get("formed") == 2 for e in (await peers[3].node.dht.get(key)).entries.values()
+        ):
+            assert not deadline.expired, "the leader never marked its group formed"
+            await asyncio.sleep(0.05)
+        late = await asyncio.gather(join(peers[2], 2), join(peers[3], 2), return_exceptions=True)
+        for outcome in late:
+            assert isinstance(outcome, RoundAborted) and outcome.late, late
+            assert "formed before this peer came" in str(outcome)
+        again = await asyncio.gather(join(peers[2], 2), join(peers[3], 2))
+        assert {g.size for g in again} == {2}
+        assert {m.peer_id for m in again[0].members} == {peers[2].peer_id, peers[3].peer_id}
 
 
 async def test_join_faults_fire_and_the_group_still_forms():

@@ -251,6 +251,29 @@ async def test_a_fresh_peer_follows_no_stranger_past_what_the_others_report():
         assert not found.refused  # the liar's round was never a candidate
 
 
+async def test_a_newcomer_at_round_0_does_not_keep_a_fresh_peer_from_the_lone_peer_ahead():
+    """The run's first peer trained alone to round 54; another newcomer, still at the
+    initial state, reports working on round 1. It holds nothing and vouches for nothing:
+    a fresh peer follows the one peer ahead (trust on first use), instead of capping it
+    at the newcomer's round 1, which nobody serves (issue 12's newcomers that never
+    caught up)."""
+    theta = torch.randn(NUMEL)
+    ahead = snapshot(54, state_after(theta, 54, seed=6))
+    async with AsyncExitStack() as stack:
+        boot = await node(stack)
+        a, newcomer = await holder(stack, boot), await holder(stack, boot)
+        a.state = ahead
+        await a.publish(claim=55, state=ahead)
+        progress = {"round": 1, "tokens": 0, "tokens_per_s": 1000.0, "at": time.time()}
+        assert await newcomer.node.dht.store(progress_key(SWARM), progress, ttl=60)
+        me = await node(stack, boot.endpoint)
+        found = await catchup(me, Evidence()).find(
+            round=0, digest=None, theta_g=theta, distrusted=set()
+        )
+    assert found.adopted is not None and found.adopted.snapshot.round == 54
+    assert found.adopted.snapshot.digest == ahead.digest
+
+
 async def test_two_strangers_holding_one_state_each_back_neither():
     """A peer with history, two strangers each holding a different state of round 11 (one
     of them a liar's): neither is a witness, neither has a quorum: nothing is adopted."""

@@ -24,7 +24,7 @@ from swarmloco.net.client import ClientConfig, RpcClient
 from swarmloco.net.dht.contact import Contact
 from swarmloco.net.dht.node import DhtConfig, DHTNode
 from swarmloco.net.dht.transport import DhtServicer, GrpcDhtTransport
-from swarmloco.net.endpoints import guess_host, is_unspecified, parse_endpoint
+from swarmloco.net.endpoints import format_endpoint, guess_host, is_unspecified, parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.server import PeerServer, ServerConfig, Service
 from swarmloco.net.tls import TlsCredentials
@@ -39,6 +39,8 @@ class NodeConfig:
     announce_host: str | None = None
     """Host others should dial. Default: the bound host, or, when bound to every interface,
     the address the first peer that answers sees us at."""
+    announce_port: int | None = None
+    """Port others should dial, when it is not the bound one (a forwarded port, a proxy)."""
     peers: tuple[str, ...] = ()
     """HOST:PORT of peers to join through (none: start a new network)."""
     remembered: tuple[str, ...] = ()
@@ -56,6 +58,11 @@ class NodeConfig:
             )
         for peer in (*self.peers, *self.remembered):
             parse_endpoint(peer)
+        if self.announce_port is not None:
+            require(
+                0 < self.announce_port < 65536 and self.server is not None,
+                "announce_port must be a port (1-65535) of a node that serves",
+            )
         require(
             self.server is not None or bool(self.peers),
             "a client-mode node (no server) needs at least one peer to join through",
@@ -126,10 +133,11 @@ class NetNode:
             if self.server is not None:
                 await stack.enter_async_context(self.server)
                 host = self.config.announce_host or self.server.config.host
+                port = self.config.announce_port or self.server.port
                 if not is_unspecified(host):
-                    self.dht.set_endpoint(self.server.endpoint(host))
+                    self.dht.set_endpoint(format_endpoint(host, port))
                 elif self.config.peers or self.config.remembered:
-                    announce_port = self.server.port  # learn our host from the peers
+                    announce_port = port  # learn our host from the peers
                 else:
                     # Nobody to ask how we are seen: announce our address on the default
                     # route (behind NAT, operators must say announce_host).
@@ -139,7 +147,7 @@ class NetNode:
                         "(set the announce host if peers must dial another address)",
                         guessed,
                     )
-                    self.dht.set_endpoint(self.server.endpoint(guessed))
+                    self.dht.set_endpoint(format_endpoint(guessed, port))
             await stack.enter_async_context(self.dht)
             entry = tuple(dict.fromkeys((*self.config.peers, *self.config.remembered)))
             if entry:
@@ -154,8 +162,8 @@ class NetNode:
                         len(entry),
                         exc,
                     )
-                    if announce_port is not None and self.server is not None:
-                        self.dht.set_endpoint(self.server.endpoint(guess_host()))
+                    if announce_port is not None:
+                        self.dht.set_endpoint(format_endpoint(guess_host(), announce_port))
             self._stack = stack.pop_all()
         return self
 

@@ -6,8 +6,9 @@ Either way it looks for another state (:meth:`CatchUp.find`):
 
 1. Read the swarm's ``progress`` claims; the rounds worth a look are those other peers hold
    (a peer working towards round r holds r - 1, or r - 2 while r - 1 is in flight), newest
-   first, a stranger's claim capped at the ``quorum``-th highest claim (one peer alone
-   cannot lead this one past what the others report; a witness can). Read the digests
+   first, a stranger's claim capped at the ``quorum``-th highest claim of the peers that
+   hold a round (one peer alone cannot lead this one past what the others report; a
+   witness can; a newcomer at the initial state does not count). Read the digests
    published for each.
 2. Rank the candidate states: those held by a *witness* (a peer that averaged with this one
    lately) first, then the newer round, then the most held; a fresh peer, which has no
@@ -227,11 +228,16 @@ class CatchUp:
     def _counted(self, claims: dict[str, int]) -> list[int]:
         """The rounds claimed, a stranger's capped at the ``quorum``-th highest claim: one
         peer alone cannot lead this one to a later round than others report (a witness
-        can: a peer that fell behind its partners must follow them)."""
+        can: a peer that fell behind its partners must follow them).
+
+        Only peers that hold a round of their own (claiming round 2 or later) set the
+        ceiling: a newcomer still at the initial state vouches for nothing, and counting
+        it would keep every newcomer of a swarm with one peer ahead from ever following
+        that peer (two fresh peers capping it at each other's round 1)."""
         quorum = self.config.adoption.quorum
-        ranked = sorted(claims.values(), reverse=True)
+        ranked = sorted((r for r in claims.values() if r >= 2), reverse=True)
         if not ranked:
-            return []
+            return list(claims.values())
         ceiling = ranked[min(quorum, len(ranked)) - 1]
         witnesses = self.evidence.witnesses
         return [r if peer in witnesses else min(r, ceiling) for peer, r in claims.items()]

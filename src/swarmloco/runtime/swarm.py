@@ -232,6 +232,10 @@ class Swarm:
         self._train_started = 0.0
         self._step_ended = 0.0
         self._unbacked: dict[str, float] = {}
+        self._late: tuple[int, float] | None = None
+        self._round_s = 5.0  # how long this peer's last applied round took (a guess at first)
+        """(round, until): that round's group formed without this peer, which waits for its
+        result (a download) instead of averaging the round with whoever else came late."""
         self._distrusted: dict[str, float] = {}
         self._refusals_told: set[tuple[int, str]] = set()
         self._hook: Any = None
@@ -911,6 +915,8 @@ class Swarm:
             self._expected = max(self._expected, self._last_group[1])
         if any(r.round > target + 1 for r in reports):
             return Verdict.BEHIND  # others applied rounds this peer has not
+        if self._late is not None and self._late[0] == target and time.monotonic() < self._late[1]:
+            return Verdict.BEHIND  # this round's group formed without us: fetch its result
         if any(r.round == target + 1 for r in reports) and self.steps_since_round >= h / 4:
             # Someone started this round already: join it now, with what we have, rather
             # than fall a gathering window out of step with it (not before a quarter of
@@ -1058,6 +1064,12 @@ class Swarm:
             # carries all of it.
             self.rounds_aborted += 1
             self._last_group = None  # those we expected did not come
+            if isinstance(exc, RoundAborted) and exc.late:
+                # The others average this round without us: take their result once it is
+                # published. Wait about as long as their round takes (a gathering window
+                # and the exchange, twice over), then try the round again as usual.
+                wait = 2 * (self.config.matchmaking.gather_s + self._round_s)
+                self._late = (x.round, time.monotonic() + min(wait, self.config.round_timeout_s))
             logger.warning("round %d aborted: %s", x.round, exc)
             self._emit(
                 "aborted",
@@ -1098,6 +1110,7 @@ class Swarm:
         ):
             eval_loss = self.last_eval = float(self.evaluate())
         seconds = time.monotonic() - x.started
+        self._round_s = seconds
         event.update(
             {
                 "round": self.round,

@@ -183,6 +183,12 @@ class Matchmaker:
         self._leading: dict[int, _Gathering] = {}
         self._following: dict[int, str] = {}
         self._finished: collections.deque[int] = collections.deque(maxlen=64)
+        self._came_late: collections.deque[int] = collections.deque(maxlen=64)
+        self._entries: dict[int, dict[str, object]] = {}
+        """This peer's ``round/<r>`` entry, per round it is forming a group for."""
+        self._grouped: collections.OrderedDict[int, frozenset[str]] = collections.OrderedDict()
+        """The members of this peer's last group of each recent round."""
+        self._marking: set[asyncio.Task[None]] = set()
 
     # -- the public API ----------------------------------------------------------------
 
@@ -240,11 +246,16 @@ class Matchmaker:
             )
         try:
             await self._announce(key, me, announced_at, deadline)
-            return await self._find_group(round, me, deadline, expected)
+            group = await self._find_group(round, me, deadline, expected)
         finally:
             self.dht.forget_published(key, self.identity.peer_id_hex)
             self._following.pop(round, None)
+            self._entries.pop(round, None)
             self._finished.append(round)
+        self._grouped[round] = frozenset(m.peer_id for m in group.members)
+        while len(self._grouped) > 64:
+            self._grouped.popitem(last=False)
+        return group
 
     # -- finding the leader ------------------------------------------------------------
 
@@ -259,6 +270,7 @@ class Matchmaker:
             "announced_at": announced_at,
             "numel": me.numel,
         }
+        self._entries[me.round] = value
         try:
             async with asyncio.timeout(deadline.remaining()):
                 await self.dht.store(key, value, ttl=self.config.announce_ttl_s)
@@ -267,16 +279,21 @@ class Matchmaker:
 
     async def _candidates(
         self, round: int, me: pb.MemberDeclaration, deadline: Deadline
-    ) -> list[_Candidate]:
+    ) -> tuple[list[_Candidate], bool]:
         """Serving peers of this round and vector size ahead of us in the order of
-        leadership, first first (all of them if we cannot lead)."""
+        leadership, first first (all of them if we cannot lead); and whether a leader says
+        the round's group formed (without us: a group we were in does not count)."""
         key = round_key(self.swarm_id, round)
         timeout = max(min(deadline.remaining(), self.dht.config.lookup_timeout_s), 0.01)
         result = await self.dht.get(key, timeout=timeout)
         mine = self.identity.peer_id_hex
+        ours = self._grouped.get(round, frozenset())
         found = []
+        formed = False
         for entry in result.entries.values():
             value = entry.value
+            if entry.subkey != mine and entry.subkey not in ours and value["numel"] == me.numel:
+                formed |= value.get("formed", 0) > 1
             if entry.subkey == mine or value["client_mode"] or not value["endpoint"]:
                 continue
             if value["numel"] != me.numel:
@@ -287,7 +304,7 @@ class Matchmaker:
         if me.endpoint:
             own = leader_rank(self.swarm_id, round, mine)
             found = [c for c in found if c.rank < own]
-        return found
+        return found, formed
 
     async def _find_group(
         self,
@@ -297,15 +314,28 @@ class Matchmaker:
         expected: int | None,
     ) -> Group:
         tried: set[str] = set()
+        formed_without_us = False
         not_leading: dict[str, float] = {}
         redirects = 0
         next_endpoint: str | None = None
         unserved_since: float | None = None  # client mode: since when no leader is in sight
         while not deadline.expired:
             if next_endpoint is None:
-                candidates = await self._candidates(round, me, deadline)
+                candidates, formed = await self._candidates(round, me, deadline)
+                formed_without_us |= formed
                 untried = [c for c in candidates if c.endpoint not in tried]
                 if not untried:
+                    if formed_without_us and round not in self._came_late:
+                        # A peer ahead of us already formed this round's group: leading
+                        # another with whoever else came late would split the swarm's
+                        # state in two. Once per round: a leader that only says so (a
+                        # liar, or a group that aborted) costs one attempt, not the round.
+                        self._came_late.append(round)
+                        raise RoundAborted(
+                            f"round {round}: its group formed before this peer came; "
+                            "catching up with it instead",
+                            late=True,
+                        )
                     if me.endpoint:
                         try:
                             return await self._lead(round, me, tried, deadline, expected)
@@ -369,6 +399,7 @@ class Matchmaker:
                 raise RejectedInput(
                     f"round {round}: the leader refused us: {refusal.reason}", peer=endpoint
                 )
+            formed_without_us |= outcome == "refused" and refusal.code == "formed"
             tried.add(endpoint)
         raise RoundAborted(f"round {round}: no group formed before the deadline")
 
@@ -439,13 +470,37 @@ class Matchmaker:
                 except TimeoutError:
                     pass
                 await self._give_way(gathering, me, tried, deadline)
-            return self._close(gathering)
+            group = self._close(gathering)
         finally:
             gathering.closed = True
             self._leading.pop(round, None)
             for waiter in gathering.waiters.values():
                 if not waiter.done():
                     waiter.set_result(_refused("formed", "the leader stopped gathering"))
+        if group.size > 1:
+            self._mark_formed(round, group.size)
+        return group
+
+    def _mark_formed(self, round: int, size: int) -> None:
+        """Say in our ``round/<r>`` entry that the round's group formed (in the background:
+        the exchange does not wait for it), so that a peer coming later does not lead a
+        second group of the round with other latecomers."""
+        entry = self._entries.get(round)
+        if entry is None:
+            return
+        key, value = round_key(self.swarm_id, round), {**entry, "formed": size}
+
+        async def store() -> None:
+            try:
+                await self.dht.store(key, value, ttl=self.config.announce_ttl_s)
+            except Exception as exc:  # a lost marker costs at most a split, never the round
+                logger.info("round %d: could not mark the group formed: %s", round, exc)
+            finally:
+                self.dht.forget_published(key, self.identity.peer_id_hex)
+
+        task = asyncio.get_running_loop().create_task(store())
+        self._marking.add(task)
+        task.add_done_callback(self._marking.discard)
 
     def _subnet(self, host: str) -> str | None:
         return subnet_of(host, limit_private=self.config.limit_private_subnets) if host else None
@@ -476,7 +531,7 @@ class Matchmaker:
     ) -> None:
         """Hand the gathering over (raising _Handover) to a serving peer of the round ahead
         of us in the order of leadership and not tried yet; return if there is none."""
-        candidates = await self._candidates(gathering.round, me, deadline)
+        candidates, _ = await self._candidates(gathering.round, me, deadline)
         ahead = [c for c in candidates if c.endpoint not in tried]
         if ahead:
             self._hand_over(gathering, ahead[0].endpoint)
