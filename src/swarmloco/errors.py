@@ -43,9 +43,9 @@ class RejectedInput(SwarmlocoError):
 class RoundAborted(SwarmlocoError):
     """An averaging round could not complete; nothing was applied.
 
-    ``late``: the round goes on without this peer (its group formed before this peer came,
-    or the others are out of step with it): catch up with the swarm's result of the round
-    rather than average it again at once with whoever else came late."""
+    ``late``: the round goes on without this peer (its group formed before this peer
+    came): catch up with the group's result of the round rather than average it again at
+    once with whoever else came late."""
 
     def __init__(self, message: str, *, late: bool = False) -> None:
         super().__init__(message)

@@ -63,6 +63,19 @@ def test_rounds_cannot_come_faster_than_time_allows():
     assert round_plausible(1000, 0.0, Evidence(), CONFIG) is None
 
 
+def test_rounds_averaged_alone_do_not_reset_the_clock_of_plausible_rounds():
+    """A peer cut off from the swarm (restarted behind it, its donors out of reach)
+    averages alone now and then; the swarm's pace is still judged from its last round
+    with others, or it could never take the state of the swarm running ahead of it."""
+    evidence = seasoned()  # last round with others at t = 1100, rounds 10 s apart
+    for at in (1130.0, 1160.0, 1190.0):
+        evidence.applied(0.5, at=at, alone=True)
+    assert evidence.last_round_at == 1100.0 and evidence.movements[-1] == 0.5
+    # 91 s since the last round with others: 2 + 4 * 91 / 10 = 38.4 rounds are plausible.
+    assert round_plausible(35, 1191.0, evidence, CONFIG) is None
+    assert round_plausible(40, 1191.0, evidence, CONFIG) is not None
+
+
 def test_the_distance_bound_grows_with_the_rounds_missed():
     evidence = seasoned()
     median = sorted(evidence.movements)[len(evidence.movements) // 2]

@@ -87,10 +87,16 @@ class Evidence:
         for peer in [p for p, r in self.witnesses.items() if r < oldest]:
             del self.witnesses[peer]
 
-    def applied(self, movement: float, at: float) -> None:
-        """This peer applied an outer step of norm ``movement`` at unix time ``at``."""
+    def applied(self, movement: float, at: float, *, alone: bool = False) -> None:
+        """This peer applied an outer step of norm ``movement`` at unix time ``at``;
+        ``alone``: in a group of one. A round alone says nothing of the swarm's pace, so
+        it leaves the clock of :func:`round_plausible` running from the last round applied
+        with others: a peer that averaged alone for a while (the others out of reach or
+        ahead) may still take a state that many rounds ahead."""
         if math.isfinite(movement):
             self.movements = [*self.movements, movement][-_HISTORY:]
+        if alone and self.last_round_at is not None:
+            return
         if self.last_round_at is not None and at > self.last_round_at:
             self.intervals = [*self.intervals, at - self.last_round_at][-_HISTORY:]
         self.last_round_at = at

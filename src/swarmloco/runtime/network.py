@@ -262,8 +262,7 @@ class SwarmNetwork:
             # of us. Averaging alone would split the swarm's state; catch up instead.
             raise RoundAborted(
                 f"round {round}: none of the {(expected or 1) - 1} other peer(s) working on "
-                "it joined; out of step with them",
-                late=True,
+                "it joined; out of step with them"
             )
         matchmaking = time.monotonic() - started
         result = await self.averager.all_reduce(

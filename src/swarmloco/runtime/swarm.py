@@ -1087,7 +1087,7 @@ class Swarm:
         self.diloco.land(f, self.params, self.spec_.streaming.alpha)
         self._consistent = True
         self._advance_global()
-        self.evidence.applied(movement, time.time())
+        self.evidence.applied(movement, time.time(), alone=len(report.members) < 2)
         self.evidence.grouped(x.round, report.members, self.peer_id, self.config.catchup.adoption)
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
 

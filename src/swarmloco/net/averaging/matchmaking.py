@@ -14,6 +14,12 @@ followers are redirected there, and so is it. The order is a hash, not the annou
 so that no peer can make itself the leader of every round by claiming an early time. A
 group of one is a valid outcome; fewer than ``min_group_size`` members is not.
 
+A leader whose group formed marks its entry (``formed``). A peer that comes after its
+round's group formed without it (the marker, or a leader's "formed" refusal) raises
+``RoundAborted(late=True)`` instead of leading a second group of the round with other
+latecomers, which would split the swarm's state; the caller takes the group's result (a
+download). Once per round: a marker is only its leader's word.
+
 Nothing here waits without a deadline: an unreachable leader costs one call bounded by
 the caller's deadline, after which the next candidate is tried or this peer leads itself
 (client-mode peers never lead; they wait a gathering window for a serving peer to appear,
