@@ -229,6 +229,11 @@ def coordinate_median(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(chunks)).median(dim=0).values
 
 
+# CenteredClip works through the coordinates in blocks of this many values, so that each
+# block's median and differences stay in cache between the passes over them.
+_CLIP_BLOCK = 1 << 16
+
+
 def centered_clip(
     chunks: Sequence[torch.Tensor],
     weights: Sequence[float],
@@ -240,45 +245,53 @@ def centered_clip(
     distance to it. Stops early once the centre moves less than ``1e-6 * tau`` (a fixed
     point: every member within ``tau``, or the clipped pulls balance).
 
-    The iteration runs on the differences ``y_i = x_i - m``, formed once, for the shift
-    ``u = v - m``: ``|y_i - u|^2 = |y_i|^2 - 2 y_i.u + |u|^2`` and ``u + sum_i c_i (y_i -
-    u) = (1 - sum_i c_i) u + sum_i c_i y_i`` take one matrix-vector product each, instead
-    of three passes over all differences. Centred on ``m``, the terms are of the size of
-    the distances themselves, so float32 loses nothing to cancellation; values so large
-    that a product overflows take the same iteration in float64.
+    The iteration runs on the differences ``y_i = x_i - m`` for the shift ``u = v - m``.
+    Starting at 0, each step ``u <- (1 - sum_i c_i) u + sum_i c_i y_i`` keeps ``u`` a
+    combination ``sum_j a_j y_j``, and every distance it needs, ``|y_i - u|^2 = G_ii - 2 (G
+    a)_i + a.G a``, comes from the members' Gram matrix ``G = Y Y^T``. So the iterations work
+    on n x n numbers (in float64), and the data is read twice in all: block by block for
+    ``m`` and ``G`` (the differences never leave the cache), then for the result ``v = (1 -
+    sum_j a_j) m + sum_j a_j x_j``, a convex combination that cannot overflow. Centred on
+    ``m``, the products are of the size of the distances themselves, so float32 loses
+    nothing to cancellation; a block whose products overflow float32 takes them in float64.
     """
     require(len(chunks) == len(weights) and len(chunks) > 0, "one weight per chunk is needed")
+    n, d = len(chunks), chunks[0].numel()
     w = torch.tensor(weights, dtype=torch.float64)
     w = w / w.sum()
-    m = coordinate_median(chunks)
-
-    def in_float64() -> tuple[torch.Tensor, torch.Tensor]:
-        y64 = torch.stack([c.double() for c in chunks]).sub_(m.double())
-        return y64, torch.linalg.vector_norm(y64, dim=1).square()
-
-    y = torch.stack(list(chunks)).sub_(m)
-    sq = torch.linalg.vector_norm(y, dim=1).double().square()
-    if not bool(torch.isfinite(sq).all()):  # overflowed float32: all of it in float64
-        y, sq = in_float64()
+    m = torch.empty(d, dtype=chunks[0].dtype)
+    gram = torch.zeros(n, n, dtype=torch.float64)
+    scratch = torch.empty(n, min(d, _CLIP_BLOCK), dtype=m.dtype)
+    for start in range(0, d, _CLIP_BLOCK):
+        rows = [c[start : start + _CLIP_BLOCK] for c in chunks]
+        median = coordinate_median(rows)
+        m[start : start + median.numel()] = median
+        y = scratch[:, : median.numel()]
+        for i, row in enumerate(rows):
+            torch.sub(row, median, out=y[i])
+        block = y @ y.T
+        if not bool(torch.isfinite(block).all()):  # overflowed float32: in float64
+            y64 = torch.stack([row.double() for row in rows]).sub_(median.double())
+            block = y64 @ y64.T
+        gram += block
+    sq = gram.diagonal()
     if tau <= 0:
-        tau = float(sq.sqrt().median())
+        tau = float(sq.clamp_min(0.0).sqrt().median())
         if tau == 0.0:
             return m
-    u = torch.zeros_like(y[0])
+    a = torch.zeros(n, dtype=torch.float64)
     for _ in range(iterations):
-        dots = (y @ u).double()
-        uu = float(torch.linalg.vector_norm(u)) ** 2
-        if y.dtype == torch.float32 and not (math.isfinite(uu) and bool(dots.isfinite().all())):
-            y, sq = in_float64()
-            u = u.double()
-            dots, uu = y @ u, float(torch.linalg.vector_norm(u)) ** 2
-        distances = (sq - 2.0 * dots + uu).clamp_min(0.0).sqrt()
+        ga = gram @ a
+        distances = (sq - 2.0 * ga + a @ ga).clamp_min(0.0).sqrt()
         c = w * torch.clamp(tau / distances.clamp_min(1e-300), max=1.0)
-        moved = c.to(y.dtype) @ y - float(c.sum()) * u
-        u = u + moved
-        if float(torch.linalg.vector_norm(moved)) <= 1e-6 * tau:
+        step = c - c.sum() * a
+        a = a + step
+        if float(step @ gram @ step) <= (1e-6 * tau) ** 2:
             break
-    return m + u.to(m.dtype)
+    out = m.mul_(1.0 - float(a.sum()))
+    for coefficient, chunk in zip(a.tolist(), chunks, strict=True):
+        out.add_(chunk, alpha=coefficient)
+    return out
 
 
 def aggregate(
