@@ -586,7 +586,7 @@ def _create(args: argparse.Namespace) -> int:
             ("outer_lr", args.outer_lr),
             ("seed", args.seed),
             ("total_steps", args.total_steps),
-            ("aggregator", args.aggregator or _default_aggregator(args)),
+            ("aggregator", args.aggregator),
         )
         if v is not None
     }
@@ -650,13 +650,6 @@ def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     _add_peer_run_options(parser)
     parser.set_defaults(handler=_join)
-
-
-def _default_aggregator(args: argparse.Namespace) -> str | None:
-    """A public run averages with the trimmed mean unless told otherwise: anyone may join
-    it, and one peer can pull a plain mean as far as the norm bound lets it (see
-    docs/SECURITY.md). A private run keeps its task's choice."""
-    return None if args.private else "trimmed_mean"
 
 
 def _fetch_manifest(swarm_id: str, peers: Sequence[str]) -> Any:

@@ -19,7 +19,13 @@ def test_manifest_round_trip_gives_back_the_run():
     assert data.source == "stdlib"
     assert run.spec.outer.lr == 0.7 and run.spec.streaming.sync_every == 50
     assert run.spec.total_steps == run.inner.total_steps  # the run ends with the schedule
-    assert run == task.default_run("tiny")
+    default = task.default_run("tiny")
+    assert default.spec.aggregator is None  # the run's default: chosen with the manifest
+    assert run == dataclasses.replace(default, spec=default.spec.for_run(private=False))
+    assert run.spec.aggregator is not None and run.spec.aggregator.method == "trimmed_mean"
+    private = build_manifest("gpt-bytes", "tiny", creator="ab" * 32, admission="certificate")
+    spec = run_from_manifest(private)[3].spec
+    assert spec.aggregator is not None and spec.aggregator.method == "mean"
     # The signature pins the model down: the preset's parameters, the seed's weights.
     signature = again.model["signature"]
     names = [name for name, *_ in signature["params"]]

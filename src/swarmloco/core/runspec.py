@@ -40,9 +40,11 @@ class RunSpec:
     """Nesterov look-ahead (False: heavy-ball momentum)."""
     codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)
     """How updates are quantized on the wire (int8 blocks; error feedback)."""
-    aggregator: AggregatorConfig = dataclasses.field(default_factory=AggregatorConfig)
+    aggregator: AggregatorConfig | None = None
     """How each part's reducer combines the members' updates (mean, trimmed_mean,
-    centered_clip); a string names the method with its defaults."""
+    centered_clip); a string names the method with its defaults. None: the run's default,
+    chosen when its manifest is made (:meth:`for_run`): the trimmed mean in a public run,
+    where anyone may join, and the mean in a private one."""
     seed: int = 0
     """Seed of the initial weights (built-in tasks) and of every peer's data seed."""
     total_steps: int | None = None
@@ -55,7 +57,7 @@ class RunSpec:
             method: Method = self.aggregator  # type: ignore[assignment]
             object.__setattr__(self, "aggregator", AggregatorConfig(method=method))
         require(
-            isinstance(self.aggregator, AggregatorConfig),
+            self.aggregator is None or isinstance(self.aggregator, AggregatorConfig),
             f"aggregator must be an AggregatorConfig or a method name, got {self.aggregator!r}",
         )
         require(
@@ -80,6 +82,18 @@ class RunSpec:
     def outer(self) -> OuterConfig:
         return OuterConfig(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
 
+    def for_run(self, *, private: bool) -> RunSpec:
+        """This spec with the run's default aggregator filled in (see ``aggregator``)."""
+        if self.aggregator is not None:
+            return self
+        method: Method = "mean" if private else "trimmed_mean"
+        return dataclasses.replace(self, aggregator=AggregatorConfig(method=method))
+
+    @property
+    def averaging_aggregator(self) -> AggregatorConfig:
+        """The aggregator rounds use (a spec never made into a manifest: the mean)."""
+        return self.aggregator or AggregatorConfig()
+
     @property
     def steps_per_round(self) -> float:
         """Inner steps of the swarm per round: some fragment syncs every H / F steps."""
@@ -96,7 +110,7 @@ class RunSpec:
                     if k not in _LOCAL_CODEC_FIELDS
                 }
             elif field.name == "aggregator":
-                value = dataclasses.asdict(value)
+                value = dataclasses.asdict(self.averaging_aggregator)
             out[field.name] = value
         return out
 

@@ -56,7 +56,7 @@ def run_manifest(
         task=task,
         model={**(model or {}), "signature": signature.to_manifest()},
         data=dict(data or {}),
-        hparams={"run": spec.to_manifest()},
+        hparams={"run": spec.for_run(private=bool(admission)).to_manifest()},
         creator=creator,
         name=name,
         admission=admission,

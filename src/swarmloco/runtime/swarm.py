@@ -518,7 +518,7 @@ class Swarm:
                 identity=self.identity,
                 manifest=self.manifest,
                 config=config,
-                averaging=averaging_config(self.config, spec.codec, spec.aggregator),
+                averaging=averaging_config(self.config, spec.codec, spec.averaging_aggregator),
                 schema=self.diloco.schema,
                 evidence=self.evidence,
                 admission=self.admission,

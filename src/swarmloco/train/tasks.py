@@ -166,6 +166,7 @@ def build_manifest(
     model = resolve_model(t, preset, model_overrides)
     data = data or DataSpec()
     run = run or t.default_run(preset)
+    run = dataclasses.replace(run, spec=run.spec.for_run(private=bool(admission)))
     data_dict = dataclasses.asdict(data)
     return SwarmManifest(
         task=t.name,
