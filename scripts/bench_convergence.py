@@ -1,20 +1,38 @@
 #!/usr/bin/env python3
-"""Learning quality at equal tokens on the default task. Prints one JSON object.
+"""Learning quality at equal tokens on the default task, as the DiLoCo papers measure it.
+Prints one JSON object.
 
-Arms (all from the same initial model; all but `single` see the same number of tokens):
-  sync            one model, `workers` times the batch (synchronous data-parallel)
-  diloco_fp32     DiLoCo, exact fp32 averaging
-  diloco_int8     DiLoCo, the int8 codec both ways (as on the wire)
-  streaming_int8  Streaming DiLoCo: F fragments, overlap tau, mix alpha, int8
-  trimmed_int8    diloco_int8 with the trimmed mean (trim 1) instead of the mean, the
-                  aggregator a public run uses by default
-  single          for scale, not at equal tokens: one worker alone, the per-worker batch
+The default protocol (``--protocol warm-start``), per seed:
 
-Targets: diloco_int8 within 2% of sync; int8 within 0.5% of fp32. With the single arm, the
-JSON also says what share of the gain from one worker to the synchronous baseline DiLoCo
-keeps: (single - diloco_int8) / (single - sync).
+1. a shared warm start: ``--warm-steps`` steps of synchronous data-parallel training
+   (``workers`` times the per-worker batch) from the seed's initial model;
+2. from that checkpoint (weights, AdamW state, step), the rest of the same schedule in each
+   arm, all at equal tokens except ``single``:
 
-    python scripts/bench_convergence.py [--steps 400] [--workers 4] [--sync-every 50]
+   sync            one model, ``workers`` times the batch (data-parallel)
+   diloco_fp32     DiLoCo, exact fp32 averaging
+   diloco_int8     DiLoCo, the int8 codec both ways (as on the wire)
+   streaming_int8  Streaming DiLoCo: F fragments, overlap tau, mix alpha, int8
+   single          one worker alone at the per-worker batch (a quarter of the tokens with
+                   4 workers): where DiLoCo would be without the others
+   trimmed_int8    (optional) diloco_int8 with the trimmed mean a public run uses
+
+The DiLoCo paper warm-starts from a synchronously trained checkpoint too; from scratch, the
+first pseudo-gradient carries the whole initial drop of the loss and outer momentum keeps
+re-applying it (``--protocol scratch`` measures that regime: no warm start). Seeds run in
+parallel processes (one torch thread each); every arm of a seed sees the same data streams.
+
+Keys: ``<arm>_final_eval_loss`` (mean over seeds), ``diloco_over_sync`` (diloco_int8 over
+sync, mean over seeds; ``diloco_over_sync_per_seed``), ``share_of_gain`` (the share of the
+gain from ``single`` to ``sync`` that diloco_int8 keeps, mean over seeds),
+``int8_over_fp32``, ``eval_stderr_of_diloco_over_sync`` (the standard error of
+diloco_over_sync that comes from the finite eval set, both arms scored on the same
+windows: how far the eval set alone can move the comparison; the largest over seeds).
+Targets: diloco_over_sync <= 1.04, share_of_gain >= 0.7,
+int8_over_fp32 <= 1.005.
+
+    python scripts/bench_convergence.py                      # two seeds, ~15 min on 2 cores
+    python scripts/bench_convergence.py --seeds 0 --arms sync,diloco_fp32 --sync-every 30
 """
 
 from __future__ import annotations
@@ -24,6 +42,7 @@ import concurrent.futures
 import dataclasses
 import json
 import multiprocessing
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,64 +54,194 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import machine
 
 from swarmloco.core.aggregate import AggregatorConfig
-from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync
+from swarmloco.train.data import eval_windows
+from swarmloco.train.simulate import (
+    SimulationConfig,
+    WarmStart,
+    run_diloco,
+    run_sync,
+    warm_start,
+)
 from swarmloco.train.spec import DataSpec
-from swarmloco.train.tasks import get_task, resolve_model
+from swarmloco.train.tasks import build_task_model, get_task, resolve_model
 
-ARMS = ("sync", "diloco_fp32", "diloco_int8", "streaming_int8", "trimmed_int8", "single")
+ARMS = ("sync", "diloco_fp32", "diloco_int8", "streaming_int8", "single", "trimmed_int8")
+DEFAULT_ARMS = ARMS[:5]
 
 
-def _run_arm(job: tuple[Any, ...]) -> dict[str, Any]:
-    """One arm in its own process (spawned, one torch thread)."""
-    arm, preset, run, streaming, workers, steps, progress = job  # streaming: (F, tau, alpha)
+def _group_losses(model: torch.nn.Module, windows: torch.Tensor) -> list[float]:
+    """The eval loss of each group of 8 windows (the eval loss is their mean)."""
+    model.eval()
+    with torch.no_grad():
+        return [float(model(b[:, :-1], b[:, 1:])) for b in windows.split(8) if len(b) == 8]
+
+
+def _ratio_stderr(a: torch.nn.Module, b: torch.nn.Module, windows: torch.Tensor) -> float:
+    """The standard error of eval(a) / eval(b) that comes from the finite eval set (both
+    scored on the same windows), by the delta method over groups of windows."""
+    la, lb = _group_losses(a, windows), _group_losses(b, windows)
+    ratio = statistics.fmean(la) / statistics.fmean(lb)
+    residuals = [x - ratio * y for x, y in zip(la, lb, strict=True)]
+    return statistics.stdev(residuals) / len(residuals) ** 0.5 / statistics.fmean(lb)
+
+
+def _run_seed(job: tuple[Any, ...]) -> dict[str, Any]:
+    """Every arm of one seed, in this (spawned) process."""
+    seed, preset, run, streaming, sim, arms, warm_steps, progress = job
     torch.set_num_threads(1)
     task = get_task("gpt-bytes")
     model = resolve_model(task, preset)
     data = task.load_data(model, DataSpec())
-    exchange = "int8" if arm.endswith("int8") else "fp32"
-    sim = SimulationConfig(workers=workers, steps=steps, exchange=exchange, eval_every=50)
-    if arm == "sync":
-        result = run_sync(task, model, data, run, sim, label=arm, progress=progress)
-    elif arm == "single":  # the baseline's loop with one worker's batch
-        sim = dataclasses.replace(sim, workers=1)
-        result = run_sync(task, model, data, run, sim, label=arm, progress=progress)
-    else:
+    run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, seed=seed))
+    start: WarmStart | None = None
+    out: dict[str, Any] = {"seed": seed}
+    if warm_steps:
+        began = time.monotonic()
+        start = warm_start(task, model, data, run, sim, warm_steps, progress=progress)
+        out["warm_start_seconds"] = round(time.monotonic() - began, 1)
+    final: dict[str, torch.nn.Module] = {}
+    for arm in arms:
+        arm_run, arm_sim = run, sim
         if arm == "streaming_int8":
             fragments, delay, alpha = streaming
             spec = dataclasses.replace(run.spec, fragments=fragments, delay=delay, alpha=alpha)
-            run = dataclasses.replace(run, spec=spec)
-        if arm == "trimmed_int8":
+            arm_run = dataclasses.replace(run, spec=spec)
+        elif arm == "trimmed_int8":
             spec = dataclasses.replace(run.spec, aggregator=AggregatorConfig(method="trimmed_mean"))
-            run = dataclasses.replace(run, spec=spec)
-        result = run_diloco(task, model, data, run, sim, label=arm, progress=progress)
-    summary = result.summary()
-    summary["data"] = data.description
-    summary["model_params"] = sum(p.numel() for p in task.build_model(model).parameters())
-    return summary
+            arm_run = dataclasses.replace(run, spec=spec)
+        arm_sim = dataclasses.replace(sim, exchange="int8" if arm.endswith("int8") else "fp32")
+        if arm == "sync":
+            result = run_sync(
+                task, model, data, arm_run, arm_sim, label=arm, progress=progress, start=start
+            )
+        elif arm == "single":
+            arm_sim = dataclasses.replace(arm_sim, workers=1)
+            result = run_sync(
+                task, model, data, arm_run, arm_sim, label=arm, progress=progress, start=start
+            )
+        else:
+            result = run_diloco(
+                task, model, data, arm_run, arm_sim, label=arm, progress=progress, start=start
+            )
+        out[arm] = result.summary()
+        if result.final_model is not None:
+            final[arm] = result.final_model
+    if "sync" in final and "diloco_int8" in final:
+        windows = eval_windows(data.val, seq_len=int(model["seq_len"]), count=sim.eval_windows)
+        out["eval_stderr_of_diloco_over_sync"] = _ratio_stderr(
+            final["diloco_int8"], final["sync"], windows
+        )
+    out["data"] = data.description
+    out["model_params"] = sum(p.numel() for p in build_task_model(task, model, run).parameters())
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values)
+
+
+def summarize(per_seed: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
+    """The JSON keys over seeds (see the module docstring)."""
+    out: dict[str, Any] = {}
+    for arm in arms:
+        out[f"{arm}_final_eval_loss"] = _mean([s[arm]["final_eval_loss"] for s in per_seed])
+    has = set(arms).__contains__
+    if has("sync") and has("diloco_int8"):
+        out["diloco_over_sync"] = _mean(
+            [s["diloco_int8"]["final_eval_loss"] / s["sync"]["final_eval_loss"] for s in per_seed]
+        )
+        out["target_diloco_over_sync_at_most_1.04"] = out["diloco_over_sync"] <= 1.04
+        out["diloco_over_sync_per_seed"] = [
+            s["diloco_int8"]["final_eval_loss"] / s["sync"]["final_eval_loss"] for s in per_seed
+        ]
+    if has("sync") and has("diloco_fp32"):
+        out["diloco_fp32_over_sync"] = _mean(
+            [s["diloco_fp32"]["final_eval_loss"] / s["sync"]["final_eval_loss"] for s in per_seed]
+        )
+    if has("sync") and has("streaming_int8"):
+        out["streaming_int8_over_sync"] = _mean(
+            [
+                s["streaming_int8"]["final_eval_loss"] / s["sync"]["final_eval_loss"]
+                for s in per_seed
+            ]
+        )
+    if has("diloco_fp32") and has("diloco_int8"):
+        out["int8_over_fp32"] = _mean(
+            [
+                s["diloco_int8"]["final_eval_loss"] / s["diloco_fp32"]["final_eval_loss"]
+                for s in per_seed
+            ]
+        )
+        out["target_int8_over_fp32_at_most_1.005"] = out["int8_over_fp32"] <= 1.005
+    if has("single") and has("sync") and has("diloco_int8"):
+        shares = []
+        for s in per_seed:
+            single, sync = s["single"]["final_eval_loss"], s["sync"]["final_eval_loss"]
+            if single > sync:  # only meaningful where the larger batch helped at all
+                shares.append((single - s["diloco_int8"]["final_eval_loss"]) / (single - sync))
+        if shares:
+            out["share_of_gain"] = _mean(shares)
+            out["target_share_of_gain_at_least_0.7"] = out["share_of_gain"] >= 0.7
+    if has("trimmed_int8") and has("diloco_int8"):
+        out["trimmed_int8_over_diloco_int8"] = _mean(
+            [
+                s["trimmed_int8"]["final_eval_loss"] / s["diloco_int8"]["final_eval_loss"]
+                for s in per_seed
+            ]
+        )
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument(
+        "--protocol",
+        choices=("warm-start", "scratch"),
+        default="warm-start",
+        help="warm-start: the arms continue a shared synchronous checkpoint "
+        "(the papers' protocol); scratch: every arm from the initial model",
+    )
     p.add_argument("--preset", default="tiny")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--sync-every", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=500, help="the schedule's length in steps")
+    p.add_argument(
+        "--warm-steps",
+        type=int,
+        default=150,
+        help="steps of the shared synchronous warm start (warm-start protocol)",
+    )
+    p.add_argument("--warmup", type=int, default=50, help="learning-rate warmup steps")
+    p.add_argument("--sync-every", type=int, default=10, help="H, inner steps per round")
+    p.add_argument("--batch-size", type=int, default=8, help="per-worker batch")
     p.add_argument("--lr", type=float, default=None, help="inner lr (preset default)")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
-    p.add_argument("--fragments", type=int, default=2)
-    p.add_argument("--delay", type=int, default=5)
-    p.add_argument("--alpha", type=float, default=0.5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--progress", action="store_true", help="progress bars on stderr")
+    p.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo's F")
+    p.add_argument("--delay", type=int, default=2, help="Streaming DiLoCo's overlap tau")
+    p.add_argument("--alpha", type=float, default=0.5, help="Streaming DiLoCo's mix alpha")
+    p.add_argument("--seeds", default="0,1", help="comma-separated; each in its own process")
     p.add_argument(
-        "--parallel", type=int, default=2, help="arms run at once, each in its own 1-thread process"
+        "--eval-windows",
+        type=int,
+        default=1024,
+        help="held-out windows every eval loss is the mean of",
     )
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
+    p.add_argument("--parallel", type=int, default=2, help="seeds run at once")
+    p.add_argument("--progress", action="store_true", help="progress bars on stderr")
     args = p.parse_args()
+
+    arms = args.arms.split(",")
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {sorted(unknown)}; arms: {', '.join(ARMS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    warm_steps = args.warm_steps if args.protocol == "warm-start" else 0
+    if warm_steps >= args.steps:
+        raise SystemExit(f"--warm-steps {warm_steps} leaves nothing of --steps {args.steps}")
 
     task = get_task("gpt-bytes")
     model = resolve_model(task, args.preset)
@@ -102,86 +251,75 @@ def main() -> None:
         batch_size=args.batch_size,
         total_steps=args.steps,
         lr=args.lr or base.inner.lr,
-        warmup_steps=min(base.inner.warmup_steps, args.steps // 10),
+        warmup_steps=args.warmup,
     )
-    arms = args.arms.split(",")
-    unknown = set(arms) - set(ARMS)
-    if unknown:
-        raise SystemExit(f"unknown arm(s) {sorted(unknown)}; arms: {', '.join(ARMS)}")
     spec = dataclasses.replace(
         base.spec,
         sync_every=args.sync_every,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
-        seed=args.seed,
+        total_steps=args.steps,
     )
-    # Checked only when the streaming arm runs (F may not fit a short --sync-every).
     streaming = (args.fragments, args.delay, args.alpha)
-    if "streaming_int8" in arms:
+    if "streaming_int8" in arms:  # a bad F / tau / alpha says which, before any work
         dataclasses.replace(spec, fragments=args.fragments, delay=args.delay, alpha=args.alpha)
     run = dataclasses.replace(base, inner=inner, spec=spec)
+    sim = SimulationConfig(
+        workers=args.workers,
+        steps=args.steps,
+        eval_every=args.eval_every,
+        eval_windows=args.eval_windows,
+    )
     started = time.monotonic()
     jobs = [
-        (arm, args.preset, run, streaming, args.workers, args.steps, args.progress) for arm in arms
+        (seed, args.preset, run, streaming, sim, arms, warm_steps, args.progress) for seed in seeds
     ]
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.parallel, mp_context=ctx) as pool:
-        results = dict(zip(arms, pool.map(_run_arm, jobs), strict=True))
-    data_description = results[arms[0]].pop("data")
-    model_params = results[arms[0]].pop("model_params")
-
-    out: dict[str, object] = {
+        per_seed = list(pool.map(_run_seed, jobs))
+    data_description = per_seed[0].pop("data")
+    model_params = per_seed[0].pop("model_params")
+    for s in per_seed[1:]:
+        s.pop("data")
+        s.pop("model_params")
+    seq_len = int(model["seq_len"])
+    trained = args.steps - warm_steps
+    out: dict[str, Any] = {
         "benchmark": "convergence",
+        "protocol": args.protocol,
         "machine": machine(),
         "settings": {
             "task": task.name,
             "preset": args.preset,
             "model_params": model_params,
             "batch_size_per_worker": args.batch_size,
-            "seq_len": model["seq_len"],
+            "seq_len": seq_len,
+            "schedule_steps": args.steps,
+            "warm_start_steps": warm_steps,
+            "warmup_steps": args.warmup,
             "inner_lr": inner.lr,
             "outer_lr": spec.outer_lr,
             "outer_momentum": spec.outer_momentum,
             "streaming": dict(zip(("fragments", "delay", "alpha"), streaming, strict=True)),
-            "seed": args.seed,
+            "eval_windows": args.eval_windows,
             "data": data_description,
-            "arms_in_parallel": args.parallel,
-            "torch_threads_per_arm": 1,
+            "seeds_in_parallel": args.parallel,
+            "torch_threads_per_seed": 1,
         },
+        "seeds": seeds,
         "workers": args.workers,
         "sync_every": args.sync_every,
-        "steps": args.steps,
-        "tokens": next(
-            (r["tokens"] for arm, r in results.items() if arm != "single"),
-            results[arms[0]]["tokens"],
-        ),
+        "tokens": trained * args.workers * args.batch_size * seq_len,
     }
-    loss = {arm: r["final_eval_loss"] for arm, r in results.items()}
-    for arm, r in results.items():
-        out[f"{arm}_final_eval_loss"] = r["final_eval_loss"]
-        out[f"{arm}_eval_curve"] = r["eval_curve"]
-        out[f"{arm}_seconds"] = round(r["seconds"], 1)
-        if r["bytes_per_worker"]:
-            out[f"{arm}_bytes_per_worker"] = r["bytes_per_worker"]
-    if "sync" in loss and "diloco_int8" in loss:
-        out["diloco_int8_over_sync"] = loss["diloco_int8"] / loss["sync"]
-        out["target_diloco_int8_within_2pct_of_sync"] = loss["diloco_int8"] <= 1.02 * loss["sync"]
-    if "diloco_fp32" in loss and "diloco_int8" in loss:
-        out["int8_over_fp32"] = loss["diloco_int8"] / loss["diloco_fp32"]
-        out["target_int8_within_half_pct_of_fp32"] = (
-            abs(loss["diloco_int8"] / loss["diloco_fp32"] - 1) <= 0.005
-        )
-    if "single" in loss:
-        out["single_tokens"] = results["single"]["tokens"]
-    # Only meaningful where the larger batch helped at all (not in very short runs).
-    if {"single", "sync", "diloco_int8"} <= loss.keys() and loss["single"] > loss["sync"]:
-        out["diloco_int8_share_of_sync_gain"] = (loss["single"] - loss["diloco_int8"]) / (
-            loss["single"] - loss["sync"]
-        )
-    if "diloco_int8" in loss and "trimmed_int8" in loss:
-        out["trimmed_int8_over_diloco_int8"] = loss["trimmed_int8"] / loss["diloco_int8"]
-    if "sync" in loss and "streaming_int8" in loss:
-        out["streaming_int8_over_sync"] = loss["streaming_int8"] / loss["sync"]
+    stderr = [
+        s["eval_stderr_of_diloco_over_sync"]
+        for s in per_seed
+        if "eval_stderr_of_diloco_over_sync" in s
+    ]
+    if stderr:
+        out["eval_stderr_of_diloco_over_sync"] = max(stderr)
+    out.update(summarize(per_seed, arms))
+    out["per_seed"] = per_seed
     out["total_seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(out, indent=2))
 

@@ -978,6 +978,22 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
     p.add_argument("--batch-size", type=int, default=None, help="sequences per worker step")
     p.add_argument("--no-baseline", action="store_true", help="skip the synchronous baseline")
+    p.add_argument(
+        "--warm-start",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="first train STEPS steps synchronously (N times the batch) and start every arm "
+        "from there, as the DiLoCo paper does (0: every arm from the initial model)",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="try every H of --sweep-sync-every with every outer lr of --sweep-outer-lr "
+        "(one DiLoCo arm each, one baseline) and print them best first",
+    )
+    p.add_argument("--sweep-sync-every", default="10,30,100", help="the H values of --sweep")
+    p.add_argument("--sweep-outer-lr", default="0.4,0.7,1.0", help="the outer lrs of --sweep")
     p.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data streams")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -1009,7 +1025,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync
+    from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync, warm_start
     from swarmloco.train.tasks import get_task, resolve_model
 
     task = get_task(args.task)
@@ -1054,19 +1070,32 @@ def _run_simulate(args: argparse.Namespace) -> int:
     data = task.load_data(model, _data_spec(args))
     print(f"data: {data.description}", file=sys.stderr)
     progress = not args.no_progress
-    arms = [
-        run_diloco(
-            task,
-            model,
-            data,
-            run,
-            sim,
-            progress=progress,
-            label=f"diloco-{args.exchange}" + (f"-F{args.fragments}" if args.fragments > 1 else ""),
+    start = None
+    if args.warm_start:
+        if args.warm_start >= args.steps:
+            raise SystemExit(f"--warm-start {args.warm_start} leaves nothing of --steps")
+        start = warm_start(task, model, data, run, sim, args.warm_start, progress=progress)
+    grid = [(args.sync_every, spec.outer_lr)]
+    if args.sweep:
+        grid = [
+            (int(h), float(lr))
+            for h in args.sweep_sync_every.split(",")
+            for lr in args.sweep_outer_lr.split(",")
+        ]
+    suffix = f"-F{args.fragments}" if args.fragments > 1 else ""
+    arms = []
+    for h, outer_lr in grid:
+        arm_run = dataclasses.replace(
+            run, spec=dataclasses.replace(spec, sync_every=h, outer_lr=outer_lr)
         )
-    ]
+        label = f"diloco-{args.exchange}{suffix}"
+        if args.sweep:
+            label += f"-H{h}-lr{outer_lr:g}"
+        arms.append(
+            run_diloco(task, model, data, arm_run, sim, progress=progress, label=label, start=start)
+        )
     if not args.no_baseline:
-        arms.append(run_sync(task, model, data, run, sim, progress=progress))
+        arms.append(run_sync(task, model, data, run, sim, progress=progress, start=start))
     summary = {
         "task": task.name,
         "preset": args.preset,
@@ -1084,11 +1113,39 @@ def _run_simulate(args: argparse.Namespace) -> int:
         "tokens": arms[0].tokens,
         "arms": {a.name: a.summary() for a in arms},
     }
-    if len(arms) == 2:
-        d, s = arms[0].final_eval_loss, arms[1].final_eval_loss
+    if start is not None:
+        summary["warm_start_steps"] = start.step
+    baseline = None if args.no_baseline else arms[-1]
+    diloco = arms[:-1] if baseline is not None else arms
+    if args.sweep:
+        ranked = sorted(zip(grid, diloco, strict=True), key=lambda g: g[1].final_eval_loss)
+        summary["sweep"] = [
+            {
+                "sync_every": h,
+                "outer_lr": lr,
+                "final_eval_loss": a.final_eval_loss,
+                **({"over_sync": a.final_eval_loss / baseline.final_eval_loss} if baseline else {}),
+            }
+            for (h, lr), a in ranked
+        ]
+        summary["best"] = summary["sweep"][0]
+        for row in summary["sweep"]:
+            versus = f" ({100 * (row['over_sync'] - 1):+.2f}% vs sync)" if baseline else ""
+            print(
+                f"H {row['sync_every']:>4}  outer lr {row['outer_lr']:<4g}  "
+                f"final eval loss {row['final_eval_loss']:.4f}{versus}",
+                file=sys.stderr,
+            )
+        best = summary["best"]
+        print(
+            f"best: --sync-every {best['sync_every']} --outer-lr {best['outer_lr']:g}",
+            file=sys.stderr,
+        )
+    elif baseline is not None:
+        d, s = diloco[0].final_eval_loss, baseline.final_eval_loss
         summary["diloco_vs_sync_eval_loss_ratio"] = d / s
         print(
-            f"final eval loss: {arms[0].name} {d:.4f}, sync {s:.4f} "
+            f"final eval loss: {diloco[0].name} {d:.4f}, sync {s:.4f} "
             f"({100 * (d / s - 1):+.2f}% vs synchronous data-parallel at equal tokens)",
             file=sys.stderr,
         )

@@ -45,6 +45,23 @@ from swarmloco.train.tasks import RunConfig, Task, build_task_model
 
 Exchange = Literal["int8", "fp32"]
 SYNC_WORKER_ID = 1_000_000  # the baseline's data stream, apart from every worker's
+WARM_WORKER_ID = 2_000_000  # the shared warm start's stream, seen by no arm after it
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+    """A synchronous checkpoint that every arm continues from (as the DiLoCo paper's runs
+    do): the weights, the AdamW state and the step, so the schedule goes on from there."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    step: int
+
+    def load_into(self, loop: InnerLoop) -> None:
+        """Put this state into ``loop`` (its model, optimizer and step)."""
+        loop.model.load_state_dict(self.model)
+        loop.optimizer.load_state_dict(copy.deepcopy(self.optimizer))
+        loop.step = self.step
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,10 +78,14 @@ class SimulationConfig:
     """Evaluate the global model every this many steps (and at the end)."""
     device: str = "cpu"
     """Where the workers train (cpu, cuda, cuda:1, ...)."""
+    eval_windows: int | None = None
+    """Held-out windows the eval loss is the mean of (None: the data spec's default)."""
 
     def __post_init__(self) -> None:
         require_int("workers", self.workers, minimum=1)
         require_int("steps", self.steps, minimum=1)
+        if self.eval_windows is not None:
+            require_int("eval_windows", self.eval_windows, minimum=1)
         require(
             self.exchange in ("int8", "fp32"),
             f"exchange must be int8 or fp32, got {self.exchange!r}",
@@ -84,9 +105,15 @@ class ArmResult:
     seconds: float
     outer_rounds: int = 0
     bytes_per_worker: int = 0
+    final_model: nn.Module | None = dataclasses.field(default=None, repr=False)
+    """The model scored last (the global model of a DiLoCo arm), for a closer look."""
 
     def summary(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "final_model"
+        }
 
 
 def exchange_mean(
@@ -189,7 +216,7 @@ def diloco_arm(
             exchange,
             codec,
             feedback[fragment] if feedback else None,
-            aggregator=spec.aggregator,
+            aggregator=spec.averaging_aggregator,
         )
         state.apply(fragment, state.round + 1, mean)
         n = mean.numel()
@@ -234,6 +261,7 @@ def diloco_arm(
         seconds=time.monotonic() - started,
         outer_rounds=state.round,
         bytes_per_worker=wire,
+        final_model=eval_model,
     )
 
 
@@ -269,6 +297,7 @@ def sync_arm(
         final_train_loss=loss,
         tokens=tokens,
         seconds=time.monotonic() - started,
+        final_model=model,
     )
 
 
@@ -281,14 +310,21 @@ def run_diloco(
     *,
     label: str = "diloco",
     progress: bool = True,
+    start: WarmStart | None = None,
 ) -> ArmResult:
-    """A built-in task's DiLoCo arm: N workers with the task's AdamW loop and data."""
+    """A built-in task's DiLoCo arm: N workers with the task's AdamW loop and data. With
+    ``start``, every worker (and the global model) begins at that checkpoint and the arm
+    runs the schedule's remaining ``sim.steps - start.step`` steps."""
     device = torch.device(sim.device)
     template = build_task_model(task, model_config, run)
+    if start is not None:
+        template.load_state_dict(start.model)
     seq_len = int(model_config["seq_len"])
     workers = []
     for i in range(sim.workers):
         loop = InnerLoop(copy.deepcopy(template), run.inner, device)
+        if start is not None:
+            start.load_into(loop)
         stream = iter(
             BatchStream(
                 data.train,
@@ -300,14 +336,14 @@ def run_diloco(
             )
         )
         workers.append(SimWorker(loop.model, functools.partial(loop.train_step, stream)))
-    evalset = eval_windows(data.val, seq_len=seq_len, count=_eval_count(data))
+    evalset = eval_windows(data.val, seq_len=seq_len, count=_eval_count(data, sim))
     amp = resolve_precision(run.inner.precision, device)
     return diloco_arm(
         run.spec,
         template,
         workers,
         lambda m: evaluate(m, evalset, device, amp),
-        steps=sim.steps,
+        steps=sim.steps - (start.step if start is not None else 0),
         exchange=sim.exchange,
         eval_every=sim.eval_every,
         tokens_per_step=run.inner.batch_size * run.inner.grad_accum * seq_len,
@@ -326,37 +362,84 @@ def run_sync(
     *,
     label: str = "sync",
     progress: bool = True,
+    start: WarmStart | None = None,
 ) -> ArmResult:
-    """A built-in task's data-parallel baseline: one model, N times the batch."""
-    device = torch.device(sim.device)
-    model = build_task_model(task, model_config, run)
-    inner = dataclasses.replace(run.inner, grad_accum=run.inner.grad_accum * sim.workers)
-    loop = InnerLoop(model, inner, device)
+    """A built-in task's data-parallel baseline: one model, N times the batch (from
+    ``start`` when given, for the schedule's remaining steps)."""
+    loop, stream = _sync_loop(task, model_config, data, run, sim, SYNC_WORKER_ID)
+    if start is not None:
+        start.load_into(loop)
+    steps = sim.steps - loop.step
+    inner = loop.config
     seq_len = int(model_config["seq_len"])
-    stream = iter(
-        BatchStream(
-            data.train,
-            seq_len=seq_len,
-            batch_size=inner.batch_size,
-            vocab_size=data.vocab_size,
-            seed=run.spec.seed,
-            worker=SYNC_WORKER_ID,
-        )
-    )
-    evalset = eval_windows(data.val, seq_len=seq_len, count=_eval_count(data))
+    evalset = eval_windows(data.val, seq_len=seq_len, count=_eval_count(data, sim))
     return sync_arm(
         loop.model,
         functools.partial(loop.train_step, stream),
-        lambda m: evaluate(m, evalset, device, loop.amp_dtype),
-        steps=sim.steps,
+        lambda m: evaluate(m, evalset, loop.device, loop.amp_dtype),
+        steps=steps,
         eval_every=sim.eval_every,
-        tokens=sim.steps * inner.batch_size * inner.grad_accum * seq_len,
+        tokens=steps * inner.batch_size * inner.grad_accum * seq_len,
         label=label,
         progress=progress,
     )
 
 
-def _eval_count(data: TokenData) -> int:
+def warm_start(
+    task: Task,
+    model_config: dict[str, Any],
+    data: TokenData,
+    run: RunConfig,
+    sim: SimulationConfig,
+    steps: int,
+    *,
+    progress: bool = True,
+) -> WarmStart:
+    """The first ``steps`` of the synchronous baseline (N times the batch, a data stream
+    no arm uses afterwards): the checkpoint every arm of a warm-started comparison
+    continues from."""
+    require_int("steps", steps, minimum=1)
+    require(steps < sim.steps, f"a warm start of {steps} steps leaves nothing of {sim.steps}")
+    loop, stream = _sync_loop(task, model_config, data, run, sim, WARM_WORKER_ID)
+    bar = Progress(steps, "warm start", enabled=progress)
+    for _ in range(steps):
+        bar.update(1, loss=loop.train_step(stream))
+    bar.close()
+    return WarmStart(
+        model={k: v.detach().clone() for k, v in loop.model.state_dict().items()},
+        optimizer=copy.deepcopy(loop.optimizer.state_dict()),
+        step=loop.step,
+    )
+
+
+def _sync_loop(
+    task: Task,
+    model_config: dict[str, Any],
+    data: TokenData,
+    run: RunConfig,
+    sim: SimulationConfig,
+    worker: int,
+) -> tuple[InnerLoop, Any]:
+    """The baseline's loop (one model, N times the batch) and data stream ``worker``."""
+    model = build_task_model(task, model_config, run)
+    inner = dataclasses.replace(run.inner, grad_accum=run.inner.grad_accum * sim.workers)
+    loop = InnerLoop(model, inner, torch.device(sim.device))
+    stream = iter(
+        BatchStream(
+            data.train,
+            seq_len=int(model_config["seq_len"]),
+            batch_size=inner.batch_size,
+            vocab_size=data.vocab_size,
+            seed=run.spec.seed,
+            worker=worker,
+        )
+    )
+    return loop, stream
+
+
+def _eval_count(data: TokenData, sim: SimulationConfig) -> int:
+    if sim.eval_windows is not None:
+        return sim.eval_windows
     spec_count = getattr(data, "eval_sequences", None)
     return int(spec_count) if spec_count else DataSpec().eval_sequences
 
