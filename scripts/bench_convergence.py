@@ -228,7 +228,9 @@ def main() -> None:
         default=1024,
         help="held-out windows every eval loss is the mean of",
     )
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument(
+        "--eval-every", type=int, default=175, help="steps between evals (each costs ~4 s)"
+    )
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
     p.add_argument("--parallel", type=int, default=2, help="seeds run at once")
     p.add_argument("--progress", action="store_true", help="progress bars on stderr")
