@@ -101,7 +101,7 @@ def test_bad_options_exit_with_a_clear_message(args, message):
 def test_a_sweep_from_a_warm_start_ranks_every_h_and_outer_lr():
     summary = _simulate(
         "--steps",
-        "24",
+        "16",
         "--warm-start",
         "8",
         "--sweep",
@@ -125,11 +125,10 @@ def test_a_sweep_from_a_warm_start_ranks_every_h_and_outer_lr():
     assert len(set(losses)) == 4  # the grid's settings really differ
     for r in rows:
         assert r["over_sync"] == r["final_eval_loss"] / summary["arms"]["sync"]["final_eval_loss"]
-    # Every arm trained the schedule's last 16 steps from the warm start's model: the
+    # Every arm trained the schedule's last 8 steps from the warm start's model: the
     # curves start at the same loss, below the initial model's (ln 256 = 5.55).
     starts = {arm["eval_curve"][0][1] for arm in summary["arms"].values()}
     assert len(starts) == 1 and starts.pop() < 5.5
     for name, arm in summary["arms"].items():
-        assert arm["eval_curve"][-1][0] == 16, name
-    arm = summary["arms"]["diloco-fp32-H4-lr0.5"]
-    assert arm["outer_rounds"] == 4
+        assert arm["eval_curve"][-1][0] == 8, name
+    assert summary["arms"]["diloco-fp32-H4-lr0.5"]["outer_rounds"] == 2
