@@ -84,13 +84,37 @@ def test_the_distance_bound_grows_with_the_rounds_missed():
     assert distance_bound(3, Evidence(), CONFIG) is None
 
 
+def test_the_distance_bound_follows_the_learning_rate_schedule():
+    """A peer stopped during a linear warmup measured small outer steps; the swarm's
+    steps since grew with the learning rate. Movements are kept per unit of learning
+    rate, so the bound scales with the highest rate the rounds missed reach."""
+    warmup = Evidence()
+    for r in (1, 2):  # steps of 0.1 per unit of lr, at lrs 1e-5 and 3e-5
+        warmup.applied(0.1 * (2 * r - 1) * 1e-5, at=10.0 * r, lr=(2 * r - 1) * 1e-5)
+    stale = Evidence(movements=list(warmup.movements))  # the same steps, rates unknown
+    # The swarm went on for 6 rounds at up to lr 1e-3: up to 0.1 * 1e-3 * 6 = 6e-4 away.
+    moved = 6e-4
+    assert distance_bound(6, stale, CONFIG, lr=1e-3) < moved  # the median movement: refused
+    bound = distance_bound(6, warmup, CONFIG, lr=1e-3)
+    assert bound == pytest.approx(4 * 0.1 * 1e-3 * 8) and bound > moved
+    # A state ten times farther than the schedule moves it is still refused; without the
+    # schedule the bound is the median movement, as before.
+    assert bound < 10 * moved
+    assert distance_bound(6, warmup, CONFIG) == pytest.approx(4 * 2e-6 * 8)
+
+
 def test_evidence_survives_a_checkpoint_and_ignores_garbage_movements():
     evidence = seasoned()
     evidence.applied(float("nan"), at=1200.0)
     assert len(evidence.movements) == 10
+    evidence.applied(0.4, at=1210.0, lr=1e-3)
+    assert evidence.lrs[-2:] == [0.0, 1e-3] and len(evidence.lrs) == len(evidence.movements)
     restored = Evidence.from_state(evidence.to_state())
     assert restored == evidence
     assert Evidence.from_state({}) == Evidence()
+    # A checkpoint from before learning rates were kept: its movements' rates are unknown.
+    old = Evidence.from_state({"movements": [0.1, 0.2]})
+    assert old.lrs == [0.0, 0.0] and distance_bound(0, old, CONFIG, lr=1.0) == pytest.approx(1.2)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,10 @@ state is adopted only on evidence this peer can check:
 3. **A plausible distance** (:func:`distance_bound`), checked after the download: the
    downloaded ``theta_g`` is at most ``movement_slack`` times the median movement of this
    peer's recent outer steps per round behind (plus two rounds, for a split within the
-   last ones) away from this peer's own ``theta_g``.
+   last ones) away from this peer's own ``theta_g``. An outer step moves in proportion to
+   the inner learning rate of the steps before it, so movements are kept per unit of
+   learning rate and the bound follows the schedule over the rounds missed: a peer that
+   fell behind during a warmup expects the larger steps the swarm took since.
 
 A Sybil majority (many keys that all publish and serve the same forged state) passes
 backing; checks 2 and 3 bound what it gains against a peer with history. Pure: the caller
@@ -68,6 +71,9 @@ class Evidence:
     """Peer id -> the last round it averaged with this peer."""
     movements: list[float] = dataclasses.field(default_factory=list)
     """Norms of this peer's recent outer steps (``|theta_g after - theta_g before|``)."""
+    lrs: list[float] = dataclasses.field(default_factory=list)
+    """The mean inner learning rate of the steps before each of ``movements`` (0: not
+    known)."""
     intervals: list[float] = dataclasses.field(default_factory=list)
     """Seconds between this peer's recent consecutive applied rounds."""
     last_round_at: float | None = None
@@ -87,14 +93,19 @@ class Evidence:
         for peer in [p for p, r in self.witnesses.items() if r < oldest]:
             del self.witnesses[peer]
 
-    def applied(self, movement: float, at: float, *, alone: bool = False) -> None:
-        """This peer applied an outer step of norm ``movement`` at unix time ``at``;
-        ``alone``: in a group of one. A round alone says nothing of the swarm's pace, so
-        it leaves the clock of :func:`round_plausible` running from the last round applied
-        with others: a peer that averaged alone for a while (the others out of reach or
-        ahead) may still take a state that many rounds ahead."""
+    def applied(
+        self, movement: float, at: float, *, alone: bool = False, lr: float | None = None
+    ) -> None:
+        """This peer applied an outer step of norm ``movement`` at unix time ``at``, after
+        inner steps of mean learning rate ``lr``; ``alone``: in a group of one. A round
+        alone says nothing of the swarm's pace, so it leaves the clock of
+        :func:`round_plausible` running from the last round applied with others: a peer
+        that averaged alone for a while (the others out of reach or ahead) may still take
+        a state that many rounds ahead."""
         if math.isfinite(movement):
             self.movements = [*self.movements, movement][-_HISTORY:]
+            rate = 0.0 if lr is None or not math.isfinite(lr) or lr <= 0 else float(lr)
+            self.lrs = [*self.lrs, rate][-_HISTORY:]
         if alone and self.last_round_at is not None:
             return
         if self.last_round_at is not None and at > self.last_round_at:
@@ -109,6 +120,7 @@ class Evidence:
         return {
             "witnesses": dict(self.witnesses),
             "movements": list(self.movements),
+            "lrs": list(self.lrs),
             "intervals": list(self.intervals),
             "last_round_at": self.last_round_at,
         }
@@ -116,9 +128,12 @@ class Evidence:
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Evidence:
         last = state.get("last_round_at")
+        movements = [float(m) for m in state.get("movements", [])][-_HISTORY:]
+        lrs = [float(x) for x in state.get("lrs", [])][-_HISTORY:]
         return cls(
             witnesses={str(p): int(r) for p, r in dict(state.get("witnesses", {})).items()},
-            movements=[float(m) for m in state.get("movements", [])][-_HISTORY:],
+            movements=movements,
+            lrs=lrs if len(lrs) == len(movements) else [0.0] * len(movements),
             intervals=[float(s) for s in state.get("intervals", [])][-_HISTORY:],
             last_round_at=None if last is None else float(last),
         )
@@ -158,10 +173,21 @@ def round_plausible(
     )
 
 
-def distance_bound(ahead: int, evidence: Evidence, config: AdoptionConfig) -> float | None:
+def distance_bound(
+    ahead: int, evidence: Evidence, config: AdoptionConfig, *, lr: float | None = None
+) -> float | None:
     """How far (L2) a state ``ahead`` rounds past this peer's may lie from its own
-    ``theta_g``; None when this peer has not measured its outer steps yet."""
+    ``theta_g``; None when this peer has not measured its outer steps yet.
+
+    ``lr``: the highest inner learning rate the schedule reaches over those rounds, when
+    known; each round missed then moves up to the median movement per unit of learning
+    rate times it. Without it (or without the learning rates of the movements), the
+    median movement itself."""
     if not evidence.movements:
         return None
+    rounds = max(ahead, 0) + 2
+    rates = [m / x for m, x in zip(evidence.movements, evidence.lrs, strict=False) if x > 0]
+    if lr is not None and math.isfinite(lr) and lr > 0 and rates:
+        return config.movement_slack * statistics.median(rates) * lr * rounds
     typical = statistics.median(evidence.movements)
-    return config.movement_slack * typical * (max(ahead, 0) + 2)
+    return config.movement_slack * typical * rounds

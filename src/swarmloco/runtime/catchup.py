@@ -117,6 +117,10 @@ class Found:
     """Peers claiming later rounds that no adoptable state backs (pacing ignores them)."""
     distrusted: set[str] = dataclasses.field(default_factory=set)
     """Holders of a state refused after its download (it was not a plausible successor)."""
+    distance: float | None = None
+    """How far (L2) the adopted state lay from this peer's, and the bound it was held to
+    (None: no bound, this peer never measured an outer step)."""
+    bound: float | None = None
 
 
 class CatchUp:
@@ -163,11 +167,18 @@ class CatchUp:
         return {e.subkey: (e.value["digest"], e.value["endpoint"]) for e in result.entries.values()}
 
     async def find(
-        self, *, round: int, digest: bytes | None, theta_g: torch.Tensor, distrusted: set[str]
+        self,
+        *,
+        round: int,
+        digest: bytes | None,
+        theta_g: torch.Tensor,
+        distrusted: set[str],
+        peak_lr: Callable[[int], float | None] | None = None,
     ) -> Found:
         """A later state than ``round``'s, or the majority's state of ``round`` when this
         peer's (``digest``) is not it; ``distrusted``: holders whose states were refused
-        before (never asked again)."""
+        before (never asked again); ``peak_lr(n)``: the highest inner learning rate of the
+        schedule over the next ``n`` rounds, when known (it scales the distance bound)."""
         deadline = Deadline.after(self.config.state_timeout_s)
         found = Found()
         claims = await self.claims()
@@ -180,7 +191,7 @@ class CatchUp:
         for target in later:
             candidates += self._candidates(target, await self.digests_of(target))
         why = "the swarm is at round {target}, this peer at " + str(round)
-        if await self._try(candidates, round, theta_g, distrusted, deadline, found, why):
+        if await self._try(candidates, round, theta_g, distrusted, deadline, found, why, peak_lr):
             return found
         backed = {h for c in candidates for h in c.holders if not self._unbacked_reason(c)}
         found.unbacked = {p for p, r in claims.items() if r > round + 2 and p not in backed}
@@ -197,7 +208,7 @@ class CatchUp:
                 break
             ahead.append(c)
         why = f"this peer's round {round} state is not the one most peers hold"
-        await self._try(ahead, round, theta_g, distrusted, deadline, found, why)
+        await self._try(ahead, round, theta_g, distrusted, deadline, found, why, peak_lr)
         return found
 
     async def initial(self, digest: bytes) -> DownloadedState | None:
@@ -270,6 +281,7 @@ class CatchUp:
         deadline: Deadline,
         found: Found,
         why: str,
+        peak_lr: Callable[[int], float | None] | None,
     ) -> bool:
         adoption = self.config.adoption
         for c in self._order(candidates):
@@ -286,9 +298,11 @@ class CatchUp:
             got = await self._download(c, donors, deadline, found)
             if got is None:
                 continue
-            bound = distance_bound(ahead, self.evidence, adoption)
+            lr = peak_lr(max(ahead, 0) + 2) if peak_lr is not None else None
+            bound = distance_bound(ahead, self.evidence, adoption, lr=lr)
             if bound is not None:
                 distance = float(torch.linalg.vector_norm(got.snapshot.tensors[THETA_G] - theta_g))
+                found.distance, found.bound = distance, bound
                 if not distance <= bound:  # NaN fails too
                     self._refuse(
                         found,

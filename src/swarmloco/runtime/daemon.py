@@ -136,6 +136,7 @@ def train_task(
     swarm.register("inner", _LoopState(loop))
     swarm.register("data", stream)
     loop.lr_step = lambda: swarm.global_step  # the learning rate follows the swarm
+    swarm.lr_at = inner.lr_at  # and the swarm knows the schedule (to judge downloads)
     batches = iter(stream)
     with swarm:
         while not swarm.stopping:

@@ -212,6 +212,14 @@ class Swarm:
         self.last_loss = float("nan")
         self.train_seconds = 0.0
         self.evidence = Evidence()
+        self.lr_at: Callable[[int], float] | None = None
+        """The inner learning rate at a global step, when the loop follows a schedule
+        (:meth:`lr_lambda` and :meth:`scheduler` set it; a loop that sets its optimizer's
+        learning rate itself may too). A peer behind the swarm uses it to judge how far the
+        rounds it missed can have moved the global state; without it, it assumes the
+        current learning rate held."""
+        self._lr_sum = 0.0  # learning rates of the inner steps since the last outer step
+        self._lr_steps = 0
         self.admission: Admission | None = None
         """A private swarm's gate, once entered (None: a public swarm)."""
         self._global_step = 0
@@ -293,7 +301,12 @@ class Swarm:
 
     def lr_lambda(self, schedule: Callable[[int], float]) -> Callable[[int], float]:
         """A ``LambdaLR`` factor that follows the swarm: ``schedule(global_step)``, whatever
-        step count the scheduler keeps itself."""
+        step count the scheduler keeps itself. The first schedule given (that of the first
+        parameter group, for a list of them) also sets :attr:`lr_at` if it is unset."""
+        if self.lr_at is None:
+            group = self.optimizer.param_groups[0]
+            # LambdaLR keeps the base learning rate as "initial_lr"; before that, "lr" is it.
+            self.lr_at = lambda step: float(group.get("initial_lr", group["lr"])) * schedule(step)
         return lambda _: schedule(self.global_step)
 
     def scheduler(self, schedule: Callable[[int], float]) -> torch.optim.lr_scheduler.LambdaLR:
@@ -755,6 +768,8 @@ class Swarm:
         self.steps_since_round += 1
         self.tokens_since_round += n
         self.diloco.trained(n)
+        self._lr_sum += float(self.optimizer.param_groups[0]["lr"])
+        self._lr_steps += 1
         self._dirty = True
         self.train_seconds += seconds
         self._rate.add(n, seconds)
@@ -861,6 +876,7 @@ class Swarm:
         self.diloco.take_global(self.params)
         self.steps_since_round = 0
         self.tokens_since_round = 0
+        self._lr_sum, self._lr_steps = 0.0, 0
         self._counting_since = None
 
     # -- pacing -------------------------------------------------------------------------------
@@ -957,6 +973,7 @@ class Swarm:
                     digest=current.digest if self.round > 0 else None,
                     theta_g=self.diloco.theta_g,
                     distrusted={p for p, t in self._distrusted.items() if t > time.monotonic()},
+                    peak_lr=self._peak_lr,
                 ),
                 timeout=self.config.catchup.state_timeout_s + 30.0,
             )
@@ -984,10 +1001,29 @@ class Swarm:
             self.last_error = f"state download failed: {found.failed[-1]}"
             self._emit("download-failed", round=self.round, error=found.failed[-1])
         if found.adopted is not None:
-            self._take(found.adopted, found.why)
+            checked = {"distance": found.distance, "bound": found.bound}
+            self._take(found.adopted, found.why, checked)
 
-    def _take(self, got: DownloadedState, why: str) -> None:
-        """Make a downloaded state this peer's global state (and local parameters)."""
+    def _peak_lr(self, rounds: int) -> float | None:
+        """The highest inner learning rate over the next ``rounds`` rounds of the schedule
+        (:attr:`lr_at`, sampled), or the current one when the schedule is not known."""
+        lr_at = self.lr_at
+        if lr_at is None:
+            current = float(self.optimizer.param_groups[0]["lr"])
+            return current if current > 0 else None
+        start = self.global_step
+        span = max(1, int(rounds * self.h))
+        samples = min(span, 256)
+        try:
+            return max(lr_at(start + span * i // samples) for i in range(samples + 1))
+        except Exception as exc:  # the user's schedule; a bound from the current lr instead
+            logger.warning("the learning-rate schedule failed (%s): using the current lr", exc)
+            self.lr_at = None
+            return self._peak_lr(rounds)
+
+    def _take(self, got: DownloadedState, why: str, checked: dict[str, Any] | None = None) -> None:
+        """Make a downloaded state this peer's global state (and local parameters);
+        ``checked``: how far it lay from this peer's and the bound it met (for the event)."""
         snap = got.snapshot
         self.diloco.adopt(snap)
         self._take_global()
@@ -1008,6 +1044,7 @@ class Swarm:
             seconds=round(got.seconds, 3),
             why=why,
             digest=snap.digest.hex(),
+            **(checked or {}),
         )
 
     # -- one round ------------------------------------------------------------------------------
@@ -1087,7 +1124,9 @@ class Swarm:
         self.diloco.land(f, self.params, self.spec_.streaming.alpha)
         self._consistent = True
         self._advance_global()
-        self.evidence.applied(movement, time.time(), alone=len(report.members) < 2)
+        lr = self._lr_sum / self._lr_steps if self._lr_steps else None
+        self._lr_sum, self._lr_steps = 0.0, 0
+        self.evidence.applied(movement, time.time(), alone=len(report.members) < 2, lr=lr)
         self.evidence.grouped(x.round, report.members, self.peer_id, self.config.catchup.adoption)
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
 

@@ -94,8 +94,11 @@ class GPTBytes:
         return {k: dataclasses.asdict(v) for k, v in GPT_PRESETS.items()}
 
     def default_run(self, preset: str) -> RunConfig:
+        # Warmup spans several rounds of H = 50: the first pseudo-gradients then carry no
+        # burst of the initial loss drop for outer momentum to keep re-applying (tiny, from
+        # scratch, 4 workers: DiLoCo's gap to data-parallel 18.7% with 50, 16.3% with 150).
         if preset == "tiny":
-            inner = InnerConfig(lr=3e-3, warmup_steps=50, total_steps=2000, batch_size=16)
+            inner = InnerConfig(lr=3e-3, warmup_steps=150, total_steps=2000, batch_size=16)
         elif preset == "small":
             inner = InnerConfig(lr=6e-4, warmup_steps=200, total_steps=20_000, batch_size=32)
         else:
