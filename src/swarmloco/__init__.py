@@ -27,6 +27,8 @@ _EXPORTS = {
     "join": "swarmloco.runtime.api",
     "admit": "swarmloco.runtime.api",
     "Swarm": "swarmloco.runtime.swarm",
+    "Box": "swarmloco.runtime.box",
+    "BoxRank": "swarmloco.runtime.box",
     "PeerConfig": "swarmloco.runtime.config",
     "export": "swarmloco.runtime.export",
     "simulate": "swarmloco.train.simulate",
@@ -37,6 +39,8 @@ _EXPORTS = {
 
 __all__ = [
     "AggregatorConfig",
+    "Box",
+    "BoxRank",
     "CodecConfig",
     "ModelMismatch",
     "PeerConfig",
@@ -58,6 +62,7 @@ if TYPE_CHECKING:
     from swarmloco.core.runspec import RunSpec
     from swarmloco.errors import ModelMismatch, Stopped, SwarmlocoError
     from swarmloco.runtime.api import admit, create, join
+    from swarmloco.runtime.box import Box, BoxRank
     from swarmloco.runtime.config import PeerConfig
     from swarmloco.runtime.export import export
     from swarmloco.runtime.swarm import Swarm

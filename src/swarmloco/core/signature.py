@@ -28,6 +28,7 @@ from swarmloco.core.agreement import DIGEST_BYTES
 from swarmloco.errors import ManifestError
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from swarmloco.core.flat import FlatLayout
@@ -182,8 +183,10 @@ def signature_of(
     fragments: int,
     block_size: int,
     layer_unit: LayerUnit = default_layer_unit,
+    values: Sequence[torch.Tensor] | None = None,
 ) -> ModelSignature:
-    """The signature of ``model`` as it is now (its current weights are the initial ones)."""
+    """The signature of ``model`` as it is now (its current weights are the initial ones).
+    ``values``: the parameters' whole values in model order, when the model holds shards."""
     from swarmloco.core.fragments import assign_fragments
 
     names = [n for n, _ in model.named_parameters()]
@@ -197,15 +200,26 @@ def signature_of(
                 f"averaged ({', '.join(_DTYPES)})"
             )
     provisional = ModelSignature(params, bytes(DIGEST_BYTES))
-    return ModelSignature(params, initial_digest(model, provisional, block_size))
+    return ModelSignature(params, initial_digest(model, provisional, block_size, values))
 
 
-def initial_digest(model: nn.Module, signature: ModelSignature, block_size: int) -> bytes:
-    """The state digest of ``model``'s current weights as a round-0 ``theta_g``."""
+def initial_digest(
+    model: nn.Module,
+    signature: ModelSignature,
+    block_size: int,
+    values: Sequence[torch.Tensor] | None = None,
+) -> bytes:
+    """The state digest of ``model``'s current weights (or ``values``, the whole values of
+    its parameters in model order) as a round-0 ``theta_g``."""
     from swarmloco.core.state import THETA_G, state_digest
 
     layout = signature.layout(block_size)
-    theta = layout.gather(parameters_in_order(model, signature.params), layout.zeros())
+    if values is None:
+        ordered = parameters_in_order(model, signature.params)
+    else:
+        by_name = dict(zip((n for n, _ in model.named_parameters()), values, strict=True))
+        ordered = [by_name[p.name] for p in signature.params]
+    theta = layout.gather(ordered, layout.zeros())
     return state_digest({THETA_G: theta})
 
 

@@ -112,6 +112,7 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
             swarm = swarmloco.join(
                 self.swarm_id, model, optimizer, config=config, on_event=self.on_event
             )
+        assert isinstance(swarm, Swarm)  # one process: no box
         scheduler = kwargs.get("lr_scheduler")
         lambdas = getattr(scheduler, "lr_lambdas", None)
         if scheduler is not None and lambdas is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -32,6 +32,7 @@ from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.signature import LayerUnit, ModelSignature, default_layer_unit, signature_of
 from swarmloco.net.identity import Identity
+from swarmloco.runtime.box import Box, BoxRank, unwrap, whole_values
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.swarm import Evaluator, EventSink, Swarm
 
@@ -115,6 +116,7 @@ def create(
     on_event: EventSink | None = None,
     evaluate: Evaluator | None = None,
     private: bool = False,
+    box: Box | None = None,
 ) -> Swarm:
     """A new swarm training ``model`` (its current weights are the run's initial weights),
     with this process as its first peer. The swarm id is ``swarm.swarm_id``; other peers
@@ -130,6 +132,11 @@ def create(
     other choice of the peer (:class:`PeerConfig`). ``evaluate``: the global model's loss,
     run every ``config.eval_every`` rounds (see :meth:`Swarm.load_global_into`).
     ``private``: only peers this key admits take part (:func:`admit`); default: anyone.
+    ``box``: the ranks of this machine that train the model together (under torchrun, with
+    DDP or FSDP2): call ``create`` on every rank with the same arguments; rank 0 is the peer
+    and gets the :class:`Swarm`, the other ranks a :class:`BoxRank` that follows it (what a
+    loop uses: ``with``, ``step``, ``stopping``, ``round``, ``global_step``, ``data_seed``,
+    ``register``, ``scheduler``, ``lr_lambda``, ``log``, ``discard_local``).
     """
     config = peer_config(
         config,
@@ -139,9 +146,17 @@ def create(
         host=host,
         port=port,
     )
+    model = unwrap(model)
+    values = whole_values(box, model)  # every rank takes part when the model is sharded
+    if box is not None and not box.leader:
+        return _follower(box, model, optimizer, config)
     identity = Identity.load_or_create(config.data_dir)
     signature = signature_of(
-        model, fragments=spec.fragments, block_size=spec.codec.block_size, layer_unit=layer_unit
+        model,
+        fragments=spec.fragments,
+        block_size=spec.codec.block_size,
+        layer_unit=layer_unit,
+        values=values,
     )
     manifest = run_manifest(
         spec,
@@ -160,6 +175,7 @@ def create(
         identity=identity,
         on_event=on_event,
         evaluate=evaluate,
+        box=box,
     )
 
 
@@ -177,13 +193,14 @@ def join(
     on_event: EventSink | None = None,
     evaluate: Evaluator | None = None,
     membership: str = "",
+    box: Box | None = None,
 ) -> Swarm:
     """A peer of the swarm ``swarm_id`` training ``model``, which must be the swarm's
     (the same parameter names, shapes and dtypes: checked on enter, before the peer
     averages anything). The manifest is fetched through ``peers`` on enter (or read from
     the data directory's copy when no peer has it). ``membership``: a private swarm's
     certificate for this peer (from :func:`admit`; kept in the data directory after).
-    Other arguments as for :func:`create`."""
+    Other arguments as for :func:`create` (``box`` too: every rank calls ``join``)."""
     config = peer_config(
         config,
         data_dir=data_dir,
@@ -194,6 +211,8 @@ def join(
     )
     if membership:
         config = dataclasses.replace(config, membership=membership)
+    if box is not None and not box.leader:
+        return _follower(box, model, optimizer, config)
     identity = Identity.load_or_create(config.data_dir)
     return Swarm(
         swarm_id,
@@ -203,7 +222,16 @@ def join(
         identity=identity,
         on_event=on_event,
         evaluate=evaluate,
+        box=box,
     )
+
+
+def _follower(
+    box: Box, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: PeerConfig
+) -> Swarm:
+    """A rank other than 0 of a box: a :class:`BoxRank`, which offers what a training loop
+    uses of a :class:`Swarm` (typed as one so that one script serves every rank)."""
+    return cast(Swarm, BoxRank(box, model, optimizer, hook=config.hook))
 
 
 def admit(swarm_id: str, peer_id: str, *, data_dir: str | Path, days: float = 0.0) -> str:

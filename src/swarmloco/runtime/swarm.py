@@ -59,10 +59,10 @@ from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimat
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.signature import (
     ModelSignature,
-    initial_digest,
     parameters_in_order,
     params_of,
 )
+from swarmloco.core.state import THETA_G, state_digest
 from swarmloco.errors import (
     CheckpointError,
     ModelMismatch,
@@ -74,6 +74,16 @@ from swarmloco.net.admission import Admission
 from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.state import DownloadedState
+from swarmloco.runtime.box import (
+    Box,
+    BoxError,
+    BoxParams,
+    Op,
+    load_model_state,
+    load_optimizer_state,
+    local_state,
+    unwrap,
+)
 from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.loop_thread import LoopThread
@@ -92,6 +102,7 @@ _REMEMBER = 32  # peers kept in peers.json for the next start
 _MAX_WAIT_ROUNDS = 4
 _CATCH_UP_RETRY_S = 2.0
 _UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs is ignored
+_PEERS_POLL_S = 0.5  # how often wait_for_peers looks
 _DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
 _MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
 _INITIAL_RETRY_S = 2.0
@@ -169,6 +180,7 @@ class Swarm:
     ``network``: the peer's network (built on enter by default; tests inject one with a
     fault plan). ``evaluate``: returns the loss of the global model (after
     :meth:`load_global_into` of the caller's eval copy), run every ``eval_every`` rounds.
+    ``box``: the box's rank 0, when the peer is several ranks (``runtime/box.py``).
     """
 
     def __init__(
@@ -182,10 +194,12 @@ class Swarm:
         network: SwarmNetwork | None = None,
         on_event: EventSink | None = None,
         evaluate: Evaluator | None = None,
+        box: Box | None = None,
     ) -> None:
         self.manifest = source if isinstance(source, SwarmManifest) else None
         self.swarm_id = source.swarm_id if isinstance(source, SwarmManifest) else source
-        self.model = model
+        self.box = box if box is not None and box.size > 1 else None
+        self.model = unwrap(model)
         self.optimizer = optimizer
         self.config = config
         self.identity = identity
@@ -223,6 +237,7 @@ class Swarm:
         self.admission: Admission | None = None
         """A private swarm's gate, once entered (None: a public swarm)."""
         self._global_step = 0
+        self._told_stopping = False
         self._stop = threading.Event()
         self._run_over = False  # the run reached its end here (not just this peer stopping)
         self._stop_reason = ""
@@ -281,7 +296,10 @@ class Swarm:
 
     @property
     def stopping(self) -> bool:
-        """Whether the peer was asked to stop; a loop that checks it ends cleanly."""
+        """Whether the peer was asked to stop; a loop that checks it ends cleanly. In a
+        box, as told to every rank at the last step's end (all ranks leave together)."""
+        if self.box is not None:
+            return self._told_stopping
         return self._stop.is_set()
 
     def stop(self, reason: str = "asked to stop") -> None:
@@ -329,6 +347,34 @@ class Swarm:
                 self.diloco.theta_g, parameters_in_order(module, self.signature.params)
             )
 
+    def wait_for_peers(self, n: int, *, timeout_s: float = 600.0) -> int:
+        """Block until at least ``n`` peers of the swarm (this one included) are online, so
+        that they start training together; returns how many are. Raises
+        :class:`SwarmlocoError` after ``timeout_s``. Inside ``with swarm:``; in a box, every
+        rank calls it."""
+        if self._stack is None or self.network is None:
+            raise SwarmlocoError("wait_for_peers() inside `with swarm:`")
+        from swarmloco.net.swarm import find_peers
+
+        network = self.network
+        deadline = time.monotonic() + timeout_s
+        found, error = 0, ""
+        while not self._stop.is_set():
+            peers = self.loop.run(find_peers(network.node.dht, self.swarm_id), timeout=30.0)
+            found = len({p.peer_id for p in peers} | {self.peer_id})
+            if found >= n:
+                break
+            if time.monotonic() > deadline:
+                error = f"{found} of {n} peers online after {timeout_s:.0f} s"
+                break
+            time.sleep(_PEERS_POLL_S)
+        if self.box is not None:
+            self.box.share(error)
+        if error:
+            raise SwarmlocoError(error)
+        logger.info("%d peers online", found)
+        return found
+
     @property
     def summary(self) -> Summary:
         return Summary(
@@ -356,12 +402,35 @@ class Swarm:
         stack = contextlib.ExitStack()
         try:
             self._enter(stack)
-        except BaseException:
+            if self.box is not None:
+                self.box.tell(Op.READY)
+                self.box.share(
+                    {
+                        "swarm_id": self.swarm_id,
+                        "peer_id": self.peer_id,
+                        "endpoint": self.endpoint,
+                        "data_seed": self.data_seed,
+                        "round": self.round,
+                        "global_step": self.global_step,
+                    }
+                )
+        except BaseException as exc:
             self._stack = None
+            self._abort_box(exc)
             stack.close()
             raise
         self._stack = stack
         return self
+
+    def _abort_box(self, exc: BaseException) -> None:
+        """Tell the box's other ranks that this one failed (they raise too)."""
+        if self.box is None or self.box.broken:
+            return
+        try:
+            self.box.tell(Op.ABORT)
+            self.box.share(f"{type(exc).__name__}: {exc}")
+        except BoxError:
+            pass
 
     def _enter(self, stack: contextlib.ExitStack) -> None:
         cfg = self.config
@@ -384,13 +453,18 @@ class Swarm:
             )
         self.h = spec.steps_per_round
         self.spec_ = spec
+        if self.box is not None:
+            self.box.tell(Op.MANIFEST)
+            self.box.share(manifest.to_bytes())
         codec = spec.codec
         if cfg.codec_backend is not None:
             codec = dataclasses.replace(codec, backend=cfg.codec_backend)
         seconds = warm_up(codec)  # before any round: compiling stalls the event loop
         logger.info("codec (%s) ready in %.1fs", codec.backend, seconds)
         self.diloco = DilocoState(self.signature.layout(codec.block_size), spec.outer, codec)
-        self.params = parameters_in_order(self.model, self.signature.params)
+        self.params = BoxParams(
+            parameters_in_order(self.model, self.signature.params), self.diloco.layout, self.box
+        )
         swarm_dir = cfg.data_dir / "swarms" / self.swarm_id
         swarm_dir.mkdir(parents=True, exist_ok=True)
         _write_manifest_copy(swarm_dir / "manifest.json", manifest)
@@ -403,11 +477,12 @@ class Swarm:
         self.snapshots = stack.enter_context(Snapshots(self.swarm_id))
         own_initial = True
         if not self._restore():
-            own_initial = initial_digest(self.model, self.signature, codec.block_size) == (
-                self.signature.init_digest
-            )
+            layout = self.diloco.layout
+            with self.params.view(None, read=True) as whole:
+                theta = layout.gather(whole, layout.zeros())
+            own_initial = state_digest({THETA_G: theta}) == self.signature.init_digest
             if own_initial:
-                self.diloco.set_global(self.params)
+                self.diloco.theta_g.copy_(theta)
         self.snapshots.publish(self.round, self.diloco.committed())
         self._start_network(stack, spec)
         self._train_started = time.monotonic()
@@ -444,7 +519,7 @@ class Swarm:
 
     @property
     def _device(self) -> torch.device:
-        return self.params[0].device
+        return self.params.device
 
     def _fetch_manifest(self) -> SwarmManifest:
         from swarmloco.core.manifest import check_swarm_id
@@ -610,9 +685,17 @@ class Swarm:
             return False
         s = found.state
         try:
+            ranks = s.get("ranks", [])
+            if self.box is not None and len(ranks) != self.box.size - 1:
+                raise ValueError(
+                    f"it was saved by a box of {len(ranks) + 1} rank(s), this one has "
+                    f"{self.box.size}"
+                )
+            if self.box is None and ranks:
+                raise ValueError(f"it was saved by a box of {len(ranks) + 1} ranks")
             self.diloco.load_state_dict(s["diloco"])
-            self.model.load_state_dict(s["model"])
-            self.optimizer.load_state_dict(s["optimizer"])
+            load_model_state(self.model, s["model"])
+            load_optimizer_state(self.optimizer, s["optimizer"])
             objects = s.get("objects", {})
             for name, obj in self.objects.items():
                 if name not in objects:
@@ -624,6 +707,8 @@ class Swarm:
             self.tokens_since_round = int(s["tokens_since_round"])
             self._global_step = int(s["global_step"])
             self.evidence = Evidence.from_state(s.get("evidence", {}))
+            if self.box is not None:
+                self._restore_box(s, ranks)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise SwarmlocoError(
                 f"checkpoint {found.path} does not fit this peer: {exc}; move it away to start over"
@@ -644,6 +729,18 @@ class Swarm:
         )
         return True
 
+    def _restore_box(self, s: Mapping[str, Any], ranks: list[dict[str, Any]]) -> None:
+        """Give each of the box's other ranks its part of a checkpoint: its own objects and
+        RNG, and its shards (sharded) or rank 0's model and optimizer (replicated)."""
+        assert self.box is not None
+        parts: list[Any] = [None]
+        for part in ranks:
+            if not self.params.sharded:
+                part = {**part, "model": s["model"], "optimizer": s["optimizer"]}
+            parts.append(part)
+        self.box.tell(Op.LOAD)
+        self.box.scatter(parts)
+
     def _checkpoint(self, *, wait: bool = False, urgent: bool = False) -> None:
         """Checkpoint the state as it is now: only the copy happens here, the write on the
         writer's thread. While the previous one is still being written, a round's is
@@ -658,10 +755,14 @@ class Swarm:
             logger.info("checkpoint of round %d skipped: the last one is being written", self.round)
             return
         self._checkpoint_due = None
+        ranks: list[Any] = []
+        if self.box is not None:
+            self.box.tell(Op.SAVE)
+            ranks = (self.box.gather(None) or [None])[1:]
         state = {
             "diloco": self.diloco.state_dict(),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": local_state(self.model.state_dict()),
+            "optimizer": local_state(self.optimizer.state_dict()),
             "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
             "rng": torch.get_rng_state(),
             "steps": self.steps,
@@ -670,6 +771,8 @@ class Swarm:
             "global_step": self._global_step,
             "evidence": self.evidence.to_state(),
         }
+        if ranks:
+            state["ranks"] = ranks  # the box's other ranks: their objects, RNG and shards
         self.writer.submit(round=self.round, step=self.steps, state=state)
         self._dirty = False
         if wait:
@@ -725,6 +828,16 @@ class Swarm:
                 self._hook = None
             if exc_type is not None and issubclass(exc_type, Exception):
                 self.stop(f"the training loop raised {exc_type.__name__}")
+            box = self.box
+            if box is not None and exc_type is not None and not issubclass(exc_type, Stopped):
+                # The other ranks may be anywhere in the step (in a collective of the
+                # model's own): nothing more is asked of them, and nothing is saved that
+                # would need their shards. The last checkpoint on disk stands.
+                box.broken = True
+                self._consistent = False
+            if box is not None and box.broken and self._inflight is not None:
+                self._inflight.future.cancel()
+                self._inflight = None
             if self._inflight is not None:
                 if interrupted:
                     self._inflight.future.cancel()  # a second Ctrl-C: do not wait for it
@@ -736,6 +849,8 @@ class Swarm:
             if self._dirty and self._consistent:
                 self._checkpoint(wait=True)
             self._collect_checkpoint(wait=True)
+            if box is not None and not box.broken:
+                box.tell(Op.EXIT)  # before lingering: the other ranks are done
             if self._run_over and not interrupted:
                 self._linger()
         finally:
@@ -758,9 +873,30 @@ class Swarm:
     def step(self, tokens: int | None = None) -> None:
         """One optimizer step of the training loop happened (the hook calls this; with
         ``hook=False`` the loop does, after each ``optimizer.step()``). ``tokens``: what
-        the step trained on (default: the config's ``tokens_per_step``)."""
+        the step trained on (default: the config's ``tokens_per_step``; in a box, what
+        the whole box trained on)."""
         if self._stack is None:
             raise SwarmlocoError("step() outside `with swarm:`")
+        if self.box is None:
+            self._step(tokens)
+            return
+        try:
+            self._step(tokens)
+        except Stopped:
+            self._end_step(raised=True)
+            raise
+        except BaseException as exc:
+            self._abort_box(exc)
+            raise
+        self._end_step()
+
+    def _end_step(self, *, raised: bool = False) -> None:
+        """Tell the box's other ranks that the step is over, and whether to stop."""
+        assert self.box is not None
+        self._told_stopping = self._stop.is_set()
+        self.box.tell(Op.END, self.global_step, self.round, self._told_stopping, raised)
+
+    def _step(self, tokens: int | None) -> None:
         started = time.monotonic()
         seconds = started - self._step_ended
         n = self.config.tokens_per_step if tokens is None else int(tokens)
@@ -852,7 +988,17 @@ class Swarm:
     def discard_local(self, why: str) -> None:
         """NaN or Inf in training: nothing of it may reach the swarm. Drop the local steps
         since the last round and the optimizer's moments (they hold the NaN too), restart
-        from the global state; give up when it happens again and again."""
+        from the global state; give up when it happens again and again. In a box, every
+        rank calls it at the same point of the loop."""
+        try:
+            self._discard(why)
+        except BaseException as exc:
+            self._abort_box(exc)
+            raise
+        if self.box is not None:
+            self._end_step()
+
+    def _discard(self, why: str) -> None:
         self._nan_in_a_row += 1
         logger.error(
             "%s after %d local steps: discarding them and restarting from the global state "
@@ -869,11 +1015,14 @@ class Swarm:
                 "state without completing a round; check the data and the learning rate (or "
                 "try --compile off) before joining again"
             )
+        if self.box is not None:
+            self.box.tell(Op.RESET)
         self.optimizer.state.clear()
         self._take_global()
 
     def _take_global(self) -> None:
-        self.diloco.take_global(self.params)
+        with self.params.view(None, read=False, write=True) as whole:
+            self.diloco.take_global(whole)
         self.steps_since_round = 0
         self.tokens_since_round = 0
         self._lr_sum, self._lr_steps = 0.0, 0
@@ -1057,9 +1206,10 @@ class Swarm:
             return  # the download replaced this peer's work with the swarm's state
         target = self.round + 1
         f = fragment_of_round(target, self.diloco.fragments)
-        delta = self.diloco.delta(f, self.params)
+        with self.params.view(f, read=True) as whole:
+            delta = self.diloco.delta(f, whole)
         if not bool(torch.isfinite(delta).all()):
-            self.discard_local("the local model holds NaN/Inf")
+            self._discard("the local model holds NaN/Inf")
             return
         weight = float(self.diloco.fragment_tokens[f])
         self.state = "averaging"
@@ -1121,7 +1271,9 @@ class Swarm:
         report, matchmaking = outcome.result.report, outcome.matchmaking_s
         self._consistent = False
         movement = self.diloco.apply(f, x.round, weight=x.weight, group_tokens=outcome.group_tokens)
-        self.diloco.land(f, self.params, self.spec_.streaming.alpha)
+        alpha = self.spec_.streaming.alpha
+        with self.params.view(f, read=alpha != 0.0, write=True) as whole:
+            self.diloco.land(f, whole, alpha)
         self._consistent = True
         self._advance_global()
         lr = self._lr_sum / self._lr_steps if self._lr_steps else None

@@ -1,0 +1,154 @@
+"""A box of ranks is one peer: examples/mlp_box.py under torchrun (gloo, real processes),
+averaging with one-process peers in one swarm."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from swarmutil import PeerProcess
+
+from swarmloco.runtime.checkpoint import CheckpointStore
+
+pytestmark = pytest.mark.timeout(400)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mlp_box.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+ROUNDS = 4
+
+
+def peer(data_dir: Path, ranks: int, *args: str) -> PeerProcess:
+    if ranks == 1:
+        return PeerProcess.script(EXAMPLE, data_dir, *args)
+    command = [*TORCHRUN, "--nproc-per-node", str(ranks), str(EXAMPLE)]
+    return PeerProcess(list(args), data_dir, command=command)
+
+
+def swarm_of(root: Path, boxes: list[tuple[int, str]]) -> list[PeerProcess]:
+    """A one-process creator and ``boxes`` (ranks, layout), each on its own data seed, all
+    starting together and averaging every round in one group of all of them."""
+    n = len(boxes) + 1
+    common = ("--max-rounds", str(ROUNDS), "--min-peers", str(n), "--start-with", str(n))
+    common += ("--sync-every", "10", "--gather", "3")
+    with peer(root / "creator", 1, "create", *common, "--data-seed", "1") as creator:
+        join = ("join", creator.swarm_id, "--peer", creator.endpoint, *common)
+        others = [
+            peer(root / f"box{i}", ranks, *join, "--layout", layout, "--data-seed", str(i + 2))
+            for i, (ranks, layout) in enumerate(boxes)
+        ]
+        try:
+            for p in (creator, *others):
+                assert p.wait(300) == 0, p.log_tail()
+        finally:
+            for p in others:
+                p.__exit__()
+    return [creator, *others]
+
+
+def theta_g(p: PeerProcess, rounds: int) -> torch.Tensor:
+    [swarm_dir] = (p.data_dir / "swarms").iterdir()
+    with CheckpointStore(swarm_dir / "checkpoints", swarm_id=swarm_dir.name) as store:
+        found = store.latest()
+    assert found is not None and found.round == rounds
+    return found.state["diloco"]["theta_g"]
+
+
+def test_a_1_rank_a_ddp_and_an_fsdp_peer_average_in_one_swarm_and_agree_on_every_round(
+    tmp_path,
+):
+    peers = swarm_of(tmp_path, [(2, "ddp"), (2, "fsdp")])
+    for r in range(1, ROUNDS + 1):
+        rounds = [{e["round"]: e for e in p.of("round")}[r] for p in peers]
+        assert {e["group"] for e in rounds} == {3}, rounds
+        assert len({e["digest"] for e in rounds}) == 1, rounds
+    # One peer's bytes on the wire, whatever its ranks.
+    sent = [{e["bytes_sent"] for e in p.of("round")} for p in peers]
+    assert max(max(s) for s in sent) < 1.1 * min(min(s) for s in sent), sent
+
+
+def test_a_box_computes_what_one_process_computes_on_the_same_data(tmp_path):
+    """Alone, a peer averages every H steps: a 1-rank, a 2-rank DDP and a 2-rank FSDP peer
+    trained on the same batches end their rounds on the same global model (the ranks split
+    each batch; float sums in another order are all that differs)."""
+    rounds = 3
+    args = ("create", "--max-rounds", str(rounds), "--sync-every", "10", "--data-seed", "7")
+    runs = [
+        peer(tmp_path / "one", 1, *args),
+        peer(tmp_path / "ddp", 2, *args, "--layout", "ddp"),
+        peer(tmp_path / "fsdp", 2, *args, "--layout", "fsdp"),
+        # A box on other data ends elsewhere: the comparison can fail.
+        peer(tmp_path / "other", 1, *args[:-1], "8"),
+    ]
+    with contextlib.ExitStack() as stack:
+        for p in runs:
+            stack.enter_context(p)
+        for p in runs:
+            assert p.wait(300) == 0, p.log_tail()
+    one, ddp, fsdp, other = (theta_g(p, rounds) for p in runs)
+    for got in (ddp, fsdp):
+        assert torch.allclose(got, one, rtol=1e-5, atol=1e-6), (got - one).abs().max()
+    assert not torch.allclose(other, one, rtol=1e-5, atol=1e-6)
+
+
+def rank_pid(launcher: PeerProcess, rank: int) -> int:
+    """The process of ``rank`` among the launcher's (torchrun's) children."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher.process.pid:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    raise AssertionError(f"no rank {rank} under process {launcher.process.pid}")
+
+
+def test_a_box_stops_checkpoints_resumes_and_leaves_cleanly_when_a_rank_dies(tmp_path):
+    # Rounds of two only: alone, the one-process peer would average every 20 ms here and
+    # the box would do nothing but download its states.
+    common = ("--sync-every", "20", "--gather", "2", "--total-steps", "1000000")
+    common += ("--min-peers", "2")
+    with peer(tmp_path / "creator", 1, "create", *common) as creator:
+        join = ("join", creator.swarm_id, "--peer", creator.endpoint, *common)
+        box_args = (*join, "--layout", "fsdp")
+        # SIGTERM to torchrun: rank 0 stops the box at a step's end, checkpoints every
+        # rank's shards and leaves.
+        with peer(tmp_path / "box", 2, *box_args) as box:
+            box.wait_for("round", lambda e: e["group"] == 2 and e["round"] >= 2, timeout=120)
+            box.process.send_signal(signal.SIGTERM)
+            box.wait(120)
+        saved = box.of("checkpoint")[-1]
+        assert box.of("stopped")[-1]["round"] == saved["round"]
+        # Started again, it resumes from that checkpoint and averages with the swarm.
+        with peer(tmp_path / "box", 2, *box_args) as again:
+            assert again.wait_for("resumed", timeout=120)["round"] == saved["round"]
+            together = again.wait_for(
+                "round", lambda e: e["group"] == 2 and e["round"] > saved["round"], timeout=120
+            )
+            creator.wait_for("round", lambda e: e["round"] >= together["round"], timeout=60)
+            digest = {e["round"]: e["digest"] for e in creator.of("round")}[together["round"]]
+            assert together["digest"] == digest
+            # Rank 1 killed: torchrun stops rank 0, whose next collective fails; the box's
+            # peer leaves the swarm, and the swarm trains on without it.
+            os.kill(rank_pid(again, 1), signal.SIGKILL)
+            stopped = again.wait_for("stopped", timeout=120)
+            assert again.wait(120) != 0
+        # What is on disk is a whole box's checkpoint (rank 0's state and rank 1's shards),
+        # not a half one taken after the kill.
+        [swarm_dir] = (tmp_path / "box" / "swarms").iterdir()
+        with CheckpointStore(swarm_dir / "checkpoints", swarm_id=swarm_dir.name) as store:
+            latest = store.latest()
+        assert latest is not None and len(latest.state["ranks"]) == 1
+        assert "model" in latest.state["ranks"][0]  # FSDP: rank 1's shards
+        # The other peer trains on: alone, it keeps trying rounds that need a second member.
+        first = creator.wait_for("aborted", lambda e: e["time"] > stopped["time"], timeout=60)
+        creator.wait_for("aborted", lambda e: e["time"] > first["time"], timeout=60)
+        creator.process.send_signal(signal.SIGTERM)
+        assert creator.wait(60) == 0, creator.log_tail()
