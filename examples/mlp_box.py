@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--min-peers", type=int, default=1, help="smallest group to average in")
     p.add_argument("--gather", type=float, default=None, help="matchmaking window, seconds")
     p.add_argument("--batch-size", type=int, default=64, help="the box's batch per step")
+    p.add_argument("--hidden", type=int, default=128, help="the MLP's width (its size)")
     p.add_argument("--data-seed", type=int, default=None, help="default: the swarm's")
     p.add_argument("--start-with", type=int, default=1, help="wait for this many peers first")
     p.add_argument("--events", nargs="?", const="-", help="rank 0: one JSON line per event (-)")
@@ -84,7 +85,7 @@ def main() -> None:
         if args.events:
             print(json.dumps(event), flush=True)
 
-    model = build_model().to(device)
+    model = build_model(args.hidden).to(device)
     wrapped = shard(model, args.layout) if world > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     matchmaking = MatchmakingConfig(min_group_size=args.min_peers)

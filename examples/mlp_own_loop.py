@@ -34,11 +34,11 @@ DIM, CLASSES, HIDDEN = 32, 10, 128
 WARMUP = 100
 
 
-def build_model() -> nn.Module:
+def build_model(hidden: int = HIDDEN) -> nn.Module:
     torch.manual_seed(0)  # every peer starts from the same weights (else it fetches them)
     return nn.Sequential(
-        nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU(),
-        nn.Linear(HIDDEN, CLASSES),
+        nn.Linear(DIM, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+        nn.Linear(hidden, CLASSES),
     )  # fmt: skip
 
 
