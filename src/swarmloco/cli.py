@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Coroutine, Sequence
@@ -263,6 +265,15 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train as a box of N ranks on this machine, one peer in the swarm (data "
+        "parallel: each rank trains the preset's batch on its own data, one GPU each with "
+        "--device cuda, CPU ranks over gloo otherwise); this command starts the ranks",
+    )
+    g.add_argument(
         "--peer-name",
         default="",
         help="how dashboards name this peer (default: the host name)",
@@ -383,9 +394,75 @@ def _membership_text(given: str) -> str:
     return path.read_text(encoding="utf-8").strip()
 
 
+def _box_launch(args: argparse.Namespace) -> int | None:
+    """With --nproc-per-node N > 1: run this same command as N ranks (the environment of a
+    torch.distributed launch: RANK, WORLD_SIZE, MASTER_ADDR/PORT on this machine) and
+    return the box's exit code; None inside a rank (or for one process).
+
+    SIGINT/SIGTERM go to rank 0, which stops every rank at a step's end, checkpoints the
+    box and leaves. A rank that fails stops the others (SIGTERM, then SIGKILL after
+    30 s): the box's peer leaves the swarm, and the box resumes from its checkpoint."""
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    if args.nproc_per_node == 1 or "RANK" in os.environ:
+        return None
+    if getattr(args, "no_train", False):
+        raise ValueError("--no-train trains nothing: leave out --nproc-per-node")
+    import signal
+    import socket
+
+    n = args.nproc_per_node
+    with socket.socket() as s:  # a free port for the box's rendezvous, on loopback
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    command = [sys.executable, "-m", "swarmloco.cli", *args.argv]
+    ranks = [
+        subprocess.Popen(command, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(n)
+    ]
+    logging.getLogger("swarmloco.box").info("started %d ranks (rank 0 is the peer)", n)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, _frame: ranks[0].send_signal(signum))
+    by_pid = {p.pid: p for p in ranks}
+    code = 0
+    while by_pid:
+        pid, status = os.waitpid(-1, 0)
+        rank = by_pid.pop(pid, None)
+        if rank is None:
+            continue
+        rank.returncode = os.waitstatus_to_exitcode(status)
+        if rank.returncode != 0 and code == 0:
+            code = rank.returncode if rank.returncode > 0 else 128 - rank.returncode
+            logging.getLogger("swarmloco.box").error(
+                "rank %d exited with %d: stopping the box", ranks.index(rank), rank.returncode
+            )
+            for other in by_pid.values():
+                other.terminate()
+            _reap(by_pid, grace_s=30.0)
+            break
+    return code
+
+
+def _reap(ranks: dict[int, subprocess.Popen[bytes]], *, grace_s: float) -> None:
+    """Wait for ``ranks`` to exit; SIGKILL those still running after ``grace_s``."""
+    for p in ranks.values():
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _box_rank() -> int:
+    """This process's rank in a box (0 outside one)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
     """Train as a peer of ``manifest`` until stopped (SIGINT/SIGTERM), the run's end or
-    --max-rounds."""
+    --max-rounds. In a box's rank other than 0, ``manifest`` is None (rank 0 sends it)."""
     import json
 
     import torch
@@ -425,6 +502,9 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         eval_every=args.eval_every,
         membership=_membership_text(args.membership),
     )
+    box = None
+    if "RANK" in os.environ and args.nproc_per_node > 1:
+        box = _init_box(args.device)
     config = DaemonConfig(
         peer=peer, device=args.device, compile=args.compile, precision=args.precision
     )
@@ -439,12 +519,17 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
             events_file.flush()
 
     try:
-        summary = train_task(
-            manifest, config, identity=Identity.load_or_create(args.data_dir), on_event=sink
-        )
+        identity = Identity.load_or_create(args.data_dir) if _box_rank() == 0 else None
+        summary = train_task(manifest, config, identity=identity, on_event=sink, box=box)
     finally:
         if events_file is not None and events_file is not sys.stdout:
             events_file.close()
+        if box is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if summary is None:  # a rank other than 0: rank 0 reports
+        return 0
     logging.getLogger("swarmloco.peer").info(
         "left swarm %s at round %d after %d steps (global step %d; %d rounds applied, %d "
         "aborted, %d downloads)%s",
@@ -551,11 +636,32 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(handler=_create)
 
 
+def _init_box(device: str) -> Any:
+    """Join this torchrun rank's process group (NCCL on GPUs, gloo on CPUs); the box."""
+    import torch
+    import torch.distributed as dist
+
+    from swarmloco.runtime.box import Box
+
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return Box()
+
+
 def _create(args: argparse.Namespace) -> int:
     import dataclasses
 
     from swarmloco.net.identity import Identity
     from swarmloco.train.tasks import build_manifest, get_task  # imports torch
+
+    launched = _box_launch(args)
+    if launched is not None:
+        return launched
+    if _box_rank() > 0:
+        return _run_peer(None, args)  # rank 0 makes the manifest and sends it
 
     if args.no_train and not args.peers:
         raise ValueError("--no-train publishes the manifest through a peer: pass --peer HOST:PORT")
@@ -673,6 +779,12 @@ def _join(args: argparse.Namespace) -> int:
     from swarmloco.errors import ManifestError
 
     swarm_id = check_swarm_id(args.swarm_id)
+    if not args.dry_run:
+        launched = _box_launch(args)
+        if launched is not None:
+            return launched
+        if _box_rank() > 0:
+            return _run_peer(None, args)  # rank 0 finds the manifest and sends it
     local = args.data_dir / "swarms" / swarm_id / "manifest.json"
     if local.is_file() and not args.dry_run:
         # A restart: the copy this peer verified when it first joined (checked against the
@@ -867,6 +979,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     _setup_logging(-1 if args.quiet else args.verbose)
     handler: Handler = args.handler
     try:

@@ -359,3 +359,24 @@ def test_a_client_mode_peer_trains_with_the_swarm_without_being_dialed(tmp_path)
     assert fetched and fetched[0]["donor"][:12] == public["peer_id"][:12], b.events
     assert any(e["group"] == 2 for e in b.of("round")), b.events
     assert digests_of(a)[int(rounds)] == digests_of(b)[int(rounds)]
+
+
+def test_a_box_of_two_ranks_started_by_the_daemon_averages_as_one_peer(tmp_path):
+    """`swarmloco join --nproc-per-node 2`: two DDP ranks under torchrun (gloo), one peer
+    whose weight is both ranks' tokens, on the same digest as its partner."""
+    with (
+        PeerProcess.create(tmp_path / "a", "--min-group", "2") as a,
+        PeerProcess.join(
+            a.swarm_id, a.endpoint, tmp_path / "b", "--nproc-per-node", "2", "--min-group", "2"
+        ) as b,
+    ):
+        together = b.wait_for("round", lambda e: e["group"] == 2, timeout=180)
+        a.wait_for("round", lambda e: e["round"] >= together["round"], timeout=60)
+        for p in (a, b):
+            p.process.send_signal(signal.SIGTERM)
+        for p in (a, b):
+            assert p.wait(60) == 0, p.log_tail()
+    assert digests_of(a)[together["round"]] == digests_of(b)[together["round"]]
+    # Each of its steps weighs 2 ranks x batch 4 x 128 tokens (the preset's sequence).
+    assert all(e["weight"] % (2 * 4 * 128) == 0 for e in b.of("round")), b.of("round")
+    assert len(b.of("checkpoint")) >= 1

@@ -357,6 +357,8 @@ class BoxRank:
         self._restore_signals: Callable[[], None] = lambda: None
         self.steps = 0
         self.evaluate: Any = None
+        self.lr_at: Callable[[int], float] | None = None
+        """Unused here: rank 0 judges downloads."""
 
     # -- what the loop reads -----------------------------------------------------------------
 

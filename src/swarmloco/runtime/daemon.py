@@ -18,6 +18,7 @@ import torch
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.identity import Identity
+from swarmloco.runtime.box import Box, BoxRank
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.swarm import EventSink, Summary, Swarm
 from swarmloco.train.data import BatchStream, eval_windows
@@ -73,13 +74,24 @@ class _LoopState:
 
 
 def train_task(
-    manifest: SwarmManifest,
+    manifest: SwarmManifest | None,
     config: DaemonConfig,
     *,
-    identity: Identity,
+    identity: Identity | None,
     on_event: EventSink | None = None,
-) -> Summary:
-    """Train as a peer of ``manifest``'s task until stopped, the run's end or max rounds."""
+    box: Box | None = None,
+) -> Summary | None:
+    """Train as a peer of ``manifest``'s task until stopped, the run's end or max rounds.
+
+    In a ``box`` of several ranks (data parallel: DDP), rank 0 passes the manifest and its
+    identity and is the peer; the other ranks pass None for both, get the manifest from
+    rank 0, train the same loop on their own data, and return None."""
+    if box is not None and box.size > 1:
+        shared = box.share(manifest.to_bytes() if box.leader and manifest else None)
+        manifest = SwarmManifest.from_bytes(shared)
+    else:
+        box = None
+    assert manifest is not None
     try:
         task, model_config, data_spec, run = run_from_manifest(manifest)
     except ValueError as exc:
@@ -95,14 +107,23 @@ def train_task(
     if config.precision is not None:
         inner = dataclasses.replace(inner, precision=config.precision)
     device = resolve_device(config.device)
+    if box is not None and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
     model = build_task_model(task, model_config, run)
     eval_model = copy.deepcopy(model).to(device)
+    if box is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(
+            model.to(device), device_ids=[device.index] if device.type == "cuda" else None
+        )
     loop = InnerLoop(model, inner, device)
     data = task.load_data(model_config, data_spec)
     seq_len = int(model_config["seq_len"])
     evalset = eval_windows(data.val, seq_len=seq_len, count=data_spec.eval_sequences)
+    ranks = box.size if box is not None else 1
     peer = dataclasses.replace(
-        config.peer, tokens_per_step=inner.batch_size * inner.grad_accum * seq_len
+        config.peer, tokens_per_step=ranks * inner.batch_size * inner.grad_accum * seq_len
     )
     precision = _PRECISION_NAMES[loop.amp_dtype]
 
@@ -116,22 +137,32 @@ def train_task(
         swarm.load_global_into(eval_model)
         return evaluate(eval_model, evalset, device, loop.amp_dtype)
 
-    swarm = Swarm(
-        manifest,
-        loop.model,
-        loop.optimizer,
-        peer,
-        identity=identity,
-        on_event=events,
-        evaluate=evaluate_global,
-    )
+    swarm: Swarm | BoxRank
+    if box is None or box.leader:
+        assert identity is not None
+        swarm = Swarm(
+            manifest,
+            loop.model,
+            loop.optimizer,
+            peer,
+            identity=identity,
+            on_event=events,
+            evaluate=evaluate_global,
+            box=box,
+        )
+        data_seed = swarm.data_seed
+    else:
+        swarm = BoxRank(box, loop.model, loop.optimizer)
+        data_seed = 0
+    if box is not None:
+        data_seed = box.share(data_seed) + box.rank  # each rank a stream of its own
     stream = BatchStream(
         data.train,
         seq_len=seq_len,
         batch_size=inner.batch_size,
         vocab_size=data.vocab_size,
         seed=run.spec.seed,
-        worker=swarm.data_seed,
+        worker=data_seed,
     )
     swarm.register("inner", _LoopState(loop))
     swarm.register("data", stream)
@@ -142,8 +173,24 @@ def train_task(
         while not swarm.stopping:
             try:
                 loss = loop.train_step(batches)
+                failed = ""
             except FloatingPointError as exc:
-                swarm.discard_local(str(exc))
+                failed = str(exc)
+            if box is not None:
+                failed = _any_rank(box, failed)  # every rank discards, or none
+            if failed:
+                swarm.discard_local(failed)
                 continue
             swarm.log(loss=loss)
-    return swarm.summary
+    return swarm.summary if isinstance(swarm, Swarm) else None
+
+
+def _any_rank(box: Box, failed: str) -> str:
+    """The failure of any rank of the box this step ("" if none), on every rank."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1.0 if failed else 0.0], device=box.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=box.group)
+    if flag.item() and not failed:
+        return "another rank of the box met NaN/Inf"
+    return failed
