@@ -333,3 +333,22 @@ async def _average_with_feedback(peer, round, vector, feedback, deadline):
         round, weight=1.0, numel=vector.numel(), block_size=64, deadline=deadline
     )
     return await peer.averager.all_reduce(group, vector, deadline=deadline, error_feedback=feedback)
+
+
+async def test_a_stall_of_our_own_event_loop_is_not_the_members_silence():
+    # All members share this process's loop: a 1.5 s busy loop on it (longer than the 1 s
+    # liveness timeout) stalls every member at once, as a long GC pause or a blocking call
+    # would stall a real peer. The messages sent meanwhile are queued, not lost: nobody
+    # may be failed for a silence that was the watcher's own.
+    size = 4
+    plan = FaultPlan([Fault(action="spin", phase="chunk", skip=2, times=1, seconds=1.5)])
+    weights = [1.0 + i for i in range(size)]
+    vectors = random_vectors(size, 64 * 40, seed=21)
+    async with averaging_peers(size, faults={1: plan}) as peers:
+        results = ok(await run_round(peers, 1, vectors, weights, timeout=15))
+        ids = [p.peer_id for p in peers]
+    assert plan.fired[0] == 1
+    assert_identical(results)
+    for result in results:
+        assert_exact(result, dict(zip(ids, vectors)), dict(zip(ids, weights)))
+        assert set(result.report.members) == set(ids) and not result.report.excluded

@@ -279,9 +279,19 @@ class RoundRun:
     async def _watchdog(self) -> None:
         cfg = self.cfg
         tick = min(max(cfg.heartbeat_s / 2, 0.02), 0.5)
+        last, judged = self.a.clock(), True
         while True:
             await asyncio.sleep(tick)
             now = self.a.clock()
+            late, last = now - last - tick, now
+            if late > tick and judged:
+                # Our own loop stalled (a GC pause, a blocking call): what the members sent
+                # meanwhile is queued, not lost, and their silence was ours. Judge on the
+                # next tick, once it is delivered (a loop late on every tick still judges
+                # every other tick).
+                judged = False
+                continue
+            judged = True
             for part, reduction in list(self.reductions.items()):
                 for sender in reduction.expire(now):
                     self.excluded.setdefault(sender, reduction.left[sender])
