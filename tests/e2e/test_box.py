@@ -14,6 +14,7 @@ import torch
 from swarmutil import PeerProcess
 
 from swarmloco.runtime.checkpoint import CheckpointStore
+from swarmloco.runtime.export import export
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -110,28 +111,33 @@ def rank_pid(launcher: PeerProcess, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under process {launcher.process.pid}")
 
 
-def test_a_box_stops_checkpoints_resumes_and_leaves_cleanly_when_a_rank_dies(tmp_path):
-    # Rounds of two only: alone, the one-process peer would average every 20 ms here and
-    # the box would do nothing but download its states.
+def test_a_box_catches_up_stops_resumes_exports_and_leaves_cleanly_when_a_rank_dies(tmp_path):
+    # Two one-process peers train on while the box is away; the box's peer downloads the
+    # swarm's state into its shards when it joins late and again after its restart.
     common = ("--sync-every", "20", "--gather", "2", "--total-steps", "1000000")
     common += ("--min-peers", "2")
-    with peer(tmp_path / "creator", 1, "create", *common) as creator:
+    with contextlib.ExitStack() as stack:
+        creator = stack.enter_context(peer(tmp_path / "creator", 1, "create", *common))
         join = ("join", creator.swarm_id, "--peer", creator.endpoint, *common)
+        helper = stack.enter_context(peer(tmp_path / "helper", 1, *join, "--data-seed", "5"))
+        helper.wait_for("round", lambda e: e["round"] >= 2, timeout=120)
         box_args = (*join, "--layout", "fsdp")
         # SIGTERM to torchrun: rank 0 stops the box at a step's end, checkpoints every
         # rank's shards and leaves.
         with peer(tmp_path / "box", 2, *box_args) as box:
-            box.wait_for("round", lambda e: e["group"] == 2 and e["round"] >= 2, timeout=120)
+            assert box.wait_for("downloaded", timeout=120)["round"] >= 2
+            box.wait_for("round", lambda e: e["group"] == 3, timeout=120)
             box.process.send_signal(signal.SIGTERM)
             box.wait(120)
         saved = box.of("checkpoint")[-1]
         assert box.of("stopped")[-1]["round"] == saved["round"]
-        # Started again, it resumes from that checkpoint and averages with the swarm.
+        creator.wait_for("round", lambda e: e["round"] > saved["round"], timeout=120)
+        # Started again, it resumes from that checkpoint, downloads the rounds it missed
+        # and averages with the swarm.
         with peer(tmp_path / "box", 2, *box_args) as again:
             assert again.wait_for("resumed", timeout=120)["round"] == saved["round"]
-            together = again.wait_for(
-                "round", lambda e: e["group"] == 2 and e["round"] > saved["round"], timeout=120
-            )
+            assert again.wait_for("downloaded", timeout=120)["round"] > saved["round"]
+            together = again.wait_for("round", lambda e: e["group"] == 3, timeout=120)
             creator.wait_for("round", lambda e: e["round"] >= together["round"], timeout=60)
             digest = {e["round"]: e["digest"] for e in creator.of("round")}[together["round"]]
             assert together["digest"] == digest
@@ -140,6 +146,7 @@ def test_a_box_stops_checkpoints_resumes_and_leaves_cleanly_when_a_rank_dies(tmp
             os.kill(rank_pid(again, 1), signal.SIGKILL)
             stopped = again.wait_for("stopped", timeout=120)
             assert again.wait(120) != 0
+        creator.wait_for("round", lambda e: e["time"] > stopped["time"], timeout=120)
         # What is on disk is a whole box's checkpoint (rank 0's state and rank 1's shards),
         # not a half one taken after the kill.
         [swarm_dir] = (tmp_path / "box" / "swarms").iterdir()
@@ -147,8 +154,12 @@ def test_a_box_stops_checkpoints_resumes_and_leaves_cleanly_when_a_rank_dies(tmp
             latest = store.latest()
         assert latest is not None and len(latest.state["ranks"]) == 1
         assert "model" in latest.state["ranks"][0]  # FSDP: rank 1's shards
-        # The other peer trains on: alone, it keeps trying rounds that need a second member.
-        first = creator.wait_for("aborted", lambda e: e["time"] > stopped["time"], timeout=60)
-        creator.wait_for("aborted", lambda e: e["time"] > first["time"], timeout=60)
-        creator.process.send_signal(signal.SIGTERM)
-        assert creator.wait(60) == 0, creator.log_tail()
+        # The trained model comes out of the box's data dir like any peer's: the swarm's
+        # global weights of that round, with the digest every peer published.
+        out = export(creator.swarm_id, tmp_path / "model", data_dir=tmp_path / "box")
+        assert out.round == latest.round
+        creator.wait_for("round", lambda e: e["round"] >= out.round, timeout=60)
+        assert {e["round"]: e["digest"] for e in creator.of("round")}[out.round] == out.digest
+        for p in (helper, creator):
+            p.process.send_signal(signal.SIGTERM)
+            assert p.wait(60) == 0, p.log_tail()
