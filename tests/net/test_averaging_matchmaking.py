@@ -8,7 +8,7 @@ import pytest
 from avgutil import SWARM, averaging_peers, random_vectors
 from netutil import closed_port
 
-from swarmloco.errors import RoundAborted
+from swarmloco.errors import RejectedInput, RoundAborted
 from swarmloco.net.averaging import (
     BandwidthConfig,
     BandwidthLimiter,
@@ -23,6 +23,7 @@ from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
 from swarmloco.net.records import make_record, round_key, validate
 from swarmloco.net.rejections import Rejection
+from swarmloco.net.swarm import announce_peer
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
 
@@ -288,3 +289,32 @@ async def test_a_leader_takes_at_most_its_cap_of_members_from_one_subnet():
         assert sum(by_id.values()) == 5
         refused = sum(p.matchmaker.rejections.counts["subnet-full"] for p in peers)
         assert refused >= 1
+
+
+async def test_a_leader_takes_only_keys_that_announced_themselves_in_the_peer_list():
+    # Peers 0 and 1 announced themselves in the swarm's signed peer list; peer 2 (a key
+    # made up on the spot, as a flood of fake members would be) did not.
+    config = MatchmakingConfig(max_group_size=3, gather_s=2.0, poll_s=0.1)
+    async with averaging_peers(3, matchmaking=config) as peers:
+        for p in peers:
+            p.matchmaker.peer_records = True
+        for p in peers[:2]:
+            await announce_peer(p.node.dht, SWARM, role="trainer")
+        round = first_round_led_by(peers, 0)
+        got = await asyncio.gather(
+            *(
+                p.matchmaker.form_group(
+                    round, weight=1.0, numel=640, block_size=64, deadline=Deadline.after(20)
+                )
+                for p in peers
+            ),
+            return_exceptions=True,
+        )
+        assert got[0].size == 2 and got[0].group_id == got[1].group_id, got
+        assert isinstance(got[2], RejectedInput) and "no signed record" in str(got[2])
+        assert peers[0].matchmaker.rejections.counts["no-record"] == 1
+        # Once it announced itself, the same key is taken in.
+        await announce_peer(peers[2].node.dht, SWARM, role="trainer")
+        round = first_round_led_by(peers, 0, start=round + 1)
+        groups = await form(peers, round, 640, Deadline.after(20))
+        assert {g.size for g in groups} == {3}

@@ -94,6 +94,7 @@ class SwarmNetwork:
             config=matchmaking_config(config),
             faults=faults,
             admission=admission,
+            peer_records=True,
         )
         limiter = BandwidthLimiter(config.bandwidth) if config.bandwidth is not None else None
         self.averager = Averager(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -49,6 +50,7 @@ from swarmloco.net.averaging.faults import FaultCut, FaultPlan
 from swarmloco.net.averaging.group import (
     NONCE_BYTES,
     Group,
+    Member,
     build_group,
     check_declaration,
     check_group,
@@ -63,12 +65,15 @@ from swarmloco.net.endpoints import host_of_grpc_peer, parse_endpoint, subnet_of
 from swarmloco.net.identity import Identity, peer_id_of
 from swarmloco.net.records import round_key
 from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.swarm import find_peers
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 JOIN = Method(f"/{SERVICE_NAME}/Join", pb.JoinRequest, pb.JoinResponse)
 _MAX_REDIRECTS = 8
+_RECORDS_REREAD_S = 1.0  # how often a leader may read the peer list again for an unknown key
+_RECORDS_WAIT_S = 5.0  # how long a Join waits for that read
 # Refusals after which asking again (elsewhere) makes sense; the others are final.
 _TRANSIENT = frozenset({"not-leading", "formed", "full", "subnet-full"})
 
@@ -174,11 +179,20 @@ class Matchmaker:
         faults: FaultPlan | None = None,
         clock: Callable[[], float] = time.time,
         admission: Admission | None = None,
+        peer_records: bool = False,
     ) -> None:
         """``admission``: a private swarm's gate (only its members are taken into groups
-        or accepted in one, and this peer's declarations show its certificate)."""
+        or accepted in one, and this peer's declarations show its certificate).
+        ``peer_records``: the swarm's peers announce themselves in its signed ``peers``
+        record (``net/swarm.py``), and a leader takes into its group only keys that did,
+        at the endpoint they declare."""
         self.identity = identity
         self.admission = admission
+        self.peer_records = peer_records
+        self._records: dict[str, str] = {}
+        """Each announced peer's endpoint, by peer id, as last read from the DHT."""
+        self._records_read_at = -math.inf
+        self._reading_records: asyncio.Task[None] | None = None
         self.dht = dht
         self.client = client
         self.swarm_id = swarm_id
@@ -621,6 +635,18 @@ class Matchmaker:
         if member.peer_id == self.identity.peer_id_hex:
             return _refused("bad-declaration", "that is the leader's own declaration")
         waiter = gathering.waiters.get(member.peer_id)
+        if waiter is None and self.peer_records and not await self._announced(member):
+            unknown = Rejection(
+                "no-record",
+                f"peer {member.peer_id[:12]} has no signed record in the swarm's peer list "
+                f"at {member.endpoint or 'no endpoint'} (peers announce themselves before "
+                "they average; a key that never did is not taken into a group)",
+            )
+            self.rejections.record(unknown, context.peer())
+            return _refused(unknown.code, unknown.reason)
+        if gathering.closed:  # while the peer list was read
+            return _refused("formed", "the group of that round is already formed")
+        waiter = gathering.waiters.get(member.peer_id)
         if waiter is None:
             if len(gathering.declarations) >= self.config.max_group_size:
                 return _refused("full", "the group is full")
@@ -656,6 +682,30 @@ class Matchmaker:
                 if left is not None:
                     gathering.subnets[left] -= 1
             raise
+
+    async def _announced(self, member: Member) -> bool:
+        """Whether ``member`` announced itself in the swarm's peer list at the endpoint it
+        declares. Unknown keys make the list be read again, at most once per second
+        however many ask (one read serves them all), waiting at most 5 s for it."""
+        if self._records.get(member.peer_id) == member.endpoint:
+            return True
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._records_read_at >= _RECORDS_REREAD_S:
+            if self._reading_records is None or self._reading_records.done():
+                self._reading_records = loop.create_task(self._read_records())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._reading_records), _RECORDS_WAIT_S)
+        return self._records.get(member.peer_id) == member.endpoint
+
+    async def _read_records(self) -> None:
+        try:
+            peers = await find_peers(self.dht, self.swarm_id)
+        except Exception as exc:  # a DHT read that fails keeps the list as it was
+            logger.info("could not read the swarm's peer list: %s", exc)
+            return
+        finally:
+            self._records_read_at = asyncio.get_running_loop().time()
+        self._records = {p.peer_id: p.endpoint for p in peers}
 
 
 def _refused(code: str, reason: str) -> pb.JoinResponse:
