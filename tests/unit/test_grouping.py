@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -11,7 +13,7 @@ from swarmloco.core.aggregate import (
     coordinate_median,
     trimmed_mean,
 )
-from swarmloco.core.codec import CodecConfig, dequantize, quantize
+from swarmloco.core.codec import CodecConfig, CodecError, dequantize, dequantize_trim_one_, quantize
 from swarmloco.core.grouping import part_blocks, weight_violations
 
 
@@ -112,6 +114,25 @@ def test_the_fused_trim_of_one_equals_the_trimmed_mean_of_the_decoded_rows(backe
         acc.add_quantized(q, s, codec)
     assert acc.count == n
     assert torch.allclose(acc.result(), trimmed_mean(decoded, 1), rtol=1e-6, atol=1e-6)
+
+
+def test_the_fused_trim_refuses_bad_scales_and_mismatched_buffers():
+    codec = CodecConfig()
+    q, s = quantize(torch.randn(codec.block_size * 4), codec)
+    n = q.numel()
+
+    def buffers():
+        return torch.full((n,), -math.inf), torch.full((n,), math.inf), torch.zeros(n)
+
+    with pytest.raises(CodecError, match="scales must be finite"):
+        dequantize_trim_one_(*buffers(), q, torch.full_like(s, math.nan), codec)
+    hi, lo, middle = buffers()
+    with pytest.raises(CodecError, match="smallest values has"):
+        dequantize_trim_one_(hi, lo[: n - codec.block_size], middle, q, s, codec)
+    with pytest.raises(CodecError, match="largest values must be float32"):
+        dequantize_trim_one_(hi.double(), lo, middle, q, s, codec)
+    dequantize_trim_one_(hi, lo, middle, q, s, codec)
+    assert torch.equal(hi, dequantize(q, s, codec.block_size, "eager"))  # one row: the largest
 
 
 def test_a_huge_value_cannot_cancel_the_streamed_trimmed_mean():

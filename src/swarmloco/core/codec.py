@@ -320,9 +320,9 @@ def dequantize_trim_one_(
     and every other value is added to ``middle``. Start from ``hi = -inf``, ``lo = +inf``,
     ``middle = 0`` (the codec never decodes an infinity, so they mean *none yet*); after
     ``n >= 3`` rows the trimmed mean is ``middle / (n - 2)``."""
-    hb, qb = _decode_target(hi, q, scale, 1.0, config, "largest values")
-    lb, _ = _decode_target(lo, q, scale, 1.0, config, "smallest values")
-    mb, _ = _decode_target(middle, q, scale, 1.0, config, "middle sum")
+    mb, qb = _decode_target(middle, q, scale, 1.0, config, "middle sum")  # checks q, scale
+    hb = _blocks_like(hi, mb, config, "largest values")
+    lb = _blocks_like(lo, mb, config, "smallest values")
     _KERNELS.run("trim_one", _trim_one_kernel, config.backend, hb, lb, mb, qb, scale)
 
 
@@ -345,6 +345,18 @@ def _decode_target(
         raise CodecError(f"payload has {q.numel()} elements, {what} {target.numel()}")
     _check_decode_args(qb, scale)
     return tb, qb
+
+
+def _blocks_like(
+    target: torch.Tensor, like: torch.Tensor, config: CodecConfig, what: str
+) -> torch.Tensor:
+    """``target``'s block view, checked to match ``like`` (a checked target's)."""
+    if target.dtype != torch.float32:
+        raise CodecError(f"{what} must be float32, got {target.dtype}")
+    tb = _blocks(target, config.block_size, what)
+    if tb.shape != like.shape:
+        raise CodecError(f"{what} has {target.numel()} elements, expected {like.numel()}")
+    return tb
 
 
 def _check_decode_args(qb: torch.Tensor, scale: torch.Tensor) -> None:
