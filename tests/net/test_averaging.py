@@ -13,6 +13,7 @@ import pytest
 import torch
 from avgutil import (
     FAST,
+    SWARM,
     Leftovers,
     assert_exact,
     assert_identical,
@@ -26,6 +27,7 @@ from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.core.codec import ErrorFeedback, chunk_spans, dequantize, quantize
 from swarmloco.errors import RejectedInput, RoundAborted
 from swarmloco.net.averaging import AllReduceResult, Fault, FaultPlan, MatchmakingConfig
+from swarmloco.net.averaging.matchmaking import leader_rank
 from swarmloco.net.deadline import Deadline
 
 
@@ -179,18 +181,23 @@ async def test_a_chunk_replayed_from_an_earlier_round_is_refused():
     assert sum(r.report.rejections.get("stale-round", 0) for r in honest) == 3
 
 
-async def test_a_weight_far_above_the_median_is_struck_by_the_leader():
+@pytest.mark.parametrize("heavy_leads", [False, True])
+async def test_a_weight_far_above_the_median_is_struck_by_the_leader(heavy_leads):
+    # The heavy member is the round's leader (it strikes itself, and the others gather
+    # under the next one) or one of its followers.
     size = 4
-    weights = [1.0, 2.0, 1.5, 1e9]
     vectors = random_vectors(size, 64 * 40, seed=9)
     async with averaging_peers(size) as peers:
-        results = await run_round(peers, 1, vectors, weights, timeout=15)
         ids = [p.peer_id for p in peers]
-    assert isinstance(results[3], RejectedInput) and "exceeds" in str(results[3])
-    honest = ok(results[:3])
+        order = sorted(range(size), key=lambda i: leader_rank(SWARM, 1, ids[i]))
+        heavy = order[0] if heavy_leads else order[-1]
+        weights = [1e9 if i == heavy else 1.0 + i / 2 for i in range(size)]
+        results = await run_round(peers, 1, vectors, weights, timeout=15)
+    assert isinstance(results[heavy], RejectedInput) and "exceeds" in str(results[heavy])
+    honest = ok([r for i, r in enumerate(results) if i != heavy])
     assert_identical(honest)
     for result in honest:
-        assert ids[3] not in result.report.members
+        assert ids[heavy] not in result.report.members
         assert_exact(result, dict(zip(ids, vectors)), dict(zip(ids, weights)))
 
 

@@ -75,7 +75,7 @@ _MAX_REDIRECTS = 8
 _RECORDS_REREAD_S = 1.0  # how often a leader may read the peer list again for an unknown key
 _RECORDS_WAIT_S = 5.0  # how long a Join waits for that read
 # Refusals after which asking again (elsewhere) makes sense; the others are final.
-_TRANSIENT = frozenset({"not-leading", "formed", "full", "subnet-full"})
+_TRANSIENT = frozenset({"not-leading", "formed", "full", "subnet-full", "stepped-down"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -582,6 +582,13 @@ class Matchmaker:
             if waiter is not None and not waiter.done():
                 waiter.set_result(_refused("bad-weight", reason))
         if 0 in struck:
+            # Our own weight is out of bounds: no group of ours, and the others have not
+            # missed one. They move on to the next leader in order (or lead).
+            for waiter in gathering.waiters.values():
+                if not waiter.done():
+                    waiter.set_result(
+                        _refused("stepped-down", "the leader's own weight was struck")
+                    )
             raise RejectedInput(f"round {gathering.round}: our own weight {struck[0]}")
         size = len(gathering.declarations) - len(struck)
         if info is None or size < cfg.min_group_size:
