@@ -33,6 +33,19 @@ int8_over_fp32 <= 1.005.
 
     python scripts/bench_convergence.py                      # two seeds, ~15 min on 2 cores
     python scripts/bench_convergence.py --seeds 0 --arms sync,diloco_fp32 --sync-every 30
+
+``--protocol scaling`` is the DiLoCo scaling-law study's comparison, meant for a GPU
+(``--device cuda --preset small``): from scratch, every run sees ``--tokens-per-param``
+(20) tokens per parameter. Data-parallel training at ``--dp-batch`` is tuned first (inner
+lr over ``--dp-lrs``, best mean over seeds); then DiLoCo with each of ``--worker-counts``
+(1, 2, 4) workers at ``--batch-multiples`` (1, 2, 4) times the data-parallel batch in all
+(each worker a share of it) and each of ``--outer-lrs`` (0.4, 0.7, 1.0), H =
+``--sync-every`` (30), the data-parallel lr, int8 exchange; the best cell per worker count
+(mean over seeds) is compared with data-parallel. Keys: ``data_parallel`` (the lr grid and
+the best), ``by_workers`` (per count: every cell, the best, ``over_data_parallel`` and its
+per-seed values). Targets: 1 worker <= data-parallel, 2 workers <= +1.5%, 4 workers <= +4%.
+
+    python scripts/bench_convergence.py --protocol scaling --device cuda --preset small
 """
 
 from __future__ import annotations
@@ -192,16 +205,202 @@ def summarize(per_seed: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]
     return out
 
 
+# -- the scaling protocol ---------------------------------------------------------------
+
+SCALING_TARGETS = {1: 1.0, 2: 1.015, 4: 1.04}  # workers -> at most this times data-parallel
+
+
+def _scaling_run(job: tuple[Any, ...]) -> dict[str, Any]:
+    """One run of the scaling grid, from scratch, in this (spawned) process: data-parallel
+    (``workers`` None) or DiLoCo with ``workers`` workers."""
+    seed, preset, run, sim, workers, progress = job
+    torch.set_num_threads(1)
+    task = get_task("gpt-bytes")
+    model = resolve_model(task, preset)
+    data = task.load_data(model, DataSpec())
+    run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, seed=seed))
+    if workers is None:
+        result = run_sync(task, model, data, run, sim, label="dp", progress=progress)
+    else:
+        sim = dataclasses.replace(sim, workers=workers)
+        result = run_diloco(
+            task, model, data, run, sim, label=f"diloco{workers}", progress=progress
+        )
+    return {"final_eval_loss": result.final_eval_loss, "seconds": round(result.seconds, 1)}
+
+
+def _scaled_run(base: Any, *, batch: int, steps: int, lr: float, warmup: float, **spec: Any) -> Any:
+    """``base`` with a schedule of ``steps`` steps of ``batch`` sequences per worker."""
+    inner = dataclasses.replace(
+        base.inner,
+        batch_size=batch,
+        grad_accum=1,
+        lr=lr,
+        total_steps=steps,
+        warmup_steps=max(1, round(warmup * steps)),
+    )
+    return dataclasses.replace(
+        base, inner=inner, spec=dataclasses.replace(base.spec, total_steps=steps, **spec)
+    )
+
+
+def scaling(args: argparse.Namespace) -> dict[str, Any]:
+    """The scaling protocol (see the module docstring); the JSON object it prints."""
+    task = get_task("gpt-bytes")
+    model = resolve_model(task, args.preset)
+    base = task.default_run(args.preset)
+    params = sum(p.numel() for p in build_task_model(task, model, base).parameters())
+    seq_len = int(model["seq_len"])
+    tokens = round(args.tokens_per_param * params)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    counts = [int(x) for x in args.worker_counts.split(",")]
+    multiples = [int(x) for x in args.batch_multiples.split(",")]
+    outer_lrs = [float(x) for x in args.outer_lrs.split(",")]
+    dp_lrs = (
+        [float(x) for x in args.dp_lrs.split(",")]
+        if args.dp_lrs
+        else [base.inner.lr * f for f in (0.5, 1.0, 2.0)]
+    )
+    sync_every = args.sync_every or 30
+    cells: list[tuple[int, int, float]] = []
+    for m in counts:
+        for k in multiples:
+            if (k * args.dp_batch) % m:
+                raise SystemExit(
+                    f"{k} x --dp-batch {args.dp_batch} cannot be shared by {m} workers"
+                )
+            cells.extend((m, k, lr) for lr in outer_lrs)
+
+    def steps_at(batch_in_all: int) -> int:
+        steps = tokens // (batch_in_all * seq_len)
+        if steps < sync_every:
+            raise SystemExit(
+                f"{tokens:,} tokens make {steps} steps at a batch of {batch_in_all}, fewer "
+                f"than H = {sync_every}: raise --tokens-per-param or lower --sync-every"
+            )
+        return steps
+
+    def sim_for(steps: int) -> SimulationConfig:
+        return SimulationConfig(
+            workers=1,
+            steps=steps,
+            eval_every=steps,
+            eval_windows=args.eval_windows,
+            device=args.device,
+        )
+
+    started = time.monotonic()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.parallel, mp_context=ctx) as pool:
+        # 1. data-parallel, its inner lr tuned
+        dp_steps = steps_at(args.dp_batch)
+        dp_jobs = [
+            (
+                seed,
+                args.preset,
+                _scaled_run(base, batch=args.dp_batch, steps=dp_steps, lr=lr, warmup=args.warmup),
+                sim_for(dp_steps),
+                None,
+                args.progress,
+            )
+            for lr in dp_lrs
+            for seed in seeds
+        ]
+        dp_results = list(pool.map(_scaling_run, dp_jobs))
+        dp_grid = []
+        for i, lr in enumerate(dp_lrs):
+            losses = [
+                r["final_eval_loss"] for r in dp_results[i * len(seeds) : (i + 1) * len(seeds)]
+            ]
+            dp_grid.append({"lr": lr, "per_seed": losses, "final_eval_loss": _mean(losses)})
+        dp_best = min(dp_grid, key=lambda c: c["final_eval_loss"])
+        # 2. DiLoCo at every cell, the data-parallel lr
+        jobs = []
+        for m, k, outer_lr in cells:
+            steps = steps_at(k * args.dp_batch)
+            cell_run = _scaled_run(
+                base,
+                batch=k * args.dp_batch // m,
+                steps=steps,
+                lr=dp_best["lr"],
+                warmup=args.warmup,
+                sync_every=sync_every,
+                outer_lr=outer_lr,
+                outer_momentum=args.outer_momentum,
+            )
+            jobs.extend(
+                (seed, args.preset, cell_run, sim_for(steps), m, args.progress) for seed in seeds
+            )
+        results = list(pool.map(_scaling_run, jobs))
+    by_workers: dict[str, Any] = {}
+    out_targets: dict[str, bool] = {}
+    for m in counts:
+        grid = []
+        for i, (cm, k, outer_lr) in enumerate(cells):
+            if cm != m:
+                continue
+            losses = [r["final_eval_loss"] for r in results[i * len(seeds) : (i + 1) * len(seeds)]]
+            grid.append(
+                {
+                    "batch_multiple": k,
+                    "outer_lr": outer_lr,
+                    "per_seed": losses,
+                    "final_eval_loss": _mean(losses),
+                }
+            )
+        best = min(grid, key=lambda c: c["final_eval_loss"])
+        ratios = [a / b for a, b in zip(best["per_seed"], dp_best["per_seed"], strict=True)]
+        by_workers[str(m)] = {
+            "best": {"batch_multiple": best["batch_multiple"], "outer_lr": best["outer_lr"]},
+            "final_eval_loss": best["final_eval_loss"],
+            "over_data_parallel": _mean(ratios),
+            "over_data_parallel_per_seed": ratios,
+            "grid": grid,
+        }
+        if m in SCALING_TARGETS:
+            bound = SCALING_TARGETS[m]
+            out_targets[f"target_{m}_workers_at_most_{bound}x_data_parallel"] = (
+                _mean(ratios) <= bound
+            )
+    return {
+        "benchmark": "convergence",
+        "protocol": "scaling",
+        "machine": machine(),
+        "settings": {
+            "task": task.name,
+            "preset": args.preset,
+            "model_params": params,
+            "seq_len": seq_len,
+            "tokens_per_param": args.tokens_per_param,
+            "dp_batch": args.dp_batch,
+            "warmup_fraction": args.warmup,
+            "outer_momentum": args.outer_momentum,
+            "exchange": "int8",
+            "eval_windows": args.eval_windows,
+            "device": args.device,
+            "runs_in_parallel": args.parallel,
+        },
+        "seeds": seeds,
+        "sync_every": sync_every,
+        "tokens": tokens,
+        "data_parallel": {"lr_grid": dp_grid, "best_lr": dp_best["lr"], **dp_best},
+        "by_workers": by_workers,
+        **out_targets,
+        "total_seconds": round(time.monotonic() - started, 1),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "--protocol",
-        choices=("warm-start", "scratch"),
+        choices=("warm-start", "scratch", "scaling"),
         default="warm-start",
         help="warm-start: the arms continue a shared synchronous checkpoint "
-        "(the papers' protocol); scratch: every arm from the initial model",
+        "(the papers' protocol); scratch: every arm from the initial model; scaling: the "
+        "DiLoCo scaling-law comparison with a tuned data-parallel baseline (for a GPU)",
     )
     p.add_argument("--preset", default="tiny")
     p.add_argument("--workers", type=int, default=4)
@@ -212,8 +411,19 @@ def main() -> None:
         default=150,
         help="steps of the shared synchronous warm start (warm-start protocol)",
     )
-    p.add_argument("--warmup", type=int, default=50, help="learning-rate warmup steps")
-    p.add_argument("--sync-every", type=int, default=10, help="H, inner steps per round")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="learning-rate warmup: steps (default 50), or with --protocol scaling a "
+        "fraction of each run's steps (default 0.05)",
+    )
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=None,
+        help="H, inner steps per round (default 10; 30 with --protocol scaling)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="per-worker batch")
     p.add_argument("--lr", type=float, default=None, help="inner lr (preset default)")
     p.add_argument("--outer-lr", type=float, default=0.7)
@@ -234,7 +444,34 @@ def main() -> None:
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
     p.add_argument("--parallel", type=int, default=2, help="seeds run at once")
     p.add_argument("--progress", action="store_true", help="progress bars on stderr")
+    scale = p.add_argument_group("--protocol scaling")
+    scale.add_argument("--tokens-per-param", type=float, default=20.0)
+    scale.add_argument("--dp-batch", type=int, default=32, help="data-parallel batch")
+    scale.add_argument(
+        "--dp-lrs",
+        default="",
+        help="inner lrs tried for data-parallel (default: the preset's x 0.5, 1, 2)",
+    )
+    scale.add_argument("--worker-counts", default="1,2,4")
+    scale.add_argument(
+        "--batch-multiples", default="1,2,4", help="DiLoCo's batch in all, x --dp-batch"
+    )
+    scale.add_argument("--outer-lrs", default="0.4,0.7,1.0")
+    scale.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     args = p.parse_args()
+    if args.protocol == "scaling":
+        args.warmup = 0.05 if args.warmup is None else args.warmup
+        if not 0 <= args.warmup < 1:
+            raise SystemExit("--warmup is a fraction of the steps with --protocol scaling")
+        print(json.dumps(scaling(args), indent=2))
+        return
+    args.warmup = 50 if args.warmup is None else int(args.warmup)
+    if args.eval_windows < 16:
+        raise SystemExit(
+            "--eval-windows must be at least 16 (the eval set's standard error "
+            "takes two groups of 8 windows)"
+        )
+    args.sync_every = args.sync_every or 10
 
     arms = args.arms.split(",")
     unknown = set(arms) - set(ARMS)

@@ -1,0 +1,64 @@
+"""scripts/bench_convergence.py keeps working: tiny runs of its protocols print one JSON
+object whose figures follow from one another."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_convergence.py"
+
+
+def _run(*args: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_best_cell():
+    out = _run(
+        "--protocol", "scaling", "--tokens-per-param", "0.03", "--dp-batch", "4",
+        "--sync-every", "4", "--eval-windows", "8", "--seeds", "0",
+        "--worker-counts", "1,2", "--batch-multiples", "1,2", "--outer-lrs", "0.7",
+        "--dp-lrs", "3e-3,6e-3", "--parallel", "2",
+    )  # fmt: skip
+    assert out["protocol"] == "scaling" and out["seeds"] == [0] and out["sync_every"] == 4
+    assert out["tokens"] == round(0.03 * out["settings"]["model_params"])
+    dp = out["data_parallel"]
+    assert [c["lr"] for c in dp["lr_grid"]] == [3e-3, 6e-3]
+    assert dp["final_eval_loss"] == min(c["final_eval_loss"] for c in dp["lr_grid"])
+    for m in ("1", "2"):
+        cell = out["by_workers"][m]
+        assert len(cell["grid"]) == 2  # batch multiples 1 and 2, one outer lr
+        assert cell["final_eval_loss"] == min(c["final_eval_loss"] for c in cell["grid"])
+        assert cell["over_data_parallel"] == pytest.approx(
+            cell["final_eval_loss"] / dp["final_eval_loss"]
+        )
+    assert isinstance(out["target_1_workers_at_most_1.0x_data_parallel"], bool)
+    assert isinstance(out["target_2_workers_at_most_1.015x_data_parallel"], bool)
+
+
+def test_the_scaling_protocol_refuses_a_batch_the_workers_cannot_share():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--protocol", "scaling", "--dp-batch", "3",
+         "--worker-counts", "2", "--batch-multiples", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0 and "cannot be shared by 2 workers" in result.stderr
+
+
+def test_the_warm_start_protocol_reports_every_ratio_over_its_arms():
+    out = _run(
+        "--steps", "16", "--warm-steps", "8", "--warmup", "2", "--sync-every", "4",
+        "--batch-size", "2", "--eval-windows", "16", "--eval-every", "8", "--seeds", "0",
+        "--arms", "sync,diloco_fp32,diloco_int8,single", "--parallel", "1",
+    )  # fmt: skip
+    assert out["protocol"] == "warm-start" and out["settings"]["warm_start_steps"] == 8
+    sync, int8 = out["sync_final_eval_loss"], out["diloco_int8_final_eval_loss"]
+    assert out["diloco_over_sync"] == pytest.approx(int8 / sync)
+    assert out["int8_over_fp32"] == pytest.approx(int8 / out["diloco_fp32_final_eval_loss"])
+    assert out["tokens"] == 8 * 4 * 2 * out["settings"]["seq_len"]
