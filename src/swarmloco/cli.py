@@ -600,6 +600,16 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     h.add_argument("--batch-size", type=int, default=None, help="sequences per inner step")
     h.add_argument("--lr", type=float, default=None, help="peak inner learning rate")
+    h.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="inner learning-rate warmup in the swarm's inner steps (tiny: 150, three "
+        "rounds of H = 50). A warmup over several rounds learns better from scratch: the "
+        "first pseudo-gradients do not carry the whole initial drop of the loss, which "
+        "outer momentum would keep re-applying",
+    )
     h.add_argument("--outer-lr", type=float, default=None, help="outer learning rate")
     h.add_argument(
         "--total-steps",
@@ -677,11 +687,17 @@ def _create(args: argparse.Namespace) -> int:
         for k, v in (
             ("batch_size", args.batch_size),
             ("lr", args.lr),
+            ("warmup_steps", args.warmup),
             ("total_steps", args.total_steps),
         )
         if v is not None
     }
     run = dataclasses.replace(run, inner=dataclasses.replace(run.inner, **inner_changes))
+    if run.inner.warmup_steps > run.inner.total_steps:
+        raise ValueError(
+            f"--warmup {run.inner.warmup_steps} is longer than the run "
+            f"({run.inner.total_steps} steps): the peak learning rate would never be reached"
+        )
     spec_changes: dict[str, Any] = {
         k: v
         for k, v in (

@@ -81,6 +81,8 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
             boot.endpoint,
             "--data-dir",
             str(tmp_path / "creator"),
+            "--warmup",
+            "200",
             "--no-train",
         )
         assert created.returncode == 0, created.stderr
@@ -92,6 +94,13 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         assert '"task": "gpt-bytes"' in joined.stdout
         creator = Identity.load_or_create(tmp_path / "creator").public_key.hex()
         assert f'"creator": "{creator}"' in joined.stdout
+        assert '"warmup_steps": 200' in joined.stdout  # --warmup enters the manifest
+        too_long = swarmloco(
+            "create", "--peer", boot.endpoint, "--data-dir", str(tmp_path / "creator"),
+            "--warmup", "5000", "--total-steps", "1000", "--no-train",
+        )  # fmt: skip
+        assert too_long.returncode != 0
+        assert "--warmup 5000 is longer than the run" in too_long.stderr
         # Anyone may join a public run: its default aggregator is a robust one.
         assert '"method": "trimmed_mean"' in joined.stdout
         # An id nobody created, and something that is not an id at all.
