@@ -929,7 +929,10 @@ def _export_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         epilog=(
             "examples:\n"
             "  swarmloco export 3f2a...9c1d --data-dir ./peer1 --out ./model\n"
-            "  swarmloco export 3f2a...9c1d --peer 127.0.0.1:31337 --out ./model"
+            "  swarmloco export 3f2a...9c1d --peer 127.0.0.1:31337 --out ./model\n"
+            "  # a private swarm: a member's data dir (its key and kept certificate)\n"
+            "  swarmloco export 3f2a...9c1d --peer 127.0.0.1:31337 --data-dir ./peer1 "
+            "--out ./model"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -939,9 +942,17 @@ def _export_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--data-dir",
         type=Path,
         default=None,
-        help="a peer's data directory to read the newest checkpoint from",
+        help="a peer's data directory to read the newest checkpoint from; with --peer, "
+        "the key (and kept certificate) a private swarm's download is signed with",
     )
     _add_peer_option(parser, required=False)
+    parser.add_argument(
+        "--membership",
+        default="",
+        metavar="CERT",
+        help="with --peer, in a private swarm: the certificate `swarmloco admit` printed for "
+        "the key in --data-dir (the line, or a file holding it)",
+    )
     parser.add_argument(
         "--timeout",
         type=float,
@@ -963,6 +974,7 @@ def _export(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         peers=tuple(args.peers),
         timeout_s=args.timeout,
+        membership=_membership_text(args.membership),
     )
     print(
         f"exported round {done.round} of swarm {done.swarm_id} to {done.directory} "

@@ -29,11 +29,13 @@ from swarmloco.core.grouping import part_blocks
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.state import StateSchema
 from swarmloco.errors import ModelMismatch
+from swarmloco.net.admission import AdmissionError
 from swarmloco.net.averaging import BandwidthConfig, Fault, FaultPlan, MatchmakingConfig
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NodeConfig
 from swarmloco.runtime.checkpoint import CheckpointStore
 from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.export import export
 from swarmloco.runtime.network import SwarmNetwork, averaging_config, matchmaking_config
 from swarmloco.runtime.swarm import Swarm, manifest_signature, manifest_spec
 
@@ -489,3 +491,40 @@ def test_a_private_swarm_turns_away_a_peer_without_a_certificate_and_trains_with
     assert max(e["group"] for e in b.events.of("round")) == 2
     kept = tmp_path / "b" / "swarms" / swarm_id / "membership"
     assert kept.read_text().strip() == cert
+
+
+def test_a_private_swarms_state_is_exported_only_with_a_members_key_and_certificate(tmp_path):
+    spec = dataclasses.replace(SPEC, total_steps=100_000)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    watch = Watch(Events(), round=2)
+    creator = swarmloco.create(
+        spec, model, opt, config=config(tmp_path, "a"), on_event=watch, private=True
+    )
+    first = Background(Peer(creator, model, opt, watch.events, seed=1, pause=0.01).job)
+    assert watch.reached.wait(60)
+    swarm_id, peers = creator.swarm_id, [creator.endpoint]
+
+    # A throwaway key (no --data-dir): refused before any download, with what to do.
+    with pytest.raises(AdmissionError) as refused:
+        export(swarm_id, tmp_path / "nothing", peers=peers, timeout_s=30)
+    assert f"swarm {swarm_id} is private" in str(refused.value)
+    assert "give --data-dir" in str(refused.value)
+    assert not (tmp_path / "nothing" / "model.safetensors").exists()
+
+    # A key the creator admitted: its signed download is served and checked.
+    reader = Identity.load_or_create(tmp_path / "reader")
+    cert = swarmloco.admit(swarm_id, reader.peer_id_hex, data_dir=tmp_path / "a")
+    done = export(
+        swarm_id,
+        tmp_path / "model",
+        peers=peers,
+        data_dir=tmp_path / "reader",
+        membership=cert,
+        timeout_s=60,
+    )
+    creator.stop("the test is over")
+    first.join()
+    assert done.round >= 2 and (tmp_path / "model" / "model.safetensors").is_file()
+    applied = {e["round"]: e["digest"] for e in watch.events.of("round")}
+    assert applied[done.round] == done.digest

@@ -32,7 +32,8 @@ from swarmloco.core.manifest import SwarmManifest, check_swarm_id
 from swarmloco.core.signature import ModelSignature
 from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema, state_digest
 from swarmloco.errors import SwarmlocoError
-from swarmloco.net.identity import Identity
+from swarmloco.net.admission import Admission, AdmissionError
+from swarmloco.net.identity import KEY_FILE_NAME, Identity
 from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
 from swarmloco.runtime.checkpoint import CheckpointStore
 from swarmloco.runtime.swarm import manifest_signature, manifest_spec
@@ -69,14 +70,22 @@ def export(
     data_dir: str | Path | None = None,
     peers: Sequence[str] = (),
     timeout_s: float = 300.0,
+    membership: str = "",
 ) -> Exported:
     """Write the latest global weights of ``swarm_id`` to ``out_dir`` (see the module
     docstring): from the newest checkpoint under ``data_dir``, or, with ``peers``
-    (HOST:PORT), downloaded from the swarm and checked against its published digest."""
+    (HOST:PORT), downloaded from the swarm and checked against its published digest.
+
+    A private swarm serves its state to members only: the download is signed with the key
+    in ``data_dir`` and its certificate (``membership``, or the one a peer kept there), and
+    AdmissionError says what to do when there is none."""
     swarm_id = check_swarm_id(swarm_id)
     local = Path(data_dir) / "swarms" / swarm_id if data_dir is not None else None
     if peers:
-        manifest, theta, round, digest, source = _from_swarm(swarm_id, local, peers, timeout_s)
+        identity = _reader_identity(data_dir)
+        manifest, theta, round, digest, source = _from_swarm(
+            swarm_id, local, peers, timeout_s, identity, membership
+        )
     elif local is not None:
         manifest, theta, round, digest, source = _from_checkpoint(swarm_id, local)
     else:
@@ -145,17 +154,57 @@ def _local_manifest(swarm_id: str, local: Path | None) -> SwarmManifest | None:
     return SwarmManifest.from_bytes((local / "manifest.json").read_bytes(), expected_id=swarm_id)
 
 
+def _reader_identity(data_dir: str | Path | None) -> Identity:
+    """The key in ``data_dir`` (a peer's, or one a private swarm's creator admitted), or a
+    fresh one that leaves nothing behind: an export never writes a key."""
+    if data_dir is not None and (Path(data_dir) / KEY_FILE_NAME).is_file():
+        return Identity.load_or_create(data_dir)
+    return Identity.generate()
+
+
+def _reader_admission(
+    manifest: SwarmManifest, identity: Identity, local: Path | None, membership: str
+) -> Admission | None:
+    """A private swarm's gate for the exporting key (None: a public swarm)."""
+    text = membership.strip()
+    kept = local / "membership" if local is not None else None
+    if not text and kept is not None and kept.is_file():
+        text = kept.read_text().strip()
+    try:
+        return Admission.of(manifest, identity, text or None)
+    except AdmissionError:
+        if text:
+            raise  # a certificate that does not fit: its own message says why
+        me = identity.peer_id_hex
+        raise AdmissionError(
+            f"swarm {manifest.swarm_id} is private: its peers serve its state to members "
+            "only. Export with --data-dir DIR of one of its peers (its key and the "
+            "certificate it kept), or have the creator admit the key in --data-dir DIR "
+            f"(`swarmloco admit PEER_ID --swarm {manifest.swarm_id}`; this one is {me}"
+            + ("" if local is not None else ", a throwaway key: give --data-dir")
+            + ") and pass --membership CERTIFICATE"
+        ) from None
+
+
 def _from_swarm(
-    swarm_id: str, local: Path | None, peers: Sequence[str], timeout_s: float
+    swarm_id: str,
+    local: Path | None,
+    peers: Sequence[str],
+    timeout_s: float,
+    identity: Identity,
+    membership: str,
 ) -> tuple[SwarmManifest, torch.Tensor, int, str, str]:
     from swarmloco.net.node import NetNode, NodeConfig
+    from swarmloco.net.state.wire import Requester
     from swarmloco.net.swarm import fetch_manifest
 
     async def fetch() -> tuple[SwarmManifest, torch.Tensor, int, str, str]:
         config = NodeConfig(server=None, peers=tuple(peers))
-        identity = Identity.generate()  # a reader: leaves no key behind
         async with NetNode(identity=identity, config=config) as node:
             manifest = _local_manifest(swarm_id, local) or await fetch_manifest(node.dht, swarm_id)
+            admission = _reader_admission(manifest, identity, local, membership)
+            if admission is not None:
+                node.dht.admit(admission)
             spec = manifest_spec(manifest)
             layout = manifest_signature(manifest).layout(spec.codec.block_size)
             finder = CatchUp(
@@ -166,6 +215,7 @@ def _from_swarm(
                 schema=StateSchema.diloco(layout.numel),
                 evidence=Evidence(),  # a reader has nothing to check claims against
                 config=CatchUpConfig(state_timeout_s=timeout_s),
+                requester=Requester(identity, admission.own_bytes) if admission else None,
             )
             found = await finder.find(
                 round=0, digest=None, theta_g=layout.zeros(), distrusted=set()
