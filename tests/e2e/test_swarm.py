@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import shutil
 import signal
 import time
 import urllib.request
 
 import pytest
-from swarmutil import Bootstrap, PeerProcess
+from swarmutil import COMMAND, FAST_PEER, Bootstrap, PeerProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -380,3 +381,29 @@ def test_a_box_of_two_ranks_started_by_the_daemon_averages_as_one_peer(tmp_path)
     # Each of its steps weighs 2 ranks x batch 4 x 128 tokens (the preset's sequence).
     assert all(e["weight"] % (2 * 4 * 128) == 0 for e in b.of("round")), b.of("round")
     assert len(b.of("checkpoint")) >= 1
+
+
+@pytest.mark.skipif(
+    shutil.which("faketime") is None, reason="needs libfaketime (apt-get install faketime)"
+)
+def test_a_peer_whose_clock_is_40_s_behind_keeps_the_swarms_time_and_averages_with_it(tmp_path):
+    # libfaketime sets the whole process's wall clock 40 s back (monotonic clocks stay
+    # true): under the 600 s refusal, well over what pacing and declarations tolerate.
+    behind = ["env", "DONT_FAKE_MONOTONIC=1", "faketime", "-f", "-40s", *COMMAND]
+    rounds = 4
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint)
+        args = ["join", swarm, "--peer", boot.endpoint, *FAST_PEER, "--max-rounds", str(rounds)]
+        with (
+            PeerProcess(args, tmp_path / "a") as a,
+            PeerProcess(args, tmp_path / "b", command=behind) as b,
+        ):
+            for p in (a, b):
+                assert p.wait(240) == 0, p.log_tail()
+    assert "clock is 40 s behind" in "".join(b.log)
+    assert "clock is" not in "".join(a.log)
+    together = [e["round"] for e in b.of("round") if e["group"] == 2]
+    assert len(together) >= rounds - 1, [(e["round"], e["group"]) for e in b.of("round")]
+    held_a, held_b = digests_of(a), digests_of(b)
+    assert all(held_a[r] == held_b[r] for r in together)
+    assert held_a[rounds] == held_b[rounds]

@@ -128,8 +128,10 @@ class Collector:
         manifest: SwarmManifest | None = None,
         rejoin: Sequence[str] = (),
         config: CollectorConfig | None = None,
-        clock: Clock = time.time,
+        clock: Clock | None = None,
     ) -> None:
+        """``clock``: what records' ages are judged by (default: the node's, the swarm's
+        time)."""
         self.dht = dht
         self.swarm_id = swarm_id
         self.config = config or CollectorConfig()
@@ -137,10 +139,10 @@ class Collector:
         self.polls = 0
         self.failures = 0
         self._rejoin = tuple(rejoin)
-        self._clock = clock
+        self._clock = clock or dht.clock
         self._manifest = manifest
         self._reading = Reading(
-            swarm_id=swarm_id, at=clock(), manifest=manifest, error="not read yet"
+            swarm_id=swarm_id, at=self._clock(), manifest=manifest, error="not read yet"
         )
         self._view = self._build()
 

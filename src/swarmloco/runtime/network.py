@@ -95,6 +95,7 @@ class SwarmNetwork:
             faults=faults,
             admission=admission,
             peer_records=True,
+            clock=self.node.dht.clock,  # declarations are dated in the swarm's time
         )
         limiter = BandwidthLimiter(config.bandwidth) if config.bandwidth is not None else None
         self.averager = Averager(
@@ -202,7 +203,7 @@ class SwarmNetwork:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.config.progress_interval_s)
 
     async def publish_digest(self, round: int, digest: bytes) -> None:
-        value = {"digest": digest, "endpoint": self.endpoint, "at": time.time()}
+        value = {"digest": digest, "endpoint": self.endpoint, "at": self.node.dht.clock()}
         try:
             await self.node.dht.store(digest_key(self.swarm_id, round), value, ttl=DIGEST_TTL_S)
         except Exception as exc:

@@ -624,7 +624,10 @@ class Swarm:
         if abs(skew) > network.node.dht.config.warn_clock_skew_s:
             where = "behind" if skew > 0 else "ahead of"
             # Shown on the dashboard until something else goes wrong.
-            self.last_error = f"clock {abs(skew):.0f} s {where} the swarm's: set it right (NTP)"
+            self.last_error = (
+                f"clock {abs(skew):.0f} s {where} the swarm's (kept in step with it): set it "
+                "right (NTP)"
+            )
 
     def _leave_network(self) -> None:
         assert self.network is not None
@@ -971,7 +974,7 @@ class Swarm:
         deadline = time.monotonic() + self.config.linger_s
         told = False
         while time.monotonic() < deadline:
-            behind = {r.peer for r in self._fresh_reports(time.time()) if r.round <= self.round}
+            behind = {r.peer for r in self._fresh_reports(self._now()) if r.round <= self.round}
             if not behind:
                 return
             if not told:
@@ -1030,6 +1033,11 @@ class Swarm:
 
     # -- pacing -------------------------------------------------------------------------------
 
+    def _now(self) -> float:
+        """The swarm's time (this machine's clock corrected to the peers' it joined
+        through): what progress reports and records are dated and judged by."""
+        return self.network.node.dht.clock() if self.network is not None else time.time()
+
     def _fresh_reports(self, now: float) -> list[ProgressReport]:
         assert self.network is not None
         clock = time.monotonic()
@@ -1058,7 +1066,7 @@ class Swarm:
             return Verdict.WAIT
         if self.steps_since_round >= _MAX_WAIT_ROUNDS * h:
             return Verdict.DUE
-        now = time.time()
+        now = self._now()
         target = self.round + 1
         mine = ProgressReport(
             peer=self.peer_id,
@@ -1367,7 +1375,7 @@ class Swarm:
             "round": self.round + 1 + (self._inflight is not None),
             "tokens": self.tokens_since_round,
             "tokens_per_s": self._rate.value,
-            "at": time.time(),
+            "at": self._now(),
         }
 
     def _status_value(self) -> dict[str, Any]:
@@ -1386,7 +1394,7 @@ class Swarm:
             "downloads": self.downloads,
             "last_error": self.last_error[:240],
             "rounds": list(self.history),
-            "at": time.time(),
+            "at": self._now(),
         }
         if math.isfinite(self.last_loss):
             value["loss"] = self.last_loss

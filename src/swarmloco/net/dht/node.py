@@ -120,8 +120,8 @@ class DhtConfig:
     """Store requests dated further from our clock are refused (replays); a node whose
     clock is further off the peers it joins through refuses to start."""
     warn_clock_skew_s: float = 5.0
-    """A clock further off the entry peers' than this is warned about (progress reports
-    and records are dated: pacing and expiry go wrong by that much)."""
+    """A clock further off the entry peers' than this is warned about (the node keeps the
+    swarm's time anyway: :meth:`DHTNode.clock`)."""
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
@@ -312,9 +312,10 @@ class DHTNode:
         of addresses); ``tls_fingerprint`` goes into our own card."""
         self.identity = identity
         self.config = config or DhtConfig()
-        self.clock = clock
+        self._local_clock = clock
         self.clock_skew_s = 0.0
-        """How far the entry peers' clocks were ahead of ours when this node joined."""
+        """How far the entry peers' clocks were ahead of ours when this node joined (the
+        median): :meth:`clock` adds it, so that this node keeps the swarm's time."""
         self._transport = transport
         self._rng = rng or random.Random()
         self._on_added = on_contact_added
@@ -327,7 +328,7 @@ class DHTNode:
             max_per_subnet=self.config.max_per_subnet,
             limit_private_subnets=self.config.limit_private_subnets,
         )
-        self.storage = Storage(self.config.storage, clock=clock)
+        self.storage = Storage(self.config.storage, clock=self.clock)
         self.rejections = RejectionLog(logger)
         self.stats: Counter[str] = Counter()
         self.card = sign_card(identity, endpoint, tls_fingerprint=tls_fingerprint)
@@ -470,15 +471,24 @@ class DHTNode:
         await self.find_nodes(self.peer_id)
         return len(answered)
 
+    def clock(self) -> float:
+        """The swarm's time: this machine's clock corrected by how far the peers it joined
+        through are ahead of it. Records, their expiry and every timestamp compared across
+        peers (progress reports, digests) use it, so that a clock a little off (under
+        ``max_clock_skew_s``) costs nothing; further off, joining is refused."""
+        return self._local_clock() + self.clock_skew_s
+
     def _check_clock(self, offsets: Sequence[float]) -> None:
         """Compare our clock with the entry peers' (the median of their offsets, each taken
         at the middle of its ping): refuse to start when it is off by more than records
-        tolerate, warn when pacing would notice."""
+        tolerate; otherwise keep the swarm's time from now on (:meth:`clock`), and warn
+        when the difference is more than network jitter."""
         offsets = sorted(offsets)
         if not offsets:
             return
         skew = offsets[(len(offsets) - 1) // 2]
-        self.clock_skew_s = skew
+        if abs(skew) <= self.config.max_clock_skew_s:
+            self.clock_skew_s = skew
         if abs(skew) <= self.config.warn_clock_skew_s:
             return
         where = "behind" if skew > 0 else "ahead of"
@@ -496,8 +506,8 @@ class DHTNode:
                 f"{self.config.max_clock_skew_s:.0f} s off; {fix}"
             )
         logger.warning(
-            "%s: its progress and records are misdated by that much (rounds and expiry go "
-            "wrong); %s",
+            "%s: this peer keeps the swarm's time from now on (its records and progress are "
+            "dated by it), but the machine's clock is wrong; %s",
             message,
             fix,
         )
@@ -510,9 +520,9 @@ class DHTNode:
         while True:
             call_deadline = Deadline.after(deadline.timeout(self.config.rpc_timeout_s))
             try:
-                sent = self.clock()
+                sent = self._local_clock()
                 response = await self._transport.ping(endpoint, request, call_deadline)
-                offset = response.time_ms / 1000 - (sent + self.clock()) / 2
+                offset = response.time_ms / 1000 - (sent + self._local_clock()) / 2
             except TlsMismatch as exc:
                 return str(exc)  # asking again would get the same false certificate
             except NetworkError as exc:
