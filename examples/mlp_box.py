@@ -19,6 +19,7 @@ and resumes from the same --data-dir.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -81,6 +82,26 @@ def main() -> None:
         p.error(f"--batch-size {args.batch_size} does not split over {world} ranks")
     device = torch.device(args.device, torch.cuda.current_device() if args.device == "cuda" else 0)
 
+    try:
+        train(args, p, single=single, rank=rank, world=world, device=device)
+    finally:
+        if not single:
+            # Nothing holds the process group by now (the model's DDP or FSDP wrapper and
+            # the box died with train()): its threads are joined here, not during the
+            # interpreter's exit, where freeing their last work object can abort it.
+            gc.collect()
+            dist.destroy_process_group()
+
+
+def train(
+    args: argparse.Namespace,
+    p: argparse.ArgumentParser,
+    *,
+    single: bool,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> None:
     def on_event(event: dict) -> None:
         if args.events:
             print(json.dumps(event), flush=True)
@@ -130,8 +151,6 @@ def main() -> None:
                 break
     if rank == 0:
         print(f"left at round {swarm.round}, global step {swarm.global_step}", file=sys.stderr)
-    if not single:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -525,9 +525,8 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         if events_file is not None and events_file is not sys.stdout:
             events_file.close()
         if box is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+            box = None
+            _leave_process_group()
     if summary is None:  # a rank other than 0: rank 0 reports
         return 0
     logging.getLogger("swarmloco.peer").info(
@@ -644,6 +643,19 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     _add_peer_run_options(parser)
     parser.set_defaults(handler=_create)
+
+
+def _leave_process_group() -> None:
+    """Destroy the box's process group once nothing holds it (the model's DDP wrapper, the
+    box): its communication threads are joined now, while the interpreter runs. Left to
+    exit, one of them may free its last work object during finalization and abort the
+    process (std::terminate), failing a box that stopped cleanly."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _init_box(device: str) -> Any:

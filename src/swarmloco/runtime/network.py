@@ -136,6 +136,8 @@ class SwarmNetwork:
         """This peer's ``status`` value (set by the peer before entering)."""
         self.on_dashboard: Callable[[str], None] = lambda url: None
         self.reports: list[ProgressReport] = []
+        self.reads = 0
+        """How often the progress reports were read since the network started."""
         """Every peer's latest progress report, as last read (this peer's included)."""
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -194,6 +196,7 @@ class SwarmNetwork:
                 )
                 result = await self.node.dht.get(key)
                 self.reports = [progress_report(e.subkey, e.value) for e in result.entries.values()]
+                self.reads += 1
                 if time.monotonic() - announced > ANNOUNCE_EVERY_S:
                     await announce_peer(self.node.dht, self.swarm_id, role="trainer")
                     announced = time.monotonic()

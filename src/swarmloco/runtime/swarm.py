@@ -1066,6 +1066,11 @@ class Swarm:
             return Verdict.WAIT
         if self.steps_since_round >= _MAX_WAIT_ROUNDS * h:
             return Verdict.DUE
+        assert self.network is not None
+        if self.network.reads < 2:
+            # Just joined: peers that started with this one have not reported yet (a report
+            # interval apart), and one that decides it is alone now splits the first round.
+            return Verdict.WAIT
         now = self._now()
         target = self.round + 1
         mine = ProgressReport(
