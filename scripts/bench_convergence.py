@@ -229,6 +229,32 @@ def _scaling_run(job: tuple[Any, ...]) -> dict[str, Any]:
     return {"final_eval_loss": result.final_eval_loss, "seconds": round(result.seconds, 1)}
 
 
+def _run_all(
+    pool: concurrent.futures.Executor, jobs: list[tuple[Any, ...]], log: str
+) -> list[dict[str, Any]]:
+    """Every job's result, in the jobs' order; with ``log``, each run is also appended to
+    that file as one JSON line as it finishes (a grid cut short keeps what it ran)."""
+    futures = {pool.submit(_scaling_run, job): i for i, job in enumerate(jobs)}
+    results: list[dict[str, Any]] = [{} for _ in jobs]
+    for future in concurrent.futures.as_completed(futures):
+        i = futures[future]
+        results[i] = future.result()
+        if log:
+            seed, _, run, _, workers, _ = jobs[i]
+            line = {
+                "seed": seed,
+                "workers": workers or 0,
+                "batch_per_worker": run.inner.batch_size,
+                "inner_lr": run.inner.lr,
+                "outer_lr": run.spec.outer_lr,
+                "steps": run.spec.total_steps,
+                **results[i],
+            }
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+    return results
+
+
 def _scaled_run(base: Any, *, batch: int, steps: int, lr: float, warmup: float, **spec: Any) -> Any:
     """``base`` with a schedule of ``steps`` steps of ``batch`` sequences per worker."""
     inner = dataclasses.replace(
@@ -306,7 +332,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             for lr in dp_lrs
             for seed in seeds
         ]
-        dp_results = list(pool.map(_scaling_run, dp_jobs))
+        dp_results = _run_all(pool, dp_jobs, args.runs_log)
         dp_grid = []
         for i, lr in enumerate(dp_lrs):
             losses = [
@@ -331,7 +357,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             jobs.extend(
                 (seed, args.preset, cell_run, sim_for(steps), m, args.progress) for seed in seeds
             )
-        results = list(pool.map(_scaling_run, jobs))
+        results = _run_all(pool, jobs, args.runs_log)
     by_workers: dict[str, Any] = {}
     out_targets: dict[str, bool] = {}
     for m in counts:
@@ -458,6 +484,12 @@ def main() -> None:
     )
     scale.add_argument("--outer-lrs", default="0.4,0.7,1.0")
     scale.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    scale.add_argument(
+        "--runs-log",
+        default="",
+        help="append each finished run to this file as one JSON line (workers 0: "
+        "data-parallel), so a grid cut short keeps what it ran",
+    )
     args = p.parse_args()
     if args.protocol == "scaling":
         args.warmup = 0.05 if args.warmup is None else args.warmup

@@ -31,8 +31,8 @@ from _bench_common import machine
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mlp_box.py"
 
 
-def launch(args: list[str], ranks: int) -> subprocess.Popen[str]:
-    if ranks == 1:
+def launch(args: list[str], ranks: int, box: bool) -> subprocess.Popen[str]:
+    if not box:
         command = [sys.executable, str(EXAMPLE)]
     else:
         command = [
@@ -47,8 +47,8 @@ def launch(args: list[str], ranks: int) -> subprocess.Popen[str]:
 class Peer:
     """A launched peer whose stdout (its swarm id line, then JSON events) is collected."""
 
-    def __init__(self, args: list[str], ranks: int = 1) -> None:
-        self.process = launch(args, ranks)
+    def __init__(self, args: list[str], ranks: int = 1, box: bool = False) -> None:
+        self.process = launch(args, ranks, box)
         self.first_line = ""
         self.events: list[dict[str, Any]] = []
         self.ready = threading.Event()
@@ -80,7 +80,11 @@ class Peer:
         return code
 
 
-def measure(layout: str, ranks: int, options: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    layout: str, ranks: int, options: argparse.Namespace, *, box: bool = True
+) -> dict[str, Any]:
+    """The peer under test: one plain process (``box`` False) or a box of ``ranks`` ranks
+    under torchrun (also of one rank: the box's code paths over one GPU's NCCL)."""
     common = [
         *("--max-rounds", str(options.rounds), "--sync-every", str(options.sync_every)),
         *("--min-peers", "2", "--start-with", "2", "--hidden", str(options.hidden)),
@@ -91,7 +95,7 @@ def measure(layout: str, ranks: int, options: argparse.Namespace) -> dict[str, A
         partner = Peer(["create", *common, "--data-dir", f"{tmp}/partner"])
         endpoint = partner.endpoint()
         join = ["join", partner.first_line, "--peer", endpoint, "--layout", layout]
-        peer = Peer([*join, *common, "--data-dir", f"{tmp}/peer"], ranks)
+        peer = Peer([*join, *common, "--data-dir", f"{tmp}/peer"], ranks, box)
         codes = (peer.wait(), partner.wait())
     if any(codes):
         raise SystemExit(f"{layout} x{ranks}: exit codes {codes}")
@@ -99,15 +103,17 @@ def measure(layout: str, ranks: int, options: argparse.Namespace) -> dict[str, A
     stopped = next(e for e in peer.events if e["event"] == "stopped")
     applied = max(1, len(rounds) + 1)
     stall = (stopped["wall_seconds"] - stopped["train_seconds"]) / applied
+    steps_per_second = stopped["step"] / max(stopped["train_seconds"], 1e-9)
     return {
-        "layout": "one process" if ranks == 1 else f"{layout} x{ranks}",
+        "layout": f"{layout} x{ranks}" if box else "one process",
         "params": next(e for e in peer.events if e["event"] == "ready")["params"],
         "rounds": len(rounds),
         "round_seconds_median": statistics.median(e["seconds"] for e in rounds),
         "bytes_sent_median": statistics.median(e["bytes_sent"] for e in rounds),
         "groups": sorted({e["group"] for e in rounds}),
         "stall_seconds_per_round": round(stall, 4),
-        "steps_per_second": round(stopped["step"] / max(stopped["train_seconds"], 1e-9), 1),
+        "steps_per_second": round(steps_per_second, 1),
+        "samples_per_second": round(steps_per_second * options.batch_size),
     }
 
 
@@ -121,7 +127,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     options = p.parse_args()
-    results = [measure("ddp", 1, options)]
+    results = [measure("ddp", 1, options, box=False)]
     results += [measure(layout, options.ranks, options) for layout in options.layouts.split(",")]
     base = results[0]
     for r in results[1:]:

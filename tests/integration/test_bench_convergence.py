@@ -19,12 +19,15 @@ def _run(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_best_cell():
+def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_best_cell(
+    tmp_path,
+):
+    log = tmp_path / "runs.jsonl"
     out = _run(
         "--protocol", "scaling", "--tokens-per-param", "0.03", "--dp-batch", "4",
         "--sync-every", "4", "--eval-windows", "8", "--seeds", "0",
         "--worker-counts", "1,2", "--batch-multiples", "1,2", "--outer-lrs", "0.7",
-        "--dp-lrs", "3e-3,6e-3", "--parallel", "2",
+        "--dp-lrs", "3e-3,6e-3", "--parallel", "2", "--runs-log", str(log),
     )  # fmt: skip
     assert out["protocol"] == "scaling" and out["seeds"] == [0] and out["sync_every"] == 4
     assert out["tokens"] == round(0.03 * out["settings"]["model_params"])
@@ -38,6 +41,13 @@ def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_b
         assert cell["over_data_parallel"] == pytest.approx(
             cell["final_eval_loss"] / dp["final_eval_loss"]
         )
+    # Every run, data-parallel (workers 0) and each cell, was logged as it finished.
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted((r["workers"], r["batch_per_worker"]) for r in runs) == [
+        (0, 4), (0, 4), (1, 4), (1, 8), (2, 2), (2, 4)
+    ]  # fmt: skip
+    by_cell = {(r["workers"], r["batch_per_worker"]): r["final_eval_loss"] for r in runs}
+    assert out["by_workers"]["2"]["final_eval_loss"] == min(by_cell[2, 2], by_cell[2, 4])
     assert isinstance(out["target_1_workers_at_most_1.0x_data_parallel"], bool)
     assert isinstance(out["target_2_workers_at_most_1.015x_data_parallel"], bool)
 
