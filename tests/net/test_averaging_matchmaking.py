@@ -196,6 +196,41 @@ async def test_peers_that_come_after_the_group_formed_wait_for_it_instead_of_spl
         assert {m.peer_id for m in again[0].members} == {peers[2].peer_id, peers[3].peer_id}
 
 
+async def test_a_latecomer_learns_that_the_group_it_missed_aborted_and_joins_its_retry():
+    """Peers 0 and 1 form round r's group without peer 2, and the leader marks it formed.
+    Their round then aborts (here: they simply try r again), and the leader's new
+    announcement carries no mark: peer 2, which would otherwise wait for a result that never
+    comes, reads that and joins the retry, a group of all three."""
+    config = MatchmakingConfig(max_group_size=4, gather_s=4.0, poll_s=0.1)
+    async with averaging_peers(3, matchmaking=config) as peers:
+        round = first_round_led_by(peers, 0)
+        numel = 64 * 8
+        deadline = Deadline.after(30.0)
+
+        async def join(p, expected):
+            return await p.matchmaker.form_group(
+                round, weight=1.0, numel=numel, block_size=64, deadline=deadline,
+                expected=expected,
+            )  # fmt: skip
+
+        first = await asyncio.gather(join(peers[0], 2), join(peers[1], 2))
+        assert {g.size for g in first} == {2}
+        late = peers[2].matchmaker
+        while not await late.formed_without_us(round, numel):  # the mark is stored after
+            assert not deadline.expired, "the leader never marked its group formed"
+            await asyncio.sleep(0.05)
+        # The members' own view: their group formed with them, not without.
+        assert not await peers[1].matchmaker.formed_without_us(round, numel)
+        assert not await late.formed_without_us(round, numel * 2)  # another vector size
+
+        retry = [asyncio.create_task(join(p, 3)) for p in peers[:2]]
+        while await late.formed_without_us(round, numel):
+            assert not deadline.expired, "the retry's announcements never replaced the mark"
+            await asyncio.sleep(0.05)
+        groups = await asyncio.gather(*retry, join(peers[2], 3))
+        assert {g.size for g in groups} == {3}
+
+
 async def test_join_faults_fire_and_the_group_still_forms():
     plan = FaultPlan([Fault(action="delay", phase="join", seconds=0.2)])
     async with averaging_peers(3, faults={1: plan, 2: plan}) as peers:

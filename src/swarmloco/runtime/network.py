@@ -139,6 +139,13 @@ class SwarmNetwork:
         self.reads = 0
         """How often the progress reports were read since the network started."""
         """Every peer's latest progress report, as last read (this peer's included)."""
+        self.late: tuple[int, int] | None = None
+        """(round, numel) of a round whose group formed without this peer (set by the peer
+        from its own thread): the progress loop watches that round's entries."""
+        self.late_marker: tuple[int, bool] | None = None
+        """(round, whether the entries still mark its group formed), as last read."""
+        self.late_marker_seen: int | None = None
+        """The late round whose formed mark was read at least once."""
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -197,6 +204,11 @@ class SwarmNetwork:
                 result = await self.node.dht.get(key)
                 self.reports = [progress_report(e.subkey, e.value) for e in result.entries.values()]
                 self.reads += 1
+                if (late := self.late) is not None:
+                    formed = await self.matchmaker.formed_without_us(*late)
+                    if formed:
+                        self.late_marker_seen = late[0]
+                    self.late_marker = (late[0], formed)
                 if time.monotonic() - announced > ANNOUNCE_EVERY_S:
                     await announce_peer(self.node.dht, self.swarm_id, role="trainer")
                     announced = time.monotonic()
@@ -204,6 +216,12 @@ class SwarmNetwork:
                 logger.warning("could not publish progress: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.config.progress_interval_s)
+
+    def late_group_aborted(self, round: int) -> bool:
+        """Whether the group of ``round`` that formed without this peer aborted: its mark
+        was read, and is gone now (its leader announced the round again)."""
+        marker = self.late_marker
+        return self.late_marker_seen == round and marker == (round, False)
 
     async def publish_digest(self, round: int, digest: bytes) -> None:
         value = {"digest": digest, "endpoint": self.endpoint, "at": self.node.dht.clock()}

@@ -1093,8 +1093,15 @@ class Swarm:
             self._expected = max(self._expected, self._last_group[1])
         if any(r.round > target + 1 for r in reports):
             return Verdict.BEHIND  # others applied rounds this peer has not
-        if self._late is not None and self._late[0] == target and time.monotonic() < self._late[1]:
-            return Verdict.BEHIND  # this round's group formed without us: fetch its result
+        if self._late is not None:
+            late_round, until = self._late
+            if late_round != target or time.monotonic() >= until:
+                self._end_late_wait()
+            elif self.network.late_group_aborted(target):
+                logger.info("round %d: the group that formed without us aborted", target)
+                self._end_late_wait()
+            else:
+                return Verdict.BEHIND  # this round's group formed without us: fetch its result
         if any(r.round == target + 1 for r in reports) and self.steps_since_round >= h / 4:
             # Someone started this round already: join it now, with what we have, rather
             # than fall a gathering window out of step with it (not before a quarter of
@@ -1113,6 +1120,11 @@ class Swarm:
         if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
             return Verdict.DUE if self.steps_since_round >= h else Verdict.WAIT
         return verdict
+
+    def _end_late_wait(self) -> None:
+        self._late = None
+        assert self.network is not None
+        self.network.late = None
 
     # -- catching up ----------------------------------------------------------------------------
 
@@ -1270,6 +1282,9 @@ class Swarm:
                 # and the exchange, twice over), then try the round again as usual.
                 wait = 2 * (self.config.matchmaking.gather_s + self._round_s)
                 self._late = (x.round, time.monotonic() + min(wait, self.config.round_timeout_s))
+                # Unless that group aborts: its members then announce the round again.
+                self.network.late = (x.round, self.diloco.means[x.fragment].numel())
+                self.loop.loop.call_soon_threadsafe(self.network.wake)
             logger.warning("round %d aborted: %s", x.round, exc)
             self._emit(
                 "aborted",

@@ -18,7 +18,9 @@ A leader whose group formed marks its entry (``formed``). A peer that comes afte
 round's group formed without it (the marker, or a leader's "formed" refusal) raises
 ``RoundAborted(late=True)`` instead of leading a second group of the round with other
 latecomers, which would split the swarm's state; the caller takes the group's result (a
-download). Once per round: a marker is only its leader's word.
+download). Once per round: a marker is only its leader's word. A group that aborts tries
+the round again, and its leader's new announcement carries no marker
+(``formed_without_us`` then says so): a latecomer waiting for a result stops waiting.
 
 Nothing here waits without a deadline: an unreachable leader costs one call bounded by
 the caller's deadline, after which the next candidate is tried or this peer leads itself
@@ -39,7 +41,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import grpc
 
@@ -60,7 +62,7 @@ from swarmloco.net.averaging.group import (
 from swarmloco.net.averaging.wire import SERVICE_NAME
 from swarmloco.net.client import Method, RpcClient, RpcError
 from swarmloco.net.deadline import Deadline
-from swarmloco.net.dht.node import DHTNode
+from swarmloco.net.dht.node import DHTNode, Entry
 from swarmloco.net.endpoints import host_of_grpc_peer, parse_endpoint, subnet_of
 from swarmloco.net.identity import Identity, peer_id_of
 from swarmloco.net.records import round_key
@@ -307,13 +309,10 @@ class Matchmaker:
         timeout = max(min(deadline.remaining(), self.dht.config.lookup_timeout_s), 0.01)
         result = await self.dht.get(key, timeout=timeout)
         mine = self.identity.peer_id_hex
-        ours = self._grouped.get(round, frozenset())
         found = []
-        formed = False
+        formed = self._formed_marked(round, me.numel, result.entries.values())
         for entry in result.entries.values():
             value = entry.value
-            if entry.subkey != mine and entry.subkey not in ours and value["numel"] == me.numel:
-                formed |= value.get("formed", 0) > 1
             if entry.subkey == mine or value["client_mode"] or not value["endpoint"]:
                 continue
             if value["numel"] != me.numel:
@@ -325,6 +324,23 @@ class Matchmaker:
             own = leader_rank(self.swarm_id, round, mine)
             found = [c for c in found if c.rank < own]
         return found, formed
+
+    def _formed_marked(self, round: int, numel: int, entries: Iterable[Entry]) -> bool:
+        """Whether a peer outside our own group of ``round`` marks its entry ``formed``."""
+        mine = self.identity.peer_id_hex
+        ours = self._grouped.get(round, frozenset())
+        return any(
+            e.value.get("formed", 0) > 1 and e.value["numel"] == numel
+            for e in entries
+            if e.subkey != mine and e.subkey not in ours
+        )
+
+    async def formed_without_us(self, round: int, numel: int) -> bool:
+        """Whether ``round``'s group formed without this peer, as the round's entries say
+        now. A leader whose group aborted announces the round again, without the mark: a
+        peer that came late stops waiting for a result that will not come."""
+        result = await self.dht.get(round_key(self.swarm_id, round))
+        return self._formed_marked(round, numel, result.entries.values())
 
     async def _find_group(
         self,
