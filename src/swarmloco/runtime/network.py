@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -136,9 +137,10 @@ class SwarmNetwork:
         """This peer's ``status`` value (set by the peer before entering)."""
         self.on_dashboard: Callable[[str], None] = lambda url: None
         self.reports: list[ProgressReport] = []
+        """Every peer's latest progress report, as last read (this peer's included)."""
         self.reads = 0
         """How often the progress reports were read since the network started."""
-        """Every peer's latest progress report, as last read (this peer's included)."""
+        self._read = threading.Condition()
         self.late: tuple[int, int] | None = None
         """(round, numel) of a round whose group formed without this peer (set by the peer
         from its own thread): the progress loop watches that round's entries."""
@@ -203,7 +205,9 @@ class SwarmNetwork:
                 )
                 result = await self.node.dht.get(key)
                 self.reports = [progress_report(e.subkey, e.value) for e in result.entries.values()]
-                self.reads += 1
+                with self._read:
+                    self.reads += 1
+                    self._read.notify_all()
                 if (late := self.late) is not None:
                     formed = await self.matchmaker.formed_without_us(*late)
                     if formed:
@@ -216,6 +220,12 @@ class SwarmNetwork:
                 logger.warning("could not publish progress: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.config.progress_interval_s)
+
+    def wait_for_reads(self, count: int, timeout: float) -> bool:
+        """Block (another thread than the loop's) until the progress records were read
+        ``count`` times since the network started, or ``timeout`` passed: whether they were."""
+        with self._read:
+            return self._read.wait_for(lambda: self.reads >= count, timeout)
 
     def late_group_aborted(self, round: int) -> bool:
         """Whether the group of ``round`` that formed without this peer aborted: its mark

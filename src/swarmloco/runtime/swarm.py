@@ -256,6 +256,7 @@ class Swarm:
         self._step_ended = 0.0
         self._unbacked: dict[str, float] = {}
         self._late: tuple[int, float] | None = None
+        self._read_twice = False  # the first round waited for a second read of the records
         self._round_s = 5.0  # how long this peer's last applied round took (a guess at first)
         """(round, until): that round's group formed without this peer, which waits for its
         result (a download) instead of averaging the round with whoever else came late."""
@@ -1067,10 +1068,18 @@ class Swarm:
         if self.steps_since_round >= _MAX_WAIT_ROUNDS * h:
             return Verdict.DUE
         assert self.network is not None
-        if self.network.reads < 2:
-            # Just joined: peers that started with this one have not reported yet (a report
-            # interval apart), and one that decides it is alone now splits the first round.
-            return Verdict.WAIT
+        if self.network.reads < 2 and not self._read_twice:
+            # Just joined: peers that started with this one may not have reported yet (a
+            # report interval apart), and one that decides it is alone now splits the first
+            # round. Once due by its own count, the training thread waits (once, briefly)
+            # for a second read: training on instead would make a lone peer's first round
+            # as long as the network is slow, and its result depend on timing.
+            if self.steps_since_round < h:
+                return Verdict.WAIT
+            self._read_twice = True
+            self.loop.loop.call_soon_threadsafe(self.network.wake)
+            if not self.network.wait_for_reads(2, 2 * self.config.progress_interval_s + 1.0):
+                logger.info("no second read of the progress records: deciding on what we have")
         now = self._now()
         target = self.round + 1
         mine = ProgressReport(
