@@ -145,7 +145,7 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
             identity=identity,
             config=NodeConfig(
                 peers=(args.bootstrap,) if args.bootstrap else (),
-                server=ServerConfig(tls=not args.plain),
+                server=ServerConfig(tls=not args.plain, host=args.host),
                 client=ClientConfig(tls=not args.plain),
             ),
         )
@@ -183,6 +183,10 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
                     return
                 mbit = command.get("mbit", 0)
                 averager.limiter = BandwidthLimiter(BandwidthConfig.mbit(mbit)) if mbit else None
+                # The reduction bandwidth this peer declares (bytes/s; sizes its part).
+                matchmaker.config = dataclasses.replace(
+                    matchmaker.config, bandwidth=command.get("declare", 12.5e6)
+                )
                 averager.config = dataclasses.replace(
                     averager.config,
                     aggregator=AggregatorConfig(
@@ -224,6 +228,10 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
                         "excluded": report.excluded,
                         "timings": report.timings,
                         "epochs": [p.epoch for p in report.parts],
+                        "own_part": sum(
+                            p.stop - p.start for p in report.parts if p.reducer == report.me
+                        )
+                        / padded,
                     }
                 )
 
@@ -301,8 +309,13 @@ class Worker:
         bootstrap: str,
         *,
         plain: bool = False,
+        host: str = "127.0.0.1",
+        prefix: tuple[str, ...] = (),
     ) -> None:
+        """``host``: the address the peer binds; ``prefix``: what the worker command runs
+        under (``ip netns exec NS``)."""
         command = [
+            *prefix,
             sys.executable,
             __file__,
             "--worker",
@@ -313,6 +326,8 @@ class Worker:
             str(args.peers),
             "--params",
             str(args.params),
+            "--host",
+            host,
         ]
         if bootstrap:
             command += ["--bootstrap", bootstrap]
@@ -379,12 +394,15 @@ def swarmloco_round(
     deadline: float = 60.0,
     aggregator: str = "mean",
     norm_clip: float = 4.0,
+    declare: list[float] | None = None,
 ) -> dict[str, Any]:
+    """One timed round; ``declare``: each worker's declared bandwidth (bytes/s)."""
     lo_before = loopback_tx_bytes()
-    for w in workers:
+    for i, w in enumerate(workers):
         w.send(
             cmd="round",
             round=round,
+            declare=declare[i] if declare else 12.5e6,
             mbit=mbit,
             deadline=deadline,
             aggregator=aggregator,
@@ -409,6 +427,8 @@ def swarmloco_round(
         "bytes_sent_per_peer": max(r["bytes_sent"] for r in results),
         "loopback_bytes_per_peer": lo_bytes / len(workers),
         "timings": [r["timings"] for r in results],
+        "own_parts": [r["own_part"] for r in results],
+        "sent": [r["bytes_sent"] for r in results],
     }
 
 
@@ -684,6 +704,7 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--bootstrap", default="", help=argparse.SUPPRESS)
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "swarmloco":
         swarmloco_worker(args)
