@@ -212,16 +212,20 @@ class Chaos:
                         boot.wait()
                         self._note("kill-bootstrap", None)
                     if guest.incarnations == 0 and now >= guest_join_at:
-                        # As a newcomer would: the bootstrap, and an address the dashboard
-                        # lists (the bootstrap may be dead by the time it joins).
-                        guest.also = tuple(
-                            e["endpoint"]
+                        # As a newcomer would: the bootstrap, and addresses the dashboard
+                        # lists (the bootstrap may be dead by the time it joins): the
+                        # latest of peers up and not frozen. None yet (the peers are still
+                        # starting on a loaded machine): join a little later.
+                        listed = [
+                            ready[-1]["endpoint"]
                             for p in peers
-                            for e in p.events[-50:]
-                            if e["event"] == "ready" and e.get("endpoint")
-                        )[:1]
-                        guest.start()
-                        self._note("join", guest)
+                            if p.alive and p.frozen_until < now
+                            and (ready := [e for e in p.events if e["event"] == "ready"])
+                        ]  # fmt: skip
+                        if listed:
+                            guest.also = tuple(listed[:2])
+                            guest.start()
+                            self._note("join", guest)
                     if guest.alive and now >= guest_leave_at:
                         guest.stop(timeout=60)
                         self._note("leave", guest)

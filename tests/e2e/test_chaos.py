@@ -37,7 +37,10 @@ def test_a_two_minute_soak_with_kills_and_a_dead_bootstrap_ends_on_one_state(tmp
     chaos = report["chaos"]
     print(json.dumps(chaos, indent=1))
     actions = [f["action"] for f in chaos["faults"]]
-    assert "kill-bootstrap" in actions and "join" in actions and "leave" in actions
+    guest_log = tmp_path / "chaos" / "peer5.log"  # the guest: the peer after the five
+    guest = guest_log.read_text()[-2000:] if guest_log.exists() else "(never started)"
+    assert "kill-bootstrap" in actions and "join" in actions, actions
+    assert "leave" in actions, (actions, guest)  # the guest came up and was stopped
     assert any(a.startswith("kill") and a != "kill-bootstrap" for a in actions), actions
     logs = "\n".join(p.read_text()[-3000:] for p in (tmp_path / "chaos").glob("peer*.log"))
     assert chaos["tracebacks"] == 0, logs
