@@ -256,10 +256,10 @@ class Swarm:
         self._step_ended = 0.0
         self._unbacked: dict[str, float] = {}
         self._late: tuple[int, float] | None = None
-        self._read_twice = False  # the first round waited for a second read of the records
-        self._round_s = 5.0  # how long this peer's last applied round took (a guess at first)
         """(round, until): that round's group formed without this peer, which waits for its
         result (a download) instead of averaging the round with whoever else came late."""
+        self._read_twice = False  # the first round waited for a second read of the records
+        self._round_s = 5.0  # how long this peer's last applied round took (a guess at first)
         self._distrusted: dict[str, float] = {}
         self._refusals_told: set[tuple[int, str]] = set()
         self._hook: Any = None
