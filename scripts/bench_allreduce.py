@@ -114,6 +114,7 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
         dequantize_into_,
         padded_numel,
         quantize,
+        warm_up,
     )
     from swarmloco.net.averaging import (
         Averager,
@@ -137,6 +138,7 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
     )
     torch.set_num_threads(1)
     codec = CodecConfig(backend="auto")
+    warm_up(codec)  # as a peer does before it joins: no kernel compiles inside a round
     padded = padded_numel(args.params, codec.block_size)
 
     async def main() -> None:

@@ -120,18 +120,16 @@ def test_the_fused_trim_refuses_bad_scales_and_mismatched_buffers():
     codec = CodecConfig()
     q, s = quantize(torch.randn(codec.block_size * 4), codec)
     n = q.numel()
-
-    def buffers():
-        return torch.full((n,), -math.inf), torch.full((n,), math.inf), torch.zeros(n)
-
+    hi, lo, middle = torch.empty(n), torch.empty(n), torch.empty(n)
     with pytest.raises(CodecError, match="scales must be finite"):
-        dequantize_trim_one_(*buffers(), q, torch.full_like(s, math.nan), codec)
-    hi, lo, middle = buffers()
+        dequantize_trim_one_(hi, lo, middle, q, torch.full_like(s, math.nan), codec, taken=0)
     with pytest.raises(CodecError, match="smallest values has"):
-        dequantize_trim_one_(hi, lo[: n - codec.block_size], middle, q, s, codec)
+        dequantize_trim_one_(hi, lo[: n - codec.block_size], middle, q, s, codec, taken=1)
     with pytest.raises(CodecError, match="largest values must be float32"):
-        dequantize_trim_one_(hi.double(), lo, middle, q, s, codec)
-    dequantize_trim_one_(hi, lo, middle, q, s, codec)
+        dequantize_trim_one_(hi.double(), lo, middle, q, s, codec, taken=2)
+    with pytest.raises(ValueError, match="taken"):
+        dequantize_trim_one_(hi, lo, middle, q, s, codec, taken=-1)
+    dequantize_trim_one_(hi, lo, middle, q, s, codec, taken=0)
     assert torch.equal(hi, dequantize(q, s, codec.block_size, "eager"))  # one row: the largest
 
 
@@ -144,12 +142,15 @@ def test_a_huge_value_cannot_cancel_the_streamed_trimmed_mean():
 
 
 def _centered_clip_reference(chunks, weights, iterations):
-    """The algorithm as written (Alg. 2), in float64, forming every difference."""
+    """The algorithm as written (Alg. 2), in float64, forming every difference: from the
+    weighted medoid, tau the median distance of the others to it."""
     x = torch.stack(chunks).double()
     w = torch.tensor(weights, dtype=torch.float64)
     w = w / w.sum()
-    v = x.median(dim=0).values
-    tau = float(torch.linalg.vector_norm(x - v, dim=1).median())
+    distances = torch.cdist(x, x)
+    c = int(torch.argmin(distances @ w))
+    v = x[c]
+    tau = float(torch.cat([distances[c, :c], distances[c, c + 1 :]]).median())
     for _ in range(iterations):
         diff = x - v
         scale = torch.clamp(tau / torch.linalg.vector_norm(diff, dim=1), max=1.0)
@@ -169,9 +170,15 @@ def test_centered_clip_matches_the_algorithm_as_written(case):
     elif case == "nearly-equal":
         chunks = [chunks[0] + 1e-4 * c for c in chunks]
     want = _centered_clip_reference(chunks, weights, iterations=50)
-    got = centered_clip(chunks, weights, iterations=50).double()
-    assert torch.isfinite(got).all()
-    assert float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)) < 1e-5
+    for rows in (chunks, torch.stack(chunks)):  # a list of rows, or a reducer's 2-D rows
+        got = centered_clip(rows, weights, iterations=50).double()
+        assert torch.isfinite(got).all()
+        error = torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)
+        assert float(error) < 1e-5
+    # Few iterations from the start: the same steps as the algorithm as written.
+    few = _centered_clip_reference(chunks, weights, iterations=2)
+    got = centered_clip(chunks, weights, iterations=2).double()
+    assert float(torch.linalg.vector_norm(got - few) / torch.linalg.vector_norm(few)) < 1e-5
 
 
 def test_centered_clip_bounds_hostile_influence():

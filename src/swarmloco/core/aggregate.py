@@ -8,10 +8,10 @@ combine them robustly:
 
 * trimmed mean: per coordinate, drop the ``trim`` largest and ``trim`` smallest values and
   average the rest (unweighted);
-* CenteredClip (*Secure Distributed Training at Scale*, Alg. 2): start from the coordinate
-  median and iterate ``v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i``, where clip_tau
-  scales a difference down to norm ``tau``, so a far-away update moves ``v`` by at most
-  ``tau * w_i / sum w``.
+* CenteredClip (*Secure Distributed Training at Scale*, Alg. 2): start from the members'
+  weighted medoid and iterate ``v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i``, where
+  clip_tau scales a difference down to norm ``tau``, so a far-away update moves ``v`` by at
+  most ``tau * w_i / sum w``.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _drop_extremes(rows: list[torch.Tensor], low: int, high: int) -> list[torch.
     return rows[lo:hi]
 
 
-def trimmed_mean(chunks: Sequence[torch.Tensor], trim: int) -> torch.Tensor:
+def trimmed_mean(chunks: Sequence[torch.Tensor] | torch.Tensor, trim: int) -> torch.Tensor:
     """Coordinate-wise mean after dropping the ``trim`` largest and smallest values."""
     n = len(chunks)
     require(n > 0, "no chunks to aggregate")
@@ -128,12 +128,15 @@ class TrimmedAccumulator:
     The result equals :func:`trimmed_mean` of all rows (up to the order of the additions),
     also when fewer than ``2 * trim + 1`` rows came (then fewer are trimmed). Rows handed
     to :meth:`add` become this object's storage; :meth:`buffer` hands out one to decode
-    into without allocating.
+    into without allocating. ``storage`` (3 x at least the row length, float32): memory
+    for :meth:`add_quantized` with ``trim == 1`` to keep its three rows in, e.g. reused
+    from chunk to chunk; the result is then a view of it.
     """
 
-    def __init__(self, trim: int) -> None:
+    def __init__(self, trim: int, storage: torch.Tensor | None = None) -> None:
         require_int("trim", trim, minimum=0)
         self.trim = trim
+        self._storage = storage
         self.count = 0
         self._rows: list[torch.Tensor] = []  # until 2 * trim + 1 came
         self._top: list[torch.Tensor] = []
@@ -193,15 +196,22 @@ class TrimmedAccumulator:
             return
         require(self._hi is not None or self.count == 0, "rows were added decoded: use add()")
         if self._hi is None:
-            self._hi = torch.full((q.numel(),), -math.inf)
-            self._lo = torch.full((q.numel(),), math.inf)
-            self._middle = torch.zeros(q.numel())
+            self._hi, self._lo, self._middle = self.storage(q.numel()).unbind(0)
         assert self._lo is not None and self._middle is not None
-        dequantize_trim_one_(self._hi, self._lo, self._middle, q, scale, codec)
+        dequantize_trim_one_(self._hi, self._lo, self._middle, q, scale, codec, taken=self.count)
         self.count += 1
 
+    def storage(self, numel: int) -> torch.Tensor:
+        """Room for the largest, smallest and middle sum of ``numel`` values (3 x numel):
+        handed in at construction to reuse memory, a new tensor otherwise."""
+        given = self._storage
+        if given is None or given.dim() != 2 or given.shape[0] != 3 or given.shape[1] < numel:
+            return torch.empty(3, numel)
+        return given[:, :numel]
+
     def result(self) -> torch.Tensor:
-        """The trimmed mean of every row added so far (a new tensor or this object's)."""
+        """The trimmed mean of every row added so far (a view of this object's storage,
+        or a new tensor)."""
         require(self.count > 0, "no chunks to aggregate")
         if self._hi is not None:
             assert self._lo is not None and self._middle is not None
@@ -229,75 +239,110 @@ def coordinate_median(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(chunks)).median(dim=0).values
 
 
-# CenteredClip works through the coordinates in blocks of this many values, so that each
-# block's median and differences stay in cache between the passes over them.
-_CLIP_BLOCK = 1 << 16
+# CenteredClip forms its Gram matrices over blocks of this many coordinates: each block's
+# products are taken in float32 (one matrix product, its rows still in cache) and summed
+# across blocks in float64.
+_CLIP_BLOCK = 1 << 15
+# When the members' differences are this small against their norms, the Gram matrix of the
+# raw rows cannot resolve them in float32, and it is formed again from the differences.
+_RESOLVE = 1e-3
+
+
+def _gram(rows: torch.Tensor, center: torch.Tensor | None) -> torch.Tensor:
+    """``(X - c)(X - c)^T`` in float64 for the rows of ``X`` (``c``: none, or a row)."""
+    n, d = rows.shape
+    gram = torch.zeros(n, n, dtype=torch.float64)
+    scratch = torch.empty(n, min(d, _CLIP_BLOCK), dtype=rows.dtype) if center is not None else None
+    for start in range(0, d, _CLIP_BLOCK):
+        block = rows[:, start : start + _CLIP_BLOCK]
+        y = block
+        if center is not None and scratch is not None:
+            y = scratch[:, : block.shape[1]]
+            torch.sub(block, center[start : start + _CLIP_BLOCK], out=y)
+        products = y @ y.T
+        if not bool(torch.isfinite(products).all()):  # overflowed float32: in float64
+            y64 = block.double()
+            if center is not None:
+                y64 = y64.sub_(center[start : start + _CLIP_BLOCK].double())
+            products = y64 @ y64.T
+        gram += products
+    return gram
 
 
 def centered_clip(
-    chunks: Sequence[torch.Tensor],
+    chunks: Sequence[torch.Tensor] | torch.Tensor,
     weights: Sequence[float],
     *,
     tau: float = 0.0,
     iterations: int = 5,
 ) -> torch.Tensor:
-    """CenteredClip from the coordinate-wise median ``m``; ``tau = 0`` picks the median
-    distance to it. Stops early once the centre moves less than ``1e-6 * tau`` (a fixed
-    point: every member within ``tau``, or the clipped pulls balance).
+    """CenteredClip (Alg. 2) from the members' weighted medoid ``x_c``; ``tau = 0`` picks
+    the median distance of the others to it. Stops early once the centre moves less than
+    ``1e-6 * tau`` (a fixed point: every member within ``tau``, or the clipped pulls
+    balance).
 
-    The iteration runs on the differences ``y_i = x_i - m`` for the shift ``u = v - m``.
-    Starting at 0, each step ``u <- (1 - sum_i c_i) u + sum_i c_i y_i`` keeps ``u`` a
-    combination ``sum_j a_j y_j``, and every distance it needs, ``|y_i - u|^2 = G_ii - 2 (G
-    a)_i + a.G a``, comes from the members' Gram matrix ``G = Y Y^T``. So the iterations work
-    on n x n numbers (in float64), and the data is read twice in all: block by block for
-    ``m`` and ``G`` (the differences never leave the cache), then for the result ``v = (1 -
-    sum_j a_j) m + sum_j a_j x_j``, a convex combination that cannot overflow. Centred on
-    ``m``, the products are of the size of the distances themselves, so float32 loses
-    nothing to cancellation; a block whose products overflow float32 takes them in float64.
+    ``chunks``: one row per member (a 2-D tensor of rows, as a reducer keeps them, or a
+    sequence of equal-length vectors). The centre stays a convex combination of the rows
+    all along, ``v = x_c + sum_j a_j (x_j - x_c)`` (the fixed point of the iteration is a
+    weighted mean of the rows, so nothing is lost by it), so every distance it needs,
+    ``|y_i - u|^2 = G_ii - 2 (G a)_i + a.G a`` with ``y_i = x_i - x_c``, comes from the
+    members' Gram matrix ``G``: the iterations work on n x n numbers (in float64). The data
+    is read twice in all: once for the Gram matrix of the rows (whose distances also pick
+    the medoid), once for the result, one matrix-vector product that cannot overflow. When
+    the rows are too close together for the raw products to resolve their differences
+    (``_RESOLVE``), ``G`` is formed again from the differences to ``x_c``; a block whose
+    products overflow float32 takes them in float64.
+
+    The medoid (the row with the least weighted sum of distances to the others) is where
+    the iteration starts and what it is measured against: with fewer than half the weight
+    far away it is an honest row, and a far-away update moves ``v`` by at most ``tau * w_i
+    / sum w`` per iteration.
     """
-    require(len(chunks) == len(weights) and len(chunks) > 0, "one weight per chunk is needed")
-    n, d = len(chunks), chunks[0].numel()
+    rows = chunks if isinstance(chunks, torch.Tensor) else torch.stack(list(chunks))
+    require(
+        rows.dim() == 2 and rows.shape[0] == len(weights) and rows.shape[0] > 0,
+        "one weight per chunk is needed",
+    )
+    n = rows.shape[0]
     w = torch.tensor(weights, dtype=torch.float64)
     w = w / w.sum()
-    m = torch.empty(d, dtype=chunks[0].dtype)
-    gram = torch.zeros(n, n, dtype=torch.float64)
-    scratch = torch.empty(n, min(d, _CLIP_BLOCK), dtype=m.dtype)
-    for start in range(0, d, _CLIP_BLOCK):
-        rows = [c[start : start + _CLIP_BLOCK] for c in chunks]
-        median = coordinate_median(rows)
-        m[start : start + median.numel()] = median
-        y = scratch[:, : median.numel()]
-        for i, row in enumerate(rows):
-            torch.sub(row, median, out=y[i])
-        block = y @ y.T
-        if not bool(torch.isfinite(block).all()):  # overflowed float32: in float64
-            y64 = torch.stack([row.double() for row in rows]).sub_(median.double())
-            block = y64 @ y64.T
-        gram += block
-    sq = gram.diagonal()
+    if n == 1:
+        return rows[0].clone()
+    raw = _gram(rows, None)
+    norms = raw.diagonal()
+    dist_sq = (norms[:, None] + norms[None, :] - 2.0 * raw).clamp_min(0.0)
+    c = int(torch.argmin(dist_sq.sqrt() @ w))
+    others = [i for i in range(n) if i != c]
+    if float(dist_sq[c, others].max()) < _RESOLVE * float(norms.max()):
+        gram = _gram(rows, rows[c])  # the raw products cannot resolve such close rows
+    else:  # the same matrix, about x_c: G_ij - G_ic - G_jc + G_cc
+        gram = raw - raw[:, c : c + 1] - raw[c : c + 1, :] + raw[c, c]
+    sq = gram.diagonal().clamp_min(0.0)
     if tau <= 0:
-        tau = float(sq.clamp_min(0.0).sqrt().median())
+        tau = float(sq[others].sqrt().median())
         if tau == 0.0:
-            return m
+            return rows[c].clone()
     a = torch.zeros(n, dtype=torch.float64)
     for _ in range(iterations):
         ga = gram @ a
         distances = (sq - 2.0 * ga + a @ ga).clamp_min(0.0).sqrt()
-        c = w * torch.clamp(tau / distances.clamp_min(1e-300), max=1.0)
-        step = c - c.sum() * a
+        pull = w * torch.clamp(tau / distances.clamp_min(1e-300), max=1.0)
+        step = pull - pull.sum() * a
         a = a + step
         if float(step @ gram @ step) <= (1e-6 * tau) ** 2:
             break
-    out = m.mul_(1.0 - float(a.sum()))
-    for coefficient, chunk in zip(a.tolist(), chunks, strict=True):
-        out.add_(chunk, alpha=coefficient)
-    return out
+    coefficients = a.clone()
+    coefficients[c] += 1.0 - float(a.sum())
+    return torch.mv(rows.T, coefficients.to(rows.dtype))
 
 
 def aggregate(
-    chunks: Sequence[torch.Tensor], weights: Sequence[float], config: AggregatorConfig
+    chunks: Sequence[torch.Tensor] | torch.Tensor,
+    weights: Sequence[float],
+    config: AggregatorConfig,
 ) -> torch.Tensor:
-    """Combine decoded chunks (one per sender, same length) per ``config``."""
+    """Combine decoded chunks (one per sender, same length; or a 2-D tensor of them, one
+    row each) per ``config``."""
     if config.method == "trimmed_mean":
         return trimmed_mean(chunks, config.trim)
     if config.method == "centered_clip":

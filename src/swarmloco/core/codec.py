@@ -16,10 +16,12 @@ every machine and backend, so every member of a group that decodes the same byte
 same bits. Accumulation (``acc += w * q * s``) happens only on the member that reduces a part;
 its result is re-quantized before anyone uses it.
 
-Speed: the quantize, error-feedback and decode-accumulate kernels are compiled with
-``torch.compile`` (one fused loop per block, near memory bandwidth on CPU) when the platform
-can compile, and fall back to plain eager torch otherwise. ``scripts/bench_codec.py`` measures
-both against a memory copy.
+Speed: the quantize and error-feedback kernels are compiled with ``torch.compile`` (one
+fused loop per block) when the platform can compile, and fall back to plain eager torch
+otherwise. Decoding is not compiled: inductor's CPU code reads int8 eight values at a time
+through a partial load, and torch's own mixed-type ``mul(out=)`` / ``addcmul_`` run twice as
+fast on the same input (one pass, no temporary), on every backend. ``scripts/bench_codec.py``
+measures both against a memory copy.
 """
 
 from __future__ import annotations
@@ -132,20 +134,29 @@ def _quantize_into_kernel(
     scale_out.copy_(scale)
 
 
-def _dequantize_kernel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float()[:, None]
+def _decode_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, weight: float) -> None:
+    """``out = float(q) * (s * weight)`` per block: one rounding per element, the same
+    bits as ``q.float() * s`` when ``weight`` is 1."""
+    s = scale.float() if weight == 1.0 else scale.float() * weight
+    torch.mul(q, s[:, None], out=out)
 
 
-def _accumulate_kernel(
-    acc: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, weight: float
+def _accumulate(acc: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, weight: float) -> None:
+    """``acc += float(q) * (s * weight)`` per block, in one pass (the product and the sum
+    may be rounded once, as one fused multiply-add)."""
+    acc.addcmul_(q, (scale.float() * weight)[:, None])
+
+
+def _subtract_kernel(acc: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    acc.sub_(q.float() * scale.float()[:, None])  # the product rounded, then the difference
+
+
+def _trim_pair_kernel(
+    hi: torch.Tensor, lo: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
 ) -> None:
-    acc.add_(q.float() * (scale.float() * weight)[:, None])
-
-
-def _decode_into_kernel(
-    out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, weight: float
-) -> None:
-    out.copy_(q.float() * (scale.float() * weight)[:, None])
+    x = q.float() * scale.float()[:, None]
+    lo.copy_(torch.minimum(hi, x))
+    hi.copy_(torch.maximum(hi, x))
 
 
 def _trim_one_kernel(
@@ -156,16 +167,14 @@ def _trim_one_kernel(
     scale: torch.Tensor,
 ) -> None:
     x = q.float() * scale.float()[:, None]
-    fell = torch.minimum(hi, x)  # what the largest so far does not keep: -inf while empty
-    arrived = fell > float("-inf")
-    out = torch.where(arrived, torch.maximum(lo, fell), float("inf"))  # +inf: nothing
+    fell = torch.minimum(hi, x)  # what the largest so far does not keep
     hi.copy_(torch.maximum(hi, x))
-    lo.copy_(torch.where(arrived, torch.minimum(lo, fell), lo))
-    middle.add_(torch.where(out < float("inf"), out, 0.0))
+    middle.add_(torch.maximum(lo, fell))  # of the two below the largest, the larger
+    lo.copy_(torch.minimum(lo, fell))
 
 
 class _Kernels:
-    """The three kernels, compiled on first use when the backend allows it."""
+    """The kernels, compiled on first use when the backend allows it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -271,10 +280,12 @@ def quantize(
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, block_size: int, backend: Backend = "auto"
 ) -> torch.Tensor:
-    """Decode int8 values: one IEEE multiplication per element, identical everywhere."""
+    """Decode int8 values: one IEEE multiplication per element, identical everywhere
+    (``backend`` is accepted for symmetry with the encoders; decoding never compiles)."""
     qb = _blocks(q, block_size, "payload")
     _check_decode_args(qb, scale)
-    out = _KERNELS.run("dequantize", _dequantize_kernel, backend, qb, scale)
+    out = torch.empty(qb.shape, dtype=torch.float32)
+    _decode_into(out, qb, scale, 1.0)
     return out.view(-1)
 
 
@@ -287,7 +298,7 @@ def dequantize_accumulate_(
 ) -> None:
     """``acc += weight * decode(q, scale)`` in place, in one pass."""
     ab, qb = _decode_target(acc, q, scale, weight, config, "accumulator")
-    _KERNELS.run("accumulate", _accumulate_kernel, config.backend, ab, qb, scale, float(weight))
+    _accumulate(ab, qb, scale, float(weight))
 
 
 def dequantize_into_(
@@ -304,7 +315,7 @@ def dequantize_into_(
     starts each reducer's sum with its first contribution, so no buffer is zero-filled.
     """
     ob, qb = _decode_target(out, q, scale, weight, config, "output")
-    _KERNELS.run("decode_into", _decode_into_kernel, config.backend, ob, qb, scale, float(weight))
+    _decode_into(ob, qb, scale, float(weight))
 
 
 def dequantize_trim_one_(
@@ -314,15 +325,28 @@ def dequantize_trim_one_(
     q: torch.Tensor,
     scale: torch.Tensor,
     config: CodecConfig,
+    *,
+    taken: int,
 ) -> None:
     """Decode one row into a running trimmed mean that drops one value at each end, in
     one pass: per coordinate ``hi`` keeps the largest value so far, ``lo`` the smallest,
-    and every other value is added to ``middle``. Start from ``hi = -inf``, ``lo = +inf``,
-    ``middle = 0`` (the codec never decodes an infinity, so they mean *none yet*); after
-    ``n >= 3`` rows the trimmed mean is ``middle / (n - 2)``."""
+    and every other value is added to ``middle``. ``taken`` is the number of rows already
+    in: the first row is written to ``hi``, the second splits into ``hi`` and ``lo``, the
+    third starts ``middle`` (none of the three needs initialised buffers before it writes
+    them). After ``n >= 3`` rows the trimmed mean is ``middle / (n - 2)``; nothing is ever
+    subtracted, so a huge value cannot cancel the others."""
+    require_int("taken", taken, minimum=0)
     mb, qb = _decode_target(middle, q, scale, 1.0, config, "middle sum")  # checks q, scale
     hb = _blocks_like(hi, mb, config, "largest values")
     lb = _blocks_like(lo, mb, config, "smallest values")
+    if taken == 0:
+        _decode_into(hb, qb, scale, 1.0)
+        return
+    if taken == 1:
+        _KERNELS.run("trim_pair", _trim_pair_kernel, config.backend, hb, lb, qb, scale)
+        return
+    if taken == 2:
+        mb.zero_()
     _KERNELS.run("trim_one", _trim_one_kernel, config.backend, hb, lb, mb, qb, scale)
 
 
@@ -460,8 +484,9 @@ class ErrorFeedback:
         except CodecError:
             self.residual.copy_(self._backup)
             raise
-        # acc + (-1) * (q * s) is exactly acc - q * s: the residual is the true error.
-        dequantize_accumulate_(self.residual, q, scale, -1.0, self.config)
+        # Exactly acc - decode(q, s) (no fused multiply-add): the residual is the true error.
+        rb, qb = _decode_target(self.residual, q, scale, 1.0, self.config, "residual")
+        _KERNELS.run("subtract", _subtract_kernel, self.config.backend, rb, qb, scale)
         self._can_rollback = True
         return q, scale
 
@@ -490,7 +515,11 @@ def warm_up(config: CodecConfig) -> float:
     dequantize(q, scale, config.block_size, config.backend)
     acc = torch.zeros_like(x)
     dequantize_accumulate_(acc, q, scale, 0.5, config)
+    ErrorFeedback(x.numel(), config).encode(x)
     dequantize_into_(acc, q, scale, config, 2.0)
+    hi, lo = torch.empty_like(x), torch.empty_like(x)
+    for taken in range(3):  # a public run's trimmed mean
+        dequantize_trim_one_(hi, lo, acc, q, scale, config, taken=taken)
     return time.monotonic() - started
 
 

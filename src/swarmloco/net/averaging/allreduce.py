@@ -241,9 +241,10 @@ class Averager:
 
 class Scratch:
     """Buffers reused from round to round: fresh memory costs a page fault per 4 KiB, which
-    for a 100 MB model is more CPU than quantizing it."""
+    for a 100 MB model is more CPU than quantizing it. Up to ``keep`` of one size are kept
+    (a robust reducer holds a few chunks' rows at once)."""
 
-    def __init__(self, keep: int = 2) -> None:
+    def __init__(self, keep: int = 8) -> None:
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self._keep = keep
 

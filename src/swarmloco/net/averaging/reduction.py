@@ -47,7 +47,7 @@ part back to its pace.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -55,7 +55,6 @@ from swarmloco.core.aggregate import AggregatorConfig, TrimmedAccumulator, aggre
 from swarmloco.core.codec import (
     ChunkSpan,
     CodecConfig,
-    dequantize,
     dequantize_accumulate_,
     dequantize_into_,
     quantize,
@@ -84,6 +83,7 @@ class PartReduction:
         now: float,
         buffer: torch.Tensor | None = None,
         norm_bound: float = math.inf,
+        take: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self.part = part
         self.epoch = epoch
@@ -104,9 +104,23 @@ class PartReduction:
         self._trimmed: dict[int, TrimmedAccumulator] | None = None
         if aggregator.method == "trimmed_mean":
             self._trimmed = {}
+        # Robust modes keep a few rows per chunk until it completes: each chunk's rows live
+        # in one block of memory, recycled when the chunk is done (``take``: fresh memory,
+        # e.g. a pool kept across rounds; fresh memory costs a page fault per 4 KiB).
+        self._take = take or (lambda numel: torch.empty(numel))
+        self._storage: dict[int, torch.Tensor] = {}
+        self._spare: list[torch.Tensor] = []
         self._weight_sum = [0.0] * len(self.spans)
         self.next_index: dict[int, int] = {s: 0 for s in senders}
         self.live: set[int] = set(self.next_index)
+        # Rows of storage per chunk: the largest, smallest and middle sum of a trimmed mean
+        # that drops one value at each end; every sender's decoded chunk for CenteredClip.
+        self._rows = 0
+        if self._trimmed is not None and aggregator.trim == 1:
+            self._rows = 3
+        elif aggregator.method == "centered_clip":
+            self._rows = len(self.next_index)
+        self._row_len = max((span.numel for span in self.spans), default=0)
         # What one sender's weighted chunk may hold at most, in magnitude, so that the sum
         # of every sender's stays a finite float32.
         self._limit = FLOAT32_MAX / max(1, len(self.next_index))
@@ -178,13 +192,17 @@ class PartReduction:
             elif self._trimmed is not None:
                 trimmer = self._trimmed.get(index)
                 if trimmer is None:
-                    trimmer = self._trimmed[index] = TrimmedAccumulator(self.aggregator.trim)
+                    trimmer = self._trimmed[index] = TrimmedAccumulator(
+                        self.aggregator.trim, self._storage_of(index)
+                    )
                 trimmer.add_quantized(payload, scales, self.codec)
             else:
-                decoded = dequantize(payload, scales, self.codec.block_size, self.codec.backend)
-                if decoded.numel() != span.numel:
-                    raise CodecError(f"chunk decodes to {decoded.numel()} values")
-                self._buffered.setdefault(index, []).append((sender, decoded))
+                received = self._buffered.setdefault(index, [])
+                storage = self._storage_of(index)
+                assert storage is not None  # CenteredClip keeps every sender's row
+                row = storage[len(received), : span.numel]
+                dequantize_into_(row, payload, scales, self.codec)
+                received.append((sender, row))
         except CodecError as exc:
             raise Rejection("bad-chunk", f"chunk {index} of part {self.part}: {exc}") from None
         self._weight_sum[index] += weight
@@ -193,6 +211,19 @@ class PartReduction:
         if remote:
             self._first_remote.setdefault(index, now)
         return True
+
+    def _storage_of(self, index: int) -> torch.Tensor | None:
+        """Chunk ``index``'s rows of memory (``_rows`` x the longest chunk), reused."""
+        if not self._rows:
+            return None
+        storage = self._storage.get(index)
+        if storage is None:
+            if self._spare:
+                storage = self._spare.pop()
+            else:
+                storage = self._take(self._rows * self._row_len).view(self._rows, -1)
+            self._storage[index] = storage
+        return storage
 
     def _check_norm(
         self, sender: int, index: int, payload: torch.Tensor, scales: torch.Tensor
@@ -278,14 +309,17 @@ class PartReduction:
             mean = self._trimmed.pop(k).result()
         else:
             received = self._buffered.pop(k)
-            mean = aggregate(
-                [t for _, t in received], [self.weights[s] for s, _ in received], self.aggregator
-            )
-        if not bool(torch.isfinite(mean).all()):
+            rows = self._storage[k][: len(received), : span.numel]  # in the order received
+            mean = aggregate(rows, [self.weights[s] for s, _ in received], self.aggregator)
+        try:  # quantizing refuses NaN and Inf (a block's scale would not be finite)
+            payload, scales = quantize(mean.contiguous(), self.codec)
+        except CodecError:
             raise RoundAborted(
                 f"the mean of chunk {k} of part {self.part} is not finite; nothing applied"
-            )
-        payload, scales = quantize(mean.contiguous(), self.codec)
+            ) from None
+        storage = self._storage.pop(k, None)
+        if storage is not None:  # the mean was quantized out of it: free for a later chunk
+            self._spare.append(storage)
         self.completed += 1
         return k, payload, scales, contributors
 

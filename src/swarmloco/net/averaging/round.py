@@ -353,6 +353,7 @@ class RoundRun:
             buffer=self._take(self.group.parts[part][1] * self.group.block_size, torch.float32)
             if self.cfg.aggregator.streaming
             else None,
+            take=lambda numel: self._take(numel, torch.float32),
         )
         self.reductions[part] = reduction
         self.backlog[part] = []
