@@ -20,6 +20,7 @@ from avgutil import (
 )
 
 from swarmloco.core.aggregate import AggregatorConfig
+from swarmloco.core.codec import chunk_spans
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import AllReduceResult, Fault, FaultPlan
 
@@ -153,3 +154,85 @@ async def test_an_honest_member_far_above_the_group_is_scaled_to_the_bound_not_s
         scaled = [v * (report.clipped if i == big else 1.0) for i, v in enumerate(vectors)]
         assert_exact(results[0], dict(zip(ids, scaled)), dict.fromkeys(ids, 1.0))
         assert not any(p.averager.rejections.counts for p in peers)
+
+
+@pytest.mark.parametrize("size, liars", [(4, 1), (8, 2)])
+async def test_every_aggregator_keeps_the_honest_mean_against_huge_flipped_and_steady_liars(
+    size, liars
+):
+    """1 of 4 and 2 of 8 members lie, in one round per aggregator and attack: x1e30 with an
+    honest declared norm, sign-flipped x1000, and a constant direction sent at just under
+    the group's bound (the one a norm check cannot catch). The bound each aggregator keeps
+    the honest members' result within, where ``R`` is the largest distance of an honest
+    update from the honest mean (the honest spread) and ``B`` the group's norm bound:
+
+    - huge and flipped updates exceed ``B``: every reducer strikes the liars, so all three
+      aggregators give the honest members' own aggregate (within ``R``);
+    - the steady liar: the mean moves by up to ``liars / size * B`` (and does here);
+      the trimmed mean (trimming as many as there are liars) stays inside the honest
+      values coordinate by coordinate, CenteredClip within ``R`` chunk by chunk.
+    """
+    honest_count = size - liars
+    torch.manual_seed(size)
+    base = torch.randn(64 * 40)
+    honest = [base + 0.1 * torch.randn(base.numel()) for _ in range(honest_count)]
+    stacked = torch.stack(honest)
+    center = stacked.mean(0)
+    spread = float((stacked - center).norm(dim=1).max())
+    slack = 2 * float(stacked.abs().max()) / 127  # int8 rounding, per coordinate
+    norms = sorted(float(h.double().norm()) for h in honest)
+    bound = 4.0 * norms[(len(norms) - 1) // 2]  # every declared norm below is honest's
+    steady = torch.ones(base.numel()) / base.numel() ** 0.5 * bound * 0.999
+    attacks = {
+        "huge": ([h * 1e30 for h in honest[:liars]], [float(h.norm()) for h in honest[:liars]]),
+        "flipped": ([h * -1000 for h in honest[:liars]], [None] * liars),
+        "steady": ([steady.clone() for _ in range(liars)], [None] * liars),
+    }
+    aggregators = [
+        AggregatorConfig(method="mean"),
+        AggregatorConfig(method="trimmed_mean", trim=liars),
+        AggregatorConfig(method="centered_clip"),
+    ]
+    liar_ids = range(honest_count, size)
+    async with averaging_peers(size, clients=tuple(liar_ids)) as peers:
+        ids = [p.peer_id for p in peers]
+        round = 0
+        for aggregator in aggregators:
+            for i, peer in enumerate(peers):  # a liar does not scale its update down
+                clip = 0.0 if i in liar_ids else aggregator.norm_clip
+                peer.averager.config = dataclasses.replace(
+                    FAST, aggregator=dataclasses.replace(aggregator, norm_clip=clip)
+                )
+            for attack, (sent, declared) in attacks.items():
+                round += 1
+                results = _outcomes(
+                    await run_round(
+                        peers,
+                        round,
+                        honest + sent,
+                        [1.0] * size,
+                        timeout=20,
+                        norms=[None] * honest_count + declared,
+                    )
+                )
+                what = f"{aggregator.method}, {attack}"
+                mine = results[:honest_count]
+                assert all(isinstance(r, AllReduceResult) for r in mine), (what, mine)
+                assert_identical(mine)
+                mean = mine[0].mean
+                moved = float((mean - center).norm())
+                struck = attack != "steady"
+                for result in mine:
+                    counted = {m for p in result.report.parts for m in p.included}
+                    assert counted.isdisjoint({ids[i] for i in liar_ids}) == struck, what
+                if struck or aggregator.method == "centered_clip":
+                    for span in chunk_spans(mean.numel(), FAST.codec):
+                        piece = slice(span.start, span.stop)
+                        radius = float((stacked[:, piece] - center[piece]).norm(dim=1).max())
+                        limit = radius + slack * span.numel**0.5
+                        assert float((mean[piece] - center[piece]).norm()) <= limit, what
+                elif aggregator.method == "trimmed_mean":
+                    assert (mean >= stacked.min(0).values - slack).all(), what
+                    assert (mean <= stacked.max(0).values + slack).all(), what
+                else:  # the plain mean follows the steady liars as far as the bound lets it
+                    assert spread < moved <= liars / size * bound + spread, (what, moved)

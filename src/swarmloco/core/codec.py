@@ -134,17 +134,28 @@ def _quantize_into_kernel(
     scale_out.copy_(scale)
 
 
+# torch converts the int8 operand of a mixed-type operation through a temporary of its
+# size: in slices of this many values it stays in cache, and a large vector decodes at the
+# speed of a small one.
+_DECODE_SLICE = 1 << 20
+
+
 def _decode_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, weight: float) -> None:
     """``out = float(q) * (s * weight)`` per block: one rounding per element, the same
     bits as ``q.float() * s`` when ``weight`` is 1."""
-    s = scale.float() if weight == 1.0 else scale.float() * weight
-    torch.mul(q, s[:, None], out=out)
+    s = (scale.float() if weight == 1.0 else scale.float() * weight)[:, None]
+    step = max(1, _DECODE_SLICE // q.shape[1])
+    for i in range(0, q.shape[0], step):
+        torch.mul(q[i : i + step], s[i : i + step], out=out[i : i + step])
 
 
 def _accumulate(acc: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, weight: float) -> None:
     """``acc += float(q) * (s * weight)`` per block, in one pass (the product and the sum
     may be rounded once, as one fused multiply-add)."""
-    acc.addcmul_(q, (scale.float() * weight)[:, None])
+    s = (scale.float() * weight)[:, None]
+    step = max(1, _DECODE_SLICE // q.shape[1])
+    for i in range(0, q.shape[0], step):
+        acc[i : i + step].addcmul_(q[i : i + step], s[i : i + step])
 
 
 def _subtract_kernel(acc: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
