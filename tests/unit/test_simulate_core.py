@@ -5,9 +5,16 @@ import pytest
 import torch
 
 from swarmloco.core import codec
+from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.core.codec import CodecConfig
 from swarmloco.core.runspec import RunSpec
-from swarmloco.train.simulate import SimulationConfig, exchange_mean, run_diloco, simulate
+from swarmloco.train.simulate import (
+    SimulationConfig,
+    exchange_mean,
+    lie,
+    run_diloco,
+    simulate,
+)
 from swarmloco.train.spec import DataSpec, GPTConfig
 from swarmloco.train.tasks import get_task
 
@@ -190,3 +197,45 @@ def test_one_worker_averaging_every_step_with_outer_lr_1_is_plain_training():
         loss(net, next(stream)).backward()
         opt.step()
     assert got.diloco.final_eval_loss == pytest.approx(evaluate(net), rel=1e-5)
+
+
+def test_a_simulated_round_bounds_and_strikes_as_a_real_one():
+    g = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(1024, generator=g) for _ in range(4)]
+    deltas[0] = deltas[0] * 10  # an honest update far above the others: scaled down
+    norms = [float(d.norm()) for d in deltas]
+    for attack in ("huge", "flipped"):
+        declared = norms[:3] + [norms[3] * (1000 if attack == "flipped" else 1)]
+        bound = 4.0 * sorted(declared)[1]  # the lower median of four declared norms
+        sent, weights = lie(deltas, 1, attack, 4.0)
+        assert weights == [1.0, 1.0, 1.0, 0.0], attack  # the liar is struck
+        assert float(sent[0].norm()) == pytest.approx(bound, rel=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(sent[1:3], deltas[1:3], strict=True))
+    bound = 4.0 * sorted(norms)[1]
+    sent, weights = lie(deltas, 2, "steady", 4.0)  # one direction, just inside the bound
+    assert weights == [1.0] * 4
+    assert torch.equal(sent[2], sent[3])
+    assert float(sent[3].norm()) == pytest.approx(0.999 * bound, rel=1e-4)
+    assert float(sent[3].min()) == float(sent[3].max())
+    mean = exchange_mean(sent, weights, "fp32", CodecConfig())
+    assert float((mean - sum(sent[:2]) / 4).norm()) > 0.4 * bound  # the mean follows them
+
+
+def test_steady_liars_move_the_mean_of_a_short_run_and_not_its_trimmed_mean(small):
+    """One of three workers sends one fixed direction at the bound every round: the plain
+    mean ends far from the clean run, the trimmed mean close to it."""
+    task, model, data, run = small
+    sim = SimulationConfig(workers=3, steps=20, eval_every=20, eval_windows=32)
+    losses = {}
+    for method in ("mean", "trimmed_mean"):
+        spec = dataclasses.replace(
+            run.spec, sync_every=5, aggregator=AggregatorConfig(method=method, trim=1)
+        )
+        arm = dataclasses.replace(run, spec=spec)
+        for liars in (0, 1):
+            result = run_diloco(
+                task, model, data, arm, dataclasses.replace(sim, liars=liars), progress=False
+            )
+            losses[method, liars] = result.final_eval_loss
+    assert losses["mean", 1] > 1.04 * losses["mean", 0], losses
+    assert losses["trimmed_mean", 1] < 1.02 * losses["trimmed_mean", 0], losses

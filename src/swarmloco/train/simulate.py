@@ -44,6 +44,8 @@ from swarmloco.train.spec import DataSpec
 from swarmloco.train.tasks import RunConfig, Task, build_task_model
 
 Exchange = Literal["int8", "fp32"]
+Attack = Literal["huge", "flipped", "steady"]
+ATTACKS: tuple[Attack, ...] = ("huge", "flipped", "steady")
 SYNC_WORKER_ID = 1_000_000  # the baseline's data stream, apart from every worker's
 WARM_WORKER_ID = 2_000_000  # the shared warm start's stream, seen by no arm after it
 
@@ -80,10 +82,21 @@ class SimulationConfig:
     """Where the workers train (cpu, cuda, cuda:1, ...)."""
     eval_windows: int | None = None
     """Held-out windows the eval loss is the mean of (None: the data spec's default)."""
+    liars: int = 0
+    """DiLoCo arms: how many workers (the last ones) send ``attack`` instead of their
+    update each round. With liars, every round is bounded as a real one is (see
+    :func:`exchange_mean`)."""
+    attack: Attack = "steady"
+    """What the liars send: ``huge`` (their update x1e30, declaring its honest norm),
+    ``flipped`` (x -1000, declared as it is) or ``steady`` (one fixed direction at just
+    under the bound, declaring an honest norm)."""
 
     def __post_init__(self) -> None:
         require_int("workers", self.workers, minimum=1)
         require_int("steps", self.steps, minimum=1)
+        require_int("liars", self.liars, minimum=0)
+        require(self.liars < self.workers, "liars must leave at least one honest worker")
+        require(self.attack in ATTACKS, f"attack must be one of {ATTACKS}, got {self.attack!r}")
         if self.eval_windows is not None:
             require_int("eval_windows", self.eval_windows, minimum=1)
         require(
@@ -116,6 +129,46 @@ class ArmResult:
         }
 
 
+def lie(
+    deltas: list[torch.Tensor], liars: int, attack: Attack, norm_clip: float
+) -> tuple[list[torch.Tensor], list[float]]:
+    """What a round of real peers would average when the last ``liars`` members send
+    ``attack``: every member declares a norm, the bound is ``norm_clip`` times the lower
+    median of the declared norms, an honest update above it is scaled down to it, and a
+    liar's update above it is struck by every reducer (``norm_clip`` 0: no bound). Returns
+    the updates that count and their weights (1 each; 0 for a struck one)."""
+    honest = len(deltas) - liars
+    sent = list(deltas[:honest])
+    declared = [float(d.double().norm()) for d in deltas]
+    for d in deltas[honest:]:
+        if attack == "huge":  # declares the norm of its real update
+            sent.append(d * 1e30)
+        elif attack == "flipped":
+            sent.append(d * -1000.0)
+        else:
+            sent.append(torch.zeros_like(d))  # the direction is set once the bound is known
+    if attack == "flipped":  # declares what it sends; huge and steady liars look honest
+        for i in range(honest, len(deltas)):
+            declared[i] = float(sent[i].double().norm())
+    bound = norm_clip * sorted(declared)[(len(declared) - 1) // 2] if norm_clip else 0.0
+    if attack == "steady":
+        size = bound if norm_clip else max(declared[:honest])
+        for i in range(honest, len(deltas)):
+            n = sent[i].numel()
+            sent[i] = torch.full_like(sent[i], size * 0.999 / n**0.5)
+    weights = [1.0] * len(sent)
+    if norm_clip:
+        for i, update in enumerate(sent):
+            norm = float(update.double().norm())
+            if norm <= bound:
+                continue
+            if i < honest:
+                sent[i] = update * (bound / norm * (1 - 1e-6))
+            else:
+                weights[i] = 0.0
+    return sent, weights
+
+
 def exchange_mean(
     deltas: list[torch.Tensor],
     weights: list[float],
@@ -125,7 +178,13 @@ def exchange_mean(
     aggregator: AggregatorConfig | None = None,
 ) -> torch.Tensor:
     """The mean the all-reduce would deliver for these block-aligned updates: weighted, or
-    by ``aggregator`` (a robust one combines the decoded updates, as a reducer would)."""
+    by ``aggregator`` (a robust one combines the decoded updates, as a reducer would).
+    A weight of 0 leaves an update out (a member struck from the round)."""
+    if any(w == 0.0 for w in weights):
+        kept = [i for i, w in enumerate(weights) if w != 0.0]
+        deltas = [deltas[i] for i in kept]
+        feedback = [feedback[i] for i in kept] if feedback else None
+        weights = [weights[i] for i in kept]
     total = sum(weights)
     if aggregator is not None and aggregator.method != "mean":
         decoded = []
@@ -174,11 +233,14 @@ def diloco_arm(
     layer_unit: LayerUnit = default_layer_unit,
     label: str = "diloco",
     progress: bool = True,
+    liars: int = 0,
+    attack: Attack = "steady",
 ) -> ArmResult:
     """DiLoCo over ``workers`` (each starting from ``template``'s weights): inner steps in
     turn, outer Nesterov on fragments per the streaming schedule, the exchange computed as
     the all-reduce would (``exchange_mean``). The same :class:`DilocoState` and schedule as
-    a real peer's; ``evaluate`` scores the global model."""
+    a real peer's; ``evaluate`` scores the global model. ``liars``: the last workers send
+    ``attack`` each round instead of their update (:func:`lie`)."""
     codec = spec.codec
     signature = signature_of(
         template, fragments=spec.fragments, block_size=codec.block_size, layer_unit=layer_unit
@@ -210,6 +272,9 @@ def diloco_arm(
             for p, buf in zip(params, scratch, strict=True)
         ]
         weights = [1.0] * len(workers)  # equal tokens per worker in a simulation
+        if liars:
+            aggregator = spec.averaging_aggregator or AggregatorConfig()
+            deltas, weights = lie(deltas, liars, attack, aggregator.norm_clip)
         mean = exchange_mean(
             deltas,
             weights,
@@ -350,6 +415,8 @@ def run_diloco(
         layer_unit=task.layer_unit,
         label=label,
         progress=progress,
+        liars=sim.liars,
+        attack=sim.attack,
     )
 
 
