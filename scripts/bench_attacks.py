@@ -8,7 +8,9 @@ in which the last ``liars`` of ``workers`` send, every round, instead of their u
    huge     their update x1e30, declaring its honest norm
    flipped  their update x -1000, declared as it is
    steady   one fixed direction at just under the group's norm bound, declaring an
-            honest norm (the attack a norm check cannot catch)
+            honest norm (an attack a norm check cannot catch)
+   reversed their update reversed and stretched to just under the bound, declaring an
+            honest norm (the strongest push against training that passes the check)
 
 Every round is bounded as a real one is (``swarmloco.train.simulate.lie``): the bound is 4x
 the lower median of the declared norms, honest updates above it are scaled down, and a liar

@@ -205,7 +205,7 @@ def test_a_simulated_round_bounds_and_strikes_as_a_real_one():
     deltas[0] = deltas[0] * 10  # an honest update far above the others: scaled down
     norms = [float(d.norm()) for d in deltas]
     for attack in ("huge", "flipped"):
-        declared = norms[:3] + [norms[3] * (1000 if attack == "flipped" else 1)]
+        declared = [*norms[:3], norms[3] * (1000 if attack == "flipped" else 1)]
         bound = 4.0 * sorted(declared)[1]  # the lower median of four declared norms
         sent, weights = lie(deltas, 1, attack, 4.0)
         assert weights == [1.0, 1.0, 1.0, 0.0], attack  # the liar is struck
@@ -219,6 +219,11 @@ def test_a_simulated_round_bounds_and_strikes_as_a_real_one():
     assert float(sent[3].min()) == float(sent[3].max())
     mean = exchange_mean(sent, weights, "fp32", CodecConfig())
     assert float((mean - sum(sent[:2]) / 4).norm()) > 0.4 * bound  # the mean follows them
+    sent, weights = lie(deltas, 1, "reversed", 4.0)  # its own update, turned around
+    assert weights == [1.0] * 4
+    assert float(sent[3].norm()) == pytest.approx(0.999 * bound, rel=1e-4)
+    cosine = torch.nn.functional.cosine_similarity(sent[3], deltas[3], dim=0)
+    assert float(cosine) == pytest.approx(-1.0, abs=1e-5)
 
 
 def test_steady_liars_move_the_mean_of_a_short_run_and_not_its_trimmed_mean(small):

@@ -44,8 +44,8 @@ from swarmloco.train.spec import DataSpec
 from swarmloco.train.tasks import RunConfig, Task, build_task_model
 
 Exchange = Literal["int8", "fp32"]
-Attack = Literal["huge", "flipped", "steady"]
-ATTACKS: tuple[Attack, ...] = ("huge", "flipped", "steady")
+Attack = Literal["huge", "flipped", "steady", "reversed"]
+ATTACKS: tuple[Attack, ...] = ("huge", "flipped", "steady", "reversed")
 SYNC_WORKER_ID = 1_000_000  # the baseline's data stream, apart from every worker's
 WARM_WORKER_ID = 2_000_000  # the shared warm start's stream, seen by no arm after it
 
@@ -88,8 +88,10 @@ class SimulationConfig:
     :func:`exchange_mean`)."""
     attack: Attack = "steady"
     """What the liars send: ``huge`` (their update x1e30, declaring its honest norm),
-    ``flipped`` (x -1000, declared as it is) or ``steady`` (one fixed direction at just
-    under the bound, declaring an honest norm)."""
+    ``flipped`` (x -1000, declared as it is), ``steady`` (one fixed direction at just
+    under the bound, declaring an honest norm) or ``reversed`` (their update reversed and
+    stretched to just under the bound, declaring an honest norm: the strongest push
+    against training that passes the norm check)."""
 
     def __post_init__(self) -> None:
         require_int("workers", self.workers, minimum=1)
@@ -146,16 +148,17 @@ def lie(
         elif attack == "flipped":
             sent.append(d * -1000.0)
         else:
-            sent.append(torch.zeros_like(d))  # the direction is set once the bound is known
+            sent.append(d.clone())  # scaled once the bound is known
     if attack == "flipped":  # declares what it sends; huge and steady liars look honest
         for i in range(honest, len(deltas)):
             declared[i] = float(sent[i].double().norm())
     bound = norm_clip * sorted(declared)[(len(declared) - 1) // 2] if norm_clip else 0.0
-    if attack == "steady":
-        size = bound if norm_clip else max(declared[:honest])
-        for i in range(honest, len(deltas)):
-            n = sent[i].numel()
-            sent[i] = torch.full_like(sent[i], size * 0.999 / n**0.5)
+    size = 0.999 * (bound if norm_clip else max(declared[:honest]))
+    for i in range(honest, len(deltas)):
+        if attack == "steady":
+            sent[i] = torch.full_like(sent[i], size / sent[i].numel() ** 0.5)
+        elif attack == "reversed":
+            sent[i] = sent[i] * (-size / max(float(sent[i].double().norm()), 1e-30))
     weights = [1.0] * len(sent)
     if norm_clip:
         for i, update in enumerate(sent):
