@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Codec throughput against a plain memory copy, in one run. Prints one JSON object.
 
-GB/s are of fp32 input (4 bytes per element). The compiled codec is the default on CPU
-peers; the eager figures are the fallback used where torch.compile is unavailable.
+GB/s are of fp32 input (4 bytes per element). Quantizing (and error feedback) is
+compiled on CPU peers; the eager figures are the fallback used where torch.compile is
+unavailable. Decoding runs torch's own kernels under either backend (inductor's int8 loads
+are slower), so its "eager" and "compiled" figures measure the same code.
 
     python scripts/bench_codec.py [--numel 25000000] [--repeats 15]
 """

@@ -213,10 +213,9 @@ SCALING_TARGETS = {1: 1.0, 2: 1.015, 4: 1.04}  # workers -> at most this times d
 def _scaling_run(job: tuple[Any, ...]) -> dict[str, Any]:
     """One run of the scaling grid, from scratch, in this (spawned) process: data-parallel
     (``workers`` None) or DiLoCo with ``workers`` workers."""
-    seed, preset, run, sim, workers, progress = job
+    seed, model, run, sim, workers, progress = job
     torch.set_num_threads(1)
     task = get_task("gpt-bytes")
-    model = resolve_model(task, preset)
     data = task.load_data(model, DataSpec())
     run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, seed=seed))
     if workers is None:
@@ -270,10 +269,27 @@ def _scaled_run(base: Any, *, batch: int, steps: int, lr: float, warmup: float, 
     )
 
 
+def _model_overrides(text: str) -> dict[str, int | float]:
+    """``n_layer=2,n_embd=64`` as a mapping (numbers only: every GPT field is one)."""
+    out: dict[str, int | float] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--model takes KEY=VALUE pairs, got {item!r}")
+        try:
+            out[key.strip()] = float(value) if "." in value else int(value)
+        except ValueError:
+            raise SystemExit(f"--model {key}: {value!r} is not a number") from None
+    return out
+
+
 def scaling(args: argparse.Namespace) -> dict[str, Any]:
     """The scaling protocol (see the module docstring); the JSON object it prints."""
     task = get_task("gpt-bytes")
-    model = resolve_model(task, args.preset)
+    try:
+        model = resolve_model(task, args.preset, _model_overrides(args.model))
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--model: {e}") from None
     base = task.default_run(args.preset)
     params = sum(p.numel() for p in build_task_model(task, model, base).parameters())
     seq_len = int(model["seq_len"])
@@ -282,20 +298,21 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(x) for x in args.worker_counts.split(",")]
     multiples = [int(x) for x in args.batch_multiples.split(",")]
     outer_lrs = [float(x) for x in args.outer_lrs.split(",")]
+    lr_factors = [float(x) for x in args.diloco_lr_factors.split(",")]
     dp_lrs = (
         [float(x) for x in args.dp_lrs.split(",")]
         if args.dp_lrs
         else [base.inner.lr * f for f in (0.5, 1.0, 2.0)]
     )
     sync_every = args.sync_every or 30
-    cells: list[tuple[int, int, float]] = []
+    cells: list[tuple[int, int, float, float]] = []
     for m in counts:
         for k in multiples:
             if (k * args.dp_batch) % m:
                 raise SystemExit(
                     f"{k} x --dp-batch {args.dp_batch} cannot be shared by {m} workers"
                 )
-            cells.extend((m, k, lr) for lr in outer_lrs)
+            cells.extend((m, k, lr, f) for lr in outer_lrs for f in lr_factors)
 
     def steps_at(batch_in_all: int) -> int:
         steps = tokens // (batch_in_all * seq_len)
@@ -323,7 +340,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         dp_jobs = [
             (
                 seed,
-                args.preset,
+                model,
                 _scaled_run(base, batch=args.dp_batch, steps=dp_steps, lr=lr, warmup=args.warmup),
                 sim_for(dp_steps),
                 None,
@@ -340,29 +357,27 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             ]
             dp_grid.append({"lr": lr, "per_seed": losses, "final_eval_loss": _mean(losses)})
         dp_best = min(dp_grid, key=lambda c: c["final_eval_loss"])
-        # 2. DiLoCo at every cell, the data-parallel lr
+        # 2. DiLoCo at every cell, its inner lr a multiple of the data-parallel one
         jobs = []
-        for m, k, outer_lr in cells:
+        for m, k, outer_lr, factor in cells:
             steps = steps_at(k * args.dp_batch)
             cell_run = _scaled_run(
                 base,
                 batch=k * args.dp_batch // m,
                 steps=steps,
-                lr=dp_best["lr"],
+                lr=dp_best["lr"] * factor,
                 warmup=args.warmup,
                 sync_every=sync_every,
                 outer_lr=outer_lr,
                 outer_momentum=args.outer_momentum,
             )
-            jobs.extend(
-                (seed, args.preset, cell_run, sim_for(steps), m, args.progress) for seed in seeds
-            )
+            jobs.extend((seed, model, cell_run, sim_for(steps), m, args.progress) for seed in seeds)
         results = _run_all(pool, jobs, args.runs_log)
     by_workers: dict[str, Any] = {}
     out_targets: dict[str, bool] = {}
     for m in counts:
         grid = []
-        for i, (cm, k, outer_lr) in enumerate(cells):
+        for i, (cm, k, outer_lr, factor) in enumerate(cells):
             if cm != m:
                 continue
             losses = [r["final_eval_loss"] for r in results[i * len(seeds) : (i + 1) * len(seeds)]]
@@ -370,6 +385,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
                 {
                     "batch_multiple": k,
                     "outer_lr": outer_lr,
+                    "inner_lr": dp_best["lr"] * factor,
                     "per_seed": losses,
                     "final_eval_loss": _mean(losses),
                 }
@@ -377,7 +393,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         best = min(grid, key=lambda c: c["final_eval_loss"])
         ratios = [a / b for a, b in zip(best["per_seed"], dp_best["per_seed"], strict=True)]
         by_workers[str(m)] = {
-            "best": {"batch_multiple": best["batch_multiple"], "outer_lr": best["outer_lr"]},
+            "best": {k: best[k] for k in ("batch_multiple", "outer_lr", "inner_lr")},
             "final_eval_loss": best["final_eval_loss"],
             "over_data_parallel": _mean(ratios),
             "over_data_parallel_per_seed": ratios,
@@ -395,6 +411,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {
             "task": task.name,
             "preset": args.preset,
+            "model": model,
             "model_params": params,
             "seq_len": seq_len,
             "tokens_per_param": args.tokens_per_param,
@@ -483,6 +500,17 @@ def main() -> None:
         "--batch-multiples", default="1,2,4", help="DiLoCo's batch in all, x --dp-batch"
     )
     scale.add_argument("--outer-lrs", default="0.4,0.7,1.0")
+    scale.add_argument(
+        "--diloco-lr-factors",
+        default="1",
+        help="DiLoCo's inner lrs, as multiples of data-parallel's tuned lr (e.g. 0.5,1)",
+    )
+    scale.add_argument(
+        "--model",
+        default="",
+        help="the preset's model with these fields changed, e.g. n_layer=2,n_embd=64 "
+        "(a model small enough for a CPU grid)",
+    )
     scale.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     scale.add_argument(
         "--runs-log",

@@ -236,3 +236,15 @@ def test_decode_into_overwrites_with_weight_and_checks_like_decode():
         codec.dequantize_into_(out, q, torch.full_like(s, float("inf")), EAGER)
     with pytest.raises(CodecError):
         codec.dequantize_into_(out, q, s, EAGER, weight=float("nan"))
+
+
+def test_auto_runs_eager_kernels_for_a_vector_too_small_to_repay_the_compile():
+    small, large = codec.COMPILE_FROM - 1, codec.COMPILE_FROM
+    assert codec.settle_backend(CodecConfig(), small).backend == "eager"
+    assert codec.settle_backend(CodecConfig(), large).backend == "auto"
+    for explicit in ("compiled", "eager"):  # a peer's own choice is kept at any size
+        config = CodecConfig(backend=explicit)
+        assert codec.settle_backend(config, small).backend == explicit
+        assert codec.settle_backend(config, large).backend == explicit
+    settled = codec.settle_backend(CodecConfig(block_size=128), small)
+    assert settled == CodecConfig(block_size=128, backend="eager")  # nothing else changes

@@ -38,7 +38,7 @@ class AggregatorConfig:
     trim: int = 1
     """trimmed_mean: values dropped at each end, per coordinate."""
     clip_tau: float = 0.0
-    """centered_clip: clipping radius (0: the median distance of the senders to the median)."""
+    """centered_clip: clipping radius (0: the median distance of the others to their medoid)."""
     clip_iterations: int = 5
     """centered_clip: fixed-point iterations."""
     norm_clip: float = 4.0
@@ -223,20 +223,6 @@ class TrimmedAccumulator:
         if self._middle is None:
             return trimmed_mean(self._rows, self.trim)
         return self._middle.div_(self.count - 2 * self.trim)
-
-
-def coordinate_median(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The coordinate-wise lower median (``torch.median``'s choice for an even count)."""
-    n = len(chunks)
-    require(n > 0, "no chunks to aggregate")
-    below = (n - 1) // 2
-    if below * n <= _MAX_COMPARATORS:
-        rest = _drop_extremes(list(chunks), below, 0)
-        out = rest[0]
-        for row in rest[1:]:
-            out = torch.minimum(out, row)
-        return out.clone() if out is chunks[0] else out
-    return torch.stack(list(chunks)).median(dim=0).values
 
 
 # CenteredClip forms its Gram matrices over blocks of this many coordinates: each block's

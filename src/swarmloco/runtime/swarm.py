@@ -53,7 +53,7 @@ import torch
 
 from swarmloco import __version__
 from swarmloco.core.adoption import Evidence
-from swarmloco.core.codec import warm_up
+from swarmloco.core.codec import settle_backend, warm_up
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimate
 from swarmloco.core.runspec import RunSpec
@@ -460,9 +460,12 @@ class Swarm:
         codec = spec.codec
         if cfg.codec_backend is not None:
             codec = dataclasses.replace(codec, backend=cfg.codec_backend)
+        layout = self.signature.layout(codec.block_size)
+        codec = settle_backend(codec, layout.numel)
         seconds = warm_up(codec)  # before any round: compiling stalls the event loop
         logger.info("codec (%s) ready in %.1fs", codec.backend, seconds)
-        self.diloco = DilocoState(self.signature.layout(codec.block_size), spec.outer, codec)
+        self.codec = codec
+        self.diloco = DilocoState(layout, spec.outer, codec)
         self.params = BoxParams(
             parameters_in_order(self.model, self.signature.params), self.diloco.layout, self.box
         )
@@ -607,7 +610,7 @@ class Swarm:
                 identity=self.identity,
                 manifest=self.manifest,
                 config=config,
-                averaging=averaging_config(self.config, spec.codec, spec.averaging_aggregator),
+                averaging=averaging_config(self.config, self.codec, spec.averaging_aggregator),
                 schema=self.diloco.schema,
                 evidence=self.evidence,
                 admission=self.admission,

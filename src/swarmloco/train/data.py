@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,15 +86,19 @@ def _text_files(root: Path, suffixes: tuple[str, ...]) -> list[tuple[str, Path]]
         return [(root.name, root)]
     if not root.is_dir():
         raise DataError(f"data path {root} does not exist")
-    files = []
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if any(part in _SKIP_DIRS for part in rel.parts) or not path.is_file():
-            continue
-        if suffixes and path.suffix not in suffixes:
-            continue
-        files.append((rel.as_posix(), path))
-    return files
+    found: list[tuple[tuple[str, ...], Path]] = []
+    for top, dirs, names in os.walk(root):  # symlinked directories are not entered
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]  # never walked: site-packages is big
+        rel_top = Path(top).relative_to(root).parts
+        for name in names:
+            path = Path(top, name)
+            if name in _SKIP_DIRS or not path.is_file():
+                continue
+            if suffixes and path.suffix not in suffixes:
+                continue
+            found.append(((*rel_top, name), path))
+    found.sort(key=lambda item: item[0])  # the order of the paths' parts, as sorted Paths
+    return [("/".join(parts), path) for parts, path in found]
 
 
 def _load_text(

@@ -26,6 +26,7 @@ from swarmloco.core.codec import (
     dequantize,
     dequantize_accumulate_,
     quantize,
+    settle_backend,
 )
 from swarmloco.core.config import require, require_int
 from swarmloco.core.fragments import FragmentSchedule
@@ -85,7 +86,7 @@ class SimulationConfig:
     liars: int = 0
     """DiLoCo arms: how many workers (the last ones) send ``attack`` instead of their
     update each round. With liars, every round is bounded as a real one is (see
-    :func:`exchange_mean`)."""
+    :func:`lie`)."""
     attack: Attack = "steady"
     """What the liars send: ``huge`` (their update x1e30, declaring its honest norm),
     ``flipped`` (x -1000, declared as it is), ``steady`` (one fixed direction at just
@@ -162,7 +163,7 @@ def lie(
     weights = [1.0] * len(sent)
     if norm_clip:
         for i, update in enumerate(sent):
-            norm = float(update.double().norm())
+            norm = declared[i] if i < honest else float(update.double().norm())
             if norm <= bound:
                 continue
             if i < honest:
@@ -244,11 +245,12 @@ def diloco_arm(
     the all-reduce would (``exchange_mean``). The same :class:`DilocoState` and schedule as
     a real peer's; ``evaluate`` scores the global model. ``liars``: the last workers send
     ``attack`` each round instead of their update (:func:`lie`)."""
-    codec = spec.codec
     signature = signature_of(
-        template, fragments=spec.fragments, block_size=codec.block_size, layer_unit=layer_unit
+        template, fragments=spec.fragments, block_size=spec.codec.block_size, layer_unit=layer_unit
     )
-    state = DilocoState(signature.layout(codec.block_size), spec.outer, codec)
+    layout = signature.layout(spec.codec.block_size)
+    codec = settle_backend(spec.codec, layout.numel)  # as a peer settles it
+    state = DilocoState(layout, spec.outer, codec)
     state.set_global(parameters_in_order(template, signature.params))
     params = [parameters_in_order(w.model, signature.params) for w in workers]
     schedule = FragmentSchedule(spec.streaming)
