@@ -39,11 +39,15 @@ int8_over_fp32 <= 1.005.
 (20) tokens per parameter. Data-parallel training at ``--dp-batch`` is tuned first (inner
 lr over ``--dp-lrs``, best mean over seeds); then DiLoCo with each of ``--worker-counts``
 (1, 2, 4) workers at ``--batch-multiples`` (1, 2, 4) times the data-parallel batch in all
-(each worker a share of it) and each of ``--outer-lrs`` (0.4, 0.7, 1.0), H =
-``--sync-every`` (30), the data-parallel lr, int8 exchange; the best cell per worker count
-(mean over seeds) is compared with data-parallel. Keys: ``data_parallel`` (the lr grid and
-the best), ``by_workers`` (per count: every cell, the best, ``over_data_parallel`` and its
-per-seed values). Targets: 1 worker <= data-parallel, 2 workers <= +1.5%, 4 workers <= +4%.
+(each worker a share of it), each of ``--outer-lrs`` (0.4, 0.7, 1.0) and of
+``--outer-momenta`` (0.5, 0.9), its inner lr data-parallel's times each of
+``--diloco-lr-factors`` (1), H = ``--sync-every`` (30), int8 exchange; the best cell per
+worker count (mean over seeds) is compared with data-parallel. Keys: ``data_parallel``
+(the lr grid and the best), ``by_workers`` (per count: every cell, the best,
+``over_data_parallel`` and its per-seed values). Targets: 1 worker <= data-parallel, 2
+workers <= +1.5%, 4 workers <= +4%. ``--model`` changes the preset's model (a CPU runs the
+grid at toy sizes: ``--model n_layer=2,n_head=2,n_embd=64,seq_len=64``, 0.12M parameters,
+about 100 s a run on one core).
 
     python scripts/bench_convergence.py --protocol scaling --device cuda --preset small
 """
@@ -246,6 +250,7 @@ def _run_all(
                 "batch_per_worker": run.inner.batch_size,
                 "inner_lr": run.inner.lr,
                 "outer_lr": run.spec.outer_lr,
+                "outer_momentum": run.spec.outer_momentum,
                 "steps": run.spec.total_steps,
                 **results[i],
             }
@@ -299,20 +304,23 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     multiples = [int(x) for x in args.batch_multiples.split(",")]
     outer_lrs = [float(x) for x in args.outer_lrs.split(",")]
     lr_factors = [float(x) for x in args.diloco_lr_factors.split(",")]
+    momenta = [float(x) for x in args.outer_momenta.split(",")]
     dp_lrs = (
         [float(x) for x in args.dp_lrs.split(",")]
         if args.dp_lrs
         else [base.inner.lr * f for f in (0.5, 1.0, 2.0)]
     )
     sync_every = args.sync_every or 30
-    cells: list[tuple[int, int, float, float]] = []
+    cells: list[tuple[int, int, float, float, float]] = []
     for m in counts:
         for k in multiples:
             if (k * args.dp_batch) % m:
                 raise SystemExit(
                     f"{k} x --dp-batch {args.dp_batch} cannot be shared by {m} workers"
                 )
-            cells.extend((m, k, lr, f) for lr in outer_lrs for f in lr_factors)
+            cells.extend(
+                (m, k, lr, f, mu) for lr in outer_lrs for f in lr_factors for mu in momenta
+            )
 
     def steps_at(batch_in_all: int) -> int:
         steps = tokens // (batch_in_all * seq_len)
@@ -359,7 +367,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         dp_best = min(dp_grid, key=lambda c: c["final_eval_loss"])
         # 2. DiLoCo at every cell, its inner lr a multiple of the data-parallel one
         jobs = []
-        for m, k, outer_lr, factor in cells:
+        for m, k, outer_lr, factor, momentum in cells:
             steps = steps_at(k * args.dp_batch)
             cell_run = _scaled_run(
                 base,
@@ -369,7 +377,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
                 warmup=args.warmup,
                 sync_every=sync_every,
                 outer_lr=outer_lr,
-                outer_momentum=args.outer_momentum,
+                outer_momentum=momentum,
             )
             jobs.extend((seed, model, cell_run, sim_for(steps), m, args.progress) for seed in seeds)
         results = _run_all(pool, jobs, args.runs_log)
@@ -377,7 +385,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     out_targets: dict[str, bool] = {}
     for m in counts:
         grid = []
-        for i, (cm, k, outer_lr, factor) in enumerate(cells):
+        for i, (cm, k, outer_lr, factor, momentum) in enumerate(cells):
             if cm != m:
                 continue
             losses = [r["final_eval_loss"] for r in results[i * len(seeds) : (i + 1) * len(seeds)]]
@@ -386,6 +394,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
                     "batch_multiple": k,
                     "outer_lr": outer_lr,
                     "inner_lr": dp_best["lr"] * factor,
+                    "outer_momentum": momentum,
                     "per_seed": losses,
                     "final_eval_loss": _mean(losses),
                 }
@@ -393,7 +402,9 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         best = min(grid, key=lambda c: c["final_eval_loss"])
         ratios = [a / b for a, b in zip(best["per_seed"], dp_best["per_seed"], strict=True)]
         by_workers[str(m)] = {
-            "best": {k: best[k] for k in ("batch_multiple", "outer_lr", "inner_lr")},
+            "best": {
+                k: best[k] for k in ("batch_multiple", "outer_lr", "inner_lr", "outer_momentum")
+            },
             "final_eval_loss": best["final_eval_loss"],
             "over_data_parallel": _mean(ratios),
             "over_data_parallel_per_seed": ratios,
@@ -417,7 +428,6 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_param": args.tokens_per_param,
             "dp_batch": args.dp_batch,
             "warmup_fraction": args.warmup,
-            "outer_momentum": args.outer_momentum,
             "exchange": "int8",
             "eval_windows": args.eval_windows,
             "device": args.device,
@@ -470,7 +480,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8, help="per-worker batch")
     p.add_argument("--lr", type=float, default=None, help="inner lr (preset default)")
     p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=None,
+        help="outer Nesterov momentum (default 0.9; --protocol scaling: see --outer-momenta)",
+    )
     p.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo's F")
     p.add_argument("--delay", type=int, default=2, help="Streaming DiLoCo's overlap tau")
     p.add_argument("--alpha", type=float, default=0.5, help="Streaming DiLoCo's mix alpha")
@@ -501,6 +516,12 @@ def main() -> None:
     )
     scale.add_argument("--outer-lrs", default="0.4,0.7,1.0")
     scale.add_argument(
+        "--outer-momenta",
+        default="0.5,0.9",
+        help="outer Nesterov momenta tried (0.9 is the papers'; 0.5 learns better in small, "
+        "small-batch runs)",
+    )
+    scale.add_argument(
         "--diloco-lr-factors",
         default="1",
         help="DiLoCo's inner lrs, as multiples of data-parallel's tuned lr (e.g. 0.5,1)",
@@ -520,12 +541,15 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.protocol == "scaling":
+        if args.outer_momentum is not None:
+            raise SystemExit("--protocol scaling tries every momentum of --outer-momenta")
         args.warmup = 0.05 if args.warmup is None else args.warmup
         if not 0 <= args.warmup < 1:
             raise SystemExit("--warmup is a fraction of the steps with --protocol scaling")
         print(json.dumps(scaling(args), indent=2))
         return
     args.warmup = 50 if args.warmup is None else int(args.warmup)
+    args.outer_momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
     if args.eval_windows < 16:
         raise SystemExit(
             "--eval-windows must be at least 16 (the eval set's standard error "

@@ -24,13 +24,16 @@ def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_b
 ):
     log = tmp_path / "runs.jsonl"
     out = _run(
-        "--protocol", "scaling", "--tokens-per-param", "0.03", "--dp-batch", "4",
+        "--protocol", "scaling", "--model", "n_layer=1,n_head=2,n_embd=32,seq_len=32",
+        "--tokens-per-param", "0.1", "--dp-batch", "4",
         "--sync-every", "4", "--eval-windows", "8", "--seeds", "0",
         "--worker-counts", "1,2", "--batch-multiples", "1,2", "--outer-lrs", "0.7",
-        "--dp-lrs", "3e-3,6e-3", "--parallel", "2", "--runs-log", str(log),
+        "--outer-momenta", "0.5", "--dp-lrs", "3e-3,6e-3", "--parallel", "2",
+        "--runs-log", str(log),
     )  # fmt: skip
     assert out["protocol"] == "scaling" and out["seeds"] == [0] and out["sync_every"] == 4
-    assert out["tokens"] == round(0.03 * out["settings"]["model_params"])
+    assert out["settings"]["model"]["n_embd"] == 32 and out["settings"]["model"]["n_layer"] == 1
+    assert out["tokens"] == round(0.1 * out["settings"]["model_params"])
     dp = out["data_parallel"]
     assert [c["lr"] for c in dp["lr_grid"]] == [3e-3, 6e-3]
     assert dp["final_eval_loss"] == min(c["final_eval_loss"] for c in dp["lr_grid"])
@@ -46,6 +49,8 @@ def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_b
     assert sorted((r["workers"], r["batch_per_worker"]) for r in runs) == [
         (0, 4), (0, 4), (1, 4), (1, 8), (2, 2), (2, 4)
     ]  # fmt: skip
+    assert {r["outer_momentum"] for r in runs if r["workers"]} == {0.5}
+    assert out["by_workers"]["1"]["best"]["outer_momentum"] == 0.5
     by_cell = {(r["workers"], r["batch_per_worker"]): r["final_eval_loss"] for r in runs}
     assert out["by_workers"]["2"]["final_eval_loss"] == min(by_cell[2, 2], by_cell[2, 4])
     assert isinstance(out["target_1_workers_at_most_1.0x_data_parallel"], bool)
@@ -59,6 +64,23 @@ def test_the_scaling_protocol_refuses_a_batch_the_workers_cannot_share():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode != 0 and "cannot be shared by 2 workers" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--outer-momentum", "0.5"], "tries every momentum of --outer-momenta"),
+        (["--model", "n_layer"], "KEY=VALUE"),
+        (["--model", "n_embd=wide"], "is not a number"),
+        (["--model", "n_embd=30,n_head=4"], "divisible by n_head"),
+    ],
+)
+def test_the_scaling_protocol_says_what_is_wrong_with_its_flags(flags, says):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--protocol", "scaling", *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0 and says in result.stderr, result.stderr
 
 
 def test_the_warm_start_protocol_reports_every_ratio_over_its_arms():
