@@ -611,6 +611,13 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     h.add_argument("--outer-lr", type=float, default=None, help="outer learning rate")
     h.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=None,
+        help="outer Nesterov momentum (0.9, the papers'; in small runs with small batches "
+        "0.5 learned better: compare them with `swarmloco simulate --sweep`)",
+    )
+    h.add_argument(
         "--total-steps",
         type=int,
         default=None,
@@ -718,6 +725,7 @@ def _create(args: argparse.Namespace) -> int:
             ("delay", args.delay),
             ("alpha", args.alpha),
             ("outer_lr", args.outer_lr),
+            ("outer_momentum", args.outer_momentum),
             ("seed", args.seed),
             ("total_steps", args.total_steps),
             ("aggregator", args.aggregator),
@@ -1127,6 +1135,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--error-feedback", action="store_true", help="keep the quantization residual")
     p.add_argument("--outer-lr", type=float, default=None, help="outer learning rate (default 0.7)")
     p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=None,
+        help="outer Nesterov momentum (default 0.9)",
+    )
+    p.add_argument(
         "--lr", type=float, default=None, help="inner peak learning rate (preset default)"
     )
     p.add_argument("--batch-size", type=int, default=None, help="sequences per worker step")
@@ -1142,11 +1156,18 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument(
         "--sweep",
         action="store_true",
-        help="try every H of --sweep-sync-every with every outer lr of --sweep-outer-lr "
-        "(one DiLoCo arm each, one baseline) and print them best first",
+        help="try every H of --sweep-sync-every with every outer lr of --sweep-outer-lr and "
+        "every momentum of --sweep-outer-momentum (one DiLoCo arm each, one baseline) and "
+        "print them best first",
     )
     p.add_argument("--sweep-sync-every", default="10,30,100", help="the H values of --sweep")
     p.add_argument("--sweep-outer-lr", default="0.4,0.7,1.0", help="the outer lrs of --sweep")
+    p.add_argument(
+        "--sweep-outer-momentum",
+        default="0.5,0.9",
+        help="the outer momenta of --sweep (0.5 learned better than the papers' 0.9 in small "
+        "runs with small batches)",
+    )
     p.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data streams")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -1202,6 +1223,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
         delay=args.delay,
         alpha=args.alpha,
         outer_lr=run.spec.outer_lr if args.outer_lr is None else args.outer_lr,
+        outer_momentum=(
+            run.spec.outer_momentum if args.outer_momentum is None else args.outer_momentum
+        ),
         codec=dataclasses.replace(run.spec.codec, error_feedback=args.error_feedback),
         seed=args.seed,
     )
@@ -1228,22 +1252,24 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if args.warm_start >= args.steps:
             raise SystemExit(f"--warm-start {args.warm_start} leaves nothing of --steps")
         start = warm_start(task, model, data, run, sim, args.warm_start, progress=progress)
-    grid = [(args.sync_every, spec.outer_lr)]
+    grid = [(args.sync_every, spec.outer_lr, spec.outer_momentum)]
     if args.sweep:
         grid = [
-            (int(h), float(lr))
+            (int(h), float(lr), float(mu))
             for h in args.sweep_sync_every.split(",")
             for lr in args.sweep_outer_lr.split(",")
+            for mu in args.sweep_outer_momentum.split(",")
         ]
     suffix = f"-F{args.fragments}" if args.fragments > 1 else ""
     arms = []
-    for h, outer_lr in grid:
-        arm_run = dataclasses.replace(
-            run, spec=dataclasses.replace(spec, sync_every=h, outer_lr=outer_lr)
+    for h, outer_lr, momentum in grid:
+        arm_spec = dataclasses.replace(
+            spec, sync_every=h, outer_lr=outer_lr, outer_momentum=momentum
         )
+        arm_run = dataclasses.replace(run, spec=arm_spec)
         label = f"diloco-{args.exchange}{suffix}"
         if args.sweep:
-            label += f"-H{h}-lr{outer_lr:g}"
+            label += f"-H{h}-lr{outer_lr:g}-m{momentum:g}"
         arms.append(
             run_diloco(task, model, data, arm_run, sim, progress=progress, label=label, start=start)
         )
@@ -1276,22 +1302,25 @@ def _run_simulate(args: argparse.Namespace) -> int:
             {
                 "sync_every": h,
                 "outer_lr": lr,
+                "outer_momentum": mu,
                 "final_eval_loss": a.final_eval_loss,
                 **({"over_sync": a.final_eval_loss / baseline.final_eval_loss} if baseline else {}),
             }
-            for (h, lr), a in ranked
+            for (h, lr, mu), a in ranked
         ]
         summary["best"] = summary["sweep"][0]
         for row in summary["sweep"]:
             versus = f" ({100 * (row['over_sync'] - 1):+.2f}% vs sync)" if baseline else ""
             print(
                 f"H {row['sync_every']:>4}  outer lr {row['outer_lr']:<4g}  "
+                f"momentum {row['outer_momentum']:<4g}  "
                 f"final eval loss {row['final_eval_loss']:.4f}{versus}",
                 file=sys.stderr,
             )
         best = summary["best"]
         print(
-            f"best: --sync-every {best['sync_every']} --outer-lr {best['outer_lr']:g}",
+            f"best: --sync-every {best['sync_every']} --outer-lr {best['outer_lr']:g} "
+            f"--outer-momentum {best['outer_momentum']:g}",
             file=sys.stderr,
         )
     elif baseline is not None:

@@ -83,6 +83,8 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
             str(tmp_path / "creator"),
             "--warmup",
             "200",
+            "--outer-momentum",
+            "0.5",
             "--no-train",
         )
         assert created.returncode == 0, created.stderr
@@ -95,6 +97,7 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         creator = Identity.load_or_create(tmp_path / "creator").public_key.hex()
         assert f'"creator": "{creator}"' in joined.stdout
         assert '"warmup_steps": 200' in joined.stdout  # --warmup enters the manifest
+        assert '"outer_momentum": 0.5' in joined.stdout  # and so does --outer-momentum
         too_long = swarmloco(
             "create", "--peer", boot.endpoint, "--data-dir", str(tmp_path / "creator"),
             "--warmup", "5000", "--total-steps", "1000", "--no-train",

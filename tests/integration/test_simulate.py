@@ -109,20 +109,19 @@ def test_a_sweep_from_a_warm_start_ranks_every_h_and_outer_lr():
         "4,8",
         "--sweep-outer-lr",
         "0.5,1.0",
+        "--sweep-outer-momentum",
+        "0.5,0.9",
         "--exchange",
         "fp32",
     )
     assert summary["warm_start_steps"] == 8
     rows = summary["sweep"]
-    assert {(r["sync_every"], r["outer_lr"]) for r in rows} == {
-        (4, 0.5),
-        (4, 1.0),
-        (8, 0.5),
-        (8, 1.0),
+    assert {(r["sync_every"], r["outer_lr"], r["outer_momentum"]) for r in rows} == {
+        (h, lr, mu) for h in (4, 8) for lr in (0.5, 1.0) for mu in (0.5, 0.9)
     }
     losses = [r["final_eval_loss"] for r in rows]
     assert losses == sorted(losses) and summary["best"] == rows[0]
-    assert len(set(losses)) == 4  # the grid's settings really differ
+    assert len(set(losses)) == 8  # the grid's settings really differ
     for r in rows:
         assert r["over_sync"] == r["final_eval_loss"] / summary["arms"]["sync"]["final_eval_loss"]
     # Every arm trained the schedule's last 8 steps from the warm start's model: the
@@ -131,4 +130,4 @@ def test_a_sweep_from_a_warm_start_ranks_every_h_and_outer_lr():
     assert len(starts) == 1 and starts.pop() < 5.5
     for name, arm in summary["arms"].items():
         assert arm["eval_curve"][-1][0] == 8, name
-    assert summary["arms"]["diloco-fp32-H4-lr0.5"]["outer_rounds"] == 2
+    assert summary["arms"]["diloco-fp32-H4-lr0.5-m0.9"]["outer_rounds"] == 2
