@@ -4,8 +4,10 @@
 ``--peers`` (4) peer processes on loopback average ``--params`` (25M fp32 = 100 MB) each:
 
 1. swarmloco: each peer is this script with ``--worker swarmloco``: a NetNode, a
-   Matchmaker and an Averager on its own uvloop event loop, torch on one thread. After one
-   warm-up round (the codec kernels compile), ``--rounds`` rounds are timed: matchmaking
+   Matchmaker and an Averager on its own uvloop event loop, torch on one thread, its codec
+   backend settled for the vector's size as a peer's is (compiled, and compiled before the
+   first round, from 4M values). After one warm-up round (connections open, buffers
+   allocated), ``--rounds`` rounds are timed: matchmaking
    (``form_group``) on its own, then the round from the moment the first member holds the
    group to the moment the last member holds the result (the agreement included), and the
    CPU time of each peer process over that span. Bytes are the averaging messages each
@@ -110,10 +112,8 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
     from swarmloco.core.aggregate import AggregatorConfig
     from swarmloco.core.codec import (
         CodecConfig,
-        dequantize_accumulate_,
-        dequantize_into_,
         padded_numel,
-        quantize,
+        settle_backend,
         warm_up,
     )
     from swarmloco.net.averaging import (
@@ -137,9 +137,12 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
         format=f"[peer {args.index}] %(asctime)s %(name)s %(message)s",
     )
     torch.set_num_threads(1)
+    # As a peer does: the backend settled for the vector's size (compiled kernels from 4M
+    # values), compiled before it joins, so that no kernel compiles inside a round.
     codec = CodecConfig(backend="auto")
-    warm_up(codec)  # as a peer does before it joins: no kernel compiles inside a round
     padded = padded_numel(args.params, codec.block_size)
+    codec = settle_backend(codec, padded)
+    warm_up(codec)
 
     async def main() -> None:
         identity = Identity.generate()
@@ -165,11 +168,6 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
         node.server.add_service(averaging_service(matchmaker, averager))
         vector = _vector(args.index, args.params, padded)
         norm = float(torch.linalg.vector_norm(vector, dtype=torch.float64))
-        # Compile the codec kernels now (seconds, once per process), not inside a round.
-        small = torch.randn(4 * codec.block_size)
-        q, scales = quantize(small, codec)
-        dequantize_accumulate_(torch.zeros_like(small), q, scales, 1.0, codec)
-        dequantize_into_(torch.empty_like(small), q, scales, codec)
         mean = torch.empty_like(vector)  # reused every round, as a daemon would
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
@@ -512,7 +510,7 @@ def kill_trials(
         log(f"kill trial {trial}: victim {victim}, {len(digests)} digest(s), {aborted} aborted")
         bootstrap = survivors[0].endpoint
         workers[victim] = Worker("swarmloco", victim, args, bootstrap)
-        # One unmeasured round with the new peer (its codec kernels warm up).
+        # One unmeasured round with the new peer (its connections open).
         swarmloco_round(workers, first_round + args.kill_trials + trial + 1000)
     outcome["kill_abort_reasons"] = reasons
     recovery = outcome.pop("kill_recovery_s")
@@ -554,7 +552,7 @@ def tls_rounds(args: argparse.Namespace, workers: list[Worker]) -> dict[str, Any
     log(f"starting {args.peers} plaintext swarmloco peers")
     plain = start_workers("swarmloco", args, plain=True)
     try:
-        swarmloco_round(plain, 0)  # warm-up: the codec kernels compile
+        swarmloco_round(plain, 0)  # warm-up: connections open, buffers allocated
         times: dict[str, list[float]] = {"tls": [], "plain": []}
         for r in range(args.rounds):
             times["tls"].append(swarmloco_round(workers, 500 + r)["round_s"])
@@ -574,7 +572,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"starting {args.peers} swarmloco peers")
     workers = start_workers("swarmloco", args)
     try:
-        log("warm-up round (the codec kernels compile)")
+        log("warm-up round (connections open, buffers allocated)")
         swarmloco_round(workers, 0)
         rounds = []
         for r in range(1, args.rounds + 1):

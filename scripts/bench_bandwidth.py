@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     prefix=("ip", "netns", "exec", namespace),
                 )
             )
-            log("warm-up round (the codec kernels compile)")
+            log("warm-up round (connections open, buffers allocated)")
             swarmloco_round(workers, 0, deadline=300.0)
             number = 1
             for r in range(args.rounds):
