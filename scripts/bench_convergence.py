@@ -249,11 +249,12 @@ def _run_all(
                 "workers": workers or 0,
                 "batch_per_worker": run.inner.batch_size,
                 "inner_lr": run.inner.lr,
-                "outer_lr": run.spec.outer_lr,
-                "outer_momentum": run.spec.outer_momentum,
                 "steps": run.spec.total_steps,
                 **results[i],
             }
+            if workers:  # data-parallel has no outer step
+                line["outer_lr"] = run.spec.outer_lr
+                line["outer_momentum"] = run.spec.outer_momentum
             with open(log, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
     return results

@@ -50,6 +50,7 @@ def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_b
         (0, 4), (0, 4), (1, 4), (1, 8), (2, 2), (2, 4)
     ]  # fmt: skip
     assert {r["outer_momentum"] for r in runs if r["workers"]} == {0.5}
+    assert not any("outer_lr" in r or "outer_momentum" in r for r in runs if not r["workers"])
     assert out["by_workers"]["1"]["best"]["outer_momentum"] == 0.5
     by_cell = {(r["workers"], r["batch_per_worker"]): r["final_eval_loss"] for r in runs}
     assert out["by_workers"]["2"]["final_eval_loss"] == min(by_cell[2, 2], by_cell[2, 4])
