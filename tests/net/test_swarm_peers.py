@@ -36,7 +36,12 @@ from swarmloco.net.node import NodeConfig
 from swarmloco.runtime.checkpoint import CheckpointStore
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.export import export
-from swarmloco.runtime.network import SwarmNetwork, averaging_config, matchmaking_config
+from swarmloco.runtime.network import (
+    SwarmNetwork,
+    averaging_config,
+    matchmaking_config,
+    peer_codec,
+)
 from swarmloco.runtime.swarm import Swarm, manifest_signature, manifest_spec
 
 pytestmark = pytest.mark.timeout(180)
@@ -329,6 +334,7 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
     manifest = a.swarm.manifest
     assert manifest is not None
     run = manifest_spec(manifest)
+    numel = manifest_signature(manifest).layout(run.codec.block_size).numel
     plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="nan")])
     hostile = Swarm(
         manifest,
@@ -340,10 +346,8 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
             identity=identity,
             manifest=manifest,
             config=cfg,
-            averaging=averaging_config(cfg, run.codec, run.aggregator),
-            schema=StateSchema.diloco(
-                manifest_signature(manifest).layout(run.codec.block_size).numel
-            ),
+            averaging=averaging_config(cfg, peer_codec(cfg, run.codec, numel), run.aggregator),
+            schema=StateSchema.diloco(numel),
             evidence=Evidence(),
             faults=plan,
         ),

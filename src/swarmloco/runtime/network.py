@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from swarmloco.core.adoption import Evidence
-from swarmloco.core.codec import ErrorFeedback, l2_norm
+from swarmloco.core.codec import CodecConfig, ErrorFeedback, l2_norm, settle_backend
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.pacing import ProgressReport
 from swarmloco.core.state import StateSchema, StateSnapshot
@@ -330,10 +330,15 @@ def matchmaking_config(config: PeerConfig) -> MatchmakingConfig:
     return dataclasses.replace(mm, bandwidth=min(limits))
 
 
-def averaging_config(config: PeerConfig, manifest_codec: Any, aggregator: Any) -> AveragingConfig:
-    """The peer's averaging timeouts with the run's codec and aggregator (and this peer's
-    own codec backend)."""
-    codec = manifest_codec
+def peer_codec(config: PeerConfig, codec: CodecConfig, numel: int) -> CodecConfig:
+    """The run's ``codec`` with this peer's backend: its own ``--codec`` if it chose one,
+    else ``auto`` settled for a vector of ``numel`` values (:func:`settle_backend`)."""
     if config.codec_backend is not None:
         codec = dataclasses.replace(codec, backend=config.codec_backend)
+    return settle_backend(codec, numel)
+
+
+def averaging_config(config: PeerConfig, codec: CodecConfig, aggregator: Any) -> AveragingConfig:
+    """The peer's averaging timeouts with the run's aggregator and ``codec`` (the run's,
+    with this peer's backend: :func:`peer_codec`)."""
     return dataclasses.replace(config.averaging, codec=codec, aggregator=aggregator)

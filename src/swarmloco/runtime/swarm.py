@@ -53,7 +53,7 @@ import torch
 
 from swarmloco import __version__
 from swarmloco.core.adoption import Evidence
-from swarmloco.core.codec import settle_backend, warm_up
+from swarmloco.core.codec import warm_up
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimate
 from swarmloco.core.runspec import RunSpec
@@ -87,7 +87,7 @@ from swarmloco.runtime.box import (
 from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.loop_thread import LoopThread
-from swarmloco.runtime.network import SwarmNetwork, averaging_config
+from swarmloco.runtime.network import SwarmNetwork, averaging_config, peer_codec
 from swarmloco.runtime.snapshots import Snapshots
 from swarmloco.train.diloco import DilocoState, fragment_of_round
 
@@ -457,11 +457,8 @@ class Swarm:
         if self.box is not None:
             self.box.tell(Op.MANIFEST)
             self.box.share(manifest.to_bytes())
-        codec = spec.codec
-        if cfg.codec_backend is not None:
-            codec = dataclasses.replace(codec, backend=cfg.codec_backend)
-        layout = self.signature.layout(codec.block_size)
-        codec = settle_backend(codec, layout.numel)
+        layout = self.signature.layout(spec.codec.block_size)
+        codec = peer_codec(cfg, spec.codec, layout.numel)
         seconds = warm_up(codec)  # before any round: compiling stalls the event loop
         logger.info("codec (%s) ready in %.1fs", codec.backend, seconds)
         self.codec = codec
