@@ -357,3 +357,46 @@ async def test_a_node_that_lost_every_contact_joins_again_through_its_entry_poin
         assert lonely.stats["rejoins"] >= 1
         peers = await find_peers(lonely, SWARM)
         assert [p.peer_id for p in peers] == [nodes[0].identity.peer_id_hex]
+
+
+async def test_a_peer_that_stops_answering_costs_one_call_timeout_not_one_per_lookup():
+    """A frozen peer (its link swallows every byte, as a SIGSTOPped process's does) fails
+    one call and is dropped; the others still name it, but lookups skip it until it is
+    heard from again. A call that fails only because this process stalled blames nobody."""
+    from tcpproxy import TcpProxy
+
+    config = DhtConfig(rpc_timeout_s=0.5)
+    async with TcpProxy() as proxy, loopback_network(2, dht=config) as (boot, node):
+        frozen = NetNode(
+            identity=Identity.generate(),
+            config=NodeConfig(peers=(boot.endpoint,), announce_port=proxy.port, dht=config),
+        )
+        proxy.target = lambda: ("127.0.0.1", frozen.server.port)  # type: ignore[union-attr]
+        async with frozen:
+            frozen_id = frozen.identity.peer_id
+            await announce_peer(node.dht, SWARM, role="trainer")  # it meets the frozen one
+            assert frozen_id in node.dht.routing and frozen_id in boot.dht.routing
+            proxy.mode = "blackhole"
+
+            # Our own stall: the call's failure comes long past its deadline.
+            calls = node.dht.stats["calls"]
+            storing = asyncio.ensure_future(announce_peer(node.dht, SWARM, role="trainer"))
+            await wait_for(lambda: node.dht.stats["calls"] >= calls + 2)  # both in flight
+            time.sleep(2.0)  # the whole process stalls (blocks its event loop)
+            await storing
+            assert frozen_id not in node.dht.routing  # dropped, as any failed contact
+            assert not node.dht.unreachable(frozen_id)  # but not blamed
+
+            # Its own silence: one timeout, then the others' word for it is not taken.
+            failed = node.dht.stats["failed_calls"]
+            for _ in range(5):
+                await announce_peer(node.dht, SWARM, role="trainer")
+                assert frozen_id in boot.dht.routing  # the bootstrap still names it
+            assert node.dht.stats["failed_calls"] == failed + 1
+            assert node.dht.unreachable(frozen_id)
+
+            # Thawed, it calls us: it counts again at once.
+            proxy.mode = "pass"
+            await announce_peer(frozen.dht, SWARM, role="trainer")
+            assert not node.dht.unreachable(frozen_id)
+            assert frozen_id in node.dht.routing

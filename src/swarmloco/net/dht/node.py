@@ -69,6 +69,8 @@ logger = logging.getLogger(__name__)
 Resp = TypeVar("Resp", bound=Message)
 _MAX_REPLICATIONS = 16  # newcomers being handed records at once
 _MAX_PENDING_REPLICATIONS = 1024  # newcomers waiting for a hand-off (beyond: republish)
+_MAX_UNREACHABLE = 4096  # contacts remembered as unreachable (beyond: not remembered)
+_OWN_STALL_S = 1.0  # a failed call this late past its deadline: our own stall, not theirs
 _MAX_REPLICATED_KEYS = 4096
 ContactCallback = Callable[[Contact], None]
 
@@ -109,6 +111,10 @@ class DhtConfig:
     """How often a node re-stores its own records (they reach nodes that joined since)."""
     liveness_interval_s: float = 120.0
     """Contacts not heard from for this long are pinged and dropped if they fail."""
+    unreachable_s: float = 30.0
+    """A contact whose call failed is not asked again in lookups for this long when other
+    nodes name it (they may not have noticed yet: a frozen or partitioned peer would cost
+    every lookup a call timeout); it counts again at once when it calls us or answers."""
     sweep_interval_s: float = 60.0
     """How often expired records are dropped from storage."""
     rejoin_interval_s: float = 5.0
@@ -139,6 +145,7 @@ class DhtConfig:
             "refresh_interval_s",
             "republish_interval_s",
             "liveness_interval_s",
+            "unreachable_s",
             "sweep_interval_s",
             "rejoin_interval_s",
             "max_clock_skew_s",
@@ -201,7 +208,7 @@ class _Lookup:
             self.hops = depth - 1
         if contact.peer_id in self.candidates or contact.peer_id == self.node.peer_id:
             return
-        if not contact.reachable:
+        if not contact.reachable or self.node.unreachable(contact.peer_id):
             return
         self.candidates[contact.peer_id] = contact
         self.depth[contact.peer_id] = depth
@@ -335,6 +342,7 @@ class DHTNode:
         self._published: dict[tuple[str, str], Record] = {}
         self._verifying: set[bytes] = set()
         self._replicating: set[bytes] = set()
+        self._unreachable: dict[bytes, float] = {}  # peer id -> until when lookups skip it
         # Bounds concurrent hand-offs; newcomers beyond it wait their turn instead of being
         # skipped (a skipped newcomer would miss its records until the next republish).
         self._replication_slots = asyncio.Semaphore(_MAX_REPLICATIONS)
@@ -720,7 +728,10 @@ class DHTNode:
         try:
             response = await send(contact.endpoint, request, call_deadline)
         except NetworkError as exc:
-            self._failed(contact, str(exc))
+            # A call that ends well past its deadline did not wait for the contact: this
+            # process was stalled or frozen, and the contact may be fine.
+            ours = time.monotonic() - call_deadline.at > _OWN_STALL_S
+            self._failed(contact, str(exc), blame=not ours)
             return None
         answered_as = self._card_from(response.peer, source=contact)  # type: ignore[attr-defined]
         if answered_as is None or answered_as.peer_id != contact.peer_id:
@@ -784,7 +795,19 @@ class DHTNode:
         if self._on_card is not None and contact.peer_id != self.peer_id:
             self._on_card(contact)
 
+    def unreachable(self, peer_id: bytes) -> bool:
+        """Whether a call to this contact failed within ``unreachable_s`` (and it has not
+        been heard from since)."""
+        until = self._unreachable.get(peer_id)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        del self._unreachable[peer_id]
+        return False
+
     def _seen(self, contact: Contact) -> None:
+        self._unreachable.pop(contact.peer_id, None)
         added = self.routing.add(contact, now=time.monotonic())
         if added is not Added.NEW:
             return
@@ -834,8 +857,16 @@ class DHTNode:
                 return
             self.stats["replicated"] += len(records[start : start + batch])
 
-    def _failed(self, contact: Contact, why: str) -> None:
+    def _failed(self, contact: Contact, why: str, *, blame: bool = True) -> None:
+        """Drop a contact whose call failed; with ``blame``, lookups also skip it for
+        ``unreachable_s`` when other nodes name it."""
         self.stats["failed_calls"] += 1
+        now = time.monotonic()
+        if blame:
+            if len(self._unreachable) >= _MAX_UNREACHABLE:
+                self._unreachable = {i: t for i, t in self._unreachable.items() if t > now}
+            if len(self._unreachable) < _MAX_UNREACHABLE:
+                self._unreachable[contact.peer_id] = now + self.config.unreachable_s
         removed, promoted = self.routing.remove(contact.peer_id, now=time.monotonic())
         if removed is not None:
             logger.debug("dropped contact %s: %s", removed, why)
