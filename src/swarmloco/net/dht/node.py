@@ -867,7 +867,7 @@ class DHTNode:
                 self._unreachable = {i: t for i, t in self._unreachable.items() if t > now}
             if len(self._unreachable) < _MAX_UNREACHABLE:
                 self._unreachable[contact.peer_id] = now + self.config.unreachable_s
-        removed, promoted = self.routing.remove(contact.peer_id, now=time.monotonic())
+        removed, promoted = self.routing.remove(contact.peer_id, now=now)
         if removed is not None:
             logger.debug("dropped contact %s: %s", removed, why)
             if self._on_removed is not None:
