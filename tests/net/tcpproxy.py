@@ -49,6 +49,11 @@ class TcpProxy:
         self.delay_s = delay_s
         self._armed = (mode, self.forwarded + after_bytes)
 
+    def cut(self) -> None:
+        """Close every open connection now (new ones go through): after a ``blackhole``,
+        the bytes it swallowed are gone, and a stream going on without them is corrupt."""
+        self._fire("cut")
+
     async def __aenter__(self) -> TcpProxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         return self

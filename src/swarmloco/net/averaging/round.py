@@ -280,16 +280,18 @@ class RoundRun:
         cfg = self.cfg
         tick = min(max(cfg.heartbeat_s / 2, 0.02), 0.5)
         last, judged = self.a.clock(), True
+        resumed = self.started  # silence before this was (also) ours
         while True:
             await asyncio.sleep(tick)
             now = self.a.clock()
             late, last = now - last - tick, now
             if late > tick and judged:
                 # Our own loop stalled (a GC pause, a blocking call): what the members sent
-                # meanwhile is queued, not lost, and their silence was ours. Judge on the
-                # next tick, once it is delivered (a loop late on every tick still judges
-                # every other tick).
-                judged = False
+                # meanwhile is queued, not lost, and their silence was ours. From now on
+                # each member has a whole liveness timeout to be heard (what it sent may
+                # take more than a tick to come through); judge again on the next tick (a
+                # loop late on every tick still judges every other tick).
+                judged, resumed = False, now
                 continue
             judged = True
             for part, reduction in list(self.reductions.items()):
@@ -303,13 +305,13 @@ class RoundRun:
                 # talk on the streams it opened to us, and the other way round.
                 out = self.outgoing.get(member)
                 if out is not None and self._waiting_on_output(member):
-                    silent = now - out.last_heard
+                    silent = now - max(out.last_heard, resumed)
                     if silent > cfg.liveness_timeout_s:
                         self.fail(member, f"silent for {silent:.1f}s (its answers)")
                         continue
                 if self._waiting_on_input(member):
                     inc = self.incoming.get(member)
-                    silent = now - (inc.last_heard if inc is not None else self.started)
+                    silent = now - max(inc.last_heard if inc is not None else 0.0, resumed)
                     if silent > cfg.liveness_timeout_s:
                         self.fail(member, f"silent for {silent:.1f}s (its stream to us)")
                         continue
