@@ -26,6 +26,19 @@ def digests_of(peer: PeerProcess) -> dict[int, str]:
     return out
 
 
+def stop_once_averaged_together(newcomer: PeerProcess, other: PeerProcess) -> dict:
+    """Wait for ``newcomer``'s first round averaged with ``other`` (a group of two) and for
+    ``other`` to have applied that round too; stop both with SIGTERM; return that round's
+    event."""
+    together = newcomer.wait_for("round", lambda e: e["group"] == 2, timeout=180)
+    other.wait_for("round", lambda e: e["round"] >= together["round"], timeout=60)
+    for p in (other, newcomer):
+        p.process.send_signal(signal.SIGTERM)
+    for p in (other, newcomer):
+        assert p.wait(60) == 0, p.log_tail()
+    return together
+
+
 def test_three_peers_train_together_and_hold_the_same_state(tmp_path):
     rounds = 5
     with Bootstrap(tmp_path / "boot") as boot:
@@ -357,12 +370,7 @@ def test_a_client_mode_peer_trains_with_the_swarm_without_being_dialed(tmp_path)
             a.wait_for("round", lambda e: e["round"] >= 2, timeout=180)
             with PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", "--client-mode") as b:
                 assert b.wait_for("ready", timeout=120)["endpoint"] == ""
-                together = b.wait_for("round", lambda e: e["group"] == 2, timeout=180)
-                a.wait_for("round", lambda e: e["round"] >= together["round"], timeout=60)
-                for p in (a, b):
-                    p.process.send_signal(signal.SIGTERM)
-                for p in (a, b):
-                    assert p.wait(60) == 0, p.log_tail()
+                together = stop_once_averaged_together(b, a)
     fetched = b.of("downloaded")
     assert fetched and fetched[0]["donor"][:12] == public["peer_id"][:12], b.events
     assert fetched[0]["round"] < together["round"], b.events
@@ -378,12 +386,7 @@ def test_a_box_of_two_ranks_started_by_the_daemon_averages_as_one_peer(tmp_path)
             a.swarm_id, a.endpoint, tmp_path / "b", "--nproc-per-node", "2", "--min-group", "2"
         ) as b,
     ):
-        together = b.wait_for("round", lambda e: e["group"] == 2, timeout=180)
-        a.wait_for("round", lambda e: e["round"] >= together["round"], timeout=60)
-        for p in (a, b):
-            p.process.send_signal(signal.SIGTERM)
-        for p in (a, b):
-            assert p.wait(60) == 0, p.log_tail()
+        together = stop_once_averaged_together(b, a)
     assert digests_of(a)[together["round"]] == digests_of(b)[together["round"]]
     # Each of its steps weighs 2 ranks x batch 4 x 128 tokens (the preset's sequence).
     assert all(e["weight"] % (2 * 4 * 128) == 0 for e in b.of("round")), b.of("round")
