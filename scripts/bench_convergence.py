@@ -36,14 +36,15 @@ int8_over_fp32 <= 1.005.
 
 ``--protocol scaling`` is the DiLoCo scaling-law study's comparison, meant for a GPU
 (``--device cuda --preset small``): from scratch, every run sees ``--tokens-per-param``
-(20) tokens per parameter. Data-parallel training at ``--dp-batch`` is tuned first (inner
-lr over ``--dp-lrs``, best mean over seeds); then DiLoCo with each of ``--worker-counts``
-(1, 2, 4) workers at ``--batch-multiples`` (1, 2, 4) times the data-parallel batch in all
-(each worker a share of it), each of ``--outer-lrs`` (0.4, 0.7, 1.0) and of
+(20) tokens per parameter. Data-parallel training is tuned first, its batch over
+``--dp-batches`` (32) and its inner lr over ``--dp-lrs`` (best mean over seeds); then DiLoCo
+with each of ``--worker-counts`` (1, 2, 4) workers at ``--batch-multiples`` (1, 2, 4) times
+the best data-parallel batch in all (each worker a share of it), each of ``--outer-lrs``
+(0.4, 0.7, 1.0) and of
 ``--outer-momenta`` (0.5, 0.9), its inner lr data-parallel's times each of
 ``--diloco-lr-factors`` (1), H = ``--sync-every`` (30), int8 exchange; the best cell per
 worker count (mean over seeds) is compared with data-parallel. Keys: ``data_parallel``
-(the lr grid and the best), ``by_workers`` (per count: every cell, the best,
+(its batch x lr grid and the best), ``by_workers`` (per count: every cell, the best,
 ``over_data_parallel`` and its per-seed values). Targets: 1 worker <= data-parallel, 2
 workers <= +1.5%, 4 workers <= +4%. ``--model`` changes the preset's model (a CPU runs the
 grid at toy sizes: ``--model n_layer=2,n_head=2,n_embd=64,seq_len=64``, 0.12M parameters,
@@ -255,6 +256,7 @@ def _run_all(
             if workers:  # data-parallel has no outer step
                 line["outer_lr"] = run.spec.outer_lr
                 line["outer_momentum"] = run.spec.outer_momentum
+                line["sync_every"] = run.spec.sync_every
             with open(log, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
     return results
@@ -289,6 +291,17 @@ def _model_overrides(text: str) -> dict[str, int | float]:
     return out
 
 
+def _numbers(text: str, kind: type, flag: str, *, positive: bool = False) -> list[Any]:
+    """``text``, a comma-separated list, as numbers of ``kind``; a clear exit if it is not."""
+    try:
+        out = [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    if positive and any(x <= 0 for x in out):
+        raise SystemExit(f"{flag} takes numbers above 0, got {text!r}")
+    return out
+
+
 def scaling(args: argparse.Namespace) -> dict[str, Any]:
     """The scaling protocol (see the module docstring); the JSON object it prints."""
     task = get_task("gpt-bytes")
@@ -300,25 +313,25 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     params = sum(p.numel() for p in build_task_model(task, model, base).parameters())
     seq_len = int(model["seq_len"])
     tokens = round(args.tokens_per_param * params)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    counts = [int(x) for x in args.worker_counts.split(",")]
-    multiples = [int(x) for x in args.batch_multiples.split(",")]
-    outer_lrs = [float(x) for x in args.outer_lrs.split(",")]
-    lr_factors = [float(x) for x in args.diloco_lr_factors.split(",")]
-    momenta = [float(x) for x in args.outer_momenta.split(",")]
+    seeds = _numbers(args.seeds, int, "--seeds")
+    counts = _numbers(args.worker_counts, int, "--worker-counts", positive=True)
+    multiples = _numbers(args.batch_multiples, float, "--batch-multiples", positive=True)
+    outer_lrs = _numbers(args.outer_lrs, float, "--outer-lrs", positive=True)
+    lr_factors = _numbers(args.diloco_lr_factors, float, "--diloco-lr-factors", positive=True)
+    momenta = _numbers(args.outer_momenta, float, "--outer-momenta")
     dp_lrs = (
-        [float(x) for x in args.dp_lrs.split(",")]
+        _numbers(args.dp_lrs, float, "--dp-lrs", positive=True)
         if args.dp_lrs
         else [base.inner.lr * f for f in (0.5, 1.0, 2.0)]
     )
     sync_every = args.sync_every or 30
-    cells: list[tuple[int, int, float, float, float]] = []
+    dp_batches = _numbers(args.dp_batches, int, "--dp-batches", positive=True)
+    cells: list[tuple[int, float, float, float, float]] = []
     for m in counts:
         for k in multiples:
-            if (k * args.dp_batch) % m:
-                raise SystemExit(
-                    f"{k} x --dp-batch {args.dp_batch} cannot be shared by {m} workers"
-                )
+            for b in dp_batches:  # whichever data-parallel wins, its cells can run
+                if (k * b) % 1 or (k * b) % m:
+                    raise SystemExit(f"{k:g} x a batch of {b} cannot be shared by {m} workers")
             cells.extend(
                 (m, k, lr, f, mu) for lr in outer_lrs for f in lr_factors for mu in momenta
             )
@@ -344,35 +357,39 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.parallel, mp_context=ctx) as pool:
-        # 1. data-parallel, its inner lr tuned
-        dp_steps = steps_at(args.dp_batch)
+        # 1. data-parallel, its batch and inner lr tuned
+        dp_cells = [(b, lr) for b in dp_batches for lr in dp_lrs]
         dp_jobs = [
             (
                 seed,
                 model,
-                _scaled_run(base, batch=args.dp_batch, steps=dp_steps, lr=lr, warmup=args.warmup),
-                sim_for(dp_steps),
+                _scaled_run(base, batch=b, steps=steps_at(b), lr=lr, warmup=args.warmup),
+                sim_for(steps_at(b)),
                 None,
                 args.progress,
             )
-            for lr in dp_lrs
+            for b, lr in dp_cells
             for seed in seeds
         ]
         dp_results = _run_all(pool, dp_jobs, args.runs_log)
         dp_grid = []
-        for i, lr in enumerate(dp_lrs):
+        for i, (b, lr) in enumerate(dp_cells):
             losses = [
                 r["final_eval_loss"] for r in dp_results[i * len(seeds) : (i + 1) * len(seeds)]
             ]
-            dp_grid.append({"lr": lr, "per_seed": losses, "final_eval_loss": _mean(losses)})
+            dp_grid.append(
+                {"batch": b, "lr": lr, "per_seed": losses, "final_eval_loss": _mean(losses)}
+            )
         dp_best = min(dp_grid, key=lambda c: c["final_eval_loss"])
-        # 2. DiLoCo at every cell, its inner lr a multiple of the data-parallel one
+        dp_batch = dp_best["batch"]
+        # 2. DiLoCo at every cell: batches in all a multiple of the best data-parallel
+        # batch, inner lr a multiple of its lr
         jobs = []
         for m, k, outer_lr, factor, momentum in cells:
-            steps = steps_at(k * args.dp_batch)
+            steps = steps_at(round(k * dp_batch))
             cell_run = _scaled_run(
                 base,
-                batch=k * args.dp_batch // m,
+                batch=round(k * dp_batch) // m,
                 steps=steps,
                 lr=dp_best["lr"] * factor,
                 warmup=args.warmup,
@@ -427,7 +444,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             "model_params": params,
             "seq_len": seq_len,
             "tokens_per_param": args.tokens_per_param,
-            "dp_batch": args.dp_batch,
+            "dp_batches": dp_batches,
             "warmup_fraction": args.warmup,
             "exchange": "int8",
             "eval_windows": args.eval_windows,
@@ -437,7 +454,12 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         "seeds": seeds,
         "sync_every": sync_every,
         "tokens": tokens,
-        "data_parallel": {"lr_grid": dp_grid, "best_lr": dp_best["lr"], **dp_best},
+        "data_parallel": {
+            "grid": dp_grid,
+            "best_batch": dp_batch,
+            "best_lr": dp_best["lr"],
+            **dp_best,
+        },
         "by_workers": by_workers,
         **out_targets,
         "total_seconds": round(time.monotonic() - started, 1),
@@ -505,7 +527,12 @@ def main() -> None:
     p.add_argument("--progress", action="store_true", help="progress bars on stderr")
     scale = p.add_argument_group("--protocol scaling")
     scale.add_argument("--tokens-per-param", type=float, default=20.0)
-    scale.add_argument("--dp-batch", type=int, default=32, help="data-parallel batch")
+    scale.add_argument(
+        "--dp-batches",
+        default="32",
+        help="data-parallel batches tried, in sequences (comma-separated; each with every "
+        "lr of --dp-lrs)",
+    )
     scale.add_argument(
         "--dp-lrs",
         default="",
@@ -513,7 +540,9 @@ def main() -> None:
     )
     scale.add_argument("--worker-counts", default="1,2,4")
     scale.add_argument(
-        "--batch-multiples", default="1,2,4", help="DiLoCo's batch in all, x --dp-batch"
+        "--batch-multiples",
+        default="1,2,4",
+        help="DiLoCo's batch in all, x the best data-parallel batch (0.5 tries half of it)",
     )
     scale.add_argument("--outer-lrs", default="0.4,0.7,1.0")
     scale.add_argument(
@@ -562,7 +591,7 @@ def main() -> None:
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}; arms: {', '.join(ARMS)}")
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = _numbers(args.seeds, int, "--seeds")
     warm_steps = args.warm_steps if args.protocol == "warm-start" else 0
     if warm_steps >= args.steps:
         raise SystemExit(f"--warm-steps {warm_steps} leaves nothing of --steps {args.steps}")

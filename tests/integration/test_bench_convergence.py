@@ -25,9 +25,9 @@ def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_b
     log = tmp_path / "runs.jsonl"
     out = _run(
         "--protocol", "scaling", "--model", "n_layer=1,n_head=2,n_embd=32,seq_len=32",
-        "--tokens-per-param", "0.1", "--dp-batch", "4",
+        "--tokens-per-param", "0.1", "--dp-batches", "4,8",
         "--sync-every", "4", "--eval-windows", "8", "--seeds", "0",
-        "--worker-counts", "1,2", "--batch-multiples", "1,2", "--outer-lrs", "0.7",
+        "--worker-counts", "1,2", "--batch-multiples", "0.5,1", "--outer-lrs", "0.7",
         "--outer-momenta", "0.5", "--dp-lrs", "3e-3,6e-3", "--parallel", "2",
         "--runs-log", str(log),
     )  # fmt: skip
@@ -35,11 +35,16 @@ def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_b
     assert out["settings"]["model"]["n_embd"] == 32 and out["settings"]["model"]["n_layer"] == 1
     assert out["tokens"] == round(0.1 * out["settings"]["model_params"])
     dp = out["data_parallel"]
-    assert [c["lr"] for c in dp["lr_grid"]] == [3e-3, 6e-3]
-    assert dp["final_eval_loss"] == min(c["final_eval_loss"] for c in dp["lr_grid"])
+    assert [(c["batch"], c["lr"]) for c in dp["grid"]] == [
+        (4, 3e-3), (4, 6e-3), (8, 3e-3), (8, 6e-3)
+    ]  # fmt: skip
+    assert dp["final_eval_loss"] == min(c["final_eval_loss"] for c in dp["grid"])
+    b = dp["best_batch"]  # DiLoCo's batches in all are multiples of the winner's
+    winner = min(dp["grid"], key=lambda c: c["final_eval_loss"])
+    assert (b, dp["best_lr"]) == (winner["batch"], winner["lr"])
     for m in ("1", "2"):
         cell = out["by_workers"][m]
-        assert len(cell["grid"]) == 2  # batch multiples 1 and 2, one outer lr
+        assert len(cell["grid"]) == 2  # batch multiples 0.5 and 1, one outer lr
         assert cell["final_eval_loss"] == min(c["final_eval_loss"] for c in cell["grid"])
         assert cell["over_data_parallel"] == pytest.approx(
             cell["final_eval_loss"] / dp["final_eval_loss"]
@@ -47,24 +52,24 @@ def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_b
     # Every run, data-parallel (workers 0) and each cell, was logged as it finished.
     runs = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted((r["workers"], r["batch_per_worker"]) for r in runs) == [
-        (0, 4), (0, 4), (1, 4), (1, 8), (2, 2), (2, 4)
+        (0, 4), (0, 4), (0, 8), (0, 8), (1, b // 2), (1, b), (2, b // 4), (2, b // 2)
     ]  # fmt: skip
-    assert {r["outer_momentum"] for r in runs if r["workers"]} == {0.5}
+    assert {(r["outer_momentum"], r["sync_every"]) for r in runs if r["workers"]} == {(0.5, 4)}
     assert not any("outer_lr" in r or "outer_momentum" in r for r in runs if not r["workers"])
     assert out["by_workers"]["1"]["best"]["outer_momentum"] == 0.5
     by_cell = {(r["workers"], r["batch_per_worker"]): r["final_eval_loss"] for r in runs}
-    assert out["by_workers"]["2"]["final_eval_loss"] == min(by_cell[2, 2], by_cell[2, 4])
+    assert out["by_workers"]["2"]["final_eval_loss"] == min(by_cell[2, b // 4], by_cell[2, b // 2])
     assert isinstance(out["target_1_workers_at_most_1.0x_data_parallel"], bool)
     assert isinstance(out["target_2_workers_at_most_1.015x_data_parallel"], bool)
 
 
 def test_the_scaling_protocol_refuses_a_batch_the_workers_cannot_share():
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--protocol", "scaling", "--dp-batch", "3",
-         "--worker-counts", "2", "--batch-multiples", "1"],
+        [sys.executable, str(SCRIPT), "--protocol", "scaling", "--dp-batches", "4,6",
+         "--worker-counts", "4", "--batch-multiples", "1"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert result.returncode != 0 and "cannot be shared by 2 workers" in result.stderr
+    assert result.returncode != 0 and "a batch of 6 cannot be shared by 4 workers" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -74,6 +79,8 @@ def test_the_scaling_protocol_refuses_a_batch_the_workers_cannot_share():
         (["--model", "n_layer"], "KEY=VALUE"),
         (["--model", "n_embd=wide"], "is not a number"),
         (["--model", "n_embd=30,n_head=4"], "divisible by n_head"),
+        (["--dp-batches", "16,x"], "--dp-batches takes comma-separated numbers"),
+        (["--outer-lrs", "0.7,0"], "--outer-lrs takes numbers above 0"),
     ],
 )
 def test_the_scaling_protocol_says_what_is_wrong_with_its_flags(flags, says):
