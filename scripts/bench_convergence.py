@@ -233,32 +233,67 @@ def _scaling_run(job: tuple[Any, ...]) -> dict[str, Any]:
     return {"final_eval_loss": result.final_eval_loss, "seconds": round(result.seconds, 1)}
 
 
+def _identity(job: tuple[Any, ...]) -> dict[str, Any]:
+    """What sets a run's result, as the runs log records it (one JSON line per run)."""
+    seed, model, run, sim, workers, _ = job
+    line = {
+        "seed": seed,
+        "workers": workers or 0,
+        "batch_per_worker": run.inner.batch_size,
+        "inner_lr": run.inner.lr,
+        "steps": run.spec.total_steps,
+        "warmup_steps": run.inner.warmup_steps,
+    }
+    if workers:  # data-parallel has no outer step
+        line["outer_lr"] = run.spec.outer_lr
+        line["outer_momentum"] = run.spec.outer_momentum
+        line["sync_every"] = run.spec.sync_every
+    line.update(model=model, eval_windows=sim.eval_windows, device=sim.device)
+    return line
+
+
+def _key(identity: dict[str, Any]) -> str:
+    return json.dumps(identity, sort_keys=True)
+
+
+def _logged_runs(log: str) -> dict[str, dict[str, Any]]:
+    """The results already in the runs log ``log``, by run (:func:`_key`); none if it does
+    not exist yet."""
+    try:
+        lines = Path(log).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return {}
+    done = {}
+    for n, text in enumerate(lines, 1):
+        try:
+            line = json.loads(text)
+            result = {k: line.pop(k) for k in ("final_eval_loss", "seconds")}
+        except (ValueError, KeyError, AttributeError):
+            raise SystemExit(f"--resume: line {n} of {log} is not a run of this script") from None
+        done[_key(line)] = result
+    return done
+
+
 def _run_all(
-    pool: concurrent.futures.Executor, jobs: list[tuple[Any, ...]], log: str
+    pool: concurrent.futures.Executor, jobs: list[tuple[Any, ...]], log: str, resume: bool
 ) -> list[dict[str, Any]]:
     """Every job's result, in the jobs' order; with ``log``, each run is also appended to
-    that file as one JSON line as it finishes (a grid cut short keeps what it ran)."""
-    futures = {pool.submit(_scaling_run, job): i for i, job in enumerate(jobs)}
+    that file as one JSON line as it finishes (a grid cut short keeps what it ran), and with
+    ``resume`` a run already in it is not run again."""
+    done = _logged_runs(log) if resume else {}
     results: list[dict[str, Any]] = [{} for _ in jobs]
+    futures = {}
+    for i, job in enumerate(jobs):
+        if (logged := done.get(_key(_identity(job)))) is not None:
+            results[i] = logged
+        else:
+            futures[pool.submit(_scaling_run, job)] = i
     for future in concurrent.futures.as_completed(futures):
         i = futures[future]
         results[i] = future.result()
         if log:
-            seed, _, run, _, workers, _ = jobs[i]
-            line = {
-                "seed": seed,
-                "workers": workers or 0,
-                "batch_per_worker": run.inner.batch_size,
-                "inner_lr": run.inner.lr,
-                "steps": run.spec.total_steps,
-                **results[i],
-            }
-            if workers:  # data-parallel has no outer step
-                line["outer_lr"] = run.spec.outer_lr
-                line["outer_momentum"] = run.spec.outer_momentum
-                line["sync_every"] = run.spec.sync_every
             with open(log, "a", encoding="utf-8") as f:
-                f.write(json.dumps(line) + "\n")
+                f.write(json.dumps({**_identity(jobs[i]), **results[i]}) + "\n")
     return results
 
 
@@ -371,7 +406,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             for b, lr in dp_cells
             for seed in seeds
         ]
-        dp_results = _run_all(pool, dp_jobs, args.runs_log)
+        dp_results = _run_all(pool, dp_jobs, args.runs_log, args.resume)
         dp_grid = []
         for i, (b, lr) in enumerate(dp_cells):
             losses = [
@@ -398,7 +433,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
                 outer_momentum=momentum,
             )
             jobs.extend((seed, model, cell_run, sim_for(steps), m, args.progress) for seed in seeds)
-        results = _run_all(pool, jobs, args.runs_log)
+        results = _run_all(pool, jobs, args.runs_log, args.resume)
     by_workers: dict[str, Any] = {}
     out_targets: dict[str, bool] = {}
     for m in counts:
@@ -569,10 +604,18 @@ def main() -> None:
         help="append each finished run to this file as one JSON line (workers 0: "
         "data-parallel), so a grid cut short keeps what it ran",
     )
+    scale.add_argument(
+        "--resume",
+        action="store_true",
+        help="take the runs already in --runs-log from it instead of running them again "
+        "(rerun a grid that was cut short with the same command and --resume)",
+    )
     args = p.parse_args()
     if args.protocol == "scaling":
         if args.outer_momentum is not None:
             raise SystemExit("--protocol scaling tries every momentum of --outer-momenta")
+        if args.resume and not args.runs_log:
+            raise SystemExit("--resume takes its finished runs from --runs-log: name one")
         args.warmup = 0.05 if args.warmup is None else args.warmup
         if not 0 <= args.warmup < 1:
             raise SystemExit("--warmup is a fraction of the steps with --protocol scaling")

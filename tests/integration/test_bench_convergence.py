@@ -63,6 +63,31 @@ def test_the_scaling_protocol_tunes_data_parallel_and_keeps_each_worker_counts_b
     assert isinstance(out["target_2_workers_at_most_1.015x_data_parallel"], bool)
 
 
+def test_a_grid_cut_short_resumes_from_its_runs_log(tmp_path):
+    log = tmp_path / "runs.jsonl"
+    grid = (
+        "--protocol", "scaling", "--model", "n_layer=1,n_head=2,n_embd=32,seq_len=32",
+        "--tokens-per-param", "0.1", "--dp-batches", "4", "--dp-lrs", "3e-3",
+        "--sync-every", "4", "--eval-windows", "8", "--seeds", "0", "--worker-counts", "1",
+        "--batch-multiples", "1", "--outer-momenta", "0.5", "--parallel", "1",
+        "--runs-log", str(log),
+    )  # fmt: skip
+    first = _run(*grid, "--outer-lrs", "0.7")
+    lines = log.read_text().splitlines()
+    assert [json.loads(line)["workers"] for line in lines] == [0, 1]
+    log.write_text(lines[0] + "\n")  # cut short after data-parallel
+    again = _run(*grid, "--outer-lrs", "0.7,1.0", "--resume")
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    # Data-parallel came from the log; the lost cell ran again, the new one ran.
+    assert [(r["workers"], r.get("outer_lr")) for r in runs] in (
+        [(0, None), (1, 0.7), (1, 1.0)], [(0, None), (1, 1.0), (1, 0.7)]
+    )  # fmt: skip
+    assert again["data_parallel"]["final_eval_loss"] == first["data_parallel"]["final_eval_loss"]
+    cell = next(c for c in again["by_workers"]["1"]["grid"] if c["outer_lr"] == 0.7)
+    assert cell["final_eval_loss"] == first["by_workers"]["1"]["final_eval_loss"]
+    assert runs[0]["model"]["n_embd"] == 32 and runs[0]["eval_windows"] == 8
+
+
 def test_the_scaling_protocol_refuses_a_batch_the_workers_cannot_share():
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--protocol", "scaling", "--dp-batches", "4,6",
@@ -81,6 +106,7 @@ def test_the_scaling_protocol_refuses_a_batch_the_workers_cannot_share():
         (["--model", "n_embd=30,n_head=4"], "divisible by n_head"),
         (["--dp-batches", "16,x"], "--dp-batches takes comma-separated numbers"),
         (["--outer-lrs", "0.7,0"], "--outer-lrs takes numbers above 0"),
+        (["--resume"], "--resume takes its finished runs from --runs-log"),
     ],
 )
 def test_the_scaling_protocol_says_what_is_wrong_with_its_flags(flags, says):
