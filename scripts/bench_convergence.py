@@ -40,17 +40,18 @@ int8_over_fp32 <= 1.005.
 ``--dp-batches`` (32) and its inner lr over ``--dp-lrs`` (best mean over seeds); then DiLoCo
 with each of ``--worker-counts`` (1, 2, 4) workers at ``--batch-multiples`` (1, 2, 4) times
 the best data-parallel batch in all (each worker a share of it), each of ``--outer-lrs``
-(0.4, 0.7, 1.0) and of
-``--outer-momenta`` (0.5, 0.9), its inner lr data-parallel's times each of
-``--diloco-lr-factors`` (1), H = ``--sync-every`` (30), int8 exchange; the best cell per
+(0.4, 0.7, 1.0) and of ``--outer-momenta`` (0.5, 0.9), its inner lr data-parallel's times
+each of ``--diloco-lr-factors`` (1), H = ``--sync-every`` (30), int8 exchange; the best cell per
 worker count (mean over seeds) is compared with data-parallel. Keys: ``data_parallel``
 (its batch x lr grid and the best), ``by_workers`` (per count: every cell, the best,
 ``over_data_parallel`` and its per-seed values). Targets: 1 worker <= data-parallel, 2
 workers <= +1.5%, 4 workers <= +4%. ``--model`` changes the preset's model (a CPU runs the
 grid at toy sizes: ``--model n_layer=2,n_head=2,n_embd=64,seq_len=64``, 0.12M parameters,
-about 100 s a run on one core).
+30-150 s a run on one core). ``--runs-log`` keeps each finished run; ``--resume`` takes
+them from it, so a grid cut short goes on where it stopped.
 
-    python scripts/bench_convergence.py --protocol scaling --device cuda --preset small
+    python scripts/bench_convergence.py --protocol scaling --device cuda --preset small \
+        --dp-batches 16,32 --batch-multiples 0.5,1,2 --runs-log runs.jsonl --resume
 """
 
 from __future__ import annotations
