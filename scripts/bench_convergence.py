@@ -622,6 +622,8 @@ def main() -> None:
             raise SystemExit("--warmup is a fraction of the steps with --protocol scaling")
         print(json.dumps(scaling(args), indent=2))
         return
+    if args.runs_log or args.resume:
+        raise SystemExit("--runs-log and --resume are for --protocol scaling")
     args.warmup = 50 if args.warmup is None else int(args.warmup)
     args.outer_momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
     if args.eval_windows < 16:

@@ -128,3 +128,11 @@ def test_the_warm_start_protocol_reports_every_ratio_over_its_arms():
     assert out["diloco_over_sync"] == pytest.approx(int8 / sync)
     assert out["int8_over_fp32"] == pytest.approx(int8 / out["diloco_fp32_final_eval_loss"])
     assert out["tokens"] == 8 * 4 * 2 * out["settings"]["seq_len"]
+
+
+def test_the_warm_start_protocol_refuses_the_scaling_protocols_runs_log():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--runs-log", "runs.jsonl"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0 and "are for --protocol scaling" in result.stderr
