@@ -422,10 +422,11 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         # batch, inner lr a multiple of its lr
         jobs = []
         for m, k, outer_lr, factor, momentum in cells:
-            steps = steps_at(round(k * dp_batch))
+            in_all = round(k * dp_batch)
+            steps = steps_at(in_all)
             cell_run = _scaled_run(
                 base,
-                batch=round(k * dp_batch) // m,
+                batch=in_all // m,
                 steps=steps,
                 lr=dp_best["lr"] * factor,
                 warmup=args.warmup,
