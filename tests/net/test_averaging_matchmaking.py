@@ -21,7 +21,7 @@ from swarmloco.net.averaging.matchmaking import leader_rank
 from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
-from swarmloco.net.records import make_record, round_key, validate
+from swarmloco.net.records import make_record, peers_key, round_key, validate
 from swarmloco.net.rejections import Rejection
 from swarmloco.net.swarm import announce_peer
 from swarmloco.proto.v1 import averaging_pb2 as pb
@@ -353,3 +353,82 @@ async def test_a_leader_takes_only_keys_that_announced_themselves_in_the_peer_li
         round = first_round_led_by(peers, 0, start=round + 1)
         groups = await form(peers, round, 640, Deadline.after(20))
         assert {g.size for g in groups} == {3}
+
+
+async def _sybil_keys(peers, listener_port, *, keys: int = 30, announced: bool):
+    """``keys`` fresh keys (stored through peer 0's node: a stranger needs no server per
+    key) at a listener that accepts connections and never answers; ``announced``: each
+    with a signed record in the swarm's peer list."""
+    dht = peers[0].node.dht
+    endpoint = f"127.0.0.1:{listener_port}"
+    sybils = [Identity.generate() for _ in range(keys)]
+    if announced:
+        now = dht.clock()
+        peer = {"endpoint": endpoint, "role": "trainer", "version": "0.1.0", "public": True}
+        for key in sybils:
+            record = make_record(peers_key(SWARM), peer, expiration=now + 60, owner=key)
+            await dht.store_record(record, republish=False)
+    return sybils, endpoint
+
+
+async def _lead_round(peers, sybils, endpoint, round):
+    """Each of ``sybils`` announces itself ready to lead ``round`` at ``endpoint``."""
+    dht = peers[0].node.dht
+    now = dht.clock()
+    entry = {
+        "endpoint": endpoint,
+        "weight": 1.0,
+        "bandwidth": 1.0,
+        "client_mode": False,
+        "announced_at": 0.0,
+        "numel": 640,
+    }
+    for key in sybils:
+        record = make_record(round_key(SWARM, round), entry, expiration=now + 60, owner=key)
+        await dht.store_record(record, republish=False)
+
+
+@pytest.mark.parametrize("partners, announced", [(True, True), (False, False), (False, True)])
+async def test_thirty_fake_leaders_that_never_answer_cost_a_round_seconds(partners, announced):
+    """Thirty fresh keys announce themselves for a round at a listener that accepts TCP
+    and never answers (each once cost a follower two 5 s TLS attempts: a round took
+    minutes). Peers with partners follow only partners, so the fakes cost nothing; peers
+    without partners skip keys absent from the swarm's peer list, and reach the announced
+    ones all at once with a short first contact: the round forms within one first-contact
+    deadline of its clean time."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader, writer):
+        held.append(writer)  # accepted, never a byte back
+
+    listener = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    config = MatchmakingConfig(max_group_size=3, gather_s=2.0, poll_s=0.1, first_contact_s=1.0)
+    try:
+        async with averaging_peers(3, matchmaking=config) as peers:
+            ids = {p.peer_id for p in peers}
+            for p in peers:
+                p.matchmaker.peer_records = True
+                await announce_peer(p.node.dht, SWARM, role="trainer")
+                if partners:
+                    p.matchmaker.partners = lambda me=p.peer_id: ids - {me}
+            # Announced (or not) in the peer list before the clean round, which reads it.
+            sybils, endpoint = await _sybil_keys(peers, port, announced=announced)
+            clean_started = time.monotonic()
+            clean = await form(peers, 1, 640, Deadline.after(30))
+            clean_s = time.monotonic() - clean_started
+            assert len({g.group_id for g in clean}) == 1 and clean[0].size == 3
+            await _lead_round(peers, sybils, endpoint, 2)
+            started = time.monotonic()
+            groups = await form(peers, 2, 640, Deadline.after(60))
+            elapsed = time.monotonic() - started
+    finally:
+        listener.close()
+        for writer in held:
+            writer.close()
+    assert len({g.group_id for g in groups}) == 1 and groups[0].size == 3
+    assert {m.peer_id for m in groups[0].members} == ids
+    probed = bool(held)
+    assert probed == (announced and not partners), len(held)
+    # Within the first-contact deadline (once, all fakes together) of the clean round.
+    assert elapsed < clean_s + config.first_contact_s + 2 * config.gather_s, (elapsed, clean_s)

@@ -17,12 +17,12 @@ import grpc
 import pytest
 import torch
 
-from swarmloco.core.adoption import AdoptionConfig, Evidence
+from swarmloco.core.adoption import AdoptionConfig, Evidence, Reference
 from swarmloco.core.state import MOMENTUM, THETA_G, StateSchema, StateSnapshot
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import digest_key, progress_key
-from swarmloco.net.server import Service
+from swarmloco.net.server import ServerConfig, Service
 from swarmloco.net.state import DownloadConfig, StateDonor, state_service, wire
 from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
 
@@ -88,7 +88,10 @@ async def node(stack: AsyncExitStack, *peers: str) -> NetNode:
     )
 
 
-async def holder(stack: AsyncExitStack, boot: NetNode, *, stalls: list[int] | None = None):
+async def holder(
+    stack: AsyncExitStack, boot: NetNode, *, stalls: list[int] | None = None, host: str = ""
+):
+    """A holder serving on ``host`` (127.0.0.N: a network of its own), by default 127.0.0.1."""
     identity = Identity.generate()
     h = Holder(node=None, state=None)  # type: ignore[arg-type]
     if stalls is not None:
@@ -97,7 +100,13 @@ async def holder(stack: AsyncExitStack, boot: NetNode, *, stalls: list[int] | No
         donor = StateDonor(identity=identity, snapshot=lambda: h.state)
         service = state_service(donor)
     h.node = await stack.enter_async_context(
-        NetNode(identity=identity, config=NodeConfig(peers=(boot.endpoint,)), services=[service])
+        NetNode(
+            identity=identity,
+            config=NodeConfig(
+                peers=(boot.endpoint,), server=ServerConfig(host=host or "127.0.0.1")
+            ),
+            services=[service],
+        )
     )
     return h
 
@@ -109,6 +118,11 @@ def seasoned(witnesses: list[str], *, last_round_at: float) -> Evidence:
         evidence.applied(STEP, at=last_round_at - 10 * (10 - r))
         evidence.grouped(r, witnesses, "me", AdoptionConfig())
     return evidence
+
+
+def reference(theta: torch.Tensor) -> Reference:
+    """This peer's own state: ``theta`` and no momentum yet."""
+    return Reference(theta_g=theta, momentum=None, tokens=0, outer_lr=0.7, outer_momentum=0.9)
 
 
 def catchup(me: NetNode, evidence: Evidence, config: CatchUpConfig = CONFIG) -> CatchUp:
@@ -128,17 +142,21 @@ async def test_a_liar_serving_a_poisoned_state_that_matches_its_digest_is_never_
     liar_is_a_witness,
 ):
     """The liar claims round 16 (R + 5 from the honest round 11), publishes the digest of
-    round 15 and serves a state that matches it. The honest holders are strangers too (this
-    peer's last partner left), backed by their number. As a stranger, the liar's claim
-    counts only as far as the others' go: its round is never a candidate. As a former group
-    partner it is followed, but 5 rounds in 2 s are implausible; once enough time passed,
-    its state lies too far from this peer's to be a successor."""
+    round 15 and serves a state that matches it. The honest holders are strangers (this
+    peer's last partner left), in two networks of their own. As a stranger, the liar's
+    claim counts only as far as the others' go: its round is never a candidate, and with
+    every partner silent the honest state, held from two networks, is taken. As a former
+    group partner the liar keeps this peer from following strangers while it is heard:
+    5 rounds in 2 s are implausible, nothing is adopted; once enough time passed, its
+    state lies too far from this peer's to be a successor, it is distrusted, and the
+    honest state is taken."""
     theta = torch.randn(NUMEL)
     honest_state = snapshot(11, state_after(theta, 1, seed=1))
     poisoned = snapshot(15, theta + 100.0)
     async with AsyncExitStack() as stack:
         boot = await node(stack)
-        a, b = await holder(stack, boot), await holder(stack, boot)
+        a = await holder(stack, boot, host="127.0.0.2")
+        b = await holder(stack, boot, host="127.0.0.3")
         liar = await holder(stack, boot)
         me = await node(stack, boot.endpoint)
         for h in (a, b):
@@ -151,27 +169,29 @@ async def test_a_liar_serving_a_poisoned_state_that_matches_its_digest_is_never_
         now = time.time()
         evidence = seasoned(witnesses, last_round_at=now - 2.0)
         found = await catchup(me, evidence).find(
-            round=10, digest=None, theta_g=theta, distrusted=set()
+            round=10, digest=None, reference=reference(theta), distrusted=set()
         )
-        assert found.adopted is not None
-        assert found.adopted.snapshot.digest == honest_state.digest
-        assert found.adopted.donor.peer_id in (a.peer_id, b.peer_id)
         refused = [r for r in found.refused if r.digest == poisoned.digest.hex()]
-        if liar_is_a_witness:
-            assert refused, found.refused
-            assert "rounds ahead" in refused[0].reason
-            # Later, when 5 rounds would have had time to pass: the distance check.
-            late = seasoned(witnesses, last_round_at=now - 60.0)
-            again = await catchup(me, late).find(
-                round=10, digest=None, theta_g=theta, distrusted=set()
-            )
-            assert again.adopted is not None
-            assert again.adopted.snapshot.digest == honest_state.digest
-            far = [r for r in again.refused if r.digest == poisoned.digest.hex()]
-            assert far and "away from this peer's state" in far[0].reason
-            assert liar.peer_id in again.distrusted
-        else:  # a stranger's claim counts only as far as the others' go
+        if not liar_is_a_witness:  # a stranger's claim counts only as far as the others' go
             assert not refused and not found.distrusted
+            assert found.adopted is not None
+            assert found.adopted.snapshot.digest == honest_state.digest
+            assert found.adopted.donor.peer_id in (a.peer_id, b.peer_id)
+            return
+        assert found.adopted is None
+        assert refused and "rounds ahead" in refused[0].reason
+        honest = [r for r in found.refused if r.digest == honest_state.digest.hex()]
+        assert honest and "none of which averaged with this peer" in honest[0].reason
+        # Later, when 5 rounds would have had time to pass: the distance check.
+        late = seasoned(witnesses, last_round_at=now - 60.0)
+        again = await catchup(me, late).find(
+            round=10, digest=None, reference=reference(theta), distrusted=set()
+        )
+        far = [r for r in again.refused if r.digest == poisoned.digest.hex()]
+        assert far and "away from this peer's state" in far[0].reason
+        assert liar.peer_id in again.distrusted
+        assert again.adopted is not None
+        assert again.adopted.snapshot.digest == honest_state.digest
 
 
 async def test_an_honest_peer_stopped_for_ten_rounds_still_heals():
@@ -186,7 +206,7 @@ async def test_an_honest_peer_stopped_for_ten_rounds_still_heals():
         # Frozen for 110 s: ten rounds of 10 s went by.
         evidence = seasoned([a.peer_id], last_round_at=time.time() - 110.0)
         found = await catchup(me, evidence).find(
-            round=10, digest=None, theta_g=theta, distrusted=set()
+            round=10, digest=None, reference=reference(theta), distrusted=set()
         )
     assert found.adopted is not None and found.adopted.snapshot.round == 20
     assert "round 20" in found.why
@@ -215,7 +235,7 @@ async def test_ten_stalling_fake_donors_hold_healing_for_a_bounded_time(fresh):
         evidence = Evidence() if fresh else seasoned([a.peer_id], last_round_at=time.time())
         started = time.monotonic()
         found = await catchup(me, evidence).find(
-            round=10, digest=None, theta_g=theta, distrusted=set()
+            round=10, digest=None, reference=reference(theta), distrusted=set()
         )
         elapsed = time.monotonic() - started
     assert found.adopted is not None
@@ -244,7 +264,7 @@ async def test_a_fresh_peer_follows_no_stranger_past_what_the_others_report():
         await liar.publish(claim=16, state=liar.state)
         me = await node(stack, boot.endpoint)
         found = await catchup(me, Evidence()).find(
-            round=0, digest=None, theta_g=theta, distrusted=set()
+            round=0, digest=None, reference=reference(theta), distrusted=set()
         )
         assert found.adopted is not None and found.adopted.snapshot.round == 11
         assert found.adopted.snapshot.digest == honest_state.digest
@@ -268,7 +288,7 @@ async def test_a_newcomer_at_round_0_does_not_keep_a_fresh_peer_from_the_lone_pe
         assert await newcomer.node.dht.store(progress_key(SWARM), progress, ttl=60)
         me = await node(stack, boot.endpoint)
         found = await catchup(me, Evidence()).find(
-            round=0, digest=None, theta_g=theta, distrusted=set()
+            round=0, digest=None, reference=reference(theta), distrusted=set()
         )
     assert found.adopted is not None and found.adopted.snapshot.round == 54
     assert found.adopted.snapshot.digest == ahead.digest
@@ -289,7 +309,7 @@ async def test_two_strangers_holding_one_state_each_back_neither():
         gone = Identity.generate().peer_id_hex
         evidence = seasoned([gone], last_round_at=time.time())
         found = await catchup(me, evidence).find(
-            round=10, digest=None, theta_g=theta, distrusted=set()
+            round=10, digest=None, reference=reference(theta), distrusted=set()
         )
     assert found.adopted is None
     assert len(found.refused) == 2

@@ -532,3 +532,70 @@ def test_a_private_swarms_state_is_exported_only_with_a_members_key_and_certific
     assert done.round >= 2 and (tmp_path / "model" / "model.safetensors").is_file()
     applied = {e["round"]: e["digest"] for e in watch.events.of("round")}
     assert applied[done.round] == done.digest
+
+
+def test_a_state_that_blows_training_up_is_rolled_back_and_its_holder_distrusted(tmp_path):
+    """A stranger publishes round 5 of the swarm and serves the initial weights times
+    1e19 (finite: a fresh peer has no history to hold them against). The newcomer adopts
+    it on probation; its first training loss is Inf, so it rolls back to the state it
+    checked itself (the manifest's initial weights, round 0), distrusts the stranger, and
+    trains on from there: its rounds are its own, finite, never the stranger's."""
+    from swarmloco.core.signature import parameters_in_order
+    from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSnapshot
+    from swarmloco.net.node import NetNode
+    from swarmloco.net.records import digest_key, manifest_key, progress_key
+    from swarmloco.net.state import StateDonor, state_service
+    from swarmloco.runtime.loop_thread import LoopThread
+
+    spec = dataclasses.replace(SPEC, total_steps=None)
+    creator = swarmloco.create(
+        spec, mlp(), torch.optim.AdamW(mlp().parameters()), config=config(tmp_path, "creator")
+    )
+    manifest = creator.manifest
+    assert manifest is not None
+    run = manifest_spec(manifest)
+    signature = manifest_signature(manifest)
+    layout = signature.layout(run.codec.block_size)
+    theta = layout.gather(parameters_in_order(mlp(), signature.params), layout.zeros())
+    poisoned = StateSnapshot.of(
+        swarm_id=manifest.swarm_id,
+        round=5,
+        tensors={
+            THETA_G: theta * 1e19,
+            MOMENTUM: torch.zeros(layout.numel),
+            TOKENS: torch.tensor([5 * 4 * 32], dtype=torch.int64),
+        },
+    )
+    stranger_id = Identity.generate()
+    donor = StateDonor(identity=stranger_id, snapshot=lambda: poisoned)
+    with LoopThread(name="stranger") as loop:
+        stranger = NetNode(
+            identity=stranger_id, config=NodeConfig(), services=[state_service(donor)]
+        )
+        loop.run(stranger.__aenter__(), timeout=30)
+        try:
+
+            async def publish() -> None:
+                dht, now = stranger.dht, stranger.dht.clock()
+                await dht.store(manifest_key(manifest.swarm_id), manifest.to_bytes(), ttl=600)
+                progress = {"round": 6, "tokens": 0, "tokens_per_s": 1000.0, "at": now}
+                await dht.store(progress_key(manifest.swarm_id), progress, ttl=600)
+                record = {"digest": poisoned.digest, "endpoint": stranger.endpoint, "at": now}
+                await dht.store(digest_key(manifest.swarm_id, 5), record, ttl=600)
+
+            loop.run(publish(), timeout=30)
+            peer = _peer(tmp_path, "b", manifest.swarm_id, stranger.endpoint, max_rounds=7)
+            run_peers(peer.job)
+        finally:
+            loop.run(stranger.__aexit__(None, None, None), timeout=30)
+    events = peer.events
+    downloaded = events.of("downloaded")
+    assert downloaded and downloaded[0]["round"] == 5
+    assert downloaded[0]["digest"] == poisoned.digest.hex()
+    rolled = events.of("rolled-back")
+    assert len(rolled) == 1 and rolled[0]["adopted_round"] == 5 and rolled[0]["round"] == 0
+    assert "loss" in rolled[0]["why"]
+    assert donor.stats["served"] == 1  # distrusted: never asked again
+    assert [e["round"] for e in events.of("round")] == list(range(1, 8))
+    assert torch.isfinite(peer.swarm.diloco.theta_g).all()
+    assert peer.swarm.snapshots.current.digest != poisoned.digest

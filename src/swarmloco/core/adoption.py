@@ -1,29 +1,43 @@
-"""When a peer may replace its global state with another peer's (DESIGN section 8).
+"""When a peer may replace its global state with another peer's (docs/SECURITY.md, "Many
+keys").
 
 A peer that is behind the swarm, or whose state is in the minority of its round, downloads
-a state from peers that published its digest. Records are cheap to forge: one peer can
-claim any round, publish a digest for it and serve a state that matches the digest. So a
-state is adopted only on evidence this peer can check:
+a state from peers that published its digest. Records are cheap to forge and keys cost
+nothing: one stranger can mint a thousand keys, publish one digest under all of them and
+serve a state that matches it. So a count of keys is never evidence. A state is adopted
+only on evidence that is first-hand (this peer observed it) or costly:
 
-1. **Backing** (:func:`backing`). The digest is held by at least ``quorum`` distinct peers,
-   or by a *witness*: a peer this peer averaged with in one of its recent rounds (it was a
-   signed member of a group this peer verified, and produced the same bytes). A fresh peer,
-   which never applied a round, takes any, the most held first (trust on first use).
-2. **A plausible round** (:func:`round_plausible`). The swarm cannot have applied more
-   rounds since this peer's last one than time allows: at most ``max_speedup`` times as
-   many as this peer's own round interval would give, plus ``round_slack``.
-3. **A plausible distance** (:func:`distance_bound`), checked after the download: the
-   downloaded ``theta_g`` is at most ``movement_slack`` times the median movement of this
-   peer's recent outer steps per round behind (plus two rounds, for a split within the
-   last ones) away from this peer's own ``theta_g``. An outer step moves in proportion to
-   the inner learning rate of the steps before it, so movements are kept per unit of
-   learning rate and the bound follows the schedule over the rounds missed: a peer that
-   fell behind during a warmup expects the larger steps the swarm took since.
+1. **Backing** (:func:`backing`). The digest is held by a *witness*: a peer this one
+   averaged with in a completed group of one of its recent rounds (a signed member of a
+   group this peer verified, which produced the same bytes; being one costs a member's
+   whole share of a round's traffic). Only two kinds of peer have no witness to ask: a
+   *fresh* one, which never applied a round and has nothing of its own to keep (it takes
+   any state, the one held from the most networks first), and an *orphaned* one, whose
+   every recent partner has gone silent; that one takes a state held from ``quorum``
+   distinct networks (addresses cost, keys do not).
+2. **Never a round it averaged in, on a stranger's word** (:func:`outweighs`). A round this
+   peer applied as a member of a group of two or more is replaced only by a digest that its
+   witnesses back more than its own: each witness counts the rounds it averaged with this
+   peer (work done together, which no key gets for free), and this peer counts as much as
+   its most constant partner. Strangers count nothing, so a thousand keys publishing
+   another digest of a round just applied change nothing, while a group split in two heals
+   towards the side more of its partners are on.
+3. **A plausible round** (:func:`round_plausible`). The swarm cannot have applied more
+   rounds since this peer's last one than time allows.
+4. **A plausible state, whole** (:func:`check_state`), checked after the download: every
+   tensor finite; ``theta_g`` at most ``movement_slack`` times the median outer step per
+   round behind away from this peer's own; the outer momentum no longer than what the
+   updates this peer measured itself can build up (``momentum_slack`` times it); the
+   swarm's token count within what its rounds add. A fresh peer, with no history, holds
+   the momentum against the distance the state moved from its own (the initial weights):
+   honest momentum never steps further than training went.
+5. **Probation** (:class:`Probation`, applied by the peer): an adopted state is on
+   probation for ``probation_rounds`` rounds averaged with others; if training from it
+   turns the loss NaN or ``explode_factor`` times what it was, the peer rolls back to the
+   last state it trained and verified itself and distrusts the state's digest and holders.
 
-A Sybil majority (many keys that all publish and serve the same forged state) passes
-backing; checks 2 and 3 bound what it gains against a peer with history. Pure: the caller
-passes what it observed; :class:`Evidence` is what it keeps (and checkpoints) between
-rounds.
+Pure: the caller passes what it observed; :class:`Evidence` is what it keeps (and
+checkpoints) between rounds.
 """
 
 from __future__ import annotations
@@ -34,9 +48,12 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
+
 from swarmloco.core.config import require_int, require_positive
 
-_HISTORY = 16  # recent rounds whose movement and interval are kept
+_HISTORY = 16  # recent rounds whose movement, update and interval are kept
+_LOSSES = 8  # training losses kept as a probation's reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,7 +61,9 @@ class AdoptionConfig:
     """How much evidence adopting another peer's state takes."""
 
     quorum: int = 2
-    """Distinct holders that back a digest on their own (witnesses back it alone)."""
+    """Distinct source networks (/24, /64; loopback and private addresses one each) that
+    must hold a digest for an orphaned peer, whose recent partners are all silent, to
+    take it."""
     witness_rounds: int = 64
     """A peer stays a witness for this many rounds after it last averaged with this one."""
     max_speedup: float = 4.0
@@ -54,6 +73,17 @@ class AdoptionConfig:
     """Rounds always allowed ahead, whatever the time since this peer's last round."""
     movement_slack: float = 4.0
     """A downloaded state may lie this many median outer steps per round away."""
+    momentum_slack: float = 4.0
+    """A downloaded outer momentum may be this many times as long as the longest the
+    updates this peer measured can build up."""
+    token_slack: float = 4.0
+    """A downloaded token count may differ from this peer's by this many times the most
+    tokens a round of its own added, per round ahead."""
+    probation_rounds: int = 2
+    """Rounds averaged with others after which an adopted state counts as this peer's own."""
+    explode_factor: float = 4.0
+    """A training loss above this multiple of the loss before an adoption (or NaN) while on
+    probation rolls the adoption back."""
 
     def __post_init__(self) -> None:
         require_int("quorum", self.quorum, minimum=1)
@@ -61,6 +91,16 @@ class AdoptionConfig:
         require_positive("max_speedup", self.max_speedup)
         require_int("round_slack", self.round_slack, minimum=0)
         require_positive("movement_slack", self.movement_slack)
+        require_positive("momentum_slack", self.momentum_slack)
+        require_positive("token_slack", self.token_slack)
+        require_int("probation_rounds", self.probation_rounds, minimum=0)
+        require_positive("explode_factor", self.explode_factor)
+        if self.explode_factor <= 1.0:
+            raise ValueError(f"explode_factor must be above 1, got {self.explode_factor}")
+
+
+def _finite_positive(x: float | None) -> float:
+    return float(x) if x is not None and math.isfinite(x) and x > 0 else 0.0
 
 
 @dataclasses.dataclass
@@ -69,11 +109,20 @@ class Evidence:
 
     witnesses: dict[str, int] = dataclasses.field(default_factory=dict)
     """Peer id -> the last round it averaged with this peer."""
+    together: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Peer id -> how many of this peer's rounds it averaged in (witnesses only)."""
+    grouped_round: int = 0
+    """The last round this peer applied as a member of a group of two or more."""
     movements: list[float] = dataclasses.field(default_factory=list)
     """Norms of this peer's recent outer steps (``|theta_g after - theta_g before|``)."""
     lrs: list[float] = dataclasses.field(default_factory=list)
     """The mean inner learning rate of the steps before each of ``movements`` (0: not
     known)."""
+    updates: list[float] = dataclasses.field(default_factory=list)
+    """Norms of the group means (the averaged pseudo-gradients) of those rounds (0: not
+    known), what the outer momentum is built from."""
+    tokens: list[float] = dataclasses.field(default_factory=list)
+    """Tokens the swarm's count grew by in each of those rounds (the group's weights)."""
     intervals: list[float] = dataclasses.field(default_factory=list)
     """Seconds between this peer's recent consecutive applied rounds."""
     last_round_at: float | None = None
@@ -86,26 +135,39 @@ class Evidence:
 
     def grouped(self, round: int, members: Iterable[str], me: str, config: AdoptionConfig) -> None:
         """The members of a group that completed ``round`` with this peer are witnesses."""
-        for peer in members:
-            if peer != me:
-                self.witnesses[peer] = round
+        others = {peer for peer in members if peer != me}
+        for peer in others:
+            self.witnesses[peer] = round
+            self.together[peer] = self.together.get(peer, 0) + 1
+        if others:
+            self.grouped_round = max(self.grouped_round, round)
         oldest = round - config.witness_rounds
         for peer in [p for p, r in self.witnesses.items() if r < oldest]:
             del self.witnesses[peer]
+            self.together.pop(peer, None)
 
     def applied(
-        self, movement: float, at: float, *, alone: bool = False, lr: float | None = None
+        self,
+        movement: float,
+        at: float,
+        *,
+        alone: bool = False,
+        lr: float | None = None,
+        update: float | None = None,
+        tokens: float | None = None,
     ) -> None:
         """This peer applied an outer step of norm ``movement`` at unix time ``at``, after
-        inner steps of mean learning rate ``lr``; ``alone``: in a group of one. A round
+        inner steps of mean learning rate ``lr``, with a group mean of norm ``update``
+        that added ``tokens`` to the swarm's count; ``alone``: in a group of one. A round
         alone says nothing of the swarm's pace, so it leaves the clock of
         :func:`round_plausible` running from the last round applied with others: a peer
         that averaged alone for a while (the others out of reach or ahead) may still take
         a state that many rounds ahead."""
         if math.isfinite(movement):
             self.movements = [*self.movements, movement][-_HISTORY:]
-            rate = 0.0 if lr is None or not math.isfinite(lr) or lr <= 0 else float(lr)
-            self.lrs = [*self.lrs, rate][-_HISTORY:]
+            self.lrs = [*self.lrs, _finite_positive(lr)][-_HISTORY:]
+            self.updates = [*self.updates, _finite_positive(update)][-_HISTORY:]
+            self.tokens = [*self.tokens, _finite_positive(tokens)][-_HISTORY:]
         if alone and self.last_round_at is not None:
             return
         if self.last_round_at is not None and at > self.last_round_at:
@@ -119,8 +181,12 @@ class Evidence:
     def to_state(self) -> dict[str, Any]:
         return {
             "witnesses": dict(self.witnesses),
+            "together": dict(self.together),
+            "grouped_round": self.grouped_round,
             "movements": list(self.movements),
             "lrs": list(self.lrs),
+            "updates": list(self.updates),
+            "tokens": list(self.tokens),
             "intervals": list(self.intervals),
             "last_round_at": self.last_round_at,
         }
@@ -129,28 +195,94 @@ class Evidence:
     def from_state(cls, state: Mapping[str, Any]) -> Evidence:
         last = state.get("last_round_at")
         movements = [float(m) for m in state.get("movements", [])][-_HISTORY:]
-        lrs = [float(x) for x in state.get("lrs", [])][-_HISTORY:]
+
+        def aligned(name: str) -> list[float]:
+            values = [float(x) for x in state.get(name, [])][-_HISTORY:]
+            return values if len(values) == len(movements) else [0.0] * len(movements)
+
+        witnesses = {str(p): int(r) for p, r in dict(state.get("witnesses", {})).items()}
+        together = {str(p): int(n) for p, n in dict(state.get("together", {})).items()}
         return cls(
-            witnesses={str(p): int(r) for p, r in dict(state.get("witnesses", {})).items()},
+            witnesses=witnesses,
+            # Checkpoints from before the count: each witness counts one round.
+            together={p: max(1, together.get(p, 1)) for p in witnesses},
+            grouped_round=int(state.get("grouped_round", 0)),
             movements=movements,
-            lrs=lrs if len(lrs) == len(movements) else [0.0] * len(movements),
+            lrs=aligned("lrs"),
+            updates=aligned("updates"),
+            tokens=aligned("tokens"),
             intervals=[float(s) for s in state.get("intervals", [])][-_HISTORY:],
             last_round_at=None if last is None else float(last),
         )
 
+    def support(self, holders: Iterable[str]) -> int:
+        """How much this peer's own history backs a digest ``holders`` hold: each witness
+        among them counts the rounds it averaged with this peer; strangers count 0."""
+        return sum(self.together.get(p, 1) for p in set(holders) if p in self.witnesses)
 
-def backing(holders: Iterable[str], evidence: Evidence, config: AdoptionConfig) -> str | None:
-    """Why a digest held by ``holders`` is not backed, or None if it is. A fresh peer has
+    @property
+    def own_weight(self) -> int:
+        """What this peer's own word counts in :func:`outweighs`: as much as its most
+        constant partner's."""
+        return max(self.together.values(), default=1)
+
+
+def backing(
+    holders: Iterable[str],
+    evidence: Evidence,
+    config: AdoptionConfig,
+    *,
+    networks: int = 0,
+    orphaned: bool = False,
+) -> str | None:
+    """Why a digest held by ``holders`` (from ``networks`` distinct source networks) is not
+    backed, or None if it is. ``orphaned``: none of this peer's witnesses reports anything
+    (they all left): holders in ``quorum`` networks then back a digest. A fresh peer has
     nothing to hold a claim against: every digest backs itself, and the caller tries the
-    most held first."""
+    one held from the most networks first."""
     held = set(holders)
     if evidence.fresh or held & evidence.witnesses.keys():
         return None
-    if len(held) >= config.quorum:
+    if orphaned and networks >= config.quorum:
         return None
+    if orphaned:
+        return (
+            f"held by {len(held)} peer(s) from {networks} network(s); with every recent "
+            f"partner of this peer silent, adopting takes holders in {config.quorum} networks"
+        )
     return (
         f"held by {len(held)} peer(s), none of which averaged with this peer lately "
-        f"(adopting takes {config.quorum} holders or one recent partner)"
+        "(keys cost nothing: only a recent partner's word counts)"
+    )
+
+
+def outweighs(
+    other: Iterable[str],
+    own: Iterable[str],
+    evidence: Evidence,
+    *,
+    grouped: bool,
+    tie_break: bool = False,
+) -> str | None:
+    """Why the digest ``other`` holds may not replace this peer's state of the same round,
+    held by ``own`` (this peer among them, or not), or None if it may. ``grouped``: this
+    peer applied that round as a member of a group of two or more (its own word then
+    counts as much as its most constant partner's). ``tie_break``: the other digest sorts
+    before this peer's own, so that a split backed evenly on both sides (two partners that
+    applied one round apart, say) heals towards one side on both; never towards a digest
+    no partner holds."""
+    theirs = evidence.support(other)
+    ours = evidence.support(own) + (evidence.own_weight if grouped else 0)
+    if theirs > ours or (theirs == ours > 0 and tie_break):
+        return None
+    if theirs == 0:
+        return (
+            "none of its holders averaged with this peer lately, and this peer's own state "
+            "of the round is never replaced on a stranger's word"
+        )
+    return (
+        f"this peer's partners back its own state of the round as much or more "
+        f"({ours} rounds together against {theirs})"
     )
 
 
@@ -173,6 +305,22 @@ def round_plausible(
     )
 
 
+def _per_lr(
+    values: list[float], lrs: list[float], lr: float | None, *, zero_unknown: bool = False
+) -> float | None:
+    """The median of ``values`` scaled to learning rate ``lr`` (each taken per unit of the
+    learning rate before it), or their plain median when rates are not known; None when
+    there are no values (``zero_unknown``: a 0 means "not measured")."""
+    rates_of = [*lrs, *[0.0] * (len(values) - len(lrs))]
+    known = [(v, x) for v, x in zip(values, rates_of, strict=False) if v > 0 or not zero_unknown]
+    if not known:
+        return None
+    rates = [v / x for v, x in known if x > 0]
+    if lr is not None and math.isfinite(lr) and lr > 0 and rates:
+        return statistics.median(rates) * lr
+    return statistics.median(v for v, _ in known)
+
+
 def distance_bound(
     ahead: int, evidence: Evidence, config: AdoptionConfig, *, lr: float | None = None
 ) -> float | None:
@@ -186,8 +334,181 @@ def distance_bound(
     if not evidence.movements:
         return None
     rounds = max(ahead, 0) + 2
-    rates = [m / x for m, x in zip(evidence.movements, evidence.lrs, strict=False) if x > 0]
-    if lr is not None and math.isfinite(lr) and lr > 0 and rates:
-        return config.movement_slack * statistics.median(rates) * lr * rounds
-    typical = statistics.median(evidence.movements)
+    typical = _per_lr(evidence.movements, evidence.lrs, lr)
+    assert typical is not None  # movements is not empty
     return config.movement_slack * typical * rounds
+
+
+def momentum_bound(
+    evidence: Evidence,
+    config: AdoptionConfig,
+    *,
+    outer_momentum: float,
+    fragments: int = 1,
+    lr: float | None = None,
+) -> float | None:
+    """The longest outer momentum the updates this peer measured can build up, times
+    ``momentum_slack``; None without measured updates.
+
+    The buffer is ``b <- mu * b + g``: its length never exceeds ``max |g| / (1 - mu)``,
+    per fragment (each fragment's slice sees that fragment's rounds), so ``sqrt(F)`` times
+    that over the whole vector. Updates scale with the inner learning rate, so they are
+    kept per unit of it and scaled to ``lr`` (the highest rate over the rounds missed)."""
+    typical = _per_lr(evidence.updates, evidence.lrs, lr, zero_unknown=True)
+    if typical is None:
+        return None
+    mu = min(max(outer_momentum, 0.0), 0.999)
+    return config.momentum_slack * typical * math.sqrt(max(fragments, 1)) / (1.0 - mu)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateCheck:
+    """What :func:`check_state` found: ``reason`` is None when the state is plausible."""
+
+    reason: str | None
+    distance: float | None = None
+    bound: float | None = None
+    momentum: float | None = None
+    momentum_bound: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """This peer's own global state, what a downloaded one is held against."""
+
+    theta_g: torch.Tensor
+    momentum: torch.Tensor | None
+    tokens: int
+    outer_lr: float
+    outer_momentum: float
+    fragments: int = 1
+    group_cap: int = 64
+    """The most members a group may have (a round adds at most that many weights)."""
+
+
+def check_state(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    ahead: int,
+    reference: Reference,
+    evidence: Evidence,
+    config: AdoptionConfig,
+    lr: float | None = None,
+    theta_g: str = "theta_g",
+    momentum: str = "momentum",
+    tokens: str = "tokens",
+) -> StateCheck:
+    """Whether a downloaded state (``tensors``, ``ahead`` rounds past this peer's) is a
+    plausible successor of this peer's own (``reference``), whole: every tensor finite,
+    the weights within :func:`distance_bound`, the momentum within :func:`momentum_bound`
+    (for a fresh peer: an outer step of it goes no further than the state moved from this
+    peer's), the token count within what the rounds between add. ``lr``: the highest inner
+    learning rate over those rounds, when known."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return StateCheck(f"its {name} holds NaN or Inf")
+    theta = tensors[theta_g]
+    distance = float(torch.linalg.vector_norm(theta - reference.theta_g))
+    bound = distance_bound(ahead, evidence, config, lr=lr)
+    if bound is not None and not distance <= bound:
+        return StateCheck(
+            f"lies {distance:.4g} away from this peer's state, while {ahead} round(s) of "
+            f"outer steps move it at most {bound:.4g}",
+            distance,
+            bound,
+        )
+    buffer = tensors.get(momentum)
+    length = float(torch.linalg.vector_norm(buffer)) if buffer is not None else 0.0
+    limit = momentum_bound(
+        evidence,
+        config,
+        outer_momentum=reference.outer_momentum,
+        fragments=reference.fragments,
+        lr=lr,
+    )
+    if limit is None and evidence.fresh:
+        # Nothing measured: one outer step of the momentum may not reach further than the
+        # state moved from this peer's own (for a fresh peer, the initial weights). Honest
+        # training gets there by steps of that momentum, so it is never shorter than one.
+        own = reference.momentum
+        own_length = float(torch.linalg.vector_norm(own)) if own is not None else 0.0
+        limit = config.momentum_slack * (distance / reference.outer_lr + own_length)
+    if limit is not None and not length <= limit:
+        return StateCheck(
+            f"its outer momentum is {length:.4g} long, while the updates this peer measured "
+            f"build up at most {limit:.4g}",
+            distance,
+            bound,
+            length,
+            limit,
+        )
+    count = tensors.get(tokens)
+    if count is not None:
+        value = int(count.reshape(-1)[0]) if count.numel() else -1
+        if value < 0:
+            return StateCheck(f"its token count {value} is negative", distance, bound)
+        per_round = max(evidence.tokens, default=0.0)
+        if per_round > 0:
+            # This peer's rounds may have been smaller than the swarm's: allow a full group
+            # of its own weight per round.
+            allowed = config.token_slack * per_round * (abs(ahead) + 2) * reference.group_cap
+            if abs(value - reference.tokens) > allowed:
+                return StateCheck(
+                    f"its token count {value} differs from this peer's {reference.tokens} "
+                    f"by more than {ahead} round(s) add ({allowed:.4g})",
+                    distance,
+                    bound,
+                )
+    return StateCheck(None, distance, bound, length, limit)
+
+
+@dataclasses.dataclass
+class Probation:
+    """An adopted state on trial (the peer keeps its last verified state meanwhile).
+
+    ``rounds`` counts the rounds averaged with others since the adoption; the reference
+    loss is the median of the training losses before the adoption or, for a peer that
+    logged none, of those before its first round from the adopted state lands (the state's
+    own loss, before any outer step of its momentum)."""
+
+    round: int
+    """The adopted state's round."""
+    digest: bytes
+    holders: tuple[str, ...]
+    before: list[float] = dataclasses.field(default_factory=list)
+    """Training losses before the adoption (the reference, when there are any)."""
+    after: list[float] = dataclasses.field(default_factory=list)
+    """Training losses since, until the first round from the adopted state lands."""
+    rounds: int = 0
+    landed: bool = False
+
+    def reference(self) -> float | None:
+        losses = [x for x in (self.before or self.after) if math.isfinite(x)]
+        return statistics.median(losses) if losses else None
+
+    def loss(self, value: float, config: AdoptionConfig) -> str | None:
+        """Why training loss ``value`` condemns the adopted state, or None."""
+        if not math.isfinite(value):
+            return f"the training loss turned {value} after adopting it"
+        if not self.landed:
+            self.after = [*self.after, value][-_LOSSES:]
+            return None
+        reference = self.reference()
+        if reference is not None and reference > 0 and value > config.explode_factor * reference:
+            return (
+                f"the training loss rose to {value:.4g} from {reference:.4g} after adopting "
+                f"it (more than {config.explode_factor:g} times)"
+            )
+        return None
+
+    def round_applied(self, grouped: bool, config: AdoptionConfig) -> bool:
+        """A round from the adopted state landed; whether the probation is over."""
+        self.landed = True
+        if grouped:
+            self.rounds += 1
+        return self.rounds >= config.probation_rounds
+
+
+def recent_losses(losses: Iterable[float]) -> list[float]:
+    """The finite training losses worth keeping as a probation's reference."""
+    return [x for x in losses if math.isfinite(x)][-_LOSSES:]

@@ -51,6 +51,21 @@ def subnet_of(host: str, *, limit_private: bool) -> str | None:
     return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
 
 
+def network_of(host: str) -> str:
+    """The source network ``host`` counts as when what a stranger claims is counted by
+    network rather than by key (keys cost nothing, addresses do): its /24 (IPv4) or /64
+    (IPv6). Loopback, private and link-local addresses count one each, so that peers of a
+    local swarm (and tests binding 127.0.0.N) are told apart."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return f"name:{host.lower()}"
+    if address.is_loopback or address.is_private or address.is_link_local:
+        return str(address)
+    prefix = 24 if address.version == 4 else 64
+    return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
+
+
 def host_of_grpc_peer(peer: str) -> str:
     """The IP of a grpc ``context.peer()`` string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``)."""
     kind, _, rest = peer.partition(":")

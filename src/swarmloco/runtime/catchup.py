@@ -1,8 +1,8 @@
 """Catching up with the swarm: which later (or majority) state to download, and from whom.
 
 A peer is *behind* when other peers report working on later rounds than its state's, and
-*in the minority* when the digest it holds for its round is not the one most peers hold.
-Either way it looks for another state (:meth:`CatchUp.find`):
+*in the minority* when its partners hold another digest of its round than its own. Either
+way it looks for another state (:meth:`CatchUp.find`):
 
 1. Read the swarm's ``progress`` claims; the rounds worth a look are those other peers hold
    (a peer working towards round r holds r - 1, or r - 2 while r - 1 is in flight), newest
@@ -11,13 +11,18 @@ Either way it looks for another state (:meth:`CatchUp.find`):
    witness can; a newcomer at the initial state does not count). Read the digests
    published for each.
 2. Rank the candidate states: those held by a *witness* (a peer that averaged with this one
-   lately) first, then the newer round, then the most held; a fresh peer, which has no
-   witness yet, takes the most held first.
-3. Take each candidate only with evidence (``core/adoption.py``): backed by a witness or a
-   quorum of holders, a round that time allows; download it from its holders (witnesses
-   first, at most ``donors_per_digest``, each bounded by the download's own limits); then
-   check that it lies within what the outer steps move from this peer's own ``theta_g``.
-   A state that fails the distance check is refused and its holders distrusted.
+   lately) first, then the newer round, then the most backed; a fresh peer (no witness
+   yet) and an orphaned one (every witness silent) take the state held from the most
+   source networks first.
+3. Take each candidate only with evidence (``core/adoption.py``): backed by a witness (or,
+   fresh or orphaned, as above), a round that time allows; download it from its holders
+   (witnesses first, at most ``donors_per_digest``, each bounded by the download's own
+   limits); then check it whole against this peer's own state (finite, the distance the
+   outer steps move, the momentum its updates build, the token count). A state that fails
+   is refused and its holders distrusted.
+4. Of its own round, a peer takes another digest only when its witnesses back that digest
+   more than its own (never on strangers' word): a split group heals, a thousand keys
+   publishing another digest of the round change nothing.
 
 It runs on the peer's event loop while the training thread waits for it, so it reads the
 peer's ``theta_g`` without a copy. Everything it refused is returned for the log, the
@@ -33,21 +38,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from swarmloco.core.adoption import (
     AdoptionConfig,
     Evidence,
+    Reference,
     backing,
-    distance_bound,
+    check_state,
+    outweighs,
     round_plausible,
 )
-from swarmloco.core.agreement import ranking
 from swarmloco.core.config import require_int, require_positive
-from swarmloco.core.state import THETA_G, StateSchema
+from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema
 from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.node import DHTNode
+from swarmloco.net.endpoints import network_of, parse_endpoint
 from swarmloco.net.records import digest_key, progress_key, progress_report
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.net.state import (
@@ -93,6 +98,21 @@ class Candidate:
     holders: tuple[str, ...]
     endpoints: dict[str, str]
 
+    @property
+    def networks(self) -> int:
+        """Distinct source networks of the holders' endpoints (client-mode holders, which
+        publish none, count as none)."""
+        return len({_network(self.endpoints.get(p, "")) for p in self.holders} - {""})
+
+
+def _network(endpoint: str) -> str:
+    if not endpoint:
+        return ""
+    try:
+        return network_of(parse_endpoint(endpoint)[0])
+    except ValueError:
+        return ""
+
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
@@ -113,6 +133,8 @@ class Found:
     refused: list[Refusal] = dataclasses.field(default_factory=list)
     failed: list[str] = dataclasses.field(default_factory=list)
     """Downloads that failed (every donor of a digest), as messages."""
+    adopted_holders: tuple[str, ...] = ()
+    """Who published the adopted state's digest (distrusted if it is rolled back)."""
     unbacked: set[str] = dataclasses.field(default_factory=set)
     """Peers claiming later rounds that no adoptable state backs (pacing ignores them)."""
     distrusted: set[str] = dataclasses.field(default_factory=set)
@@ -121,6 +143,9 @@ class Found:
     """How far (L2) the adopted state lay from this peer's, and the bound it was held to
     (None: no bound, this peer never measured an outer step)."""
     bound: float | None = None
+    momentum: float | None = None
+    """The adopted state's outer momentum (L2) and the bound it was held to."""
+    momentum_bound: float | None = None
 
 
 class CatchUp:
@@ -171,14 +196,17 @@ class CatchUp:
         *,
         round: int,
         digest: bytes | None,
-        theta_g: torch.Tensor,
+        reference: Reference,
         distrusted: set[str],
+        distrusted_digests: frozenset[bytes] = frozenset(),
         peak_lr: Callable[[int], float | None] | None = None,
     ) -> Found:
-        """A later state than ``round``'s, or the majority's state of ``round`` when this
-        peer's (``digest``) is not it; ``distrusted``: holders whose states were refused
-        before (never asked again); ``peak_lr(n)``: the highest inner learning rate of the
-        schedule over the next ``n`` rounds, when known (it scales the distance bound)."""
+        """A later state than ``round``'s, or another state of ``round`` than this peer's
+        (``digest``) when its partners back that one more; ``reference``: this peer's own
+        global state, which a candidate is checked against; ``distrusted``: holders whose
+        states were refused before, and ``distrusted_digests``: states rolled back (never
+        asked for again); ``peak_lr(n)``: the highest inner learning rate of the schedule
+        over the next ``n`` rounds, when known (it scales the bounds)."""
         deadline = Deadline.after(self.config.state_timeout_s)
         found = Found()
         claims = await self.claims()
@@ -190,25 +218,61 @@ class CatchUp:
         candidates: list[Candidate] = []
         for target in later:
             candidates += self._candidates(target, await self.digests_of(target))
+        candidates = [c for c in candidates if c.digest not in distrusted_digests]
+        # Orphaned: every recent partner is silent (or was caught serving a bad state).
+        heard = set(claims) | {h for c in candidates for h in c.holders}
+        live = (heard & self.evidence.witnesses.keys()) - distrusted
+        orphaned = not self.evidence.fresh and not live
         why = "the swarm is at round {target}, this peer at " + str(round)
-        if await self._try(candidates, round, theta_g, distrusted, deadline, found, why, peak_lr):
+        if await self._try(
+            candidates, round, reference, distrusted, deadline, found, why, peak_lr, orphaned
+        ):
             return found
-        backed = {h for c in candidates for h in c.holders if not self._unbacked_reason(c)}
+        if live and not live - found.distrusted:
+            # The only partners still heard from just served states that failed the
+            # checks: this peer is on its own now.
+            orphaned = True
+            rest = [c for c in candidates if not set(c.holders) <= found.distrusted]
+            retried = {(c.round, c.digest.hex()) for c in rest}
+            found.refused = [r for r in found.refused if (r.round, r.digest) not in retried]
+            if await self._try(
+                rest,
+                round,
+                reference,
+                distrusted | found.distrusted,
+                deadline,
+                found,
+                why,
+                peak_lr,
+                orphaned,
+            ):
+                return found
+        backed = {
+            h for c in candidates for h in c.holders if not self._unbacked_reason(c, orphaned)
+        }
         found.unbacked = {p for p, r in claims.items() if r > round + 2 and p not in backed}
         if round == 0 or digest is None:
             return found
         published = await self.digests_of(round)
-        published[self.me] = (digest, "")
-        mine = self._candidates(round, published)
-        # Only digests that rank before this peer's own: a split group heals (the ranking
-        # picks one side for everyone) while a forged digest can only cost a download.
+        published.pop(self.me, None)
+        own = (*(p for p, (d, _) in published.items() if d == digest), self.me)
+        grouped = self.evidence.grouped_round == round
+        others = [
+            c
+            for c in self._candidates(round, published)
+            if c.digest != digest and c.digest not in distrusted_digests
+        ]
         ahead = []
-        for c in mine:
-            if c.digest == digest:
-                break
-            ahead.append(c)
-        why = f"this peer's round {round} state is not the one most peers hold"
-        await self._try(ahead, round, theta_g, distrusted, deadline, found, why, peak_lr)
+        for c in sorted(others, key=lambda c: -self.evidence.support(c.holders)):
+            reason = outweighs(
+                c.holders, own, self.evidence, grouped=grouped, tie_break=c.digest < digest
+            )
+            if reason is None:
+                ahead.append(c)
+            elif self.evidence.support(c.holders) > 0:
+                self._refuse(found, c, reason)  # strangers' digests are not worth a line
+        why = f"this peer's partners back another state of round {round} than its own"
+        await self._try(ahead, round, reference, distrusted, deadline, found, why, peak_lr, False)
         return found
 
     async def initial(self, digest: bytes) -> DownloadedState | None:
@@ -255,38 +319,50 @@ class CatchUp:
 
     def _candidates(self, round: int, published: dict[str, tuple[bytes, str]]) -> list[Candidate]:
         endpoints = {peer: endpoint for peer, (_, endpoint) in published.items()}
-        ranked = ranking({peer: d for peer, (d, _) in published.items()})
-        return [
-            Candidate(round, m.digest, m.holders, endpoints) for m in ranked if m.digest is not None
-        ]
+        holders: dict[bytes, list[str]] = {}
+        for peer, (digest, _) in sorted(published.items()):
+            holders.setdefault(digest, []).append(peer)
+        return [Candidate(round, d, tuple(h), endpoints) for d, h in holders.items()]
 
-    def _order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+    def _order(self, candidates: Sequence[Candidate], orphaned: bool) -> list[Candidate]:
+        if self.evidence.fresh or orphaned:
+            # Nothing of its own to hold claims against: the state held from the most
+            # networks first (keys cost nothing; the checks after the download decide).
+            return sorted(
+                candidates, key=lambda c: (-c.networks, -len(c.holders), -c.round, c.digest)
+            )
         witnesses = self.evidence.witnesses
-        if self.evidence.fresh:  # nothing to hold claims against: the most held state first
-            return sorted(candidates, key=lambda c: (-len(c.holders), -c.round))
         return sorted(
             candidates,
-            key=lambda c: (not (set(c.holders) & witnesses.keys()), -c.round, -len(c.holders)),
+            key=lambda c: (
+                not (set(c.holders) & witnesses.keys()),
+                -c.round,
+                -self.evidence.support(c.holders),
+                c.digest,
+            ),
         )
 
-    def _unbacked_reason(self, c: Candidate) -> str | None:
-        return backing(c.holders, self.evidence, self.config.adoption)
+    def _unbacked_reason(self, c: Candidate, orphaned: bool) -> str | None:
+        return backing(
+            c.holders, self.evidence, self.config.adoption, networks=c.networks, orphaned=orphaned
+        )
 
     async def _try(
         self,
         candidates: Sequence[Candidate],
         round: int,
-        theta_g: torch.Tensor,
+        reference: Reference,
         distrusted: set[str],
         deadline: Deadline,
         found: Found,
         why: str,
         peak_lr: Callable[[int], float | None] | None,
+        orphaned: bool,
     ) -> bool:
         adoption = self.config.adoption
-        for c in self._order(candidates):
+        for c in self._order(candidates, orphaned):
             ahead = c.round - round
-            reason = self._unbacked_reason(c) or round_plausible(
+            reason = self._unbacked_reason(c, orphaned) or round_plausible(
                 ahead, self.clock(), self.evidence, adoption
             )
             donors = self._donors(c, distrusted)
@@ -299,20 +375,25 @@ class CatchUp:
             if got is None:
                 continue
             lr = peak_lr(max(ahead, 0) + 2) if peak_lr is not None else None
-            bound = distance_bound(ahead, self.evidence, adoption, lr=lr)
-            if bound is not None:
-                distance = float(torch.linalg.vector_norm(got.snapshot.tensors[THETA_G] - theta_g))
-                found.distance, found.bound = distance, bound
-                if not distance <= bound:  # NaN fails too
-                    self._refuse(
-                        found,
-                        c,
-                        f"lies {distance:.4g} away from this peer's state, while {ahead} "
-                        f"round(s) of outer steps move it at most {bound:.4g}",
-                    )
-                    found.distrusted |= set(c.holders)
-                    continue
+            checked = check_state(
+                got.snapshot.tensors,
+                ahead=ahead,
+                reference=reference,
+                evidence=self.evidence,
+                config=adoption,
+                lr=lr,
+                theta_g=THETA_G,
+                momentum=MOMENTUM,
+                tokens=TOKENS,
+            )
+            found.distance, found.bound = checked.distance, checked.bound
+            found.momentum, found.momentum_bound = checked.momentum, checked.momentum_bound
+            if checked.reason is not None:
+                self._refuse(found, c, checked.reason)
+                found.distrusted |= set(c.holders)
+                continue
             found.adopted = got
+            found.adopted_holders = c.holders
             found.why = why.format(target=c.round)
             return True
         return False

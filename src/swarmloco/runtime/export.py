@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from swarmloco.core.adoption import Evidence
+from swarmloco.core.adoption import Evidence, Reference
 from swarmloco.core.manifest import SwarmManifest, check_swarm_id
 from swarmloco.core.signature import ModelSignature
 from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema, state_digest
@@ -217,9 +217,16 @@ def _from_swarm(
                 config=CatchUpConfig(state_timeout_s=timeout_s),
                 requester=Requester(identity, admission.own_bytes) if admission else None,
             )
-            found = await finder.find(
-                round=0, digest=None, theta_g=layout.zeros(), distrusted=set()
+            # Nothing of its own to hold a state against: a reader checks that the state is
+            # finite and that its momentum is no longer than its weights went.
+            reference = Reference(
+                theta_g=layout.zeros(),
+                momentum=None,
+                tokens=0,
+                outer_lr=spec.outer_lr,
+                outer_momentum=spec.outer_momentum,
             )
+            found = await finder.find(round=0, digest=None, reference=reference, distrusted=set())
             if found.adopted is None:
                 failed = "; ".join(found.failed) or "no peer published the state of a round"
                 raise SwarmlocoError(f"cannot download swarm {swarm_id}'s state: {failed}")

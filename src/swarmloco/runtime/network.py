@@ -97,6 +97,7 @@ class SwarmNetwork:
             admission=admission,
             peer_records=True,
             clock=self.node.dht.clock,  # declarations are dated in the swarm's time
+            partners=lambda: evidence.witnesses.keys(),
         )
         limiter = BandwidthLimiter(config.bandwidth) if config.bandwidth is not None else None
         self.averager = Averager(

@@ -52,7 +52,7 @@ from typing import Any, Protocol
 import torch
 
 from swarmloco import __version__
-from swarmloco.core.adoption import Evidence
+from swarmloco.core.adoption import Evidence, Probation, Reference, recent_losses
 from swarmloco.core.codec import warm_up
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimate
@@ -62,7 +62,7 @@ from swarmloco.core.signature import (
     parameters_in_order,
     params_of,
 )
-from swarmloco.core.state import THETA_G, state_digest
+from swarmloco.core.state import THETA_G, StateSnapshot, state_digest
 from swarmloco.errors import (
     CheckpointError,
     ModelMismatch,
@@ -104,6 +104,7 @@ _CATCH_UP_RETRY_S = 2.0
 _UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs is ignored
 _PEERS_POLL_S = 0.5  # how often wait_for_peers looks
 _DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
+_MAX_DISTRUSTED_DIGESTS = 1024  # states rolled back, remembered
 _MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
 _INITIAL_RETRY_S = 2.0
 _ROUND_FAILURES = (SwarmlocoError, TimeoutError)
@@ -261,7 +262,17 @@ class Swarm:
         self._read_twice = False  # the first round waited for a second read of the records
         self._round_s = 5.0  # how long this peer's last applied round took (a guess at first)
         self._distrusted: dict[str, float] = {}
+        self._distrusted_digests: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        """States rolled back after their adoption: never adopted again (the newest kept)."""
         self._refusals_told: set[tuple[int, str]] = set()
+        self._losses: collections.deque[float] = collections.deque(maxlen=8)
+        self._probation: Probation | None = None
+        """The adopted state on trial, while it is (``core/adoption.py``)."""
+        self._verified: StateSnapshot | None = None
+        """The last state this peer trained (or checked against the manifest) itself, kept
+        while an adopted one is on probation: what a rollback returns to."""
+        self._condemned: str | None = None
+        """Why the state on probation is to be rolled back, at the next step boundary."""
         self._hook: Any = None
 
     # -- what the user reads and calls ------------------------------------------------------
@@ -337,9 +348,16 @@ class Swarm:
         return sched
 
     def log(self, *, loss: float | None = None) -> None:
-        """Report the training loss (shown on the dashboard and in round events)."""
-        if loss is not None:
-            self.last_loss = float(loss)
+        """Report the training loss (shown on the dashboard and in round events). While a
+        downloaded state is on probation, a loss that explodes or turns NaN rolls it back
+        at the next step boundary."""
+        if loss is None:
+            return
+        self.last_loss = float(loss)
+        if math.isfinite(self.last_loss):
+            self._losses.append(self.last_loss)
+        if self._probation is not None and self._condemned is None:
+            self._condemned = self._probation.loss(self.last_loss, self.config.catchup.adoption)
 
     def load_global_into(self, module: torch.nn.Module) -> None:
         """Copy the global parameters (``theta_g``) into ``module`` (e.g. an eval copy)."""
@@ -939,6 +957,9 @@ class Swarm:
                     self._land()  # the exchange overlapped tau steps: apply it now
                     continue
                 return
+            if self._condemned is not None:
+                self._roll_back(self._condemned)
+                return
             verdict = self._pace()
             if verdict is Verdict.BEHIND and time.monotonic() >= self._next_catch_up:
                 # Others work on a later round. If its state is not to be had yet (digests
@@ -1003,6 +1024,11 @@ class Swarm:
             self._end_step()
 
     def _discard(self, why: str) -> None:
+        if self._probation is not None:
+            # Training from a state on probation failed: the state is to blame, not the
+            # data or the learning rate.
+            self._roll_back(f"{why} after adopting it")
+            return
         self._nan_in_a_row += 1
         logger.error(
             "%s after %d local steps: discarding them and restarting from the global state "
@@ -1154,8 +1180,9 @@ class Swarm:
                 self.network.catchup.find(
                     round=self.round,
                     digest=current.digest if self.round > 0 else None,
-                    theta_g=self.diloco.theta_g,
+                    reference=self._reference(),
                     distrusted={p for p, t in self._distrusted.items() if t > time.monotonic()},
+                    distrusted_digests=frozenset(self._distrusted_digests),
                     peak_lr=self._peak_lr,
                 ),
                 timeout=self.config.catchup.state_timeout_s + 30.0,
@@ -1184,8 +1211,26 @@ class Swarm:
             self.last_error = f"state download failed: {found.failed[-1]}"
             self._emit("download-failed", round=self.round, error=found.failed[-1])
         if found.adopted is not None:
-            checked = {"distance": found.distance, "bound": found.bound}
-            self._take(found.adopted, found.why, checked)
+            checked = {
+                "distance": found.distance,
+                "bound": found.bound,
+                "momentum": found.momentum,
+                "momentum_bound": found.momentum_bound,
+            }
+            self._take(found.adopted, found.why, checked, holders=found.adopted_holders)
+
+    def _reference(self) -> Reference:
+        """This peer's own global state, which a downloaded one is checked against."""
+        spec = self.spec_
+        return Reference(
+            theta_g=self.diloco.theta_g,
+            momentum=self.diloco.momentum if self.round > 0 else None,
+            tokens=self.diloco.tokens,
+            outer_lr=spec.outer_lr,
+            outer_momentum=spec.outer_momentum,
+            fragments=self.diloco.fragments,
+            group_cap=self.config.matchmaking.max_group_size,
+        )
 
     def _peak_lr(self, rounds: int) -> float | None:
         """The highest inner learning rate over the next ``rounds`` rounds of the schedule
@@ -1204,10 +1249,30 @@ class Swarm:
             self.lr_at = None
             return self._peak_lr(rounds)
 
-    def _take(self, got: DownloadedState, why: str, checked: dict[str, Any] | None = None) -> None:
+    def _take(
+        self,
+        got: DownloadedState,
+        why: str,
+        checked: dict[str, Any] | None = None,
+        *,
+        holders: tuple[str, ...] | None = None,
+    ) -> None:
         """Make a downloaded state this peer's global state (and local parameters);
-        ``checked``: how far it lay from this peer's and the bound it met (for the event)."""
+        ``checked``: how far it lay from this peer's and the bound it met (for the event).
+        ``holders``: who vouched for it; the state is then on probation (None: a state
+        checked against the manifest, the run's initial one)."""
         snap = got.snapshot
+        if holders is not None and self.config.catchup.adoption.probation_rounds > 0:
+            self.snapshots.finish(wait=True)
+            if self._probation is None:  # a second adoption keeps the first one's fallback
+                self._verified = self.snapshots.current
+            self._probation = Probation(
+                round=snap.round,
+                digest=snap.digest,
+                holders=tuple(holders),
+                before=recent_losses(self._losses),
+            )
+            self._condemned = None
         self.diloco.adopt(snap)
         self._take_global()
         self._global_step = max(self._global_step, int(self.round * self.h))
@@ -1229,6 +1294,51 @@ class Swarm:
             digest=snap.digest.hex(),
             **(checked or {}),
         )
+
+    def _roll_back(self, why: str) -> None:
+        """Training from the adopted state on probation went wrong (``why``): return to the
+        last state this peer trained and verified itself, drop the local work since, and
+        never take that state, nor anything from its holders for a while, again."""
+        probation, verified = self._probation, self._verified
+        self._probation = self._verified = self._condemned = None
+        if probation is None or verified is None:
+            return
+        self._distrusted_digests[probation.digest] = None
+        while len(self._distrusted_digests) > _MAX_DISTRUSTED_DIGESTS:
+            self._distrusted_digests.popitem(last=False)
+        until = time.monotonic() + _DISTRUSTED_S
+        for peer in probation.holders:
+            self._distrusted[peer] = until
+            self._unbacked[peer] = until
+        logger.error(
+            "rolling back the state of round %d (digest %s) adopted from %d peer(s): %s. "
+            "Back to this peer's own state of round %d; that state and its holders are "
+            "distrusted",
+            probation.round,
+            probation.digest.hex()[:12],
+            len(probation.holders),
+            why,
+            verified.round,
+        )
+        if self.box is not None:
+            self.box.tell(Op.RESET)
+        self.optimizer.state.clear()  # its moments came from the condemned state
+        self.diloco.adopt(verified)
+        self._global_step = int(self.round * self.h)
+        self._take_global()
+        self.snapshots.publish(self.round, self.diloco.committed(), verified.digest)
+        self.last_error = f"rolled back an adopted state of round {probation.round}: {why}"
+        self._dirty = True
+        self._emit(
+            "rolled-back",
+            round=self.round,
+            adopted_round=probation.round,
+            digest=probation.digest.hex(),
+            holders=len(probation.holders),
+            why=why,
+        )
+        if self.config.checkpoint_every:
+            self._checkpoint(urgent=True)
 
     # -- one round ------------------------------------------------------------------------------
 
@@ -1315,8 +1425,26 @@ class Swarm:
         self._advance_global()
         lr = self._lr_sum / self._lr_steps if self._lr_steps else None
         self._lr_sum, self._lr_steps = 0.0, 0
-        self.evidence.applied(movement, time.time(), alone=len(report.members) < 2, lr=lr)
-        self.evidence.grouped(x.round, report.members, self.peer_id, self.config.catchup.adoption)
+        grouped = len(report.members) >= 2
+        adoption = self.config.catchup.adoption
+        self.evidence.applied(
+            movement,
+            time.time(),
+            alone=not grouped,
+            lr=lr,
+            update=float(torch.linalg.vector_norm(self.diloco.means[f])),
+            tokens=outcome.group_tokens,
+        )
+        self.evidence.grouped(x.round, report.members, self.peer_id, adoption)
+        if self._probation is not None and self._probation.round_applied(grouped, adoption):
+            logger.info(
+                "the state adopted at round %d passed its probation (%d round(s) averaged "
+                "with others since): it is this peer's own now",
+                self._probation.round,
+                self._probation.rounds,
+            )
+            self._probation = None
+            self._verified = None
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
 
         def hashed(digest: bytes) -> None:

@@ -41,7 +41,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import grpc
 
@@ -76,6 +76,7 @@ JOIN = Method(f"/{SERVICE_NAME}/Join", pb.JoinRequest, pb.JoinResponse)
 _MAX_REDIRECTS = 8
 _RECORDS_REREAD_S = 1.0  # how often a leader may read the peer list again for an unknown key
 _RECORDS_WAIT_S = 5.0  # how long a Join waits for that read
+_PROBED = 8  # leader candidates whose TLS handshake is tried at once
 # Refusals after which asking again (elsewhere) makes sense; the others are final.
 _TRANSIENT = frozenset({"not-leading", "formed", "full", "subnet-full", "stepped-down"})
 
@@ -108,13 +109,27 @@ class MatchmakingConfig:
     limit_private_subnets: bool = False
     """Apply ``max_members_per_subnet`` to loopback and private addresses too (a swarm on
     one machine or one LAN would otherwise be capped)."""
+    first_contact_s: float = 2.0
+    """How long a follower waits for a leader candidate it has not reached before to
+    answer its TLS handshake; candidates are reached in parallel, so a silent one costs
+    this once, not a call timeout each."""
+    stranger_leaders: int = 3
+    """Candidates a peer without partners (no round averaged with others yet) asks to lead
+    it before it leads itself, when they do not answer or refuse."""
 
     def __post_init__(self) -> None:
         require_int("min_group_size", self.min_group_size, minimum=1)
         require_int("max_group_size", self.max_group_size, minimum=1)
         require(self.min_group_size <= self.max_group_size, "min_group_size > max_group_size")
         require_int("max_members_per_subnet", self.max_members_per_subnet, minimum=1)
-        for name in ("gather_s", "poll_s", "announce_ttl_s", "max_declaration_age_s"):
+        require_int("stranger_leaders", self.stranger_leaders, minimum=1)
+        for name in (
+            "gather_s",
+            "poll_s",
+            "announce_ttl_s",
+            "max_declaration_age_s",
+            "first_contact_s",
+        ):
             require_positive(name, getattr(self, name))
         require(
             math.isfinite(self.weight_cap_multiple) and self.weight_cap_multiple >= 0,
@@ -182,13 +197,17 @@ class Matchmaker:
         clock: Callable[[], float] = time.time,
         admission: Admission | None = None,
         peer_records: bool = False,
+        partners: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """``admission``: a private swarm's gate (only its members are taken into groups
         or accepted in one, and this peer's declarations show its certificate).
         ``peer_records``: the swarm's peers announce themselves in its signed ``peers``
         record (``net/swarm.py``), and a leader takes into its group only keys that did,
-        at the endpoint they declare."""
+        at the endpoint they declare; leader candidates must have announced themselves
+        there too. ``partners``: the peers this one averaged with lately (its witnesses):
+        once it has any, only they may lead it, and only their ``formed`` marks count."""
         self.identity = identity
+        self.partners = partners or (lambda: ())
         self.admission = admission
         self.peer_records = peer_records
         self._records: dict[str, str] = {}
@@ -311,14 +330,35 @@ class Matchmaker:
         mine = self.identity.peer_id_hex
         found = []
         formed = self._formed_marked(round, me.numel, result.entries.values())
+        partners = set(self.partners())
+        unknown = False
         for entry in result.entries.values():
             value = entry.value
             if entry.subkey == mine or value["client_mode"] or not value["endpoint"]:
                 continue
             if value["numel"] != me.numel:
                 continue
+            if partners and entry.subkey not in partners:
+                continue  # a stranger does not lead a peer with a history
+            if self.peer_records and self._records.get(entry.subkey) != value["endpoint"]:
+                unknown = True
+                continue
             rank = leader_rank(self.swarm_id, round, entry.subkey)
             found.append(_Candidate(rank, entry.subkey, value["endpoint"]))
+        if unknown and await self._reread_records(deadline):
+            for entry in result.entries.values():
+                value = entry.value
+                if (
+                    entry.subkey == mine
+                    or value["client_mode"]
+                    or value["numel"] != me.numel
+                    or (partners and entry.subkey not in partners)
+                    or any(c.peer_id == entry.subkey for c in found)
+                ):
+                    continue
+                if self._records.get(entry.subkey) == value["endpoint"]:
+                    rank = leader_rank(self.swarm_id, round, entry.subkey)
+                    found.append(_Candidate(rank, entry.subkey, value["endpoint"]))
         found.sort(key=lambda c: c.rank)
         if me.endpoint:
             own = leader_rank(self.swarm_id, round, mine)
@@ -326,13 +366,16 @@ class Matchmaker:
         return found, formed
 
     def _formed_marked(self, round: int, numel: int, entries: Iterable[Entry]) -> bool:
-        """Whether a peer outside our own group of ``round`` marks its entry ``formed``."""
+        """Whether a peer outside our own group of ``round`` marks its entry ``formed``
+        (once this peer has partners, only a partner's mark counts: a stranger's would
+        make it wait for a result that never comes)."""
         mine = self.identity.peer_id_hex
         ours = self._grouped.get(round, frozenset())
+        partners = set(self.partners())
         return any(
             e.value.get("formed", 0) > 1 and e.value["numel"] == numel
             for e in entries
-            if e.subkey != mine and e.subkey not in ours
+            if e.subkey != mine and e.subkey not in ours and (not partners or e.subkey in partners)
         )
 
     async def formed_without_us(self, round: int, numel: int) -> bool:
@@ -355,11 +398,16 @@ class Matchmaker:
         redirects = 0
         next_endpoint: str | None = None
         unserved_since: float | None = None  # client mode: since when no leader is in sight
+        strangers: set[str] = set()  # candidates asked while this peer has no partner
         while not deadline.expired:
             if next_endpoint is None:
                 candidates, formed = await self._candidates(round, me, deadline)
                 formed_without_us |= formed
                 untried = [c for c in candidates if c.endpoint not in tried]
+                if len(strangers) >= self.config.stranger_leaders and not self.partners():
+                    untried = []  # enough strangers failed us: lead (or wait) instead
+                tried |= await self._unreachable(untried, deadline)
+                untried = [c for c in untried if c.endpoint not in tried]
                 if not untried:
                     if formed_without_us and round not in self._came_late:
                         # A peer ahead of us already formed this round's group: leading
@@ -393,6 +441,7 @@ class Matchmaker:
             endpoint, next_endpoint = next_endpoint, None
             response = await self._join(endpoint, me, deadline)
             if response is None:
+                strangers.add(endpoint)
                 tried.add(endpoint)
                 continue
             outcome = response.WhichOneof("outcome")
@@ -438,6 +487,27 @@ class Matchmaker:
             formed_without_us |= outcome == "refused" and refusal.code == "formed"
             tried.add(endpoint)
         raise RoundAborted(f"round {round}: no group formed before the deadline")
+
+    async def _unreachable(self, candidates: list[_Candidate], deadline: Deadline) -> set[str]:
+        """The endpoints among the first few ``candidates`` that do not answer a TLS
+        handshake within ``first_contact_s``, all tried at once: a listener that never
+        answers costs this once, not a call timeout per candidate. (Endpoints reached
+        before answer at once.)"""
+        batch = candidates[:_PROBED]
+        if not batch:
+            return set()
+        wait = Deadline.after(min(self.config.first_contact_s, max(deadline.remaining(), 0.0)))
+
+        async def reach(endpoint: str) -> str | None:
+            try:
+                await self.client.open(endpoint, wait)
+            except RpcError as exc:
+                logger.info("leader candidate %s is out of reach: %s", endpoint, exc)
+                return endpoint
+            return None
+
+        gone = await asyncio.gather(*(reach(c.endpoint) for c in batch))
+        return {endpoint for endpoint in gone if endpoint is not None}
 
     async def _join(
         self, endpoint: str, me: pb.MemberDeclaration, deadline: Deadline
@@ -712,15 +782,29 @@ class Matchmaker:
         however many ask (one read serves them all), waiting at most 5 s for it."""
         if self._records.get(member.peer_id) == member.endpoint:
             return True
-        loop = asyncio.get_running_loop()
-        if loop.time() - self._records_read_at >= _RECORDS_REREAD_S:
-            if self._reading_records is None or self._reading_records.done():
-                self._reading_records = loop.create_task(self._read_records())
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._reading_records), _RECORDS_WAIT_S)
+        await self._reread_records(Deadline.after(_RECORDS_WAIT_S), wait=True)
         return self._records.get(member.peer_id) == member.endpoint
 
-    async def _read_records(self) -> None:
+    async def _reread_records(self, deadline: Deadline, *, wait: bool = False) -> bool:
+        """Read the swarm's peer list again, at most once per second however many ask (one
+        read serves them all), waiting at most 5 s (and ``deadline``) for it; whether it
+        was read. ``wait``: if it was read less than a second ago, read it once the second
+        is over (a key may have announced itself since) instead of not at all."""
+        loop = asyncio.get_running_loop()
+        early = self._records_read_at + _RECORDS_REREAD_S - loop.time()
+        if early > 0 and not wait:
+            return False
+        if self._reading_records is None or self._reading_records.done():
+            self._reading_records = loop.create_task(self._read_records(max(early, 0.0)))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.shield(self._reading_records), deadline.timeout(_RECORDS_WAIT_S)
+            )
+        return self._reading_records.done()
+
+    async def _read_records(self, after: float = 0.0) -> None:
+        if after > 0:
+            await asyncio.sleep(after)  # the once-a-second limit on reading the list
         try:
             peers = await find_peers(self.dht, self.swarm_id)
         except Exception as exc:  # a DHT read that fails keeps the list as it was

@@ -1,0 +1,267 @@
+"""A stranger with many keys against catch-up (docs/SECURITY.md, "Many keys"), on loopback.
+
+Real gRPC servers and signed DHT records: honest holders serve their state with a real
+``StateDonor``; the attacker publishes ``digest/<r>`` and ``progress`` records under as
+many fresh keys as it likes (one node stores them all: keys cost nothing) and serves, from
+a few addresses of its own, the honest weights with the outer momentum multiplied (x1000
+ends training; x1, the state before the round, would make every peer throw its round away).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AsyncExitStack
+
+import pytest
+import torch
+
+from swarmloco.core.adoption import AdoptionConfig, Evidence, Reference
+from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema, StateSnapshot
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.records import digest_key, make_record, progress_key
+from swarmloco.net.server import ServerConfig
+from swarmloco.net.state import DownloadConfig, StateDonor, state_service
+from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+SWARM = "5b" * 20
+NUMEL = 4096
+LR, MU = 0.7, 0.9
+CONFIG = CatchUpConfig(
+    download=DownloadConfig(chunk_timeout_s=2.0, header_timeout_s=2.0), state_timeout_s=60.0
+)
+
+
+class Trajectory:
+    """Honest training, round by round: Nesterov outer steps (lr 0.7, momentum 0.9) with
+    pseudo-gradients that keep a direction, as a model's do, plus noise."""
+
+    def __init__(self, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.theta = torch.randn(NUMEL, generator=g)
+        self.theta0 = self.theta.clone()
+        self.momentum = torch.zeros(NUMEL)
+        self.tokens = 0
+        self.round = 0
+        self._g = g
+        self._direction = torch.randn(NUMEL, generator=g)
+        self.updates: list[float] = []
+
+    def step(self) -> None:
+        noise = torch.randn(NUMEL, generator=self._g)
+        update = 0.01 * (self._direction + noise) / (self._direction + noise).norm()
+        self.momentum = MU * self.momentum + update
+        self.theta = self.theta - LR * (update + MU * self.momentum)
+        self.tokens += 2048
+        self.round += 1
+        self.updates.append(float(update.norm()))
+
+    def snapshot(self, *, momentum_times: float = 1.0) -> StateSnapshot:
+        tensors = {THETA_G: self.theta.clone(), MOMENTUM: self.momentum * momentum_times}
+        tensors[TOKENS] = torch.tensor([self.tokens], dtype=torch.int64)
+        return StateSnapshot.of(swarm_id=SWARM, round=self.round, tensors=tensors)
+
+    def reference(self) -> Reference:
+        return Reference(
+            theta_g=self.theta,
+            momentum=self.momentum if self.round else None,
+            tokens=self.tokens,
+            outer_lr=LR,
+            outer_momentum=MU,
+        )
+
+
+class Server:
+    """A peer on its own address that serves one snapshot and counts what it served."""
+
+    def __init__(self, node: NetNode, donor: StateDonor, holder: list[StateSnapshot]) -> None:
+        self.node, self.donor, self._holder = node, donor, holder
+
+    @property
+    def peer_id(self) -> str:
+        return self.node.identity.peer_id_hex
+
+    @property
+    def served(self) -> int:
+        return self.donor.stats["served"]
+
+    def serve(self, snapshot: StateSnapshot) -> None:
+        self._holder[:] = [snapshot]
+
+
+async def server(stack: AsyncExitStack, boot: NetNode | None, host: str) -> Server:
+    identity = Identity.generate()
+    holder: list[StateSnapshot] = []
+    donor = StateDonor(identity=identity, snapshot=lambda: holder[0] if holder else None)
+    node = await stack.enter_async_context(
+        NetNode(
+            identity=identity,
+            config=NodeConfig(
+                peers=(boot.endpoint,) if boot else (), server=ServerConfig(host=host)
+            ),
+            services=[state_service(donor)],
+        )
+    )
+    return Server(node, donor, holder)
+
+
+async def publish(
+    node: NetNode, owner: Identity, *, round: int, digest: bytes, endpoint: str, claim: int
+) -> None:
+    """``owner``'s digest of ``round`` (served at ``endpoint``) and its progress claim,
+    stored through ``node`` (a stranger needs no server per key)."""
+    now = node.dht.clock()
+    records = [
+        make_record(
+            digest_key(SWARM, round),
+            {"digest": digest, "endpoint": endpoint, "at": now},
+            expiration=now + 60,
+            owner=owner,
+        ),
+        make_record(
+            progress_key(SWARM),
+            {"round": claim, "tokens": 0, "tokens_per_s": 1000.0, "at": now},
+            expiration=now + 60,
+            owner=owner,
+        ),
+    ]
+    for record in records:
+        assert await node.dht.store_record(record, republish=False) >= 1
+
+
+def partner_history(partners: list[str], trajectory: Trajectory, rounds: int) -> Evidence:
+    """This peer averaged rounds 1..``rounds`` of ``trajectory`` with ``partners``."""
+    evidence = Evidence()
+    start = time.time() - 10.0 * rounds
+    for r in range(1, rounds + 1):
+        evidence.applied(
+            0.05,
+            at=start + 10.0 * r,
+            lr=1e-3,
+            update=trajectory.updates[r - 1],
+            tokens=2048,
+        )
+        evidence.grouped(r, ["me", *partners], "me", AdoptionConfig())
+    return evidence
+
+
+def catchup(me: NetNode, evidence: Evidence) -> CatchUp:
+    return CatchUp(
+        me=me.identity.peer_id_hex,
+        swarm_id=SWARM,
+        dht=me.dht,
+        client=me.client,
+        schema=StateSchema.diloco(NUMEL),
+        evidence=evidence,
+        config=CONFIG,
+    )
+
+
+@pytest.mark.parametrize("momentum_times", [1000.0, 1.0])
+async def test_sybil_digests_of_the_round_just_applied_change_nothing(momentum_times):
+    """This peer applied round 12 with its partner; 200 fresh keys publish another digest
+    of round 12 (and claim rounds ahead) and four addresses serve it: the honest weights
+    with the momentum x1000, or the state before the round (x1: a majority that would
+    make every peer throw its round away). Nothing is downloaded, nothing adopted."""
+    honest = Trajectory(seed=1)
+    for _ in range(11):
+        honest.step()
+    before = honest.snapshot()  # round 11
+    honest.step()
+    mine = honest.snapshot()  # round 12, what this peer and its partner hold
+    forged = honest.snapshot(momentum_times=momentum_times) if momentum_times != 1 else before
+    forged = StateSnapshot.of(swarm_id=SWARM, round=12, tensors=dict(forged.tensors))
+    async with AsyncExitStack() as stack:
+        boot = await server(stack, None, "127.0.0.1")
+        partner = await server(stack, boot.node, "127.0.0.2")
+        partner.serve(mine)
+        attackers = [await server(stack, boot.node, f"127.0.0.{10 + i}") for i in range(4)]
+        for a in attackers:
+            a.serve(forged)
+        me = await stack.enter_async_context(
+            NetNode(identity=Identity.generate(), config=NodeConfig(peers=(boot.node.endpoint,)))
+        )
+        await publish(
+            partner.node,
+            partner.node.identity,
+            round=12,
+            digest=mine.digest,
+            endpoint=partner.node.endpoint,
+            claim=13,
+        )
+        for i in range(200):
+            served_by = attackers[i % 4]
+            key = served_by.node.identity if i < 4 else Identity.generate()
+            for round, claim in ((12, 13), (13, 15)):
+                await publish(
+                    served_by.node,
+                    key,
+                    round=round,
+                    digest=forged.digest,
+                    endpoint=served_by.node.endpoint,
+                    claim=claim,
+                )
+        evidence = partner_history([partner.peer_id], honest, 12)
+        assert evidence.grouped_round == 12
+        found = await catchup(me, evidence).find(
+            round=12, digest=mine.digest, reference=honest.reference(), distrusted=set()
+        )
+    assert found.adopted is None
+    assert sum(a.served for a in attackers) == 0  # not even asked
+    assert found.refused and all("averaged with this peer" in r.reason for r in found.refused)
+    # The keys claiming rounds ahead back nothing adoptable: pacing leaves them out.
+    assert len(found.unbacked) >= 100
+
+
+async def test_a_fresh_joiner_that_reaches_honest_peers_and_sybils_takes_the_honest_state():
+    """A newcomer (nothing of its own but the initial weights) sees round 20 held by four
+    honest peers on four addresses and by eight attacker keys serving, from four addresses
+    of their own, the honest weights with the momentum x1000. Networks are even, so it
+    tries the state held by more keys first, refuses it whole (an outer step of that
+    momentum reaches far further than training went from the initial weights), distrusts
+    its holders, and takes the honest state."""
+    honest = Trajectory(seed=2)
+    theta0 = honest.theta0.clone()
+    for _ in range(20):
+        honest.step()
+    good = honest.snapshot()
+    forged = honest.snapshot(momentum_times=1000.0)
+    async with AsyncExitStack() as stack:
+        boot = await server(stack, None, "127.0.0.1")
+        peers = [await server(stack, boot.node, f"127.0.0.{2 + i}") for i in range(4)]
+        attackers = [await server(stack, boot.node, f"127.0.0.{10 + i % 4}") for i in range(8)]
+        for p in peers:
+            p.serve(good)
+            await publish(
+                p.node,
+                p.node.identity,
+                round=20,
+                digest=good.digest,
+                endpoint=p.node.endpoint,
+                claim=21,
+            )
+        for a in attackers:
+            a.serve(forged)
+            await publish(
+                a.node,
+                a.node.identity,
+                round=20,
+                digest=forged.digest,
+                endpoint=a.node.endpoint,
+                claim=21,
+            )
+        me = await stack.enter_async_context(
+            NetNode(identity=Identity.generate(), config=NodeConfig(peers=(boot.node.endpoint,)))
+        )
+        fresh = Reference(theta_g=theta0, momentum=None, tokens=0, outer_lr=LR, outer_momentum=MU)
+        found = await catchup(me, Evidence()).find(
+            round=0, digest=None, reference=fresh, distrusted=set()
+        )
+    assert found.adopted is not None
+    assert found.adopted.snapshot.digest == good.digest
+    refused = [r for r in found.refused if r.digest == forged.digest.hex()]
+    assert refused and "outer momentum" in refused[0].reason
+    assert {a.peer_id for a in attackers} & found.distrusted
+    assert sum(a.served for a in attackers) >= 1  # it was tried, and refused whole
