@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarmloco.errors import CheckpointError
-from swarmloco.runtime.checkpoint import CheckpointStore
+from swarmloco.runtime.checkpoint import CheckpointStore, checkpoint_name
 
 SWARM = "c" * 40
 
@@ -98,11 +98,10 @@ def test_a_file_size_limit_fails_the_save_cleanly(tmp_path):
         check=True,
     )
     raised = json.loads(out.stdout)["raised"]
-    assert raised is not None and "no space" in raised and "ckpt-0000000001" in raised
+    first = checkpoint_name(1, 1, 1)
+    assert raised is not None and "no space" in raised and first in raised
     with CheckpointStore(tmp_path, swarm_id=SWARM) as store:
-        assert [p.name for p in tmp_path.iterdir() if p.name != ".lock"] == [
-            "ckpt-0000000001-000000000001"
-        ]
+        assert [p.name for p in tmp_path.iterdir() if p.name != ".lock"] == [first]
         assert torch.equal(store.latest().state["small"], torch.ones(1000))
 
 

@@ -599,3 +599,153 @@ def test_a_state_that_blows_training_up_is_rolled_back_and_its_holder_distrusted
     assert [e["round"] for e in events.of("round")] == list(range(1, 8))
     assert torch.isfinite(peer.swarm.diloco.theta_g).all()
     assert peer.swarm.snapshots.current.digest != poisoned.digest
+
+
+# -- checkpoints that do not fit ----------------------------------------------------------
+
+
+class Counter:
+    """A registered object (a data loader's position, say) that checks what it loads."""
+
+    def __init__(self, count: int = 0) -> None:
+        self.count = count
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+
+
+def _checkpoints(tmp: Path, name: str, swarm_id: str) -> CheckpointStore:
+    return CheckpointStore(tmp / name / "swarms" / swarm_id / "checkpoints", swarm_id=swarm_id)
+
+
+def _everything_moved(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every part a restore loads changed, so that what a failed restore
+    loaded before it failed shows."""
+    s = {**state, "steps": state["steps"] + 100, "global_step": state["global_step"] + 100}
+    s["diloco"] = {**state["diloco"], "theta_g": state["diloco"]["theta_g"] + 1}
+    s["model"] = {k: v + 1 for k, v in state["model"].items()}
+    s["optimizer"] = {
+        **state["optimizer"],
+        "state": {
+            k: {**per, "exp_avg": per["exp_avg"] + 1}
+            for k, per in state["optimizer"]["state"].items()
+        },
+    }
+    s["objects"] = {"counter": {"count": 1000}}
+    return s
+
+
+def _set(path: tuple[Any, ...], value: Any) -> Any:
+    def spoil(s: dict[str, Any]) -> None:
+        for key in path[:-1]:
+            s = s[key]
+        s[path[-1]] = value
+
+    return spoil
+
+
+@pytest.mark.parametrize(
+    ("spoil", "why"),
+    [
+        (lambda s: s.pop("rng"), "KeyError: 'rng'"),
+        (_set(("steps",), [1]), "TypeError"),
+        (_set(("model", "2.weight"), torch.zeros(1, 3)), "size mismatch for 2.weight"),
+        # copy_ alone would have broadcast it over the whole global state
+        (_set(("diloco", "theta_g"), torch.zeros(1)), "theta_g has shape (1,)"),
+        (_set(("optimizer", "state", 0, "exp_avg"), torch.zeros(2)), "'exp_avg' of parameter 0"),
+        (_set(("objects", "counter"), {"position": 3}), "KeyError: 'count'"),
+    ],
+    ids=["missing-key", "wrong-type", "model-shape", "global-shape", "optimizer-shape", "object"],
+)
+def test_a_checkpoint_with_good_hashes_and_malformed_content_falls_back_to_the_one_before(
+    tmp_path, spoil, why
+):
+    a = _peer(tmp_path, "a", SPEC, pause=0.0, max_rounds=2)
+    a.swarm.register("counter", Counter(7))
+    run_peers(a.job)
+    swarm_id = a.swarm.swarm_id
+    with _checkpoints(tmp_path, "a", swarm_id) as store:
+        good = store.latest()
+        assert good is not None and good.round == 2
+        malformed = _everything_moved(good.state)
+        spoil(malformed)
+        spoiled = store.save(round=3, step=good.step + 4, state=malformed)  # hashes right
+
+    again = _peer(tmp_path, "a", swarm_id, pause=0.0)
+    counter = Counter()
+    again.swarm.register("counter", counter)
+    with again.swarm as swarm:
+        [skipped] = again.events.of("checkpoint-skipped")
+        assert skipped["checkpoint"] == str(spoiled) and why in skipped["why"], skipped
+        [resumed] = again.events.of("resumed")
+        assert resumed["checkpoint"] == str(good.path) and resumed["verified"] is True
+        # Everything comes from the checkpoint before, none of it from the spoiled one.
+        assert (swarm.round, swarm.steps, swarm.global_step) == (
+            2,
+            good.state["steps"],
+            good.state["global_step"],
+        )
+        assert counter.count == 7
+        assert torch.equal(swarm.diloco.theta_g, good.state["diloco"]["theta_g"])
+        for name, value in again.model.state_dict().items():
+            assert torch.equal(value, good.state["model"][name]), name
+        for k, per in again.opt.state_dict()["state"].items():
+            assert torch.equal(per["exp_avg"], good.state["optimizer"]["state"][k]["exp_avg"])
+        # Left on disk for a person to look at, and not counted as one of the kept.
+        assert dict(swarm.store.inventory())[spoiled].startswith("does not fit this peer")
+
+
+def test_when_no_checkpoint_fits_the_peer_refuses_to_start_over_them(tmp_path):
+    a = _peer(tmp_path, "a", SPEC, pause=0.0, max_rounds=2)
+    run_peers(a.job)
+    with _checkpoints(tmp_path, "a", a.swarm.swarm_id) as store:
+        on_disk = [p for p, why in store.inventory() if not why]
+    assert len(on_disk) >= 2
+    again = _peer(tmp_path, "a", a.swarm.swarm_id, pause=0.0)
+    again.swarm.register("loader", Counter())  # registered now, in no checkpoint
+    with pytest.raises(swarmloco.SwarmlocoError) as refused, again.swarm:
+        pass
+    message = str(refused.value)
+    assert f"checkpoint {on_disk[0]} does not fit this peer" in message
+    assert "'loader'" in message and f"nor do the {len(on_disk) - 1} older" in message
+    assert "move them away to start over" in message
+    assert len(again.events.of("checkpoint-skipped")) == len(on_disk)
+    assert again.swarm.network is None  # refused before any networking
+    assert all(p.exists() for p in on_disk)
+
+
+def test_a_peer_whose_checkpoints_are_all_corrupt_starts_afresh_and_keeps_its_new_ones(
+    tmp_path,
+):
+    # Issue 30, attack 8, through a peer: its newest checkpoints corrupt (their manifests
+    # intact), it starts from round 0 with its steps at 0, and the checkpoints it writes
+    # then must be the ones kept, above the corrupt ones' higher rounds.
+    a = _peer(tmp_path, "a", SPEC, pause=0.0, max_rounds=3, keep_checkpoints=2)
+    run_peers(a.job)
+    swarm_id = a.swarm.swarm_id
+    with _checkpoints(tmp_path, "a", swarm_id) as store:
+        corrupt = [c.path for c in store.valid()]
+    assert len(corrupt) == 2
+    for path in corrupt:
+        data = bytearray((path / "tensors.safetensors").read_bytes())
+        data[-1] ^= 0xFF
+        (path / "tensors.safetensors").write_bytes(bytes(data))
+
+    again = _peer(tmp_path, "a", swarm_id, pause=0.0, max_rounds=2, keep_checkpoints=2)
+    run_peers(again.job)
+    skipped = again.events.of("checkpoint-skipped")
+    assert [e["checkpoint"] for e in skipped] == [str(p) for p in corrupt]
+    assert not again.events.of("resumed")
+    assert again.swarm.last_error.startswith("none of the 2 checkpoint(s)")
+    written = [Path(e["path"]) for e in again.events.of("checkpoint")]
+    assert [e["round"] for e in again.events.of("checkpoint")][-1] == 2
+    with _checkpoints(tmp_path, "a", swarm_id) as store:
+        inventory = store.inventory()
+        latest = store.latest()
+    # The two newest it wrote are kept, the corrupt ones left beside them.
+    assert [p for p, _ in inventory] == written[::-1][:2] + corrupt
+    assert [bool(why) for _, why in inventory] == [False, False, True, True]
+    assert latest is not None and latest.path == written[-1] and latest.round == 2

@@ -294,10 +294,31 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
     )
 
 
+# Per-parameter optimizer states that torch's optimizers keep element by element (Adam's
+# moments, SGD's momentum, RMSprop's averages, Adagrad's sum): of another shape than their
+# parameter, they would fail the first step after a restore, not the restore. Other keys
+# may legitimately have other shapes (factored second moments), so only these are checked.
+_ELEMENTWISE = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "momentum_buffer", "square_avg"}
+    | {"acc_delta", "grad_avg", "sum", "ax", "prev"}
+)
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """``optimizer.load_state_dict`` of a state saved with :func:`local_state`: a per-
-    parameter tensor of a sharded parameter's shape becomes a DTensor like it again."""
+    parameter tensor of a sharded parameter's shape becomes a DTensor like it again.
+    ValueError when an element-wise state does not have its parameter's shape."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    for k, per in state.get("state", {}).items():
+        p = params[int(k)]
+        if is_sharded(p):
+            continue  # a shard's shape is this rank's, not the parameter's
+        for name, v in per.items():
+            if name in _ELEMENTWISE and isinstance(v, torch.Tensor) and v.shape != p.shape:
+                raise ValueError(
+                    f"optimizer state {name!r} of parameter {k} has shape {tuple(v.shape)}, "
+                    f"the parameter {tuple(p.shape)}"
+                )
     restored = dict(state)
     restored["state"] = {
         k: {name: _as_param(v, params[int(k)]) for name, v in per.items()}

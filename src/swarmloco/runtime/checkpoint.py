@@ -2,19 +2,40 @@
 
 A checkpoint is a directory under the store's root::
 
-    ckpt-<round>-<step>/
+    ckpt-<sequence>-r<round>-s<step>/
         tensors.safetensors   every tensor (global params, outer momentum, local params,
                               optimizer moments, RNG states), raw buffers, never pickle
         state.msgpack         everything else, with tensors replaced by references
-        MANIFEST.json         written last: format, swarm id, round, step, size and
-                              SHA-256 of each file
+        MANIFEST.json         written last: format, swarm id, sequence, round, step,
+                              verified, size and SHA-256 of each file
 
 It is written into a hidden temporary directory, every file is fsynced, the manifest goes
 last, and only then is the directory renamed into place (and the root fsynced). A kill -9 at
 any moment therefore leaves either the complete new checkpoint or none of it; a directory
 whose manifest is missing or whose files do not match it does not count as a checkpoint.
-The newest ``keep`` checkpoints are kept. A full disk fails the save with a clear error and
-leaves the earlier checkpoints as they were.
+A full disk fails the save with a clear error and leaves the earlier checkpoints as they
+were.
+
+**Order.** A checkpoint's place is the order it was written in, not its round: its
+sequence number is one more than the highest of any checkpoint directory on disk, valid or
+not. A peer that rolled back from a poisoned round 85 to its own round 80, or that started
+afresh (steps back at 0) beside corrupt checkpoints, writes checkpoints that are newer than
+those, and stay so across restarts. Directories of the earlier format
+(``ckpt-<round>-<step>``) are still read, older than every numbered one.
+
+**Verified.** A checkpoint whose global state was adopted from other peers and is still on
+probation is saved with ``verified=False``; :meth:`CheckpointStore.latest` with
+``verified=True`` finds the newest one this peer trained and checked itself, to roll back
+to.
+
+**What is kept.** The newest ``keep`` valid checkpoints, and the newest valid verified one
+however many unverified ones came after it. Validity is the hash check: a checkpoint whose
+manifest reads well but whose files do not match it is not one of the ``keep``. Invalid
+directories are never deleted (a person may want to look at them); so the newest valid
+checkpoint never is. The verdict on each directory is cached for the store's life, keyed by
+its files' inode, size and modification time: a checkpoint this process wrote was hashed as
+it was written, one already on disk is hashed once, and saving does not read every kept
+checkpoint back. Loading always hashes what it loads.
 
 A :class:`BackgroundWriter` writes on a thread of its own: the caller waits only for a copy
 of the state in memory, not for the seconds that writing, hashing and fsyncing a large
@@ -31,13 +52,14 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -53,7 +75,8 @@ FORMAT = "swarmloco-checkpoint/1"
 TENSORS = "tensors.safetensors"
 STATE = "state.msgpack"
 MANIFEST = "MANIFEST.json"
-_NAME = re.compile(r"^ckpt-(\d{10})-(\d{12})$")
+_NAME = re.compile(r"^ckpt-(\d{10})-r(\d{10})-s(\d{12})$")
+_OLD_NAME = re.compile(r"^ckpt-(\d{10})-(\d{12})$")  # before sequence numbers: older
 _TMP_PREFIX = ".tmp-"
 _HASH_BLOCK = 1 << 20
 
@@ -141,10 +164,45 @@ class Checkpoint:
     step: int
     created_at: float
     state: dict[str, Any]
+    sequence: int = 0
+    """Its place in the order of writing (0: a directory of the earlier format)."""
+    verified: bool = True
+    """False: its global state was adopted from other peers and was on probation."""
 
 
-def checkpoint_name(round_: int, step: int) -> str:
-    return f"ckpt-{round_:010d}-{step:012d}"
+def checkpoint_name(sequence: int, round_: int, step: int) -> str:
+    return f"ckpt-{sequence:010d}-r{round_:010d}-s{step:012d}"
+
+
+def parse_name(name: str) -> tuple[int, int, int] | None:
+    """(sequence, round, step) of a checkpoint directory's name (sequence 0 for the
+    earlier format), or None for anything else."""
+    if m := _NAME.match(name):
+        return int(m[1]), int(m[2]), int(m[3])
+    if m := _OLD_NAME.match(name):
+        return 0, int(m[1]), int(m[2])
+    return None
+
+
+def _age(name: str) -> tuple[int, int, int]:
+    """Sort key, oldest first: every numbered checkpoint after every one of the earlier
+    format, which follow each other by (round, step)."""
+    parsed = parse_name(name)
+    assert parsed is not None
+    sequence, round_, step = parsed
+    return (sequence, 0, 0) if sequence else (0, round_, step)
+
+
+_Stamp = tuple[tuple[str, int, int, int] | tuple[str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verdict:
+    """What a directory's hash check found, and how its files looked then."""
+
+    stamp: _Stamp
+    manifest: dict[str, Any] | None
+    why: str
 
 
 _DTYPES = {
@@ -245,7 +303,9 @@ class CheckpointStore:
     Use it as a context manager (or call :meth:`open` and :meth:`close`). Opening takes an
     exclusive lock on ``root/.lock`` (a second daemon on the same data directory fails at
     once instead of interleaving saves) and removes temporary directories that a killed
-    save left behind. The constructor does no I/O.
+    save left behind. The constructor does no I/O. One thread at a time: read with
+    :meth:`valid` or :meth:`latest` once the :class:`BackgroundWriter`'s write in flight
+    is collected, not while that write prunes.
     """
 
     def __init__(
@@ -261,6 +321,9 @@ class CheckpointStore:
         checkpoint appears and disappears by renaming."""
         self._lock: IO[str] | None = None
         self._reading = False
+        self._verdicts: dict[str, _Verdict] = {}
+        self._rejected: dict[str, str] = {}
+        self._sequence = 0  # the highest sequence number this store saw or wrote
 
     def open(self) -> CheckpointStore:
         if self._lock is not None or self._reading:
@@ -287,6 +350,7 @@ class CheckpointStore:
 
     def close(self) -> None:
         self._reading = False
+        self._verdicts.clear()  # another process may write here before the next open
         if self._lock is not None:
             fcntl.flock(self._lock.fileno(), fcntl.LOCK_UN)
             self._lock.close()
@@ -306,18 +370,26 @@ class CheckpointStore:
 
     # -- saving --
 
-    def save(self, *, round: int, step: int, state: Mapping[str, Any]) -> Path:
-        """Write ``state`` (nested dicts/lists of tensors and plain values) as the checkpoint
-        of (``round``, ``step``) and return its directory; then drop all but the newest
-        ``keep`` checkpoints. Raises :class:`CheckpointError` when the disk is full or not
-        writable; earlier checkpoints are left as they were."""
-        return self.write(round=round, step=step, copy=copy_state(state))
+    def save(
+        self, *, round: int, step: int, state: Mapping[str, Any], verified: bool = True
+    ) -> Path:
+        """Write ``state`` (nested dicts/lists of tensors and plain values) as the newest
+        checkpoint, of (``round``, ``step``), and return its directory; then drop what is
+        no longer kept (see the module docstring). ``verified``: False when the global
+        state in it was adopted from other peers and is still on probation. Raises
+        :class:`CheckpointError` when the disk is full or not writable; earlier checkpoints
+        are left as they were."""
+        return self.write(round=round, step=step, copy=copy_state(state), verified=verified)
 
-    def write(self, *, round: int, step: int, copy: StateCopy) -> Path:
+    def write(self, *, round: int, step: int, copy: StateCopy, verified: bool = True) -> Path:
         """:meth:`save` of a state copied before (by :func:`copy_state`): the part that
         may run on another thread while training changes the original state."""
         self._require_open(writing=True)
-        final = self.root / checkpoint_name(round, step)
+        try:
+            sequence = self._next_sequence()
+        except OSError as e:
+            raise CheckpointError(f"cannot write a checkpoint in {self.root}: {e}") from e
+        final = self.root / checkpoint_name(sequence, round, step)
         tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
         started = time.monotonic()
         try:
@@ -329,20 +401,17 @@ class CheckpointStore:
             manifest = {
                 "format": FORMAT,
                 "swarm_id": self.swarm_id,
+                "sequence": sequence,
                 "round": round,
                 "step": step,
+                "verified": bool(verified),
                 "created_at": time.time(),
                 "files": files,
             }
             _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
-            replaced = None
-            if final.exists():  # the same (round, step) saved again: replace it
-                replaced = self._discard(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
-            if replaced is not None:
-                shutil.rmtree(replaced, ignore_errors=True)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -357,23 +426,55 @@ class CheckpointStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        self._sequence = sequence
+        # Hashed as it was written: no need to read it back to count it as valid.
+        self._verdicts[final.name] = _Verdict(_stamp(final), manifest, "")
         total = sum(int(f["bytes"]) for f in files.values())
         logger.info(
-            "checkpoint %s saved: %.1f MB in %.2f s",
+            "checkpoint %s saved%s: %.1f MB in %.2f s",
             final.name,
+            "" if verified else " (adopted state, on probation)",
             total / 1e6,
             time.monotonic() - started,
         )
         self._prune()
         return final
 
+    def _next_sequence(self) -> int:
+        """One more than the highest sequence number on disk (valid or not) or written by
+        this store: a checkpoint written now is newer than every one before it, even
+        after a restart or when corrupt ones carry higher rounds."""
+        on_disk = (parse_name(name) for name in self._names())
+        highest = max((parsed[0] for parsed in on_disk if parsed), default=0)
+        return max(highest, self._sequence) + 1
+
     def _names(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if _NAME.match(p.name))
+        """Checkpoint directory names, oldest first."""
+        return sorted((p.name for p in self.root.iterdir() if parse_name(p.name)), key=_age)
 
     def _prune(self) -> None:
-        valid = [p for p in self._candidates() if self._read_manifest(p) is not None]
-        for stale in valid[self.keep :]:
-            shutil.rmtree(self._discard(stale), ignore_errors=True)
+        """Delete the valid checkpoints that are no longer kept: beyond the newest
+        ``keep`` valid ones, unless it is the newest verified one; and one that a save of
+        the same (round, step, verified) just superseded. Invalid ones stay."""
+        valid = []
+        for path in self._candidates():
+            manifest = self._judge(path).manifest
+            if manifest is not None:
+                valid.append((path, manifest))
+        superseded = {
+            older
+            for (newer, m_new), (older, m_old) in itertools.pairwise(valid)
+            if _point(m_new) == _point(m_old)
+        }
+        survivors = [(p, m) for p, m in valid if p not in superseded]
+        kept = {p for p, _ in survivors[: self.keep]}
+        verified = next((p for p, m in survivors if m.get("verified", True)), None)
+        if verified is not None:
+            kept.add(verified)  # the state to roll back to, whatever came after it
+        for path, _ in valid:
+            if path not in kept:
+                self._verdicts.pop(path.name, None)
+                shutil.rmtree(self._discard(path), ignore_errors=True)
 
     def _discard(self, path: Path) -> Path:
         """Rename a checkpoint out of the way before deleting it: a kill in the middle of a
@@ -383,7 +484,7 @@ class CheckpointStore:
         os.rename(path, doomed)
         return doomed
 
-    # -- loading --
+    # -- judging --
 
     def _candidates(self) -> list[Path]:
         """Checkpoint directories, newest first."""
@@ -398,17 +499,46 @@ class CheckpointStore:
             return None
         return manifest
 
-    def _verify(self, path: Path) -> tuple[dict[str, Any] | None, str]:
+    def _verify(self, path: Path) -> _Verdict:
+        """Read the manifest and hash every file it lists (the verdict is cached)."""
+        stamp = _stamp(path)
+        manifest, why = self._check(path)
+        verdict = _Verdict(stamp, manifest, why)
+        self._verdicts[path.name] = verdict
+        return verdict
+
+    def _judge(self, path: Path) -> _Verdict:
+        """:meth:`_verify`, or its cached verdict while the directory's files are the ones
+        it judged (same inode, size and modification time); a rejected one is invalid."""
+        if path.name in self._rejected:
+            return _Verdict((), None, self._rejected[path.name])
+        cached = self._verdicts.get(path.name)
+        if cached is not None and cached.stamp == _stamp(path):
+            return cached
+        return self._verify(path)
+
+    def _check(self, path: Path) -> tuple[dict[str, Any] | None, str]:
         manifest = self._read_manifest(path)
         if manifest is None:
             return None, "no valid manifest (an interrupted save)"
         if manifest.get("swarm_id") != self.swarm_id:
             return None, f"belongs to swarm {manifest.get('swarm_id')!r}"
+        parsed = parse_name(path.name)
+        assert parsed is not None
+        sequence, round_, step = parsed
+        named = {"round": round_, "step": step, **({"sequence": sequence} if sequence else {})}
+        for key, value in named.items():
+            if manifest.get(key) != value or isinstance(manifest.get(key), bool):
+                return None, f"its manifest names {key} {manifest.get(key)!r}, its name {value}"
+        if not isinstance(manifest.get("verified", True), bool):
+            return None, f"its manifest's verified is {manifest.get('verified')!r}"
         files = manifest.get("files")
         if not isinstance(files, dict) or set(files) != {TENSORS, STATE}:
             return None, "manifest lists the wrong files"
         for name, expected in files.items():
             file = path / name
+            if not isinstance(expected, dict):
+                return None, f"manifest entry of {name} is not a mapping"
             try:
                 size = file.stat().st_size
             except OSError:
@@ -417,24 +547,62 @@ class CheckpointStore:
                 return None, f"{name} does not match its hash in the manifest"
         return manifest, ""
 
-    def inventory(self) -> list[tuple[Path, str]]:
-        """Every checkpoint directory, newest first, with '' if valid or why it is not."""
-        return [(p, self._verify(p)[1]) for p in self._candidates()]
+    def reject(self, path: Path, why: str) -> None:
+        """Count ``path`` as invalid from now on (for this store's life), though its hashes
+        match: its content does not fit the peer. It is then not one of the kept
+        checkpoints, and never deleted."""
+        self._rejected[path.name] = why
 
-    def latest(self) -> Checkpoint | None:
-        """The newest valid checkpoint of this swarm, or None. Invalid ones are skipped with
-        a warning (never deleted: a person may want to look at them)."""
+    def inventory(self) -> list[tuple[Path, str]]:
+        """Every checkpoint directory, newest first, with '' if valid or why it is not
+        (every file hashed again)."""
+        return [(p, self._rejected.get(p.name) or self._verify(p).why) for p in self._candidates()]
+
+    # -- loading --
+
+    def latest(self, *, verified: bool | None = None) -> Checkpoint | None:
+        """The newest valid checkpoint of this swarm, or None; with ``verified=True``, the
+        newest whose global state this peer trained and checked itself (what to roll back
+        to). Invalid ones are skipped with a warning (never deleted: a person may want to
+        look at them)."""
+        return next(self.valid(verified=verified), None)
+
+    def valid(
+        self,
+        *,
+        verified: bool | None = None,
+        on_skip: Callable[[Path, str], None] | None = None,
+    ) -> Iterator[Checkpoint]:
+        """Every valid checkpoint, newest first, loaded one at a time (each after its
+        files were hashed again); with ``verified``, only those whose manifest says so.
+        A directory that fails the hash check or cannot be read is skipped with a warning
+        and reported to ``on_skip(path, why)``; one that cannot be read is also rejected
+        (:meth:`reject`). A caller that finds a loaded checkpoint unfit for it rejects it
+        and takes the next."""
         self._require_open()
         for path in self._candidates():
-            manifest, why = self._verify(path)
-            if manifest is None:
-                logger.warning("skipping checkpoint %s: %s", path, why)
-                continue
-            try:
-                return self._load(path, manifest)
-            except (CheckpointError, OSError, ValueError) as e:
-                logger.warning("skipping checkpoint %s: %s", path, e)
-        return None
+            if verified is not None:
+                said = self._read_manifest(path)
+                if said is not None and said.get("verified", True) is not verified:
+                    continue  # not what was asked for: not worth hashing
+            if path.name in self._rejected:
+                why = self._rejected[path.name]
+                manifest = None
+            else:
+                verdict = self._verify(path)
+                manifest, why = verdict.manifest, verdict.why
+            if manifest is not None:
+                try:
+                    found = self._load(path, manifest)
+                except Exception as e:  # whatever its bytes make the parsers raise
+                    why = f"cannot be read: {type(e).__name__}: {e}"
+                    self.reject(path, why)
+                else:
+                    yield found
+                    continue
+            logger.warning("skipping checkpoint %s: %s", path, why)
+            if on_skip is not None:
+                on_skip(path, why)
 
     def _load(self, path: Path, manifest: Mapping[str, Any]) -> Checkpoint:
         tensors = load_file(str(path / TENSORS))
@@ -449,7 +617,27 @@ class CheckpointStore:
             step=int(manifest["step"]),
             created_at=float(manifest["created_at"]),
             state=state,
+            sequence=int(manifest.get("sequence", 0)),
+            verified=bool(manifest.get("verified", True)),
         )
+
+
+def _stamp(path: Path) -> _Stamp:
+    """How a checkpoint directory's files look: a verdict holds while this does."""
+    stamp: list[tuple[str, int, int, int] | tuple[str]] = []
+    for name in (MANIFEST, TENSORS, STATE):
+        try:
+            st = (path / name).stat()
+        except OSError:
+            stamp.append((name,))
+            continue
+        stamp.append((name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(stamp)
+
+
+def _point(manifest: Mapping[str, Any]) -> tuple[Any, Any, bool]:
+    """What a checkpoint holds the state of: saved twice, the later one supersedes."""
+    return manifest.get("round"), manifest.get("step"), bool(manifest.get("verified", True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,6 +651,7 @@ class Saved:
     copy_seconds: float
     """What the caller's thread spent copying the state (all that training waited for)."""
     write_seconds: float
+    verified: bool = True
 
 
 class BackgroundWriter:
@@ -485,10 +674,13 @@ class BackgroundWriter:
     def busy(self) -> bool:
         return self._inflight is not None and not self._inflight.done()
 
-    def submit(self, *, round: int, step: int, state: Mapping[str, Any]) -> None:
+    def submit(
+        self, *, round: int, step: int, state: Mapping[str, Any], verified: bool = True
+    ) -> None:
         """Copy ``state`` (the caller may change it as soon as this returns) and start
-        writing the copy. Raises if a write is still in flight (check :attr:`busy`) or the
-        last one was not collected (:meth:`poll` or :meth:`wait` first)."""
+        writing the copy (``verified``: as :meth:`CheckpointStore.save`). Raises if a
+        write is still in flight (check :attr:`busy`) or the last one was not collected
+        (:meth:`poll` or :meth:`wait` first)."""
         if self._inflight is not None:
             if not self._inflight.done():
                 raise RuntimeError("a checkpoint is still being written")
@@ -500,12 +692,15 @@ class BackgroundWriter:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="swarmloco-checkpoint"
             )
-        self._inflight = self._pool.submit(self._write, round, step, copy, copied)
+        self._inflight = self._pool.submit(self._write, round, step, copy, copied, verified)
 
-    def _write(self, round: int, step: int, copy: StateCopy, copied: float) -> Saved:
+    def _write(
+        self, round: int, step: int, copy: StateCopy, copied: float, verified: bool
+    ) -> Saved:
         started = time.monotonic()
-        path = self.store.write(round=round, step=step, copy=copy)
-        return Saved(path, round, step, copy.nbytes, copied, time.monotonic() - started)
+        path = self.store.write(round=round, step=step, copy=copy, verified=verified)
+        seconds = time.monotonic() - started
+        return Saved(path, round, step, copy.nbytes, copied, seconds, verified)
 
     def poll(self) -> Saved | None:
         """The write in flight if it has finished (its error raised if it failed), else

@@ -23,6 +23,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -131,21 +132,35 @@ def _from_checkpoint(
     manifest = _local_manifest(swarm_id, local)
     if manifest is None:
         raise SwarmlocoError(f"no copy of swarm {swarm_id}'s manifest in {local}")
+    numel = manifest_signature(manifest).layout(manifest_spec(manifest).codec.block_size).numel
     with CheckpointStore(local / "checkpoints", swarm_id=swarm_id, readonly=True) as store:
-        found = store.latest()
-    if found is None:
-        raise SwarmlocoError(f"no valid checkpoint of swarm {swarm_id} in {local / 'checkpoints'}")
-    theta = found.state["diloco"]["theta_g"]
-    digest = state_digest({THETA_G: theta}).hex()
-    if found.round > 0:  # the digest peers publish: the committed state, as a donor serves it
-        state = found.state["diloco"]
-        tensors = {
-            THETA_G: theta,
-            MOMENTUM: state["momentum"],
-            TOKENS: torch.tensor([int(state.get("tokens", 0))], dtype=torch.int64),
-        }
-        digest = state_digest(tensors).hex()
-    return manifest, theta, found.round, digest, str(found.path)
+        for found in store.valid():
+            try:
+                theta, digest = _committed_digest(found.state, found.round, numel)
+            except (KeyError, TypeError, ValueError) as exc:
+                logger.warning("skipping checkpoint %s: no global state (%s)", found.path, exc)
+                continue
+            return manifest, theta, found.round, digest, str(found.path)
+    raise SwarmlocoError(f"no valid checkpoint of swarm {swarm_id} in {local / 'checkpoints'}")
+
+
+def _committed_digest(state: dict[str, Any], round: int, numel: int) -> tuple[torch.Tensor, str]:
+    """A checkpoint's ``theta_g`` and the digest peers publish for it: of the committed
+    state as a donor serves it (with the momentum and token count once a round was
+    applied)."""
+    diloco = state["diloco"]
+    theta, momentum = diloco["theta_g"], diloco["momentum"]
+    for name, t in (("theta_g", theta), ("momentum", momentum)):
+        if not isinstance(t, torch.Tensor) or t.shape != (numel,):
+            raise ValueError(f"{name} is not a vector of the model's {numel} values")
+    if round == 0:
+        return theta, state_digest({THETA_G: theta}).hex()
+    tensors = {
+        THETA_G: theta,
+        MOMENTUM: momentum,
+        TOKENS: torch.tensor([int(diloco.get("tokens", 0))], dtype=torch.int64),
+    }
+    return theta, state_digest(tensors).hex()
 
 
 def _local_manifest(swarm_id: str, local: Path | None) -> SwarmManifest | None:

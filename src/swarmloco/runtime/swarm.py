@@ -251,6 +251,10 @@ class Swarm:
         self._last_group: tuple[int, int] | None = None  # (round, size) of our last group
         self._next_catch_up = 0.0
         self._checkpoint_due: float | None = None  # a checkpoint owed (retry, or pending)
+        self._state_verified = True
+        """False while the global state was adopted from other peers and is on probation:
+        its checkpoints are saved unverified, and the newest verified one is kept however
+        many of those follow it (what a rollback returns to)."""
         self._remembered_last: list[str] = []  # what peers.json holds, as written by us
         self._nan_in_a_row = 0
         self._train_started = 0.0
@@ -701,46 +705,60 @@ class Swarm:
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def _restore(self) -> bool:
-        found = self.store.latest()
+    def _restore(self, *, verified: bool | None = None) -> bool:
+        """Resume from the newest checkpoint that loads and fits this peer (with
+        ``verified=True``, the newest whose global state this peer trained and checked
+        itself); False when there is none. One that fails the hash check, or whose content
+        does not fit (a missing key, a wrong type or shape, an object that refuses its
+        state), is skipped with a warning and a ``checkpoint-skipped`` event, and the next
+        one loaded over everything it touched. Raises when checkpoints with good hashes
+        exist but none fits: starting afresh over them would lose the user's work."""
+        # Reasons, not exceptions: a traceback would hold each failed state in memory.
+        misfits: list[tuple[Path, str]] = []
+        corrupt: list[Path] = []
+
+        def skipped(path: Path, why: str) -> None:
+            corrupt.append(path)
+            self._checkpoint_skipped(path, why)
+
+        found = None
+        for candidate in self.store.valid(verified=verified, on_skip=skipped):
+            try:
+                self._load_checkpoint(candidate.state)
+            except Exception as exc:  # whatever the content makes the loaders raise
+                why = f"does not fit this peer: {type(exc).__name__}: {exc}"
+                self.store.reject(candidate.path, why)
+                logger.warning("skipping checkpoint %s: %s", candidate.path, why)
+                self._checkpoint_skipped(candidate.path, why)
+                misfits.append((candidate.path, why))
+                continue
+            found = candidate
+            break
         if found is None:
-            return False
-        s = found.state
-        try:
-            ranks = s.get("ranks", [])
-            if self.box is not None and len(ranks) != self.box.size - 1:
-                raise ValueError(
-                    f"it was saved by a box of {len(ranks) + 1} rank(s), this one has "
-                    f"{self.box.size}"
-                )
-            if self.box is None and ranks:
-                raise ValueError(f"it was saved by a box of {len(ranks) + 1} ranks")
-            self.diloco.load_state_dict(s["diloco"])
-            load_model_state(self.model, s["model"])
-            load_optimizer_state(self.optimizer, s["optimizer"])
-            objects = s.get("objects", {})
-            for name, obj in self.objects.items():
-                if name not in objects:
-                    raise KeyError(f"object {name!r} (registered now, not when it was saved)")
-                obj.load_state_dict(objects[name])
-            torch.set_rng_state(s["rng"])
-            self.steps = int(s["steps"])
-            self.steps_since_round = int(s["steps_since_round"])
-            self.tokens_since_round = int(s["tokens_since_round"])
-            self._global_step = int(s["global_step"])
-            self.evidence = Evidence.from_state(s.get("evidence", {}))
-            if self.box is not None:
-                self._restore_box(s, ranks)
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            if not misfits:
+                if corrupt:
+                    self.last_error = (
+                        f"none of the {len(corrupt)} checkpoint(s) in {self.store.root} is "
+                        "intact (left there to look at): started without them"
+                    )
+                    logger.warning("%s", self.last_error)
+                return False
+            (path, why), older = misfits[0], len(misfits) - 1
             raise SwarmlocoError(
-                f"checkpoint {found.path} does not fit this peer: {exc}; move it away to start over"
-            ) from exc
+                f"checkpoint {path} {why}"
+                + (f" (nor do the {older} older one(s) beside it)" if older else "")
+                + f"; move {'them' if older else 'it'} away to start over"
+            )
+        self._state_verified = found.verified
+        if self.box is not None:
+            self._restore_box(found.state, found.state.get("ranks", []))
         logger.info(
-            "resumed from %s: round %d, step %d, global step %d",
+            "resumed from %s: round %d, step %d, global step %d%s",
             found.path.name,
             self.round,
             self.steps,
             self.global_step,
+            "" if found.verified else " (an adopted state, on probation)",
         )
         self._emit(
             "resumed",
@@ -748,8 +766,38 @@ class Swarm:
             step=self.steps,
             global_step=self.global_step,
             checkpoint=str(found.path),
+            verified=found.verified,
         )
         return True
+
+    def _checkpoint_skipped(self, path: Path, why: str) -> None:
+        self._emit("checkpoint-skipped", checkpoint=str(path), why=why)
+
+    def _load_checkpoint(self, s: Mapping[str, Any]) -> None:
+        """Load one checkpoint's state into the model, optimizer, registered objects, RNG,
+        counters and DiLoCo state; raises at the first part that does not fit (what was
+        loaded before it is overwritten by the next checkpoint tried)."""
+        ranks = s.get("ranks", [])
+        if self.box is not None and len(ranks) != self.box.size - 1:
+            raise ValueError(
+                f"it was saved by a box of {len(ranks) + 1} rank(s), this one has {self.box.size}"
+            )
+        if self.box is None and ranks:
+            raise ValueError(f"it was saved by a box of {len(ranks) + 1} ranks")
+        self.diloco.load_state_dict(s["diloco"])
+        load_model_state(self.model, s["model"])
+        load_optimizer_state(self.optimizer, s["optimizer"])
+        objects = s.get("objects", {})
+        for name, obj in self.objects.items():
+            if name not in objects:
+                raise KeyError(f"object {name!r} (registered now, not when it was saved)")
+            obj.load_state_dict(objects[name])
+        torch.set_rng_state(s["rng"])
+        self.steps = int(s["steps"])
+        self.steps_since_round = int(s["steps_since_round"])
+        self.tokens_since_round = int(s["tokens_since_round"])
+        self._global_step = int(s["global_step"])
+        self.evidence = Evidence.from_state(s.get("evidence", {}))
 
     def _restore_box(self, s: Mapping[str, Any], ranks: list[dict[str, Any]]) -> None:
         """Give each of the box's other ranks its part of a checkpoint: its own objects and
@@ -795,7 +843,9 @@ class Swarm:
         }
         if ranks:
             state["ranks"] = ranks  # the box's other ranks: their objects, RNG and shards
-        self.writer.submit(round=self.round, step=self.steps, state=state)
+        self.writer.submit(
+            round=self.round, step=self.steps, state=state, verified=self._state_verified
+        )
         self._dirty = False
         if wait:
             self._collect_checkpoint(wait=True)
@@ -835,6 +885,7 @@ class Swarm:
                 bytes=saved.nbytes,
                 seconds=round(saved.write_seconds, 3),
                 copy_seconds=round(saved.copy_seconds, 3),
+                verified=saved.verified,
             )
 
     # -- leaving ------------------------------------------------------------------------------

@@ -165,13 +165,32 @@ class DilocoState:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load a :meth:`state_dict`; ValueError (or KeyError, TypeError) before anything
+        changes when it does not fit this layout (``copy_`` alone would broadcast a
+        tensor of the wrong shape)."""
+        tensors = {name: state[name] for name in ("theta_g", "momentum")}
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"{name} is a {type(t).__name__}, not a float tensor")
+            if t.shape != self.theta_g.shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}, the swarm's state "
+                    f"{tuple(self.theta_g.shape)}"
+                )
         steps = [int(n) for n in state["outer_steps"]]
-        if len(steps) != self.fragments:
-            raise ValueError(f"{len(steps)} fragments, the swarm has {self.fragments}")
-        self.theta_g.copy_(state["theta_g"])
-        self.momentum.copy_(state["momentum"])
+        fragment_tokens = [int(n) for n in state["fragment_tokens"]]
+        if len(steps) != self.fragments or len(fragment_tokens) != self.fragments:
+            raise ValueError(
+                f"{len(steps)} fragments' outer steps and {len(fragment_tokens)} fragments' "
+                f"tokens, the swarm has {self.fragments} fragments"
+            )
+        round_, tokens = int(state["round"]), int(state.get("tokens", 0))
+        if round_ < 0 or tokens < 0 or min(steps + fragment_tokens) < 0:
+            raise ValueError("a negative round, step or token count")
+        self.theta_g.copy_(tensors["theta_g"])
+        self.momentum.copy_(tensors["momentum"])
         for outer, n in zip(self.outers, steps, strict=True):
             outer.steps = n
-        self.fragment_tokens = [int(n) for n in state["fragment_tokens"]]
-        self.round = int(state["round"])
-        self.tokens = int(state.get("tokens", 0))
+        self.fragment_tokens = fragment_tokens
+        self.round = round_
+        self.tokens = tokens
