@@ -61,7 +61,7 @@ PEER_OPTIONS = (
     "--eval-every",
     "1",
 )
-REPLACED = "is not the one most peers hold"
+REPLACED = "partners back another state of round"
 
 
 def log(message: str) -> None:

@@ -944,7 +944,8 @@ def _export_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "for a Hugging Face model, config.json, so that from_pretrained(OUT) loads it. "
             "The weights come from the newest checkpoint in --data-dir (safe while that "
             "peer runs), or with --peer from the swarm itself: the state of its latest "
-            "round that most peers hold, downloaded and checked against its digest."
+            "round held from the most networks, downloaded and checked against its digest "
+            "and whole (finite, its momentum no longer than its weights went)."
         ),
         epilog=(
             "examples:\n"

@@ -1,5 +1,6 @@
 """The evidence a peer asks for before it adopts another peer's state (pure)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -319,3 +320,12 @@ def test_probation_condemns_a_loss_that_explodes_after_the_first_round_lands():
     # Rounds averaged alone do not count towards the probation's end.
     assert not trial.round_applied(False, config)
     assert trial.round_applied(True, config)
+
+
+def test_a_probation_survives_a_checkpoint():
+    trial = Probation(round=7, digest=b"\x01" * 32, holders=("a", "b"), before=[1.5, math.nan])
+    trial.loss(1.2, CONFIG)
+    trial.round_applied(True, CONFIG)
+    again = Probation.from_state(trial.to_state())
+    assert again == dataclasses.replace(trial, before=[1.5])
+    assert again.reference() == pytest.approx(1.5) and again.landed and again.rounds == 1

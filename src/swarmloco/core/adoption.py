@@ -482,6 +482,29 @@ class Probation:
     rounds: int = 0
     landed: bool = False
 
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "digest": self.digest,
+            "holders": list(self.holders),
+            "before": list(self.before),
+            "after": list(self.after),
+            "rounds": self.rounds,
+            "landed": self.landed,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Probation:
+        return cls(
+            round=int(state["round"]),
+            digest=bytes(state["digest"]),
+            holders=tuple(str(h) for h in state["holders"]),
+            before=recent_losses(float(x) for x in state.get("before", [])),
+            after=recent_losses(float(x) for x in state.get("after", [])),
+            rounds=int(state.get("rounds", 0)),
+            landed=bool(state.get("landed", False)),
+        )
+
     def reference(self) -> float | None:
         losses = [x for x in (self.before or self.after) if math.isfinite(x)]
         return statistics.median(losses) if losses else None

@@ -105,6 +105,7 @@ _UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs
 _PEERS_POLL_S = 0.5  # how often wait_for_peers looks
 _DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
 _MAX_DISTRUSTED_DIGESTS = 1024  # states rolled back, remembered
+_EXPECTED_STRANGERS = 2  # newcomers a round waits for besides this peer's partners
 _MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
 _INITIAL_RETRY_S = 2.0
 _ROUND_FAILURES = (SwarmlocoError, TimeoutError)
@@ -752,6 +753,8 @@ class Swarm:
         self._state_verified = found.verified
         if self.box is not None:
             self._restore_box(found.state, found.state.get("ranks", []))
+        if not found.verified:
+            self._resume_probation()
         logger.info(
             "resumed from %s: round %d, step %d, global step %d%s",
             found.path.name,
@@ -769,6 +772,42 @@ class Swarm:
             verified=found.verified,
         )
         return True
+
+    def _resume_probation(self) -> None:
+        """Resumed from a checkpoint of an adopted state still on probation: its fallback
+        is the newest checkpoint of a state this peer verified itself. Without one (a fresh
+        peer that adopted and stopped before its first verified save), the state is kept
+        as this peer's own, with a warning."""
+        fallback = None
+        for candidate in self.store.valid(verified=True):
+            try:
+                state = candidate.state["diloco"]
+                fallback = StateSnapshot.of(
+                    swarm_id=self.swarm_id,
+                    round=int(state["round"]),
+                    tensors=DilocoState.snapshot_tensors(state),
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                logger.warning("checkpoint %s holds no usable state: %s", candidate.path, exc)
+                continue
+            break
+        if self._probation is None or fallback is None:
+            if self._probation is not None:
+                logger.warning(
+                    "the state of round %d was adopted on probation and no state this peer "
+                    "verified itself is checkpointed: keeping it as this peer's own",
+                    self._probation.round,
+                )
+            self._probation = None
+            self._state_verified = True
+            return
+        self._verified = fallback
+        logger.info(
+            "the state of round %d is on probation; its fallback is this peer's own state of "
+            "round %d",
+            self._probation.round,
+            fallback.round,
+        )
 
     def _checkpoint_skipped(self, path: Path, why: str) -> None:
         self._emit("checkpoint-skipped", checkpoint=str(path), why=why)
@@ -798,6 +837,8 @@ class Swarm:
         self.tokens_since_round = int(s["tokens_since_round"])
         self._global_step = int(s["global_step"])
         self.evidence = Evidence.from_state(s.get("evidence", {}))
+        trial = s.get("probation")
+        self._probation = Probation.from_state(trial) if trial is not None else None
 
     def _restore_box(self, s: Mapping[str, Any], ranks: list[dict[str, Any]]) -> None:
         """Give each of the box's other ranks its part of a checkpoint: its own objects and
@@ -841,6 +882,8 @@ class Swarm:
             "global_step": self._global_step,
             "evidence": self.evidence.to_state(),
         }
+        if self._probation is not None:
+            state["probation"] = self._probation.to_state()
         if ranks:
             state["ranks"] = ranks  # the box's other ranks: their objects, RNG and shards
         self.writer.submit(
@@ -1166,13 +1209,23 @@ class Swarm:
             tokens_per_s=self._rate.value,
             at=now,
         )
-        reports = self._fresh_reports(now)
+        everyone = self._fresh_reports(now)
+        # Keys cost nothing: once this peer has partners (peers it averaged with lately)
+        # and hears from any of them, only their reports decide when a round is due, that
+        # it is behind, or that the round started; strangers' reports count again when
+        # every partner is silent (this peer is on its own).
+        partners = self.evidence.witnesses
+        heard = [r for r in everyone if r.peer in partners]
+        reports = heard if heard else everyone
         working = 1 + len({r.peer for r in reports if r.round == target})
         # Matchmaking waits for the peers of this round: those whose report names it, the
         # round before (they applied it with us and have not reported since) or the round
         # after (they started this one: it is in flight on their side). Counting too many
-        # costs a gathering window, too few a group split in two.
-        self._expected = 1 + len({r.peer for r in reports if target - 1 <= r.round <= target + 1})
+        # costs a gathering window, too few a group split in two. A few newcomers are
+        # waited for besides partners, not a crowd of keys.
+        near = {r.peer for r in everyone if target - 1 <= r.round <= target + 1}
+        known = {p for p in near if p in partners} if heard else near
+        self._expected = 1 + len(known) + min(len(near - known), _EXPECTED_STRANGERS)
         if self._last_group is not None and self._last_group[0] == self.round:
             # Who averaged the last round with us will most likely average this one too,
             # even when their reports lag a round behind.
@@ -1324,6 +1377,7 @@ class Swarm:
                 before=recent_losses(self._losses),
             )
             self._condemned = None
+            self._state_verified = False  # its checkpoints never replace the verified one
         self.diloco.adopt(snap)
         self._take_global()
         self._global_step = max(self._global_step, int(self.round * self.h))
@@ -1354,6 +1408,7 @@ class Swarm:
         self._probation = self._verified = self._condemned = None
         if probation is None or verified is None:
             return
+        self._state_verified = True
         self._distrusted_digests[probation.digest] = None
         while len(self._distrusted_digests) > _MAX_DISTRUSTED_DIGESTS:
             self._distrusted_digests.popitem(last=False)
@@ -1496,6 +1551,7 @@ class Swarm:
             )
             self._probation = None
             self._verified = None
+            self._state_verified = True
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
 
         def hashed(digest: bytes) -> None:

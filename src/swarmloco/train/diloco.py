@@ -137,6 +137,15 @@ class DilocoState:
             tensors[TOKENS] = torch.tensor([self.tokens], dtype=torch.int64)
         return tensors
 
+    @staticmethod
+    def snapshot_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The tensors a donor would serve of a :meth:`state_dict` (a checkpoint's)."""
+        tensors = {THETA_G: state["theta_g"]}
+        if int(state["round"]) > 0:
+            tensors[MOMENTUM] = state["momentum"]
+            tensors[TOKENS] = torch.tensor([int(state.get("tokens", 0))], dtype=torch.int64)
+        return tensors
+
     def adopt(self, snapshot: StateSnapshot) -> None:
         """Take a downloaded global state: ``theta_g``, the momentum, the round, and each
         fragment's outer step count as if this peer had applied rounds 1..r itself."""

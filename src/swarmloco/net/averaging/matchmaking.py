@@ -138,6 +138,10 @@ class MatchmakingConfig:
         require(math.isfinite(self.bandwidth) and self.bandwidth > 0, "bandwidth must be positive")
 
 
+class _TooFew(Exception):
+    """Internal: the group this peer led gathered fewer than ``min_group_size``."""
+
+
 class _Handover(Exception):
     """Internal: the gathering leader found a peer ahead of it at ``endpoint``."""
 
@@ -225,6 +229,8 @@ class Matchmaker:
         self._following: dict[int, str] = {}
         self._finished: collections.deque[int] = collections.deque(maxlen=64)
         self._came_late: collections.deque[int] = collections.deque(maxlen=64)
+        self._lonely: collections.deque[int] = collections.deque(maxlen=64)
+        """Rounds this peer led and gathered too few in (see ``_candidates``)."""
         self._entries: dict[int, dict[str, object]] = {}
         """This peer's ``round/<r>`` entry, per round it is forming a group for."""
         self._grouped: collections.OrderedDict[int, frozenset[str]] = collections.OrderedDict()
@@ -360,9 +366,13 @@ class Matchmaker:
                     rank = leader_rank(self.swarm_id, round, entry.subkey)
                     found.append(_Candidate(rank, entry.subkey, value["endpoint"]))
         found.sort(key=lambda c: c.rank)
-        if me.endpoint:
+        if me.endpoint and (partners or round not in self._lonely):
             own = leader_rank(self.swarm_id, round, mine)
             found = [c for c in found if c.rank < own]
+        # Otherwise: a peer without partners whose last try at leading this round gathered
+        # too few follows whoever leads, ahead of it in the order or behind. Peers with
+        # partners do not follow a stranger, so a newcomer first in the order would lead
+        # alone again and again (its place is the same each try of a round).
         return found, formed
 
     def _formed_marked(self, round: int, numel: int, entries: Iterable[Entry]) -> bool:
@@ -426,6 +436,9 @@ class Matchmaker:
                         except _Handover as handover:
                             next_endpoint = handover.endpoint
                             continue
+                        except _TooFew as lonely:
+                            self._lonely.append(round)
+                            raise RoundAborted(str(lonely)) from None
                     # A client-mode peer cannot lead. When no serving peer it can reach
                     # shows up for a whole gathering window, it averages alone, as a
                     # leader nobody joined would.
@@ -685,7 +698,7 @@ class Matchmaker:
             for waiter in gathering.waiters.values():
                 if not waiter.done():
                     waiter.set_result(_refused("too-few", reason))
-            raise RoundAborted(reason)
+            raise _TooFew(reason)
         for waiter in gathering.waiters.values():
             if not waiter.done():
                 waiter.set_result(pb.JoinResponse(group=info))
