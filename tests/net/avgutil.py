@@ -10,7 +10,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import torch
@@ -74,12 +74,15 @@ async def averaging_peers(
     announce_host: str | None = None,
     gates: Callable[[int, Identity], Admission | None] | None = None,
     proxies: dict[int, TcpProxy] | None = None,
+    before: dict[int, Callable[[list[AvgPeer]], Awaitable[None]]] | None = None,
 ) -> AsyncIterator[list[AvgPeer]]:
     """``size`` peers on 127.0.0.1 joined through the first (which must serve);
     ``configs``: per peer, an averaging config other than ``config`` (a liar's);
     ``server``/``announce_host``: where the serving peers bind and what they announce;
     ``gates``: per peer (index, identity), the gate of a private swarm (None: none);
-    ``proxies``: per serving peer, a started proxy it announces instead of its own port."""
+    ``proxies``: per serving peer, a started proxy it announces instead of its own port;
+    ``before``: per peer, what to do to the peers started so far before it starts (an
+    attack that must come first)."""
     assert 0 not in clients
     faults = faults or {}
     limiters = limiters or {}
@@ -87,6 +90,8 @@ async def averaging_peers(
     async with AsyncExitStack() as stack:
         peers: list[AvgPeer] = []
         for i in range(size):
+            if (prelude := (before or {}).get(i)) is not None:
+                await prelude(peers)
             identity = Identity.generate()
             first = () if i == 0 else (peers[0].node.endpoint,)
             if i in clients:

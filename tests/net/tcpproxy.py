@@ -10,6 +10,9 @@ that count passes a threshold, so a fault lands in the middle of a round's strea
 - ``blackhole``: connections stay open, new ones are accepted, and every byte from then
   on is swallowed (a link that silently stops delivering);
 - ``delay``: every byte is forwarded ``delay_s`` later (latency, not a rate cap).
+
+With ``source`` (127.0.0.N), the proxy dials the target from that address: what the
+target sees of a caller on another network.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ class TcpProxy:
     """Forwards 127.0.0.1:<port> to ``target()`` (asked at each connection: a server's
     port may be known only once it started)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, source: str | None = None) -> None:
         self.target: Callable[[], tuple[str, int]] | None = None
+        self.source = source
         self.mode: Mode = "pass"
         self.delay_s = 0.0
         self.forwarded = 0
@@ -81,7 +85,8 @@ class TcpProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.target is not None, "set the proxy's target before peers dial it"
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target())
+            local = (self.source, 0) if self.source is not None else None
+            up_reader, up_writer = await asyncio.open_connection(*self.target(), local_addr=local)
         except OSError:
             writer.transport.abort()
             return

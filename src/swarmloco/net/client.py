@@ -7,9 +7,11 @@ that mean "the request never reached a handler" (``UNAVAILABLE``) are retried, a
 while both attempts and time are left. Everything else raises :class:`RpcError` at once.
 
 With TLS (the default), a channel to an address is opened only once the certificate its
-server presents is checked against the signed cards for that address and pinned
-(net/tls.py): :meth:`RpcClient.open` does that, and :meth:`RpcClient.call` through it. A
-server whose certificate no card names is refused with UNAUTHENTICATED, never retried.
+server presents is checked and pinned (net/tls.py): :meth:`RpcClient.open` does that, and
+:meth:`RpcClient.call` through it. A server whose certificate is not the one its address
+confirmed is refused with UNAUTHENTICATED, never retried. A certificate taken on first use
+is confirmed before a call uses it: by the call's own answer for the DHT's calls (they
+carry the server's signed card), by the client's ``confirm`` (a Ping) for every other.
 
 Fault injection (drop, delay, cut, corrupt, stall) plugs in as grpc.aio client
 interceptors passed to the constructor: they see every unary and streaming call of every
@@ -23,7 +25,7 @@ import dataclasses
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -37,6 +39,8 @@ from swarmloco.net.tls import CertBook, TlsError, TlsMismatch
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
+Confirm = Callable[[str, Deadline], Coroutine[Any, Any, None]]
+"""Has the server at an address answer with its signed card (see RpcClient)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +66,8 @@ class RpcError(NetworkError):
 
 
 class TlsRefused(RpcError, TlsMismatch):
-    """The server's TLS certificate is not one the signed cards for its address name
-    (code UNAUTHENTICATED); asking again would get the same answer."""
+    """The server's TLS certificate is not the one its address confirmed, or its own card
+    does not name it (code UNAUTHENTICATED); asking again would get the same answer."""
 
     def __init__(self, message: str, *, endpoint: str) -> None:
         super().__init__(message, endpoint=endpoint, code=grpc.StatusCode.UNAUTHENTICATED)
@@ -86,10 +90,15 @@ class ClientConfig:
     keepalive_timeout_s: float = 10.0
     """A connection whose keepalive ping is not acknowledged in this time is dead."""
     tls: bool = True
-    """Dial peers over TLS, checking each server's certificate against the signed cards
-    for its address (every peer of a swarm must agree; see ServerConfig.tls)."""
+    """Dial peers over TLS, checking each server's certificate against the signed card it
+    answers with (every peer of a swarm must agree; see ServerConfig.tls)."""
     tls_handshake_timeout_s: float = 5.0
-    """Longest wait for a server's certificate when first dialling it."""
+    """Longest wait for a server's certificate when first dialling it (and, as long
+    again, for the Ping that confirms it)."""
+    tls_claim_ttl_s: float = 600.0
+    """How long the key a server proved for its address (its own signed card named it)
+    keeps another certificate there from being taken, after the address last answered
+    so; the claim ends sooner when that peer's DHT calls fail."""
     tls_ca_file: str | None = None
     """An operator's CA (PEM): servers must present a certificate it issued, as well as
     the one their card names. None: peers' self-signed certificates."""
@@ -104,6 +113,7 @@ class ClientConfig:
         require_positive("keepalive_time_s", self.keepalive_time_s)
         require_positive("keepalive_timeout_s", self.keepalive_timeout_s)
         require_positive("tls_handshake_timeout_s", self.tls_handshake_timeout_s)
+        require_positive("tls_claim_ttl_s", self.tls_claim_ttl_s)
 
     def channel_options(self) -> list[tuple[str, Any]]:
         return [
@@ -122,7 +132,13 @@ class ClientConfig:
 
 
 class RpcClient:
-    """Calls to other peers. Use inside the application's event loop; close when done."""
+    """Calls to other peers. Use inside the application's event loop; close when done.
+
+    ``confirm(endpoint, deadline)`` has the server at ``endpoint`` answer with its signed
+    card through a DHT call (which checks it: net/dht/transport.py); it runs once before
+    any other call uses a certificate taken on first use. Without it (a client that has
+    no card to call with), such a certificate is used as it is.
+    """
 
     def __init__(
         self,
@@ -130,8 +146,11 @@ class RpcClient:
         *,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         rng: random.Random | None = None,
+        confirm: Confirm | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or ClientConfig()
+        self._confirm = confirm if self.config.tls else None
         self._interceptors = list(interceptors)
         self._rng = rng or random.Random()
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
@@ -142,8 +161,8 @@ class RpcClient:
                 ca = Path(self.config.tls_ca_file).read_bytes()
             except OSError as exc:
                 raise TlsError(f"cannot read the TLS CA file: {exc}") from None
-        self.certs = CertBook(ca_pem=ca)
-        """The TLS keys of addresses, as signed cards name them, and the pinned ones."""
+        self.certs = CertBook(ca_pem=ca, claim_ttl_s=self.config.tls_claim_ttl_s, clock=clock)
+        """The TLS keys addresses confirmed, and the certificates pinned."""
         self._stubs: dict[tuple[str, str], Any] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -202,32 +221,62 @@ class RpcClient:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def open(self, endpoint: str, timeout: float | Deadline) -> grpc.aio.Channel:
-        """The channel to ``endpoint``, its server's certificate checked first (TLS).
+    async def open(
+        self, endpoint: str, timeout: float | Deadline, *, confirms_itself: bool = False
+    ) -> grpc.aio.Channel:
+        """The channel to ``endpoint``, its server's certificate checked first (TLS) and,
+        when taken on first use, confirmed by the server's own signed card, unless
+        ``confirms_itself`` (the caller checks the card the call is answered with).
 
         Raises RpcError: UNAVAILABLE when the server cannot be reached in time,
-        UNAUTHENTICATED when its certificate is not the one the signed cards name."""
-        if self.config.tls and self.certs.pinned(endpoint) is None:
-            deadline = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
-            wait = deadline.timeout(self.config.tls_handshake_timeout_s)
-            try:
+        UNAUTHENTICATED when its certificate is not the one its address confirmed or its
+        own card does not name it."""
+        if not self.config.tls:
+            return self.channel(endpoint)
+        deadline = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
+        try:
+            if self.certs.pinned(endpoint) is None:
+                wait = deadline.timeout(self.config.tls_handshake_timeout_s)
                 await self.certs.certificate(endpoint, wait)
-            except TlsMismatch as exc:
-                raise TlsRefused(f"UNAUTHENTICATED: {exc}", endpoint=endpoint) from None
-            except NetworkError as exc:
-                code = grpc.StatusCode.UNAVAILABLE
-                raise RpcError(f"{code.name}: {exc}", endpoint=endpoint, code=code) from None
+            if self._must_confirm(endpoint, confirms_itself):
+                await self.certs.confirmation(endpoint, self._confirming(endpoint, deadline))
+        except RpcError:
+            raise  # the confirming call's own error (TlsRefused included) says it all
+        except TlsMismatch as exc:
+            raise TlsRefused(f"UNAUTHENTICATED: {exc}", endpoint=endpoint) from None
+        except NetworkError as exc:
+            code = grpc.StatusCode.UNAVAILABLE
+            raise RpcError(f"{code.name}: {exc}", endpoint=endpoint, code=code) from None
         return self.channel(endpoint)
+
+    def _must_confirm(self, endpoint: str, confirms_itself: bool) -> bool:
+        """Whether a call must have the server confirm its certificate first."""
+        if self._confirm is None or confirms_itself:
+            return False
+        return not self.certs.trusted(endpoint)
+
+    def _confirming(
+        self, endpoint: str, deadline: Deadline
+    ) -> Callable[[], Coroutine[Any, Any, None]]:
+        assert self._confirm is not None
+        confirm = self._confirm
+        wait = Deadline.after(deadline.timeout(self.config.tls_handshake_timeout_s))
+        return lambda: confirm(endpoint, wait)
 
     def _forget_stubs(self, endpoint: str) -> None:
         for slot in [s for s in self._stubs if s[0] == endpoint]:
             del self._stubs[slot]
 
-    async def _stub(self, endpoint: str, method: Method[Req, Resp], deadline: Deadline) -> Any:
+    async def _stub(
+        self, endpoint: str, method: Method[Req, Resp], deadline: Deadline, confirms_itself: bool
+    ) -> Any:
         stub = self._stubs.get((endpoint, method.path))
-        stale = self.config.tls and self._pems.get(endpoint) != self.certs.pinned(endpoint)
+        stale = self.config.tls and (
+            self._pems.get(endpoint) != self.certs.pinned(endpoint)
+            or self._must_confirm(endpoint, confirms_itself)
+        )
         if stub is None or endpoint not in self._channels or stale:
-            channel = await self.open(endpoint, deadline)
+            channel = await self.open(endpoint, deadline, confirms_itself=confirms_itself)
             stub = channel.unary_unary(
                 method.path,
                 request_serializer=method.request_type.SerializeToString,
@@ -264,11 +313,15 @@ class RpcClient:
         *,
         timeout: float | Deadline,
         attempts: int | None = None,
+        confirms_itself: bool = False,
     ) -> Resp:
         """Call ``method`` on ``endpoint`` and return its response.
 
-        ``timeout`` bounds the whole call, retries included. Raises :class:`RpcError`
-        (a NetworkError) naming the endpoint, the method and the gRPC status.
+        ``timeout`` bounds the whole call, retries included. ``confirms_itself``: the
+        response carries the server's signed card and the caller checks it against the
+        certificate (the DHT's calls), so a certificate taken on first use is not
+        confirmed first. Raises :class:`RpcError` (a NetworkError) naming the endpoint,
+        the method and the gRPC status.
         """
         deadline = timeout if isinstance(timeout, Deadline) else Deadline.after(timeout)
         attempts = self.config.attempts if attempts is None else attempts
@@ -285,7 +338,7 @@ class RpcClient:
                     code=grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
             try:
-                stub = await self._stub(endpoint, method, deadline)
+                stub = await self._stub(endpoint, method, deadline, confirms_itself)
                 response: Resp = await stub(request, timeout=deadline.remaining())
                 return response
             except RpcError as exc:  # the certificate could not be had, or was refused

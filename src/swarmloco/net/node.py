@@ -5,7 +5,8 @@ runs in client mode), signs the node's contact card with the real port, starts t
 node and joins the network through ``config.peers``; leaving the block stops all of it in
 reverse order. Other layers serve their own gRPC services on the same port by passing
 :class:`~swarmloco.net.server.Service` registrations, and call other peers through
-``node.client``.
+``node.client``: before such a call uses a TLS certificate taken on first use, the node
+pings the address so that the server's own signed card confirms it (net/tls.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grpc
 from swarmloco.core.config import require
 from swarmloco.errors import NetworkError
 from swarmloco.net.client import ClientConfig, RpcClient
+from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.contact import Contact
 from swarmloco.net.dht.node import DhtConfig, DHTNode
 from swarmloco.net.dht.transport import DhtServicer, GrpcDhtTransport
@@ -28,6 +30,7 @@ from swarmloco.net.endpoints import format_endpoint, guess_host, is_unspecified,
 from swarmloco.net.identity import Identity
 from swarmloco.net.server import PeerServer, ServerConfig, Service
 from swarmloco.net.tls import TlsCredentials
+from swarmloco.proto.v1 import dht_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +87,8 @@ class NetNode:
     ) -> None:
         self.identity = identity
         self.config = config
-        self.client = RpcClient(config.client, interceptors=interceptors)
+        self.client = RpcClient(config.client, interceptors=interceptors, confirm=self._confirm)
+        self._transport = GrpcDhtTransport(self.client)
         self._on_contact_removed = on_contact_removed
         credentials = None
         if config.server is not None and config.server.tls:
@@ -96,7 +100,7 @@ class NetNode:
             )
         self.dht = DHTNode(
             identity=identity,
-            transport=GrpcDhtTransport(self.client),
+            transport=self._transport,
             config=config.dht,
             on_contact_added=on_contact_added,
             on_contact_removed=self._removed,
@@ -117,9 +121,15 @@ class NetNode:
             self._on_contact_removed(contact)
 
     def _card(self, contact: Contact) -> None:
-        self.client.certs.claim(
+        self.client.certs.heard(
             contact.endpoint, contact.peer_id, contact.started_at_ms, contact.tls_fingerprint
         )
+
+    async def _confirm(self, endpoint: str, deadline: Deadline) -> None:
+        """Ping ``endpoint``: the transport checks that the card its server answers with
+        names the key of the certificate it presented."""
+        request = pb.PingRequest(sender=self.dht.card.to_proto())
+        await self._transport.ping(endpoint, request, deadline)
 
     @property
     def endpoint(self) -> str:

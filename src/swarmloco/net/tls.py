@@ -11,20 +11,29 @@ fetches the certificate a server presents (one TLS handshake, :func:`fetch_certi
 checks it, and then opens the gRPC channel with that exact certificate as its only root. A
 server that cannot prove it holds that certificate's key fails the handshake.
 
-The check, in :class:`CertBook`:
+The check, in :class:`CertBook`, believes only what an address says of itself:
 
-- If signed cards name fingerprints for the address (a caller learns every card its DHT
-  lookups carry), the certificate's fingerprint must be one of them. Anyone can sign a
-  card naming any address, so one matching card is enough, but a certificate that no card
-  names is refused: that is a man in the middle.
-- If no card names the address yet (the bootstrap address given on the command line, a
-  peer remembered from the last run), the certificate is taken on first use, and the
-  card the peer answers its first DHT call with must carry the same fingerprint
-  (:meth:`CertBook.confirm`); otherwise the pin is dropped and the call refused.
+- A card seen second hand (in a lookup, in a caller's request, in a store) proves nothing
+  about an address: anyone can sign a card naming any address and any key, and keys cost
+  nothing. So such a card is never a reason to refuse a certificate, and it is not even
+  kept; it only counts as its own peer's word about itself (:meth:`CertBook.heard`: a
+  newer card of a peer that moved or changed keys ends what was believed of it).
+- A claim is *confirmed* when the server at the address presented the certificate and
+  answered a DHT call with a card signed by a peer that names that certificate's key and
+  that address (:meth:`CertBook.confirm`). While a confirmed claim stands, another
+  certificate at the address is refused: a man in the middle, or a stale address. It
+  stands for ``claim_ttl_s`` after the address last answered so, and ends sooner when its
+  peer's calls fail (:meth:`CertBook.withdraw`) or its peer's own newer card says so; a
+  peer that really moved does not lock its old address.
+- A certificate that no confirmed claim names is taken on first use, and trusted only
+  once the server's own signed card names its key: the DHT's calls check the card they are
+  answered with, and a client with a confirmer (a Ping, see net/node.py) confirms before
+  any other call uses the certificate (:meth:`CertBook.confirmation`). A server relaying
+  another peer's card has another key than that card names, and is refused.
 
-What this does not cover: an address first dialled outside the DHT (the bootstrap)
-whose attacker answers with a card of its own is just a peer under its own identity; the
-attacker cannot pose as another peer id.
+What this does not cover: a server answering under *its own* identity is just a peer; it
+cannot pose as another peer id. The DHT checks which peer id an address answers as; other
+calls learn only that the server holds the key its own signed card names.
 """
 
 from __future__ import annotations
@@ -33,9 +42,14 @@ import asyncio
 import collections
 import dataclasses
 import datetime
+import functools
 import hashlib
+import logging
 import ssl
+import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any, Generic, NoReturn, TypeVar
 
 import grpc
 from cryptography import x509
@@ -46,13 +60,17 @@ from cryptography.x509.oid import NameOID
 from swarmloco.errors import NetworkError, SwarmlocoError
 from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
+from swarmloco.net.rejections import Rejection, RejectionLog
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TLS_SERVER_NAME = "swarmloco.peer"
 """The name in every peer's certificate; callers check it instead of the address."""
 FINGERPRINT_BYTES = 32
 _KEY_DOMAIN = b"swarmloco/v1/tls-key\x00"
-_MAX_ENDPOINTS = 4096
-_MAX_CLAIMS_PER_ENDPOINT = 8
+_MAX_ENDPOINTS = 4096  # addresses with a confirmed claim, and pinned addresses
+_MAX_CLAIMS_PER_ENDPOINT = 4  # peers confirmed at one address (restarts under new ids)
 
 
 class TlsError(SwarmlocoError):
@@ -209,66 +227,161 @@ class _Pin:
     fingerprint: bytes
     pem: bytes
     confirmed: bool
-    """Whether a signed card named it (False: taken on first use, awaiting a card)."""
+    """Whether the server's own signed card named its key (False: taken on first use)."""
     name: str = TLS_SERVER_NAME
     """The name to check the certificate for (a CA-issued certificate names its host)."""
 
 
-class CertBook:
-    """What a caller knows of the TLS keys behind addresses: the fingerprints signed cards
-    claim for them, and the certificate pinned for each address dialled."""
+@dataclasses.dataclass
+class _Claim:
+    """What the server at an address proved: it holds the key of ``fingerprint`` and
+    answered with ``peer_id``'s card (started at ``started_at_ms``) naming that key and
+    that address."""
 
-    def __init__(self, *, ca_pem: bytes | None = None) -> None:
+    peer_id: bytes
+    started_at_ms: int
+    fingerprint: bytes
+    until: float
+    """When it stops counting (monotonic clock) unless the address answers so again."""
+
+
+class _Shared(Generic[T]):
+    """One job per address at a time: callers that come while it runs wait for the same
+    one, and a caller that gives up (is cancelled) leaves it running for the others."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, asyncio.Future[T]] = {}
+
+    async def run(self, endpoint: str, start: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        job = self._jobs.get(endpoint)
+        if job is None:
+            job = self._jobs[endpoint] = asyncio.ensure_future(start())
+            job.add_done_callback(functools.partial(self._done, endpoint))
+        return await asyncio.shield(job)
+
+    def _done(self, endpoint: str, job: asyncio.Future[T]) -> None:
+        if self._jobs.get(endpoint) is job:
+            del self._jobs[endpoint]
+        if not job.cancelled():
+            job.exception()  # retrieved here too, in case every caller gave up
+
+
+class CertBook:
+    """What a caller knows of the TLS keys behind addresses: the claims the addresses
+    themselves confirmed, and the certificate pinned for each address dialled."""
+
+    def __init__(
+        self,
+        *,
+        ca_pem: bytes | None = None,
+        claim_ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ca_pem = ca_pem
         """An operator's CA: every server's chain must lead to it (on top of the card
         check), and channels trust it instead of the server's own certificate."""
-        # endpoint -> {peer id: (card start time, fingerprint)}, least recently used first
-        self._claims: collections.OrderedDict[str, dict[bytes, tuple[int, bytes]]] = (
-            collections.OrderedDict()
-        )
+        self.claim_ttl_s = claim_ttl_s
+        self._clock = clock
+        # endpoint -> {peer id: claim}, the address confirmed least recently first
+        self._claims: collections.OrderedDict[str, dict[bytes, _Claim]] = collections.OrderedDict()
+        self._where: dict[bytes, str] = {}  # peer id -> the address its claim is for
         self._pins: dict[str, _Pin] = {}
-        self._fetching: dict[str, asyncio.Future[bytes]] = {}
-        self.refused = 0
-        """Certificates refused (no signed card names them)."""
+        self._fetching: _Shared[bytes] = _Shared()
+        self._confirming: _Shared[None] = _Shared()
+        self.rejections = RejectionLog(logger)
+        """Certificates refused, by reason: ``tls-other-key`` (not the key its address
+        confirmed), ``tls-relayed-card`` (the server's card names another key),
+        ``tls-unconfirmed`` (no valid card of the server's own confirmed it)."""
 
-    def claim(self, endpoint: str, peer_id: bytes, started_at_ms: int, fingerprint: bytes) -> None:
-        """A verified card says ``peer_id`` serves ``endpoint`` with ``fingerprint``."""
-        if not endpoint or len(fingerprint) != FINGERPRINT_BYTES:
+    @property
+    def refused(self) -> int:
+        """Certificates refused, for every reason."""
+        return self.rejections.total
+
+    # -- claims ------------------------------------------------------------------------
+
+    def heard(self, endpoint: str, peer_id: bytes, started_at_ms: int, fingerprint: bytes) -> None:
+        """A verified card seen second hand says ``peer_id`` serves ``endpoint`` with
+        ``fingerprint``. That proves nothing about the address (anyone can sign such a
+        card for any address), so it is not kept; but a newer card of a peer whose claim
+        was confirmed is that peer's own word that it moved or changed keys: its claim
+        ends, and a pin of its old key at the same address is dropped."""
+        where = self._where.get(peer_id)
+        if where is None:
             return
-        claims = self._claims.get(endpoint)
-        if claims is None:
-            claims = self._claims[endpoint] = {}
-            while len(self._claims) > _MAX_ENDPOINTS:
-                self._claims.popitem(last=False)
-        else:
-            self._claims.move_to_end(endpoint)
-        old = claims.get(peer_id)
-        if old is not None and old[0] >= started_at_ms:
+        claim = self._claims[where][peer_id]
+        if started_at_ms <= claim.started_at_ms:
+            return  # an old card, replayed or late
+        if endpoint == where and fingerprint == claim.fingerprint:
+            claim.started_at_ms = started_at_ms  # restarted with the same address and key
             return
-        if old is None and len(claims) >= _MAX_CLAIMS_PER_ENDPOINT:
-            return
-        claims[peer_id] = (started_at_ms, fingerprint)
-        pin = self._pins.get(endpoint)
-        if pin is not None and pin.fingerprint == fingerprint:
-            pin.confirmed = True
-        elif pin is not None and old is not None and old[1] == pin.fingerprint:
-            # The peer we pinned restarted with another key: fetch its certificate again.
-            self.forget(endpoint)
+        self._drop(where, peer_id)
+        pin = self._pins.get(where)
+        if endpoint == where and pin is not None and pin.fingerprint == claim.fingerprint:
+            self.forget(where)  # its certificate changed: fetch it again
 
     def withdraw(self, endpoint: str, peer_id: bytes) -> None:
         """``peer_id`` no longer serves ``endpoint`` (its contact failed and was dropped):
         its claim no longer stands against another server at that address."""
+        if self._where.get(peer_id) == endpoint:
+            self._drop(endpoint, peer_id)
+
+    def confirmed(self, endpoint: str) -> set[bytes]:
+        """The keys the server at ``endpoint`` proved for it, while their claims stand."""
         claims = self._claims.get(endpoint)
-        if claims is not None and claims.pop(peer_id, None) is not None and not claims:
+        if claims is None:
+            return set()
+        now = self._clock()
+        for peer_id in [p for p, c in claims.items() if c.until <= now]:
+            self._drop(endpoint, peer_id)
+        return {c.fingerprint for c in claims.values()}
+
+    def claims(self) -> int:
+        """How many claims are held (every one confirmed by its address)."""
+        return len(self._where)
+
+    def _believe(self, endpoint: str, peer_id: bytes, started_at_ms: int, fp: bytes) -> None:
+        where = self._where.get(peer_id)
+        if where is not None:
+            known = self._claims[where][peer_id]
+            if started_at_ms < known.started_at_ms:
+                return  # an older run of the peer than we know: not its word any more
+            if where != endpoint:
+                self._drop(where, peer_id)
+        claims = self._claims.get(endpoint)
+        if claims is None:
+            claims = self._claims[endpoint] = {}
+            while len(self._claims) > _MAX_ENDPOINTS:
+                _, gone = self._claims.popitem(last=False)
+                for other in gone:
+                    del self._where[other]
+        else:
+            self._claims.move_to_end(endpoint)
+        if peer_id not in claims and len(claims) >= _MAX_CLAIMS_PER_ENDPOINT:
+            # Only other confirmations can fill an address: the oldest one goes.
+            self._drop(endpoint, min(claims, key=lambda p: claims[p].until))
+        claims[peer_id] = _Claim(peer_id, started_at_ms, fp, self._clock() + self.claim_ttl_s)
+        self._where[peer_id] = endpoint
+
+    def _drop(self, endpoint: str, peer_id: bytes) -> None:
+        claims = self._claims[endpoint]
+        del claims[peer_id]
+        del self._where[peer_id]
+        if not claims:
             del self._claims[endpoint]
 
-    def claimed(self, endpoint: str) -> set[bytes]:
-        return {fp for _, fp in self._claims.get(endpoint, {}).values()}
+    # -- pins --------------------------------------------------------------------------
 
     def pinned(self, endpoint: str) -> bytes | None:
         """The certificate (PEM) pinned for ``endpoint``, if any."""
         pin = self._pins.get(endpoint)
         return pin.pem if pin is not None else None
+
+    def trusted(self, endpoint: str) -> bool:
+        """Whether the certificate pinned for ``endpoint`` was confirmed by the server's own
+        signed card (not only taken on first use)."""
+        pin = self._pins.get(endpoint)
+        return pin is not None and pin.confirmed
 
     def server_name(self, endpoint: str) -> str:
         """The name a channel to ``endpoint`` checks its certificate for."""
@@ -282,22 +395,12 @@ class CertBook:
     async def certificate(self, endpoint: str, timeout: float) -> bytes:
         """The PEM certificate to trust for ``endpoint``: pinned, or fetched and checked.
 
-        Raises TlsMismatch when the server presents a certificate no card names, and
-        NetworkError when it cannot be reached."""
+        Raises TlsMismatch when the server presents a certificate other than the one its
+        address confirmed, and NetworkError when it cannot be reached."""
         pem = self.pinned(endpoint)
         if pem is not None:
             return pem
-        fetching = self._fetching.get(endpoint)
-        if fetching is None:
-            fetching = asyncio.ensure_future(self._fetch(endpoint, timeout))
-            self._fetching[endpoint] = fetching
-            fetching.add_done_callback(lambda f: self._fetched(endpoint, f))
-        return await asyncio.shield(fetching)
-
-    def _fetched(self, endpoint: str, fetching: asyncio.Future[bytes]) -> None:
-        self._fetching.pop(endpoint, None)
-        if not fetching.cancelled():
-            fetching.exception()  # retrieved here too, in case every caller gave up
+        return await self._fetching.run(endpoint, lambda: self._fetch(endpoint, timeout))
 
     async def _fetch(self, endpoint: str, timeout: float) -> bytes:
         der = await fetch_certificate(endpoint, timeout, ca_pem=self.ca_pem)
@@ -306,38 +409,82 @@ class CertBook:
             fingerprint = fingerprint_of(certificate)
         except ValueError as exc:
             raise NetworkError(f"{endpoint} presented an unreadable certificate: {exc}") from None
-        claimed = self.claimed(endpoint)
-        if claimed and fingerprint not in claimed:
-            self.refused += 1
-            raise TlsMismatch(
-                f"{endpoint} presented a TLS certificate (key {fingerprint.hex()[:16]}) that "
-                f"no signed card for that address names ({len(claimed)} card(s) name "
-                f"another key): a man in the middle, or a stale address; refusing it",
-                endpoint=endpoint,
+        confirmed = self.confirmed(endpoint)
+        if confirmed and fingerprint not in confirmed:
+            self._refuse(
+                "tls-other-key",
+                endpoint,
+                f"{endpoint} presented a TLS certificate (key {fingerprint.hex()[:16]}) other "
+                f"than the one the peer there proved for that address (key "
+                f"{min(confirmed).hex()[:16]}): a man in the middle, or a stale address; "
+                f"refusing it until that peer's calls fail, or for {self.claim_ttl_s:g}s "
+                "after it last answered there",
             )
         pem = certificate.public_bytes(serialization.Encoding.PEM)
         self._pins[endpoint] = _Pin(
-            fingerprint, pem, confirmed=bool(claimed), name=_dns_name(certificate)
+            fingerprint, pem, confirmed=bool(confirmed), name=_dns_name(certificate)
         )
         while len(self._pins) > _MAX_ENDPOINTS:  # the oldest pin goes; it is fetched again
             del self._pins[next(iter(self._pins))]
         return pem
 
-    def confirm(self, endpoint: str, fingerprint: bytes) -> None:
-        """The server at ``endpoint`` answered with a card naming ``fingerprint``.
+    def confirm(
+        self,
+        endpoint: str,
+        *,
+        peer_id: bytes,
+        card_endpoint: str,
+        started_at_ms: int,
+        fingerprint: bytes,
+    ) -> None:
+        """The server at ``endpoint`` answered with ``peer_id``'s verified card, which names
+        ``card_endpoint`` and ``fingerprint``: the pinned certificate is trusted, and, when
+        the card names this very address, the claim is confirmed.
 
         Raises TlsMismatch (and drops the pin) when its certificate has another key: the
         card is relayed by someone else."""
         pin = self._pins.get(endpoint)
-        if pin is None or pin.fingerprint == fingerprint:
-            if pin is not None:
-                pin.confirmed = True
+        if pin is None:
+            return  # dropped meanwhile: the next call fetches and confirms it again
+        if pin.fingerprint != fingerprint:
+            self.forget(endpoint)
+            self._refuse(
+                "tls-relayed-card",
+                endpoint,
+                f"{endpoint} answered with a card whose TLS key "
+                f"({fingerprint.hex()[:16] or 'none'}) is not the key of the certificate it "
+                f"presented ({pin.fingerprint.hex()[:16]}): a man in the middle relaying "
+                "another peer; refusing it",
+            )
+        pin.confirmed = True
+        if card_endpoint == endpoint:
+            self._believe(endpoint, peer_id, started_at_ms, fingerprint)
+
+    async def confirmation(
+        self, endpoint: str, confirm: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        """Make sure the certificate pinned for ``endpoint`` is confirmed: unless it is,
+        ``confirm`` has the server answer with its card (a DHT Ping, which calls
+        :meth:`confirm`); one confirmation per address at a time.
+
+        Raises TlsMismatch when the server answered without a valid card naming its key,
+        and what ``confirm`` raises when it cannot be asked."""
+        if self.trusted(endpoint):
             return
+        await self._confirming.run(endpoint, confirm)
+        if self.trusted(endpoint):
+            return
+        pin = self._pins.get(endpoint)
+        if pin is None:
+            raise NetworkError(f"the certificate of {endpoint} changed while it was confirmed")
         self.forget(endpoint)
-        self.refused += 1
-        raise TlsMismatch(
-            f"{endpoint} answered with a card whose TLS key ({fingerprint.hex()[:16] or 'none'}) "
-            f"is not the key of the certificate it presented ({pin.fingerprint.hex()[:16]}): "
-            "a man in the middle relaying another peer; refusing it",
-            endpoint=endpoint,
+        self._refuse(
+            "tls-unconfirmed",
+            endpoint,
+            f"{endpoint} did not answer with a valid signed card naming the key of its TLS "
+            f"certificate ({pin.fingerprint.hex()[:16]}); refusing it",
         )
+
+    def _refuse(self, code: str, endpoint: str, why: str) -> NoReturn:
+        self.rejections.record(Rejection(code, why), endpoint)
+        raise TlsMismatch(why, endpoint=endpoint)

@@ -16,6 +16,7 @@ from google.protobuf.message import Message
 
 from swarmloco.net.client import Method, RpcClient
 from swarmloco.net.deadline import Deadline
+from swarmloco.net.dht.contact import contact_from_proto
 from swarmloco.net.endpoints import host_of_grpc_peer
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.server import Service, unary_service
@@ -76,7 +77,15 @@ class DhtHandler(Protocol):
 
 class GrpcDhtTransport:
     """DHT calls over the peer's :class:`RpcClient`; one attempt each (a lookup moves on
-    to other nodes rather than waiting for one)."""
+    to other nodes rather than waiting for one).
+
+    With TLS, every answer's card confirms the certificate the server presented: the
+    card must name that certificate's key (a server relaying another peer's card is
+    refused), and a card naming the very address dialled makes its claim on that address
+    confirmed (net/tls.py). A certificate taken on first use needs no other confirmation
+    before a DHT call: the answer is its confirmation, and the node checks the peer id it
+    answers as.
+    """
 
     def __init__(self, client: RpcClient, *, attempts: int = 1) -> None:
         self._client = client
@@ -86,13 +95,31 @@ class GrpcDhtTransport:
         self, endpoint: str, method: Method[Req, Resp], request: Req, deadline: Deadline
     ) -> Resp:
         response = await self._client.call(
-            endpoint, method, request, timeout=deadline, attempts=self._attempts
+            endpoint,
+            method,
+            request,
+            timeout=deadline,
+            attempts=self._attempts,
+            confirms_itself=True,
         )
         if self._client.config.tls and "peer" in response.DESCRIPTOR.fields_by_name:
-            # The card it answers with must name the key it serves TLS with: a server
-            # relaying another peer's card is refused (TlsMismatch, a NetworkError).
-            self._client.certs.confirm(endpoint, response.peer.tls_fingerprint)  # type: ignore[attr-defined]
+            self._confirm(endpoint, response.peer)  # type: ignore[attr-defined]
         return response
+
+    def _confirm(self, endpoint: str, info: pb.PeerInfo) -> None:
+        """Raises TlsMismatch (a NetworkError) when the card names another key than the
+        server's certificate."""
+        try:
+            card = contact_from_proto(info)
+        except Rejection:
+            return  # nothing confirmed; the node refuses the card and counts why
+        self._client.certs.confirm(
+            endpoint,
+            peer_id=card.peer_id,
+            card_endpoint=card.endpoint,
+            started_at_ms=card.started_at_ms,
+            fingerprint=card.tls_fingerprint,
+        )
 
     async def ping(
         self, endpoint: str, request: pb.PingRequest, deadline: Deadline
