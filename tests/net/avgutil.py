@@ -32,7 +32,7 @@ from swarmloco.net.averaging import (
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
-from swarmloco.net.server import ServerConfig
+from swarmloco.net.server import ServerConfig, Service
 
 SWARM = "cd" * 20
 # Small chunks so that small test vectors still have several chunks per part.
@@ -74,12 +74,14 @@ async def averaging_peers(
     announce_host: str | None = None,
     gates: Callable[[int, Identity], Admission | None] | None = None,
     proxies: dict[int, TcpProxy] | None = None,
+    services: Sequence[Service] = (),
 ) -> AsyncIterator[list[AvgPeer]]:
     """``size`` peers on 127.0.0.1 joined through the first (which must serve);
     ``configs``: per peer, an averaging config other than ``config`` (a liar's);
     ``server``/``announce_host``: where the serving peers bind and what they announce;
     ``gates``: per peer (index, identity), the gate of a private swarm (None: none);
-    ``proxies``: per serving peer, a started proxy it announces instead of its own port."""
+    ``proxies``: per serving peer, a started proxy it announces instead of its own port;
+    ``services``: more services every serving peer serves."""
     assert 0 not in clients
     faults = faults or {}
     limiters = limiters or {}
@@ -99,7 +101,9 @@ async def averaging_peers(
                     announce_host=announce_host,
                     announce_port=proxy.port if proxy is not None else None,
                 )
-            node = NetNode(identity=identity, config=node_config)
+            node = NetNode(
+                identity=identity, config=node_config, services=() if i in clients else services
+            )
             if i not in clients and (proxy := (proxies or {}).get(i)) is not None:
                 proxy.target = functools.partial(_bound, node)
             gate = gates(i, identity) if gates is not None else None
@@ -125,6 +129,7 @@ async def averaging_peers(
                 config=(configs or {}).get(i, config),
                 faults=faults.get(i),
                 limiter=limiters.get(i),
+                slots=node.server.slots if node.server is not None else None,
             )
             if node.server is not None:
                 node.server.add_service(averaging_service(matchmaker, averager))

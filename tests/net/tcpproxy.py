@@ -36,6 +36,8 @@ class TcpProxy:
         self.fired = asyncio.Event()
         self._armed: tuple[Mode, int] | None = None
         self._server: asyncio.Server | None = None
+        self.source: str | None = None
+        """The local address its upstream connections leave from (None: the kernel's pick)."""
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -81,7 +83,8 @@ class TcpProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.target is not None, "set the proxy's target before peers dial it"
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target())
+            local = (self.source, 0) if self.source is not None else None
+            up_reader, up_writer = await asyncio.open_connection(*self.target(), local_addr=local)
         except OSError:
             writer.transport.abort()
             return
