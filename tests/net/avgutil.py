@@ -32,7 +32,7 @@ from swarmloco.net.averaging import (
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
-from swarmloco.net.server import ServerConfig
+from swarmloco.net.server import ServerConfig, Service
 
 SWARM = "cd" * 20
 # Small chunks so that small test vectors still have several chunks per part.
@@ -75,6 +75,7 @@ async def averaging_peers(
     gates: Callable[[int, Identity], Admission | None] | None = None,
     proxies: dict[int, TcpProxy] | None = None,
     before: dict[int, Callable[[list[AvgPeer]], Awaitable[None]]] | None = None,
+    services: Sequence[Service] = (),
 ) -> AsyncIterator[list[AvgPeer]]:
     """``size`` peers on 127.0.0.1 joined through the first (which must serve);
     ``configs``: per peer, an averaging config other than ``config`` (a liar's);
@@ -82,7 +83,7 @@ async def averaging_peers(
     ``gates``: per peer (index, identity), the gate of a private swarm (None: none);
     ``proxies``: per serving peer, a started proxy it announces instead of its own port;
     ``before``: per peer, what to do to the peers started so far before it starts (an
-    attack that must come first)."""
+    attack that must come first); ``services``: more services every serving peer serves."""
     assert 0 not in clients
     faults = faults or {}
     limiters = limiters or {}
@@ -104,7 +105,9 @@ async def averaging_peers(
                     announce_host=announce_host,
                     announce_port=proxy.port if proxy is not None else None,
                 )
-            node = NetNode(identity=identity, config=node_config)
+            node = NetNode(
+                identity=identity, config=node_config, services=() if i in clients else services
+            )
             if i not in clients and (proxy := (proxies or {}).get(i)) is not None:
                 proxy.target = functools.partial(_bound, node)
             gate = gates(i, identity) if gates is not None else None
@@ -130,6 +133,7 @@ async def averaging_peers(
                 config=(configs or {}).get(i, config),
                 faults=faults.get(i),
                 limiter=limiters.get(i),
+                slots=node.server.slots if node.server is not None else None,
             )
             if node.server is not None:
                 node.server.add_service(averaging_service(matchmaker, averager))

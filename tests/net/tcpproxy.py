@@ -33,6 +33,7 @@ class TcpProxy:
     def __init__(self, *, source: str | None = None) -> None:
         self.target: Callable[[], tuple[str, int]] | None = None
         self.source = source
+        """The local address its upstream connections leave from (None: the kernel's pick)."""
         self.mode: Mode = "pass"
         self.delay_s = 0.0
         self.forwarded = 0

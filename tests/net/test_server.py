@@ -13,10 +13,18 @@ from netutil import loopback_network, wait_for
 
 from swarmloco.errors import NetworkError
 from swarmloco.net.client import Method, RpcClient, RpcError
+from swarmloco.net.endpoints import host_of_grpc_peer, source_network, subnet_of
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
-from swarmloco.net.rejections import RejectionLog
-from swarmloco.net.server import PeerServer, ServerConfig, Service, unary_service
+from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.server import (
+    CallSlots,
+    PeerServer,
+    Pool,
+    ServerConfig,
+    Service,
+    unary_service,
+)
 from swarmloco.proto.v1 import dht_pb2 as pb
 
 ECHO = Method("/swarmloco.v1.Echo/Echo", pb.PingRequest, pb.PingRequest)
@@ -183,5 +191,105 @@ async def test_port_in_use_is_a_clear_error():
 def test_config_is_validated():
     with pytest.raises(ValueError, match="max_concurrent_rpcs"):
         ServerConfig(max_concurrent_rpcs=0)
+    with pytest.raises(ValueError, match="max_long_calls_per_network"):
+        ServerConfig(max_long_calls_per_network=0)
+    with pytest.raises(ValueError, match="reserved_rpcs"):
+        ServerConfig(reserved_rpcs=-1)
     with pytest.raises(ValueError, match="port"):
         ServerConfig(port=70000)
+
+
+# -- call slots (pure: no server) --------------------------------------------------------------
+
+
+def test_callers_are_counted_per_source_network():
+    # Public addresses (documentation ranges count as private to Python's ipaddress).
+    assert source_network("1.2.3.7") == source_network("1.2.3.200") == "1.2.3.0/24"
+    assert source_network("2a01:4f8:1:2::1") == source_network("2a01:4f8:1:2:ffff::9")
+    assert source_network("2a01:4f8:1:2::1") == "2a01:4f8:1:2::/64"
+    # An IPv4 caller seen through a dual-stack socket is that IPv4 address.
+    assert source_network("::ffff:1.2.3.9") == "1.2.3.0/24"
+    # Loopback and private addresses count one by one (tests use 127.0.0.N as networks).
+    assert source_network("127.0.0.2") != source_network("127.0.0.3")
+    assert source_network("10.1.2.3") == "10.1.2.3"
+    assert source_network("::1") == "::1"
+    # gRPC percent-encodes an IPv6 peer's brackets.
+    assert host_of_grpc_peer("ipv6:%5B::1%5D:48660") == "::1"
+    assert host_of_grpc_peer("ipv6:[2a01:4f8::1]:5") == "2a01:4f8::1"
+    assert host_of_grpc_peer("ipv4:127.0.0.1:5") == "127.0.0.1"
+    assert subnet_of("::1", limit_private=False) is None  # decoded, so exempt as loopback
+
+
+def test_a_network_gets_its_share_of_calls_at_large_and_no_more():
+    slots = CallSlots(ServerConfig(max_concurrent_rpcs=5, max_rpcs_per_network=2))
+    held = [slots.take("1.2.3.1", long=False), slots.take("1.2.3.2", long=False)]
+    with pytest.raises(Rejection) as refused:
+        slots.take("1.2.3.3", long=False)  # same /24, another address
+    assert refused.value.code == "too-many-calls" and "1.2.3.0/24" in refused.value.reason
+    held += [slots.take("5.6.7.1", long=False), slots.take("5.6.7.1", long=False)]
+    held.append(slots.take("9.9.9.1", long=False))
+    with pytest.raises(Rejection) as refused:
+        slots.take("9.9.9.1", long=False)
+    assert refused.value.code == "server-busy"
+    for slot in held:
+        slots.give(slot)
+    assert slots.in_flight == 0 and slots.held(Pool.AT_LARGE) == {}
+    slots.take("1.2.3.3", long=False)
+
+
+def test_long_calls_have_a_budget_of_their_own():
+    config = ServerConfig(
+        max_concurrent_rpcs=2,
+        max_rpcs_per_network=2,
+        max_long_calls=3,
+        max_long_calls_per_network=2,
+    )
+    slots = CallSlots(config)
+    for _ in range(2):
+        assert slots.take("1.2.3.1", long=True).pool is Pool.LONG
+    with pytest.raises(Rejection) as refused:
+        slots.take("1.2.3.1", long=True)
+    assert refused.value.code == "too-many-long-calls"
+    assert "from 1.2.3.0/24 are open already" in refused.value.reason
+    slots.take("5.6.7.1", long=True)
+    with pytest.raises(Rejection) as refused:
+        slots.take("9.9.9.1", long=True)
+    assert "this peer holds 3 long-lived calls" in refused.value.reason
+    # Calls at large are untouched by them.
+    assert slots.take("1.2.3.1", long=False).pool is Pool.AT_LARGE
+    assert slots.take("1.2.3.1", long=False).pool is Pool.AT_LARGE
+    assert slots.in_use(Pool.LONG) == 3 and slots.in_use(Pool.AT_LARGE) == 2
+
+
+def test_a_reserve_holds_slots_for_the_members_until_it_expires():
+    now = [100.0]
+    config = ServerConfig(max_concurrent_rpcs=1, max_rpcs_per_network=1, reserved_rpcs=2)
+    slots = CallSlots(config, clock=lambda: now[0])
+    slots.take("1.2.3.1", long=False)  # a stranger holds every slot at large
+    with pytest.raises(Rejection):
+        slots.take("5.6.7.7", long=False)
+    slots.reserve(["5.6.7.7", "::ffff:9.9.9.5", "[2a01:4f8::1]"], until=110.0)
+    assert slots.take("5.6.7.7", long=False).pool is Pool.RESERVED
+    assert slots.take("9.9.9.5", long=False).pool is Pool.RESERVED  # as the same host
+    with pytest.raises(Rejection) as refused:
+        slots.take("2a01:4f8::1", long=False)  # the reserve (2) is spent
+    assert refused.value.code == "server-busy"
+    with pytest.raises(Rejection):
+        slots.take("5.6.7.8", long=False)  # its neighbour is no member
+    # A long call of a member is still a long call.
+    assert slots.take("5.6.7.7", long=True).pool is Pool.LONG
+    # An earlier expiry never shortens a reservation; once it passes, the host is a stranger.
+    slots.reserve(["5.6.7.7"], until=105.0)
+    now[0] = 109.0
+    assert slots.reserved("5.6.7.7")
+    now[0] = 110.0
+    assert not slots.reserved("5.6.7.7") and not slots.reserved("2a01:4f8::1")
+    slots.reserve([], until=120.0)  # drops what expired
+    assert slots._reserved == {}
+
+
+def test_the_reserve_remembers_a_bounded_number_of_hosts():
+    slots = CallSlots(ServerConfig(), clock=lambda: 0.0, max_reserved_hosts=3)
+    slots.reserve([f"10.0.0.{i}" for i in range(5)], until=10.0)
+    slots.reserve(["10.0.1.1"], until=20.0)
+    assert len(slots._reserved) == 3 and slots.reserved("10.0.1.1")

@@ -20,6 +20,7 @@ import pytest
 import torch
 from avgutil import Leftovers
 from netutil import closed_port, wait_for
+from sourceproxy import sources
 
 from swarmloco.core.state import MOMENTUM, THETA_G, StateSchema, StateSnapshot, state_digest
 from swarmloco.net.averaging import BandwidthConfig, BandwidthLimiter
@@ -29,6 +30,7 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.server import PeerServer, ServerConfig, Service
 from swarmloco.net.state import (
+    ByteBudget,
     Donor,
     DonorConfig,
     DownloadConfig,
@@ -643,7 +645,7 @@ async def test_one_address_cannot_take_every_download_slot():
     donor = StateDonor(
         identity=identity,
         snapshot=lambda: snapshot,
-        config=DonorConfig(chunk_bytes=CHUNK, max_downloads_per_host=1, limit_loopback=True),
+        config=DonorConfig(chunk_bytes=CHUNK, max_downloads_per_network=1, limit_loopback=True),
     )
     server = PeerServer(ServerConfig(host="::", grace_s=0.5), [state_service(donor)])
     async with server, RpcClient() as client:
@@ -667,6 +669,137 @@ async def test_one_address_cannot_take_every_download_slot():
         finally:
             hog.cancel()
         await wait_for(lambda: donor.active == 0)
+
+
+async def _read_slowly(call, pace_s: float, taken: collections.Counter[str]) -> None:
+    """A requester that reads every message, one per ``pace_s`` (its own pace, as slow as
+    a stranger likes: not a wait for anything), until the call ends or it is cancelled."""
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            taken["messages"] += 1
+            await asyncio.sleep(pace_s)
+    except grpc.aio.AioRpcError:
+        return
+    finally:
+        call.cancel()
+
+
+@asynccontextmanager
+async def behind_sources(
+    snapshot: StateSnapshot, config: DonorConfig, addresses: list[str]
+) -> AsyncIterator[tuple[StateDonor, list[Donor], RpcClient]]:
+    """A donor of ``snapshot`` on loopback, the same donor as dialled from each of
+    ``addresses`` (each a source network of its own), and a client to dial it."""
+    identity = Identity.generate()
+    donor = StateDonor(identity=identity, snapshot=lambda: snapshot, config=config)
+    async with AsyncExitStack() as stack:
+        port = await stack.enter_async_context(serving(state_service(donor)))
+        proxies = await stack.enter_async_context(sources(addresses, ("127.0.0.1", port)))
+        client = await stack.enter_async_context(RpcClient())
+        yield donor, [Donor(identity.peer_id_hex, p.endpoint) for p in proxies], client
+
+
+async def test_two_slow_readers_cannot_keep_a_newcomer_from_the_state():
+    # Two networks (127.0.0.2, 127.0.0.3) each take one of two slots and read a 24 MB
+    # state at ~320 KiB/s, often enough that the write timeout never drops them. An honest
+    # newcomer (127.0.0.4) is refused while they hold the slots, and gets the state once
+    # the donor cuts them off for reading slower than its minimum.
+    snapshot = make_snapshot(3_000_000)
+    config = DonorConfig(
+        chunk_bytes=CHUNK,
+        max_concurrent_downloads=2,
+        limit_loopback=True,
+        min_read_rate_bytes_s=2 * 1024 * 1024,
+        read_grace_s=1.0,
+    )
+    request = wire.encode_request(swarm_id=SWARM, nonce=bytes(16))
+    addresses = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    async with behind_sources(snapshot, config, addresses) as (donor, dialled, client):
+        *slow, newcomer = dialled
+        taken = [collections.Counter[str](), collections.Counter[str]()]
+        readers = []
+        for reader, counter in zip(slow, taken, strict=True):
+            channel = await client.open(reader.endpoint, 10)
+            call = channel.unary_stream(wire.DOWNLOAD_PATH)(request, timeout=60)
+            assert pb.DownloadResponse.FromString(await call.read()).HasField("header")
+            readers.append(asyncio.ensure_future(_read_slowly(call, 0.2, counter)))
+        assert donor.active == 2
+        with pytest.raises(StateTransferError) as refused:
+            await fetch(client, [newcomer])
+        assert refused.value.failures[0].code == "busy"
+        assert "already serves 2 downloads" in refused.value.failures[0].reason
+        await wait_for(lambda: donor.stats["too-slow"] == 2, timeout=30)
+        assert donor.active == 0 and donor.stats["dropped"] == 0  # not the write timeout
+        assert donor.rejections.counts["too-slow"] == 2
+        assert all(counter["messages"] >= 2 for counter in taken)  # they were reading
+        got = await fetch(client, [newcomer], timeout=30)
+        assert_same_state(got.snapshot, snapshot)
+        assert donor.stats["too-slow"] == 2  # the honest reader was not taken for slow
+        for reader_task in readers:
+            reader_task.cancel()  # they would read the data sent ahead for seconds more
+        await asyncio.gather(*readers, return_exceptions=True)
+
+
+async def test_the_donors_own_upload_cap_is_not_taken_for_a_slow_reader():
+    # The donor sends at 256 KiB/s (its own cap), below the 1 MiB/s it asks of readers:
+    # the time its writes wait on the cap is its own, and the reader gets the whole state.
+    snapshot = make_snapshot(100_000)
+    limiter = BandwidthLimiter(BandwidthConfig(upload_bytes_per_s=256 * 1024))
+    config = DonorConfig(chunk_bytes=CHUNK, min_read_rate_bytes_s=1024 * 1024, read_grace_s=0.2)
+    async with honest(snapshot, config=config, limiter=limiter) as donor, RpcClient() as client:
+        assert donor.donor is not None
+        got = await fetch(client, [donor], config=DownloadConfig(min_rate_bytes_s=64 * 1024))
+        assert_same_state(got.snapshot, snapshot)
+        assert got.seconds > snapshot.nbytes / (256 * 1024) / 2  # the cap did slow it
+        assert donor.donor.stats["too-slow"] == 0 and donor.donor.stats["served"] == 1
+
+
+async def test_a_requester_that_keeps_pulling_is_refused_once_its_budget_is_spent():
+    snapshot = make_snapshot(100_000)
+    config = DonorConfig(chunk_bytes=CHUNK, limit_loopback=True, budget_states=2)
+    addresses = ["127.0.0.2", "127.0.0.3"]
+    async with behind_sources(snapshot, config, addresses) as (donor, dialled, client):
+        pulling, other = dialled
+        for _ in range(2):
+            assert_same_state((await fetch(client, [pulling])).snapshot, snapshot)
+        with pytest.raises(StateTransferError) as refused:
+            await fetch(client, [pulling])
+        failure = refused.value.failures[0]
+        assert failure.code == "busy"
+        assert "127.0.0.2 took" in failure.reason and "2 whole states per 600s" in failure.reason
+        assert donor.rejections.counts["budget-spent"] == 1
+        assert donor.stats["budget-spent"] == 1
+        assert donor.stats["bytes"] == 2 * snapshot.nbytes  # nothing more left for it
+        # A request for another state costs nothing and is still answered (header only).
+        other_digest = make_snapshot(10, seed=9).digest
+        with pytest.raises(StateTransferError, match="digest"):
+            await fetch(client, [pulling], expected_digest=other_digest)
+        # Another network has its own budget.
+        assert_same_state((await fetch(client, [other])).snapshot, snapshot)
+
+
+def test_a_byte_budget_drains_over_its_window():
+    now = [0.0]
+    budget = ByteBudget(window_s=600.0, clock=lambda: now[0], max_networks=4)
+    state = 1000
+    capacity = 3 * state
+    for _ in range(3):
+        assert budget.wait_s("203.0.113.0/24", state, capacity) == 0
+        budget.charge("203.0.113.0/24", state, capacity)
+    assert budget.wait_s("203.0.113.0/24", state, capacity) == pytest.approx(200.0)
+    assert budget.wait_s("198.51.100.0/24", state, capacity) == 0  # another network
+    assert budget.wait_s("203.0.113.0/24", 0, 0) == 0  # an empty state costs nothing
+    now[0] = 100.0
+    assert budget.level("203.0.113.0/24") == pytest.approx(2500.0)
+    assert budget.wait_s("203.0.113.0/24", state, capacity) == pytest.approx(100.0)
+    now[0] = 200.0
+    assert budget.wait_s("203.0.113.0/24", state, capacity) == 0
+    # Bounded: new networks push out the emptiest, never past the bound.
+    for i in range(10):
+        budget.charge(f"10.0.{i}.1", i + 1, capacity)
+        assert len(budget._levels) <= 4
+    assert budget.level("10.0.9.1") == 10
+    assert budget.level("203.0.113.0/24") == pytest.approx(2000.0)  # the heavy user stays
 
 
 async def test_a_donor_that_moved_on_serves_the_round_before_to_whoever_asks_for_it():

@@ -1,14 +1,17 @@
-"""``HOST:PORT`` endpoints: parsing, formatting, and which subnet a host belongs to.
+"""``HOST:PORT`` endpoints: parsing, formatting, and which network a host belongs to.
 
 IPv6 hosts are written in brackets (``[::1]:31337``). The subnet of a host is what the
 routing table caps per bucket to resist eclipse attacks: the /24 of an IPv4 address, the
-/64 of an IPv6 address, or the name itself for a host name.
+/64 of an IPv6 address, or the name itself for a host name. The source network of a
+caller (:func:`source_network`) is the same grouping, except that loopback and private
+addresses count one by one: it is what a server's and a donor's slots are counted per.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import urllib.parse
 
 _ENDPOINT = re.compile(
     r"(?:\[(?P<v6>[0-9a-fA-F:.%]+)\]|(?P<host>[^\s:\[\]/]+)):(?P<port>[0-9]{1,5})"
@@ -41,12 +44,54 @@ def subnet_of(host: str, *, limit_private: bool) -> str | None:
     Loopback, private and link-local addresses are exempt unless ``limit_private``: a swarm
     on one LAN or one machine would otherwise be capped at two peers per bucket.
     """
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
+    address = _ip(host)
+    if address is None:
         return f"name:{host.lower()}"
-    if not limit_private and (address.is_loopback or address.is_private or address.is_link_local):
+    if not limit_private and _is_local(address):
         return None
+    return _prefix(address)
+
+
+def source_network(host: str) -> str:
+    """The network a caller at ``host`` counts toward in a server's or a donor's limits.
+
+    The /24 of a public IPv4 address and the /64 of a public IPv6 address (one host is
+    commonly given a whole /64, so counting its addresses one by one would give it
+    billions of slots). Loopback, private and link-local addresses count one by one: they
+    are the operator's own machines, and a test tells networks apart by binding 127.0.0.N.
+    An IPv4 address seen through a dual-stack socket (``::ffff:203.0.113.7``) counts as
+    that IPv4 address, not as part of one /64 shared by every IPv4 caller.
+    """
+    address = _ip(host)
+    if address is None:
+        return f"name:{host.lower()}"
+    if _is_local(address):
+        return str(address)
+    return _prefix(address)
+
+
+def canonical_host(host: str) -> str:
+    """``host`` written one way for comparisons: an IP address in its canonical form (an
+    IPv4-mapped IPv6 address as IPv4), a name in lower case."""
+    address = _ip(host)
+    return host.lower() if address is None else str(address)
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _is_local(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    return address.is_loopback or address.is_private or address.is_link_local
+
+
+def _prefix(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
     prefix = 24 if address.version == 4 else 64
     return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
 
@@ -67,12 +112,16 @@ def network_of(host: str) -> str:
 
 
 def host_of_grpc_peer(peer: str) -> str:
-    """The IP of a grpc ``context.peer()`` string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``)."""
+    """The IP of a grpc ``context.peer()`` string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``).
+
+    gRPC percent-encodes the brackets of an IPv6 peer (``ipv6:%5B::1%5D:5``), and a zone
+    id's ``%`` (``%25eth0``): both are decoded, so the host is the address itself.
+    """
     kind, _, rest = peer.partition(":")
     if kind == "ipv4":
         return rest.rsplit(":", 1)[0]
     if kind == "ipv6":
-        return rest.rsplit(":", 1)[0].strip("[]")
+        return urllib.parse.unquote(rest.rsplit(":", 1)[0]).strip("[]")
     return ""
 
 

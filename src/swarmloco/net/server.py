@@ -8,6 +8,14 @@ connections, and how long a ping may go unanswered. The standard gRPC health ser
 always on, so `grpc_health_probe` works against any peer; server reflection (for
 `grpcurl`) is off unless asked for, so a public peer does not list its services to anyone.
 
+Calls are admitted by :class:`CallSlots`, in three pools, so that no caller can take the
+slots another kind of call needs: calls at large, counted per source network (a /24, a
+/64, a loopback or private address by itself) and in all; long-lived calls (health
+``Watch``, reflection: they stay open without doing this peer's work) on a small budget of
+their own, per network and in all; and a reserve for the hosts of the group this peer
+averages with now, which the averaging layer names with an expiry
+(:meth:`CallSlots.reserve`) and no stranger can take.
+
 The port serves TLS by default, with the peer's own key and self-signed certificate
 (net/tls.py): callers check the certificate against the peer's signed card.
 
@@ -22,9 +30,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -34,7 +44,13 @@ from grpc_reflection.v1alpha import reflection
 
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.errors import NetworkError
-from swarmloco.net.endpoints import format_endpoint, host_of_grpc_peer, is_unspecified
+from swarmloco.net.endpoints import (
+    canonical_host,
+    format_endpoint,
+    host_of_grpc_peer,
+    is_unspecified,
+    source_network,
+)
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.tls import TlsCredentials
 
@@ -120,13 +136,24 @@ class ServerConfig:
     max_message_bytes: int = 8 * 1024 * 1024
     """Largest message received or sent; larger ones fail with RESOURCE_EXHAUSTED."""
     max_concurrent_rpcs: int = 512
-    """RPCs handled at once; beyond this new calls are refused with RESOURCE_EXHAUSTED."""
+    """Calls at large handled at once (all but long-lived calls and the members' reserve);
+    beyond this new calls are refused with RESOURCE_EXHAUSTED instead of queueing."""
     max_concurrent_streams: int = 128
     """Streams one HTTP/2 connection may have open at once."""
-    max_rpcs_per_host: int = 128
-    """RPCs handled at once for callers from one IP address (all its connections
-    together); beyond this its new calls are refused with RESOURCE_EXHAUSTED, so one host
-    cannot take every slot of ``max_concurrent_rpcs``."""
+    max_rpcs_per_network: int = 64
+    """Calls at large handled at once from one source network (a /24 of IPv4, a /64 of
+    IPv6, a loopback or private address by itself), all its connections together; beyond
+    this its new calls are refused (by default 64 of 512: it takes eight networks to fill
+    ``max_concurrent_rpcs``)."""
+    max_long_calls: int = 32
+    """Long-lived calls (health ``Watch``, reflection) open at once, on a budget of their
+    own: however many there are, they take no slot of other calls."""
+    max_long_calls_per_network: int = 4
+    """Long-lived calls open at once from one source network."""
+    reserved_rpcs: int = 128
+    """Calls held at once for the hosts of the group this peer averages with now (named
+    by the averaging layer, :meth:`CallSlots.reserve`); a stranger never gets these.
+    Members' calls beyond it are calls at large."""
     handshake_timeout_s: float = 5.0
     """A new connection that has not finished its handshake by then is closed."""
     keepalive_time_s: float = 60.0
@@ -159,7 +186,10 @@ class ServerConfig:
         require_int("max_message_bytes", self.max_message_bytes, minimum=1024)
         require_int("max_concurrent_rpcs", self.max_concurrent_rpcs, minimum=1)
         require_int("max_concurrent_streams", self.max_concurrent_streams, minimum=1)
-        require_int("max_rpcs_per_host", self.max_rpcs_per_host, minimum=1)
+        require_int("max_rpcs_per_network", self.max_rpcs_per_network, minimum=1)
+        require_int("max_long_calls", self.max_long_calls, minimum=1)
+        require_int("max_long_calls_per_network", self.max_long_calls_per_network, minimum=1)
+        require_int("reserved_rpcs", self.reserved_rpcs, minimum=0)
         for name in (
             "handshake_timeout_s",
             "keepalive_time_s",
@@ -193,14 +223,157 @@ class ServerConfig:
             ("grpc.so_reuseport", 0),
         ]
 
+    @property
+    def grpc_max_rpcs(self) -> int:
+        """gRPC's own cap on calls at once, a backstop behind :class:`CallSlots`: a call
+        that the slots refuse still counts there while its refusal goes out, so it is set
+        well above the pools together (else a flood of refused calls would shut out
+        the members' reserve)."""
+        return 2 * self.max_concurrent_rpcs + self.max_long_calls + self.reserved_rpcs
 
-class PerHostLimit(grpc.aio.ServerInterceptor):
-    """Refuses a call with RESOURCE_EXHAUSTED while its caller's IP address has ``limit``
-    calls in flight (streams count until they end)."""
 
-    def __init__(self, limit: int, rejections: RejectionLog) -> None:
-        self.limit = limit
-        self.active: collections.Counter[str] = collections.Counter()
+LONG_CALLS = frozenset(
+    {
+        "/grpc.health.v1.Health/Watch",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    }
+)
+"""Calls that stay open as long as the caller likes without doing this peer's work."""
+
+
+class Pool(enum.Enum):
+    """Where a call's slot comes from."""
+
+    AT_LARGE = "at-large"
+    """Any caller's calls, per source network and in all."""
+    LONG = "long"
+    """Long-lived calls (:data:`LONG_CALLS`), per source network and in all."""
+    RESERVED = "reserved"
+    """Calls from the hosts of the group this peer averages with now, counted per host."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A call's place: its pool, and what it counts under there (a network or a host)."""
+
+    pool: Pool
+    key: str
+
+
+class CallSlots:
+    """Which calls may run now: the bookkeeping behind :class:`PeerServer`'s admission.
+
+    :meth:`take` gives a call a :class:`Slot` or raises a :class:`Rejection` saying which
+    limit it hit; :meth:`give` returns the slot when the call ends. A long-lived call only
+    ever takes a long slot, so a caller that opens hundreds of health ``Watch`` streams
+    holds ``max_long_calls_per_network`` of them and nothing else. A call from a reserved
+    host takes a reserved slot while there are some left, then one at large. Members share
+    the reserve without a cap each: they are few, known, and signed into the group (and
+    on one machine, a local swarm's members are all one host). Pure: no I/O, and the
+    clock (for reservations' expiry) is injected.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_reserved_hosts: int = 4096,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._max_reserved_hosts = max_reserved_hosts
+        self._held: dict[Pool, collections.Counter[str]] = {p: collections.Counter() for p in Pool}
+        self._reserved: dict[str, float] = {}
+        self.taken: collections.Counter[Pool] = collections.Counter()
+        """Slots given so far, by pool."""
+
+    @property
+    def in_flight(self) -> int:
+        """Calls holding a slot now, in every pool."""
+        return sum(self.in_use(pool) for pool in Pool)
+
+    def in_use(self, pool: Pool) -> int:
+        return sum(self._held[pool].values())
+
+    def held(self, pool: Pool) -> dict[str, int]:
+        """Slots held in ``pool`` now, by network (or host, for the reserve)."""
+        return dict(self._held[pool])
+
+    def reserve(self, hosts: Iterable[str], *, until: float) -> None:
+        """Put calls from ``hosts`` on the reserve until ``until`` (on this object's clock,
+        ``time.monotonic`` by default): the hosts of the group this peer averages with now,
+        named once the group forms. A host already reserved keeps the later expiry."""
+        now = self._clock()
+        self._reserved = {h: t for h, t in self._reserved.items() if t > now}
+        for host in hosts:
+            key = canonical_host(host)
+            if key and until > now:
+                self._reserved[key] = max(until, self._reserved.get(key, until))
+        if len(self._reserved) > self._max_reserved_hosts:
+            # Only rounds overlapping without end get here: keep the latest expiries.
+            latest = sorted(self._reserved.items(), key=lambda item: item[1])
+            self._reserved = dict(latest[-self._max_reserved_hosts :])
+
+    def reserved(self, host: str) -> bool:
+        """Whether calls from ``host`` may take the reserve now."""
+        until = self._reserved.get(canonical_host(host))
+        return until is not None and until > self._clock()
+
+    def take(self, host: str, *, long: bool) -> Slot:
+        """A slot for a call from ``host`` (``long``: one of :data:`LONG_CALLS`), or a
+        :class:`Rejection` naming the limit it hit."""
+        config = self.config
+        network = source_network(host)
+        if long:
+            if self._held[Pool.LONG][network] >= config.max_long_calls_per_network:
+                raise Rejection(
+                    "too-many-long-calls",
+                    f"{config.max_long_calls_per_network} long-lived calls (health Watch, "
+                    f"reflection) from {network} are open already",
+                )
+            if self.in_use(Pool.LONG) >= config.max_long_calls:
+                raise Rejection(
+                    "too-many-long-calls",
+                    f"this peer holds {config.max_long_calls} long-lived calls (health "
+                    "Watch, reflection) already",
+                )
+            return self._hold(Pool.LONG, network)
+        member = canonical_host(host)
+        if self.reserved(member) and self.in_use(Pool.RESERVED) < config.reserved_rpcs:
+            return self._hold(Pool.RESERVED, member)
+        if self._held[Pool.AT_LARGE][network] >= config.max_rpcs_per_network:
+            raise Rejection(
+                "too-many-calls",
+                f"{config.max_rpcs_per_network} calls from {network} are in flight already",
+            )
+        if self.in_use(Pool.AT_LARGE) >= config.max_concurrent_rpcs:
+            raise Rejection(
+                "server-busy",
+                f"this peer is handling {config.max_concurrent_rpcs} calls already",
+            )
+        return self._hold(Pool.AT_LARGE, network)
+
+    def give(self, slot: Slot) -> None:
+        held = self._held[slot.pool]
+        held[slot.key] -= 1
+        if held[slot.key] <= 0:
+            del held[slot.key]
+
+    def _hold(self, pool: Pool, key: str) -> Slot:
+        self._held[pool][key] += 1
+        self.taken[pool] += 1
+        return Slot(pool, key)
+
+
+class SlotLimit(grpc.aio.ServerInterceptor):
+    """Admits each call through ``slots``: a call refused there ends at once with
+    RESOURCE_EXHAUSTED (its caller tries again later or elsewhere), and the refusal is
+    counted with its reason; a call let in holds its slot until it ends (a stream until
+    its last message)."""
+
+    def __init__(self, slots: CallSlots, rejections: RejectionLog) -> None:
+        self.slots = slots
         self._rejections = rejections
 
     async def intercept_service(
@@ -211,54 +384,53 @@ class PerHostLimit(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return handler
+        long = details.method in LONG_CALLS
         kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
         kind = next(k for k in kinds if getattr(handler, k) is not None)
-        return handler._replace(**{kind: self._limited(getattr(handler, kind))})  # type: ignore[attr-defined]
+        limited = self._limited(getattr(handler, kind), long=long)
+        return handler._replace(**{kind: limited})  # type: ignore[attr-defined]
 
-    def _enter(self, context: grpc.aio.ServicerContext) -> str | None:
+    def _enter(self, context: grpc.aio.ServicerContext, *, long: bool) -> Slot | Rejection:
         host = host_of_grpc_peer(context.peer())
-        if self.active[host] >= self.limit:
-            rejection = Rejection(
-                "too-many-calls", f"{self.limit} calls from {host} are in flight already"
-            )
-            self._rejections.record(rejection, host)
-            return None
-        self.active[host] += 1
-        return host
+        try:
+            return self.slots.take(host, long=long)
+        except Rejection as rejection:
+            # Logged once per source network and reason: a flood from one network is
+            # one line every few seconds, however many addresses it calls from.
+            self._rejections.record(rejection, source_network(host))
+            return rejection
 
-    def _leave(self, host: str) -> None:
-        self.active[host] -= 1
-        if self.active[host] <= 0:
-            del self.active[host]
-
-    def _limited(self, behaviour: Callable[..., Any]) -> Callable[..., Any]:
-        refusal = "too many calls from your address are in flight; try again later"
+    def _limited(self, behaviour: Callable[..., Any], *, long: bool) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behaviour):
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                host = self._enter(context)
-                if host is None:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                slot = self._enter(context, long=long)
+                if isinstance(slot, Rejection):
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refusal(slot))
+                    return
                 try:
                     async for item in behaviour(request, context):
                         yield item
                 finally:
-                    if host is not None:
-                        self._leave(host)
+                    self.slots.give(slot)
 
             return stream
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            host = self._enter(context)
-            if host is None:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            slot = self._enter(context, long=long)
+            if isinstance(slot, Rejection):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refusal(slot))
+            assert isinstance(slot, Slot)  # abort raises
             try:
                 return await behaviour(request, context)
             finally:
-                if host is not None:
-                    self._leave(host)
+                self.slots.give(slot)
 
         return call
+
+
+def _refusal(rejection: Rejection) -> str:
+    return f"{rejection.reason}; try again later"
 
 
 class PeerServer:
@@ -279,7 +451,8 @@ class PeerServer:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.rejections = RejectionLog(logger)
-        self.per_host = PerHostLimit(config.max_rpcs_per_host, self.rejections)
+        self.slots = CallSlots(config)
+        """Who may call now; the averaging layer reserves its group's hosts here."""
         self.port = 0
 
     def add_service(self, service: Service) -> None:
@@ -306,8 +479,8 @@ class PeerServer:
     async def __aenter__(self) -> PeerServer:
         server = grpc.aio.server(
             options=self.config.options(),
-            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
-            interceptors=[self.per_host],
+            maximum_concurrent_rpcs=self.config.grpc_max_rpcs,
+            interceptors=[SlotLimit(self.slots, self.rejections)],
         )
         for service in self._services:
             service.register(server)
@@ -345,5 +518,7 @@ class PeerServer:
             return
         await self._health.enter_graceful_shutdown()
         # The grace is for our calls in flight. With none, grpc still waits all of it while
-        # other peers hold connections open (2 s of every peer's exit, measured).
-        await server.stop(self.config.grace_s if self.per_host.active else 0)
+        # other peers hold connections open (2 s of every peer's exit, measured). Long
+        # calls do no work to finish: a stranger's Watch must not delay every exit.
+        working = self.slots.in_flight - self.slots.in_use(Pool.LONG)
+        await server.stop(self.config.grace_s if working else 0)

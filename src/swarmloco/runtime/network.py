@@ -106,6 +106,7 @@ class SwarmNetwork:
             config=averaging,
             limiter=limiter,
             faults=faults,
+            slots=self.node.server.slots if self.node.server is not None else None,
         )
         self.snapshot: Callable[[], StateSnapshot | None] = lambda: None
         """What the donor serves (the peer sets it before entering)."""

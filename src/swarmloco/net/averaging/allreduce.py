@@ -29,6 +29,9 @@ the driver in ``round.py``, the stream ends in ``streams.py``):
 
 One :class:`Averager` per peer serves the ``Aggregate`` streams of every round it takes
 part in (see :func:`averaging_service`). It does no I/O until ``all_reduce`` is called.
+Given its server's :class:`~swarmloco.net.server.CallSlots`, it reserves the server's
+capacity for the other members' hosts as a round starts, until the round's deadline: the
+round's streams then never compete with strangers for a slot.
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ from swarmloco.net.averaging.report import AllReduceResult
 from swarmloco.net.averaging.round import RoundRun
 from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
+from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.server import CallSlots
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -118,8 +123,12 @@ class Averager:
         limiter: BandwidthLimiter | None = None,
         faults: FaultPlan | None = None,
         clock: Callable[[], float] = time.monotonic,
+        slots: CallSlots | None = None,
     ) -> None:
+        """``slots``: this peer's server's call slots (``PeerServer.slots``), to reserve
+        for the members of each round; None in client mode (no server)."""
         self.identity = identity
+        self.slots = slots
         self.client = client
         self.config = config or AveragingConfig()
         self.limiter = limiter
@@ -163,6 +172,11 @@ class Averager:
                 f"group uses blocks of {group.block_size}, codec of {self.config.codec.block_size}"
             )
         me = group.index_of(self.identity.peer_id_hex)
+        if self.slots is not None:
+            # Before any await: the other members open their streams as soon as they hold
+            # the group, and a stream refused for want of a slot fails this peer.
+            until = deadline.at + self.config.close_grace_s
+            self.slots.reserve(_member_hosts(group, me), until=until)
         result = torch.empty(group.numel) if out is None else out
         rnd = RoundRun(self, group, me, vector.contiguous().cpu(), result, deadline, error_feedback)
         try:
@@ -237,6 +251,18 @@ class Averager:
         condition = self._condition()
         async with condition:
             condition.notify_all()
+
+
+def _member_hosts(group: Group, me: int) -> list[str]:
+    """The hosts the other members serve at (client-mode members name none)."""
+    hosts = []
+    for index, member in enumerate(group.members):
+        if index != me and member.endpoint:
+            try:
+                hosts.append(parse_endpoint(member.endpoint)[0])
+            except ValueError:
+                continue  # not an address anyone can dial: nothing to reserve
+    return hosts
 
 
 class Scratch:

@@ -22,7 +22,13 @@ The state itself (:class:`~swarmloco.core.state.StateSnapshot`) and its digest l
         theta_g = got.snapshot.tensors[THETA_G]
 """
 
-from swarmloco.net.state.donor import DonorConfig, SnapshotProvider, StateDonor, state_service
+from swarmloco.net.state.donor import (
+    ByteBudget,
+    DonorConfig,
+    SnapshotProvider,
+    StateDonor,
+    state_service,
+)
 from swarmloco.net.state.download import (
     Donor,
     DonorFailure,
@@ -34,6 +40,7 @@ from swarmloco.net.state.download import (
 from swarmloco.net.state.wire import ReceiveLimits, Requester
 
 __all__ = [
+    "ByteBudget",
     "Donor",
     "DonorConfig",
     "DonorFailure",

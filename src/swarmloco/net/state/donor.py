@@ -7,13 +7,21 @@ peer's identity, bound to the request's nonce, then the raw chunks of the state.
 request asks for another swarm, round or digest than the donor holds, the donor sends the
 signed header alone: the requester learns why from a signed statement and moves on.
 
-Limits: at most ``max_concurrent_downloads`` downloads are served at once (more are refused
-at once with RESOURCE_EXHAUSTED, so the requester asks another donor instead of waiting);
-a requester that takes no chunk for ``write_timeout_s`` is dropped; an optional shared
+Limits, so that strangers cannot keep the state from the peers that need it: at most
+``max_concurrent_downloads`` downloads are served at once, and ``max_downloads_per_network``
+to one source network (a /24, a /64, or one loopback or private address: see
+``endpoints.source_network``); more are refused at once with RESOURCE_EXHAUSTED, so the
+requester asks another donor instead of waiting. A requester that takes no message for
+``write_timeout_s`` is dropped, and so is one that reads slower than
+``min_read_rate_bytes_s`` (a slow reader would hold its slot for as long as it likes). One
+source network takes at most ``budget_states`` whole states per ``budget_window_s``
+(:class:`ByteBudget`); a request beyond that is refused with RESOURCE_EXHAUSTED, saying
+when to come back. An optional shared
 :class:`~swarmloco.net.averaging.limiter.BandwidthLimiter` caps the upload rate (the same
 limiter as averaging's, so the peer's upload cap covers both). A malformed request is
-refused with INVALID_ARGUMENT and counted. In a private swarm, a request not signed by a
-member (``net/admission.py``) is refused with PERMISSION_DENIED.
+refused with INVALID_ARGUMENT. In a private swarm, a request not signed by a member
+(``net/admission.py``) is refused with PERMISSION_DENIED. Every refusal of a requester is
+counted with its reason.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.core.state import StateSnapshot
 from swarmloco.net.admission import Admission
 from swarmloco.net.averaging.limiter import BandwidthLimiter
-from swarmloco.net.endpoints import host_of_grpc_peer
+from swarmloco.net.endpoints import canonical_host, host_of_grpc_peer, source_network
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.server import Service
@@ -54,13 +62,27 @@ class DonorConfig:
     default: see ``wire.ReceiveLimits``)."""
     max_concurrent_downloads: int = 2
     """Downloads served at once; further requests are refused with RESOURCE_EXHAUSTED."""
-    max_downloads_per_host: int = 1
-    """Downloads served at once to one IP address, so one host cannot take every slot."""
+    max_downloads_per_network: int = 1
+    """Downloads served at once to one source network (a /24 of IPv4, a /64 of IPv6, one
+    loopback or private address), so one network cannot take every slot."""
     limit_loopback: bool = False
-    """Apply ``max_downloads_per_host`` to loopback callers too (peers on this machine
-    are its operator's own, e.g. a local swarm)."""
+    """Apply ``max_downloads_per_network`` and the byte budget to loopback callers too
+    (peers on this machine are its operator's own, e.g. a local swarm)."""
     write_timeout_s: float = 30.0
     """A requester that takes no message for this long is dropped (frees its slot)."""
+    min_read_rate_bytes_s: float = 256 * 1024
+    """A requester must take the state at least this fast: the time the donor's writes
+    wait on it may not pass ``read_grace_s`` plus what it took at this rate, else it is
+    cut off and its slot freed. Time the donor's own upload cap spends is not counted.
+    Well below what requesters ask of a donor (``DownloadConfig.min_rate_bytes_s``)."""
+    read_grace_s: float = 10.0
+    """Waiting on a requester beyond its bytes at ``min_read_rate_bytes_s`` allowed in
+    all (a slow start, a hiccup of either side)."""
+    budget_states: float = 4.0
+    """Whole states one source network may take per ``budget_window_s`` (what was served
+    drains at that rate); a request it cannot afford is refused with RESOURCE_EXHAUSTED."""
+    budget_window_s: float = 600.0
+    """The window of ``budget_states``."""
     max_request_age_s: float = 600.0
     """Private swarms: a signed request made longer ago (or further ahead, by the
     requester's clock) is refused."""
@@ -74,16 +96,95 @@ class DonorConfig:
             f"chunks), got {self.chunk_bytes}",
         )
         require_int("max_concurrent_downloads", self.max_concurrent_downloads, minimum=1)
-        require_int("max_downloads_per_host", self.max_downloads_per_host, minimum=1)
+        require_int("max_downloads_per_network", self.max_downloads_per_network, minimum=1)
         require_positive("write_timeout_s", self.write_timeout_s)
+        require_positive("min_read_rate_bytes_s", self.min_read_rate_bytes_s)
+        require_positive("read_grace_s", self.read_grace_s)
+        require(
+            self.budget_states >= 1,
+            f"budget_states must be at least 1 (a whole state), got {self.budget_states}",
+        )
+        require_positive("budget_window_s", self.budget_window_s)
         require_positive("max_request_age_s", self.max_request_age_s)
 
 
 def _is_loopback(host: str) -> bool:
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(canonical_host(host)).is_loopback
     except ValueError:
         return False
+
+
+class ByteBudget:
+    """Bytes served per source network, as a bucket that drains.
+
+    A network's level rises by every byte served to it and drains at ``capacity /
+    window_s`` per second, so over any window it takes about ``capacity`` bytes (plus what
+    drained meanwhile), however it spreads its requests. ``capacity`` is given at each call
+    (whole states, so it follows the size of the state served). Pure: the clock is
+    injected; at most ``max_networks`` are tracked (the emptiest forgotten first).
+    """
+
+    def __init__(
+        self,
+        *,
+        window_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_networks: int = 65_536,
+    ) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._max_networks = max_networks
+        self._levels: dict[str, tuple[float, float, float]] = {}
+        """network -> (level in bytes, when, drain in bytes per second)."""
+
+    def level(self, network: str) -> float:
+        """Bytes still counted against ``network`` now."""
+        entry = self._levels.get(network)
+        if entry is None:
+            return 0.0
+        level, when, drain = entry
+        return max(0.0, level - (self._clock() - when) * drain)
+
+    def wait_s(self, network: str, nbytes: int, capacity: float) -> float:
+        """Seconds until ``network`` can afford ``nbytes`` more (0: it can now)."""
+        over = self.level(network) + nbytes - capacity
+        if over <= 0 or capacity <= 0:  # affordable, or an empty state: nothing to spend
+            return 0.0
+        return over / (capacity / self.window_s)
+
+    def charge(self, network: str, nbytes: int, capacity: float) -> None:
+        if network not in self._levels and len(self._levels) >= self._max_networks:
+            self._forget()
+        level = self.level(network) + nbytes
+        self._levels[network] = (level, self._clock(), capacity / self.window_s)
+
+    def _forget(self) -> None:
+        """Make room: drop the drained networks, and the emptiest quarter if that is not
+        enough (at once, so a stream of new networks sorts once per quarter, not each)."""
+        levels = {network: self.level(network) for network in self._levels}
+        kept = sorted((n for n, level in levels.items() if level > 0), key=levels.__getitem__)
+        if len(kept) >= self._max_networks:
+            kept = kept[max(1, len(kept) // 4) :]
+        self._levels = {network: self._levels[network] for network in kept}
+
+
+@dataclasses.dataclass
+class _Pace:
+    """How long the writes to one requester waited on it, against what it took."""
+
+    grace_s: float
+    min_rate: float
+    written: int = 0
+    waited: float = 0.0
+
+    def allowance(self, nbytes: int) -> float:
+        """How long the next write of ``nbytes`` may wait on the requester, at most."""
+        return self.grace_s + (self.written + nbytes) / self.min_rate - self.waited
+
+    @property
+    def rate(self) -> float:
+        return self.written / self.waited if self.waited > 0 else float("inf")
 
 
 class StateDonor:
@@ -109,12 +210,14 @@ class StateDonor:
         self.rejections = RejectionLog(logger)
         self.stats: collections.Counter[str] = collections.Counter()
         """``served``, ``declined`` (header only), ``busy``, ``no-state``, ``dropped``,
-        ``chunks``, ``bytes``."""
+        ``too-slow``, ``budget-spent``, ``chunks``, ``bytes``."""
         self._snapshot = snapshot
         self._previous = previous
         self._wall_clock = wall_clock
         self._active = 0
-        self._per_host: collections.Counter[str] = collections.Counter()
+        self._per_network: collections.Counter[str] = collections.Counter()
+        self.budget = ByteBudget(window_s=self.config.budget_window_s)
+        """Bytes served per source network, over ``budget_window_s``."""
 
     @property
     def active(self) -> int:
@@ -150,14 +253,19 @@ class StateDonor:
             )
             return
         host = host_of_grpc_peer(context.peer())
+        network = source_network(host)
         if not self.config.limit_loopback and _is_loopback(host):
-            host = ""  # not counted per host
-        if host and self._per_host[host] >= self.config.max_downloads_per_host:
+            network = ""  # not counted per network
+        if network and self._per_network[network] >= self.config.max_downloads_per_network:
             self.stats["busy"] += 1
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this peer already serves {self._per_host[host]} download(s) to {host}; "
-                "ask another donor",
+            await self._refuse(
+                context,
+                Rejection(
+                    "too-many-downloads",
+                    f"this peer already serves {self._per_network[network]} download(s) to "
+                    f"{network}; ask another donor",
+                ),
+                network,
             )
             return
         snapshot = self._snapshot()
@@ -177,22 +285,42 @@ class StateDonor:
                 grpc.StatusCode.FAILED_PRECONDITION, "this peer holds no state to serve yet"
             )
             return
+        if network and not _declined(request, snapshot):
+            capacity = self.config.budget_states * snapshot.nbytes
+            wait = self.budget.wait_s(network, snapshot.nbytes, capacity)
+            if wait > 0:
+                self.stats["budget-spent"] += 1
+                window = self.config.budget_window_s
+                await self._refuse(
+                    context,
+                    Rejection(
+                        "budget-spent",
+                        f"{network} took {self.budget.level(network) / 1e6:.1f} MB of this "
+                        f"peer's state lately: {self.config.budget_states:g} whole states "
+                        f"per {window:g}s is all one network gets; ask another donor, or "
+                        f"this one again in {wait:.0f}s",
+                    ),
+                    network,
+                )
+                return
         self._active += 1
-        self._per_host[host] += 1
+        self._per_network[network] += 1
+        pace = _Pace(self.config.read_grace_s, self.config.min_read_rate_bytes_s)
         try:
-            await self._serve(snapshot, request, context)
+            await self._serve(snapshot, request, context, network, pace)
+            return
         except _Stalled:
             stalled = True
-        else:
+        except _TooSlow:
             stalled = False
         finally:
             self._active -= 1
-            self._per_host[host] -= 1
-            if self._per_host[host] <= 0:
-                del self._per_host[host]
+            self._per_network[network] -= 1
+            if self._per_network[network] <= 0:
+                del self._per_network[network]
+        # The slot is free already: the status waits behind the data the requester does
+        # not read, and leaves when it reads, cancels or its deadline passes.
         if stalled:
-            # The slot is free already: the status waits behind the data the requester
-            # does not read, and leaves when it reads, cancels or its deadline passes.
             self.stats["dropped"] += 1
             logger.info(
                 "dropped the download of %s: it took nothing for %.1fs",
@@ -203,12 +331,28 @@ class StateDonor:
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"the requester took nothing for {self.config.write_timeout_s}s",
             )
+            return
+        self.stats["too-slow"] += 1
+        too_slow = Rejection(
+            "too-slow",
+            f"the download was read at {pace.rate / 1024:.0f} KiB/s, under this peer's "
+            f"minimum of {self.config.min_read_rate_bytes_s / 1024:.0f} KiB/s",
+        )
+        await self._refuse(context, too_slow, network or host)
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, rejection: Rejection, network: str
+    ) -> None:
+        self.rejections.record(rejection, network or context.peer())
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, rejection.reason)
 
     async def _serve(
         self,
         snapshot: StateSnapshot,
         request: pb.DownloadRequest,
         context: grpc.aio.ServicerContext,
+        network: str,
+        pace: _Pace,
     ) -> None:
         chunk_bytes = self.config.chunk_bytes
         header = wire.sign_header(
@@ -218,33 +362,52 @@ class StateDonor:
             chunk_bytes=chunk_bytes,
             timestamp_ms=int(self._wall_clock() * 1000),
         )
-        await self._write(context, wire.header_response(header))
-        if (
-            request.swarm_id != snapshot.swarm_id
-            or (request.HasField("round") and request.round != snapshot.round)
-            or (request.digest and bytes(request.digest) != snapshot.digest)
-        ):
+        await self._write(context, wire.header_response(header), pace)
+        if _declined(request, snapshot):
             self.stats["declined"] += 1
             return  # the signed header says what we hold; the requester moves on
+        capacity = self.config.budget_states * snapshot.nbytes
         for index, data in enumerate(wire.state_chunks(snapshot.tensors, chunk_bytes)):
             message = wire.chunk_response(index, data)
             if self.limiter is not None:
                 await self.limiter.upload(len(message))
-            await self._write(context, message)
+            await self._write(context, message, pace)
+            if network:
+                self.budget.charge(network, len(data), capacity)
             self.stats["chunks"] += 1
             self.stats["bytes"] += len(data)
         self.stats["served"] += 1
 
-    async def _write(self, context: grpc.aio.ServicerContext, message: bytes) -> None:
+    async def _write(self, context: grpc.aio.ServicerContext, message: bytes, pace: _Pace) -> None:
+        allowed = pace.allowance(len(message))
+        wait = min(self.config.write_timeout_s, allowed)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            async with asyncio.timeout(self.config.write_timeout_s):
+            async with asyncio.timeout(wait):
                 await context.write(message)
         except TimeoutError:
-            raise _Stalled from None
+            raise (_Stalled if wait >= self.config.write_timeout_s else _TooSlow) from None
+        finally:
+            pace.waited += loop.time() - started
+        pace.written += len(message)
+
+
+def _declined(request: pb.DownloadRequest, snapshot: StateSnapshot) -> bool:
+    """Whether ``request`` asks for another state than ``snapshot`` (it gets the header)."""
+    return (
+        request.swarm_id != snapshot.swarm_id
+        or (request.HasField("round") and request.round != snapshot.round)
+        or bool(request.digest and bytes(request.digest) != snapshot.digest)
+    )
 
 
 class _Stalled(Exception):
     """The requester took no message for ``write_timeout_s``."""
+
+
+class _TooSlow(Exception):
+    """The requester took the state slower than ``min_read_rate_bytes_s``."""
 
 
 def state_service(donor: StateDonor) -> Service:
