@@ -25,10 +25,13 @@ Mode = Literal["pass", "cut", "blackhole", "delay"]
 
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to ``target()`` (asked at each connection: a server's
-    port may be known only once it started)."""
+    port may be known only once it started). With ``source_host`` (another 127.0.0.N), its
+    connections to the target come from that address, so the target sees a caller on a
+    network of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, source_host: str | None = None) -> None:
         self.target: Callable[[], tuple[str, int]] | None = None
+        self.source_host = source_host
         self.mode: Mode = "pass"
         self.delay_s = 0.0
         self.forwarded = 0
@@ -81,7 +84,8 @@ class TcpProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.target is not None, "set the proxy's target before peers dial it"
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target())
+            local = (self.source_host, 0) if self.source_host else None
+            up_reader, up_writer = await asyncio.open_connection(*self.target(), local_addr=local)
         except OSError:
             writer.transport.abort()
             return

@@ -2,7 +2,9 @@
 
 IPv6 hosts are written in brackets (``[::1]:31337``). The subnet of a host is what the
 routing table caps per bucket to resist eclipse attacks: the /24 of an IPv4 address, the
-/64 of an IPv6 address, or the name itself for a host name.
+/64 of an IPv6 address, or the name itself for a host name. The source network of a caller
+is what DHT storage quotas count toward: its subnet, or its own address where the subnet
+caps exempt it.
 """
 
 from __future__ import annotations
@@ -41,14 +43,38 @@ def subnet_of(host: str, *, limit_private: bool) -> str | None:
     Loopback, private and link-local addresses are exempt unless ``limit_private``: a swarm
     on one LAN or one machine would otherwise be capped at two peers per bucket.
     """
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
+    address = _ip(host)
+    if address is None:
         return f"name:{host.lower()}"
     if not limit_private and (address.is_loopback or address.is_private or address.is_link_local):
         return None
     prefix = 24 if address.version == 4 else 64
     return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
+
+
+def network_of(host: str, *, limit_private: bool) -> str:
+    """The source network a caller at ``host`` counts toward in quotas: its subnet, or,
+    for an address :func:`subnet_of` exempts (loopback, private, link-local), the address
+    alone. Keys cost nothing and addresses do, so a quota per network binds an attacker
+    where one per key does not; an exempt address still counts by itself, so that one
+    process on a LAN or on this machine cannot take the share of every other."""
+    subnet = subnet_of(host, limit_private=limit_private)
+    if subnet is not None:
+        return subnet
+    return str(_ip(host))
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` names (None for a host name). An IPv4 address seen through a
+    dual-stack socket (``::ffff:a.b.c.d``) is that IPv4 address: otherwise every IPv4
+    caller of a server bound to ``::`` would share one /64."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def host_of_grpc_peer(peer: str) -> str:
