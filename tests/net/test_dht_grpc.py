@@ -280,6 +280,22 @@ async def test_a_full_key_makes_room_for_a_newcomers_own_record():
         assert newcomer.identity.peer_id_hex in found
 
 
+async def test_a_reader_checks_each_record_once_however_often_it_reads_the_key():
+    key = peers_key(SWARM)
+    records = fresh_peer_records(200, key)
+    async with loopback_network(2) as nodes, RpcClient() as client:
+        for node in nodes:
+            assert await relay(client, node.endpoint, Identity.generate(), records) == 200
+        config = NodeConfig(server=None, peers=(nodes[0].endpoint,))
+        async with NetNode(identity=Identity.generate(), config=config) as reader:
+            first = (await reader.dht.get(key)).entries
+            assert len(first) == 200 and len(reader.dht.checked) == 200
+            again = (await reader.dht.get(key)).entries
+            # The same decoded values: taken from what was checked, not decoded again.
+            assert all(again[s].value is first[s].value for s in first)
+            assert len(reader.dht.checked) == 200
+
+
 async def test_joining_through_addresses_that_do_not_answer_fails_clearly_and_soon():
     finished = asyncio.Event()
 

@@ -51,6 +51,7 @@ from swarmloco.net.identity import PEER_ID_BYTES, Identity
 from swarmloco.net.records import (
     MAX_KEY_CHARS,
     MEMBER_FIELD,
+    CheckedRecords,
     Record,
     decode_value,
     kind_of,
@@ -124,6 +125,10 @@ class DhtConfig:
     was frozen) joins again through the peers it first joined through, this often."""
     max_records_per_request: int = 64
     """Most records in one store request."""
+    checked_records_bytes: int = 2 * 1024 * 1024
+    """Records read from other nodes that a node remembers as checked, in their bytes
+    (``Record.size``; Python's objects take about five times as much): a full ``peers``
+    key (4,096 records, 1 MiB) read again costs lookups, not signature checks."""
     max_clock_skew_s: float = 600.0
     """Store requests dated further from our clock are refused (replays); a node whose
     clock is further off the peers it joins through refuses to start."""
@@ -139,6 +144,7 @@ class DhtConfig:
         require(self.get_quorum <= self.k, "get_quorum must be <= k")
         require_int("max_per_subnet", self.max_per_subnet, minimum=1)
         require_int("max_records_per_request", self.max_records_per_request, minimum=1)
+        require_int("checked_records_bytes", self.checked_records_bytes, minimum=0)
         for name in (
             "rpc_timeout_s",
             "lookup_timeout_s",
@@ -269,7 +275,7 @@ class _Lookup:
                 known = self.entries.get(record.subkey)
                 if known is None or known.record != record:  # else: checked already
                     try:
-                        value = validate(record, now=now)
+                        value = self.node.checked.validate(record, now=now)
                     except Rejection as rejection:
                         if rejection.code == "expired":
                             continue  # clocks differ a little between honest nodes
@@ -339,6 +345,7 @@ class DHTNode:
         )
         self.storage = Storage(self.config.storage, clock=self.clock)
         self.rejections = RejectionLog(logger)
+        self.checked = CheckedRecords(max_bytes=self.config.checked_records_bytes)
         self.stats: Counter[str] = Counter()
         self.card = sign_card(identity, endpoint, tls_fingerprint=tls_fingerprint)
         self._published: dict[tuple[str, str], Record] = {}
