@@ -28,7 +28,9 @@ Mode = Literal["pass", "cut", "blackhole", "delay"]
 
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to ``target()`` (asked at each connection: a server's
-    port may be known only once it started)."""
+    port may be known only once it started). With ``source`` (another 127.0.0.N), its
+    connections to the target come from that address, so the target sees a caller on a
+    network of its own."""
 
     def __init__(self, *, source: str | None = None) -> None:
         self.target: Callable[[], tuple[str, int]] | None = None

@@ -1,6 +1,7 @@
 """The DHT over real gRPC on loopback: records across nodes, and every kind of bad input."""
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -9,6 +10,7 @@ from functools import partial
 import msgpack
 import pytest
 from netutil import SWARM, closed_port, counter_key, loopback_network, serving, wait_for
+from tcpproxy import TcpProxy
 
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import ManifestError, NetworkError
@@ -18,9 +20,10 @@ from swarmloco.net.dht.node import DhtConfig, DHTNode
 from swarmloco.net.dht.storage import StorageConfig
 from swarmloco.net.dht.transport import STORE
 from swarmloco.net.dht.wire import record_to_proto, signed_store_request
+from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
-from swarmloco.net.records import Record, make_record, peers_key, sign
+from swarmloco.net.records import PEERS, Record, make_record, peers_key, sign
 from swarmloco.net.server import ServerConfig
 from swarmloco.net.swarm import announce_peer, fetch_manifest, find_peers, publish_manifest
 
@@ -125,9 +128,10 @@ async def test_store_requests_must_be_signed_by_their_sender_and_recent():
 
 async def test_a_hundred_thousand_subkeys_from_one_peer_are_not_all_stored():
     total, quota, batch = 100_000, 256, 1000
-    config = DhtConfig(
-        max_records_per_request=batch, storage=StorageConfig(max_records_per_sender=quota)
-    )
+    # The quota per sender, alone: the share of a key per source network would otherwise
+    # bind at the same count (all of this comes from 127.0.0.1; tested on its own below).
+    storage = StorageConfig(max_records_per_sender=quota, max_subkeys_per_network=2 * quota)
+    config = DhtConfig(max_records_per_request=batch, storage=storage)
     flooder = Identity.generate()
     now = time.time()
     # The first records are genuine (each from its own key); the quota is checked before
@@ -170,6 +174,126 @@ async def test_a_hundred_thousand_subkeys_from_one_peer_are_not_all_stored():
         other = await nodes[0].dht.store(peers_key(SWARM), PEER, ttl=60)
         assert other == 2
     assert elapsed < 60
+
+
+def fresh_peer_records(count: int, key: str) -> list[Record]:
+    """``count`` valid peers records, each owned by a key of its own (keys are free)."""
+    expiration = time.time() + 600
+    return [
+        make_record(key, PEER, expiration=expiration, owner=Identity.generate())
+        for _ in range(count)
+    ]
+
+
+@contextlib.asynccontextmanager
+async def from_address(host: str, target: NetNode):
+    """The endpoint through which calls reach ``target`` from ``host`` (a 127.0.0.N)."""
+    async with TcpProxy(source=host) as proxy:
+        proxy.target = lambda: parse_endpoint(target.endpoint)
+        yield f"127.0.0.1:{proxy.port}"
+
+
+async def relay(client: RpcClient, endpoint: str, sender: Identity, records) -> int:
+    """Store ``records`` through ``endpoint``, sent (and signed) by ``sender``; how many
+    were taken."""
+    card = sign_card(sender, "")
+    stored = 0
+    for i in range(0, len(records), 64):
+        request = signed_store_request(
+            sender, card, records[i : i + 64], timestamp_ms=int(time.time() * 1000)
+        )
+        answer = await client.call(endpoint, STORE, request, timeout=10, attempts=1)
+        stored += sum(r.stored for r in answer.results)
+    return stored
+
+
+async def test_one_address_storing_the_records_of_4096_fresh_keys_leaves_room_for_newcomers():
+    """The flood fills at most its network's share of the key at every node: the peers that
+    announce themselves afterwards are stored and found everywhere, and a node that joins
+    later is handed their records, not the flood's alone."""
+    key = peers_key(SWARM)
+    share = StorageConfig().max_subkeys_per_network
+    flood = fresh_peer_records(4096, key)
+    flooder = Identity.generate()
+    async with loopback_network(4) as nodes, RpcClient() as client:
+        for node in nodes:
+            async with from_address("127.0.0.2", node) as endpoint:
+                assert await relay(client, endpoint, flooder, flood) == share
+        for node in nodes:
+            assert node.dht.storage.records_via("127.0.0.2", key=key) == share
+            assert node.dht.rejections.counts["network-quota"] == len(flood) - share
+            assert node.dht.storage.records_from(flooder.peer_id) == share
+        # Client-mode peers hold nothing: the nodes hand their records on for them.
+        clients = [
+            NetNode(
+                identity=Identity.generate(),
+                config=NodeConfig(server=None, peers=(nodes[0].endpoint,)),
+            )
+            for _ in range(2)
+        ]
+        async with contextlib.AsyncExitStack() as stack:
+            for peer in clients:
+                await stack.enter_async_context(peer)
+            for peer in (*nodes, *clients):
+                assert await announce_peer(peer.dht, SWARM, role="trainer") == len(nodes)
+        announced = {n.identity.peer_id_hex for n in (*nodes, *clients)}
+        newcomer = NetNode(
+            identity=Identity.generate(), config=NodeConfig(peers=(nodes[0].endpoint,))
+        )
+        async with newcomer:
+            # Every node hands it the key, all of it from 127.0.0.1 (one network): the
+            # peers' records among the first, not after the flood's share.
+            held = newcomer.dht.storage
+            await wait_for(lambda: announced <= {r.subkey for r in held.get(key)})
+            assert await announce_peer(newcomer.dht, SWARM, role="trainer") == len(nodes) + 1
+            honest = announced | {newcomer.identity.peer_id_hex}
+            for node in (*nodes, newcomer):
+                assert honest <= {r.subkey for r in node.dht.storage.get(key)}, node
+                found = {p.peer_id for p in await find_peers(node.dht, SWARM)}
+                assert honest <= found, node
+                assert len(found - honest) <= share  # the flood's share, and no more
+
+
+async def test_a_full_key_makes_room_for_a_newcomers_own_record():
+    """Sixteen addresses fill a node's peers key to its 4,096 subkeys; a seventeenth is
+    refused, and a newcomer's own record takes the place of a relayed one."""
+    key = peers_key(SWARM)
+    share = StorageConfig().max_subkeys_per_network
+    flood = fresh_peer_records(16 * share, key)
+    flooder = Identity.generate()
+    async with loopback_network(2) as (entry, target), RpcClient() as client:
+        for i in range(16):
+            async with from_address(f"127.0.0.{i + 2}", target) as endpoint:
+                part = flood[i * share : (i + 1) * share]
+                assert await relay(client, endpoint, flooder, part) == share
+        assert len(target.dht.storage.get(key)) == PEERS.max_subkeys
+        async with from_address("127.0.0.18", target) as endpoint:
+            assert await relay(client, endpoint, flooder, fresh_peer_records(1, key)) == 0
+        assert target.dht.rejections.counts["quota"] == 1
+        newcomer = NetNode(identity=Identity.generate(), config=NodeConfig(peers=(entry.endpoint,)))
+        async with newcomer:
+            assert await announce_peer(newcomer.dht, SWARM, role="trainer") == 3
+        assert target.dht.storage.evicted == 1
+        held = {r.subkey for r in target.dht.storage.get(key)}
+        assert newcomer.identity.peer_id_hex in held and len(held) == PEERS.max_subkeys
+        found = {p.peer_id for p in await find_peers(target.dht, SWARM)}
+        assert newcomer.identity.peer_id_hex in found
+
+
+async def test_a_reader_checks_each_record_once_however_often_it_reads_the_key():
+    key = peers_key(SWARM)
+    records = fresh_peer_records(200, key)
+    async with loopback_network(2) as nodes, RpcClient() as client:
+        for node in nodes:
+            assert await relay(client, node.endpoint, Identity.generate(), records) == 200
+        config = NodeConfig(server=None, peers=(nodes[0].endpoint,))
+        async with NetNode(identity=Identity.generate(), config=config) as reader:
+            first = (await reader.dht.get(key)).entries
+            assert len(first) == 200 and len(reader.dht.checked) == 200
+            again = (await reader.dht.get(key)).entries
+            # The same decoded values: taken from what was checked, not decoded again.
+            assert all(again[s].value is first[s].value for s in first)
+            assert len(reader.dht.checked) == 200
 
 
 async def test_joining_through_addresses_that_do_not_answer_fails_clearly_and_soon():
@@ -363,8 +487,6 @@ async def test_a_peer_that_stops_answering_costs_one_call_timeout_not_one_per_lo
     """A frozen peer (its link swallows every byte, as a SIGSTOPped process's does) fails
     one call and is dropped; the others still name it, but lookups skip it until it is
     heard from again. A call that fails only because this process stalled blames nobody."""
-    from tcpproxy import TcpProxy
-
     config = DhtConfig(rpc_timeout_s=0.5)
     async with TcpProxy() as proxy, loopback_network(2, dht=config) as (boot, node):
         frozen = NetNode(

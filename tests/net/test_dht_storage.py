@@ -1,15 +1,31 @@
-"""Storage: clamped expirations, replacement order, quotas (no network)."""
+"""Storage: clamped expirations, replacement order, quotas per sender, owner and source
+network, and which records make room for which (no network)."""
 
+import contextlib
+import dataclasses
+
+import msgpack
 import pytest
 from netutil import SWARM, counter_key
 
 from swarmloco.net.dht.storage import Storage, StorageConfig
+from swarmloco.net.endpoints import source_network
 from swarmloco.net.identity import Identity
-from swarmloco.net.records import PEERS, make_record, peers_key
+from swarmloco.net.records import (
+    PEERS,
+    Int,
+    Record,
+    RecordKind,
+    Struct,
+    make_record,
+    peers_key,
+    register,
+)
 from swarmloco.net.rejections import Rejection
 
 PEER = {"endpoint": "127.0.0.1:5000", "role": "trainer", "version": "0.1.0", "public": True}
 YEAR = 365 * 24 * 3600.0
+NET = "203.0.113.0/24"
 
 
 class Clock:
@@ -25,7 +41,7 @@ def test_expiration_ten_years_ahead_is_clamped_to_the_max_ttl():
     storage = Storage(StorageConfig(), clock=clock)
     owner = Identity.generate()
     record = make_record(peers_key(SWARM), PEER, expiration=clock.now + 10 * YEAR, owner=owner)
-    assert storage.put(record, sender=owner.peer_id)
+    assert storage.put(record, sender=owner.peer_id, network=NET)
     assert storage.expires_at(record.key, record.subkey) == clock.now + PEERS.max_ttl
     clock.now += PEERS.max_ttl - 1
     assert storage.get(record.key) == [record]  # served as signed, expiration untouched
@@ -45,10 +61,10 @@ def test_later_expiration_replaces_earlier_and_not_the_other_way():
         expiration=clock.now + 120,
         owner=owner,
     )
-    assert storage.put(old, sender=b"a")
-    assert storage.put(old, sender=b"a")  # the same record again (a republish) is fine
-    assert storage.put(new, sender=b"b")
-    assert not storage.put(old, sender=b"a")
+    assert storage.put(old, sender=b"a", network=NET)
+    assert storage.put(old, sender=b"a", network=NET)  # the same record again (a republish) is fine
+    assert storage.put(new, sender=b"b", network=NET)
+    assert not storage.put(old, sender=b"a", network=NET)
     assert storage.get(old.key) == [new]
     assert storage.records_from(b"a") == 0 and storage.records_from(b"b") == 1
 
@@ -66,13 +82,13 @@ def test_per_sender_quota_is_checked_before_any_signature():
         for i in range(12)
     ]
     for record in records[:10]:
-        assert storage.put(record, sender=b"flooder")
+        assert storage.put(record, sender=b"flooder", network=NET)
     for record in records[10:]:
         with pytest.raises(Rejection) as info:
-            storage.put(record, sender=b"flooder")
+            storage.put(record, sender=b"flooder", network=NET)
         assert info.value.code == "quota"
     # The same records from another sender are fine: the quota is per sender.
-    assert storage.put(records[10], sender=b"someone else")
+    assert storage.put(records[10], sender=b"someone else", network=NET)
 
 
 def test_per_key_subkey_cap_and_node_capacity():
@@ -81,15 +97,16 @@ def test_per_key_subkey_cap_and_node_capacity():
     for i in range(5):
         owner = Identity.generate()
         record = make_record(peers_key(SWARM), PEER, expiration=clock.now + 60 + i, owner=owner)
-        assert storage.put(record, sender=owner.peer_id)
+        assert storage.put(record, sender=owner.peer_id, network=NET)
     owner = Identity.generate()
     record = make_record(peers_key(SWARM), PEER, expiration=clock.now + 60, owner=owner)
     with pytest.raises(Rejection, match="full"):
-        storage.put(record, sender=owner.peer_id)
+        storage.put(record, sender=owner.peer_id, network=NET)
     clock.now += 120  # everything expired: sweeping frees the room
     assert storage.put(
         make_record(peers_key(SWARM), PEER, expiration=clock.now + 60, owner=owner),
         sender=owner.peer_id,
+        network=NET,
     )
     assert len(storage) == 1
 
@@ -113,5 +130,199 @@ def test_invalid_records_are_not_stored():
                 record.signature,
             ),
             sender=b"x",
+            network=NET,
         )
     assert len(storage) == 0 and storage.bytes_used == 0
+
+
+# A kind with few subkeys, so that a key fills in a few records (the layer's own kinds keep
+# 4,096); registered through the public extension point, as later layers register theirs.
+SMALL = register(
+    RecordKind(
+        name="test-small",
+        pattern="test-small",
+        schema=Struct({"n": Int(minimum=0)}),
+        owned=True,
+        max_ttl=3600.0,
+        max_value_bytes=64,
+        max_subkeys=8,
+    )
+)
+SMALL_KEY = f"swarmloco/v1/{SWARM}/test-small"
+A, B, C = "198.51.100.0/24", "203.0.113.0/24", "2001:db8::/64"
+
+
+def small(owner: Identity, clock: Clock, *, key: str = SMALL_KEY, n: int = 0) -> Record:
+    return make_record(key, {"n": n}, expiration=clock.now + 60, owner=owner)
+
+
+def first_hand(storage: Storage, record: Record, network: str) -> bool:
+    """Stored by its owner itself."""
+    return storage.put(record, sender=bytes.fromhex(record.subkey), network=network)
+
+
+def refused(storage: Storage, record: Record, *, sender: bytes, network: str) -> Rejection:
+    with pytest.raises(Rejection) as info:
+        storage.put(record, sender=sender, network=network)
+    return info.value
+
+
+def test_one_network_holds_at_most_its_share_of_a_key_and_owners_take_their_place_back():
+    clock = Clock()
+    storage = Storage(StorageConfig(max_subkeys_per_network=3), clock=clock)
+    relayed = [small(Identity.generate(), clock) for _ in range(4)]
+    for record in relayed[:3]:
+        assert storage.put(record, sender=b"relay", network=A)  # one sender, many owners
+    # Beyond the network's share, even a forged record is refused by count, unverified.
+    forged = dataclasses.replace(relayed[3], signature=b"s" * 64)
+    rejection = refused(storage, forged, sender=b"relay", network=A)
+    assert rejection.code == "network-quota" and A in rejection.reason
+    assert storage.records_via(A, key=SMALL_KEY) == 3
+    # Another network has a share of its own.
+    assert storage.put(relayed[3], sender=b"relay", network=B)
+    # An owner in network A storing its own record takes the place of A's oldest relayed one.
+    owner = Identity.generate()
+    assert first_hand(storage, small(owner, clock), A)
+    assert storage.evicted == 1
+    held = {r.subkey for r in storage.get(SMALL_KEY)}
+    assert relayed[0].subkey not in held and owner.peer_id_hex in held
+    assert storage.records_via(A, key=SMALL_KEY) == 3 and storage.records_from(b"relay") == 3
+    # Once A's share is all first-hand, a fourth owner from A is refused.
+    for _ in range(2):
+        assert first_hand(storage, small(Identity.generate(), clock), A)
+    rejection = refused(storage, small(Identity.generate(), clock), sender=b"x", network=A)
+    assert rejection.code == "network-quota"
+    late = Identity.generate()
+    rejection = refused(storage, small(late, clock), sender=late.peer_id, network=A)
+    assert rejection.code == "network-quota"
+    assert storage.evicted == 3 and storage.records_from(b"relay") == 1  # only B's left
+
+
+def test_a_full_key_makes_room_for_an_owners_record_from_a_network_with_fewer_entries():
+    clock = Clock()
+    storage = Storage(StorageConfig(max_subkeys_per_network=4), clock=clock)
+    relayed = {net: [small(Identity.generate(), clock) for _ in range(4)] for net in (A, B)}
+    for net, records in relayed.items():
+        for record in records:
+            assert storage.put(record, sender=b"relay", network=net)
+    assert len(storage.get(SMALL_KEY)) == SMALL.max_subkeys
+    # The key is full: a relayed record from a third network is refused ...
+    stranger = small(Identity.generate(), clock)
+    assert refused(storage, stranger, sender=b"relay", network=C).code == "quota"
+    # ... a forged first-hand one evicts nothing (the signature is checked first) ...
+    mallory = Identity.generate()
+    forged = dataclasses.replace(small(mallory, clock), value=msgpack.packb({"n": 7}))
+    assert refused(storage, forged, sender=mallory.peer_id, network=C).code == "bad-signature"
+    assert storage.evicted == 0 and len(storage) == SMALL.max_subkeys
+    # ... and a genuine owner's takes the place of the oldest record of the largest network.
+    newcomer = Identity.generate()
+    assert first_hand(storage, small(newcomer, clock), C)
+    held = {r.subkey for r in storage.get(SMALL_KEY)}
+    assert newcomer.peer_id_hex in held and relayed[A][0].subkey not in held
+    assert storage.evicted == 1 and len(storage) == SMALL.max_subkeys
+    assert [storage.records_via(n, key=SMALL_KEY) for n in (A, B, C)] == [3, 4, 1]
+
+
+def test_owners_from_a_small_network_displace_first_hand_records_down_to_an_even_share():
+    clock = Clock()
+    storage = Storage(StorageConfig(max_subkeys_per_network=4), clock=clock)
+    for net in (A, B):
+        for _ in range(4):
+            assert first_hand(storage, small(Identity.generate(), clock), net)
+    for _ in range(3):
+        assert first_hand(storage, small(Identity.generate(), clock), C)
+    assert [storage.records_via(n, key=SMALL_KEY) for n in (A, B, C)] == [2, 3, 3]
+    # C now holds as many as the largest: its next owner waits like everyone else's.
+    owner = Identity.generate()
+    rejection = refused(storage, small(owner, clock), sender=owner.peer_id, network=C)
+    assert rejection.code == "quota" and "8 subkeys" in rejection.reason
+    assert storage.evicted == 3
+
+
+def test_an_owners_update_moves_its_record_to_the_network_it_came_from():
+    clock = Clock()
+    storage = Storage(StorageConfig(max_subkeys_per_network=2), clock=clock)
+    owner = Identity.generate()
+    assert storage.put(small(owner, clock), sender=b"relay", network=A)
+    clock.now += 1
+    assert first_hand(storage, small(owner, clock, n=1), B)
+    assert storage.records_via(A) == 0 and storage.records_via(B, key=SMALL_KEY) == 1
+    assert storage.records_owned_by(owner.peer_id_hex) == 1 and storage.records_from(b"relay") == 0
+
+
+def test_quotas_per_owner_and_per_network_count_every_key():
+    clock = Clock()
+    config = StorageConfig(max_records_per_owner=3, max_records_per_network=5)
+    storage = Storage(config, clock=clock)
+    keys = [f"swarmloco/v1/{i:040x}/test-small" for i in range(8)]
+    # One owner's records under many keys, each sent by another key from another network.
+    owner = Identity.generate()
+    for i, key in enumerate(keys[:3]):
+        assert storage.put(small(owner, clock, key=key), sender=bytes([i]), network=f"10.{i}/x")
+    rejection = refused(storage, small(owner, clock, key=keys[3]), sender=b"z", network=C)
+    assert rejection.code == "owner-quota"
+    # Fresh owners and fresh senders, one network: the network's total binds.
+    for key in keys[:5]:
+        fresh = Identity.generate()
+        assert first_hand(storage, small(fresh, clock, key=key), A)
+    fresh = Identity.generate()
+    rejection = refused(storage, small(fresh, clock, key=keys[5]), sender=fresh.peer_id, network=A)
+    assert rejection.code == "network-quota" and "5 records from one network" in rejection.reason
+    assert first_hand(storage, small(fresh, clock, key=keys[5]), B)
+    assert storage.records_via(A) == 5 and storage.records_owned_by(owner.peer_id_hex) == 3
+
+
+def test_a_key_is_read_one_network_at_a_time_so_a_capped_receiver_gets_a_share_of_each():
+    clock = Clock()
+    holder = Storage(StorageConfig(), clock=clock)
+    origin: dict[str, str] = {}
+    for net, count in ((A, 5), (B, 2), (C, 1)):
+        for _ in range(count):
+            record = small(Identity.generate(), clock)
+            assert holder.put(record, sender=b"relay", network=net)
+            origin[record.subkey] = net
+    listed = holder.get(SMALL_KEY)
+    assert [origin[r.subkey] for r in listed[:3]] == [A, B, C]
+    assert len(listed) == 8
+    # A newcomer handed all of them by the holder (one sender, one network) keeps its cap
+    # and holds every source network's records among them, not five of A's.
+    newcomer = Storage(StorageConfig(max_subkeys_per_network=3), clock=clock)
+    for record in listed:
+        with contextlib.suppress(Rejection):
+            newcomer.put(record, sender=b"holder", network="192.0.2.0/24")
+    assert {origin[r.subkey] for r in newcomer.get(SMALL_KEY)} == {A, B, C}
+
+
+def test_expiry_and_eviction_leave_every_count_at_zero():
+    clock = Clock()
+    storage = Storage(StorageConfig(max_subkeys_per_network=2), clock=clock)
+    owners = [Identity.generate() for _ in range(6)]
+    for owner in owners[:4]:
+        with contextlib.suppress(Rejection):
+            storage.put(small(owner, clock), sender=b"relay", network=A)
+    for owner in owners[4:]:
+        assert first_hand(storage, small(owner, clock), A)
+    assert storage.evicted == 2 and len(storage) == 2
+    clock.now += 3600
+    assert storage.sweep() == 2
+    assert len(storage) == 0 and storage.bytes_used == 0 and storage.keys() == []
+    assert storage.records_via(A) == 0 and storage.records_from(b"relay") == 0
+    assert all(storage.records_owned_by(o.peer_id_hex) == 0 for o in owners)
+
+
+@pytest.mark.parametrize(
+    ("host", "limit_private", "network"),
+    [
+        ("81.2.69.7", False, "81.2.69.0/24"),
+        ("2a01:4f8:1:2:3:4:5:6", False, "2a01:4f8:1:2::/64"),
+        ("::ffff:81.2.69.7", False, "81.2.69.0/24"),  # IPv4 through a dual-stack socket
+        ("127.0.0.2", False, "127.0.0.2"),  # on one machine, each address counts alone
+        ("::ffff:127.0.0.2", False, "127.0.0.2"),
+        ("192.168.1.9", False, "192.168.1.9"),
+        ("fe80::1%eth0", False, "fe80::1"),
+        ("127.0.0.2", True, "127.0.0.0/24"),
+        ("seed.example.org", False, "name:seed.example.org"),
+    ],
+)
+def test_the_network_a_caller_counts_toward(host, limit_private, network):
+    assert source_network(host, limit_private=limit_private) == network

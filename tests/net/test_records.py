@@ -10,6 +10,7 @@ from swarmloco.core.manifest import SwarmManifest
 from swarmloco.net.identity import Identity
 from swarmloco.net.records import (
     PEERS,
+    CheckedRecords,
     Record,
     digest_key,
     make_record,
@@ -210,3 +211,26 @@ def test_digest_record_of_a_round():
         assert rejected(forged).code == "schema"
     with pytest.raises(ValueError, match="round number"):
         digest_key(SWARM, -1)
+
+
+def test_checked_records_are_remembered_within_their_budget_and_still_expire():
+    records = [
+        make_record(peers_key(SWARM), PEER, expiration=NOW + 60, owner=Identity.generate())
+        for _ in range(4)
+    ]
+    checked = CheckedRecords(max_bytes=3 * records[0].size)
+    first = checked.validate(records[0], now=NOW)
+    assert first == PEER
+    assert checked.validate(records[0], now=NOW) is first  # remembered, not decoded again
+    for record in records[1:]:
+        checked.validate(record, now=NOW)
+    assert len(checked) == 3  # the budget holds three: the oldest was forgotten
+    assert checked.validate(records[0], now=NOW) is not first
+    # A remembered record still expires, and a copy changed in any field is checked whole.
+    with pytest.raises(Rejection) as info:
+        checked.validate(records[3], now=NOW + 61)
+    assert info.value.code == "expired"
+    tampered = dataclasses.replace(records[3], value=msgpack.packb({**PEER, "role": "client"}))
+    with pytest.raises(Rejection) as info:
+        checked.validate(tampered, now=NOW)
+    assert info.value.code == "bad-signature"

@@ -4,7 +4,9 @@ IPv6 hosts are written in brackets (``[::1]:31337``). The subnet of a host is wh
 routing table caps per bucket to resist eclipse attacks: the /24 of an IPv4 address, the
 /64 of an IPv6 address, or the name itself for a host name. The source network of a
 caller (:func:`source_network`) is the same grouping, except that loopback and private
-addresses count one by one: it is what a server's and a donor's slots are counted per.
+addresses count one by one (unless limited): keys cost nothing and addresses do, so it is
+what a server's and a donor's slots, DHT storage quotas and the networks holding a digest
+are counted per.
 """
 
 from __future__ import annotations
@@ -52,20 +54,22 @@ def subnet_of(host: str, *, limit_private: bool) -> str | None:
     return _prefix(address)
 
 
-def source_network(host: str) -> str:
-    """The network a caller at ``host`` counts toward in a server's or a donor's limits.
+def source_network(host: str, *, limit_private: bool = False) -> str:
+    """The network a caller at ``host`` counts toward in a server's or a donor's limits,
+    in DHT storage quotas, and among the holders of a digest.
 
     The /24 of a public IPv4 address and the /64 of a public IPv6 address (one host is
     commonly given a whole /64, so counting its addresses one by one would give it
-    billions of slots). Loopback, private and link-local addresses count one by one: they
-    are the operator's own machines, and a test tells networks apart by binding 127.0.0.N.
-    An IPv4 address seen through a dual-stack socket (``::ffff:203.0.113.7``) counts as
-    that IPv4 address, not as part of one /64 shared by every IPv4 caller.
+    billions of slots). Loopback, private and link-local addresses count one by one,
+    unless ``limit_private`` (then by their /24 or /64 too): they are the operator's own
+    machines, and a test tells networks apart by binding 127.0.0.N. An IPv4 address seen
+    through a dual-stack socket (``::ffff:203.0.113.7``) counts as that IPv4 address, not
+    as part of one /64 shared by every IPv4 caller.
     """
     address = _ip(host)
     if address is None:
         return f"name:{host.lower()}"
-    if _is_local(address):
+    if _is_local(address) and not limit_private:
         return str(address)
     return _prefix(address)
 
@@ -92,21 +96,6 @@ def _is_local(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 
 
 def _prefix(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
-    prefix = 24 if address.version == 4 else 64
-    return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
-
-
-def network_of(host: str) -> str:
-    """The source network ``host`` counts as when what a stranger claims is counted by
-    network rather than by key (keys cost nothing, addresses do): its /24 (IPv4) or /64
-    (IPv6). Loopback, private and link-local addresses count one each, so that peers of a
-    local swarm (and tests binding 127.0.0.N) are told apart."""
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return f"name:{host.lower()}"
-    if address.is_loopback or address.is_private or address.is_link_local:
-        return str(address)
     prefix = 24 if address.version == 4 else 64
     return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
 

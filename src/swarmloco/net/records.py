@@ -19,7 +19,8 @@ bandwidth, client mode, announce time). Later layers add theirs (``progress``,
 :func:`register`.
 
 Every record from the network passes :func:`validate` before it is stored or used; the
-cheap checks run first and the signature check last.
+cheap checks run first and the signature check last. :class:`CheckedRecords` remembers
+which records passed, for readers that get the same ones again and again.
 """
 
 from __future__ import annotations
@@ -400,6 +401,40 @@ def validate(record: Record, *, now: float) -> Any:
     value = decode_value(kind, record.key, record.value)
     check_signature(kind, record)
     return value
+
+
+class CheckedRecords:
+    """Records that passed :func:`validate`, with their values, remembered up to
+    ``max_bytes`` (the oldest are forgotten first).
+
+    A reader polling a key (the swarm's ``peers``, a round's entries) gets the same records
+    from every node it asks, time after time, and a key may hold thousands: a record seen
+    before costs a dictionary lookup and the cheap checks (it may have expired since), not
+    a decoding and a signature check.
+    """
+
+    def __init__(self, *, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._values: dict[Record, Any] = {}
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def validate(self, record: Record, *, now: float) -> Any:
+        """:func:`validate`, remembered."""
+        if record in self._values:
+            check_shape(record, now=now)
+            return self._values[record]
+        value = validate(record, now=now)
+        if record.size <= self.max_bytes:
+            while self._bytes + record.size > self.max_bytes:
+                oldest = next(iter(self._values))
+                del self._values[oldest]
+                self._bytes -= oldest.size
+            self._values[record] = value
+            self._bytes += record.size
+        return value
 
 
 def effective_expiration(kind: RecordKind, expiration: float, *, now: float) -> float:

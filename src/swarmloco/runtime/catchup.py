@@ -52,7 +52,7 @@ from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema
 from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.node import DHTNode
-from swarmloco.net.endpoints import network_of, parse_endpoint
+from swarmloco.net.endpoints import parse_endpoint, source_network
 from swarmloco.net.records import digest_key, progress_key, progress_report
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.net.state import (
@@ -109,7 +109,7 @@ def _network(endpoint: str) -> str:
     if not endpoint:
         return ""
     try:
-        return network_of(parse_endpoint(endpoint)[0])
+        return source_network(parse_endpoint(endpoint)[0])
     except ValueError:
         return ""
 

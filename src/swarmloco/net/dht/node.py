@@ -37,7 +37,7 @@ from swarmloco.errors import NetworkError
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.contact import Contact, contact_from_proto, distance, sign_card
 from swarmloco.net.dht.routing import Added, RoutingTable
-from swarmloco.net.dht.storage import Storage, StorageConfig
+from swarmloco.net.dht.storage import LOCAL_NETWORK, Storage, StorageConfig
 from swarmloco.net.dht.transport import DhtTransport
 from swarmloco.net.dht.wire import (
     check_store_request,
@@ -46,11 +46,12 @@ from swarmloco.net.dht.wire import (
     record_to_proto,
     signed_store_request,
 )
-from swarmloco.net.endpoints import format_endpoint
+from swarmloco.net.endpoints import format_endpoint, source_network
 from swarmloco.net.identity import PEER_ID_BYTES, Identity
 from swarmloco.net.records import (
     MAX_KEY_CHARS,
     MEMBER_FIELD,
+    CheckedRecords,
     Record,
     decode_value,
     kind_of,
@@ -96,7 +97,9 @@ class DhtConfig:
     max_per_subnet: int = 2
     """Contacts per bucket from one /24 (IPv4) or /64 (IPv6)."""
     limit_private_subnets: bool = False
-    """Apply the subnet cap to loopback and private addresses too (simulations)."""
+    """Count loopback and private addresses by subnet as public ones are (simulations), in
+    the routing table's subnet cap and in storage's quotas per source network. Otherwise
+    the routing cap exempts them and storage counts each such address by itself."""
     rpc_timeout_s: float = 2.0
     """Longest wait for one DHT call."""
     lookup_timeout_s: float = 8.0
@@ -122,6 +125,10 @@ class DhtConfig:
     was frozen) joins again through the peers it first joined through, this often."""
     max_records_per_request: int = 64
     """Most records in one store request."""
+    checked_records_bytes: int = 2 * 1024 * 1024
+    """Records read from other nodes that a node remembers as checked, in their bytes
+    (``Record.size``; Python's objects take about five times as much): a full ``peers``
+    key (4,096 records, 1 MiB) read again costs lookups, not signature checks."""
     max_clock_skew_s: float = 600.0
     """Store requests dated further from our clock are refused (replays); a node whose
     clock is further off the peers it joins through refuses to start."""
@@ -137,6 +144,7 @@ class DhtConfig:
         require(self.get_quorum <= self.k, "get_quorum must be <= k")
         require_int("max_per_subnet", self.max_per_subnet, minimum=1)
         require_int("max_records_per_request", self.max_records_per_request, minimum=1)
+        require_int("checked_records_bytes", self.checked_records_bytes, minimum=0)
         for name in (
             "rpc_timeout_s",
             "lookup_timeout_s",
@@ -267,7 +275,7 @@ class _Lookup:
                 known = self.entries.get(record.subkey)
                 if known is None or known.record != record:  # else: checked already
                     try:
-                        value = validate(record, now=now)
+                        value = self.node.checked.validate(record, now=now)
                     except Rejection as rejection:
                         if rejection.code == "expired":
                             continue  # clocks differ a little between honest nodes
@@ -337,6 +345,7 @@ class DHTNode:
         )
         self.storage = Storage(self.config.storage, clock=self.clock)
         self.rejections = RejectionLog(logger)
+        self.checked = CheckedRecords(max_bytes=self.config.checked_records_bytes)
         self.stats: Counter[str] = Counter()
         self.card = sign_card(identity, endpoint, tls_fingerprint=tls_fingerprint)
         self._published: dict[tuple[str, str], Record] = {}
@@ -593,7 +602,7 @@ class DHTNode:
 
     def _put_local(self, record: Record) -> int:
         try:
-            return int(self.storage.put(record, sender=self.peer_id))
+            return int(self.storage.put(record, sender=self.peer_id, network=LOCAL_NETWORK))
         except Rejection as rejection:
             logger.warning("own record not stored locally: %s", rejection.reason)
             return 0
@@ -843,6 +852,9 @@ class DHTNode:
             others = self.routing.closest(target, self.config.k, exclude=newcomer.peer_id)
             bound = distance(others[-1].peer_id, target) if len(others) >= self.config.k else None
             if bound is None or distance(newcomer.peer_id, target) < bound:
+                # Interleaved across the networks they came from: the newcomer takes at
+                # most its cap per key from our network, and a flood stored here must
+                # not take all of it.
                 records.extend(self.storage.get(key))
         deadline = Deadline.after(self.config.lookup_timeout_s)
         batch = self.config.max_records_per_request
@@ -953,6 +965,9 @@ class DHTNode:
         except Rejection as rejection:
             self.rejections.record(rejection, peer)
             raise
+        # Quotas count the network the call came from, not the card's claim: keys are free,
+        # addresses are not.
+        network = source_network(observed_host, limit_private=self.config.limit_private_subnets)
         results = []
         for message in request.records:
             try:
@@ -962,7 +977,7 @@ class DHTNode:
                     refused = self.gate(record, decode_value(kind, record.key, record.value))
                     if refused is not None:
                         raise refused
-                stored = self.storage.put(record, sender=sender.peer_id)
+                stored = self.storage.put(record, sender=sender.peer_id, network=network)
             except Rejection as rejection:
                 self.rejections.record(rejection, peer)
                 results.append(pb.StoreResult(stored=False, reason=rejection.reason))
