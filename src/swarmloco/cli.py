@@ -348,6 +348,13 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "peer alone averages with itself)",
     )
     g.add_argument(
+        "--limit-local-downloads",
+        action="store_true",
+        help="count callers on this machine (loopback) per address in the limits of state "
+        "downloads, as any other network, instead of exempting them (benchmarks and tests "
+        "of many peers on one machine)",
+    )
+    g.add_argument(
         "--progress-interval",
         type=float,
         default=_peer_default("progress_interval_s"),
@@ -472,6 +479,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
     from swarmloco.net.identity import Identity
     from swarmloco.net.node import NodeConfig
     from swarmloco.net.server import ServerConfig
+    from swarmloco.net.state import DonorConfig
     from swarmloco.runtime.config import PeerConfig
     from swarmloco.runtime.daemon import DaemonConfig, train_task
 
@@ -501,6 +509,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         eval_every=args.eval_every,
         membership=_membership_text(args.membership),
+        donor=DonorConfig(limit_loopback=args.limit_local_downloads),
     )
     box = None
     if "RANK" in os.environ and args.nproc_per_node > 1:

@@ -18,6 +18,7 @@ from swarmloco.net.node import NodeConfig
 if TYPE_CHECKING:
     from swarmloco.core.codec import Backend
     from swarmloco.net.averaging import AveragingConfig, BandwidthConfig, MatchmakingConfig
+    from swarmloco.net.state import DonorConfig
     from swarmloco.runtime.catchup import CatchUpConfig
 
 
@@ -31,6 +32,12 @@ def _averaging() -> AveragingConfig:
     from swarmloco.net.averaging import AveragingConfig
 
     return AveragingConfig()
+
+
+def _donor() -> DonorConfig:
+    from swarmloco.net.state import DonorConfig
+
+    return DonorConfig()
 
 
 def _catchup() -> CatchUpConfig:
@@ -58,6 +65,8 @@ class PeerConfig:
     """Timeouts of the all-reduce (its codec and aggregator come from the run spec)."""
     catchup: CatchUpConfig = dataclasses.field(default_factory=_catchup)
     """Which states to download from whom, on what evidence, and how long it may take."""
+    donor: DonorConfig = dataclasses.field(default_factory=_donor)
+    """How this peer serves its state: slots, minimum read rate, byte budget per network."""
     checkpoint_every: int = 1
     """Rounds between checkpoints (0: only when the peer stops)."""
     keep_checkpoints: int = 3

@@ -114,6 +114,7 @@ class SwarmNetwork:
         """The snapshot before it, served to whoever asks for that round."""
         self.donor = StateDonor(
             identity=identity,
+            config=config.donor,
             snapshot=lambda: self.snapshot(),
             previous=lambda: self.previous_snapshot(),
             limiter=limiter,
