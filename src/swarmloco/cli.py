@@ -647,6 +647,15 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="a private run: only peers you admit take part (give each a certificate with "
         "`swarmloco admit PEER_ID --swarm SWARM_ID`); default: anyone may join",
     )
+    parser.add_argument(
+        "--identity-work",
+        type=int,
+        default=None,
+        metavar="BITS",
+        help="bits of work every peer's key proves for this run before it takes part: about "
+        "2^BITS x 5 ms of one core, once per key and run, so that a stranger pays for each "
+        "key it shows (default: 8, about a second, for a public run; 0 for a private one)",
+    )
     _add_data_options(parser)
     _add_peer_option(parser, required=False)
     _add_data_dir_option(
@@ -752,6 +761,7 @@ def _create(args: argparse.Namespace) -> int:
         run=run,
         model_overrides=overrides,
         admission="certificate" if args.private else "",
+        identity_work=args.identity_work,
     )
     print(manifest.swarm_id, flush=True)
     if not args.no_train:

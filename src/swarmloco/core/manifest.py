@@ -26,6 +26,17 @@ from swarmloco.errors import ManifestError
 FORMAT_VERSION = 1
 SWARM_ID_BYTES = 20
 MAX_MANIFEST_BYTES = 64 * 1024
+MAX_IDENTITY_WORK = 24
+PUBLIC_IDENTITY_WORK = 8
+"""A public run's default ``identity_work``: about a second of one core per key."""
+
+
+def identity_work_for(bits: int | None, *, private: bool) -> int:
+    """The ``identity_work`` of a new run: ``bits`` as given, else 8 for a public run and 0
+    for a private one (its certificates already say who takes part)."""
+    if bits is None:
+        return 0 if private else PUBLIC_IDENTITY_WORK
+    return bits
 _SWARM_ID_RE = re.compile(rf"^[0-9a-f]{{{2 * SWARM_ID_BYTES}}}$")
 _MAX_DEPTH = 8
 
@@ -117,6 +128,10 @@ class SwarmManifest:
     holding a membership certificate signed by the creator (a private run; see
     ``net/admission.py``). Left out of the encoding when empty, so public runs keep the
     ids they had before the field existed."""
+    identity_work: int = 0
+    """Bits of work each key must prove for this run to take part (``net/work.py``; about
+    2^bits scrypt evaluations of 5 ms, once per key and run); 0: none. Left out of the
+    encoding when 0."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task:
@@ -134,6 +149,14 @@ class SwarmManifest:
                 f"manifest admission must be empty (public) or 'certificate' (private), got "
                 f"{self.admission!r}"
             )
+        if (
+            type(self.identity_work) is not int
+            or not 0 <= self.identity_work <= MAX_IDENTITY_WORK
+        ):
+            raise ManifestError(
+                f"manifest identity_work must be an integer from 0 to {MAX_IDENTITY_WORK} "
+                f"(bits), got {self.identity_work!r}"
+            )
         if self.admission and not self.creator:
             raise ManifestError("a private run (admission 'certificate') needs a creator key")
         if self.format != FORMAT_VERSION:
@@ -149,6 +172,8 @@ class SwarmManifest:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if not self.admission:
             del out["admission"]
+        if not self.identity_work:
+            del out["identity_work"]
         return out
 
     @property

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from swarmloco.core.manifest import MAX_IDENTITY_WORK
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.rejections import Rejection
 
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 DOMAIN = b"swarmloco/v1/identity-work\x00"
 NONCE_BYTES = 8
-MAX_BITS = 24
+MAX_BITS = MAX_IDENTITY_WORK
 _N, _R, _P = 1 << 11, 8, 1  # 2 MiB of memory per evaluation
 _CACHE = 4096  # verdicts kept: (peer id, nonce) -> proven, about 100 bytes each
 _CHECKS_PER_S = 40.0  # proofs not seen before checked per second at most (a flood's cost)

@@ -28,7 +28,7 @@ from typing import Any, cast
 
 import torch
 
-from swarmloco.core.manifest import SwarmManifest
+from swarmloco.core.manifest import SwarmManifest, identity_work_for
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.signature import LayerUnit, ModelSignature, default_layer_unit, signature_of
 from swarmloco.net.identity import Identity
@@ -50,9 +50,11 @@ def run_manifest(
     model: Mapping[str, Any] | None = None,
     data: Mapping[str, Any] | None = None,
     admission: str = "",
+    identity_work: int | None = None,
 ) -> SwarmManifest:
     """The manifest of a run of a user's model: the spec, the model's signature, and any
-    model description worth keeping (``model``, e.g. a Hugging Face config for export)."""
+    model description worth keeping (``model``, e.g. a Hugging Face config for export).
+    ``identity_work``: bits of work each key proves (default: 8 public, 0 private)."""
     return SwarmManifest(
         task=task,
         model={**(model or {}), "signature": signature.to_manifest()},
@@ -61,6 +63,7 @@ def run_manifest(
         creator=creator,
         name=name,
         admission=admission,
+        identity_work=identity_work_for(identity_work, private=bool(admission)),
     )
 
 
@@ -116,6 +119,7 @@ def create(
     on_event: EventSink | None = None,
     evaluate: Evaluator | None = None,
     private: bool = False,
+    identity_work: int | None = None,
     box: Box | None = None,
 ) -> Swarm:
     """A new swarm training ``model`` (its current weights are the run's initial weights),
@@ -132,6 +136,8 @@ def create(
     other choice of the peer (:class:`PeerConfig`). ``evaluate``: the global model's loss,
     run every ``config.eval_every`` rounds (see :meth:`Swarm.load_global_into`).
     ``private``: only peers this key admits take part (:func:`admit`); default: anyone.
+    ``identity_work``: bits of work every key proves to take part (about 2^bits x 5 ms of
+    one core, once per key and run; default 8 for a public run, 0 for a private one).
     ``box``: the ranks of this machine that train the model together (under torchrun, with
     DDP or FSDP2): call ``create`` on every rank with the same arguments; rank 0 is the peer
     and gets the :class:`Swarm`, the other ranks a :class:`BoxRank` that follows it (what a
@@ -166,6 +172,7 @@ def create(
         name=name,
         model=model_info,
         admission="certificate" if private else "",
+        identity_work=identity_work,
     )
     return Swarm(
         manifest,

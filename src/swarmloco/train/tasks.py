@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
 from swarmloco.core.config import from_mapping
-from swarmloco.core.manifest import SwarmManifest
+from swarmloco.core.manifest import SwarmManifest, identity_work_for
 from swarmloco.core.runspec import RunSpec
 from swarmloco.train.inner import InnerConfig
 from swarmloco.train.spec import GPT_PRESETS, DataSpec, GPTConfig
@@ -162,9 +162,11 @@ def build_manifest(
     run: RunConfig | None = None,
     model_overrides: Mapping[str, Any] | None = None,
     admission: str = "",
+    identity_work: int | None = None,
 ) -> SwarmManifest:
     """The manifest of a new run of ``task`` at ``preset`` (unknown names: ValueError).
-    ``admission``: ``certificate`` for a private run (default: a public one)."""
+    ``admission``: ``certificate`` for a private run (default: a public one).
+    ``identity_work``: bits of work each key proves (default: 8 public, 0 private)."""
     t = get_task(task)
     model = resolve_model(t, preset, model_overrides)
     data = data or DataSpec()
@@ -179,6 +181,7 @@ def build_manifest(
         creator=creator,
         name=name,
         admission=admission,
+        identity_work=identity_work_for(identity_work, private=bool(admission)),
     )
 
 
