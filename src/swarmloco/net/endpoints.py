@@ -2,13 +2,19 @@
 
 IPv6 hosts are written in brackets (``[::1]:31337``). The subnet of a host is what the
 routing table caps per bucket to resist eclipse attacks: the /24 of an IPv4 address, the
-/64 of an IPv6 address, or the name itself for a host name.
+/64 of an IPv6 address, or the name itself for a host name. The *source network* of a
+caller is what limits on one source count (log lines, connections): the same subnets,
+except that a loopback or private address is a source of its own.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+
+MAX_ENDPOINT_CHARS = 262
+"""The longest ``HOST:PORT`` accepted from the network: a 255-character host name (the
+most DNS allows), brackets and a port."""
 
 _ENDPOINT = re.compile(
     r"(?:\[(?P<v6>[0-9a-fA-F:.%]+)\]|(?P<host>[^\s:\[\]/]+)):(?P<port>[0-9]{1,5})"
@@ -47,6 +53,37 @@ def subnet_of(host: str, *, limit_private: bool) -> str | None:
         return f"name:{host.lower()}"
     if not limit_private and (address.is_loopback or address.is_private or address.is_link_local):
         return None
+    prefix = 24 if address.version == 4 else 64
+    return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
+
+
+def is_ip_address(text: str) -> bool:
+    """Whether ``text`` is an IPv4 or IPv6 address (no brackets, no port)."""
+    if len(text) > 64:  # the longest IPv6 address with a zone is well under this
+        return False
+    try:
+        ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
+
+
+def source_network(host: str) -> str:
+    """The network a caller at ``host`` (an IP address) counts toward, for limits on what
+    one source may cost: the /24 of a public IPv4 address, the /64 of a public IPv6
+    address (one host usually holds a whole /64), and the address itself when it is
+    loopback, private or link-local (on one machine or one LAN every address is a source
+    of its own, and tests tell 127.0.0.N apart). An IPv4 address seen through an IPv6
+    socket (``::ffff:a.b.c.d``) counts as that IPv4 address. Anything that is not an
+    address counts as itself, cut to 64 characters."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host[:64]
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback or address.is_private or address.is_link_local:
+        return str(address)
     prefix = 24 if address.version == 4 else 64
     return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
 
