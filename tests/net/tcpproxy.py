@@ -25,9 +25,11 @@ Mode = Literal["pass", "cut", "blackhole", "delay"]
 
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to ``target()`` (asked at each connection: a server's
-    port may be known only once it started)."""
+    port may be known only once it started), connecting from ``source``: with 127.0.0.N
+    the target sees each client of the proxy as a caller at that address."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, source: str = "127.0.0.1") -> None:
+        self.source = source
         self.target: Callable[[], tuple[str, int]] | None = None
         self.mode: Mode = "pass"
         self.delay_s = 0.0
@@ -81,7 +83,9 @@ class TcpProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.target is not None, "set the proxy's target before peers dial it"
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target())
+            up_reader, up_writer = await asyncio.open_connection(
+                *self.target(), local_addr=(self.source, 0)
+            )
         except OSError:
             writer.transport.abort()
             return

@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.errors import NetworkError
 from swarmloco.net.endpoints import format_endpoint, host_of_grpc_peer, is_unspecified
+from swarmloco.net.heap import release_after
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.tls import TlsCredentials
 
@@ -54,7 +55,24 @@ class Service:
 
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
 
-_MALFORMED = object()
+
+def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str) -> None:
+    """End the call with ``code`` and ``reason`` once the handler returns (a unary handler
+    returns any response, or None: grpc sends none with a status that is not OK).
+
+    Use it rather than ``context.abort`` where the request may be large: grpc keeps an
+    abort's exception, and with it every frame of its traceback and the request they hold,
+    in a reference cycle that only the cyclic garbage collector frees, maybe minutes
+    later (refused 7 MiB requests piled up that way)."""
+    context.set_code(code)
+    context.set_details(reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Malformed:
+    """What a request that does not decode becomes: its size, for ``release_after``."""
+
+    size: int
 
 
 def decoder(message_type: type[Message]) -> Callable[[bytes], Any]:
@@ -64,7 +82,7 @@ def decoder(message_type: type[Message]) -> Callable[[bytes], Any]:
         try:
             return message_type.FromString(data)
         except Exception:  # any parse failure of untrusted bytes means "malformed"
-            return _MALFORMED
+            return _Malformed(len(data))
 
     return decode
 
@@ -91,11 +109,12 @@ def unary_method_handlers(
 
     def wrap(method: str, request_type: type[Message], handler: UnaryHandler) -> UnaryHandler:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Message:
-            if request is _MALFORMED:
+            if isinstance(request, _Malformed):
                 rejection = Rejection(
                     "malformed", f"{method}: the request is not a valid {request_type.__name__}"
                 )
                 rejections.record(rejection, context.peer())
+                release_after(request.size)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
             return await handler(request, context)
 
@@ -261,6 +280,47 @@ class PerHostLimit(grpc.aio.ServerInterceptor):
         return call
 
 
+MAX_SERVICE_NAME_CHARS = 200
+"""The longest service name the health service looks up (ours are under 40)."""
+
+
+class BoundedHealth(health.aio.HealthServicer):
+    """The standard health service, refusing service names longer than any real one with
+    INVALID_ARGUMENT (counted): a ``Watch`` keeps its request, and the name as a dictionary
+    key, for as long as it stays open."""
+
+    def __init__(self, rejections: RejectionLog) -> None:
+        super().__init__()
+        self._rejections = rejections
+
+    def _refused(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> bool:
+        """Whether the request was refused (its status set: the caller returns at once)."""
+        # The message's size first: reading the name would copy it, however long.
+        size = request.ByteSize()
+        if size <= 4 * MAX_SERVICE_NAME_CHARS + 8:
+            return False
+        reason = f"a health service name is at most {MAX_SERVICE_NAME_CHARS} characters"
+        self._rejections.record(Rejection("malformed", reason), context.peer())
+        release_after(size)
+        refuse(context, grpc.StatusCode.INVALID_ARGUMENT, reason)
+        return True
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        if self._refused(request, context):
+            return health_pb2.HealthCheckResponse()
+        return await super().Check(request, context)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        if not self._refused(request, context):
+            await super().Watch(request, context)
+
+
 class PeerServer:
     """An async context manager that serves ``services`` (plus health, and reflection if
     configured), over TLS with ``credentials`` (default: a fresh key) unless ``config.tls``
@@ -277,8 +337,8 @@ class PeerServer:
         self.credentials = (credentials or TlsCredentials.generate()) if config.tls else None
         self._services = list(services)
         self._server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
         self.rejections = RejectionLog(logger)
+        self._health = BoundedHealth(self.rejections)
         self.per_host = PerHostLimit(config.max_rpcs_per_host, self.rejections)
         self.port = 0
 
