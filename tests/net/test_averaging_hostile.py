@@ -236,3 +236,22 @@ async def test_every_aggregator_keeps_the_honest_mean_against_huge_flipped_and_s
                     assert (mean <= stacked.max(0).values + slack).all(), what
                 else:  # the plain mean follows the steady liars as far as the bound lets it
                     assert spread < moved <= liars / size * bound + spread, (what, moved)
+
+
+@pytest.mark.parametrize("phase", ["done", "verdict"])
+async def test_a_digest_longer_than_any_is_refused_and_the_member_counted(phase):
+    """A member whose digest (``done``) or verdict carries 1 MiB instead of 16 bytes: it is
+    refused before it is kept or compared, counted as malformed, and the honest members
+    finish the round without it."""
+    size, hostile = 4, 1
+    plan = FaultPlan([Fault(action="corrupt", phase=phase, corruption="bloat", round=1)])
+    vectors = random_vectors(size, 64 * 40, seed=5)
+    async with averaging_peers(size, faults={hostile: plan}) as peers:
+        results = _outcomes(await run_round(peers, 1, vectors, [1.0] * size, timeout=15))
+        assert plan.fired[0] > 0
+        honest = [r for i, r in enumerate(results) if i != hostile]
+        assert all(isinstance(r, AllReduceResult) for r in honest), honest
+        assert_identical(honest)
+        assert all(peers[hostile].peer_id in r.report.excluded for r in honest)
+        assert sum(p.averager.rejections.counts["malformed"] for p in peers) == size - 1
+        await _then_a_clean_round(peers, size)

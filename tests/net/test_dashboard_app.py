@@ -1,7 +1,9 @@
 """The dashboard app over HTTP, reading real DHT nodes on loopback that publish real records."""
 
+import asyncio
 import base64
 import hashlib
+import logging
 import re
 import time
 from contextlib import asynccontextmanager
@@ -14,11 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from swarmloco.core.agreement import DIGEST_BYTES
 from swarmloco.core.manifest import SwarmManifest
-from swarmloco.dashboard.app import make_app, serve
+from swarmloco.dashboard.app import HttpConfig, make_app, serve
 from swarmloco.dashboard.collector import Collector, CollectorConfig
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import digest_key, progress_key, status_key
+from swarmloco.net.rejections import RejectionLog
 from swarmloco.net.server import ServerConfig
 from swarmloco.net.swarm import announce_peer, publish_manifest
 
@@ -268,3 +271,105 @@ async def test_the_collector_survives_the_network_going_away_and_joins_again():
             assert collector.failures >= 1
     finally:
         await hub.__aexit__(None, None, None)
+
+
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+PARTIAL = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+
+
+async def half_open(port: int, *, source: str, count: int, say: bytes) -> list[Connection]:
+    """``count`` connections from ``source`` that send ``say`` (part of a request, or
+    nothing) and then neither finish nor close."""
+    opened = []
+    for _ in range(count):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+        writer.write(say)
+        opened.append((reader, writer))
+    return opened
+
+
+async def page_from(port: int, source: str) -> bytes:
+    """The answer to one GET of the page, over a new connection from ``source``."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    writer.write(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_one_address_cannot_hold_more_connections_than_its_share():
+    rejections = RejectionLog(logging.getLogger("test.dashboard"))
+    config = HttpConfig(header_timeout_s=60.0, max_connections_per_source=16)
+    app = make_app(lambda: {})
+    async with (
+        serve(app, host="127.0.0.1", port=0, config=config, rejections=rejections) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        held = await half_open(port, source="127.0.0.2", count=16, say=PARTIAL)
+        turned_away = await half_open(port, source="127.0.0.2", count=104, say=PARTIAL)
+        try:
+            # Each one past its share is answered 503 and closed as it opens.
+            for reader, _ in turned_away:
+                answer = await asyncio.wait_for(reader.read(), 10)
+                assert answer.startswith(b"HTTP/1.1 503 "), answer
+            assert rejections.counts["too-many-connections"] == 104
+            # The page answers everyone else meanwhile.
+            for _ in range(3):
+                async with http.get(url) as response:
+                    assert response.status == 200
+                    assert "peers online" in await response.text()
+            # Once the held ones close, the address has its share again.
+            for _, writer in held:
+                writer.close()
+            deadline = time.monotonic() + 10
+            while not (await page_from(port, "127.0.0.2")).startswith(b"HTTP/1.1 200 "):
+                assert time.monotonic() < deadline, "the address never got its share back"
+                await asyncio.sleep(0.01)
+        finally:
+            for _, writer in held + turned_away:
+                writer.close()
+
+
+async def test_half_open_and_idle_connections_are_closed_and_the_page_keeps_answering():
+    rejections = RejectionLog(logging.getLogger("test.dashboard"))
+    config = HttpConfig(header_timeout_s=0.5, keepalive_s=0.5, max_connections_per_source=128)
+    async with (
+        serve(
+            make_app(lambda: {}), host="127.0.0.1", port=0, config=config, rejections=rejections
+        ) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        opened_at = time.monotonic()
+        slow = await half_open(port, source="127.0.0.3", count=100, say=PARTIAL)
+        silent = await half_open(port, source="127.0.0.4", count=20, say=b"")
+        # Held open, they do not keep the page from anyone.
+        async with http.get(url) as response:
+            assert response.status == 200
+        # Each is closed once its headers are late: the server ends it (EOF here).
+        for reader, _ in slow + silent:
+            assert await asyncio.wait_for(reader.read(), 20) == b""
+        assert time.monotonic() - opened_at >= config.header_timeout_s
+        assert rejections.counts["header-timeout"] == 120
+        # A connection idle after its response is closed after the keep-alive.
+        (kept,) = await half_open(port, source="127.0.0.3", count=1, say=b"")
+        kept[1].write(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        head = await asyncio.wait_for(kept[0].readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+        await asyncio.wait_for(kept[0].readexactly(length), 10)
+        assert await asyncio.wait_for(kept[0].read(), 20) == b""
+        kept[1].close()
+        async with http.get(url) as response:
+            assert response.status == 200
+        for _, writer in slow + silent:
+            writer.close()
+
+
+def test_http_limits_must_make_sense():
+    with pytest.raises(ValueError):
+        HttpConfig(header_timeout_s=0)
+    with pytest.raises(ValueError):
+        HttpConfig(max_connections_per_source=0)

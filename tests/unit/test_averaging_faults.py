@@ -7,6 +7,7 @@ import torch
 
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import Fault, FaultCut, FaultPlan
+from swarmloco.proto.v1 import averaging_pb2 as pb
 
 
 def chunk(round: int = 5, index: int = 0) -> bytes:
@@ -47,6 +48,12 @@ async def test_corruptions_produce_what_they_say():
     stale = FaultPlan([Fault(action="corrupt", phase="chunk", corruption="stale-round")])
     message = wire.decode_request(await stale.outgoing("chunk", peer="a", round=5, message=chunk()))
     assert message.round == 4
+    bloat = FaultPlan([Fault(action="corrupt", phase="done", corruption="bloat")])
+    done = wire.request(done=pb.MemberDone(digest=b"d" * 16))
+    message = wire.decode_request(await bloat.outgoing("done", peer="a", round=5, message=done))
+    assert isinstance(message, pb.AggregateRequest) and len(message.done.digest) == 1 << 20
+    with pytest.raises(ValueError):
+        Fault(action="corrupt", phase="chunk", corruption="bloat")
 
 
 async def test_replay_sends_the_message_of_an_earlier_round():

@@ -37,6 +37,8 @@ def identity_work_for(bits: int | None, *, private: bool) -> int:
     if bits is None:
         return 0 if private else PUBLIC_IDENTITY_WORK
     return bits
+
+
 _SWARM_ID_RE = re.compile(rf"^[0-9a-f]{{{2 * SWARM_ID_BYTES}}}$")
 _MAX_DEPTH = 8
 
@@ -149,10 +151,7 @@ class SwarmManifest:
                 f"manifest admission must be empty (public) or 'certificate' (private), got "
                 f"{self.admission!r}"
             )
-        if (
-            type(self.identity_work) is not int
-            or not 0 <= self.identity_work <= MAX_IDENTITY_WORK
-        ):
+        if type(self.identity_work) is not int or not 0 <= self.identity_work <= MAX_IDENTITY_WORK:
             raise ManifestError(
                 f"manifest identity_work must be an integer from 0 to {MAX_IDENTITY_WORK} "
                 f"(bits), got {self.identity_work!r}"

@@ -16,7 +16,7 @@ from typing import Any
 
 from swarmloco.core.config import require
 from swarmloco.core.manifest import check_swarm_id
-from swarmloco.dashboard.app import is_loopback, make_app, serve
+from swarmloco.dashboard.app import HttpConfig, is_loopback, make_app, serve
 from swarmloco.dashboard.collector import Collector, CollectorConfig, read_swarm
 from swarmloco.dashboard.view import FRESH_S, build_view
 from swarmloco.net.identity import Identity
@@ -37,6 +37,8 @@ class DashboardConfig:
     port: int = 8080
     """Port the HTTP app binds; 0 picks a free one."""
     collector: CollectorConfig = dataclasses.field(default_factory=CollectorConfig)
+    http: HttpConfig = dataclasses.field(default_factory=HttpConfig)
+    """How long and how many connections the HTTP app keeps (half-open ones time out)."""
 
     def __post_init__(self) -> None:
         check_swarm_id(self.swarm_id)
@@ -77,7 +79,7 @@ async def serve_dashboard(
                 config.host,
             )
         app = make_app(lambda: collector.view, loopback_only=loopback)
-        async with serve(app, host=config.host, port=config.port) as url:
+        async with serve(app, host=config.host, port=config.port, config=config.http) as url:
             ready(url)
             async with asyncio.TaskGroup() as group:
                 polling = group.create_task(collector.run())

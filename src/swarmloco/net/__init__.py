@@ -10,6 +10,9 @@ What lives where:
   every call, bounded retries, :class:`~swarmloco.net.client.RpcError`); client
   interceptors are the seam for fault injection.
 - ``records``: the one place that knows DHT record kinds, key names and value schemas.
+- ``rejections``: :class:`~swarmloco.net.rejections.Rejection` and the log that counts
+  every one and writes few lines per source network.
+- ``heap``: hands freed memory back to the system after large input was refused.
 - ``dht``: the node (lookups, store, get, upkeep), routing table, storage, contact cards,
   the gRPC and in-memory transports.
 - ``node``: :class:`~swarmloco.net.node.NetNode`, server + client + DHT of one peer.

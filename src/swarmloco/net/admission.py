@@ -222,6 +222,12 @@ class Admission:
             return
         if not certificate:
             raise Rejection("not-admitted", f"peer {peer_id[:12]} shows no membership certificate")
+        if len(certificate) > MAX_CERTIFICATE_BYTES:
+            raise Rejection(
+                "not-admitted",
+                f"peer {peer_id[:12]}'s membership certificate is {len(certificate)} bytes; "
+                f"a certificate is at most {MAX_CERTIFICATE_BYTES}",
+            )
         cert = self._verify(bytes(certificate))
         if cert is None:
             raise Rejection(
@@ -237,6 +243,12 @@ class Admission:
                 "not-admitted", f"peer {peer_id[:12]}'s membership certificate has expired"
             )
 
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of certificates this gate remembers the verdict on (at most 4,096 of at
+        most ``MAX_CERTIFICATE_BYTES`` each)."""
+        return sum(len(data) for data in self._verified)
+
     def admits(self, peer_id: str, certificate: bytes) -> bool:
         try:
             self.check(peer_id, certificate)
@@ -245,6 +257,12 @@ class Admission:
         return True
 
     def _verify(self, data: bytes) -> Membership | None:
+        # Checked before the cache is even looked up: hashing a key of any length costs
+        # time, and keeping one would cost its size. Cached certificates are at most
+        # MAX_CERTIFICATE_BYTES, so an entry (the bytes, the parsed Membership and its
+        # fields, the dictionary's links) stays under 1 KiB: 4 MiB for the whole cache.
+        if not 0 < len(data) <= MAX_CERTIFICATE_BYTES:
+            return None
         if data in self._verified:
             self._verified.move_to_end(data)
             return self._verified[data]

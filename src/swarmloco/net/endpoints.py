@@ -5,8 +5,8 @@ routing table caps per bucket to resist eclipse attacks: the /24 of an IPv4 addr
 /64 of an IPv6 address, or the name itself for a host name. The source network of a
 caller (:func:`source_network`) is the same grouping, except that loopback and private
 addresses count one by one (unless limited): keys cost nothing and addresses do, so it is
-what a server's and a donor's slots, DHT storage quotas and the networks holding a digest
-are counted per.
+what a server's and a donor's slots, DHT storage quotas, log lines, dashboard connections
+and the networks holding a digest are counted per.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from __future__ import annotations
 import ipaddress
 import re
 import urllib.parse
+
+MAX_ENDPOINT_CHARS = 262
+"""The longest ``HOST:PORT`` accepted from the network: a 255-character host name (the
+most DNS allows), brackets and a port."""
 
 _ENDPOINT = re.compile(
     r"(?:\[(?P<v6>[0-9a-fA-F:.%]+)\]|(?P<host>[^\s:\[\]/]+)):(?P<port>[0-9]{1,5})"
@@ -68,7 +72,7 @@ def source_network(host: str, *, limit_private: bool = False) -> str:
     """
     address = _ip(host)
     if address is None:
-        return f"name:{host.lower()}"
+        return f"name:{host.lower()[:64]}"
     if _is_local(address) and not limit_private:
         return str(address)
     return _prefix(address)
@@ -98,6 +102,17 @@ def _is_local(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 def _prefix(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
     prefix = 24 if address.version == 4 else 64
     return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
+
+
+def is_ip_address(text: str) -> bool:
+    """Whether ``text`` is an IPv4 or IPv6 address (no brackets, no port)."""
+    if len(text) > 64:  # the longest IPv6 address with a zone is well under this
+        return False
+    try:
+        ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
 
 
 def host_of_grpc_peer(peer: str) -> str:

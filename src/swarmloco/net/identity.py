@@ -41,9 +41,9 @@ def peer_id_of(public_key: bytes) -> bytes:
 @functools.lru_cache(maxsize=4096)
 def _public_key(raw: bytes) -> Ed25519PublicKey | None:
     # Parsing a key costs about as much as hashing it; peers verify the same keys over and
-    # over (every contact card, every record of a peer), so keep the parsed objects.
-    if len(raw) != PUBLIC_KEY_BYTES:
-        return None
+    # over (every contact card, every record of a peer), so keep the parsed objects. Only
+    # 32-byte keys get here (verify checks first), so an entry is the key, a parsed key
+    # object and the cache's links: under 1 KiB, 4 MiB at most for the whole cache.
     try:
         return Ed25519PublicKey.from_public_bytes(raw)
     except ValueError:
@@ -51,9 +51,15 @@ def _public_key(raw: bytes) -> Ed25519PublicKey | None:
 
 
 def verify(public_key: bytes, signature: bytes, domain: bytes, payload: bytes) -> bool:
-    """Whether ``signature`` is ``public_key``'s signature of ``domain || payload``."""
+    """Whether ``signature`` is ``public_key``'s signature of ``domain || payload``.
+
+    The lengths are checked before anything else: bytes of any other length are refused
+    without being parsed, hashed or cached.
+    """
+    if len(public_key) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
+        return False
     key = _public_key(bytes(public_key))
-    if key is None or len(signature) != SIGNATURE_BYTES:
+    if key is None:
         return False
     try:
         key.verify(bytes(signature), domain + payload)

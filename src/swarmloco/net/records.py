@@ -37,7 +37,13 @@ import msgpack
 from swarmloco.core.agreement import DIGEST_BYTES
 from swarmloco.core.manifest import MAX_MANIFEST_BYTES, check_swarm_id, swarm_id_of
 from swarmloco.core.pacing import ProgressReport
-from swarmloco.net.identity import Identity, peer_id_of, verify
+from swarmloco.net.identity import (
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    Identity,
+    peer_id_of,
+    verify,
+)
 from swarmloco.net.rejections import Rejection
 
 KEY_PREFIX = "swarmloco/v1/"
@@ -229,6 +235,14 @@ def register(kind: RecordKind) -> RecordKind:
     return kind
 
 
+def max_record_bytes() -> int:
+    """The largest a record of any registered kind can be on the wire: its kind's largest
+    value, the longest key and subkey (4 bytes a character at most), a key, a signature,
+    an expiration and the field tags."""
+    largest = max((kind.max_value_bytes for kind in _KINDS), default=0)
+    return largest + 4 * (MAX_KEY_CHARS + MAX_SUBKEY_CHARS) + 256
+
+
 def swarm_key(swarm_id: str, name: str) -> str:
     """The DHT key of record ``name`` (e.g. ``peers``) of swarm ``swarm_id``."""
     key = f"{KEY_PREFIX}{check_swarm_id(swarm_id)}/{name}"
@@ -332,6 +346,17 @@ def check_shape(record: Record, *, now: float) -> RecordKind:
             raise _reject(kind, "bad-subkey", "an owned subkey must be the owner's peer id in hex")
         if not record.signature:
             raise _reject(kind, "unsigned", "the owned subkey carries no signature")
+        if (
+            len(record.owner_public_key) != PUBLIC_KEY_BYTES
+            or len(record.signature) != SIGNATURE_BYTES
+        ):
+            raise _reject(
+                kind,
+                "bad-signature",
+                f"an owned record carries a {PUBLIC_KEY_BYTES}-byte key and a "
+                f"{SIGNATURE_BYTES}-byte signature, not {len(record.owner_public_key)} and "
+                f"{len(record.signature)} bytes",
+            )
     else:
         if len(record.subkey) > MAX_SUBKEY_CHARS or not re.fullmatch(
             kind.subkey_pattern, record.subkey

@@ -51,6 +51,7 @@ from swarmloco.net.endpoints import (
     is_unspecified,
     source_network,
 )
+from swarmloco.net.heap import release_after
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.tls import TlsCredentials
 
@@ -70,7 +71,24 @@ class Service:
 
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
 
-_MALFORMED = object()
+
+def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str) -> None:
+    """End the call with ``code`` and ``reason`` once the handler returns (a unary handler
+    returns any response, or None: grpc sends none with a status that is not OK).
+
+    Use it rather than ``context.abort`` where the request may be large: grpc keeps an
+    abort's exception, and with it every frame of its traceback and the request they hold,
+    in a reference cycle that only the cyclic garbage collector frees, maybe minutes
+    later (refused 7 MiB requests piled up that way)."""
+    context.set_code(code)
+    context.set_details(reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Malformed:
+    """What a request that does not decode becomes: its size, for ``release_after``."""
+
+    size: int
 
 
 def decoder(message_type: type[Message]) -> Callable[[bytes], Any]:
@@ -80,7 +98,7 @@ def decoder(message_type: type[Message]) -> Callable[[bytes], Any]:
         try:
             return message_type.FromString(data)
         except Exception:  # any parse failure of untrusted bytes means "malformed"
-            return _MALFORMED
+            return _Malformed(len(data))
 
     return decode
 
@@ -107,11 +125,12 @@ def unary_method_handlers(
 
     def wrap(method: str, request_type: type[Message], handler: UnaryHandler) -> UnaryHandler:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Message:
-            if request is _MALFORMED:
+            if isinstance(request, _Malformed):
                 rejection = Rejection(
                     "malformed", f"{method}: the request is not a valid {request_type.__name__}"
                 )
                 rejections.record(rejection, context.peer())
+                release_after(request.size)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
             return await handler(request, context)
 
@@ -406,7 +425,7 @@ class SlotLimit(grpc.aio.ServerInterceptor):
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 slot = self._enter(context, long=long)
                 if isinstance(slot, Rejection):
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refusal(slot))
+                    refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, _refusal(slot))
                     return
                 try:
                     async for item in behaviour(request, context):
@@ -419,8 +438,10 @@ class SlotLimit(grpc.aio.ServerInterceptor):
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             slot = self._enter(context, long=long)
             if isinstance(slot, Rejection):
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refusal(slot))
-            assert isinstance(slot, Slot)  # abort raises
+                # Not context.abort: its exception would keep the request (up to the
+                # message limit) alive in a reference cycle (see ``refuse``).
+                refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, _refusal(slot))
+                return None
             try:
                 return await behaviour(request, context)
             finally:
@@ -431,6 +452,47 @@ class SlotLimit(grpc.aio.ServerInterceptor):
 
 def _refusal(rejection: Rejection) -> str:
     return f"{rejection.reason}; try again later"
+
+
+MAX_SERVICE_NAME_CHARS = 200
+"""The longest service name the health service looks up (ours are under 40)."""
+
+
+class BoundedHealth(health.aio.HealthServicer):
+    """The standard health service, refusing service names longer than any real one with
+    INVALID_ARGUMENT (counted): a ``Watch`` keeps its request, and the name as a dictionary
+    key, for as long as it stays open."""
+
+    def __init__(self, rejections: RejectionLog) -> None:
+        super().__init__()
+        self._rejections = rejections
+
+    def _refused(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> bool:
+        """Whether the request was refused (its status set: the caller returns at once)."""
+        # The message's size first: reading the name would copy it, however long.
+        size = request.ByteSize()
+        if size <= 4 * MAX_SERVICE_NAME_CHARS + 8:
+            return False
+        reason = f"a health service name is at most {MAX_SERVICE_NAME_CHARS} characters"
+        self._rejections.record(Rejection("malformed", reason), context.peer())
+        release_after(size)
+        refuse(context, grpc.StatusCode.INVALID_ARGUMENT, reason)
+        return True
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        if self._refused(request, context):
+            return health_pb2.HealthCheckResponse()
+        return await super().Check(request, context)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        if not self._refused(request, context):
+            await super().Watch(request, context)
 
 
 class PeerServer:
@@ -449,8 +511,8 @@ class PeerServer:
         self.credentials = (credentials or TlsCredentials.generate()) if config.tls else None
         self._services = list(services)
         self._server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
         self.rejections = RejectionLog(logger)
+        self._health = BoundedHealth(self.rejections)
         self.slots = CallSlots(config)
         """Who may call now; the averaging layer reserves its group's hosts here."""
         self.port = 0

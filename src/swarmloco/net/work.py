@@ -134,9 +134,7 @@ class IdentityWork:
         self.own_bytes = bytes(own)
         """What this peer attaches to what it offers: its nonce."""
         self._clock = clock
-        self._verdicts: collections.OrderedDict[tuple[str, bytes], bool] = (
-            collections.OrderedDict()
-        )
+        self._verdicts: collections.OrderedDict[tuple[str, bytes], bool] = collections.OrderedDict()
         self._tokens = _CHECK_BURST
         self._refilled = clock()
         self.checked = 0
@@ -150,9 +148,7 @@ class IdentityWork:
         a core."""
         nonce = bytes(credential)
         if len(nonce) != NONCE_BYTES:
-            raise Rejection(
-                "unproven", f"peer {peer_id[:12]} shows no proof of work for its key"
-            )
+            raise Rejection("unproven", f"peer {peer_id[:12]} shows no proof of work for its key")
         key = (peer_id, nonce)
         verdict = self._verdicts.get(key)
         if verdict is None:

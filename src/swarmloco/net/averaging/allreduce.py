@@ -52,13 +52,14 @@ from swarmloco.core.codec import CodecConfig, ErrorFeedback
 from swarmloco.core.config import require, require_positive
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import FaultPlan
-from swarmloco.net.averaging.group import Group
+from swarmloco.net.averaging.group import GROUP_ID_BYTES, Group
 from swarmloco.net.averaging.limiter import BandwidthLimiter
 from swarmloco.net.averaging.report import AllReduceResult
 from swarmloco.net.averaging.round import RoundRun
 from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.endpoints import parse_endpoint
+from swarmloco.net.heap import release_after
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.server import CallSlots
@@ -206,10 +207,14 @@ class Averager:
             hello = wire.decode_request(first)
             if isinstance(hello, wire.ChunkMessage) or not hello.HasField("hello"):
                 raise Rejection("malformed", "an Aggregate stream must start with a hello")
+            # The hello's size first: reading its group id would copy it, however long.
+            if hello.hello.ByteSize() > 128 or len(hello.hello.group_id) != GROUP_ID_BYTES:
+                raise Rejection("malformed", f"a group id is {GROUP_ID_BYTES} bytes")
             rnd = await self._round_of(hello.hello.group_id, context)
             sender = rnd.check_hello(hello.hello)
         except Rejection as rejection:
             self.rejections.record(rejection, context.peer())
+            release_after(len(first))
             await context.write(
                 wire.response(refusal=pb.Refusal(code=rejection.code, reason=rejection.reason))
             )

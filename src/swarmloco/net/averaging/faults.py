@@ -12,7 +12,7 @@ a broken or hostile peer:
 * ``cut``: the stream is torn down once more than ``after_bytes`` went out on it;
 * ``corrupt``: the message is altered (``nan`` scales, ``huge`` finite scales whose
   values overflow float32 when decoded, ``truncate``d payload, ``stale-round``, shifted
-  ``index``);
+  ``index``; for ``done`` and ``verdict`` messages, a ``bloat``ed digest of 1 MiB);
 * ``replay``: the message this peer sent at the same point of an earlier round goes out
   instead (an old chunk replayed into a new round);
 * ``stall``: the sending task, or the serving handler (phase ``handler``), blocks for
@@ -42,15 +42,16 @@ import torch
 from swarmloco.core.config import require, require_int, require_non_negative
 from swarmloco.errors import NetworkError
 from swarmloco.net.averaging import wire
+from swarmloco.proto.v1 import averaging_pb2 as pb
 
 Action = Literal["drop", "delay", "cut", "corrupt", "replay", "stall", "spin"]
 Phase = Literal[
     "join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler"
 ]
-Corruption = Literal["nan", "huge", "truncate", "stale-round", "index"]
+Corruption = Literal["nan", "huge", "truncate", "stale-round", "index", "bloat"]
 _ACTIONS = ("drop", "delay", "cut", "corrupt", "replay", "stall", "spin")
 _PHASES = ("join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler")
-_CORRUPTIONS = ("nan", "huge", "truncate", "stale-round", "index")
+_CORRUPTIONS = ("nan", "huge", "truncate", "stale-round", "index", "bloat")
 
 
 class FaultCut(NetworkError):
@@ -90,10 +91,12 @@ class Fault:
             require_int("times", self.times, minimum=1)
         require_non_negative("seconds", self.seconds)
         require_int("after_bytes", self.after_bytes, minimum=0)
-        require(
-            self.action != "corrupt" or self.phase in ("chunk", "result"),
-            "only chunk and result messages can be corrupted",
-        )
+        if self.action == "corrupt":
+            phases = ("done", "verdict") if self.corruption == "bloat" else ("chunk", "result")
+            require(
+                self.phase in phases,
+                f"a {self.corruption} corruption applies to {' and '.join(phases)} messages",
+            )
         require(self.action != "spin" or self.seconds > 0, "a spin needs seconds > 0")
 
 
@@ -203,7 +206,17 @@ def _spin(seconds: float) -> None:
 
 
 def corrupt(phase: str, message: bytes, how: Corruption) -> bytes:
-    """``message`` (a chunk request or a result response) altered as ``how`` says."""
+    """``message`` (a chunk request or a result response) altered as ``how`` says; a done
+    or verdict message ``bloat``ed: its digest 1 MiB long."""
+    if how == "bloat":
+        bloated = bytes(1 << 20)
+        if phase == "done":
+            return wire.request(done=pb.MemberDone(digest=bloated))
+        response = wire.decode_response(message)
+        assert not isinstance(response, wire.ResultMessage)
+        if response.HasField("verdict"):  # (a refusal goes out in this phase too)
+            response.verdict.digest = bloated
+        return response.SerializeToString()
     if phase == "chunk":
         chunk = wire.decode_request(message)
         assert isinstance(chunk, wire.ChunkMessage), "only chunk messages are corrupted"

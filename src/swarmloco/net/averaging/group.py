@@ -26,7 +26,15 @@ import msgpack
 
 from swarmloco.core.codec import num_blocks
 from swarmloco.core.grouping import part_blocks, weight_violations
-from swarmloco.net.identity import Identity, peer_id_of, verify
+from swarmloco.net.admission import MAX_CERTIFICATE_BYTES
+from swarmloco.net.endpoints import MAX_ENDPOINT_CHARS
+from swarmloco.net.identity import (
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    Identity,
+    peer_id_of,
+    verify,
+)
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
@@ -36,6 +44,9 @@ if TYPE_CHECKING:
 DECLARATION_DOMAIN = b"swarmloco/v1/member-declaration\x00"
 GROUP_ID_BYTES = 16
 NONCE_BYTES = 16
+MAX_DECLARATION_BYTES = 2048
+"""The largest serialized declaration accepted: every field at its longest (an endpoint
+of 262 characters of up to 4 bytes each, a membership certificate) with room to spare."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +194,32 @@ def check_declaration(
     the future, so an old declaration cannot be replayed into a later group of the same
     round number. ``admission`` (a private swarm) refuses a declaration without a valid
     membership certificate for its key. Raises Rejection with the reason.
+
+    Every bytes and string field is length-checked first, before anything is hashed,
+    verified or kept: the signature does not cover the certificate, and a declaration
+    travels to every member inside the group.
     """
+    size = d.ByteSize()  # first: reading a bytes or string field copies it, however long
+    if size > MAX_DECLARATION_BYTES:
+        raise Rejection(
+            "bad-declaration",
+            f"declaration is {size} bytes; a declaration is at most {MAX_DECLARATION_BYTES}",
+        )
+    if (
+        len(d.public_key) != PUBLIC_KEY_BYTES
+        or len(d.signature) != SIGNATURE_BYTES
+        or len(d.endpoint) > MAX_ENDPOINT_CHARS
+        or len(d.swarm_id) != len(swarm_id)
+        or len(d.membership) > MAX_CERTIFICATE_BYTES
+    ):
+        raise Rejection(
+            "bad-declaration",
+            f"declaration fields have the wrong size (key {len(d.public_key)} bytes, "
+            f"signature {len(d.signature)}, endpoint {len(d.endpoint)} characters, swarm id "
+            f"{len(d.swarm_id)}, certificate {len(d.membership)} bytes; at most "
+            f"{MAX_ENDPOINT_CHARS} characters of endpoint and {MAX_CERTIFICATE_BYTES} bytes "
+            "of certificate)",
+        )
     if d.swarm_id != swarm_id or d.round != round:
         raise Rejection(
             "stale-round",

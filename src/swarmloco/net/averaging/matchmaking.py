@@ -63,10 +63,21 @@ from swarmloco.net.averaging.wire import SERVICE_NAME
 from swarmloco.net.client import Method, RpcClient, RpcError
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.node import DHTNode, Entry
-from swarmloco.net.endpoints import host_of_grpc_peer, parse_endpoint, subnet_of
+from swarmloco.net.endpoints import (
+    MAX_ENDPOINT_CHARS,
+    host_of_grpc_peer,
+    parse_endpoint,
+    subnet_of,
+)
+from swarmloco.net.heap import release_after
 from swarmloco.net.identity import Identity, peer_id_of
 from swarmloco.net.records import round_key
-from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.rejections import (
+    MAX_CODE_CHARS,
+    MAX_REASON_CHARS,
+    Rejection,
+    RejectionLog,
+)
 from swarmloco.net.swarm import find_peers
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
@@ -539,10 +550,16 @@ class Matchmaker:
                 if data is None:  # dropped: the leader never hears of us, we never hear back
                     await asyncio.sleep(wait.remaining())
                     return None
-            return await self.client.call(endpoint, JOIN, request, timeout=wait, attempts=2)
+            response = await self.client.call(endpoint, JOIN, request, timeout=wait, attempts=2)
         except (RpcError, FaultCut) as exc:
             logger.info("round %d: leader %s did not answer: %s", me.round, endpoint, exc)
             return None
+        try:
+            check_answer(response)
+        except Rejection as rejection:
+            self.rejections.record(rejection, endpoint)
+            return None
+        return response
 
     # -- leading -------------------------------------------------------------------------
 
@@ -737,6 +754,7 @@ class Matchmaker:
             )
         except Rejection as rejection:
             self.rejections.record(rejection, context.peer())
+            release_after(request.ByteSize())
             return _refused(rejection.code, rejection.reason)
         if member.peer_id == self.identity.peer_id_hex:
             return _refused("bad-declaration", "that is the leader's own declaration")
@@ -826,6 +844,33 @@ class Matchmaker:
         finally:
             self._records_read_at = asyncio.get_running_loop().time()
         self._records = {p.peer_id: p.endpoint for p in peers}
+
+
+def check_answer(response: pb.JoinResponse) -> None:
+    """Refuse a leader's answer whose strings are longer than any honest one: a redirect
+    is followed and handed to others, a refusal's reason ends up in our logs and errors.
+    (A group's declarations are checked by ``check_group``.)"""
+    outcome = response.WhichOneof("outcome")
+    if outcome == "redirect":
+        # Sizes before contents: reading a string field copies it, however long.
+        if response.ByteSize() > 4 * MAX_ENDPOINT_CHARS + 8:
+            raise Rejection("malformed", "the leader redirects to more than an endpoint")
+        try:
+            parse_endpoint(response.redirect)
+        except ValueError:
+            raise Rejection(
+                "malformed", f"the leader redirects to {response.redirect[:80]!r}, not HOST:PORT"
+            ) from None
+    elif outcome == "refused" and (
+        response.refused.ByteSize() > 4 * (MAX_CODE_CHARS + MAX_REASON_CHARS) + 16
+        or len(response.refused.code) > MAX_CODE_CHARS
+        or len(response.refused.reason) > MAX_REASON_CHARS
+    ):
+        raise Rejection(
+            "malformed",
+            f"the leader's refusal ({response.refused.ByteSize()} bytes) is longer than a "
+            f"code of {MAX_CODE_CHARS} and a reason of {MAX_REASON_CHARS} characters",
+        )
 
 
 def _refused(code: str, reason: str) -> pb.JoinResponse:

@@ -20,8 +20,8 @@ from grpc._cython import cygrpc
 from swarmloco.errors import NetworkError
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import FaultCut, Phase
-from swarmloco.net.averaging.view import Claim
-from swarmloco.net.rejections import Rejection
+from swarmloco.net.averaging.view import RESULT_DIGEST_BYTES, Claim
+from swarmloco.net.rejections import MAX_CODE_CHARS, MAX_REASON_CHARS, Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
 if TYPE_CHECKING:
@@ -171,11 +171,31 @@ class OutgoingStream:
         if kind == "rerun":
             rnd.on_rerun(self.member, message.rerun.part, message.rerun.epoch)
         elif kind == "verdict":
+            verdict = message.verdict
+            # Sizes before contents: reading a bytes or string field copies it.
+            if (
+                verdict.ByteSize() > 4 * MAX_REASON_CHARS + RESULT_DIGEST_BYTES + 16
+                or len(verdict.digest) != RESULT_DIGEST_BYTES
+                or len(verdict.reason) > MAX_REASON_CHARS
+            ):
+                raise Rejection(
+                    "malformed",
+                    f"a verdict needs a digest of {RESULT_DIGEST_BYTES} bytes and a reason of "
+                    f"at most {MAX_REASON_CHARS} characters",
+                )
             self.verdict = True
-            rnd.on_verdict(self.member, message.verdict)
+            rnd.on_verdict(self.member, verdict)
             self.close()
         elif kind == "refusal":
-            self._broken(f"it refused us: {message.refusal.reason}")
+            refusal = message.refusal
+            if (
+                refusal.ByteSize() > 4 * (MAX_CODE_CHARS + MAX_REASON_CHARS) + 16
+                or len(refusal.reason) > MAX_REASON_CHARS
+            ):
+                raise Rejection(
+                    "malformed", f"a refusal's reason is over {MAX_REASON_CHARS} characters"
+                )
+            self._broken(f"it refused us: {refusal.reason}")
         elif kind != "heartbeat":
             raise Rejection("malformed", f"unexpected {kind or 'empty'} message")
 
@@ -237,7 +257,15 @@ class IncomingStream:
                         continue
                     kind = message.WhichOneof("kind")
                     if kind == "done":
-                        rnd.on_done(self.sender, bytes(message.done.digest))
+                        if message.done.ByteSize() > RESULT_DIGEST_BYTES + 8:
+                            raise Rejection("malformed", "a digest longer than a digest")
+                        digest = message.done.digest
+                        if len(digest) != RESULT_DIGEST_BYTES:
+                            raise Rejection(
+                                "malformed",
+                                f"a digest of {len(digest)} bytes, not {RESULT_DIGEST_BYTES}",
+                            )
+                        rnd.on_done(self.sender, bytes(digest))
                     elif kind != "heartbeat":
                         raise Rejection("malformed", f"unexpected {kind or 'empty'} message")
                 except Rejection as rejection:

@@ -29,6 +29,9 @@ from swarmloco.net.averaging.report import PartReport
 from swarmloco.net.averaging.wire import members_of
 from swarmloco.net.rejections import Rejection
 
+RESULT_DIGEST_BYTES = 16
+"""The size of a member's digest of the round's result (``MemberDone``, ``Verdict``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
@@ -153,7 +156,7 @@ class RoundView:
         Two members with the same digest decoded the same result messages of the same
         reducers (each reducer sends one set of bytes per chunk to everyone).
         """
-        h = hashlib.blake2b(b"swarmloco/v1/round-result\x00", digest_size=16)
+        h = hashlib.blake2b(b"swarmloco/v1/round-result\x00", digest_size=RESULT_DIGEST_BYTES)
         h.update(self.group.group_id)
         h.update(struct.pack("<Q", self.group.round))
         for part in self.parts:

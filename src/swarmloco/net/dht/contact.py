@@ -14,8 +14,14 @@ import time
 
 import msgpack
 
-from swarmloco.net.endpoints import parse_endpoint
-from swarmloco.net.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
+from swarmloco.net.endpoints import MAX_ENDPOINT_CHARS, parse_endpoint
+from swarmloco.net.identity import (
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    Identity,
+    peer_id_of,
+    verify,
+)
 from swarmloco.net.rejections import Rejection
 from swarmloco.net.tls import FINGERPRINT_BYTES
 from swarmloco.proto.v1 import dht_pb2 as pb
@@ -76,38 +82,60 @@ def sign_card(
     )
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=8192)
 def _checked_card(
     public_key: bytes, endpoint: str, started_at_ms: int, signature: bytes, tls_fingerprint: bytes
-) -> Contact | str:
-    # Cached whole: every lookup response repeats the same few dozen cards.
+) -> Contact:
+    # Cached whole: every lookup response repeats the same few dozen cards. Only valid
+    # cards are kept (a Rejection is raised, not cached: a liar can vary its cards at will,
+    # so remembering them would only spend memory), and only after every field's length
+    # was checked: an entry is at most 32 + 262 + 64 + 32 bytes of fields, a peer id and
+    # the objects around them, about 1 KiB, so 8 MiB for the whole cache.
     if endpoint:
         try:
             parse_endpoint(endpoint)
         except ValueError:
-            return f"contact endpoint {endpoint[:80]!r} is not HOST:PORT"
+            raise Rejection(
+                "bad-contact", f"contact endpoint {endpoint[:80]!r} is not HOST:PORT"
+            ) from None
     payload = _card_payload(endpoint, started_at_ms, tls_fingerprint)
     if not verify(public_key, signature, _CARD_DOMAIN, payload):
-        return "contact card is not signed by the key it names"
+        raise Rejection("bad-contact", "contact card is not signed by the key it names")
     return Contact(
         peer_id_of(public_key), public_key, endpoint, started_at_ms, signature, tls_fingerprint
     )
 
 
+MAX_CARD_BYTES = 2048
+"""The largest serialized card accepted: every field at its longest (an endpoint of 262
+characters of up to 4 bytes each) with room to spare. Checked first, because reading a
+bytes or string field of a message copies it, however long it is."""
+
+
 def contact_from_proto(info: pb.PeerInfo) -> Contact:
     """Check a card from the network; Rejection when it is malformed or not self-signed."""
+    size = info.ByteSize()
+    if size > MAX_CARD_BYTES:
+        raise Rejection(
+            "bad-contact", f"contact card is {size} bytes; a card is at most {MAX_CARD_BYTES}"
+        )
     if (
-        len(info.endpoint) > 262
+        len(info.endpoint) > MAX_ENDPOINT_CHARS
         or len(info.public_key) != PUBLIC_KEY_BYTES
+        or len(info.signature) != SIGNATURE_BYTES
         or len(info.tls_fingerprint) not in (0, FINGERPRINT_BYTES)
     ):
-        raise Rejection("bad-contact", "contact card is malformed")
-    checked = _checked_card(
+        raise Rejection(
+            "bad-contact",
+            f"contact card is malformed (a {PUBLIC_KEY_BYTES}-byte key, a "
+            f"{SIGNATURE_BYTES}-byte signature, an endpoint of at most {MAX_ENDPOINT_CHARS} "
+            f"characters and a TLS fingerprint of 0 or {FINGERPRINT_BYTES} bytes; got "
+            f"{len(info.public_key)}, {len(info.signature)}, {len(info.endpoint)} and "
+            f"{len(info.tls_fingerprint)})",
+        )
+    return _checked_card(
         info.public_key, info.endpoint, info.started_at_ms, info.signature, info.tls_fingerprint
     )
-    if isinstance(checked, str):
-        raise Rejection("bad-contact", checked)
-    return checked
 
 
 def distance(a: bytes, b: bytes) -> int:

@@ -35,7 +35,13 @@ from google.protobuf.message import Message
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.errors import NetworkError
 from swarmloco.net.deadline import Deadline
-from swarmloco.net.dht.contact import Contact, contact_from_proto, distance, sign_card
+from swarmloco.net.dht.contact import (
+    MAX_CARD_BYTES,
+    Contact,
+    contact_from_proto,
+    distance,
+    sign_card,
+)
 from swarmloco.net.dht.routing import Added, RoutingTable
 from swarmloco.net.dht.storage import LOCAL_NETWORK, Storage, StorageConfig
 from swarmloco.net.dht.transport import DhtTransport
@@ -46,7 +52,8 @@ from swarmloco.net.dht.wire import (
     record_to_proto,
     signed_store_request,
 )
-from swarmloco.net.endpoints import format_endpoint, source_network
+from swarmloco.net.endpoints import format_endpoint, is_ip_address, source_network
+from swarmloco.net.heap import release_after
 from swarmloco.net.identity import PEER_ID_BYTES, Identity
 from swarmloco.net.records import (
     MAX_KEY_CHARS,
@@ -56,6 +63,7 @@ from swarmloco.net.records import (
     decode_value,
     kind_of,
     make_record,
+    max_record_bytes,
     validate,
 )
 from swarmloco.net.rejections import Rejection, RejectionLog
@@ -271,20 +279,21 @@ class _Lookup:
         if isinstance(response, pb.FindValueResponse):
             now = self.node.clock()
             for message in response.records:
-                record = record_from_proto(message)
-                known = self.entries.get(record.subkey)
-                if known is None or known.record != record:  # else: checked already
-                    try:
-                        value = self.node.checked.validate(record, now=now)
-                    except Rejection as rejection:
-                        if rejection.code == "expired":
-                            continue  # clocks differ a little between honest nodes
-                        rejection = rejection.from_peer(str(contact))
-                        self.node.rejections.record(rejection, str(contact))
-                        self.rejected.append(rejection)
-                        # Honest nodes store only valid records: one bad record marks
-                        # the whole answer as untrustworthy, and bounds the work it costs.
-                        break
+                try:
+                    record = record_from_proto(message)
+                    known = self.entries.get(record.subkey)
+                    checked = known is not None and known.record == record
+                    value = None if checked else self.node.checked.validate(record, now=now)
+                except Rejection as rejection:
+                    if rejection.code == "expired":
+                        continue  # clocks differ a little between honest nodes
+                    rejection = rejection.from_peer(str(contact))
+                    self.node.rejections.record(rejection, str(contact))
+                    self.rejected.append(rejection)
+                    # Honest nodes store only valid records: one bad record marks the
+                    # whole answer as untrustworthy, and bounds the work it costs.
+                    break
+                if not checked:
                     refused = self.node.gate(record, value)
                     if refused is not None:
                         # Valid, but not from a member of a private swarm: a node that is
@@ -482,7 +491,8 @@ class DHTNode:
             )
         self._check_clock([a.offset for a in answered if a.response.time_ms])
         first = answered[0].response
-        if announce_port is not None and first.observed_host:
+        # The address the entry peer saw us at becomes our card's: only an IP address.
+        if announce_port is not None and is_ip_address(first.observed_host):
             self.set_endpoint(format_endpoint(first.observed_host, announce_port))
         # Looking ourselves up fills our buckets near us and tells those nodes about us.
         await self.find_nodes(self.peer_id)
@@ -916,7 +926,22 @@ class DHTNode:
 
     # -- handlers (DhtHandler) -----------------------------------------------------------
 
+    def _refuse_oversize(self, request: Message, limit: int, observed_host: str) -> None:
+        """Refuse a request larger than any honest one before any field of it is read:
+        reading a bytes or string field of a message copies it, however long, and a few
+        copies of megabytes per call leave their mark on the process long after."""
+        size = request.ByteSize()
+        if size > limit:
+            reason = f"{type(request).__name__} of {size} bytes; at most {limit}"
+            self.rejections.record(Rejection("oversize", reason), observed_host or "a peer")
+            release_after(size)
+            # Raised unnamed: an exception held in a local of a frame in its own traceback
+            # is a reference cycle, and it would keep the request alive until the cyclic
+            # garbage collector ran.
+            raise Rejection("oversize", reason)
+
     async def handle_ping(self, request: pb.PingRequest, observed_host: str) -> pb.PingResponse:
+        self._refuse_oversize(request, MAX_CARD_BYTES + 16, observed_host)
         self._sender(request.sender, observed_host)
         return pb.PingResponse(
             peer=self.card.to_proto(),
@@ -927,10 +952,11 @@ class DHTNode:
     async def handle_find_node(
         self, request: pb.FindNodeRequest, observed_host: str
     ) -> pb.FindNodeResponse:
+        self._refuse_oversize(request, MAX_CARD_BYTES + PEER_ID_BYTES + 16, observed_host)
         sender = self._sender(request.sender, observed_host)
         if len(request.target) != PEER_ID_BYTES:
             rejection = Rejection("bad-request", f"find-node target must be {PEER_ID_BYTES} bytes")
-            self.rejections.record(rejection, str(sender))
+            self.rejections.record(rejection, str(sender), source=observed_host)
             raise rejection
         closest = self.routing.closest(request.target, self.config.k, exclude=sender.peer_id)
         return pb.FindNodeResponse(
@@ -940,10 +966,11 @@ class DHTNode:
     async def handle_find_value(
         self, request: pb.FindValueRequest, observed_host: str
     ) -> pb.FindValueResponse:
+        self._refuse_oversize(request, MAX_CARD_BYTES + 4 * MAX_KEY_CHARS + 16, observed_host)
         sender = self._sender(request.sender, observed_host)
         if len(request.key) > MAX_KEY_CHARS:
             rejection = Rejection("bad-request", f"key is longer than {MAX_KEY_CHARS} characters")
-            self.rejections.record(rejection, str(sender))
+            self.rejections.record(rejection, str(sender), source=observed_host)
             raise rejection
         records = [record_to_proto(r) for r in self.storage.get(request.key)]
         closest = self.routing.closest(key_id(request.key), self.config.k, exclude=sender.peer_id)
@@ -952,6 +979,8 @@ class DHTNode:
         )
 
     async def handle_store(self, request: pb.StoreRequest, observed_host: str) -> pb.StoreResponse:
+        records = self.config.max_records_per_request * (max_record_bytes() + 8)
+        self._refuse_oversize(request, MAX_CARD_BYTES + records + 128, observed_host)
         sender = self._sender(request.sender, observed_host)
         peer = str(sender)
         try:
@@ -963,7 +992,7 @@ class DHTNode:
                 max_records=self.config.max_records_per_request,
             )
         except Rejection as rejection:
-            self.rejections.record(rejection, peer)
+            self.rejections.record(rejection, peer, source=observed_host)
             raise
         # Quotas count the network the call came from, not the card's claim: keys are free,
         # addresses are not.
@@ -979,7 +1008,7 @@ class DHTNode:
                         raise refused
                 stored = self.storage.put(record, sender=sender.peer_id, network=network)
             except Rejection as rejection:
-                self.rejections.record(rejection, peer)
+                self.rejections.record(rejection, peer, source=observed_host)
                 results.append(pb.StoreResult(stored=False, reason=rejection.reason))
                 continue
             results.append(

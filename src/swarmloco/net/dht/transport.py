@@ -19,10 +19,9 @@ from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.contact import contact_from_proto
 from swarmloco.net.endpoints import host_of_grpc_peer
 from swarmloco.net.rejections import Rejection, RejectionLog
-from swarmloco.net.server import Service, unary_service
+from swarmloco.net.server import Service, refuse, unary_service
 from swarmloco.proto.v1 import dht_pb2 as pb
 
-T = TypeVar("T")
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
 
@@ -164,30 +163,40 @@ class DhtServicer:
     async def _dispatch(
         self,
         context: grpc.aio.ServicerContext,
-        call: Callable[[DhtHandler, str], Awaitable[T]],
-    ) -> T:
+        call: Callable[[DhtHandler, str], Awaitable[Resp]],
+        refused: type[Resp],
+    ) -> Resp:
         try:
             return await call(self.handler, host_of_grpc_peer(context.peer()))
         except Rejection as rejection:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
-            raise  # abort raises; this line only tells type checkers
+            reason = rejection.reason
+        refuse(context, grpc.StatusCode.INVALID_ARGUMENT, reason)  # not abort: see refuse
+        return refused()  # never seen by the caller
 
     async def ping(
         self, request: pb.PingRequest, context: grpc.aio.ServicerContext
     ) -> pb.PingResponse:
-        return await self._dispatch(context, lambda h, host: h.handle_ping(request, host))
+        return await self._dispatch(
+            context, lambda h, host: h.handle_ping(request, host), pb.PingResponse
+        )
 
     async def find_node(
         self, request: pb.FindNodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.FindNodeResponse:
-        return await self._dispatch(context, lambda h, host: h.handle_find_node(request, host))
+        return await self._dispatch(
+            context, lambda h, host: h.handle_find_node(request, host), pb.FindNodeResponse
+        )
 
     async def store(
         self, request: pb.StoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.StoreResponse:
-        return await self._dispatch(context, lambda h, host: h.handle_store(request, host))
+        return await self._dispatch(
+            context, lambda h, host: h.handle_store(request, host), pb.StoreResponse
+        )
 
     async def find_value(
         self, request: pb.FindValueRequest, context: grpc.aio.ServicerContext
     ) -> pb.FindValueResponse:
-        return await self._dispatch(context, lambda h, host: h.handle_find_value(request, host))
+        return await self._dispatch(
+            context, lambda h, host: h.handle_find_value(request, host), pb.FindValueResponse
+        )

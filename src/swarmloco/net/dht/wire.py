@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import msgpack
 
 from swarmloco.net.dht.contact import Contact
-from swarmloco.net.identity import PEER_ID_BYTES, Identity, verify
-from swarmloco.net.records import Record
+from swarmloco.net.identity import PEER_ID_BYTES, SIGNATURE_BYTES, Identity, verify
+from swarmloco.net.records import Record, max_record_bytes
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import dht_pb2 as pb
 
@@ -38,6 +38,12 @@ def record_to_proto(record: Record) -> pb.Record:
 
 
 def record_from_proto(message: pb.Record) -> Record:
+    """The record a message carries; Rejection ``oversize`` when the message is larger than
+    a record of any kind can be (checked before any field is read: reading a bytes or
+    string field copies it, however long)."""
+    size, limit = message.ByteSize(), max_record_bytes()
+    if size > limit:
+        raise Rejection("oversize", f"a record of {size} bytes; no kind allows more than {limit}")
     return Record(
         message.key,
         message.subkey,
@@ -71,6 +77,11 @@ def check_store_request(
     request: pb.StoreRequest, sender: Contact, *, now_ms: int, max_skew_ms: int, max_records: int
 ) -> None:
     """Raise Rejection unless ``sender`` signed this request recently and it is not too big."""
+    if len(request.signature) != SIGNATURE_BYTES:
+        raise Rejection(
+            "bad-signature",
+            f"store request signature is {len(request.signature)} bytes, not {SIGNATURE_BYTES}",
+        )
     if len(request.records) > max_records:
         raise Rejection(
             "too-many-records",

@@ -41,9 +41,10 @@ from swarmloco.core.state import StateSnapshot
 from swarmloco.net.admission import Admission
 from swarmloco.net.averaging.limiter import BandwidthLimiter
 from swarmloco.net.endpoints import canonical_host, host_of_grpc_peer, source_network
+from swarmloco.net.heap import release_after
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection, RejectionLog
-from swarmloco.net.server import Service
+from swarmloco.net.server import Service, refuse
 from swarmloco.net.state import wire
 from swarmloco.proto.v1 import state_pb2 as pb
 
@@ -230,8 +231,10 @@ class StateDonor:
             request = wire.decode_request(data)
         except Rejection as rejection:
             self.rejections.record(rejection, context.peer())
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
-            return  # abort raises; this line is for readers and type checkers
+            release_after(len(data))
+            # Not abort: it would keep the request (maybe megabytes) alive; see refuse.
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
+            return
         if self.admission is not None:
             try:
                 wire.check_requester(

@@ -33,7 +33,13 @@ from swarmloco.core.state import (
     check_name,
     raw_bytes,
 )
-from swarmloco.net.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
+from swarmloco.net.identity import (
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    Identity,
+    peer_id_of,
+    verify,
+)
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import state_pb2 as pb
 
@@ -243,8 +249,8 @@ def check_header(
     """
     if bytes(header.nonce) != nonce:
         raise Rejection("replayed", "the header answers another request (its nonce differs)")
-    if len(header.public_key) != PUBLIC_KEY_BYTES:
-        raise Rejection("bad-header", "the header carries no valid public key")
+    if len(header.public_key) != PUBLIC_KEY_BYTES or len(header.signature) != SIGNATURE_BYTES:
+        raise Rejection("bad-header", "the header carries no valid public key or signature")
     signer = peer_id_of(bytes(header.public_key)).hex()
     if signer != peer_id:
         raise Rejection(
