@@ -156,6 +156,11 @@ class SwarmManifest:
                 f"manifest identity_work must be an integer from 0 to {MAX_IDENTITY_WORK} "
                 f"(bits), got {self.identity_work!r}"
             )
+        if self.admission and self.identity_work:
+            raise ManifestError(
+                "identity_work is for public runs: a private run's certificates already say "
+                "who takes part"
+            )
         if self.admission and not self.creator:
             raise ManifestError("a private run (admission 'certificate') needs a creator key")
         if self.format != FORMAT_VERSION:

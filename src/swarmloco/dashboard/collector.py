@@ -30,6 +30,7 @@ from swarmloco.net.admission import Admission
 from swarmloco.net.dht.node import DHTNode, GetResult
 from swarmloco.net.records import digest_key, peers_key, progress_key, status_key
 from swarmloco.net.swarm import fetch_manifest
+from swarmloco.net.work import IdentityWork
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +60,15 @@ def _values(result: GetResult) -> dict[str, Mapping[str, Any]]:
 
 
 def _guard(dht: DHTNode, swarm_id: str, manifest: SwarmManifest | None) -> None:
-    """A private swarm's dashboard shows its members only: guard the node's reads."""
-    if manifest is not None and manifest.private and not dht.guards(swarm_id):
-        dht.admit(Admission(swarm_id=swarm_id, creator_public_key=bytes.fromhex(manifest.creator)))
+    """A private swarm's dashboard shows its members only, a public run that asks for
+    proofs of work its proven keys only: guard the node's reads."""
+    if manifest is None or dht.guards(swarm_id):
+        return
+    if manifest.private:
+        creator = bytes.fromhex(manifest.creator)
+        dht.admit(Admission(swarm_id=swarm_id, creator_public_key=creator))
+    elif manifest.identity_work:
+        dht.admit(IdentityWork(swarm_id=swarm_id, bits=manifest.identity_work))
 
 
 async def read_swarm(

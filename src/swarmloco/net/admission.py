@@ -25,13 +25,15 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import msgpack
 
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.identity import Identity, peer_id_of, verify
 from swarmloco.net.rejections import Rejection
+from swarmloco.net.work import IdentityWork, load_or_solve, solve
 
 if TYPE_CHECKING:
     from swarmloco.core.manifest import SwarmManifest
@@ -139,6 +141,48 @@ def _check_hex_id(what: str, value: str) -> str:
     if len(normalized) != 40 or any(c not in "0123456789abcdef" for c in normalized):
         raise AdmissionError(f"{what} {value!r} is not 40 hex digits")
     return normalized
+
+
+class Gate(Protocol):
+    """Who may take part in one swarm, as every layer asks it: a private run's
+    :class:`Admission` (certificates), or a public run's :class:`~swarmloco.net.work.
+    IdentityWork` (proofs of work). The credential a peer shows travels in the same places
+    (a record's ``member`` field, a declaration's ``membership``, a signed download
+    request) and is checked with the key that signed what it came with."""
+
+    swarm_id: str
+    own_bytes: bytes
+
+    def check(self, peer_id: str, credential: bytes) -> None:
+        """Raise Rejection unless ``credential`` lets ``peer_id`` (verified) take part."""
+        ...
+
+    def admits(self, peer_id: str, credential: bytes) -> bool: ...
+
+
+def gate_of(
+    manifest: SwarmManifest,
+    identity: Identity,
+    certificate: str | Membership | None = None,
+    *,
+    work_file: Path | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Gate | None:
+    """The gate of ``manifest``'s swarm for ``identity`` (None: an open run): a private
+    run's certificates (:meth:`Admission.of`, AdmissionError when the peer has none), or a
+    public run's proofs of work, this key's own solved (and kept in ``work_file``) here
+    when the run asks for them (about 2^bits x 5 ms, once)."""
+    if manifest.private:
+        return Admission.of(manifest, identity, certificate, clock=clock)
+    bits = manifest.identity_work
+    if not bits:
+        return None
+    own = (
+        load_or_solve(work_file, manifest.swarm_id, identity.peer_id, bits)
+        if work_file is not None
+        else solve(manifest.swarm_id, identity.peer_id, bits)
+    )
+    return IdentityWork(swarm_id=manifest.swarm_id, bits=bits, own=own)
 
 
 class Admission:

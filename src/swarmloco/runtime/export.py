@@ -33,7 +33,7 @@ from swarmloco.core.manifest import SwarmManifest, check_swarm_id
 from swarmloco.core.signature import ModelSignature
 from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema, state_digest
 from swarmloco.errors import SwarmlocoError
-from swarmloco.net.admission import Admission, AdmissionError
+from swarmloco.net.admission import AdmissionError, Gate, gate_of
 from swarmloco.net.identity import KEY_FILE_NAME, Identity
 from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
 from swarmloco.runtime.checkpoint import CheckpointStore
@@ -179,14 +179,16 @@ def _reader_identity(data_dir: str | Path | None) -> Identity:
 
 def _reader_admission(
     manifest: SwarmManifest, identity: Identity, local: Path | None, membership: str
-) -> Admission | None:
-    """A private swarm's gate for the exporting key (None: a public swarm)."""
+) -> Gate | None:
+    """A private swarm's gate for the exporting key, or a public run's proof of work for
+    it (donors serve proven keys only; None: an open run)."""
     text = membership.strip()
     kept = local / "membership" if local is not None else None
     if not text and kept is not None and kept.is_file():
         text = kept.read_text().strip()
     try:
-        return Admission.of(manifest, identity, text or None)
+        work = local / "swarms" / manifest.swarm_id / "work" if local is not None else None
+        return gate_of(manifest, identity, text or None, work_file=work)
     except AdmissionError:
         if text:
             raise  # a certificate that does not fit: its own message says why

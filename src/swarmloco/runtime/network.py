@@ -30,7 +30,7 @@ from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.pacing import ProgressReport
 from swarmloco.core.state import StateSchema, StateSnapshot
 from swarmloco.errors import RoundAborted, SwarmlocoError
-from swarmloco.net.admission import Admission
+from swarmloco.net.admission import Gate
 from swarmloco.net.averaging import (
     AllReduceResult,
     Averager,
@@ -75,7 +75,7 @@ class SwarmNetwork:
         schema: StateSchema,
         evidence: Evidence,
         faults: FaultPlan | None = None,
-        admission: Admission | None = None,
+        admission: Gate | None = None,
     ) -> None:
         """``admission``: the gate of a private swarm (None: a public one)."""
         self.identity = identity

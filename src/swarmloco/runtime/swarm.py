@@ -70,7 +70,7 @@ from swarmloco.errors import (
     Stopped,
     SwarmlocoError,
 )
-from swarmloco.net.admission import Admission
+from swarmloco.net.admission import Gate, gate_of
 from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.state import DownloadedState
@@ -236,8 +236,9 @@ class Swarm:
         current learning rate held."""
         self._lr_sum = 0.0  # learning rates of the inner steps since the last outer step
         self._lr_steps = 0
-        self.admission: Admission | None = None
-        """A private swarm's gate, once entered (None: a public swarm)."""
+        self.admission: Gate | None = None
+        """The swarm's gate, once entered: a private swarm's certificates, or a public
+        run's proofs of work (None: an open run)."""
         self._global_step = 0
         self._told_stopping = False
         self._stop = threading.Event()
@@ -572,16 +573,18 @@ class Swarm:
 
         return self.loop.run(fetch(), timeout=60.0)
 
-    def _admission(self, manifest: SwarmManifest) -> Admission | None:
-        """A private swarm's gate, with this peer's certificate: the one in the config
-        (then kept in the data directory for restarts) or the one kept. AdmissionError,
-        saying what to do, before anything else happens, when the peer holds none."""
-        kept = self.config.data_dir / "swarms" / manifest.swarm_id / "membership"
+    def _admission(self, manifest: SwarmManifest) -> Gate | None:
+        """The swarm's gate with this peer's credential: a private swarm's certificate (the
+        one in the config, then kept in the data directory for restarts, or the one kept;
+        AdmissionError, saying what to do, before anything else happens, when the peer
+        holds none), or a public run's proof of work for this key (solved once, kept)."""
+        swarm_dir = self.config.data_dir / "swarms" / manifest.swarm_id
+        kept = swarm_dir / "membership"
         given = self.config.membership.strip()
         text = given
         if not text and kept.is_file():
             text = kept.read_text().strip()
-        admission = Admission.of(manifest, self.identity, text or None)
+        admission = gate_of(manifest, self.identity, text or None, work_file=swarm_dir / "work")
         if admission is not None and given:
             kept.parent.mkdir(parents=True, exist_ok=True)
             tmp = kept.with_suffix(".tmp")

@@ -39,7 +39,7 @@ from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
 if TYPE_CHECKING:
-    from swarmloco.net.admission import Admission
+    from swarmloco.net.admission import Gate
 
 DECLARATION_DOMAIN = b"swarmloco/v1/member-declaration\x00"
 GROUP_ID_BYTES = 16
@@ -186,7 +186,7 @@ def check_declaration(
     block_size: int,
     now_ms: int | None = None,
     max_age_ms: int = 0,
-    admission: Admission | None = None,
+    admission: Gate | None = None,
 ) -> Member:
     """The member a declaration describes, after checking it fits this round.
 
@@ -330,7 +330,7 @@ def check_group(
     me: pb.MemberDeclaration,
     swarm_id: str,
     cap_multiple: float,
-    admission: Admission | None = None,
+    admission: Gate | None = None,
 ) -> Group:
     """Check everything about a group a leader sent us; Rejection with the reason if wrong.
 

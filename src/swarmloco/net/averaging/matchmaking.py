@@ -47,7 +47,7 @@ import grpc
 
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.errors import RejectedInput, RoundAborted
-from swarmloco.net.admission import Admission
+from swarmloco.net.admission import Gate
 from swarmloco.net.averaging.faults import FaultCut, FaultPlan
 from swarmloco.net.averaging.group import (
     NONCE_BYTES,
@@ -210,7 +210,7 @@ class Matchmaker:
         config: MatchmakingConfig | None = None,
         faults: FaultPlan | None = None,
         clock: Callable[[], float] = time.time,
-        admission: Admission | None = None,
+        admission: Gate | None = None,
         peer_records: bool = False,
         partners: Callable[[], Collection[str]] | None = None,
     ) -> None:

@@ -71,7 +71,7 @@ from swarmloco.net.tls import TlsMismatch
 from swarmloco.proto.v1 import dht_pb2 as pb
 
 if TYPE_CHECKING:
-    from swarmloco.net.admission import Admission
+    from swarmloco.net.admission import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ class DHTNode:
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._entry_points: tuple[str, ...] = ()
-        self._gates: dict[str, Admission] = {}
+        self._gates: dict[str, Gate] = {}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -619,7 +619,7 @@ class DHTNode:
 
     # -- private swarms ------------------------------------------------------------------
 
-    def admit(self, admission: Admission) -> None:
+    def admit(self, admission: Gate) -> None:
         """Guard the records of ``admission``'s swarm: this node's gets drop, and it does
         not store, owned records whose owner shows no valid membership certificate; its own
         records of that swarm carry its certificate."""

@@ -38,7 +38,7 @@ import grpc
 
 from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.core.state import StateSnapshot
-from swarmloco.net.admission import Admission
+from swarmloco.net.admission import Gate
 from swarmloco.net.averaging.limiter import BandwidthLimiter
 from swarmloco.net.endpoints import canonical_host, host_of_grpc_peer, source_network
 from swarmloco.net.heap import release_after
@@ -200,7 +200,7 @@ class StateDonor:
         config: DonorConfig | None = None,
         limiter: BandwidthLimiter | None = None,
         wall_clock: Callable[[], float] = time.time,
-        admission: Admission | None = None,
+        admission: Gate | None = None,
     ) -> None:
         """``admission``: a private swarm's gate (only signed requests of members are
         served)."""

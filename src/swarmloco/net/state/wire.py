@@ -44,7 +44,7 @@ from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import state_pb2 as pb
 
 if TYPE_CHECKING:
-    from swarmloco.net.admission import Admission
+    from swarmloco.net.admission import Gate
 
 SERVICE_NAME = "swarmloco.v1.StateTransfer"
 DOWNLOAD_PATH = f"/{SERVICE_NAME}/Download"
@@ -127,14 +127,15 @@ def encode_request(
 
 
 def check_requester(
-    request: pb.DownloadRequest, admission: Admission, *, now_ms: int, max_skew_ms: int
+    request: pb.DownloadRequest, admission: Gate, *, now_ms: int, max_skew_ms: int
 ) -> str:
     """The hex peer id of the member who signed ``request``; Rejection (``not-admitted``,
     ``bad-signature`` or ``stale``) if it is not a recent request signed by a member."""
     if not request.public_key or not request.signature:
         raise Rejection(
             "not-admitted",
-            "this swarm is private: a download request must be signed by a member",
+            "this swarm serves its state to the keys it admits only (a member's certificate, "
+            "or a proof of work): a download request must be signed by one",
         )
     if abs(now_ms - request.timestamp_ms) > max_skew_ms:
         raise Rejection("stale", "the download request was signed too long ago (or ahead)")
