@@ -36,6 +36,34 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def status_mb(pid: int, field: str) -> float | None:
+    """A memory figure of a process from /proc/PID/status (``VmRSS``: resident now,
+    ``VmHWM``: its peak so far), in MB; None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as status:
+            for line in status:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def stop_processes(children: list[Any], *, timeout: float = 60.0) -> None:
+    """SIGTERM every child still running, then wait for each (SIGKILL past ``timeout``)."""
+    import signal
+    import subprocess
+
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
 def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()

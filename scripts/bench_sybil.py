@@ -49,7 +49,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -65,7 +64,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "net"))  # the source-address for
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
-from _bench_common import machine  # noqa: E402
+from _bench_common import machine, status_mb, stop_processes  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from local_swarm import COMMAND, publish_swarm, read_events, start_bootstrap  # noqa: E402
 from sourceproxy import SourceProxy  # noqa: E402
@@ -129,13 +128,7 @@ def log(message: str) -> None:
 
 
 def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    return status_mb(pid, "VmRSS")
 
 
 class Honest:
@@ -785,14 +778,7 @@ def main() -> None:
         }
         print(json.dumps(report, indent=1, default=str))
     finally:
-        for child in children:
-            with contextlib.suppress(Exception):
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        stop_processes(children)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import itertools
 
-from _bench_common import machine
+from _bench_common import machine, status_mb
 from local_swarm import COMMAND, publish_swarm, read_events, start_bootstrap
 
 SWARM_OPTIONS = ("--preset", "tiny", "--batch-size", "4")
@@ -70,13 +70,7 @@ def log(message: str) -> None:
 
 def peak_rss_mb(pid: int) -> float | None:
     """The process's peak resident set so far (VmHWM), in MB."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    return status_mb(pid, "VmHWM")
 
 
 class Peer:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _bench_common import stop_processes
 
 COMMAND = [sys.executable, "-m", "swarmloco.cli"]
 
@@ -187,14 +188,7 @@ def main() -> int:
     children: list[subprocess.Popen[str]] = []
 
     def stop_all() -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        stop_processes(children)
 
     try:
         boot, endpoint = start_bootstrap(run_dir)
