@@ -294,23 +294,29 @@ async def test_a_newcomer_at_round_0_does_not_keep_a_fresh_peer_from_the_lone_pe
     assert found.adopted.snapshot.digest == ahead.digest
 
 
-async def test_two_strangers_holding_one_state_each_back_neither():
-    """A peer with history, two strangers each holding a different state of round 11 (one
-    of them a liar's): neither is a witness, neither has a quorum: nothing is adopted."""
+async def test_an_orphaned_peer_takes_a_strangers_state_only_within_its_own_bounds():
+    """A peer whose last partner left; round 11 held by one stranger, and another state of
+    round 11 (a liar's) held from two networks. With nobody to ask, the peer tries the
+    liar's first (more networks), refuses it on the distance its own outer steps allow,
+    distrusts its holders, and takes the other."""
     theta = torch.randn(NUMEL)
     async with AsyncExitStack() as stack:
         boot = await node(stack)
-        a, liar = await holder(stack, boot), await holder(stack, boot)
+        a = await holder(stack, boot)
+        liars = [await holder(stack, boot, host=f"127.0.0.{n}") for n in (2, 3)]
         a.state = snapshot(11, state_after(theta, 1, seed=5))
         await a.publish(claim=12, state=a.state)
-        liar.state = snapshot(11, theta + 100.0)
-        await liar.publish(claim=12, state=liar.state)
+        poisoned = snapshot(11, theta + 100.0)
+        for liar in liars:
+            liar.state = poisoned
+            await liar.publish(claim=12, state=poisoned)
         me = await node(stack, boot.endpoint)
         gone = Identity.generate().peer_id_hex
         evidence = seasoned([gone], last_round_at=time.time())
         found = await catchup(me, evidence).find(
             round=10, digest=None, reference=reference(theta), distrusted=set()
         )
-    assert found.adopted is None
-    assert len(found.refused) == 2
-    assert all("held by 1 peer" in r.reason for r in found.refused)
+    assert found.adopted is not None and found.adopted.snapshot.digest == a.state.digest
+    (refused,) = [r for r in found.refused if r.digest == poisoned.digest.hex()]
+    assert "away from this peer's state" in refused.reason
+    assert {liar.peer_id for liar in liars} <= found.distrusted

@@ -11,6 +11,8 @@ import torch
 from avgutil import SWARM, assert_identical, averaging_peers, run_round
 from test_state_transfer import fetch, make_snapshot, serving
 
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.dashboard.collector import read_swarm
 from swarmloco.errors import RejectedInput
 from swarmloco.net.averaging import MatchmakingConfig
 from swarmloco.net.client import RpcClient
@@ -20,6 +22,12 @@ from swarmloco.net.state import Donor, Requester, StateDonor, StateTransferError
 from swarmloco.net.work import IdentityWork, solve, work_bits
 
 BITS = 4  # 16 scrypt evaluations a key: what matters here is the check, not the price
+
+
+def with_work() -> SwarmManifest:
+    """A public run's manifest that asks for ``BITS`` of work (the records are read under
+    the test's swarm id)."""
+    return SwarmManifest(task="t", model={}, data={}, hparams={}, identity_work=BITS)
 
 
 def proven(identity: Identity) -> IdentityWork:
@@ -56,6 +64,12 @@ async def test_a_key_without_work_gets_nothing_stored_read_or_averaged():
         assert all(len(e.value[MEMBER_FIELD]) == 8 for e in seen.entries.values())
         refusals = sum(p.node.dht.rejections.counts["unproven"] for p in members)
         assert refusals > 0
+        # The dashboard of a run with work, even read through the outsider's node (which
+        # kept its own record), shows the proven keys only.
+        reading = await read_swarm(
+            peers[outsider].node.dht, SWARM, manifest=with_work(), timeout_s=5.0
+        )
+        assert set(reading.progress) == {p.peer_id for p in members}
 
         vectors = [torch.randn(4096, generator=torch.Generator().manual_seed(i)) for i in range(4)]
         results = await run_round(peers, 1, vectors, [1.0, 2.0, 3.0, 4.0], timeout=20.0)

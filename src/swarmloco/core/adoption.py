@@ -61,9 +61,9 @@ class AdoptionConfig:
     """How much evidence adopting another peer's state takes."""
 
     quorum: int = 2
-    """Distinct source networks (/24, /64; loopback and private addresses one each) that
-    must hold a digest for an orphaned peer, whose recent partners are all silent, to
-    take it."""
+    """A stranger's claim of a later round counts only up to the ``quorum``-th highest
+    claim of the peers that hold a round (one key alone cannot lead a peer past what the
+    others report)."""
     witness_rounds: int = 64
     """A peer stays a witness for this many rounds after it last averaged with this one."""
     max_speedup: float = 4.0
@@ -232,24 +232,16 @@ def backing(
     evidence: Evidence,
     config: AdoptionConfig,
     *,
-    networks: int = 0,
     orphaned: bool = False,
 ) -> str | None:
-    """Why a digest held by ``holders`` (from ``networks`` distinct source networks) is not
-    backed, or None if it is. ``orphaned``: none of this peer's witnesses reports anything
-    (they all left): holders in ``quorum`` networks then back a digest. A fresh peer has
-    nothing to hold a claim against: every digest backs itself, and the caller tries the
-    one held from the most networks first."""
+    """Why a digest held by ``holders`` is not backed, or None if it is. A witness backs
+    a digest. A peer with nobody to ask (fresh, or ``orphaned``: every partner it had is
+    silent, or it never had one) has nothing of its own to weigh a claim against: every
+    digest backs itself, the caller tries the one held from the most networks first, and
+    the whole-state checks and the probation decide."""
     held = set(holders)
-    if evidence.fresh or held & evidence.witnesses.keys():
+    if evidence.fresh or orphaned or held & evidence.witnesses.keys():
         return None
-    if orphaned and networks >= config.quorum:
-        return None
-    if orphaned:
-        return (
-            f"held by {len(held)} peer(s) from {networks} network(s); with every recent "
-            f"partner of this peer silent, adopting takes holders in {config.quorum} networks"
-        )
     return (
         f"held by {len(held)} peer(s), none of which averaged with this peer lately "
         "(keys cost nothing: only a recent partner's word counts)"

@@ -12,14 +12,14 @@ way it looks for another state (:meth:`CatchUp.find`):
    published for each.
 2. Rank the candidate states: those held by a *witness* (a peer that averaged with this one
    lately) first, then the newer round, then the most backed; a fresh peer (no witness
-   yet) and an orphaned one (every witness silent) take the state held from the most
-   source networks first.
-3. Take each candidate only with evidence (``core/adoption.py``): backed by a witness (or,
-   fresh or orphaned, as above), a round that time allows; download it from its holders
-   (witnesses first, at most ``donors_per_digest``, each bounded by the download's own
-   limits); then check it whole against this peer's own state (finite, the distance the
-   outer steps move, the momentum its updates build, the token count). A state that fails
-   is refused and its holders distrusted.
+   yet) and an orphaned one (every witness silent, or none ever) take the state held from
+   the most source networks first.
+3. Take each candidate only with evidence (``core/adoption.py``): backed by a witness (a
+   peer with nobody to ask takes any, on the checks that follow), a round that time
+   allows; download it from its holders (witnesses first, at most ``donors_per_digest``,
+   each bounded by the download's own limits); then check it whole against this peer's
+   own state (finite, the distance the outer steps move, the momentum its updates build,
+   the token count). A state that fails is refused and its holders distrusted.
 4. Of its own round, a peer takes another digest only when its witnesses back that digest
    more than its own (never on strangers' word): a split group heals, a thousand keys
    publishing another digest of the round change nothing.
@@ -343,9 +343,7 @@ class CatchUp:
         )
 
     def _unbacked_reason(self, c: Candidate, orphaned: bool) -> str | None:
-        return backing(
-            c.holders, self.evidence, self.config.adoption, networks=c.networks, orphaned=orphaned
-        )
+        return backing(c.holders, self.evidence, self.config.adoption, orphaned=orphaned)
 
     async def _try(
         self,
