@@ -68,6 +68,13 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=128, help="the MLP's width (its size)")
     p.add_argument("--data-seed", type=int, default=None, help="default: the swarm's")
     p.add_argument("--start-with", type=int, default=1, help="wait for this many peers first")
+    p.add_argument(
+        "--identity-work",
+        type=int,
+        default=None,
+        help="create: bits of work each key proves to take part (default: 8, about a second "
+        "of one core once per key; 0: none)",
+    )
     p.add_argument("--events", nargs="?", const="-", help="rank 0: one JSON line per event (-)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -122,7 +129,14 @@ def train(
     common = dict(peers=args.peer, port=args.port, config=config, on_event=on_event, box=box)
     if args.command == "create":
         spec = swarmloco.RunSpec(sync_every=args.sync_every, total_steps=args.total_steps)
-        swarm = swarmloco.create(spec, wrapped, optimizer, name="mlp box example", **common)
+        swarm = swarmloco.create(
+            spec,
+            wrapped,
+            optimizer,
+            name="mlp box example",
+            identity_work=args.identity_work,
+            **common,
+        )
     else:
         if not args.swarm_id:
             p.error("join needs the SWARM_ID that create printed")

@@ -81,6 +81,13 @@ def main() -> None:
         default=1,
         help="average only in groups of at least this many (1: a peer alone averages with itself)",
     )
+    p.add_argument(
+        "--identity-work",
+        type=int,
+        default=None,
+        help="create: bits of work each key proves to take part (default: 8, about a second "
+        "of one core once per key; 0: none)",
+    )
     p.add_argument("--events", nargs="?", const="-", help="one JSON object per event on stdout (-)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -99,7 +106,9 @@ def main() -> None:
     common = dict(peers=args.peer, port=args.port, config=config, on_event=on_event)
     if args.command == "create":
         spec = swarmloco.RunSpec(sync_every=args.sync_every, total_steps=args.total_steps)
-        swarm = swarmloco.create(spec, model, optimizer, name="mlp example", **common)
+        swarm = swarmloco.create(
+            spec, model, optimizer, name="mlp example", identity_work=args.identity_work, **common
+        )
         print(swarm.swarm_id, flush=True)
     else:
         if not args.swarm_id:

@@ -29,7 +29,7 @@ from swarmloco.core.grouping import part_blocks
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.state import StateSchema
 from swarmloco.errors import ModelMismatch
-from swarmloco.net.admission import AdmissionError
+from swarmloco.net.admission import AdmissionError, gate_of
 from swarmloco.net.averaging import BandwidthConfig, Fault, FaultPlan, MatchmakingConfig
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NodeConfig
@@ -350,6 +350,7 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
             schema=StateSchema.diloco(numel),
             evidence=Evidence(),
             faults=plan,
+            admission=gate_of(manifest, identity),  # a proven key, as every peer's
         ),
     )
     run_peers(b.job, (hostile, model, opt, batches(9)))
@@ -549,7 +550,11 @@ def test_a_state_that_blows_training_up_is_rolled_back_and_its_holder_distrusted
 
     spec = dataclasses.replace(SPEC, total_steps=None)
     creator = swarmloco.create(
-        spec, mlp(), torch.optim.AdamW(mlp().parameters()), config=config(tmp_path, "creator")
+        spec,
+        mlp(),
+        torch.optim.AdamW(mlp().parameters()),
+        config=config(tmp_path, "creator"),
+        identity_work=0,  # the stranger's one key: what it costs is not the point here
     )
     manifest = creator.manifest
     assert manifest is not None
@@ -595,7 +600,7 @@ def test_a_state_that_blows_training_up_is_rolled_back_and_its_holder_distrusted
     rolled = events.of("rolled-back")
     assert len(rolled) == 1 and rolled[0]["adopted_round"] == 5 and rolled[0]["round"] == 0
     assert "loss" in rolled[0]["why"]
-    assert donor.stats["served"] == 1  # distrusted: never asked again
+    assert donor.stats["served"] == 1  # that state is never taken again
     assert [e["round"] for e in events.of("round")] == list(range(1, 8))
     assert torch.isfinite(peer.swarm.diloco.theta_g).all()
     assert peer.swarm.snapshots.current.digest != poisoned.digest

@@ -54,6 +54,7 @@ from swarmloco.core.config import require_int, require_positive
 
 _HISTORY = 16  # recent rounds whose movement, update and interval are kept
 _LOSSES = 8  # training losses kept as a probation's reference
+_SUSTAINED = 3  # losses in a row whose median condemns a state on probation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,8 +83,8 @@ class AdoptionConfig:
     probation_rounds: int = 2
     """Rounds averaged with others after which an adopted state counts as this peer's own."""
     explode_factor: float = 4.0
-    """A training loss above this multiple of the loss before an adoption (or NaN) while on
-    probation rolls the adoption back."""
+    """Three training losses in a row whose median is above this multiple of the highest
+    loss before an adoption (or one NaN) while on probation roll the adoption back."""
 
     def __post_init__(self) -> None:
         require_int("quorum", self.quorum, minimum=1)
@@ -458,21 +459,26 @@ def check_state(
 class Probation:
     """An adopted state on trial (the peer keeps its last verified state meanwhile).
 
-    ``rounds`` counts the rounds averaged with others since the adoption; the reference
-    loss is the median of the training losses before the adoption or, for a peer that
-    logged none, of those before its first round from the adopted state lands (the state's
-    own loss, before any outer step of its momentum)."""
+    ``rounds`` counts the rounds averaged with others since the adoption. The reference is
+    the highest of the training losses before the adoption or, for a peer that logged too
+    few, of those before its first round from the adopted state lands (the state's own
+    loss, before any outer step of its momentum). A state is condemned by a loss that is
+    not finite, or by three losses in a row whose median passes ``explode_factor`` times
+    the reference: training noise (a small loss doubling from one batch to the next) is
+    not an explosion, an outer step of a poisoned momentum is."""
 
     round: int
     """The adopted state's round."""
     digest: bytes
     holders: tuple[str, ...]
     before: list[float] = dataclasses.field(default_factory=list)
-    """Training losses before the adoption (the reference, when there are any)."""
+    """Training losses before the adoption (the reference, when there are enough)."""
     after: list[float] = dataclasses.field(default_factory=list)
     """Training losses since, until the first round from the adopted state lands."""
     rounds: int = 0
     landed: bool = False
+    recent: list[float] = dataclasses.field(default_factory=list)
+    """The last losses since that round landed."""
 
     def to_state(self) -> dict[str, Any]:
         return {
@@ -498,8 +504,10 @@ class Probation:
         )
 
     def reference(self) -> float | None:
-        losses = [x for x in (self.before or self.after) if math.isfinite(x)]
-        return statistics.median(losses) if losses else None
+        before = [x for x in self.before if math.isfinite(x)]
+        after = [x for x in self.after if math.isfinite(x)]
+        losses = before if len(before) >= _SUSTAINED else after
+        return max(losses) if losses else None
 
     def loss(self, value: float, config: AdoptionConfig) -> str | None:
         """Why training loss ``value`` condemns the adopted state, or None."""
@@ -508,11 +516,16 @@ class Probation:
         if not self.landed:
             self.after = [*self.after, value][-_LOSSES:]
             return None
+        self.recent = [*self.recent, value][-_SUSTAINED:]
         reference = self.reference()
-        if reference is not None and reference > 0 and value > config.explode_factor * reference:
+        if reference is None or reference <= 0 or len(self.recent) < _SUSTAINED:
+            return None
+        typical = statistics.median(self.recent)
+        if typical > config.explode_factor * reference:
             return (
-                f"the training loss rose to {value:.4g} from {reference:.4g} after adopting "
-                f"it (more than {config.explode_factor:g} times)"
+                f"the training loss rose to {typical:.4g} (the median of its last "
+                f"{_SUSTAINED}) from at most {reference:.4g} after adopting it (more than "
+                f"{config.explode_factor:g} times)"
             )
         return None
 

@@ -593,9 +593,10 @@ ROUND = register(
                 "announced_at": Float(minimum=0.0),
                 # Padded length of the vector it averages (peers of other sizes are ignored).
                 "numel": Int(minimum=0),
-                # Set by a leader once its group formed: its size. A peer that comes later
-                # and was not in it waits for the round's result instead of averaging the
-                # round again with other latecomers (a split).
+                # Set by a leader: 1 while it gathers its group (a leader with partners,
+                # which newcomers then ask), then the group's size once formed. A peer that
+                # comes later and was not in it waits for the round's result instead of
+                # averaging the round again with other latecomers (a split).
                 "formed": Int(minimum=1),
             },
             optional=frozenset({"formed"}),

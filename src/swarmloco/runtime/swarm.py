@@ -105,6 +105,7 @@ _UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs
 _PEERS_POLL_S = 0.5  # how often wait_for_peers looks
 _DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
 _MAX_DISTRUSTED_DIGESTS = 1024  # states rolled back, remembered
+_ROLLED_BACK_S = 60.0  # how long the holders of a state rolled back are not asked again
 _EXPECTED_STRANGERS = 2  # newcomers a round waits for besides this peer's partners
 _MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
 _INITIAL_RETRY_S = 2.0
@@ -1415,14 +1416,16 @@ class Swarm:
         self._distrusted_digests[probation.digest] = None
         while len(self._distrusted_digests) > _MAX_DISTRUSTED_DIGESTS:
             self._distrusted_digests.popitem(last=False)
-        until = time.monotonic() + _DISTRUSTED_S
+        # The state itself is never taken again; its holders are not asked for another
+        # for a while (they may be honest peers whose state training here disagreed with:
+        # pacing keeps hearing them).
+        until = time.monotonic() + _ROLLED_BACK_S
         for peer in probation.holders:
-            self._distrusted[peer] = until
-            self._unbacked[peer] = until
+            self._distrusted[peer] = max(self._distrusted.get(peer, 0.0), until)
         logger.error(
             "rolling back the state of round %d (digest %s) adopted from %d peer(s): %s. "
-            "Back to this peer's own state of round %d; that state and its holders are "
-            "distrusted",
+            "Back to this peer's own state of round %d; that state is never taken again, "
+            "nor another from its holders for a minute",
             probation.round,
             probation.digest.hex()[:12],
             len(probation.holders),

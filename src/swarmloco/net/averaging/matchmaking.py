@@ -184,6 +184,8 @@ class _Candidate:
     rank: bytes
     peer_id: str
     endpoint: str
+    gathering: bool = False
+    """Its leader says it gathers its group now (and has partners)."""
 
 
 def leader_rank(swarm_id: str, round: int, peer_id: str) -> bytes:
@@ -338,52 +340,47 @@ class Matchmaker:
     async def _candidates(
         self, round: int, me: pb.MemberDeclaration, deadline: Deadline
     ) -> tuple[list[_Candidate], bool]:
-        """Serving peers of this round and vector size ahead of us in the order of
-        leadership, first first (all of them if we cannot lead); and whether a leader says
-        the round's group formed (without us: a group we were in does not count)."""
+        """The serving peers of this round and vector size this peer may follow, in the
+        order it asks them (all of them if it cannot lead); and whether a leader says the
+        round's group formed (without us: a group we were in does not count).
+
+        A peer with partners follows only partners ahead of it in the order of leadership.
+        A peer without partners (a newcomer) follows the peers ahead of it, and, first,
+        leaders with partners that say they are gathering now (``formed: 1``) wherever they
+        stand in the order: peers with partners never follow a stranger, so a newcomer
+        first in the order would otherwise lead, and average, alone."""
         key = round_key(self.swarm_id, round)
         timeout = max(min(deadline.remaining(), self.dht.config.lookup_timeout_s), 0.01)
         result = await self.dht.get(key, timeout=timeout)
         mine = self.identity.peer_id_hex
-        found = []
         formed = self._formed_marked(round, me.numel, result.entries.values())
         partners = set(self.partners())
-        unknown = False
-        for entry in result.entries.values():
-            value = entry.value
-            if entry.subkey == mine or value["client_mode"] or not value["endpoint"]:
-                continue
-            if value["numel"] != me.numel:
-                continue
-            if partners and entry.subkey not in partners:
-                continue  # a stranger does not lead a peer with a history
-            if self.peer_records and self._records.get(entry.subkey) != value["endpoint"]:
-                unknown = True
-                continue
+        own = leader_rank(self.swarm_id, round, mine)
+        entries = [
+            e
+            for e in result.entries.values()
+            if e.subkey != mine
+            and not e.value["client_mode"]
+            and e.value["endpoint"]
+            and e.value["numel"] == me.numel
+            and (not partners or e.subkey in partners)  # a stranger never leads a partner
+        ]
+        if self.peer_records and any(
+            self._records.get(e.subkey) != e.value["endpoint"] for e in entries
+        ):
+            await self._reread_records(deadline)
+        found = []
+        for entry in entries:
+            if self.peer_records and self._records.get(entry.subkey) != entry.value["endpoint"]:
+                continue  # not announced in the swarm's peer list (at that endpoint)
             rank = leader_rank(self.swarm_id, round, entry.subkey)
-            found.append(_Candidate(rank, entry.subkey, value["endpoint"]))
-        if unknown and await self._reread_records(deadline):
-            for entry in result.entries.values():
-                value = entry.value
-                if (
-                    entry.subkey == mine
-                    or value["client_mode"]
-                    or value["numel"] != me.numel
-                    or (partners and entry.subkey not in partners)
-                    or any(c.peer_id == entry.subkey for c in found)
-                ):
-                    continue
-                if self._records.get(entry.subkey) == value["endpoint"]:
-                    rank = leader_rank(self.swarm_id, round, entry.subkey)
-                    found.append(_Candidate(rank, entry.subkey, value["endpoint"]))
-        found.sort(key=lambda c: c.rank)
-        if me.endpoint and (partners or round not in self._lonely):
-            own = leader_rank(self.swarm_id, round, mine)
-            found = [c for c in found if c.rank < own]
-        # Otherwise: a peer without partners whose last try at leading this round gathered
-        # too few follows whoever leads, ahead of it in the order or behind. Peers with
-        # partners do not follow a stranger, so a newcomer first in the order would lead
-        # alone again and again (its place is the same each try of a round).
+            gathering = entry.value.get("formed") == 1
+            ahead = rank < own or not me.endpoint
+            follow_any = not partners and (gathering or round in self._lonely)
+            if ahead or follow_any:
+                found.append(_Candidate(rank, entry.subkey, entry.value["endpoint"], gathering))
+        # Gathering leaders first (a newcomer's), then the order of leadership.
+        found.sort(key=lambda c: (not (c.gathering and not partners), c.rank))
         return found, formed
 
     def _formed_marked(self, round: int, numel: int, entries: Iterable[Entry]) -> bool:
@@ -588,6 +585,9 @@ class Matchmaker:
             gathering.subnets[own] += 1
         self._leading[round] = gathering
         self._following.pop(round, None)
+        if self.partners():
+            # Say so: newcomers, whom this peer would never follow, find their way here.
+            self._mark_formed(round, 1, forget=False)
         close_at = loop.time() + min(cfg.gather_s, deadline.remaining())
         try:
             if enough <= 1:
@@ -617,10 +617,11 @@ class Matchmaker:
             self._mark_formed(round, group.size)
         return group
 
-    def _mark_formed(self, round: int, size: int) -> None:
-        """Say in our ``round/<r>`` entry that the round's group formed (in the background:
-        the exchange does not wait for it), so that a peer coming later does not lead a
-        second group of the round with other latecomers."""
+    def _mark_formed(self, round: int, size: int, *, forget: bool = True) -> None:
+        """Say in our ``round/<r>`` entry that the round's group formed with ``size``
+        members, or with ``size`` 1 that this peer gathers it now (in the background: the
+        exchange does not wait for it). A peer coming later does not lead a second group of
+        a formed round with other latecomers; a newcomer asks a gathering leader."""
         entry = self._entries.get(round)
         if entry is None:
             return
@@ -630,9 +631,10 @@ class Matchmaker:
             try:
                 await self.dht.store(key, value, ttl=self.config.announce_ttl_s)
             except Exception as exc:  # a lost marker costs at most a split, never the round
-                logger.info("round %d: could not mark the group formed: %s", round, exc)
+                logger.info("round %d: could not mark the group %s: %s", round, size, exc)
             finally:
-                self.dht.forget_published(key, self.identity.peer_id_hex)
+                if forget:
+                    self.dht.forget_published(key, self.identity.peer_id_hex)
 
         task = asyncio.get_running_loop().create_task(store())
         self._marking.add(task)
