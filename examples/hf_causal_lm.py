@@ -71,6 +71,12 @@ def main() -> None:
     p.add_argument("--sync-every", type=int, default=10, help="H: inner steps per round")
     p.add_argument("--max-rounds", type=int, default=None, help="leave at this round")
     p.add_argument("--min-peers", type=int, default=1, help="smallest group to average in")
+    p.add_argument(
+        "--identity-work",
+        type=int,
+        default=None,
+        help="create: bits of work each key proves to take part (default: 8; 0: none)",
+    )
     p.add_argument("--events", nargs="?", const="-", help="JSON events on stdout (-)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -91,7 +97,7 @@ def main() -> None:
     )
     if args.command == "create":
         spec = swarmloco.RunSpec(sync_every=args.sync_every, total_steps=TOTAL_STEPS)
-        callback = SwarmCallback(spec=spec, **common)
+        callback = SwarmCallback(spec=spec, identity_work=args.identity_work, **common)
     else:
         if not args.swarm_id:
             p.error("join needs the SWARM_ID that create printed")

@@ -7,9 +7,11 @@ up in ONE JSON object on stdout.
 
 A bootstrap node, a dashboard and ``--peers`` (4) tiny training peers (`swarmloco join`,
 one process each, serving on 127.0.0.2-5) train for a clean window of ``--seconds``; then
-an attacker with ``--keys`` fresh keys, calling from four addresses of its own
-(127.0.0.10-13, through local forwarders: a gRPC client cannot pick its source address),
-runs every attack for another ``--seconds``:
+an attacker with ``--keys`` keys, each proven for the run (``--identity-work`` bits, a
+public run's 8 by default; minted on every core before the swarm trains, once the run
+exists), calling from four addresses of its own (127.0.0.10-13, through local forwarders:
+a gRPC client cannot pick its source address), runs every attack for another
+``--seconds``:
 
 1. state poisoning: each round the swarm applies, the attacker downloads the honest state,
    serves it with the outer momentum x1000 from four servers of its own, and publishes
@@ -33,7 +35,8 @@ turned non-finite or 1.5x what it was before the attack), ``excluded_peers`` (ho
 with no round averaged with another honest peer during the attack), ``rounds_ratio``
 (rounds applied during the attack over the clean window's), ``peak_rss_growth_mb`` (the
 largest growth of any honest process's resident memory during the attack: peers,
-bootstrap, dashboard), ``mint_cpu_s`` (CPU seconds the attacker spent making its keys),
+bootstrap, dashboard), ``mint_cpu_s`` (CPU seconds the attacker spent making its keys and
+their proofs of work),
 what each attack got, and the machine. Logs, events and checkpoints stay in ``--dir``.
 On one machine loopback callers are exempt from donors' per-network limits (a local swarm
 is its operator's own), so attack 7 binds here only through the donors' global slots;
@@ -48,6 +51,7 @@ import collections
 import contextlib
 import json
 import math
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -65,10 +69,12 @@ sys.path.insert(0, str(HERE.parent / "tests" / "net"))  # the source-address for
 import grpc  # noqa: E402
 import torch  # noqa: E402
 from _bench_common import machine, status_mb, stop_processes  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from local_swarm import COMMAND, publish_swarm, read_events, start_bootstrap  # noqa: E402
 from sourceproxy import SourceProxy  # noqa: E402
 
+from swarmloco.core.manifest import PUBLIC_IDENTITY_WORK  # noqa: E402
 from swarmloco.core.state import MOMENTUM, StateSchema, StateSnapshot  # noqa: E402
 from swarmloco.net.client import ClientConfig, RpcClient  # noqa: E402
 from swarmloco.net.deadline import Deadline  # noqa: E402
@@ -79,6 +85,7 @@ from swarmloco.net.endpoints import parse_endpoint  # noqa: E402
 from swarmloco.net.identity import Identity  # noqa: E402
 from swarmloco.net.node import NetNode, NodeConfig  # noqa: E402
 from swarmloco.net.records import (  # noqa: E402
+    MEMBER_FIELD,
     Record,
     digest_key,
     make_record,
@@ -88,10 +95,17 @@ from swarmloco.net.records import (  # noqa: E402
     status_key,
 )
 from swarmloco.net.server import ServerConfig  # noqa: E402
-from swarmloco.net.state import Donor, StateDonor, download_state, state_service  # noqa: E402
+from swarmloco.net.state import (  # noqa: E402
+    Donor,
+    Requester,
+    StateDonor,
+    download_state,
+    state_service,
+)
 from swarmloco.net.state.wire import DOWNLOAD_PATH, encode_request  # noqa: E402
 from swarmloco.net.swarm import fetch_manifest  # noqa: E402
 from swarmloco.net.tls import TLS_SERVER_NAME, fetch_certificate  # noqa: E402
+from swarmloco.net.work import solve  # noqa: E402
 from swarmloco.proto.v1 import dht_pb2  # noqa: E402
 from swarmloco.runtime.swarm import manifest_signature, manifest_spec  # noqa: E402
 
@@ -186,19 +200,49 @@ class Honest:
         return 0
 
 
+def _key(seed: bytes) -> Identity:
+    return Identity(Ed25519PrivateKey.from_private_bytes(seed))
+
+
+def _mint_one(job: tuple[str, int, bytes]) -> tuple[bytes, float]:
+    """One key (from its seed) and its proof of work for the swarm, in a worker process:
+    the nonce, and the CPU seconds making both took."""
+    swarm, bits, seed = job
+    started = time.process_time()
+    identity = _key(seed)
+    nonce = solve(swarm, identity.peer_id, bits) if bits else b""
+    return nonce, time.process_time() - started
+
+
+def mint(swarm: str, bits: int, count: int) -> tuple[list[tuple[Identity, bytes]], float]:
+    """``count`` keys with their proofs for ``swarm``, on every core; and the CPU seconds
+    they cost in all."""
+    seeds = [os.urandom(32) for _ in range(count)]
+    with multiprocessing.get_context("spawn").Pool(os.cpu_count() or 1) as pool:
+        made = pool.map(_mint_one, [(swarm, bits, seed) for seed in seeds], chunksize=8)
+    keys = [(_key(seed), nonce) for seed, (nonce, _) in zip(seeds, made, strict=True)]
+    return keys, sum(cpu for _, cpu in made)
+
+
 class Attacker:
-    """One stranger: ``keys`` keys, four source addresses, every attack at once."""
+    """One stranger: its minted keys (with their proofs of work), four source addresses,
+    every attack at once."""
 
     def __init__(
-        self, *, swarm: str, boot: str, peers: list[str], dashboard: str, keys: int
+        self,
+        *,
+        swarm: str,
+        boot: str,
+        peers: list[str],
+        dashboard: str,
+        keys: list[tuple[Identity, bytes]],
     ) -> None:
         self.swarm = swarm
         self.boot = boot
         self.peers = peers
         self.dashboard = dashboard
-        started = time.process_time()
-        self.keys = [Identity.generate() for _ in range(keys)]
-        self.mint_cpu_s = time.process_time() - started
+        self.keys = [identity for identity, _ in keys]
+        self.proofs = {identity.peer_id_hex: nonce for identity, nonce in keys}
         self.stats: dict[str, Any] = {
             "forged_digests": [],
             "forged_published": 0,
@@ -312,7 +356,16 @@ class Attacker:
         return stored
 
     def _record(self, key: str, value: Any, owner: Identity, ttl: float = 600.0) -> Record:
+        proof = self.proofs.get(owner.peer_id_hex, b"")
+        if proof:
+            value = {**value, MEMBER_FIELD: proof}
         return make_record(key, value, expiration=time.time() + ttl, owner=owner)
+
+    def _request(self, source: str) -> bytes:
+        """A download request signed by a proven key of this source's."""
+        key = self.keys[SOURCES.index(source)]
+        requester = Requester(key, self.proofs.get(key.peer_id_hex, b""))
+        return encode_request(swarm_id=self.swarm, nonce=os.urandom(16), requester=requester)
 
     # -- 1. state poisoning, 2. fake leaders --------------------------------------------------
 
@@ -538,9 +591,7 @@ class Attacker:
     async def slow_readers(self, until: float) -> None:
         async def read_slowly(peer: str, source: str) -> None:
             channel = await self._channel(source, peer)
-            call = channel.unary_stream(DOWNLOAD_PATH)(
-                encode_request(swarm_id=self.swarm, nonce=os.urandom(16))
-            )
+            call = channel.unary_stream(DOWNLOAD_PATH)(self._request(source))
             self.stats["slow_reads_started"] += 1
             try:
                 async for _ in call:
@@ -554,9 +605,7 @@ class Attacker:
         async def pull(peer: str, source: str) -> None:
             channel = await self._channel(source, peer)
             while time.monotonic() < until:
-                call = channel.unary_stream(DOWNLOAD_PATH)(
-                    encode_request(swarm_id=self.swarm, nonce=os.urandom(16))
-                )
+                call = channel.unary_stream(DOWNLOAD_PATH)(self._request(source))
                 try:
                     async for _ in call:
                         pass
@@ -661,6 +710,14 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=120.0, help="each window's length")
+    parser.add_argument(
+        "--identity-work",
+        type=int,
+        default=PUBLIC_IDENTITY_WORK,
+        metavar="BITS",
+        help="the run's proof of work per key (default: a public run's, %(default)s); the "
+        "attacker proves every key it mints",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where logs and data stay")
     args = parser.parse_args()
     if args.keys < FORGED_KEYS + FAKE_LEADERS + FAKE_STATUS:
@@ -671,8 +728,22 @@ def main() -> None:
     try:
         boot, boot_endpoint = start_bootstrap(run_dir)
         children.append(boot)
-        swarm = publish_swarm(boot_endpoint, run_dir, *SWARM_OPTIONS, "--total-steps", "1000000")
-        log(f"swarm {swarm} through {boot_endpoint}; {args.peers} peers")
+        swarm = publish_swarm(
+            boot_endpoint,
+            run_dir,
+            *SWARM_OPTIONS,
+            "--total-steps",
+            "1000000",
+            "--identity-work",
+            str(args.identity_work),
+        )
+        # Keys can be proven only once the run exists; the attacker mints them before the
+        # swarm trains, on every core, so that the minting slows no window down.
+        log(f"swarm {swarm}: the attacker mints {args.keys} keys ({args.identity_work} bits)")
+        minted = time.monotonic()
+        keys, mint_cpu_s = mint(swarm, args.identity_work, args.keys)
+        mint_wall_s = time.monotonic() - minted
+        log(f"minted in {mint_wall_s:.0f} s ({mint_cpu_s:.0f} CPU-s); {args.peers} peers start")
         dash, url = start_dashboard(swarm, boot_endpoint, run_dir)
         children.append(dash)
         peers = [Honest(i, run_dir, swarm, boot_endpoint) for i in range(args.peers)]
@@ -694,13 +765,13 @@ def main() -> None:
         before_loss = {p.index: eval_loss(p) for p in peers}
         lines_before = {p.index: p.log_lines() for p in peers}
         seen = {p.index: len(p.events) for p in peers}
-        log(f"clean: {clean['rounds']} rounds; the attacker mints {args.keys} keys and attacks")
+        log(f"clean: {clean['rounds']} rounds; the attacker attacks")
         attacker = Attacker(
             swarm=swarm,
             boot=boot_endpoint,
             peers=[p.endpoint for p in peers],
             dashboard=url,
-            keys=args.keys,
+            keys=keys,
         )
 
         async def attack() -> None:
@@ -755,6 +826,7 @@ def main() -> None:
                 "keys": args.keys,
                 "source_addresses": len(SOURCES),
                 "seconds": args.seconds,
+                "identity_work": args.identity_work,
                 "swarm": list(SWARM_OPTIONS),
             },
             "poisoned_peers": len(poisoned),
@@ -766,7 +838,8 @@ def main() -> None:
             else None,
             "peak_rss_growth_mb": growth,
             "rss_growth_mb": attacked["rss_growth_mb"],
-            "mint_cpu_s": round(attacker.mint_cpu_s, 3),
+            "mint_cpu_s": round(mint_cpu_s, 3),
+            "mint_wall_s": round(mint_wall_s, 3),
             "log_lines_during_attack": {
                 str(p.index): p.log_lines() - lines_before[p.index] for p in peers
             },

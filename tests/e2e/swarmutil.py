@@ -24,8 +24,21 @@ from cliutil import Bootstrap  # re-exported for the e2e tests
 __all__ = ["Bootstrap", "PeerProcess"]
 
 COMMAND = [sys.executable, "-m", "swarmloco.cli"]
-# Small and fast: a tiny GPT on batches of 4, a round every 8 steps, second-scale timeouts.
-FAST_SWARM = ("--preset", "tiny", "--batch-size", "4", "--sync-every", "8", "--seed", "3")
+# Small and fast: a tiny GPT on batches of 4, a round every 8 steps, second-scale timeouts,
+# and keys without proofs of work (a second of CPU per key, at random: tests of training
+# and timing would start their peers seconds apart; test_swarm.py has a run with proofs).
+FAST_SWARM = (
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "4",
+    "--sync-every",
+    "8",
+    "--seed",
+    "3",
+    "--identity-work",
+    "0",
+)
 FAST_PEER = (
     "--host",
     "127.0.0.1",

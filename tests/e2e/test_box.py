@@ -36,7 +36,8 @@ def swarm_of(root: Path, boxes: list[tuple[int, str]]) -> list[PeerProcess]:
     n = len(boxes) + 1
     common = ("--max-rounds", str(ROUNDS), "--min-peers", str(n), "--start-with", str(n))
     common += ("--sync-every", "10", "--gather", "3")
-    with peer(root / "creator", 1, "create", *common, "--data-seed", "1") as creator:
+    create = ("create", "--identity-work", "0")
+    with peer(root / "creator", 1, *create, *common, "--data-seed", "1") as creator:
         join = ("join", creator.swarm_id, "--peer", creator.endpoint, *common)
         others = [
             peer(root / f"box{i}", ranks, *join, "--layout", layout, "--data-seed", str(i + 2))
@@ -77,7 +78,8 @@ def test_a_box_computes_what_one_process_computes_on_the_same_data(tmp_path):
     trained on the same batches end their rounds on the same global model (the ranks split
     each batch; float sums in another order are all that differs)."""
     rounds = 3
-    args = ("create", "--max-rounds", str(rounds), "--sync-every", "10", "--data-seed", "7")
+    args = ("create", "--identity-work", "0", "--max-rounds", str(rounds), "--sync-every", "10")
+    args += ("--data-seed", "7")
     runs = [
         peer(tmp_path / "one", 1, *args),
         peer(tmp_path / "ddp", 2, *args, "--layout", "ddp"),
@@ -117,7 +119,8 @@ def test_a_box_catches_up_stops_resumes_exports_and_leaves_cleanly_when_a_rank_d
     common = ("--sync-every", "20", "--gather", "2", "--total-steps", "1000000")
     common += ("--min-peers", "2")
     with contextlib.ExitStack() as stack:
-        creator = stack.enter_context(peer(tmp_path / "creator", 1, "create", *common))
+        create = ("create", "--identity-work", "0")
+        creator = stack.enter_context(peer(tmp_path / "creator", 1, *create, *common))
         join = ("join", creator.swarm_id, "--peer", creator.endpoint, *common)
         helper = stack.enter_context(peer(tmp_path / "helper", 1, *join, "--data-seed", "5"))
         helper.wait_for("round", lambda e: e["round"] >= 2, timeout=120)

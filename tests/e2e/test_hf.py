@@ -22,7 +22,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_causal_lm.py"
 def test_two_trainer_processes_agree_and_the_export_loads_with_from_pretrained(tmp_path):
     rounds = 6
     common = ("--max-rounds", str(rounds), "--min-peers", "2")
-    with PeerProcess.script(EXAMPLE, tmp_path / "a", "create", *common) as a:
+    with PeerProcess.script(
+        EXAMPLE, tmp_path / "a", "create", "--identity-work", "0", *common
+    ) as a:
         ready = a.wait_for("ready", timeout=180)
         join = ("join", ready["swarm_id"], "--peer", ready["endpoint"], *common)
         with PeerProcess.script(EXAMPLE, tmp_path / "b", *join) as b:

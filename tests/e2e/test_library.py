@@ -30,7 +30,7 @@ def rounds_of(peer: PeerProcess) -> dict[int, dict]:
 
 def test_two_processes_agree_and_a_late_third_follows_the_swarms_learning_rate(tmp_path):
     rounds, h, total = 30, 200, 20_000
-    run = ("--sync-every", str(h), "--total-steps", str(total))
+    run = ("--sync-every", str(h), "--total-steps", str(total), "--identity-work", "0")
     common = ("--max-rounds", str(rounds), "--min-peers", "2")
     with PeerProcess.script(EXAMPLE, tmp_path / "a", "create", *run, *common) as a:
         swarm_id = a.swarm_id
@@ -64,7 +64,9 @@ def test_two_processes_agree_and_a_late_third_follows_the_swarms_learning_rate(t
 
 def test_ctrl_c_during_a_round_exits_cleanly_and_resumes_at_the_same_global_step(tmp_path):
     common = ("--min-peers", "2")
-    with PeerProcess.script(EXAMPLE, tmp_path / "a", "create", *common) as a:
+    with PeerProcess.script(
+        EXAMPLE, tmp_path / "a", "create", "--identity-work", "0", *common
+    ) as a:
         endpoint = a.wait_for("ready")["endpoint"]
         join = ("join", a.swarm_id, "--peer", endpoint, *common)
         with PeerProcess.script(EXAMPLE, tmp_path / "b", *join) as b:

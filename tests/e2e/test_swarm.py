@@ -87,6 +87,25 @@ def test_three_peers_train_together_and_hold_the_same_state(tmp_path):
             assert downloaded and downloaded[0]["round"] == first - 1, p.events
 
 
+def test_a_public_run_with_proofs_of_work_trains_as_one(tmp_path):
+    """A run as `swarmloco create` makes it by default: every key proves 8 bits of work for
+    it. Two peers solve theirs (once: kept in their data directories), average together
+    and hold the same state; their records carry the proofs."""
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint, "--identity-work", "8")
+        with (
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "a") as a,
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "b") as b,
+        ):
+            together = stop_once_averaged_together(b, a)
+    assert together["group"] == 2
+    for p in (a, b):
+        assert "key proven in" in p.log_tail(200), p.log_tail()
+        kept = p.data_dir / "swarms" / swarm / "work"
+        assert len(bytes.fromhex(kept.read_text().strip())) == 8
+    assert digests_of(a)[together["round"]] == digests_of(b)[together["round"]]
+
+
 def test_a_killed_peer_resumes_from_its_checkpoint_and_catches_up(tmp_path):
     with Bootstrap(tmp_path / "boot") as boot:
         swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint)

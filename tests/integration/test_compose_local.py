@@ -21,8 +21,9 @@ def test_the_compose_files_commands_run_a_swarm_of_three_with_its_dashboard(tmp_
             sys.executable,
             str(ROOT / "docker" / "run_local.py"),
             *("--dir", str(tmp_path), "--until-round", "1", "--timeout", "240"),
-            # Small rounds for a test (RUN_OPTIONS is empty in compose.yaml).
-            *("--run-options", "--batch-size 4 --sync-every 8"),
+            # Small rounds and keys without proofs for a test (RUN_OPTIONS is empty in
+            # compose.yaml).
+            *("--run-options", "--batch-size 4 --sync-every 8 --identity-work 0"),
         ],
         capture_output=True,
         text=True,

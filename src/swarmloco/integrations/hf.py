@@ -61,6 +61,7 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
         port: int | None = None,
         config: PeerConfig | None = None,
         on_event: EventSink | None = None,
+        identity_work: int | None = None,
     ) -> None:
         if (spec is None) == (swarm_id is None):
             raise ValueError("give spec (to create a swarm) or swarm_id (to join one)")
@@ -77,6 +78,7 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
         }
         self.config = config
         self.on_event = on_event
+        self.identity_work = identity_work
         self.swarm: Swarm | None = None
 
     def on_train_begin(
@@ -104,7 +106,13 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
                 else None
             )
             swarm = swarmloco.create(
-                self.spec, model, optimizer, model_info=info, config=config, on_event=self.on_event
+                self.spec,
+                model,
+                optimizer,
+                model_info=info,
+                config=config,
+                on_event=self.on_event,
+                identity_work=self.identity_work,
             )
             logger.info("created swarm %s", swarm.swarm_id)
         else:
