@@ -216,7 +216,11 @@ def _peer(
     events = Events()
     cfg = config(tmp, name, *peers, **changes)
     if isinstance(spec_or_id, RunSpec):
-        swarm = swarmloco.create(spec_or_id, model, opt, config=cfg, on_event=events)
+        # Keys without proofs of work: a second of CPU per peer, at random, would start the
+        # tests' peers seconds apart (tests/net/test_identity_work.py covers the proofs).
+        swarm = swarmloco.create(
+            spec_or_id, model, opt, config=cfg, on_event=events, identity_work=0
+        )
     else:
         swarm = swarmloco.join(spec_or_id, model, opt, config=cfg, on_event=events)
     return Peer(swarm, model, opt, events, seed=sum(map(ord, name)), pause=pause)

@@ -466,7 +466,6 @@ class Swarm:
         if self.manifest is None:
             self.manifest = self._fetch_manifest()
         manifest = self.manifest
-        self.admission = self._admission(manifest)
         spec = manifest_spec(manifest)
         self.signature = manifest_signature(manifest)
         differences = self.signature.differences(params_of(self.model))
@@ -477,6 +476,9 @@ class Swarm:
                 "model exactly as the swarm's creator did (same class, config and dtype)",
                 differences,
             )
+        # After the model's check (a wrong model is refused at once), before the network:
+        # a private run's certificate, or this key's proof of work (solved once, kept).
+        self.admission = self._admission(manifest)
         self.h = spec.steps_per_round
         self.spec_ = spec
         if self.box is not None:
