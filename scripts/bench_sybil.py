@@ -391,13 +391,15 @@ class Attacker:
             round, donors = await self._latest_round()
             if round > last and donors:
                 last = round
-                with contextlib.suppress(Exception):
-                    await self._poison(round, donors)
-                with contextlib.suppress(Exception):
-                    await self._fake_leaders(round + 1)
+                for attack in (self._poison(round, donors), self._fake_leaders(round + 1)):
+                    try:
+                        await attack
+                    except Exception as exc:  # counted: the attacker goes on
+                        self.errors[f"{type(exc).__name__}: {exc}"[:160]] += 1
             await asyncio.sleep(1.0)
 
     async def _poison(self, round: int, donors: list[Donor]) -> None:
+        key = self.keys[0]
         got = await download_state(
             self.reader.client,
             donors,
@@ -405,6 +407,7 @@ class Attacker:
             deadline=Deadline.after(30.0),
             expected_round=round,
             schema=self.schema,
+            requester=Requester(key, self.proofs.get(key.peer_id_hex, b"")),
         )
         forged = []
         for r in (round, round + 1):
@@ -625,6 +628,12 @@ class Attacker:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def bad_stores(self) -> None:
+        # A client of its own: it drops its channel after every call (a new connection per
+        # request, what the log's rate limit is about), which must not cut the others'.
+        async with RpcClient(ClientConfig(attempts=1)) as client:
+            await self._bad_stores(client)
+
+    async def _bad_stores(self, client: RpcClient) -> None:
         for i in range(BAD_STORES):
             source = SOURCES[i % len(SOURCES)]
             key = self.keys[i % len(self.keys)]
@@ -642,18 +651,15 @@ class Attacker:
                 key, sign_card(key, ""), [forged], timestamp_ms=int(time.time() * 1000)
             )
             for endpoint in self.peers:
-                # A new connection per call: a forwarder per (source, call) is too many;
-                # the source's forwarder opens one per channel, so close it after.
+                dial = await self.via(source, endpoint)
                 with contextlib.suppress(Exception):
-                    await self._client.call(
-                        await self.via(source, endpoint), STORE, request, timeout=5.0
-                    )
+                    await client.call(dial, STORE, request, timeout=5.0)
                     self.stats["bad_stores"] += 1
-                await self._client.forget(await self.via(source, endpoint))
+                await client.forget(dial)
 
     async def run(self, seconds: float) -> None:
         until = time.monotonic() + seconds
-        await asyncio.gather(
+        attacks = [
             self.poison_and_lead(until),
             self.claim_addresses(until),
             self.watches(until),
@@ -663,8 +669,14 @@ class Attacker:
             self.fake_status(),
             self.half_open(),
             self.bad_stores(),
-            return_exceptions=True,
-        )
+        ]
+        names = [a.__qualname__ for a in attacks]
+        outcomes = await asyncio.gather(*attacks, return_exceptions=True)
+        for name, outcome in zip(names, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                why = f"{name} failed: {type(outcome).__name__}: {outcome}"[:160]
+                self.errors[why] += 1
+                log(why)
 
 
 def start_dashboard(swarm: str, boot: str, run_dir: Path) -> tuple[subprocess.Popen[str], str]:
@@ -680,22 +692,28 @@ def start_dashboard(swarm: str, boot: str, run_dir: Path) -> tuple[subprocess.Po
     return dash, url
 
 
-def window(peers: list[Honest], seconds: float, sample: list[subprocess.Popen[str]]) -> dict:
-    """Poll the peers for ``seconds``: rounds applied, per-process RSS growth."""
+def window(
+    peers: list[Honest], seconds: float, sample: dict[str, subprocess.Popen[str]]
+) -> dict[str, Any]:
+    """Poll the peers for ``seconds``: rounds applied, each sampled process's growth of
+    resident memory (its peak over the window less its size at the start), and the CPU
+    seconds this process (the bench, and the attacker in it) spent meanwhile."""
     start_round = max(p.round for p in peers)
-    base = {p.pid: rss_mb(p.pid) or 0.0 for p in sample}
+    base = {name: rss_mb(proc.pid) or 0.0 for name, proc in sample.items()}
     peak = dict(base)
+    cpu = time.process_time()
     until = time.monotonic() + seconds
     while time.monotonic() < until:
         time.sleep(1.0)
         for p in peers:
             p.poll()
-        for proc in sample:
-            peak[proc.pid] = max(peak[proc.pid], rss_mb(proc.pid) or 0.0)
+        for name, proc in sample.items():
+            peak[name] = max(peak[name], rss_mb(proc.pid) or 0.0)
     return {
         "rounds": max(p.round for p in peers) - start_round,
-        "rss_growth_mb": {str(pid): round(peak[pid] - base[pid], 1) for pid in base},
+        "rss_growth_mb": {name: round(peak[name] - base[name], 1) for name in base},
         "end_round": max(p.round for p in peers),
+        "bench_cpu_s": round(time.process_time() - cpu, 1),
     }
 
 
@@ -759,7 +777,8 @@ def main() -> None:
                 raise RuntimeError("a peer exited while starting: see its log in " + str(run_dir))
         else:
             raise RuntimeError("the peers did not start averaging within 10 minutes")
-        sampled = [boot, dash, *(p.process for p in peers)]
+        sampled = {"bootstrap": boot, "dashboard": dash}
+        sampled.update({f"peer{p.index}": p.process for p in peers})
         log(f"clean window: {args.seconds:.0f} s")
         clean = window(peers, args.seconds, sampled)
         before_loss = {p.index: eval_loss(p) for p in peers}
@@ -812,8 +831,10 @@ def main() -> None:
             with contextlib.suppress(Exception):
                 state = json.loads(urllib.request.urlopen(url + "api/v1/state", timeout=10).read())
                 dashboard_view = {
-                    "peers_online": state.get("swarm", {}).get("peers_online"),
-                    "round": state.get("swarm", {}).get("round"),
+                    "peers_online": state.get("peers_online"),
+                    "round": state.get("round"),
+                    "tokens_per_s": state.get("tokens_per_s"),
+                    "warnings": len(state.get("warnings", [])),
                 }
         stats = dict(attacker.stats)
         stats["forged_digests"] = len(forged)
@@ -838,6 +859,9 @@ def main() -> None:
             else None,
             "peak_rss_growth_mb": growth,
             "rss_growth_mb": attacked["rss_growth_mb"],
+            "rss_growth_mb_clean": clean["rss_growth_mb"],
+            # The attacker runs in this process, on the same two cores as the swarm.
+            "attacker_cpu_s": attacked["bench_cpu_s"],
             "mint_cpu_s": round(mint_cpu_s, 3),
             "mint_wall_s": round(mint_wall_s, 3),
             "log_lines_during_attack": {
