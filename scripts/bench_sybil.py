@@ -69,6 +69,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "net"))  # the source-address for
 import grpc  # noqa: E402
 import torch  # noqa: E402
 from _bench_common import machine, status_mb, stop_processes  # noqa: E402
+from chaos import PEER_OPTIONS as CHAOS_PEER_OPTIONS  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from local_swarm import COMMAND, publish_swarm, read_events, start_bootstrap  # noqa: E402
@@ -111,23 +112,11 @@ from swarmloco.runtime.swarm import manifest_signature, manifest_spec  # noqa: E
 
 SOURCES = ("127.0.0.10", "127.0.0.11", "127.0.0.12", "127.0.0.13")
 SWARM_OPTIONS = ("--preset", "tiny", "--batch-size", "4", "--sync-every", "20")
-PEER_OPTIONS = (
-    "--threads",
-    "1",
-    "--gather",
-    "3",
-    "--round-timeout",
-    "30",
-    "--progress-interval",
-    "1",
-    "--codec",
-    "eager",
-    "--eval-every",
-    "1",
-    # Honest peers count the attacker's loopback addresses as networks of their own in
-    # the donor's limits, as they would count its public ones.
-    "--limit-local-downloads",
-)
+# The soak's peers (each on an address of its own here, not its 127.0.0.1), counting the
+# attacker's loopback addresses as networks of their own in the donor's limits, as they
+# would count its public ones.
+PEER_OPTIONS = (*CHAOS_PEER_OPTIONS[2:], "--limit-local-downloads")
+assert CHAOS_PEER_OPTIONS[:2] == ("--host", "127.0.0.1")
 FORGED_KEYS = 200  # keys publishing each forged digest
 FAKE_LEADERS = 30
 WATCHES = 128  # per source address and peer
@@ -143,6 +132,15 @@ def log(message: str) -> None:
 
 def rss_mb(pid: int) -> float | None:
     return status_mb(pid, "VmRSS")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) a process has used so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Honest:
@@ -701,6 +699,7 @@ def window(
     start_round = max(p.round for p in peers)
     base = {name: rss_mb(proc.pid) or 0.0 for name, proc in sample.items()}
     peak = dict(base)
+    used = {name: cpu_s(proc.pid) for name, proc in sample.items()}
     cpu = time.process_time()
     until = time.monotonic() + seconds
     while time.monotonic() < until:
@@ -714,6 +713,7 @@ def window(
         "rss_growth_mb": {name: round(peak[name] - base[name], 1) for name in base},
         "end_round": max(p.round for p in peers),
         "bench_cpu_s": round(time.process_time() - cpu, 1),
+        "cpu_s": {name: round(cpu_s(p.pid) - used[name], 1) for name, p in sample.items()},
     }
 
 
@@ -860,6 +860,8 @@ def main() -> None:
             "peak_rss_growth_mb": growth,
             "rss_growth_mb": attacked["rss_growth_mb"],
             "rss_growth_mb_clean": clean["rss_growth_mb"],
+            "cpu_s": attacked["cpu_s"],
+            "cpu_s_clean": clean["cpu_s"],
             # The attacker runs in this process, on the same two cores as the swarm.
             "attacker_cpu_s": attacked["bench_cpu_s"],
             "mint_cpu_s": round(mint_cpu_s, 3),
