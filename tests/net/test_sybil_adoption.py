@@ -210,8 +210,9 @@ async def test_sybil_digests_of_the_round_just_applied_change_nothing(momentum_t
         )
     assert found.adopted is None
     assert sum(a.served for a in attackers) == 0  # not even asked
-    assert found.refused and all("averaged with this peer" in r.reason for r in found.refused)
-    # The keys claiming rounds ahead back nothing adoptable: pacing leaves them out.
+    # Strangers' digests are not worth a refusal line; their claims of later rounds, while
+    # the partner reports, not even a read. They back nothing: pacing leaves them out.
+    assert not found.refused
     assert len(found.unbacked) >= 100
 
 

@@ -210,15 +210,14 @@ class CatchUp:
         deadline = Deadline.after(self.config.state_timeout_s)
         found = Found()
         claims = await self.claims()
-        counted = self._counted(claims)
-        later = sorted(
-            {x for r in counted for x in (r - 1, r - 2) if x > round},
-            reverse=True,
-        )[: self.config.rounds_tried]
-        candidates: list[Candidate] = []
-        for target in later:
-            candidates += self._candidates(target, await self.digests_of(target))
-        candidates = [c for c in candidates if c.digest not in distrusted_digests]
+        # While partners report, only their claims say which later rounds are worth a
+        # look: a crowd of keys claiming rounds ahead costs no digest reads (and no
+        # downloads: only a partner's word backs a state then anyway).
+        partners = {
+            p: r for p, r in claims.items() if p in self.evidence.witnesses and p not in distrusted
+        }
+        counted = list(partners.values()) if partners else self._counted(claims)
+        candidates = await self._later(counted, round, distrusted_digests)
         # Orphaned: every recent partner is silent (or was caught serving a bad state).
         heard = set(claims) | {h for c in candidates for h in c.holders}
         live = (heard & self.evidence.witnesses.keys()) - distrusted
@@ -230,21 +229,20 @@ class CatchUp:
             return found
         if live and not live - found.distrusted:
             # The only partners still heard from just served states that failed the
-            # checks: this peer is on its own now.
+            # checks: this peer is on its own now, and looks at what everyone claims.
             orphaned = True
-            rest = [c for c in candidates if not set(c.holders) <= found.distrusted]
+            gone = distrusted | found.distrusted
+            others = {p: r for p, r in claims.items() if p not in gone}
+            rest = [
+                c
+                for c in await self._later(self._counted(others), round, distrusted_digests)
+                if not set(c.holders) <= gone
+            ]
             retried = {(c.round, c.digest.hex()) for c in rest}
             found.refused = [r for r in found.refused if (r.round, r.digest) not in retried]
+            candidates += rest
             if await self._try(
-                rest,
-                round,
-                reference,
-                distrusted | found.distrusted,
-                deadline,
-                found,
-                why,
-                peak_lr,
-                orphaned,
+                rest, round, reference, gone, deadline, found, why, peak_lr, orphaned
             ):
                 return found
         backed = {
@@ -274,6 +272,21 @@ class CatchUp:
         why = f"this peer's partners back another state of round {round} than its own"
         await self._try(ahead, round, reference, distrusted, deadline, found, why, peak_lr, False)
         return found
+
+    async def _later(
+        self, counted: list[int], round: int, distrusted_digests: frozenset[bytes]
+    ) -> list[Candidate]:
+        """The states published for the rounds ``counted`` claims say peers hold past
+        ``round`` (a peer working towards r holds r - 1, or r - 2 while r - 1 is in
+        flight), newest first, at most ``rounds_tried`` rounds."""
+        later = sorted(
+            {x for r in counted for x in (r - 1, r - 2) if x > round},
+            reverse=True,
+        )[: self.config.rounds_tried]
+        candidates: list[Candidate] = []
+        for target in later:
+            candidates += self._candidates(target, await self.digests_of(target))
+        return [c for c in candidates if c.digest not in distrusted_digests]
 
     async def initial(self, digest: bytes) -> DownloadedState | None:
         """The round-0 state (the run's initial weights) from any peer of the swarm still at
