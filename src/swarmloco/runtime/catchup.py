@@ -232,10 +232,10 @@ class CatchUp:
             # checks: this peer is on its own now, and looks at what everyone claims.
             orphaned = True
             gone = distrusted | found.distrusted
-            others = {p: r for p, r in claims.items() if p not in gone}
+            heard_rest = {p: r for p, r in claims.items() if p not in gone}
             rest = [
                 c
-                for c in await self._later(self._counted(others), round, distrusted_digests)
+                for c in await self._later(self._counted(heard_rest), round, distrusted_digests)
                 if not set(c.holders) <= gone
             ]
             retried = {(c.round, c.digest.hex()) for c in rest}
