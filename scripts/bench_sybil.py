@@ -86,10 +86,12 @@ from swarmloco.net.endpoints import parse_endpoint  # noqa: E402
 from swarmloco.net.identity import Identity  # noqa: E402
 from swarmloco.net.node import NetNode, NodeConfig  # noqa: E402
 from swarmloco.net.records import (  # noqa: E402
+    MAX_PARTNERS,
     MEMBER_FIELD,
     Record,
     digest_key,
     make_record,
+    partners_key,
     peers_key,
     progress_key,
     round_key,
@@ -572,6 +574,14 @@ class Attacker:
                 "at": time.time(),
             }
             records.append(self._record(status_key(self.swarm), value, owner, 300.0))
+        # Each names the honest peers and the other fakes as the peers it averaged with.
+        listed = await self.reader.dht.get(peers_key(self.swarm))
+        honest = [p for p in listed.entries if p not in self.proofs]
+        fakes = [owner.peer_id_hex for owner in self.keys[-FAKE_STATUS:]]
+        for owner in self.keys[-FAKE_STATUS:]:
+            named = [*honest, *(f for f in fakes if f != owner.peer_id_hex)][:MAX_PARTNERS]
+            value = {"peers": named, "round": 1_000_000, "at": time.time()}
+            records.append(self._record(partners_key(self.swarm), value, owner, 300.0))
         self.stats["fake_status_stored"] += await self.store(records, source=SOURCES[0])
 
     async def half_open(self) -> None:
@@ -832,6 +842,7 @@ def main() -> None:
                 state = json.loads(urllib.request.urlopen(url + "api/v1/state", timeout=10).read())
                 dashboard_view = {
                     "peers_online": state.get("peers_online"),
+                    "peers_uncounted": state.get("peers_uncounted"),
                     "round": state.get("round"),
                     "tokens_per_s": state.get("tokens_per_s"),
                     "warnings": len(state.get("warnings", [])),

@@ -71,7 +71,8 @@ def start_bootstrap(run_dir: Path) -> tuple[subprocess.Popen[str], str]:
 
 
 def publish_swarm(endpoint: str, run_dir: Path, *options: str) -> str:
-    """`swarmloco create --no-train OPTIONS`: publish a new swarm; its id."""
+    """`swarmloco create --no-train OPTIONS` with peer 0's data directory (its key is the
+    creator's): publish a new swarm; its id."""
     created = subprocess.run(
         [
             *COMMAND,
@@ -81,7 +82,9 @@ def publish_swarm(endpoint: str, run_dir: Path, *options: str) -> str:
             "--peer",
             endpoint,
             "--data-dir",
-            str(run_dir / "creator"),
+            # The first peer's: the dashboard trusts the creator's key, so the swarm's
+            # figures count the peers it averages with (docs/SECURITY.md).
+            str(run_dir / "peer0"),
         ],
         capture_output=True,
         text=True,

@@ -1374,6 +1374,17 @@ def _add_view_options(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a peer whose status is older than this is shown offline (default: %(default)s)",
     )
+    parser.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="PEER_ID",
+        help=(
+            "count the figures of the peers this one averaged with, and of their partners, "
+            "besides the swarm creator's (repeat for several; a peer's log names its id). "
+            "Other keys' records are listed apart"
+        ),
+    )
 
 
 @command
@@ -1423,7 +1434,7 @@ def _dashboard_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _dashboard(args: argparse.Namespace) -> int:
-    from swarmloco.dashboard.collector import CollectorConfig
+    from swarmloco.dashboard.collector import CollectorConfig, check_peer_ids
     from swarmloco.dashboard.service import DashboardConfig, serve_dashboard
 
     config = DashboardConfig(
@@ -1431,7 +1442,11 @@ def _dashboard(args: argparse.Namespace) -> int:
         peers=tuple(args.peers),
         host=args.host,
         port=args.port,
-        collector=CollectorConfig(interval_s=args.interval, fresh_s=args.stale_after),
+        collector=CollectorConfig(
+            interval_s=args.interval,
+            fresh_s=args.stale_after,
+            trust=check_peer_ids(args.trust),
+        ),
     )
 
     def ready(url: str) -> None:
@@ -1473,7 +1488,11 @@ def _status(args: argparse.Namespace) -> int:
 
     if not args.stale_after > 0:
         raise ValueError(f"--stale-after must be positive, got {args.stale_after}")
-    view = run_async(swarm_status(args.swarm_id, tuple(args.peers), fresh_s=args.stale_after))
+    view = run_async(
+        swarm_status(
+            args.swarm_id, tuple(args.peers), fresh_s=args.stale_after, trust=tuple(args.trust)
+        )
+    )
     print(json.dumps(view, indent=2, allow_nan=False) if args.json else text.render(view))
     return 0
 

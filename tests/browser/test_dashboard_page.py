@@ -16,6 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "net"))
 from test_dashboard_app import dashboard, swarm_of_three
 
+from swarmloco.net.identity import Identity
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
     pytest.mark.timeout(120),
@@ -57,9 +59,10 @@ async def rendered(url: str, tmp: Path) -> tuple[str, str]:
 
 
 async def test_the_page_renders_the_swarm_in_a_real_browser(tmp_path):
+    stranger = Identity.generate()
     async with (
-        swarm_of_three() as nodes,
-        dashboard(nodes[0].endpoint, interval_s=0.5) as (
+        swarm_of_three(stranger=stranger) as nodes,
+        dashboard(nodes[0].endpoint, interval_s=0.5, trust=(nodes[0].identity.peer_id_hex,)) as (
             collector,
             url,
             _http,
@@ -77,6 +80,11 @@ async def test_the_page_renders_the_swarm_in_a_real_browser(tmp_path):
     assert rows is not None
     for name in ("peer-0", "peer-1", "peer-2"):
         assert name in rows.group(1)
+    # The stranger's claims are listed apart, not counted.
+    assert "fast-gpu" not in rows.group(1)
+    apart = re.search(r'<tbody id="apart">(.*?)</tbody>', dom, re.S)
+    assert apart is not None and "fast-gpu" in apart.group(1), dom[-3000:]
+    assert stranger.peer_id_hex[:12] in apart.group(1)
     assert "loopback run" in dom
     # The charts are inline SVG drawn by the page's own script.
     chart = re.search(r'<svg id="loss-chart"[^>]*>(.*?)</svg>', dom, re.S)

@@ -167,22 +167,57 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path):
 def test_a_peer_lying_about_its_round_does_not_stall_the_swarm(tmp_path):
     """A hostile peer claims, in validly signed records, to work on round 10^15 (which
     would make every honest peer think it missed rounds) and publishes a made-up digest for
-    every round: the honest peers keep averaging together and agree."""
+    every round: the honest peers keep averaging together and agree. It also claims, on
+    the dashboard, that round and 10^9 tokens/s, and names the honest peers as its
+    partners: the dashboard, trusting one honest peer, lists it apart."""
     import asyncio
 
+    from swarmloco.dashboard.service import swarm_status
     from swarmloco.net.identity import Identity
     from swarmloco.net.node import NetNode, NodeConfig
-    from swarmloco.net.records import digest_key, progress_key
+    from swarmloco.net.records import (
+        digest_key,
+        partners_key,
+        peers_key,
+        progress_key,
+        status_key,
+    )
     from swarmloco.runtime.loop_thread import LoopThread
+
+    liar_identity = Identity.generate()
 
     async def lie(boot: str, swarm: str, stop: asyncio.Event) -> int:
         config = NodeConfig(server=None, peers=(boot,))
         stored = 0
-        async with NetNode(identity=Identity.generate(), config=config) as node:
+        async with NetNode(identity=liar_identity, config=config) as node:
             while not stop.is_set():
                 now = time.time()
                 claim = {"round": 10**15, "tokens": 10**12, "tokens_per_s": 1e9, "at": now}
                 stored += await node.dht.store(progress_key(swarm), claim, ttl=60)
+                status = {
+                    "name": "the fastest peer",
+                    "state": "training",
+                    "round": 10**15,
+                    "step": 10**9,
+                    "tokens": 10**12,
+                    "tokens_per_s": 1e9,
+                    "device": "cuda:0",
+                    "version": "0.1.0",
+                    "started_at": now - 60,
+                    "rounds_applied": 10**6,
+                    "rounds_aborted": 0,
+                    "downloads": 0,
+                    "last_error": "",
+                    "rounds": [],
+                    "loss": -1e9,
+                    "at": now,
+                }
+                await node.dht.store(status_key(swarm), status, ttl=60)
+                listed = await node.dht.get(peers_key(swarm))
+                named = [p for p in listed.entries if p != liar_identity.peer_id_hex][:16]
+                if named:
+                    value = {"peers": named, "round": 10**15, "at": now}
+                    await node.dht.store(partners_key(swarm), value, ttl=60)
                 for r in range(1, 6):
                     fake = {"digest": bytes([r]) * 32, "endpoint": "127.0.0.1:1", "at": now}
                     await node.dht.store(digest_key(swarm, r), fake, ttl=60)
@@ -201,8 +236,16 @@ def test_a_peer_lying_about_its_round_does_not_stall_the_swarm(tmp_path):
         ):
             for p in (a, b):
                 assert p.wait(240) == 0, p.log_tail()
+        trusted, other = (p.wait_for("ready")["peer_id"] for p in (a, b))
+        view = loop.submit(swarm_status(swarm, (boot.endpoint,), trust=(trusted,))).result(60)
         loop.loop.call_soon_threadsafe(stop.set)
         assert liar.result(timeout=30) > 0  # the lies were stored
+    counted = {row["id"] for row in view["peers"]}
+    assert trusted in counted and counted <= {trusted, other}, view["peers"]
+    assert liar_identity.peer_id_hex in {row["id"] for row in view["uncounted"]}, view
+    assert view["round"] is not None and view["round"] <= rounds, view["round"]
+    assert view["tokens_per_s"] < 1e9
+    assert view["loss"] is None or view["loss"] > 0
     honest = {p.wait_for("ready")["peer_id"][:12] for p in (a, b)}
     for p in (a, b):
         # A peer may take the other's state (one started first); never the liar's.

@@ -20,7 +20,7 @@ from swarmloco.dashboard.app import HttpConfig, make_app, serve
 from swarmloco.dashboard.collector import Collector, CollectorConfig
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
-from swarmloco.net.records import digest_key, progress_key, status_key
+from swarmloco.net.records import digest_key, partners_key, progress_key, status_key
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.net.server import ServerConfig
 from swarmloco.net.swarm import announce_peer, publish_manifest
@@ -107,12 +107,26 @@ async def dashboard(entry: str, **config: Any):
 
 
 @asynccontextmanager
-async def swarm_of_three():
+async def swarm_of_three(*, stranger: Identity | None = None):
+    """Three peers that averaged together (each names the other two as partners), and, if
+    given, a ``stranger`` key that claims round 999,999 and a billion tokens a second and
+    names the three as its partners."""
     async with loopback_network(3) as nodes:
         await publish_manifest(nodes[0].dht, MANIFEST)
+        ids = [n.identity.peer_id_hex for n in nodes]
         for i, node in enumerate(nodes):
             digest = OTHER if i == 2 else AGREED
             await publish(node, f"peer-{i}", round=4, tokens=(i + 1) * 100_000, digest=digest)
+            named = {"peers": [p for p in ids if p != ids[i]], "round": 4, "at": time.time()}
+            await node.dht.store(partners_key(SWARM), named, ttl=120)
+        if stranger is not None:
+            config = NodeConfig(server=None, peers=(nodes[0].endpoint,))
+            async with NetNode(identity=stranger, config=config) as liar:
+                claim = status_value("fast-gpu", round=999_999, tokens=10**12, loss=-1e9)
+                claim["tokens_per_s"] = 1e9
+                await liar.dht.store(status_key(SWARM), claim, ttl=120)
+                named = {"peers": ids, "round": 999_999, "at": time.time()}
+                await liar.dht.store(partners_key(SWARM), named, ttl=120)
         yield nodes
 
 
@@ -146,6 +160,31 @@ async def test_the_state_shows_every_peer_and_the_swarm():
             "tokens_per_s": 3 * 2048.0,
         }
         assert view["history"]["swarm_loss"][0][1] == 2.0
+
+
+async def test_a_strangers_claims_are_listed_apart_from_the_trusted_peers_partners():
+    stranger = Identity.generate()
+    async with (
+        swarm_of_three(stranger=stranger) as nodes,
+        dashboard(nodes[1].endpoint, trust=(nodes[0].identity.peer_id_hex,)) as (
+            collector,
+            url,
+            http,
+        ),
+    ):
+        await collector.poll()
+        async with http.get(url + "api/v1/state") as state:
+            view = await state.json()
+        async with http.get(url + "metrics") as metrics:
+            body = await metrics.text()
+    assert {p["id"] for p in view["peers"]} == {n.identity.peer_id_hex for n in nodes}
+    assert [p["id"] for p in view["uncounted"]] == [stranger.peer_id_hex]
+    assert view["peers_online"] == 3 and view["peers_uncounted"] == 1
+    assert view["tokens_per_s"] == 3 * 2048.0 and view["round"] == 4 and view["loss"] == 2.0
+    assert view["trust"]["anchored"] and view["trust"]["vouched"] == 2
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    (uncounted,) = families["swarmloco_peers_uncounted"].samples
+    assert uncounted.value == 1
 
 
 async def test_metrics_parse_as_prometheus_text():

@@ -90,8 +90,8 @@ def reading(**fields: Any) -> Reading:
     return Reading(swarm_id=SWARM, at=NOW, **fields)
 
 
-def view_of(**fields: Any) -> dict[str, Any]:
-    view = build_view(reading(**fields), now=NOW)
+def view_of(*, trust: tuple[str, ...] = (), **fields: Any) -> dict[str, Any]:
+    view = build_view(reading(**fields), now=NOW, trust=trust)
     json.dumps(view, allow_nan=False)  # always valid JSON
     return view
 
@@ -218,7 +218,7 @@ def test_a_round_every_peer_aborted_has_no_compression_ratio():
 
 
 def test_missing_optional_fields():
-    view = view_of(status={A: status(loss=None, eval_loss=None)})
+    view = view_of(status={A: status(loss=None, eval_loss=None)}, trust=(A,))
     assert view["loss"] is None and view["eval_loss"] is None
     assert row(view, A)["loss"] is None and row(view, A)["eval_loss"] is None
     assert view["history"]["swarm_loss"] == [] and view["history"]["peer_loss"] == []

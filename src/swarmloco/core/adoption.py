@@ -134,6 +134,14 @@ class Evidence:
         """Whether this peer never applied a round (it has nothing to hold a claim against)."""
         return not self.witnesses and not self.movements
 
+    def partners(self, limit: int) -> list[str]:
+        """The witnesses, newest round first (then the most rounds together), at most
+        ``limit``: what this peer's ``partners`` record names. Safe to call from another
+        thread than the one recording rounds (it reads copies)."""
+        witnesses, together = dict(self.witnesses), dict(self.together)
+        ranked = sorted(witnesses, key=lambda p: (-witnesses[p], -together.get(p, 0), p))
+        return ranked[:limit]
+
     def grouped(self, round: int, members: Iterable[str], me: str, config: AdoptionConfig) -> None:
         """The members of a group that completed ``round`` with this peer are witnesses."""
         others = {peer for peer in members if peer != me}

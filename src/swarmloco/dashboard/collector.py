@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from swarmloco.core.config import require_int, require_positive
@@ -22,13 +23,15 @@ from swarmloco.dashboard.view import (
     HISTORY_POINTS,
     History,
     Reading,
+    anchors_of,
     build_view,
     current_round,
+    roster,
 )
 from swarmloco.errors import ManifestError, NetworkError
 from swarmloco.net.admission import Admission
 from swarmloco.net.dht.node import DHTNode, GetResult
-from swarmloco.net.records import digest_key, peers_key, progress_key, status_key
+from swarmloco.net.records import digest_key, partners_key, peers_key, progress_key, status_key
 from swarmloco.net.swarm import fetch_manifest
 from swarmloco.net.work import IdentityWork
 
@@ -47,12 +50,27 @@ class CollectorConfig:
     """Deadline of each DHT lookup of one poll."""
     history_points: int = HISTORY_POINTS
     """Points kept per loss curve."""
+    trust: tuple[str, ...] = ()
+    """Peer ids (hex) whose word on whom they averaged with the figures rely on, besides
+    the swarm's creator (docs/SECURITY.md, "What the dashboard counts")."""
 
     def __post_init__(self) -> None:
         require_positive("interval_s", self.interval_s)
         require_positive("fresh_s", self.fresh_s)
         require_positive("timeout_s", self.timeout_s)
         require_int("history_points", self.history_points, minimum=1)
+        check_peer_ids(self.trust)
+
+
+def check_peer_ids(peers: Sequence[str]) -> tuple[str, ...]:
+    """``peers`` as peer ids in lower-case hex; ValueError naming the first that is not."""
+    for peer in peers:
+        if not re.fullmatch(r"[0-9a-fA-F]{40}", peer):
+            raise ValueError(
+                f"{peer!r} is not a peer id (40 hex digits: `swarmloco id --data-dir DIR` "
+                "a peer's log names its id when it starts training)"
+            )
+    return tuple(peer.lower() for peer in peers)
 
 
 def _values(result: GetResult) -> dict[str, Mapping[str, Any]]:
@@ -79,9 +97,13 @@ async def read_swarm(
     timeout_s: float = 5.0,
     fresh_s: float = FRESH_S,
     clock: Clock = time.time,
+    trust: Sequence[str] = (),
+    remembered: Iterable[str] = (),
 ) -> Reading:
-    """One poll: the swarm's peers, progress and status records, then the digests of the
-    current round. Raises NetworkError when no DHT node answered."""
+    """One poll: the swarm's peers, progress, status and partners records, then the
+    digests of the current round of the peers that count (``trust`` and ``remembered``:
+    :func:`~swarmloco.dashboard.view.roster`). Raises NetworkError when no DHT node
+    answered."""
     if manifest is None:
         manifest = await _try_manifest(dht, swarm_id)
     _guard(dht, swarm_id, manifest)  # before the reads: a private swarm's show members only
@@ -89,28 +111,28 @@ async def read_swarm(
         status_task = group.create_task(dht.get(status_key(swarm_id), timeout=timeout_s))
         progress_task = group.create_task(dht.get(progress_key(swarm_id), timeout=timeout_s))
         peers_task = group.create_task(dht.get(peers_key(swarm_id), timeout=timeout_s))
+        partners_task = group.create_task(dht.get(partners_key(swarm_id), timeout=timeout_s))
     results = [status_task.result(), progress_task.result(), peers_task.result()]
     if all(result.responded == 0 and not result.entries for result in results):
         raise NetworkError(
             "no DHT node answered: the peers the dashboard joined through may be down (retrying)"
         )
-    at = clock()
-    status = _values(results[0])
-    round_now = current_round(status, now=at, fresh_s=fresh_s)
-    digests: dict[str, bytes] = {}
-    if round_now is not None:
-        found = await dht.get(digest_key(swarm_id, round_now), timeout=timeout_s)
-        digests = {subkey: entry.value["digest"] for subkey, entry in found.entries.items()}
-    return Reading(
+    reading = Reading(
         swarm_id=swarm_id,
-        at=at,
+        at=clock(),
         manifest=manifest,
         peers=_values(results[2]),
         progress=_values(results[1]),
-        status=status,
-        digest_round=round_now,
-        digests=digests,
+        status=_values(results[0]),
+        partners=_values(partners_task.result()),
     )
+    whose = roster(reading, anchors=anchors_of(manifest, trust), remembered=remembered)
+    round_now = current_round(whose.only(reading.status), now=reading.at, fresh_s=fresh_s)
+    if round_now is None:
+        return reading
+    found = await dht.get(digest_key(swarm_id, round_now), timeout=timeout_s)
+    digests = {subkey: entry.value["digest"] for subkey, entry in found.entries.items()}
+    return dataclasses.replace(reading, digest_round=round_now, digests=digests)
 
 
 async def _try_manifest(dht: DHTNode, swarm_id: str) -> SwarmManifest | None:
@@ -164,6 +186,7 @@ class Collector:
             now=self._clock(),
             history=self.history,
             fresh_s=self.config.fresh_s,
+            trust=self.config.trust,
         )
 
     async def poll(self) -> dict[str, Any]:
@@ -177,6 +200,8 @@ class Collector:
                 timeout_s=self.config.timeout_s,
                 fresh_s=self.config.fresh_s,
                 clock=self._clock,
+                trust=self.config.trust,
+                remembered=self.history.remembered,
             )
         except Exception as exc:  # the network or a peer misbehaving: keep the last records
             self.failures += 1
@@ -191,7 +216,7 @@ class Collector:
                 logger.info("reading swarm %s works again", self.swarm_id[:12])
             self._manifest = reading.manifest
             self._reading = reading
-            self.history.add(reading, fresh_s=self.config.fresh_s)
+            self.history.add(reading, fresh_s=self.config.fresh_s, trust=self.config.trust)
         self._view = self._build()
         return self._view
 

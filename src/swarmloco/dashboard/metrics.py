@@ -69,9 +69,18 @@ class ViewCollector(Collector):
             view.get("read_age_s"),
         )
         yield _gauge(
-            "swarmloco_peers_online", "Peers with a fresh status record", view["peers_online"]
+            "swarmloco_peers_online",
+            "Counted peers with a fresh status record",
+            view["peers_online"],
         )
-        yield _gauge("swarmloco_peers_known", "Peers with a status record", view["peers_known"])
+        yield _gauge(
+            "swarmloco_peers_known", "Counted peers with a status record", view["peers_known"]
+        )
+        yield _gauge(
+            "swarmloco_peers_uncounted",
+            "Keys with a status record that no trusted peer averaged with (not counted)",
+            view.get("peers_uncounted", 0),
+        )
         yield _gauge(
             "swarmloco_swarm_tokens_per_second",
             "Sum of the training rates of the online peers",

@@ -17,7 +17,12 @@ from typing import Any
 from swarmloco.core.config import require
 from swarmloco.core.manifest import check_swarm_id
 from swarmloco.dashboard.app import HttpConfig, is_loopback, make_app, serve
-from swarmloco.dashboard.collector import Collector, CollectorConfig, read_swarm
+from swarmloco.dashboard.collector import (
+    Collector,
+    CollectorConfig,
+    check_peer_ids,
+    read_swarm,
+)
 from swarmloco.dashboard.view import FRESH_S, build_view
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
@@ -94,12 +99,20 @@ async def swarm_status(
     *,
     fresh_s: float = FRESH_S,
     timeout_s: float = 5.0,
+    trust: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Read the swarm once and return its view (``swarmloco status``)."""
+    """Read the swarm once and return its view (``swarmloco status``); ``trust``: peer
+    ids whose partners' figures count, besides the swarm's creator."""
     swarm_id = check_swarm_id(swarm_id)
+    trust = check_peer_ids(trust)
     async with _reader(peers) as node:
         manifest = await fetch_manifest(node.dht, swarm_id)
         reading = await read_swarm(
-            node.dht, swarm_id, manifest=manifest, timeout_s=timeout_s, fresh_s=fresh_s
+            node.dht,
+            swarm_id,
+            manifest=manifest,
+            timeout_s=timeout_s,
+            fresh_s=fresh_s,
+            trust=trust,
         )
-    return build_view(reading, now=reading.at, fresh_s=fresh_s)
+    return build_view(reading, now=reading.at, fresh_s=fresh_s, trust=trust)

@@ -72,6 +72,11 @@ def _swarm_line(swarm: Mapping[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def _apart_count(view: Mapping[str, Any]) -> str:
+    count = view.get("peers_uncounted") or 0
+    return f", {count} not counted" if count else ""
+
+
 def render(view: Mapping[str, Any]) -> str:
     """The view as a few lines of summary, the per-peer table and the latest rounds."""
     lines = [_swarm_line(view["swarm"])]
@@ -89,7 +94,8 @@ def render(view: Mapping[str, Any]) -> str:
     )
     round_now = view.get("round")
     lines.append(
-        f"peers online {view['peers_online']} (of {view['peers_known']} known)  "
+        f"peers online {view['peers_online']} (of {view['peers_known']} known"
+        f"{_apart_count(view)})  "
         f"round {'-' if round_now is None else round_now}  "
         f"{human(view.get('tokens_per_s'))} tokens/s  {agree}{loss}{eval_loss}"
     )
@@ -138,6 +144,24 @@ def render(view: Mapping[str, Any]) -> str:
         )
         if view.get("peers_not_shown"):
             lines.append(f"... and {view['peers_not_shown']} more peers")
+    apart = view.get("uncounted", [])
+    if apart:
+        lines.append("")
+        lines.append("not counted (no trusted peer averaged with them; their claims):")
+        lines += table(
+            ["NAME", "ID", "STATE", "ROUND", "TOK/S", "AGE"],
+            [
+                [
+                    p["name"] or "-",
+                    p["short_id"],
+                    p["state"],
+                    str(p["round"]),
+                    human(p["tokens_per_s"]),
+                    duration(p["age_s"]),
+                ]
+                for p in apart
+            ],
+        )
     rounds = view.get("rounds", [])[-8:]
     if rounds:
         lines.append("")

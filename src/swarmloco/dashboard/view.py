@@ -11,6 +11,10 @@ peer publishes can crash the view or poison the swarm's figures: text is cleaned
 beyond :data:`MAX_TOKENS_PER_S` are not counted, the current round ignores peers far ahead
 of the median, and per-round figures are medians over the peers that reported them.
 
+*Whose* records count is decided on first-hand evidence (:func:`roster`): the peers a
+trusted peer averaged with, as their ``partners`` records say on both sides; the rest are
+listed apart (docs/SECURITY.md, "What the dashboard counts").
+
 Nothing here reads a clock or the network; no torch.
 """
 
@@ -26,6 +30,7 @@ from typing import Any
 
 from swarmloco.core.agreement import majority
 from swarmloco.core.manifest import SwarmManifest
+from swarmloco.net.identity import peer_id_of
 
 VIEW_VERSION = 1
 """Version of the JSON layout of the view (``/api/v1/state``)."""
@@ -52,6 +57,8 @@ MAX_TRACKED_PEERS = 64
 HISTORY_POINTS = 720
 """Points per curve a :class:`History` keeps (24 minutes at one point every 2 s)."""
 MAX_WARNINGS = 20
+MAX_REMEMBERED = 4096
+"""Peers a :class:`History` remembers as vouched for by a trusted peer."""
 
 _SHORT_ID = 12
 _TEXT_DROP = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
@@ -75,6 +82,8 @@ class Reading:
     """The round whose ``digest/<r>`` records are in ``digests`` (None: none were read)."""
     digests: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
     """Peer id -> the digest it published for ``digest_round``."""
+    partners: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    """``partners`` record values: the peers each averaged with lately."""
     error: str = ""
     """Why the poll failed ("" when it did not); the records are then from an earlier poll."""
 
@@ -168,6 +177,77 @@ def _round_to(value: float | None, digits: int) -> float | None:
     return float(f"{value:.{digits}g}")
 
 
+# -- whose records count ---------------------------------------------------------------------
+
+
+def anchors_of(manifest: SwarmManifest | None, trust: Iterable[str] = ()) -> frozenset[str]:
+    """The peers the dashboard trusts: ``trust`` (peer ids in hex) and the swarm's creator."""
+    anchors = set(trust)
+    if manifest is not None and manifest.creator:
+        anchors.add(peer_id_of(bytes.fromhex(manifest.creator)).hex())
+    return frozenset(anchors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roster:
+    """Whose records count in one reading (:func:`roster`)."""
+
+    counted: frozenset[str]
+    """Peers whose figures count (every peer with a record when not ``anchored``)."""
+    vouched: frozenset[str]
+    """The peers a trusted peer averaged with (they vouch for their own partners)."""
+    anchors: frozenset[str]
+    """The trusted peers that publish."""
+    anchored: bool
+    """Whether any trusted peer, or a peer one vouched for, publishes."""
+
+    def only(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """``values`` (by peer id) of the peers that count (all of them when not
+        ``anchored``)."""
+        if not self.anchored:
+            return dict(values)
+        return {peer: value for peer, value in values.items() if peer in self.counted}
+
+
+NOBODY = Roster(frozenset(), frozenset(), frozenset(), anchored=False)
+
+
+def _named(value: Any) -> frozenset[str]:
+    peers = value.get("peers") if isinstance(value, Mapping) else None
+    if not isinstance(peers, list):
+        return frozenset()
+    return frozenset(p for p in peers if isinstance(p, str))
+
+
+def roster(reading: Reading, *, anchors: frozenset[str], remembered: Iterable[str] = ()) -> Roster:
+    """The peers whose records count: the ``anchors`` that publish, the peers an anchor
+    names in its ``partners`` record and that name it back (and the ``remembered`` ones an
+    anchor vouched for before, while they publish), and the peers those name and that name
+    them back. Vouching stops there: one key that got into a real round adds at most
+    :data:`~swarmloco.net.records.MAX_PARTNERS` keys of its own, never a chain.
+
+    With no anchor publishing, every peer with a status record counts (``anchored``
+    False: the view says so)."""
+    names = {peer: _named(value) for peer, value in reading.partners.items()}
+    publishing = set(reading.status) | set(reading.partners)
+
+    def partners_of(peer: str) -> set[str]:
+        return {other for other in names.get(peer, ()) if peer in names.get(other, ())}
+
+    present = frozenset(anchors & publishing)
+    vouched = {p for a in present for p in partners_of(a)} | (set(remembered) & publishing)
+    vouched -= present
+    if not present and not vouched:
+        return dataclasses.replace(NOBODY, counted=frozenset(reading.status))
+    second = {p for v in vouched for p in partners_of(v)}
+    return Roster(
+        counted=frozenset(present | vouched | second),
+        vouched=frozenset(vouched),
+        anchors=present,
+        anchored=True,
+    )
+
+
 # -- history -----------------------------------------------------------------------------------
 
 
@@ -210,14 +290,24 @@ class History:
         )
         # round -> peer id -> the peer's summary of that round
         self.rounds: dict[int, dict[str, Mapping[str, Any]]] = {}
+        # peers a trusted peer vouched for, while they publish (oldest first)
+        self.remembered: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.roster = NOBODY
+        """Whose records counted in the last reading."""
 
-    def add(self, reading: Reading, *, fresh_s: float = FRESH_S) -> None:
-        """Take in a reading (a failed poll's reading adds nothing)."""
+    def add(self, reading: Reading, *, fresh_s: float = FRESH_S, trust: Iterable[str] = ()) -> None:
+        """Take in a reading (a failed poll's reading adds nothing); ``trust``: peer ids
+        the dashboard trusts besides the swarm's creator."""
         if reading.error:
             return
+        self.roster = roster(
+            reading, anchors=anchors_of(reading.manifest, trust), remembered=self.remembered
+        )
+        self._remember(reading)
+        status = self.roster.only(reading.status)
         now = reading.at
         updated = False
-        for peer_id, value in reading.status.items():
+        for peer_id, value in status.items():
             at = _at(value)
             if self._last_at.get(peer_id) == at:
                 continue
@@ -235,9 +325,9 @@ class History:
                 self.peer_loss.move_to_end(peer_id)
         while len(self.peer_loss) > self._max_peers:
             self.peer_loss.popitem(last=False)
-        while len(self._last_at) > 4 * self._max_peers + len(reading.status):
+        while len(self._last_at) > 4 * self._max_peers + len(status):
             self._last_at.popitem(last=False)
-        online = [v for v in reading.status.values() if is_fresh(v, now, fresh_s)]
+        online = [v for v in status.values() if is_fresh(v, now, fresh_s)]
         if updated and online:
             losses = [x for v in online if (x := _loss(v.get("loss"))) is not None]
             if losses:
@@ -248,11 +338,25 @@ class History:
             self.swarm_tokens_per_s.append(
                 (now, math.fsum(_rate(v.get("tokens_per_s")) for v in online))
             )
-        self._add_rounds(reading, fresh_s)
+        self._add_rounds(reading.at, status, fresh_s)
 
-    def _add_rounds(self, reading: Reading, fresh_s: float) -> None:
-        latest = current_round(reading.status, now=reading.at, fresh_s=fresh_s)
-        for peer_id, value in reading.status.items():
+    def _remember(self, reading: Reading) -> None:
+        """Peers a trusted peer vouched for stay counted while they publish (groups
+        change every round, and a trusted peer meets everyone in time)."""
+        publishing = set(reading.status) | set(reading.partners)
+        for peer in [p for p in self.remembered if p not in publishing]:
+            del self.remembered[peer]
+        for peer in self.roster.vouched:
+            self.remembered[peer] = None
+            self.remembered.move_to_end(peer)
+        while len(self.remembered) > MAX_REMEMBERED:
+            self.remembered.popitem(last=False)
+
+    def _add_rounds(
+        self, at: float, status: Mapping[str, Mapping[str, Any]], fresh_s: float
+    ) -> None:
+        latest = current_round(status, now=at, fresh_s=fresh_s)
+        for peer_id, value in status.items():
             rounds = value.get("rounds")
             if not isinstance(rounds, list):
                 continue
@@ -278,18 +382,36 @@ def build_view(
     now: float,
     history: History | None = None,
     fresh_s: float = FRESH_S,
+    trust: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The dashboard's view of ``reading`` at ``now`` (JSON-able: no NaN, no infinities).
 
-    ``history`` is what earlier readings left (it must already have taken ``reading``);
-    without one, the view holds only what this reading says.
+    ``history`` is what earlier readings left (it must already have taken ``reading``,
+    and says whose records count); without one, the view holds only what this reading
+    says, and ``trust`` names the peers trusted besides the swarm's creator.
     """
     if history is None:
         history = History()
-        history.add(reading, fresh_s=fresh_s)
+        history.add(reading, fresh_s=fresh_s, trust=trust)
     warnings: list[str] = []
-    round_now = current_round(reading.status, now=now, fresh_s=fresh_s)
-    peers = _peer_rows(reading, now=now, fresh_s=fresh_s, warnings=warnings)
+    counted = history.roster
+    if not counted.anchored and reading.status:
+        warnings.append(
+            "no trusted peer publishes (the swarm's creator, --trust PEER_ID): the figures "
+            "count every key's claims"
+        )
+    rows = _peer_rows(reading, now=now, fresh_s=fresh_s, warnings=warnings)
+    peers = [row for row in rows if row["id"] in counted.counted]
+    apart = [row for row in rows if row["id"] not in counted.counted]
+    if apart:
+        warnings.append(
+            f"{len(apart)} peer(s) not counted: no trusted peer averaged with them (listed apart)"
+        )
+    total_tokens = sum(row["tokens"] for row in peers)
+    for row in peers:
+        row["share"] = _round_to(row["tokens"] / total_tokens, 4) if total_tokens else 0.0
+    status = counted.only(reading.status)
+    round_now = current_round(status, now=now, fresh_s=fresh_s)
     online = [row for row in peers if row["online"]]
     for row in peers:
         if round_now is not None and row["online"] and row["round"] > round_now:
@@ -311,17 +433,26 @@ def build_view(
         "error": clean_text(reading.error, 500) or None,
         "fresh_s": fresh_s,
         "peers_online": len(online),
-        "peers_known": len(reading.status),
+        "peers_known": len(peers),
+        "peers_uncounted": len(apart),
+        "trust": {
+            "anchored": counted.anchored,
+            "trusted_online": sorted(short_id(p) for p in counted.anchors),
+            "vouched": len(counted.vouched),
+        },
         "peers_listed": dict(sorted(roles.items())),
         "tokens_per_s": _round_to(math.fsum(row["tokens_per_s"] for row in online), 6),
         "tokens": sum(row["tokens"] for row in peers),
         "round": round_now,
-        "next_round": _next_round(reading, round_now, now=now, fresh_s=fresh_s),
-        "agreement": _agreement(reading, round_now),
+        "next_round": _next_round(
+            counted.only(reading.progress), round_now, now=now, fresh_s=fresh_s
+        ),
+        "agreement": _agreement(reading.digest_round, counted.only(reading.digests), round_now),
         "loss": _round_to(_median(losses), 5),
         "eval_loss": _round_to(_median(evals), 5),
         "peers": peers[:MAX_PEERS_SHOWN],
         "peers_not_shown": max(0, len(peers) - MAX_PEERS_SHOWN),
+        "uncounted": apart[:MAX_PEERS_SHOWN],
         "rounds": _timeline(history),
         "history": _curves(history),
         "warnings": warnings[:MAX_WARNINGS],
@@ -356,10 +487,6 @@ def _swarm(reading: Reading) -> dict[str, Any]:
 def _peer_rows(
     reading: Reading, *, now: float, fresh_s: float, warnings: list[str]
 ) -> list[dict[str, Any]]:
-    plain_tokens = {
-        peer_id: _count(value.get("tokens")) for peer_id, value in reading.status.items()
-    }
-    total_tokens = sum(plain_tokens.values())
     rows: list[dict[str, Any]] = []
     for peer_id, value in reading.status.items():
         at = _at(value)
@@ -384,11 +511,9 @@ def _peer_rows(
                 "age_s": _round_to(age_of(value, now), 3),
                 "round": _count(value.get("round")),
                 "step": _count(value.get("step")),
-                "tokens": plain_tokens[peer_id],
+                "tokens": _count(value.get("tokens")),
                 "tokens_per_s": _round_to(_rate(value.get("tokens_per_s")), 6) if fresh else 0.0,
-                "share": _round_to(plain_tokens[peer_id] / total_tokens, 4)
-                if total_tokens
-                else 0.0,
+                "share": 0.0,  # of the counted peers' tokens: build_view sets it
                 "device": clean_text(value.get("device"), 64),
                 "uptime_s": _round_to(max(0.0, now - started), 6) if started is not None else None,
                 "last_error": clean_text(value.get("last_error"), 240),
@@ -410,7 +535,11 @@ def _peer_rows(
 
 
 def _next_round(
-    reading: Reading, round_now: int | None, *, now: float, fresh_s: float
+    progress: Mapping[str, Mapping[str, Any]],
+    round_now: int | None,
+    *,
+    now: float,
+    fresh_s: float,
 ) -> dict[str, Any] | None:
     """The online peers' work towards the next round, from their progress records."""
     if round_now is None:
@@ -418,7 +547,7 @@ def _next_round(
     target = round_now + 1
     working = [
         value
-        for value in reading.progress.values()
+        for value in progress.values()
         if value.get("round") == target and is_fresh(value, now, fresh_s)
     ]
     return {
@@ -429,14 +558,16 @@ def _next_round(
     }
 
 
-def _agreement(reading: Reading, round_now: int | None) -> dict[str, Any] | None:
+def _agreement(
+    digest_round: int | None, digests: Mapping[str, bytes], round_now: int | None
+) -> dict[str, Any] | None:
     """How many of the peers that published a digest for the round agree on the majority."""
-    if reading.digest_round is None:
+    if digest_round is None:
         return None
-    found = majority(reading.digests)
+    found = majority(digests)
     return {
-        "round": reading.digest_round,
-        "current": reading.digest_round == round_now,
+        "round": digest_round,
+        "current": digest_round == round_now,
         "published": found.published,
         "holders": len(found.holders),
         "share": _round_to(found.share, 4),

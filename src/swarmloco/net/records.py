@@ -15,7 +15,7 @@ Kinds defined here: ``manifest`` (the content-addressed swarm manifest: its hash
 the swarm id), ``peers`` (one signed entry per peer: endpoint, role, version, public) and
 ``round/<r>`` (one signed entry per peer ready to average round r: endpoint, weight,
 bandwidth, client mode, announce time). Later layers add theirs (``progress``,
-``status``, ``digest/<r>``) by defining a :class:`RecordKind` here and calling
+``status``, ``partners``, ``digest/<r>``) by defining a :class:`RecordKind` here and calling
 :func:`register`.
 
 Every record from the network passes :func:`validate` before it is stored or used; the
@@ -714,3 +714,33 @@ STATUS = register(
 
 def status_key(swarm_id: str) -> str:
     return swarm_key(swarm_id, "status")
+
+
+MAX_PARTNERS = 16
+"""Peers a ``partners`` record names at most."""
+
+PARTNERS = register(
+    RecordKind(
+        name="partners",
+        pattern="partners",
+        # One signed entry per training peer: the peers it averaged with in its last rounds
+        # (newest first), its own word about its own groups. The dashboard counts a peer's
+        # figures when a peer it trusts names it and it names that peer back.
+        schema=owned_value(
+            {
+                "peers": ListOf(Str(40, pattern=r"[0-9a-f]{40}"), max_items=MAX_PARTNERS),
+                # The last round it averaged in a group of two or more.
+                "round": Int(minimum=0),
+                "at": Float(minimum=0.0),
+            }
+        ),
+        owned=True,
+        max_ttl=600.0,
+        max_value_bytes=1024,
+        max_subkeys=4096,
+    )
+)
+
+
+def partners_key(swarm_id: str) -> str:
+    return swarm_key(swarm_id, "partners")

@@ -44,7 +44,14 @@ from swarmloco.net.averaging import (
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode
-from swarmloco.net.records import digest_key, progress_key, progress_report, status_key
+from swarmloco.net.records import (
+    MAX_PARTNERS,
+    digest_key,
+    partners_key,
+    progress_key,
+    progress_report,
+    status_key,
+)
 from swarmloco.net.state import Requester, StateDonor, state_service
 from swarmloco.net.swarm import announce_peer, publish_manifest
 from swarmloco.runtime.catchup import CatchUp
@@ -139,6 +146,8 @@ class SwarmNetwork:
         self.status: Provider = dict
         """This peer's ``status`` value (set by the peer before entering)."""
         self.on_dashboard: Callable[[str], None] = lambda url: None
+        self._partners: list[str] = []
+        self._partners_at = 0.0
         self.reports: list[ProgressReport] = []
         """Every peer's latest progress report, as last read (this peer's included)."""
         self.reads = 0
@@ -206,6 +215,7 @@ class SwarmNetwork:
                 await self.node.dht.store(
                     status_key(self.swarm_id), self.status(), ttl=PROGRESS_TTL_S
                 )
+                await self._publish_partners()
                 result = await self.node.dht.get(key)
                 self.reports = [progress_report(e.subkey, e.value) for e in result.entries.values()]
                 with self._read:
@@ -223,6 +233,19 @@ class SwarmNetwork:
                 logger.warning("could not publish progress: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.config.progress_interval_s)
+
+    async def _publish_partners(self) -> None:
+        """The peers this one averaged with lately (the dashboard counts a peer's figures
+        when a peer it trusts names it and is named back), when they changed or the record
+        is half its life old."""
+        evidence = self.catchup.evidence
+        peers = evidence.partners(MAX_PARTNERS)
+        now = time.monotonic()
+        if not peers or (peers == self._partners and now - self._partners_at < PROGRESS_TTL_S / 2):
+            return
+        value = {"peers": peers, "round": evidence.grouped_round, "at": self.node.dht.clock()}
+        await self.node.dht.store(partners_key(self.swarm_id), value, ttl=PROGRESS_TTL_S)
+        self._partners, self._partners_at = peers, now
 
     def wait_for_reads(self, count: int, timeout: float) -> bool:
         """Block (another thread than the loop's) until the progress records were read
@@ -246,13 +269,14 @@ class SwarmNetwork:
     async def _serve_dashboard(self, port: int) -> None:
         """The swarm's dashboard, read through this peer's own DHT node (GET only)."""
         from swarmloco.dashboard.app import make_app, serve
-        from swarmloco.dashboard.collector import Collector
+        from swarmloco.dashboard.collector import Collector, CollectorConfig
 
         collector = Collector(
             dht=self.node.dht,
             swarm_id=self.swarm_id,
             manifest=self.manifest,
             rejoin=self.config.node.peers,
+            config=CollectorConfig(trust=(self.peer_id,)),  # its own partners count
         )
         try:
             async with serve(make_app(lambda: collector.view), host="127.0.0.1", port=port) as url:

@@ -534,13 +534,14 @@ class Swarm:
         )
         logger.info(
             "swarm %s: %s parameters, each of %d fragment(s) syncs every %d steps (overlap %d "
-            "steps, mix %.2f); this peer at round %d, global step %d",
+            "steps, mix %.2f); this peer (id %s) at round %d, global step %d",
             self.swarm_id[:12],
             f"{self.signature.numel:,}",
             spec.fragments,
             spec.sync_every,
             spec.delay,
             spec.alpha,
+            self.peer_id,
             self.round,
             self.global_step,
         )
