@@ -6,12 +6,15 @@ up in ONE JSON object on stdout.
     python scripts/bench_sybil.py --seconds 60 --keys 200
 
 A bootstrap node, a dashboard and ``--peers`` (4) tiny training peers (`swarmloco join`,
-one process each, serving on 127.0.0.2-5) train for a clean window of ``--seconds``; then
+one process each, serving on 127.0.0.2-5; peer 0's key created the run, so the dashboard
+trusts it) train through an unmeasured ``--warmup`` (60 s: young processes grow as they
+fill their caches) and a clean window of ``--seconds``; then
 an attacker with ``--keys`` keys, each proven for the run (``--identity-work`` bits, a
 public run's 8 by default; minted on every core before the swarm trains, once the run
 exists), calling from four addresses of its own (127.0.0.10-13, through local forwarders:
 a gRPC client cannot pick its source address), runs every attack for another
-``--seconds``:
+``--seconds``, at the lowest scheduling priority (``--attacker-nice``: in the world it
+runs on machines of its own; here it shares the peers' two cores):
 
 1. state poisoning: each round the swarm applies, the attacker downloads the honest state,
    serves it with the outer momentum x1000 from four servers of its own, and publishes
@@ -24,7 +27,8 @@ a gRPC client cannot pick its source address), runs every attack for another
 6. the peer list: a ``peers`` record for every key;
 7. donor slots: slow readers of every peer's state from two addresses, and pulls as fast
    as the donors allow from a third;
-9. the dashboard: 20 status records with absurd figures, 500 half-open connections;
+9. the dashboard: 20 status records with absurd figures, each naming the honest peers and
+   the other 19 as partners, and 500 half-open connections;
 10. logs: malformed Store calls, one connection each.
 
 (Attack 8, checkpoints after corruption, is about a peer's own disk, not the network:
@@ -727,6 +731,14 @@ def window(
     }
 
 
+def lower_priority(nice: int) -> None:
+    """Every thread of this process at scheduling priority ``nice`` (on Linux a priority
+    is a thread's own; threads started later inherit their creator's)."""
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+
+
 def eval_loss(peer: Honest) -> float | None:
     """The peer's last eval loss of the global model."""
     losses = [e["eval_loss"] for e in peer.of("round") if e.get("eval_loss") is not None]
@@ -745,6 +757,22 @@ def main() -> None:
         metavar="BITS",
         help="the run's proof of work per key (default: a public run's, %(default)s); the "
         "attacker proves every key it mints",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="an unmeasured window before the clean one, while young processes fill their "
+        "caches (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--attacker-nice",
+        type=int,
+        default=19,
+        metavar="N",
+        help="the attacker's scheduling priority (os.nice; default: %(default)s, the "
+        "lowest): in the world it runs on machines of its own, here on the peers' cores",
     )
     parser.add_argument("--dir", type=Path, default=None, help="where logs and data stay")
     args = parser.parse_args()
@@ -789,6 +817,9 @@ def main() -> None:
             raise RuntimeError("the peers did not start averaging within 10 minutes")
         sampled = {"bootstrap": boot, "dashboard": dash}
         sampled.update({f"peer{p.index}": p.process for p in peers})
+        if args.warmup > 0:
+            log(f"warm-up: {args.warmup:.0f} s (not measured)")
+            window(peers, args.warmup, sampled)
         log(f"clean window: {args.seconds:.0f} s")
         clean = window(peers, args.seconds, sampled)
         before_loss = {p.index: eval_loss(p) for p in peers}
@@ -807,6 +838,9 @@ def main() -> None:
             async with attacker:
                 await attacker.run(args.seconds)
 
+        # The attacker (this process: its thread and its forwarders) at the lowest priority;
+        # the swarm's processes were started before and keep theirs.
+        lower_priority(args.attacker_nice)
         thread = threading.Thread(target=lambda: asyncio.run(attack()), daemon=True)
         thread.start()
         attacked = window(peers, args.seconds, sampled)
@@ -859,6 +893,8 @@ def main() -> None:
                 "source_addresses": len(SOURCES),
                 "seconds": args.seconds,
                 "identity_work": args.identity_work,
+                "warmup_s": args.warmup,
+                "attacker_nice": args.attacker_nice,
                 "swarm": list(SWARM_OPTIONS),
             },
             "poisoned_peers": len(poisoned),
