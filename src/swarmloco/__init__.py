@@ -15,9 +15,15 @@ node and the dashboard, which never need torch) stays light.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# gRPC's core logs connection events (a peer that left: "Got goaway") at INFO on stderr,
+# where a peer's operator reads its log. GRPC_VERBOSITY=INFO in the environment brings them
+# back; it must be set before grpc is imported, which only swarmloco's subpackages do.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 _EXPORTS = {
     "RunSpec": "swarmloco.core.runspec",
