@@ -54,7 +54,7 @@ from swarmloco.core.config import require_int, require_positive
 
 _HISTORY = 16  # recent rounds whose movement, update and interval are kept
 _LOSSES = 8  # training losses kept as a probation's reference
-_SUSTAINED = 3  # losses in a row whose median condemns a state on probation
+_SUSTAINED = 5  # losses in a row whose median condemns a state on probation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,9 +82,12 @@ class AdoptionConfig:
     tokens a round of its own added, per round ahead."""
     probation_rounds: int = 2
     """Rounds averaged with others after which an adopted state counts as this peer's own."""
-    explode_factor: float = 4.0
-    """Three training losses in a row whose median is above this multiple of the highest
-    loss before an adoption (or one NaN) while on probation roll the adoption back."""
+    explode_factor: float = 10.0
+    """Five training losses in a row whose median is above this multiple of the highest
+    loss before an adoption (or one NaN) while on probation roll the adoption back. A
+    poisoned outer momentum raises the loss by orders of magnitude; a loss near its floor
+    rises several times after an honest round (a fresh peer's reference is its few steps
+    on the adopted state, fitted to its own batches: 0.009, then 0.04 after averaging)."""
 
     def __post_init__(self) -> None:
         require_int("quorum", self.quorum, minimum=1)
@@ -471,9 +474,9 @@ class Probation:
     the highest of the training losses before the adoption or, for a peer that logged too
     few, of those before its first round from the adopted state lands (the state's own
     loss, before any outer step of its momentum). A state is condemned by a loss that is
-    not finite, or by three losses in a row whose median passes ``explode_factor`` times
-    the reference: training noise (a small loss doubling from one batch to the next) is
-    not an explosion, an outer step of a poisoned momentum is."""
+    not finite, or by five losses in a row whose median passes ``explode_factor`` times
+    the reference: training noise (a small loss rising several times from one batch or
+    one round to the next) is not an explosion, an outer step of a poisoned momentum is."""
 
     round: int
     """The adopted state's round."""
