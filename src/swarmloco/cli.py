@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import subprocess
@@ -576,9 +577,17 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--task", default="gpt-bytes", help="task to train (default: %(default)s)")
+    _describe_tasks_in_help(parser)
     parser.add_argument(
-        "--preset", default="tiny", help="model size preset of the task (default: %(default)s)"
+        "--task",
+        default="gpt-bytes",
+        help="task to train (default: %(default)s; the list is at the end)",
+    )
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        help="model size preset of the task (default: %(default)s; each preset's size and "
+        "hyperparameters are at the end)",
     )
     parser.add_argument("--name", default="", help="a human label for dashboards (optional)")
     h = parser.add_argument_group("hyperparameters (default: the preset's; all enter the manifest)")
@@ -664,10 +673,26 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "where this peer keeps its key (its public half is the swarm's creator) and checkpoints",
     )
     parser.add_argument(
-        "--no-train", action="store_true", help="only publish the manifest, then exit"
+        "--no-train",
+        action="store_true",
+        help="only publish the manifest, then exit (`swarmloco join` with this --data-dir "
+        "later trains as the creator, the peer dashboards trust by default)",
     )
     _add_peer_run_options(parser)
     parser.set_defaults(handler=_create)
+
+
+def _describe_tasks_in_help(parser: argparse.ArgumentParser) -> None:
+    """Append the tasks and presets to ``parser``'s help, computed only when it is printed
+    (listing them imports torch, which other commands' start should not wait for)."""
+    plain = parser.format_help
+
+    def with_tasks() -> str:
+        from swarmloco.train.tasks import describe_tasks
+
+        return plain().rstrip("\n") + "\n\n" + describe_tasks() + "\n"
+
+    parser.format_help = with_tasks  # type: ignore[method-assign]
 
 
 def _leave_process_group() -> None:
@@ -792,14 +817,17 @@ def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "its hash checked against the id: a manifest that hashes to anything else is "
             "refused. Then the peer downloads the swarm's latest state from peers holding "
             "its majority digest and trains, averaging with the others every H steps, until "
-            "stopped (Ctrl-C or SIGTERM: it finishes the current round, checkpoints and "
-            "leaves). Run it again with the same --data-dir to resume from the newest "
-            "checkpoint. With --dry-run the verified manifest is printed and the command exits."
+            "the run ends (its manifest's total steps: --dry-run says after which round), "
+            "--max-rounds, or Ctrl-C or SIGTERM (it finishes the current round, checkpoints "
+            "and leaves). Run it again with the same --data-dir to resume from the newest "
+            "checkpoint. With --dry-run it prints what the run trains and how (--json: the "
+            "verified manifest itself) and exits."
         ),
         epilog=(
             "examples:\n"
             "  swarmloco join 3f2a...9c1d --peer 127.0.0.1:31337 --data-dir ./peer2\n"
-            "  swarmloco join 3f2a...9c1d --peer 127.0.0.1:31337 --dry-run"
+            "  swarmloco join 3f2a...9c1d --peer 127.0.0.1:31337 --dry-run\n"
+            "  swarmloco join 3f2a...9c1d --peer 127.0.0.1:31337 --dry-run --json | jq .hparams"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -807,7 +835,12 @@ def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _add_peer_option(parser, required=True)
     _add_data_dir_option(parser, "peer", "where this peer keeps its key and checkpoints")
     parser.add_argument(
-        "--dry-run", action="store_true", help="fetch, verify and print the manifest, then exit"
+        "--dry-run",
+        action="store_true",
+        help="fetch and verify the manifest, print what the run trains and how, then exit",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="with --dry-run: print the manifest as JSON"
     )
     _add_peer_run_options(parser)
     parser.set_defaults(handler=_join)
@@ -827,6 +860,20 @@ def _fetch_manifest(swarm_id: str, peers: Sequence[str]) -> Any:
             return await fetch_manifest(node.dht, swarm_id)
 
     return run_async(fetch())
+
+
+def _dry_run(manifest: Any, *, as_json: bool) -> str:
+    """What `join --dry-run` prints: a summary, or the manifest as JSON."""
+    if as_json:
+        return json.dumps(manifest.to_dict(), indent=2, sort_keys=True, ensure_ascii=False)
+    from swarmloco.runtime.swarm import manifest_signature
+    from swarmloco.train.tasks import describe_manifest
+
+    try:
+        parameters: int | None = manifest_signature(manifest).numel
+    except Exception:  # a task this machine lacks: the summary goes without the size
+        parameters = None
+    return describe_manifest(manifest, parameters)
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -861,7 +908,7 @@ def _join(args: argparse.Namespace) -> int:
                 local,
             )
     if args.dry_run:
-        print(manifest.describe(), flush=True)
+        print(_dry_run(manifest, as_json=args.json), flush=True)
         return 0
     return _run_peer(manifest, args)
 

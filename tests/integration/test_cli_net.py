@@ -90,9 +90,19 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         assert created.returncode == 0, created.stderr
         swarm_id = created.stdout.strip()
         assert re.fullmatch(r"[0-9a-f]{40}", swarm_id), created.stdout
-        joined = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--dry-run")
+        summary = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--dry-run")
+        assert summary.returncode == 0, summary.stderr
+        assert summary.stdout.startswith(f"swarm {swarm_id}\n"), summary.stdout
+        for shown in (
+            "gpt-bytes, preset tiny: 837,888 parameters",
+            "every 50 inner steps; the run ends after 2,000 steps, 40 rounds",
+            "warmup 200 steps",
+            "momentum 0.5; updates combined by trimmed_mean",
+            "anyone, each key proving 8 bits of work once",
+        ):
+            assert shown in summary.stdout, summary.stdout
+        joined = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--dry-run", "--json")
         assert joined.returncode == 0, joined.stderr
-        assert joined.stdout.startswith(f"swarm {swarm_id}\n")
         assert '"task": "gpt-bytes"' in joined.stdout
         creator = Identity.load_or_create(tmp_path / "creator").public_key.hex()
         assert f'"creator": "{creator}"' in joined.stdout
@@ -124,7 +134,8 @@ def test_the_creator_of_a_private_swarm_admits_peers_and_nobody_else_can(tmp_pat
         swarm_id = private.stdout.strip()
         shown = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--dry-run")
         assert shown.returncode == 0, shown.stderr
-        assert '"method": "mean"' in shown.stdout  # admitted peers only: the plain mean
+        assert "combined by mean" in shown.stdout  # admitted peers only: the plain mean
+        assert "admitted keys only" in shown.stdout
         peer = Identity.load_or_create(tmp_path / "peer").peer_id_hex
         admitted = swarmloco(
             "admit",

@@ -31,6 +31,15 @@ class GPTConfig:
     dropout: float = 0.0
     """Dropout probability (0 for short runs)."""
 
+    @property
+    def parameters(self) -> int:
+        """How many parameters the model has (token and position embeddings, per block the
+        attention's 4 d^2 and the MLP's 8 d^2 weights and two LayerNorms, a final
+        LayerNorm; the head is tied to the token embedding)."""
+        d = self.n_embd
+        blocks = self.n_layer * (12 * d * d + 4 * d)
+        return (self.vocab_size + self.seq_len) * d + blocks + 2 * d
+
     def __post_init__(self) -> None:
         require_int("vocab_size", self.vocab_size, minimum=2)
         require_int("seq_len", self.seq_len, minimum=2)

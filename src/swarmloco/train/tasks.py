@@ -125,6 +125,93 @@ class GPTBytes:
 _BUILTIN: dict[str, Task] = {GPTBytes.name: GPTBytes()}
 
 
+def _count(n: float) -> str:
+    """1,234 -> "1.2K", 837,888 -> "0.84M", 128,441,856 -> "128M"."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= 0.5 * size:
+            value = n / size
+            return f"{value:.2g}{unit}" if value < 10 else f"{value:.0f}{unit}"
+    return str(int(n))
+
+
+def _rounds(spec: RunSpec) -> str:
+    if spec.total_steps is None:
+        return "no end (until stopped)"
+    rounds = spec.total_steps / spec.steps_per_round
+    return f"{spec.total_steps:,} steps, {rounds:,.0f} rounds"
+
+
+def describe_tasks() -> str:
+    """The built-in tasks' presets and what each picks, for ``swarmloco create --help``
+    (imports torch: only when the help is asked for)."""
+    lines = ["tasks and presets (--task, --preset; the options above override each value):"]
+    for name, task in _BUILTIN.items():
+        lines.append(f"  {name}: {(type(task).__doc__ or '').strip().splitlines()[0]}")
+        for preset, model in task.presets().items():
+            config = from_mapping(GPTConfig, model)
+            run = task.default_run(preset)
+            inner, spec = run.inner, run.spec
+            lines.append(
+                f"    {preset:<6} {_count(config.parameters)} parameters ({config.n_layer} "
+                f"layers, {config.n_embd} wide, {config.seq_len} tokens of context); "
+                f"H={spec.sync_every}, batch {inner.batch_size}, lr {inner.lr:g} "
+                f"(warmup {inner.warmup_steps}), {_rounds(spec)}"
+            )
+    others = sorted({ep.name for ep in entry_points(group="swarmloco.tasks")} - set(_BUILTIN))
+    if others:
+        lines.append(f"  installed: {', '.join(others)} (their presets: their own docs)")
+    return "\n".join(lines)
+
+
+def describe_manifest(manifest: SwarmManifest, parameters: int | None = None) -> str:
+    """A few lines saying what a run trains and how, for ``swarmloco join --dry-run``
+    (``parameters``: the model's size, when the caller knows it)."""
+    run = RunConfig.from_manifest(manifest.hparams)
+    inner, spec = run.inner, run.spec.for_run(private=manifest.private)
+    preset = manifest.model.get("preset")
+    model = f"{manifest.task}" + (f", preset {preset}" if preset else "")
+    if parameters is not None:
+        model += f": {parameters:,} parameters"
+    data = manifest.data
+    source = data.get("source", "stdlib")
+    where = {
+        "stdlib": "the Python standard library's .py files (every peer has them)",
+        "text": "text files: " + ", ".join(map(str, data.get("paths", []))),
+        "tokens": "token files: " + ", ".join(map(str, data.get("paths", []))),
+    }.get(str(source), str(source))
+    streaming = (
+        f"; {spec.fragments} fragments, each overlapping {spec.delay} steps"
+        if spec.fragments > 1
+        else ""
+    )
+    aggregator = spec.averaging_aggregator.method
+    joins = (
+        "admitted keys only (a private run: `swarmloco admit`)"
+        if manifest.private
+        else "anyone"
+        + (
+            f", each key proving {manifest.identity_work} bits of work once"
+            if manifest.identity_work
+            else ""
+        )
+    )
+    lines = [
+        f"swarm {manifest.swarm_id}" + (f" ({manifest.name})" if manifest.name else ""),
+        f"  model:   {model}",
+        f"  data:    {where}",
+        f"  rounds:  every {spec.sync_every} inner steps{streaming}; the run ends after "
+        + _rounds(spec),
+        f"  inner:   AdamW, lr {inner.lr:g} (warmup {inner.warmup_steps} steps, cosine to "
+        f"{inner.min_lr_ratio:g}x), batch {inner.batch_size}",
+        f"  outer:   Nesterov, lr {spec.outer_lr:g}, momentum {spec.outer_momentum:g}; "
+        f"updates combined by {aggregator}",
+        f"  joins:   {joins}",
+    ]
+    if manifest.created_at:
+        lines.append(f"  created: {manifest.created_at}")
+    return "\n".join(lines)
+
+
 def get_task(name: str) -> Task:
     """The task registered as ``name`` (built in, or from the swarmloco.tasks entry points)."""
     if name in _BUILTIN:

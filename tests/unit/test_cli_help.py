@@ -1,0 +1,48 @@
+"""`--help` that teaches: `create` lists the tasks and what each preset picks, `join` says
+when a run ends."""
+
+import subprocess
+import sys
+
+import pytest
+
+from swarmloco.train.model import GPT
+from swarmloco.train.spec import GPT_PRESETS, GPTConfig
+
+
+def help_of(command: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "swarmloco", command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize(
+    "config",
+    [*GPT_PRESETS.values(), GPTConfig(vocab_size=1000, seq_len=64, n_layer=3, n_head=2, n_embd=48)],
+)
+def test_a_gpts_size_is_known_without_building_it(config):
+    assert config.parameters == sum(p.numel() for p in GPT(config).parameters())
+
+
+def test_create_lists_the_tasks_and_what_each_preset_picks():
+    shown = help_of("create")
+    assert "tasks and presets" in shown
+    assert "gpt-bytes: The built-in task: a byte-level GPT" in shown
+    for line in (
+        "tiny   0.84M parameters (4 layers, 128 wide, 128 tokens of context); H=50, batch 16, "
+        "lr 0.003 (warmup 150), 2,000 steps, 40 rounds",
+        "small  11M parameters (6 layers, 384 wide, 256 tokens of context)",
+        "base   128M parameters (18 layers, 768 wide, 1024 tokens of context)",
+    ):
+        assert line in shown, shown[-1500:]
+
+
+def test_join_says_when_a_run_ends_and_what_dry_run_prints():
+    shown = " ".join(help_of("join").split())
+    assert "until the run ends (its manifest's total steps" in shown
+    assert "--dry-run it prints what the run trains and how" in shown
