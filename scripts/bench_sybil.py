@@ -13,8 +13,11 @@ an attacker with ``--keys`` keys, each proven for the run (``--identity-work`` b
 public run's 8 by default; minted on every core before the swarm trains, once the run
 exists), calling from four addresses of its own (127.0.0.10-13, through local forwarders:
 a gRPC client cannot pick its source address), runs every attack for another
-``--seconds``, at the lowest scheduling priority (``--attacker-nice``: in the world it
-runs on machines of its own; here it shares the peers' two cores):
+``--seconds``. In the world the attacker runs on machines of its own; here it shares the
+swarm's cores, unless ``--attacker-cores N`` gives it N of its own (and the swarm the rest,
+in both windows). On 2 cores that leaves the swarm one, on which it applied 6 rounds in
+120 s, too few to compare, and answered the attacker's TLS handshakes too late for most
+attacks to start (2026-11-26): the figures in docs/SECURITY.md share the cores.
 
 1. state poisoning: each round the swarm applies, the attacker downloads the honest state,
    serves it with the outer momentum x1000 from four servers of its own, and publishes
@@ -731,12 +734,12 @@ def window(
     }
 
 
-def lower_priority(nice: int) -> None:
-    """Every thread of this process at scheduling priority ``nice`` (on Linux a priority
-    is a thread's own; threads started later inherit their creator's)."""
-    for task in Path("/proc/self/task").iterdir():
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process ``pid`` on ``cores`` (threads started later inherit their
+    creator's)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+            os.sched_setaffinity(int(task.name), cores)
 
 
 def eval_loss(peer: Honest) -> float | None:
@@ -767,12 +770,12 @@ def main() -> None:
         "caches (default: %(default)s)",
     )
     parser.add_argument(
-        "--attacker-nice",
+        "--attacker-cores",
         type=int,
-        default=19,
+        default=0,
         metavar="N",
-        help="the attacker's scheduling priority (os.nice; default: %(default)s, the "
-        "lowest): in the world it runs on machines of its own, here on the peers' cores",
+        help="cores of the attacker's own (this process); the swarm's processes get the "
+        "rest (default: 0, everyone shares every core)",
     )
     parser.add_argument("--dir", type=Path, default=None, help="where logs and data stay")
     args = parser.parse_args()
@@ -782,7 +785,13 @@ def main() -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     children: list[subprocess.Popen[str]] = []
     try:
+        cores = sorted(os.sched_getaffinity(0))
+        if not 0 <= args.attacker_cores < len(cores):
+            parser.error(f"--attacker-cores must be in [0, {len(cores) - 1}] on this machine")
+        attacker_cores = set(cores[len(cores) - args.attacker_cores :]) or set(cores)
+        swarm_cores = set(cores[: len(cores) - args.attacker_cores])
         boot, boot_endpoint = start_bootstrap(run_dir)
+        pin(boot.pid, swarm_cores)
         children.append(boot)
         swarm = publish_swarm(
             boot_endpoint,
@@ -800,6 +809,7 @@ def main() -> None:
         keys, mint_cpu_s = mint(swarm, args.identity_work, args.keys)
         mint_wall_s = time.monotonic() - minted
         log(f"minted in {mint_wall_s:.0f} s ({mint_cpu_s:.0f} CPU-s); {args.peers} peers start")
+        pin(os.getpid(), swarm_cores)  # the processes started now inherit the swarm's cores
         dash, url = start_dashboard(swarm, boot_endpoint, run_dir)
         children.append(dash)
         peers = [Honest(i, run_dir, swarm, boot_endpoint) for i in range(args.peers)]
@@ -840,7 +850,7 @@ def main() -> None:
 
         # The attacker (this process: its thread and its forwarders) at the lowest priority;
         # the swarm's processes were started before and keep theirs.
-        lower_priority(args.attacker_nice)
+        pin(os.getpid(), attacker_cores)
         thread = threading.Thread(target=lambda: asyncio.run(attack()), daemon=True)
         thread.start()
         attacked = window(peers, args.seconds, sampled)
@@ -894,7 +904,8 @@ def main() -> None:
                 "seconds": args.seconds,
                 "identity_work": args.identity_work,
                 "warmup_s": args.warmup,
-                "attacker_nice": args.attacker_nice,
+                "swarm_cores": sorted(swarm_cores),
+                "attacker_cores": sorted(attacker_cores),
                 "swarm": list(SWARM_OPTIONS),
             },
             "poisoned_peers": len(poisoned),
