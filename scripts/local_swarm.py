@@ -270,6 +270,7 @@ def main() -> int:
                 "round": rounds[-1]["round"],
                 "eval_loss": rounds[-1].get("eval_loss"),
                 "rounds_applied": len(rounds),
+                "digest": rounds[-1]["digest"][:16],  # the same on every peer: one state
                 "downloads": sum(e["event"] == "downloaded" for e in evs),
             }
     print(
