@@ -67,8 +67,8 @@ def check_peer_ids(peers: Sequence[str]) -> tuple[str, ...]:
     for peer in peers:
         if not re.fullmatch(r"[0-9a-fA-F]{40}", peer):
             raise ValueError(
-                f"{peer!r} is not a peer id (40 hex digits: `swarmloco id --data-dir DIR` "
-                "a peer's log names its id when it starts training)"
+                f"{peer!r} is not a peer id (40 hex digits; a peer's log names its id when it "
+                "starts training)"
             )
     return tuple(peer.lower() for peer in peers)
 
@@ -186,7 +186,6 @@ class Collector:
             now=self._clock(),
             history=self.history,
             fresh_s=self.config.fresh_s,
-            trust=self.config.trust,
         )
 
     async def poll(self) -> dict[str, Any]:
