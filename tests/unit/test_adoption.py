@@ -312,7 +312,7 @@ def test_probation_condemns_a_loss_that_explodes_after_the_first_round_lands():
         assert trial.loss(loss, config) is None
     assert trial.reference() == pytest.approx(1.5)
     assert not trial.round_applied(True, config)
-    # One spike is noise; a median of five losses in a row over 10 x 1.5 is an explosion.
+    # One spike is noise; a median of five losses in a row over 100 x 1.5 is an explosion.
     assert trial.loss(5000.0, config) is None
     assert trial.loss(5.0, config) is None
     assert trial.loss(2.0, config) is None

@@ -82,12 +82,13 @@ class AdoptionConfig:
     tokens a round of its own added, per round ahead."""
     probation_rounds: int = 2
     """Rounds averaged with others after which an adopted state counts as this peer's own."""
-    explode_factor: float = 10.0
+    explode_factor: float = 100.0
     """Five training losses in a row whose median is above this multiple of the highest
     loss before an adoption (or one NaN) while on probation roll the adoption back. A
-    poisoned outer momentum raises the loss by orders of magnitude; a loss near its floor
-    rises several times after an honest round (a fresh peer's reference is its few steps
-    on the adopted state, fitted to its own batches: 0.009, then 0.04 after averaging)."""
+    poisoned outer momentum raises the loss by orders of magnitude (1.38 to 3,134, then
+    NaN); a loss near its floor rises many times after an honest round (0.009 to 0.04 for a
+    fresh peer, 0.0056 to 0.073 for another: a relative rule cannot tell noise near zero
+    from an explosion at 10x)."""
 
     def __post_init__(self) -> None:
         require_int("quorum", self.quorum, minimum=1)
