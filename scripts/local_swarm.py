@@ -2,7 +2,8 @@
 """A real swarm on this machine: a bootstrap node, N training peers and the dashboard, each
 its own process.
 
-    python scripts/local_swarm.py [--peers 3] [--rounds 20] [--preset tiny] [--sync-every 50]
+    python scripts/local_swarm.py [--peers 3] [--rounds 20] [--task gpt-bytes] [--preset tiny]
+                                  [--sync-every 50]
 
 Everything talks over gRPC on 127.0.0.1. The script publishes a new swarm's manifest
 through the bootstrap node, starts the dashboard (http://127.0.0.1:8080/ unless that port
@@ -161,6 +162,7 @@ def main() -> int:
     )
     p.add_argument("--peers", type=int, default=3, help="training peers (default: 3)")
     p.add_argument("--rounds", type=int, default=20, help="stop after this round (default: 20)")
+    p.add_argument("--task", default="gpt-bytes", help="task (default: gpt-bytes)")
     p.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
     p.add_argument("--sync-every", type=int, default=50, help="H, inner steps per round")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per inner step")
@@ -200,7 +202,8 @@ def main() -> int:
         swarm = publish_swarm(
             endpoint,
             run_dir,
-            *("--preset", args.preset, "--sync-every", str(args.sync_every)),
+            *("--task", args.task, "--preset", args.preset),
+            *("--sync-every", str(args.sync_every)),
             *("--batch-size", str(args.batch_size), "--name", "local swarm"),
         )
         print(

@@ -64,6 +64,28 @@ def test_auto_on_cuda_is_compiled_bf16_with_fused_adamw_and_follows_fp32():
     assert gap < 0.05, gap
 
 
+def test_the_llama_model_compiled_in_bf16_on_cuda_follows_fp32():
+    from swarmloco.train.llama import Llama
+    from swarmloco.train.spec import LlamaConfig
+
+    shape = LlamaConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+
+    def llama() -> Llama:
+        torch.manual_seed(0)
+        return Llama(shape)
+
+    fast = InnerLoop(llama(), config(), CUDA)
+    exact = InnerLoop(llama(), config(precision="fp32", compile="off"), CUDA)
+    assert fast.amp_dtype is torch.bfloat16 and fast._forward is not fast.model
+    a, b = repeating(8), repeating(8)
+    first_fast, first_exact = fast.train_step(a), exact.train_step(b)
+    assert first_fast == pytest.approx(first_exact, rel=2e-2)
+    for _ in range(40):
+        last_fast, last_exact = fast.train_step(a), exact.train_step(b)
+    assert last_fast < 0.5 * first_fast
+    assert last_fast == pytest.approx(last_exact, rel=0.1)
+
+
 def test_a_state_saved_on_the_gpu_resumes_on_the_cpu_to_the_same_step():
     exact = dict(precision="fp32", compile="off")
     gpu = InnerLoop(make_model(), config(**exact), CUDA)

@@ -7,7 +7,8 @@
   the swarm id, round and state digest in the file's metadata;
 * ``manifest.json``: the run's manifest, whose hash is the swarm id;
 * ``config.json``: when the manifest carries a model ``config`` (a Hugging Face model's,
-  as ``swarmloco.integrations.hf`` records it), so that ``from_pretrained(DIR)`` loads it.
+  as ``swarmloco.integrations.hf`` records it), or its task derives one (the ``llama``
+  task: ``LlamaForCausalLM``), so that ``from_pretrained(DIR)`` loads it.
 
 The state comes from the newest valid checkpoint in the peer's data directory (read
 without a lock: safe beside a running peer), or, with ``peers``, from the swarm: the most
@@ -99,12 +100,29 @@ def export(
     metadata = {"format": "pt", "swarm_id": swarm_id, "round": str(round), "digest": digest}
     _atomic(out / WEIGHTS, lambda path: save_file(tensors, str(path), metadata=metadata))
     _atomic(out / MANIFEST, lambda path: path.write_bytes(manifest.to_bytes()))
-    config = manifest.model.get("config")
+    config = manifest.model.get("config") or _task_config(manifest)
     if isinstance(config, dict):
         text = json.dumps(config, indent=2, sort_keys=True)
         _atomic(out / CONFIG, lambda path: path.write_text(text + "\n"))
     logger.info("exported round %d of swarm %s to %s (from %s)", round, swarm_id[:12], out, source)
     return Exported(out, swarm_id, round, digest, source)
+
+
+def _task_config(manifest: SwarmManifest) -> dict[str, Any] | None:
+    """The Hugging Face config a built-in task derives from the manifest's model (the
+    ``llama`` task's), or None."""
+    from swarmloco.train.tasks import get_task
+
+    try:
+        task = get_task(manifest.task)
+    except ValueError:  # a task of a package this machine lacks: the weights alone
+        return None
+    derive = getattr(task, "hf_config", None)
+    if derive is None:
+        return None
+    model = {k: v for k, v in manifest.model.items() if k not in ("preset", "signature")}
+    config = derive(model)
+    return dict(config) if config is not None else None
 
 
 def weights_of(

@@ -1598,6 +1598,9 @@ class Swarm:
                 "bytes_sent": report.bytes_sent,
                 "seconds": round(seconds, 3),
                 "matchmaking_seconds": round(matchmaking, 3),
+                # The training loop's own time so far (the share of wall time it trains,
+                # between any two rounds, is the difference of this over that of "time").
+                "train_seconds": round(self.train_seconds, 3),
                 "excluded": sorted(report.excluded),
                 "rejections": dict(report.rejections),
                 "clipped": report.clipped,

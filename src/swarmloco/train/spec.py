@@ -71,6 +71,127 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """A Llama-architecture decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query
+    attention, no biases (Hugging Face's ``LlamaConfig`` under shorter names)."""
+
+    vocab_size: int = 256
+    """Vocabulary size."""
+    seq_len: int = 128
+    """Context length in tokens (``max_position_embeddings``)."""
+    n_layer: int = 4
+    """Decoder layers."""
+    n_head: int = 4
+    """Query heads per layer."""
+    n_kv_head: int = 2
+    """Key-value heads per layer (grouped-query attention; equal to n_head: none)."""
+    n_embd: int = 128
+    """Model width (``hidden_size``)."""
+    ffn: int = 352
+    """Width of the SwiGLU MLP (``intermediate_size``)."""
+    rope_theta: float = 10_000.0
+    """Base of the rotary embeddings' frequencies."""
+    norm_eps: float = 1e-5
+    """RMSNorm's epsilon."""
+    tie_embeddings: bool = True
+    """The output head shares the token embedding's weights."""
+
+    def __post_init__(self) -> None:
+        require_int("vocab_size", self.vocab_size, minimum=2)
+        require_int("seq_len", self.seq_len, minimum=2)
+        require_int("n_layer", self.n_layer, minimum=1)
+        require_int("n_head", self.n_head, minimum=1)
+        require_int("n_kv_head", self.n_kv_head, minimum=1)
+        require_int("n_embd", self.n_embd, minimum=8)
+        require_int("ffn", self.ffn, minimum=1)
+        require(
+            self.n_embd % self.n_head == 0,
+            f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})",
+        )
+        require(
+            self.n_head % self.n_kv_head == 0,
+            f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})",
+        )
+        require(
+            (self.n_embd // self.n_head) % 2 == 0,
+            f"the head width n_embd / n_head ({self.n_embd // self.n_head}) must be even "
+            "(rotary embeddings turn pairs of values)",
+        )
+        require(
+            isinstance(self.rope_theta, int | float) and self.rope_theta > 1,
+            f"rope_theta must be a number above 1, got {self.rope_theta!r}",
+        )
+        require(
+            isinstance(self.norm_eps, int | float) and 0 < self.norm_eps < 1,
+            f"norm_eps must be in (0, 1), got {self.norm_eps!r}",
+        )
+        require(isinstance(self.tie_embeddings, bool), "tie_embeddings must be true or false")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def parameters(self) -> int:
+        """How many parameters the model has (the token embedding, per layer the attention's
+        query, key, value and output matrices, the MLP's three and two RMSNorms, a final
+        RMSNorm, and the head unless tied)."""
+        d, kv = self.n_embd, self.n_kv_head * self.head_dim
+        layer = 2 * d * d + 2 * d * kv + 3 * d * self.ffn + 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.n_layer * layer + d + head
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward and backward): 6 per weight of every matrix a
+        token passes through (the head, not the embedding lookup) and attention's
+        12 * layers * width * seq_len (PaLM, appendix B)."""
+        matrices = self.parameters - self.vocab_size * self.n_embd * (not self.tie_embeddings)
+        matrices -= (2 * self.n_layer + 1) * self.n_embd  # norms: no matrix product
+        return 6 * matrices + 12 * self.n_layer * self.n_embd * self.seq_len
+
+
+LLAMA_PRESETS: dict[str, LlamaConfig] = {
+    # About 0.8M parameters on bytes: the CPU tests' and demos' size.
+    "tiny": LlamaConfig(),
+    # About 18M: SmolLM2's vocabulary and head width at a quarter of 135M's width.
+    "20m": LlamaConfig(
+        vocab_size=49_152, seq_len=1024, n_layer=8, n_head=4, n_kv_head=2, n_embd=256, ffn=704
+    ),
+    # SmolLM2-135M's shape (135M parameters).
+    "135m": LlamaConfig(
+        vocab_size=49_152,
+        seq_len=2048,
+        n_layer=30,
+        n_head=9,
+        n_kv_head=3,
+        n_embd=576,
+        ffn=1536,
+    ),
+    # SmolLM2-360M's shape (362M parameters).
+    "360m": LlamaConfig(
+        vocab_size=49_152,
+        seq_len=2048,
+        n_layer=32,
+        n_head=15,
+        n_kv_head=5,
+        n_embd=960,
+        ffn=2560,
+    ),
+    # TinyLlama-1.1B's shape (1.1B parameters, untied head).
+    "1b": LlamaConfig(
+        vocab_size=32_000,
+        seq_len=2048,
+        n_layer=22,
+        n_head=32,
+        n_kv_head=4,
+        n_embd=2048,
+        ffn=5632,
+        tie_embeddings=False,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DataSpec:
     """Which tokens a run trains on and how the validation set is split off.
 

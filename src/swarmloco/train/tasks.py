@@ -19,7 +19,7 @@ from swarmloco.core.config import from_mapping
 from swarmloco.core.manifest import SwarmManifest, identity_work_for
 from swarmloco.core.runspec import RunSpec
 from swarmloco.train.inner import InnerConfig
-from swarmloco.train.spec import GPT_PRESETS, DataSpec, GPTConfig
+from swarmloco.train.spec import GPT_PRESETS, LLAMA_PRESETS, DataSpec, GPTConfig, LlamaConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -122,7 +122,60 @@ class GPTBytes:
         return layer_unit(param_name)
 
 
-_BUILTIN: dict[str, Task] = {GPTBytes.name: GPTBytes()}
+class Llama:
+    """The Llama architecture (presets with published models' shapes); exports load in
+    Hugging Face transformers."""
+
+    name = "llama"
+
+    def presets(self) -> Mapping[str, Mapping[str, Any]]:
+        return {k: dataclasses.asdict(v) for k, v in LLAMA_PRESETS.items()}
+
+    def default_run(self, preset: str) -> RunConfig:
+        if preset == "tiny":
+            inner = InnerConfig(lr=3e-3, warmup_steps=150, total_steps=2000, batch_size=16)
+            return RunConfig(inner=inner, spec=RunSpec(total_steps=inner.total_steps))
+        # Rounds of H = 500 (DiLoCo's), a warmup of two rounds; the learning rates of
+        # models of these sizes (SmolLM2, TinyLlama), with sequences of the preset's length.
+        lr, batch = {"20m": (1e-3, 16), "135m": (6e-4, 16), "360m": (4e-4, 16)}.get(
+            preset, (3e-4, 8)
+        )
+        inner = InnerConfig(lr=lr, warmup_steps=1000, total_steps=100_000, batch_size=batch)
+        return RunConfig(inner=inner, spec=RunSpec(sync_every=500, total_steps=100_000))
+
+    def build_model(self, model: Mapping[str, Any]) -> nn.Module:
+        from swarmloco.train.llama import Llama as LlamaModel
+
+        return LlamaModel(from_mapping(LlamaConfig, model))
+
+    def load_data(self, model: Mapping[str, Any], data: DataSpec) -> TokenData:
+        from swarmloco.train.data import load_tokens
+
+        return load_tokens(data, vocab_size=int(model["vocab_size"]))
+
+    def layer_unit(self, param_name: str) -> str:
+        from swarmloco.train.llama import layer_unit
+
+        return layer_unit(param_name)
+
+    def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` of the model (``swarmloco export`` writes it)."""
+        from swarmloco.train.llama import hf_config
+
+        return hf_config(from_mapping(LlamaConfig, model))
+
+
+_BUILTIN: dict[str, Task] = {GPTBytes.name: GPTBytes(), Llama.name: Llama()}
+_CONFIGS: dict[str, type[GPTConfig] | type[LlamaConfig]] = {
+    GPTBytes.name: GPTConfig,
+    Llama.name: LlamaConfig,
+}
+
+
+def model_config(task: str, model: Mapping[str, Any]) -> GPTConfig | LlamaConfig | None:
+    """A built-in task's model config, checked (None for a task of another package)."""
+    config = _CONFIGS.get(task)
+    return from_mapping(config, model) if config is not None else None
 
 
 def _count(n: float) -> str:
@@ -148,7 +201,8 @@ def describe_tasks() -> str:
     for name, task in _BUILTIN.items():
         lines.append(f"  {name}: {(type(task).__doc__ or '').strip().splitlines()[0]}")
         for preset, model in task.presets().items():
-            config = from_mapping(GPTConfig, model)
+            config = model_config(name, model)
+            assert config is not None
             run = task.default_run(preset)
             inner, spec = run.inner, run.spec
             lines.append(
@@ -234,8 +288,9 @@ def resolve_model(
         )
     model = dict(presets[preset])
     model.update(overrides or {})
-    if task.name == GPTBytes.name:
-        model = dataclasses.asdict(from_mapping(GPTConfig, model))  # validate
+    config = model_config(task.name, model)  # validate
+    if config is not None:
+        model = dataclasses.asdict(config)
     return model
 
 
