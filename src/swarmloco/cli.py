@@ -297,6 +297,18 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "fp32 either way",
     )
     g.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="device memory the training may use: the largest micro-batch that fits is "
+        "accumulated to the run's sequences per step (the same arithmetic on any card), "
+        "with activation checkpointing when not even one sequence fits otherwise. On CUDA "
+        "the default is the card's memory, measured at start; elsewhere no fitting unless "
+        "given (then estimated from the model's shape). The choice is logged and in the "
+        "ready event",
+    )
+    g.add_argument(
         "--bandwidth",
         type=float,
         default=None,
@@ -516,7 +528,11 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
     if "RANK" in os.environ and args.nproc_per_node > 1:
         box = _init_box(args.device)
     config = DaemonConfig(
-        peer=peer, device=args.device, compile=args.compile, precision=args.precision
+        peer=peer,
+        device=args.device,
+        compile=args.compile,
+        precision=args.precision,
+        memory_budget_gb=args.memory_budget,
     )
     sink = None
     events_file = None

@@ -1,6 +1,7 @@
-"""A swarm of the built-in ``llama`` task: two `swarmloco join` processes end on one state,
-and `swarmloco export` hands back a directory Hugging Face's ``LlamaForCausalLM`` loads,
-giving the logits of the peer's own model (docs/DESIGN.md, "Built-in tasks")."""
+"""A swarm of the built-in ``llama`` task: two `swarmloco join` processes end on one state
+(one of them fitting its step to a memory budget), and `swarmloco export` hands back a
+directory Hugging Face's ``LlamaForCausalLM`` loads, giving the logits of the peer's model
+(docs/DESIGN.md, "Built-in tasks")."""
 
 from __future__ import annotations
 
@@ -45,13 +46,20 @@ def test_two_llama_peers_end_on_one_state_and_the_export_loads_in_transformers(t
         common = ("--max-rounds", str(rounds))
         with (
             PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", *common) as a,
-            PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", *common) as b,
+            # b fits the step's 4 sequences to 40 MB: 2 at a time, accumulated twice.
+            PeerProcess.join(
+                swarm, boot.endpoint, tmp_path / "b", *common, "--memory-budget", "0.04"
+            ) as b,
         ):
             for p in (a, b):
                 assert p.wait(240) == 0, p.log_tail()
     finals = {p.of("round")[-1]["digest"] for p in (a, b)}
     assert len(finals) == 1 and a.of("round")[-1]["round"] == rounds, finals
     assert max(e["group"] for p in (a, b) for e in p.of("round")) == 2
+    fitted, plain = b.of("ready")[0], a.of("ready")[0]
+    assert (fitted["micro_batch"], fitted["grad_accum"], fitted["device"]) == (2, 2, "cpu")
+    assert (plain["micro_batch"], plain["grad_accum"]) == (4, 1)
+    assert "fitted to cpu: micro-batch 2 x 2 accumulated" in b.log_tail(200)
 
     out = tmp_path / "model"
     done = subprocess.run(

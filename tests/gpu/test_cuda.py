@@ -158,3 +158,32 @@ def test_a_gpu_peer_and_a_cpu_peer_hold_the_same_state_after_every_round(tmp_pat
     for p in (g, c):
         assert {e["group"] for e in p.of("round")} == {2}, p.events
     assert held[0] == held[1] and rounds in held[0], held
+
+
+def test_the_memory_probe_measures_what_a_step_needs():
+    from swarmloco.train.fit import choose_fit, measure_profile
+    from swarmloco.train.llama import Llama
+    from swarmloco.train.spec import LlamaConfig
+
+    shape = LlamaConfig(vocab_size=4096, seq_len=256, n_layer=4, n_head=8, n_kv_head=2, n_embd=256)
+    torch.manual_seed(0)
+    loop = InnerLoop(Llama(shape), config(compile="off", batch_size=8), CUDA)
+    state = 2 * sum(p.numel() * 4 for p in loop.model.parameters())
+    profile = measure_profile(
+        loop.model,
+        seq_len=shape.seq_len,
+        vocab_size=shape.vocab_size,
+        device=CUDA,
+        autocast=loop._autocast,
+        optimizer_state_bytes=state,
+    )
+    assert profile.per_sequence_bytes > 0 and profile.checkpointed_per_sequence_bytes
+    assert profile.checkpointed_per_sequence_bytes < profile.per_sequence_bytes
+    fit = choose_fit(8, profile, profile.need(4) + profile.need(4) // 8)
+    assert (fit.micro_batch, fit.grad_accum) == (4, 2)
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, shape.vocab_size, (4, shape.seq_len + 1), generator=g)
+    loop.train_step(itertools.repeat((rows[:, :-1], rows[:, 1:])))
+    peak = torch.cuda.max_memory_allocated(CUDA)
+    assert 0.5 * profile.need(4) < peak < 1.25 * profile.need(4), (peak, profile)

@@ -22,6 +22,7 @@ from swarmloco.runtime.box import Box, BoxRank
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.swarm import EventSink, Summary, Swarm
 from swarmloco.train.data import BatchStream, eval_windows
+from swarmloco.train.fit import Fit, choose_fit, estimate_profile, measure_profile
 from swarmloco.train.inner import CompileMode, InnerLoop, Precision, evaluate
 from swarmloco.train.tasks import build_task_model, run_from_manifest
 
@@ -42,12 +43,19 @@ class DaemonConfig:
     """Override the inner loop's torch.compile choice (auto, on, off)."""
     precision: Precision | None = None
     """Override the inner loop's precision (auto, fp32, bf16, fp16)."""
+    memory_budget_gb: float | None = None
+    """Device memory the inner loop may use, in GB: the micro-batch is fitted to it (on
+    CUDA by default: the card's memory, measured; elsewhere only when given)."""
 
     def __post_init__(self) -> None:
         if self.compile not in (None, "auto", "on", "off"):
             raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
         if self.precision not in (None, "auto", "fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be auto, fp32, bf16 or fp16, got {self.precision!r}")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise ValueError(
+                f"memory budget must be a positive number of GB, got {self.memory_budget_gb!r}"
+            )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -118,8 +126,12 @@ def train_task(
             model.to(device), device_ids=[device.index] if device.type == "cuda" else None
         )
     loop = InnerLoop(model, inner, device)
-    data = task.load_data(model_config, data_spec)
     seq_len = int(model_config["seq_len"])
+    fit = None
+    if box is None and (device.type == "cuda" or config.memory_budget_gb is not None):
+        fit = fit_batch(loop, model_config, device, config.memory_budget_gb)
+        inner = loop.config
+    data = task.load_data(model_config, data_spec)
     evalset = eval_windows(data.val, seq_len=seq_len, count=data_spec.eval_sequences)
     ranks = box.size if box is not None else 1
     peer = dataclasses.replace(
@@ -130,6 +142,10 @@ def train_task(
     def events(event: dict[str, Any]) -> None:
         if event["event"] == "ready":
             event["precision"] = precision
+            event["device"] = str(device)
+            event["micro_batch"] = inner.batch_size
+            event["grad_accum"] = inner.grad_accum
+            event["checkpointing"] = bool(fit and fit.checkpointing)
         if on_event is not None:
             on_event(event)
 
@@ -183,6 +199,54 @@ def train_task(
                 continue
             swarm.log(loss=loss)
     return swarm.summary if isinstance(swarm, Swarm) else None
+
+
+def fit_batch(
+    loop: InnerLoop, model_config: dict[str, Any], device: torch.device, budget_gb: float | None
+) -> Fit:
+    """Fit the loop's step to the device (train/fit.py): measured on CUDA, estimated from
+    the model's shape elsewhere; the loop's micro-batch and accumulation are set to the
+    fit's, the run's sequences per step unchanged."""
+    inner = loop.config
+    model = loop.model
+    if device.type == "cuda":
+        state = 2 * sum(p.numel() * 4 for p in model.parameters())  # AdamW's two moments
+        profile = measure_profile(
+            model,
+            seq_len=int(model_config["seq_len"]),
+            vocab_size=int(model_config["vocab_size"]),
+            device=device,
+            autocast=loop._autocast,
+            optimizer_state_bytes=state,
+        )
+        if budget_gb is None:
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = free + torch.cuda.memory_allocated(device)  # the weights are ours
+        else:
+            budget = int(budget_gb * 1e9)
+    else:
+        assert budget_gb is not None
+        needed = ("n_layer", "n_embd", "seq_len", "vocab_size")
+        if any(key not in model_config for key in needed):
+            raise SwarmlocoError(
+                "--memory-budget off CUDA needs the model's shape (n_layer, n_embd, seq_len, "
+                "vocab_size): this task's model does not say it"
+            )
+        profile = estimate_profile(
+            sum(p.numel() for p in model.parameters()),
+            n_layer=int(model_config["n_layer"]),
+            n_embd=int(model_config["n_embd"]),
+            seq_len=int(model_config["seq_len"]),
+            vocab_size=int(model_config["vocab_size"]),
+            activation_bytes=2 if loop.amp_dtype is not None else 4,
+        )
+        budget = int(budget_gb * 1e9)
+    fit = choose_fit(inner.batch_size * inner.grad_accum, profile, budget)
+    if fit.checkpointing:
+        setattr(model, "checkpointing", True)  # noqa: B010 (a plain attribute)
+    loop.config = dataclasses.replace(inner, batch_size=fit.micro_batch, grad_accum=fit.grad_accum)
+    logger.info("fitted to %s: %s", device, fit.describe())
+    return fit
 
 
 def _any_rank(box: Box, failed: str) -> str:

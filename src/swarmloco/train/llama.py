@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from swarmloco.train.spec import LlamaConfig
 
@@ -115,6 +116,9 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
+        self.checkpointing = False
+        """Recompute each layer's activations in the backward pass (train/fit.py turns it
+        on when not even one sequence fits otherwise)."""
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -137,8 +141,12 @@ class Llama(nn.Module):
             raise ValueError(f"sequence of {t} tokens exceeds seq_len {self.config.seq_len}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.model.embed_tokens(idx)
+        recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         logits = self.lm_head(self.model.norm(x))
         if targets is None:
             return logits

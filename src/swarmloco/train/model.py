@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from swarmloco.train.spec import GPTConfig
 
@@ -57,6 +58,8 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        self.checkpointing = False
+        """Recompute each block's activations in the backward pass (see train/fit.py)."""
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.seq_len, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -80,8 +83,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {t} tokens exceeds seq_len {self.config.seq_len}")
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
+        recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied head
         if targets is None:
             return logits
