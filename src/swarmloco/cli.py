@@ -792,7 +792,7 @@ def _create(args: argparse.Namespace) -> int:
         if v is not None
     }
     run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, **spec_changes))
-    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else None
+    overrides = _model_overrides(args) or None
     manifest = build_manifest(
         args.task,
         args.preset,
@@ -1158,8 +1158,21 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
         "--vocab-size",
         type=int,
         default=None,
-        help="vocabulary size for token files (default: the preset's, 256)",
+        help="vocabulary size for token files (default: the preset's)",
     )
+    g.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="context length of the model (default: the preset's)",
+    )
+
+
+def _model_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The preset's values --vocab-size and --seq-len replace."""
+    values = {"vocab_size": args.vocab_size, "seq_len": args.seq_len}
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def _data_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -1286,7 +1299,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from swarmloco.train.tasks import get_task, resolve_model
 
     task = get_task(args.task)
-    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    overrides = _model_overrides(args)
     model = resolve_model(task, args.preset, overrides)
     run = task.default_run(args.preset)
     inner = run.inner

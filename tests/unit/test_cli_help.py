@@ -40,6 +40,23 @@ def test_create_lists_the_tasks_and_what_each_preset_picks():
         "base   128M parameters (18 layers, 768 wide, 1024 tokens of context)",
     ):
         assert line in shown, shown[-1500:]
+    assert "llama: The Llama architecture" in shown
+    assert "1b     1.1B parameters (22 layers, 2048 wide, 2048 tokens of context); H=500" in shown
+    flat = " ".join(shown.split())
+    assert "--seq-len TOKENS context length of the model" in flat
+    assert "--memory-budget GB device memory the training may use" in flat
+
+
+def test_seq_len_and_vocab_size_replace_the_presets_values():
+    import argparse
+
+    from swarmloco.cli import _model_overrides
+    from swarmloco.train.tasks import build_manifest
+
+    args = argparse.Namespace(vocab_size=None, seq_len=64)
+    assert _model_overrides(args) == {"seq_len": 64}
+    manifest = build_manifest("llama", "tiny", creator="", model_overrides=_model_overrides(args))
+    assert manifest.model["seq_len"] == 64
 
 
 def test_join_says_when_a_run_ends_and_what_dry_run_prints():
