@@ -226,6 +226,19 @@ def test_missing_optional_fields():
     assert view_of(status={A: status()})["loss"] == 2.5
 
 
+def test_how_a_peer_fits_its_device_and_its_mfu_are_shown():
+    fitted = status(device="cuda:0 (NVIDIA H200)", fit="micro-batch 8 x 2, 61 of 141 GB", mfu=0.412)
+    view = view_of(status={A: fitted, B: status(at=NOW - 31.0, mfu=0.5)}, trust=(A, B))
+    assert row(view, A)["fit"] == "micro-batch 8 x 2, 61 of 141 GB"
+    assert row(view, A)["mfu"] == 0.412
+    assert row(view, B)["mfu"] is None and row(view, B)["fit"] == ""  # offline: not now
+    rendered = text.render(view)
+    assert "cuda:0 (NVIDIA H200) (micro-batch 8 x 2, 61 of 141 GB)" in rendered
+    assert "MFU" in rendered and "41.2%" in rendered
+    with pytest.raises(ValueError):
+        status(mfu=1.5)  # no peer can publish a utilisation above 1
+
+
 def test_the_swarm_loss_is_the_median_of_the_online_peers():
     view = view_of(
         status={

@@ -118,7 +118,10 @@ def render(view: Mapping[str, Any]) -> str:
                 f"{100 * p['share']:.1f}%",
                 _loss(p["loss"]),
                 _loss(p["eval_loss"]),
-                p["device"] or "-",
+                " ".join(
+                    filter(None, [p["device"] or "-", f"({p['fit']})" if p["fit"] else ""])
+                ),
+                f"{100 * p['mfu']:.1f}%" if p["mfu"] is not None else "-",
                 duration(p["uptime_s"]),
                 p["version"] or "-",
                 p["last_error"][:60] or "-",
@@ -136,6 +139,7 @@ def render(view: Mapping[str, Any]) -> str:
                 "LOSS",
                 "EVAL",
                 "DEVICE",
+                "MFU",
                 "UPTIME",
                 "VERSION",
                 "LAST ERROR",

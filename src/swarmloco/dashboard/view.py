@@ -515,6 +515,10 @@ def _peer_rows(
                 "tokens_per_s": _round_to(_rate(value.get("tokens_per_s")), 6) if fresh else 0.0,
                 "share": 0.0,  # of the counted peers' tokens: build_view sets it
                 "device": clean_text(value.get("device"), 64),
+                "fit": clean_text(value.get("fit"), 64),
+                "mfu": _round_to(_number(value.get("mfu"), low=0.0, high=1.0), 4)
+                if fresh
+                else None,
                 "uptime_s": _round_to(max(0.0, now - started), 6) if started is not None else None,
                 "last_error": clean_text(value.get("last_error"), 240),
                 "version": clean_text(value.get("version"), 32),

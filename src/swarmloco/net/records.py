@@ -692,6 +692,10 @@ STATUS = register(
                 "loss": Float(),
                 "eval_loss": Float(),
                 "device": Str(64),
+                # How it fits its step to the device ("micro-batch 8 x 2, checkpointing"),
+                # and the model FLOPs utilisation of its training (0-1), where known.
+                "fit": Str(64),
+                "mfu": Float(minimum=0.0, maximum=1.0),
                 "version": Str(32),
                 "started_at": Float(minimum=0.0),
                 "rounds_applied": Int(minimum=0),
@@ -702,11 +706,11 @@ STATUS = register(
                 "rounds": ListOf(ROUND_SUMMARY, max_items=8),
                 "at": Float(minimum=0.0),
             },
-            optional=frozenset({"loss", "eval_loss"}),
+            optional=frozenset({"loss", "eval_loss", "fit", "mfu"}),
         ),
         owned=True,
         max_ttl=600.0,
-        max_value_bytes=2304,
+        max_value_bytes=2432,
         max_subkeys=4096,
     )
 )

@@ -22,9 +22,16 @@ from swarmloco.runtime.box import Box, BoxRank
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.swarm import EventSink, Summary, Swarm
 from swarmloco.train.data import BatchStream, eval_windows
-from swarmloco.train.fit import Fit, choose_fit, estimate_profile, measure_profile
+from swarmloco.train.fit import (
+    Fit,
+    choose_fit,
+    estimate_profile,
+    measure_profile,
+    peak_bf16_flops,
+)
 from swarmloco.train.inner import CompileMode, InnerLoop, Precision, evaluate
 from swarmloco.train.tasks import build_task_model, run_from_manifest
+from swarmloco.train.tasks import model_config as model_config_of
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +187,13 @@ def train_task(
         seed=run.spec.seed,
         worker=data_seed,
     )
+    if isinstance(swarm, Swarm):
+        shape = model_config_of(task.name, model_config)
+        swarm.describe_compute(
+            fit=fit.short() if fit is not None else "",
+            flops_per_token=shape.flops_per_token() if shape is not None else None,
+            peak_flops=peak_bf16_flops(device) if loop.amp_dtype is not None else None,
+        )
     swarm.register("inner", _LoopState(loop))
     swarm.register("data", stream)
     loop.lr_step = lambda: swarm.global_step  # the learning rate follows the swarm

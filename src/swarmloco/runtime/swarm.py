@@ -215,6 +215,9 @@ class Swarm:
         self.started_at = time.time()
         self.last_error = ""
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
+        self._fit = ""
+        self._flops_per_token: float | None = None
+        self._peak_flops: float | None = None
         self.steps = 0
         self.steps_since_round = 0
         self.tokens_since_round = 0
@@ -1644,6 +1647,20 @@ class Swarm:
 
     # -- records ----------------------------------------------------------------------------
 
+    def describe_compute(
+        self,
+        *,
+        fit: str = "",
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
+        """What the dashboard shows of this peer's compute: how its step fits the device
+        (``fit``, a few words), and its model FLOPs utilisation, from the training FLOPs of
+        a token and the device's peak (both needed; the rate is the peer's own)."""
+        self._fit = fit
+        self._flops_per_token = flops_per_token
+        self._peak_flops = peak_flops
+
     def _progress_value(self) -> dict[str, Any]:
         # The round this peer's new tokens count towards: while round r is in flight,
         # r + 1 (its tokens since r started are the next round's).
@@ -1672,6 +1689,10 @@ class Swarm:
             "rounds": list(self.history),
             "at": self._now(),
         }
+        if self._fit:
+            value["fit"] = self._fit[:64]
+        if self._flops_per_token and self._peak_flops and self._rate.value > 0:
+            value["mfu"] = min(1.0, self._rate.value * self._flops_per_token / self._peak_flops)
         if math.isfinite(self.last_loss):
             value["loss"] = self.last_loss
         if self.last_eval is not None and math.isfinite(self.last_eval):

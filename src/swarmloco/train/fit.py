@@ -56,6 +56,12 @@ class Fit:
     need_bytes: int
     budget_bytes: int
 
+    def short(self) -> str:
+        """A few words for the dashboard."""
+        text = f"micro-batch {self.micro_batch} x {self.grad_accum}"
+        text += ", checkpointing" if self.checkpointing else ""
+        return text + f", {self.need_bytes / 1e9:.0f} of {self.budget_bytes / 1e9:.0f} GB"
+
     def describe(self) -> str:
         return (
             f"micro-batch {self.micro_batch} x {self.grad_accum} accumulated"
@@ -63,6 +69,32 @@ class Fit:
             + f" (needs about {self.need_bytes / 1e9:.1f} GB of a "
             f"{self.budget_bytes / 1e9:.1f} GB budget)"
         )
+
+
+# Dense bf16 matrix rates from vendors' datasheets (without sparsity), FLOP/s, by a name
+# torch.cuda.get_device_name contains; the first match counts. MFU is shown for these only.
+_PEAK_BF16: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, where the table above knows it (None: the CPU, or
+    a card it does not list)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in _PEAK_BF16 if key in name), None)
 
 
 def choose_fit(

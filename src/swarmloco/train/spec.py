@@ -52,6 +52,13 @@ class GPTConfig:
         )
         require_fraction("dropout", self.dropout, closed_high=False)
 
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 per weight of every matrix (the blocks' and the tied
+        head's) and attention's 12 * layers * width * seq_len, as for the llama task."""
+        d = self.n_embd
+        matrices = self.n_layer * 12 * d * d + self.vocab_size * d
+        return 6 * matrices + 12 * self.n_layer * d * self.seq_len
+
     def num_params(self) -> int:
         """Parameter count (tied head counted once)."""
         d = self.n_embd
