@@ -8,7 +8,6 @@ the learning rate on the swarm's global step, and train until the peer is asked 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from typing import Any
@@ -74,6 +73,18 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+class _WithWeights(torch.nn.Module):
+    """``module`` called with ``weights`` (by parameter name) in place of its own."""
+
+    def __init__(self, module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.inner = module
+        self.weights = weights
+
+    def forward(self, *args: Any) -> Any:
+        return torch.func.functional_call(self.inner, self.weights, args)
+
+
 class _LoopState:
     """The inner loop's own state (loss scale, step) for the swarm's checkpoints; the
     optimizer's the swarm checkpoints itself."""
@@ -125,7 +136,7 @@ def train_task(
     if box is not None and device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
     model = build_task_model(task, model_config, run)
-    eval_model = copy.deepcopy(model).to(device)
+    plain_model = model  # the module itself, whatever wraps it for training
     if box is not None:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -157,8 +168,11 @@ def train_task(
             on_event(event)
 
     def evaluate_global() -> float:
-        swarm.load_global_into(eval_model)
-        return evaluate(eval_model, evalset, device, loop.amp_dtype)
+        # The training model's modules with the global weights in place of its own: no
+        # eval copy of the model (on a GPU, the weights visit it for the evaluation).
+        assert isinstance(swarm, Swarm)
+        weights = {k: v.to(device) for k, v in swarm.global_parameters().items()}
+        return evaluate(_WithWeights(plain_model, weights), evalset, device, loop.amp_dtype)
 
     swarm: Swarm | BoxRank
     if box is None or box.leader:

@@ -376,6 +376,17 @@ class Swarm:
                 self.diloco.theta_g, parameters_in_order(module, self.signature.params)
             )
 
+    def global_parameters(self) -> dict[str, torch.Tensor]:
+        """The global parameters (``theta_g``) by name, as views of the swarm's own fp32
+        vector on the CPU: no copy (read them, never write them; they change when a round
+        lands). ``torch.func.functional_call(model, swarm.global_parameters(), args)``
+        evaluates the global model without an eval copy of the model."""
+        theta = self.diloco.theta_g
+        return {
+            slot.name: theta[slot.start : slot.start + slot.numel].view(slot.shape)
+            for slot in self.diloco.layout.slots
+        }
+
     def wait_for_peers(self, n: int, *, timeout_s: float = 600.0) -> int:
         """Block until at least ``n`` peers of the swarm (this one included) are online, so
         that they start training together; returns how many are. Raises

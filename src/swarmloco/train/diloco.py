@@ -50,7 +50,6 @@ class DilocoState:
         self.deltas = [torch.zeros(n) for n in sizes]
         self.means = [torch.zeros(n) for n in sizes]
         self.feedback = [ErrorFeedback(n, codec) for n in sizes] if codec.error_feedback else None
-        self.scratch = layout.zeros()
         self.round = 0
         """Outer steps applied to ``theta_g``: the state's round."""
         self.fragment_tokens = [0] * self.fragments
@@ -86,13 +85,18 @@ class DilocoState:
         """The pseudo-gradient ``theta_g - theta`` of ``fragment`` (into ``out``, by default
         the fragment's own buffer, which the round sends)."""
         out = self.deltas[fragment] if out is None else out
+        start, _ = self.layout.fragment_ranges[fragment]
         with torch.no_grad():
-            self.layout.gather(params, self.scratch, fragment)
-            torch.sub(
-                self.layout.fragment(self.theta_g, fragment),
-                self.layout.fragment(self.scratch, fragment),
-                out=out,
-            )
+            out.zero_()  # the padding after the fragment's last parameter
+            for slot, p in zip(self.layout.slots, params, strict=True):
+                if slot.fragment != fragment:
+                    continue
+                # Each parameter into its place, then theta_g minus it there: no full-size
+                # copy of the model besides the delta itself.
+                here = out[slot.start - start : slot.start - start + slot.numel]
+                here.copy_(p.detach().reshape(-1))
+                theta = self.theta_g[slot.start : slot.start + slot.numel]
+                torch.sub(theta, here, out=here)
         return out
 
     def apply(
