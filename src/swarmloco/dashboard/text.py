@@ -118,9 +118,7 @@ def render(view: Mapping[str, Any]) -> str:
                 f"{100 * p['share']:.1f}%",
                 _loss(p["loss"]),
                 _loss(p["eval_loss"]),
-                " ".join(
-                    filter(None, [p["device"] or "-", f"({p['fit']})" if p["fit"] else ""])
-                ),
+                " ".join(filter(None, [p["device"] or "-", f"({p['fit']})" if p["fit"] else ""])),
                 f"{100 * p['mfu']:.1f}%" if p["mfu"] is not None else "-",
                 duration(p["uptime_s"]),
                 p["version"] or "-",
