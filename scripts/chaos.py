@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The churn soak: a local swarm under faults, summed up in ONE JSON object on stdout.
 
-    python scripts/chaos.py --minutes 10                 # the README's run (~22 min with
+    python scripts/chaos.py --minutes 10                 # as in docs/benchmarks.md (~22 min with
                                                          # the fault-free baseline)
     python scripts/chaos.py --minutes 2 --no-baseline    # what CI runs
 

@@ -1,6 +1,7 @@
 """swarmloco: DiLoCo and Streaming DiLoCo on a swarm of unreliable peers.
 
-The library API (see ``runtime/api.py`` and the README, "Train your own model")::
+The library API (see ``runtime/api.py``, the README's own-model script and
+docs/own-model.md)::
 
     import swarmloco
     swarm = swarmloco.create(swarmloco.RunSpec(sync_every=100), model, optimizer,
