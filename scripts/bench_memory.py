@@ -97,8 +97,9 @@ def held(preset: str, seq_len: int) -> dict[str, float]:
     state.round = 1  # a round applied: the donor's copy holds the momentum too
     n = sum(p.numel() for p in model.parameters())
     out: dict[str, float] = {}
-    for name in ("theta_g", "momentum", "scratch"):
-        out[name] = getattr(state, name).nbytes / n
+    for name in ("theta_g", "momentum", "scratch"):  # scratch: gone since 2026-11-27
+        if isinstance(getattr(state, name, None), torch.Tensor):
+            out[name] = getattr(state, name).nbytes / n
     for name in ("deltas", "means"):
         out[name] = sum(t.nbytes for t in getattr(state, name)) / n
     feedback = state.feedback or []

@@ -229,6 +229,7 @@ def main() -> int:
         offsets = [0] * args.peers
         last: dict[int, dict[str, Any]] = {}
         printed = 0
+        last_at = 0.0
         peers = children[2:] if url else children[1:]
         while any(c.poll() is None for c in peers):
             for i in range(args.peers):
@@ -238,11 +239,13 @@ def main() -> int:
                         last[i] = e
                     if e["event"] == "round" and e["round"] > printed:
                         printed = e["round"]
+                        since = f", {e['time'] - last_at:.1f} s after the last" if last_at else ""
+                        last_at = e["time"]
                         loss = e.get("eval_loss")
                         shown = f"{loss:.3f}" if loss is not None else "-"
                         print(
-                            f"round {e['round']:4d}: {e['group']} peer(s), "
-                            f"{e['seconds']:.2f}s, eval loss {shown}",
+                            f"round {e['round']:4d} of {args.rounds}: {e['group']} peer(s), "
+                            f"averaging {e['seconds']:.2f} s{since}, eval loss {shown}",
                             file=sys.stderr,
                         )
                     elif e["event"] in ("aborted", "download-failed"):

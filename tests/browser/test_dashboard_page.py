@@ -75,7 +75,9 @@ async def test_the_page_renders_the_swarm_in_a_real_browser(tmp_path):
     assert "Content Security Policy" not in log, log[-2000:]
     cards = re.search(r'id="c-peers">([^<]*)<', dom)
     assert cards is not None and cards.group(1) == "3", dom[:2000]
-    assert re.search(r'id="c-round">4<', dom), dom[:2000]
+    assert re.search(r'id="c-round">4 of 40<', dom), dom[:2000]
+    # The averaging time is labelled as such, apart from the time between rounds.
+    assert "averaging time of each round" in dom and "last round's averaging" in dom
     rows = re.search(r'<tbody id="peers">(.*?)</tbody>', dom, re.S)
     assert rows is not None
     for name in ("peer-0", "peer-1", "peer-2"):

@@ -31,7 +31,8 @@ MANIFEST = SwarmManifest(
     task="gpt-bytes",
     model={"preset": "tiny", "params": 812_544},
     data={},
-    hparams={},
+    # 400 steps of the swarm, a round every 10: 40 rounds.
+    hparams={"run": {"sync_every": 10, "fragments": 1, "total_steps": 400}},
     name="loopback run",
 )
 SWARM = MANIFEST.swarm_id
@@ -143,6 +144,7 @@ async def test_the_state_shows_every_peer_and_the_swarm():
         assert view["error"] is None
         assert view["swarm"]["name"] == "loopback run" and view["swarm"]["params"] == 812_544
         assert view["peers_online"] == 3 and view["round"] == 4
+        assert view["swarm"]["rounds_total"] == 40 and view["progress"]["of"] == 40
         assert view["tokens_per_s"] == 3 * 2048.0
         assert view["peers_listed"] == {"trainer": 3}
         assert {p["id"] for p in view["peers"]} == {n.identity.peer_id_hex for n in nodes}

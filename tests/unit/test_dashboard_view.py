@@ -110,8 +110,39 @@ def test_the_swarm_comes_from_the_manifest():
         "preset": "tiny",
         "params": 812_544,
         "created_at": "2024-01-02T03:04:05+00:00",
+        "rounds_total": None,  # the manifest names no end
     }
     assert view_of(manifest=None)["swarm"] == {"id": SWARM, "known": False}
+
+
+def test_where_the_run_is_round_r_of_r_the_pace_and_the_end():
+    run = {"run": {"sync_every": 50, "fragments": 2, "total_steps": 1000}}  # a round / 25
+    manifest = SwarmManifest(task="gpt-bytes", model={}, data={}, hparams=run)
+    # Rounds 1-4 reported 20 s apart, each averaged in 2 s; the swarm is at round 4.
+    rounds = [summary(r, seconds=2.0, at=NOW - 80.0 + 20.0 * r) for r in range(1, 5)]
+    fields = {
+        "manifest": manifest,
+        "status": {A: status(round=4, rounds=rounds)},
+    }
+    view = build_view(Reading(swarm_id=manifest.swarm_id, at=NOW, **fields), now=NOW, trust=(A,))
+    assert view["swarm"]["rounds_total"] == 40
+    assert view["progress"] == {
+        "round": 4,
+        "of": 40,
+        "round_every_s": 20.0,
+        "averaging_s": 2.0,
+        "eta_s": 720.0,  # 36 rounds to go
+    }
+    line = text.progress_line(view["progress"])
+    assert line == (
+        "round 4 of 40; a round every 20.0 s (averaging 2.00 s of it); ends in about 12m00s"
+    )
+    assert line in text.render(view)
+    # No end in the manifest: no "of", no end; nothing known yet: nothing said.
+    assert text.progress_line({**view["progress"], "of": None, "eta_s": None}) == (
+        "round 4 of 40; a round every 20.0 s (averaging 2.00 s of it)".replace(" of 40", "")
+    )
+    assert text.progress_line({"round": None}) == ""
 
 
 def test_only_peers_with_a_fresh_status_are_online_and_count():

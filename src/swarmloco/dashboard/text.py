@@ -77,6 +77,27 @@ def _apart_count(view: Mapping[str, Any]) -> str:
     return f", {count} not counted" if count else ""
 
 
+def progress_line(progress: Any) -> str:
+    """``round 18 of 40; a round every 23.1 s (averaging 0.66 s of it); ends in about
+    8m14s``, from the view's ``progress`` (what is unknown is left out)."""
+    if not isinstance(progress, dict) or progress.get("round") is None:
+        return ""
+    parts = [f"round {progress['round']}" + (f" of {progress['of']}" if progress.get("of") else "")]
+    every, averaging = progress.get("round_every_s"), progress.get("averaging_s")
+    if every is not None:
+        parts.append(
+            f"a round every {every:.1f} s"
+            + (f" (averaging {averaging:.2f} s of it)" if averaging is not None else "")
+        )
+    if progress.get("eta_s") is not None and progress.get("of"):
+        parts.append(
+            "the run is over"
+            if progress["eta_s"] <= 0
+            else f"ends in about {duration(progress['eta_s'])}"
+        )
+    return "; ".join(parts)
+
+
 def render(view: Mapping[str, Any]) -> str:
     """The view as a few lines of summary, the per-peer table and the latest rounds."""
     lines = [_swarm_line(view["swarm"])]
@@ -99,6 +120,9 @@ def render(view: Mapping[str, Any]) -> str:
         f"round {'-' if round_now is None else round_now}  "
         f"{human(view.get('tokens_per_s'))} tokens/s  {agree}{loss}{eval_loss}"
     )
+    where = progress_line(view.get("progress"))
+    if where:
+        lines.append(where)
     upcoming = view.get("next_round")
     if upcoming and upcoming["peers"]:
         lines.append(

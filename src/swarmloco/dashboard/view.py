@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import statistics
 import unicodedata
@@ -424,9 +425,11 @@ def build_view(
     roles = collections.Counter(
         clean_text(value.get("role"), 16) or "unknown" for value in reading.peers.values()
     )
+    swarm = _swarm(reading)
+    timeline = _timeline(history)
     view: dict[str, Any] = {
         "version": VIEW_VERSION,
-        "swarm": _swarm(reading),
+        "swarm": swarm,
         "now": now,
         "read_at": reading.at,
         "read_age_s": _round_to(max(0.0, now - reading.at), 3),
@@ -453,7 +456,10 @@ def build_view(
         "peers": peers[:MAX_PEERS_SHOWN],
         "peers_not_shown": max(0, len(peers) - MAX_PEERS_SHOWN),
         "uncounted": apart[:MAX_PEERS_SHOWN],
-        "rounds": _timeline(history),
+        "rounds": timeline,
+        "progress": _progress(
+            round_now, swarm["rounds_total"] if swarm["known"] else None, timeline
+        ),
         "history": _curves(history),
         "warnings": warnings[:MAX_WARNINGS],
     }
@@ -481,6 +487,42 @@ def _swarm(reading: Reading) -> dict[str, Any]:
         "preset": clean_text(model.get("preset"), 32) or None,
         "params": params,
         "created_at": clean_text(manifest.created_at, 40),
+        "rounds_total": _rounds_total(manifest.hparams),
+    }
+
+
+def _rounds_total(hparams: Mapping[str, Any]) -> int | None:
+    """The run's last round: its total inner steps over the steps per round (H / F), from
+    the manifest's run spec as plain data (the dashboard loads no torch); None: no end."""
+    run = hparams.get("run")
+    if not isinstance(run, Mapping):
+        return None
+    total, h = _count(run.get("total_steps")), _count(run.get("sync_every"))
+    fragments = _count(run.get("fragments")) or 1
+    if not total or not h:
+        return None
+    return math.ceil(total * fragments / h)
+
+
+def _progress(
+    round_now: int | None, rounds_total: int | None, timeline: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Where the run is: round r of R, the time between rounds (the medians of the last
+    ten intervals) beside the averaging time of a round, and the time to the run's end."""
+    recent = timeline[-11:]
+    ats = [r["at"] for r in recent if r.get("at")]
+    intervals = [b - a for a, b in itertools.pairwise(ats) if b > a]
+    every = _median(intervals)
+    averaging = _median([r["seconds"] for r in recent if r.get("seconds") is not None])
+    left = None
+    if round_now is not None and rounds_total is not None and every is not None:
+        left = max(0, rounds_total - round_now) * every
+    return {
+        "round": round_now,
+        "of": rounds_total,
+        "round_every_s": _round_to(every, 4),
+        "averaging_s": _round_to(averaging, 4),
+        "eta_s": round(left) if left is not None else None,
     }
 
 

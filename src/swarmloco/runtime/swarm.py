@@ -1587,6 +1587,9 @@ class Swarm:
         self._nan_in_a_row = 0  # a round made it: training works from this state
         self._last_group = (x.round, len(report.members))
         self.loop.loop.call_soon_threadsafe(self.network.wake)
+        # The round's own time (matchmaking and exchange): the same figure in the event, the
+        # log and the status record, without the evaluation below.
+        seconds = time.monotonic() - x.started
         self._remember(x.round, len(report.members), x.started, report, f, matchmaking)
         eval_loss = None
         if (
@@ -1595,7 +1598,6 @@ class Swarm:
             and (self.round % self.config.eval_every == 0)
         ):
             eval_loss = self.last_eval = float(self.evaluate())
-        seconds = time.monotonic() - x.started
         self._round_s = seconds
         event.update(
             {
