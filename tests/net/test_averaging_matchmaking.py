@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import logging
 import time
 
 import pytest
@@ -159,6 +160,89 @@ async def test_a_leader_closes_once_the_expected_peers_joined():
             await peers[0].matchmaker.form_group(
                 3, weight=1.0, numel=640, block_size=64, deadline=Deadline.after(5), expected=0
             )
+
+
+def formed(caplog, round):
+    """What the leader's log says of how ``round``'s group closed."""
+    prefix = f"round {round}: formed a group"
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(prefix)]
+
+
+async def test_strangers_cost_a_leader_whose_known_peers_joined_a_grace_not_the_window(caplog):
+    """Progress claims under many keys fill the places a round keeps for strangers. Once
+    the peers it knows joined, the leader waits for strangers a short grace, never the
+    gathering window (here longer than the round's deadline: had it waited the window out,
+    it would have closed at the deadline, saying so)."""
+    caplog.set_level(logging.INFO, logger="swarmloco.net.averaging.matchmaking")
+    config = MatchmakingConfig(gather_s=300.0, poll_s=0.1, stranger_grace_s=0.5)
+    async with averaging_peers(2, matchmaking=config) as peers:
+        round = first_round_led_by(peers, 0)
+        deadline = Deadline.after(60.0)
+        groups = await asyncio.gather(
+            *(
+                p.matchmaker.form_group(
+                    round,
+                    weight=1.0,
+                    numel=640,
+                    block_size=64,
+                    deadline=deadline,
+                    expected=2,
+                    strangers=2,
+                )
+                for p in peers
+            )
+        )
+        assert groups[0].group_id == groups[1].group_id
+        assert {m.peer_id for m in groups[0].members} == {p.peer_id for p in peers}
+        assert formed(caplog, round) == [
+            f"round {round}: formed a group of 2 (its 2 known peer(s) joined, 0 of 2 "
+            "stranger(s) within the 0.5 s grace)"
+        ]
+        # Knowing nobody else, and told of strangers only: a group of one after the grace.
+        alone = await peers[0].matchmaker.form_group(
+            round + 1, weight=1.0, numel=640, block_size=64, deadline=deadline,
+            expected=1, strangers=2,
+        )  # fmt: skip
+        assert alone.size == 1
+        assert formed(caplog, round + 1) == [
+            f"round {round + 1}: formed a group of 1 (its 1 known peer(s) joined, 0 of 2 "
+            "stranger(s) within the 0.5 s grace)"
+        ]
+        with pytest.raises(ValueError, match="strangers"):
+            await peers[0].matchmaker.form_group(
+                round + 2, weight=1.0, numel=640, block_size=64, deadline=deadline,
+                expected=1, strangers=-1,
+            )  # fmt: skip
+    with pytest.raises(ValueError, match="stranger_grace_s"):
+        MatchmakingConfig(stranger_grace_s=-1.0)
+
+
+async def test_a_stranger_that_comes_within_the_grace_is_in_the_group(caplog):
+    """A newcomer, not a partner of anyone yet, comes after the leader's known peers
+    joined: the grace still takes it, and the group closes as soon as it is in."""
+    caplog.set_level(logging.INFO, logger="swarmloco.net.averaging.matchmaking")
+    config = MatchmakingConfig(gather_s=300.0, poll_s=0.1, stranger_grace_s=30.0)
+    async with averaging_peers(3, matchmaking=config) as peers:
+        round = first_round_led_by(peers, 0)
+        deadline = Deadline.after(60.0)
+
+        def join(p, **expecting):
+            return p.matchmaker.form_group(
+                round, weight=1.0, numel=640, block_size=64, deadline=deadline, **expecting
+            )
+
+        known = [asyncio.create_task(join(p, expected=2, strangers=1)) for p in peers[:2]]
+        leader = peers[0].matchmaker
+        while len(getattr(leader._leading.get(round), "declarations", ())) < 2:
+            assert not deadline.expired, "the known follower never joined the leader"
+            await asyncio.sleep(0.05)
+        newcomer = await join(peers[2])
+        groups = [*await asyncio.gather(*known), newcomer]
+        assert len({g.group_id for g in groups}) == 1
+        assert {m.peer_id for m in newcomer.members} == {p.peer_id for p in peers}
+        assert formed(caplog, round) == [
+            f"round {round}: formed a group of 3 (the 3 peer(s) expected joined)"
+        ]
 
 
 async def test_peers_that_come_after_the_group_formed_wait_for_it_instead_of_splitting():

@@ -302,10 +302,13 @@ class SwarmNetwork:
         *,
         weight: float,
         expected: int | None,
+        strangers: int = 0,
         error_feedback: ErrorFeedback | None = None,
     ) -> RoundOutcome:
         """The all-reduce result of ``round`` (written to ``out``). ``expected``: how many
-        peers work on this round, this one included (None: unknown)."""
+        peers known to this one work on this round, this one included (None: unknown);
+        ``strangers``: how many others besides are worth a short wait (see
+        ``MatchmakingConfig.stranger_grace_s``)."""
         deadline = Deadline.after(self.config.round_timeout_s)
         started = time.monotonic()
         group = await self.matchmaker.form_group(
@@ -315,11 +318,13 @@ class SwarmNetwork:
             block_size=self.averager.config.codec.block_size,
             deadline=deadline,
             expected=expected,
+            strangers=strangers,
             norm=l2_norm(delta),
         )
         if group.size == 1 and (expected or 1) > 1:
-            # Others work on this round but none came: they are a round ahead (or behind)
-            # of us. Averaging alone would split the swarm's state; catch up instead.
+            # Peers we know work on this round but none came: they are a round ahead (or
+            # behind) of us. Averaging alone would split the swarm's state; catch up
+            # instead. (Strangers that did not come are no such sign: anyone claims.)
             raise RoundAborted(
                 f"round {round}: none of the {(expected or 1) - 1} other peer(s) working on "
                 "it joined; out of step with them"

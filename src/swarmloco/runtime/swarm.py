@@ -106,7 +106,7 @@ _PEERS_POLL_S = 0.5  # how often wait_for_peers looks
 _DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
 _MAX_DISTRUSTED_DIGESTS = 1024  # states rolled back, remembered
 _ROLLED_BACK_S = 60.0  # how long the holders of a state rolled back are not asked again
-_EXPECTED_STRANGERS = 2  # newcomers a round waits for besides this peer's partners
+_EXPECTED_STRANGERS = 2  # newcomers a round waits for (a short grace) besides partners
 _MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
 _INITIAL_RETRY_S = 2.0
 _ROUND_FAILURES = (SwarmlocoError, TimeoutError)
@@ -253,7 +253,9 @@ class Swarm:
         self._rate = _Rate()
         self._dirty = False
         self._consistent = True  # False while a round's result is being applied
-        self._expected: int | None = None  # peers known to work on the next round
+        self._expected: tuple[int, int] | None = None
+        """Peers known to work on the next round (this one included), and strangers worth a
+        short wait besides (see ``_pace``)."""
         self._last_group: tuple[int, int] | None = None  # (round, size) of our last group
         self._next_catch_up = 0.0
         self._checkpoint_due: float | None = None  # a checkpoint owed (retry, or pending)
@@ -1243,14 +1245,16 @@ class Swarm:
         # round before (they applied it with us and have not reported since) or the round
         # after (they started this one: it is in flight on their side). Counting too many
         # costs a gathering window, too few a group split in two. A few newcomers are
-        # waited for besides partners, not a crowd of keys.
+        # waited for besides partners, not a crowd of keys, and only for a short grace
+        # once the partners are in (``stranger_grace_s``): anyone can claim progress.
         near = {r.peer for r in everyone if target - 1 <= r.round <= target + 1}
         known = {p for p in near if p in partners} if heard else near
-        self._expected = 1 + len(known) + min(len(near - known), _EXPECTED_STRANGERS)
+        expected = 1 + len(known)
         if self._last_group is not None and self._last_group[0] == self.round:
             # Who averaged the last round with us will most likely average this one too,
             # even when their reports lag a round behind.
-            self._expected = max(self._expected, self._last_group[1])
+            expected = max(expected, self._last_group[1])
+        self._expected = (expected, min(len(near - known), _EXPECTED_STRANGERS))
         if any(r.round > target + 1 for r in reports):
             return Verdict.BEHIND  # others applied rounds this peer has not
         if self._late is not None:
@@ -1487,13 +1491,15 @@ class Swarm:
         weight = float(self.diloco.fragment_tokens[f])
         self.state = "averaging"
         feedback = self.diloco.feedback[f] if self.diloco.feedback else None
+        expected, strangers = self._expected or (None, 0)
         future = self.loop.submit(
             self.network.average(
                 target,
                 delta,
                 self.diloco.means[f],
                 weight=weight,
-                expected=self._expected,
+                expected=expected,
+                strangers=strangers,
                 error_feedback=feedback,
             )
         )

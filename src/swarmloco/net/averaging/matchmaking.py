@@ -6,13 +6,15 @@ reads the key back. The announced *serving* peer first in the round's order of l
 (:func:`leader_rank`, a hash of the round and the peer id) leads: the others send it a
 signed :class:`~swarmloco.proto.v1.averaging_pb2.MemberDeclaration` in a ``Join`` call
 that it answers, as a long poll, once gathering is over. A leader gathers until the group
-reaches ``max_group_size`` or its gathering window closes, strikes members whose weight is
-out of bounds, cuts the parts and answers every member with the same group (or with the
-reason it was left out). A leader that learns, while gathering, of a serving peer ahead
-of it in that order (one that announced later, or at once and was missed) hands over: its
-followers are redirected there, and so is it. The order is a hash, not the announce time,
-so that no peer can make itself the leader of every round by claiming an early time. A
-group of one is a valid outcome; fewer than ``min_group_size`` members is not.
+reaches ``max_group_size`` or the peers it expects, or its gathering window closes (the
+strangers it was told of besides the peers it knows get ``stranger_grace_s`` once those
+are in, not the window), strikes members whose weight is out of bounds, cuts the parts and
+answers every member with the same group (or with the reason it was left out). A leader
+that learns, while gathering, of a serving peer ahead of it in that order (one that
+announced later, or at once and was missed) hands over: its followers are redirected
+there, and so is it. The order is a hash, not the announce time, so that no peer can
+make itself the leader of every round by claiming an early time. A group of one is a valid
+outcome; fewer than ``min_group_size`` members is not.
 
 A leader whose group formed marks its entry (``formed``). A peer that comes after its
 round's group formed without it (the marker, or a leader's "formed" refusal) raises
@@ -45,7 +47,7 @@ from collections.abc import Callable, Collection, Iterable
 
 import grpc
 
-from swarmloco.core.config import require, require_int, require_positive
+from swarmloco.core.config import require, require_int, require_non_negative, require_positive
 from swarmloco.errors import RejectedInput, RoundAborted
 from swarmloco.net.admission import Gate
 from swarmloco.net.averaging.faults import FaultCut, FaultPlan
@@ -127,6 +129,11 @@ class MatchmakingConfig:
     stranger_leaders: int = 3
     """Candidates a peer without partners (no round averaged with others yet) asks to lead
     it before it leads itself, when they do not answer or refuse."""
+    stranger_grace_s: float = 1.0
+    """How long a leader whose expected known peers all joined (or who expects none) waits on
+    for the strangers it was told to expect besides: a key that claims progress costs
+    nothing, so strangers never hold a group for the whole gathering window (0: do not
+    wait for them)."""
 
     def __post_init__(self) -> None:
         require_int("min_group_size", self.min_group_size, minimum=1)
@@ -142,6 +149,7 @@ class MatchmakingConfig:
             "first_contact_s",
         ):
             require_positive(name, getattr(self, name))
+        require_non_negative("stranger_grace_s", self.stranger_grace_s)
         require(
             math.isfinite(self.weight_cap_multiple) and self.weight_cap_multiple >= 0,
             "weight_cap_multiple must be a non-negative number",
@@ -261,6 +269,7 @@ class Matchmaker:
         block_size: int,
         deadline: Deadline,
         expected: int | None = None,
+        strangers: int = 0,
         norm: float = 0.0,
     ) -> Group:
         """The group this peer averages ``round`` with.
@@ -269,7 +278,10 @@ class Matchmaker:
         padded length of the vector; ``block_size``: the codec's block size; ``expected``:
         how many peers (this one included) are known to work on this round: if this peer
         leads, it closes the group as soon as that many joined instead of waiting out the
-        gathering window (None: wait it out, or until ``max_group_size``). Raises
+        gathering window (None: wait it out, or until ``max_group_size``). ``strangers``:
+        how many peers it does not know besides are worth waiting for (newcomers whose
+        progress reports name the round): once the ``expected`` peers joined, a leader
+        waits for them ``stranger_grace_s`` at most (ignored without ``expected``). Raises
         RoundAborted when no group forms by ``deadline``, RejectedInput when the leader
         refused this peer (e.g. its weight is above the cap). ``norm``: the L2 norm of the
         update this peer brings (0: not declared); the group bounds every update by a
@@ -279,6 +291,8 @@ class Matchmaker:
             raise ValueError(f"weight must be a finite positive number, got {weight!r}")
         if expected is not None and (not isinstance(expected, int) or expected < 1):
             raise ValueError(f"expected must be a positive number of peers, got {expected!r}")
+        if not isinstance(strangers, int) or isinstance(strangers, bool) or strangers < 0:
+            raise ValueError(f"strangers must be a number of peers >= 0, got {strangers!r}")
         if not (isinstance(norm, (int, float)) and math.isfinite(norm) and norm >= 0):
             raise ValueError(f"norm must be a finite number >= 0, got {norm!r}")
         cfg = self.config
@@ -306,7 +320,7 @@ class Matchmaker:
             )
         try:
             await self._announce(key, me, announced_at, deadline)
-            group = await self._find_group(round, me, deadline, expected)
+            group = await self._find_group(round, me, deadline, expected, strangers)
         finally:
             self.dht.forget_published(key, self.identity.peer_id_hex)
             self._following.pop(round, None)
@@ -409,6 +423,7 @@ class Matchmaker:
         me: pb.MemberDeclaration,
         deadline: Deadline,
         expected: int | None,
+        strangers: int,
     ) -> Group:
         tried: set[str] = set()
         formed_without_us = False
@@ -416,13 +431,13 @@ class Matchmaker:
         redirects = 0
         next_endpoint: str | None = None
         unserved_since: float | None = None  # client mode: since when no leader is in sight
-        strangers: set[str] = set()  # candidates asked while this peer has no partner
+        failed_leaders: set[str] = set()  # candidates that did not answer our Join
         while not deadline.expired:
             if next_endpoint is None:
                 candidates, formed = await self._candidates(round, me, deadline)
                 formed_without_us |= formed
                 untried = [c for c in candidates if c.endpoint not in tried]
-                if len(strangers) >= self.config.stranger_leaders and not self.partners():
+                if len(failed_leaders) >= self.config.stranger_leaders and not self.partners():
                     untried = []  # enough strangers failed us: lead (or wait) instead
                 tried |= await self._unreachable(untried, deadline)
                 untried = [c for c in untried if c.endpoint not in tried]
@@ -440,7 +455,7 @@ class Matchmaker:
                         )
                     if me.endpoint:
                         try:
-                            return await self._lead(round, me, tried, deadline, expected)
+                            return await self._lead(round, me, tried, deadline, expected, strangers)
                         except _Handover as handover:
                             next_endpoint = handover.endpoint
                             continue
@@ -462,7 +477,7 @@ class Matchmaker:
             endpoint, next_endpoint = next_endpoint, None
             response = await self._join(endpoint, me, deadline)
             if response is None:
-                strangers.add(endpoint)
+                failed_leaders.add(endpoint)
                 tried.add(endpoint)
                 continue
             outcome = response.WhichOneof("outcome")
@@ -567,9 +582,14 @@ class Matchmaker:
         tried: set[str],
         deadline: Deadline,
         expected: int | None = None,
+        strangers: int = 0,
     ) -> Group:
         cfg = self.config
-        enough = min(cfg.max_group_size, expected or cfg.max_group_size)
+        if expected is None:
+            known = enough = cfg.max_group_size
+        else:
+            enough = min(cfg.max_group_size, expected + strangers)
+            known = min(expected, enough)
         loop = asyncio.get_running_loop()
         gathering = _Gathering(
             round=round,
@@ -588,13 +608,18 @@ class Matchmaker:
         if self.partners():
             # Say so: newcomers, whom this peer would never follow, find their way here.
             self._mark_formed(round, 1, forget=False)
-        close_at = loop.time() + min(cfg.gather_s, deadline.remaining())
+        window_closes = close_at = loop.time() + min(cfg.gather_s, deadline.remaining())
         try:
-            if enough <= 1:
+            if known <= 1:
                 # Expecting nobody: still give way to a peer ahead of us (it may count on
                 # us), rather than split the round in two.
                 await self._give_way(gathering, me, tried, deadline)
             while len(gathering.declarations) < enough:
+                if len(gathering.declarations) >= known and close_at == window_closes:
+                    # Everyone we know joined: strangers get a short grace, not the window.
+                    # Progress claims under many keys cost nothing and would fill every
+                    # stranger's place, holding each group for the whole window.
+                    close_at = min(close_at, loop.time() + cfg.stranger_grace_s)
                 left = close_at - loop.time()
                 if left <= 0:
                     break
@@ -606,7 +631,19 @@ class Matchmaker:
                 except TimeoutError:
                     pass
                 await self._give_way(gathering, me, tried, deadline)
-            group = self._close(gathering)
+            joined = len(gathering.declarations)
+            if joined >= cfg.max_group_size:
+                why = "the group is full"
+            elif joined >= enough:
+                why = f"the {enough} peer(s) expected joined"
+            elif close_at < window_closes:
+                why = (
+                    f"its {known} known peer(s) joined, {joined - known} of {strangers} "
+                    f"stranger(s) within the {cfg.stranger_grace_s:g} s grace"
+                )
+            else:
+                why = "its gathering window closed"
+            group = self._close(gathering, why)
         finally:
             gathering.closed = True
             self._leading.pop(round, None)
@@ -682,7 +719,7 @@ class Matchmaker:
             if not waiter.done():
                 waiter.set_result(pb.JoinResponse(redirect=endpoint))
 
-    def _close(self, gathering: _Gathering) -> Group:
+    def _close(self, gathering: _Gathering, why: str) -> Group:
         cfg = self.config
         gathering.closed = True
         info, struck = build_group(
@@ -721,7 +758,7 @@ class Matchmaker:
         for waiter in gathering.waiters.values():
             if not waiter.done():
                 waiter.set_result(pb.JoinResponse(group=info))
-        logger.info("round %d: formed a group of %d", gathering.round, size)
+        logger.info("round %d: formed a group of %d (%s)", gathering.round, size, why)
         return check_group(
             info,
             me=gathering.me,
