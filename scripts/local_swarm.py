@@ -229,7 +229,7 @@ def main() -> int:
         offsets = [0] * args.peers
         last: dict[int, dict[str, Any]] = {}
         printed = 0
-        last_at = 0.0
+        last_at, printed_before = 0.0, 0
         peers = children[2:] if url else children[1:]
         while any(c.poll() is None for c in peers):
             for i in range(args.peers):
@@ -239,8 +239,14 @@ def main() -> int:
                         last[i] = e
                     if e["event"] == "round" and e["round"] > printed:
                         printed = e["round"]
-                        since = f", {e['time'] - last_at:.1f} s after the last" if last_at else ""
-                        last_at = e["time"]
+                        since = ""
+                        if last_at:
+                            gap = (e["time"] - last_at) / max(1, e["round"] - printed_before)
+                            left = (args.rounds - e["round"]) * gap
+                            since = f", a round every {gap:.1f} s" + (
+                                f"; round {args.rounds} in about {left:.0f} s" if left > 0 else ""
+                            )
+                        last_at, printed_before = e["time"], e["round"]
                         loss = e.get("eval_loss")
                         shown = f"{loss:.3f}" if loss is not None else "-"
                         print(
