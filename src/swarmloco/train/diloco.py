@@ -86,8 +86,8 @@ class DilocoState:
         the fragment's own buffer, which the round sends)."""
         out = self.deltas[fragment] if out is None else out
         start, _ = self.layout.fragment_ranges[fragment]
+        filled = 0  # a fragment's parameters lie end to end from its start, padding after
         with torch.no_grad():
-            out.zero_()  # the padding after the fragment's last parameter
             for slot, p in zip(self.layout.slots, params, strict=True):
                 if slot.fragment != fragment:
                     continue
@@ -97,6 +97,8 @@ class DilocoState:
                 here.copy_(p.detach().reshape(-1))
                 theta = self.theta_g[slot.start : slot.start + slot.numel]
                 torch.sub(theta, here, out=here)
+                filled = max(filled, slot.start - start + slot.numel)
+            out[filled:].zero_()
         return out
 
     def apply(
