@@ -363,7 +363,20 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
     for p in (a, b):
         assert p.events.of("stopped")[0]["reason"].startswith("the run is over")
         assert any(e["excluded"] for e in p.events.of("round"))  # the hostile one, struck
-    assert a.swarm.snapshots.current.digest == b.swarm.snapshots.current.digest
+    assert a.swarm.snapshots.current.digest == b.swarm.snapshots.current.digest, _story(a, b)
+
+
+def _story(*peers: Peer) -> str:
+    """What each peer applied, downloaded and aborted, for a failure's message."""
+    kinds = {"round", "downloaded", "aborted", "refused", "rolled-back", "stopped"}
+    lines = []
+    for p in peers:
+        lines.append(f"peer {p.swarm.peer_id[:12]}:")
+        for e in p.events:
+            if e["event"] in kinds:
+                keep = ("round", "digest", "group", "excluded", "why", "reason", "donor", "error")
+                lines.append("  " + e["event"] + " " + str({k: e[k] for k in keep if k in e}))
+    return "\n".join(lines)
 
 
 def _fill(disk: Path) -> Path:
