@@ -24,7 +24,8 @@ from avgutil import (
 )
 
 from swarmloco.core.codec import ErrorFeedback, chunk_spans, dequantize, quantize
-from swarmloco.errors import RejectedInput, RoundAborted
+from swarmloco.core.grouping import capped_weights
+from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import AllReduceResult, Fault, FaultPlan, MatchmakingConfig
 from swarmloco.net.averaging.matchmaking import leader_rank
 from swarmloco.net.deadline import Deadline
@@ -181,9 +182,10 @@ async def test_a_chunk_replayed_from_an_earlier_round_is_refused():
 
 
 @pytest.mark.parametrize("heavy_leads", [False, True])
-async def test_a_weight_far_above_the_median_is_struck_by_the_leader(heavy_leads):
-    # The heavy member is the round's leader (it strikes itself, and the others gather
-    # under the next one) or one of its followers.
+async def test_a_weight_far_above_the_median_is_capped_and_its_work_kept(heavy_leads):
+    # The heavy member (a fast peer, or one that trained long before a catch-up) is the
+    # round's leader or one of its followers: either way it stays in the group, and its
+    # update counts as 10 x the lower median of the declared weights on every member.
     size = 4
     vectors = random_vectors(size, 64 * 40, seed=9)
     async with averaging_peers(size) as peers:
@@ -192,12 +194,13 @@ async def test_a_weight_far_above_the_median_is_struck_by_the_leader(heavy_leads
         heavy = order[0] if heavy_leads else order[-1]
         weights = [1e9 if i == heavy else 1.0 + i / 2 for i in range(size)]
         results = await run_round(peers, 1, vectors, weights, timeout=15)
-    assert isinstance(results[heavy], RejectedInput) and "exceeds" in str(results[heavy])
-    honest = ok([r for i, r in enumerate(results) if i != heavy])
-    assert_identical(honest)
-    for result in honest:
-        assert ids[heavy] not in result.report.members
-        assert_exact(result, dict(zip(ids, vectors)), dict(zip(ids, weights)))
+    results = ok(results)
+    assert_identical(results)
+    counted = capped_weights(weights, 10.0)
+    assert counted[heavy] == 10.0 * sorted(weights)[1] < 1e9
+    for result in results:
+        assert ids[heavy] in result.report.members and not result.report.excluded
+        assert_exact(result, dict(zip(ids, vectors)), dict(zip(ids, counted)))
 
 
 # -- failures ---------------------------------------------------------------------------------

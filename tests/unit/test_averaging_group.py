@@ -5,7 +5,6 @@ import pytest
 from swarmloco.net.averaging.group import (
     NONCE_BYTES,
     build_group,
-    capped,
     check_declaration,
     check_group,
     norm_bound,
@@ -99,13 +98,19 @@ def test_the_norm_bound_is_a_multiple_of_the_lower_median_of_declared_norms():
     assert norm_bound([1.0, 2.0], 0.0) == float("inf")
 
 
-def test_capping_strikes_until_no_weight_is_out_of_bounds():
-    assert set(capped([1.0, 1.0, 1.0, 1e9], 10.0)) == {3}
-    # Striking 1e9 lowers the median, which exposes 50 (> 10 x 1).
-    struck = capped([1.0, 1.0, 1.0, 50.0, 1e9, 1e9], 10.0)
-    assert set(struck) == {3, 4, 5}
-    assert capped([1.0, 2.0, 3.0], 0.0) == {}
-    assert 1 in capped([1.0, float("nan"), 2.0], 10.0)
+def test_a_heavy_weight_is_capped_and_kept_and_only_no_weight_is_struck():
+    ids = [Identity.generate() for _ in range(4)]
+    weights = [100.0, 120.0, 1e9, 90.0]
+    decls = [declare(i, weight=w) for i, w in zip(ids, weights)]
+    info, struck = build_group(decls, round=3, numel=NUMEL, block_size=64, nonce=b"n" * NONCE_BYTES)
+    assert info is not None and struck == {}
+    group = check_group(info, me=decls[0], swarm_id=SWARM, cap_multiple=10.0)
+    # The lower median of the declared weights is 100: 1e9 counts as 1000, the rest as is.
+    assert group.weights == [100.0, 120.0, 1000.0, 90.0]
+    assert check_group(info, me=decls[0], swarm_id=SWARM, cap_multiple=0.0).weights == weights
+    nan = [declare(i, weight=w) for i, w in zip(ids, [1.0, float("nan"), -1.0, 2.0])]
+    _, struck = build_group(nan, round=3, numel=NUMEL, block_size=64, nonce=b"n" * NONCE_BYTES)
+    assert set(struck) == {1, 2} and "not a finite positive number" in struck[1]
 
 
 def test_a_leaders_group_checks_out_on_every_member():
@@ -114,11 +119,9 @@ def test_a_leaders_group_checks_out_on_every_member():
         declare(ids[0], bandwidth=1.0),
         declare(ids[1], bandwidth=3.0),
         declare(ids[2], endpoint=""),  # client mode: no part
-        declare(ids[3], weight=1e9),  # struck
+        declare(ids[3], weight=float("inf")),  # struck
     ]
-    info, struck = build_group(
-        decls, round=3, numel=NUMEL, block_size=64, cap_multiple=10.0, nonce=b"n" * NONCE_BYTES
-    )
+    info, struck = build_group(decls, round=3, numel=NUMEL, block_size=64, nonce=b"n" * NONCE_BYTES)
     assert info is not None and set(struck) == {3}
     for d in decls[:3]:
         group = check_group(info, me=d, swarm_id=SWARM, cap_multiple=10.0)
@@ -139,9 +142,7 @@ def _mutated(info: pb.GroupInfo, mutate) -> pb.GroupInfo:
 def test_members_refuse_a_group_the_leader_bent():
     ids = [Identity.generate() for _ in range(3)]
     decls = [declare(i) for i in ids]
-    info, _ = build_group(
-        decls, round=3, numel=NUMEL, block_size=64, cap_multiple=10.0, nonce=b"n" * NONCE_BYTES
-    )
+    info, _ = build_group(decls, round=3, numel=NUMEL, block_size=64, nonce=b"n" * NONCE_BYTES)
     assert info is not None
     me = decls[0]
 
@@ -149,8 +150,8 @@ def test_members_refuse_a_group_the_leader_bent():
         g.part_blocks[0] += 1
         g.part_blocks[1] -= 1
 
-    def add_whale(g):
-        g.members.append(declare(Identity.generate(), weight=1e9))
+    def add_no_weight(g):
+        g.members.append(declare(Identity.generate(), weight=-1.0))
         g.part_first_block.append(100)
         g.part_blocks.append(0)
 
@@ -165,7 +166,7 @@ def test_members_refuse_a_group_the_leader_bent():
 
     for mutate, what in [
         (swap_parts, "proportional"),
-        (add_whale, "bad weight"),
+        (add_no_weight, "bad weight"),
         (change_id, "group id"),
         (duplicate, "twice"),
         (wrong_round, "round"),
@@ -180,7 +181,6 @@ def test_no_group_of_several_without_a_serving_member():
         round=3,
         numel=NUMEL,
         block_size=64,
-        cap_multiple=10.0,
         nonce=b"n" * NONCE_BYTES,
     )
     assert info is None
@@ -188,9 +188,7 @@ def test_no_group_of_several_without_a_serving_member():
 
 def test_a_client_mode_member_alone_reduces_its_own_vector():
     me = declare(Identity.generate(), endpoint="")
-    info, _ = build_group(
-        [me], round=3, numel=NUMEL, block_size=64, cap_multiple=10.0, nonce=b"n" * NONCE_BYTES
-    )
+    info, _ = build_group([me], round=3, numel=NUMEL, block_size=64, nonce=b"n" * NONCE_BYTES)
     group = check_group(info, me=me, swarm_id=SWARM, cap_multiple=10.0)
     assert group.size == 1 and group.parts == ((0, NUMEL // 64),)
 
@@ -198,9 +196,7 @@ def test_a_client_mode_member_alone_reduces_its_own_vector():
 def test_member_part_ranges():
     ids = [Identity.generate() for _ in range(2)]
     decls = [declare(i) for i in ids]
-    info, _ = build_group(
-        decls, round=3, numel=NUMEL, block_size=64, cap_multiple=10.0, nonce=b"n" * NONCE_BYTES
-    )
+    info, _ = build_group(decls, round=3, numel=NUMEL, block_size=64, nonce=b"n" * NONCE_BYTES)
     group = check_group(info, me=decls[1], swarm_id=SWARM, cap_multiple=10.0)
     assert group.part_range(0) == (0, 50 * 64) and group.part_range(1) == (50 * 64, NUMEL)
     assert group.index_of(ids[1].peer_id_hex) == 1

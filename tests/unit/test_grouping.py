@@ -13,7 +13,7 @@ from swarmloco.core.aggregate import (
     trimmed_mean,
 )
 from swarmloco.core.codec import CodecConfig, CodecError, dequantize, dequantize_trim_one_, quantize
-from swarmloco.core.grouping import part_blocks, weight_violations
+from swarmloco.core.grouping import capped_weights, part_blocks, weight_cap, weight_violations
 
 
 @given(
@@ -43,12 +43,17 @@ def test_uneven_parts():
     assert part_blocks(7, [1, 0, 1]) == [(0, 4), (4, 0), (4, 3)]
 
 
-def test_weight_cap_and_garbage_weights():
-    assert weight_violations([100, 120, 90, 110], 10) == {}
-    bad = weight_violations([100, 120, 1e9, 110, float("nan"), -1, 0], 10)
-    assert set(bad) == {2, 4, 5, 6}
-    assert "exceeds 10 x the group median" in bad[2]
-    assert "not a finite positive" in bad[4]
+def test_weights_are_capped_at_a_multiple_of_the_lower_median_and_garbage_refused():
+    assert weight_violations([100, 120, 90, 110]) == {}
+    bad = weight_violations([100, 120, 1e9, 110, float("nan"), -1, 0])
+    assert set(bad) == {4, 5, 6} and "not a finite positive" in bad[4]
+    assert capped_weights([100, 120, 90, 110], 10) == [100, 120, 90, 110]
+    assert capped_weights([100, 120, 1e9, 110], 10) == [100, 120, 1100, 110]
+    # A group of two: the heavier member cannot lift the cap with its own claim.
+    assert weight_cap([128, 1728], 10) == 1280
+    assert capped_weights([128, 1728], 10) == [128, 1280]
+    assert capped_weights([128, 1e12], 0) == [128, 1e12]  # 0: no cap
+    assert weight_cap([float("nan")], 10) == float("inf")
 
 
 def test_trimmed_mean_ignores_two_hostile_of_eight():

@@ -7,7 +7,6 @@ from the same group message.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 
 
@@ -38,22 +37,32 @@ def part_blocks(total_blocks: int, bandwidths: Sequence[float]) -> list[tuple[in
     return parts
 
 
-def weight_violations(weights: Sequence[float], cap_multiple: float) -> dict[int, str]:
-    """Members whose declared weight is not acceptable, with the reason.
+def weight_violations(weights: Sequence[float]) -> dict[int, str]:
+    """Members whose declared weight is no weight at all, with the reason: a weight must be
+    a finite positive number. (A weight far above the others' is capped, not refused:
+    :func:`capped_weights`.)"""
+    return {
+        i: f"weight {w!r} is not a finite positive number"
+        for i, w in enumerate(weights)
+        if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0
+    }
 
-    A weight must be finite and positive, and at most ``cap_multiple`` times the median of
-    the group's valid weights (so one peer cannot claim the round for itself).
-    """
-    reasons: dict[int, str] = {}
-    valid = []
-    for i, w in enumerate(weights):
-        if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            reasons[i] = f"weight {w!r} is not a finite positive number"
-        else:
-            valid.append(w)
-    if valid and cap_multiple > 0:
-        cap = cap_multiple * statistics.median(valid)
-        for i, w in enumerate(weights):
-            if i not in reasons and w > cap:
-                reasons[i] = f"weight {w:g} exceeds {cap_multiple:g} x the group median ({cap:g})"
-    return reasons
+
+def weight_cap(weights: Sequence[float], cap_multiple: float) -> float:
+    """The largest weight a member counts with: ``cap_multiple`` times the lower median of
+    the valid ``weights`` (``inf`` when ``cap_multiple`` is 0). The lower median, so that
+    in a group of two the heavier member cannot lift the cap with its own claim."""
+    invalid = weight_violations(weights)
+    valid = sorted(w for i, w in enumerate(weights) if i not in invalid)
+    if cap_multiple <= 0 or not valid:
+        return math.inf
+    return cap_multiple * valid[(len(valid) - 1) // 2]
+
+
+def capped_weights(weights: Sequence[float], cap_multiple: float) -> list[float]:
+    """The weights the members' updates are averaged with: each declared weight, at most
+    :func:`weight_cap`. A member that trained on many more tokens than the others (a fast
+    peer, one back from a catch-up) still counts, as ``cap_multiple`` times the median
+    member; a liar gains nothing by claiming more, and nobody's work is thrown away."""
+    cap = weight_cap(weights, cap_multiple)
+    return [min(float(w), cap) for w in weights]

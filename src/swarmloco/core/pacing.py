@@ -99,8 +99,8 @@ def estimate(
     the round began on this peer, unix seconds) the tokens at most twice what that capped
     rate makes from ``since`` to the report. One peer over-reporting therefore brings a
     round forward by at most what that many fast honest peers would. What it can do to the
-    *result* is bounded elsewhere (weights capped at a multiple of the group median, updates
-    at a multiple of the median norm).
+    *result* is bounded elsewhere (weights capped at a multiple of the group's lower
+    median, updates at a multiple of the median norm).
     """
     require_int("round", round, minimum=0)
     require_non_negative("now", now)

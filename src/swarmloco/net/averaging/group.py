@@ -3,14 +3,14 @@ group from them and how every member checks the group it is handed.
 
 All pure: no sockets, no clock of its own (times are arguments). A member declares what it
 brings to round r (key, endpoint, weight, bandwidth, vector size, its update's norm) and
-signs it; the leader strikes declarations whose weight is out of bounds
-(:func:`weight_violations`, repeated until none is left, since striking a large weight
-lowers the median), orders the rest, cuts the vector into parts proportional to the
-declared bandwidths (:func:`part_blocks`; client-mode members get none) and names the
-group by hashing all of it with a nonce. Because the declarations travel signed and
-unchanged, every member re-checks everything the leader did (:func:`check_group`) instead
-of trusting it, and derives the same bound on every update from the declared norms
-(:meth:`Group.norm_bound`).
+signs it; the leader strikes declarations whose weight is no weight (not finite and
+positive: :func:`weight_violations`), orders the rest, cuts the vector into parts
+proportional to the declared bandwidths (:func:`part_blocks`; client-mode members get
+none) and names the group by hashing all of it with a nonce. Because the declarations
+travel signed and unchanged, every member re-checks everything the leader did
+(:func:`check_group`) instead of trusting it, and derives the same bound on every update
+from the declared norms (:meth:`Group.norm_bound`) and the same weights from the declared
+ones, each capped at a multiple of their lower median (:attr:`Group.weights`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from swarmloco.core.codec import num_blocks
-from swarmloco.core.grouping import part_blocks, weight_violations
+from swarmloco.core.grouping import capped_weights, part_blocks, weight_violations
 from swarmloco.net.admission import MAX_CERTIFICATE_BYTES
 from swarmloco.net.endpoints import MAX_ENDPOINT_CHARS
 from swarmloco.net.identity import (
@@ -81,6 +81,8 @@ class Group:
     numel: int
     """Padded length of the averaged vector."""
     block_size: int
+    cap_multiple: float = 0.0
+    """Weights count up to this multiple of the members' lower median (0: uncapped)."""
 
     @property
     def size(self) -> int:
@@ -104,7 +106,9 @@ class Group:
 
     @property
     def weights(self) -> list[float]:
-        return [m.weight for m in self.members]
+        """What each member's update counts for in the mean: its declared weight (tokens
+        since its last round), capped (:func:`capped_weights`). The same on every member."""
+        return capped_weights([m.weight for m in self.members], self.cap_multiple)
 
     def norm_bound(self, multiple: float) -> float:
         """The largest L2 norm an update may have in this group: ``multiple`` times the
@@ -257,17 +261,10 @@ def check_declaration(
 # -- forming and checking a group -----------------------------------------------------------
 
 
-def capped(weights: Sequence[float], cap_multiple: float) -> dict[int, str]:
-    """Members to strike for their weight: :func:`weight_violations` until none are left
-    (striking the largest weights lowers the median, which may expose more)."""
-    struck: dict[int, str] = {}
-    while True:
-        alive = [i for i in range(len(weights)) if i not in struck]
-        found = weight_violations([weights[i] for i in alive], cap_multiple)
-        if not found:
-            return struck
-        for position, reason in found.items():
-            struck[alive[position]] = reason
+def struck_weights(weights: Sequence[float]) -> dict[int, str]:
+    """Members to strike for their weight: those that declared no weight at all (not a
+    finite positive number). A large weight is capped where it is used, never struck."""
+    return weight_violations(weights)
 
 
 def _group_id(
@@ -299,15 +296,16 @@ def build_group(
     round: int,
     numel: int,
     block_size: int,
-    cap_multiple: float,
     nonce: bytes,
 ) -> tuple[pb.GroupInfo | None, dict[int, str]]:
     """The leader's group from checked declarations (leader first, then in joining order).
 
     Returns the group (None if no member can serve a part) and ``{index in declarations:
-    reason}`` of the members struck for their weight.
+    reason}`` of the members struck for their weight (:func:`struck_weights`).
+    A large weight stays as declared (the declaration is signed): every member caps it
+    the same way where it is used (:attr:`Group.weights`).
     """
-    struck = capped([d.weight for d in declarations], cap_multiple)
+    struck = struck_weights([d.weight for d in declarations])
     kept = [d for i, d in enumerate(declarations) if i not in struck]
     bandwidths = _part_bandwidths([d.bandwidth if d.endpoint else 0.0 for d in kept])
     if not kept or sum(bandwidths) <= 0:
@@ -336,8 +334,9 @@ def check_group(
 
     The group must contain our own declaration unchanged, every declaration must be signed
     by its member for this round and vector (and, in a private swarm, show a membership
-    certificate for its key), no member twice, no weight above the cap, and the parts and
-    the group id must be what we compute ourselves.
+    certificate for its key), no member twice, every weight a finite positive number, and
+    the parts and the group id must be what we compute ourselves. Weights above
+    ``cap_multiple`` times the lower median count as that (:attr:`Group.weights`).
     """
     round, numel, block_size = me.round, me.numel, me.block_size
     if info.round != round:
@@ -358,7 +357,7 @@ def check_group(
         raise Rejection("bad-group", "a member appears twice in the group")
     if not any(d.SerializeToString() == me.SerializeToString() for d in info.members):
         raise Rejection("bad-group", "our own declaration is not in the group (or was changed)")
-    violations = weight_violations([m.weight for m in members], cap_multiple)
+    violations = weight_violations([m.weight for m in members])
     if violations:
         raise Rejection("bad-weight", f"the group admits a bad weight: {violations}")
     bandwidths = _part_bandwidths([m.bandwidth if m.serving else 0.0 for m in members])
@@ -379,6 +378,7 @@ def check_group(
         parts=tuple(parts),
         numel=numel,
         block_size=block_size,
+        cap_multiple=cap_multiple,
     )
 
 
@@ -389,7 +389,6 @@ def single_group(me: pb.MemberDeclaration, nonce: bytes) -> pb.GroupInfo:
         round=me.round,
         numel=me.numel,
         block_size=me.block_size,
-        cap_multiple=0.0,
         nonce=nonce,
     )
     assert info is not None, "a peer always forms a group of one"

@@ -108,7 +108,8 @@ class MatchmakingConfig:
     """How often a gathering leader (or a client-mode peer without a leader) re-reads the
     round's DHT key."""
     weight_cap_multiple: float = 10.0
-    """Declared weights above this multiple of the group median are struck (0: no cap)."""
+    """A declared weight counts as at most this multiple of the group's lower median (0: no
+    cap); above it, the member is kept with the capped weight, never struck."""
     bandwidth: float = 12.5e6
     """Declared reduction bandwidth in bytes/s (only ratios matter); parts are
     proportional to it. Client-mode peers always declare 0."""
@@ -727,7 +728,6 @@ class Matchmaker:
             round=gathering.round,
             numel=gathering.numel,
             block_size=gathering.block_size,
-            cap_multiple=cfg.weight_cap_multiple,
             nonce=os.urandom(NONCE_BYTES),
         )
         ids = [_peer_of(d) for d in gathering.declarations]
@@ -737,14 +737,14 @@ class Matchmaker:
             if waiter is not None and not waiter.done():
                 waiter.set_result(_refused("bad-weight", reason))
         if 0 in struck:
-            # Our own weight is out of bounds: no group of ours, and the others have not
+            # Our own weight is no weight (a bug of ours): no group of ours, and the others have not
             # missed one. They move on to the next leader in order (or lead).
             for waiter in gathering.waiters.values():
                 if not waiter.done():
                     waiter.set_result(
                         _refused("stepped-down", "the leader's own weight was struck")
                     )
-            raise RejectedInput(f"round {gathering.round}: our own weight {struck[0]}")
+            raise RejectedInput(f"round {gathering.round}: our own declaration: {struck[0]}")
         size = len(gathering.declarations) - len(struck)
         if info is None or size < cfg.min_group_size:
             reason = (
