@@ -583,7 +583,9 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "manifest, and averages with every peer that joins "
             "(`swarmloco join SWARM_ID --peer HOST:PORT`). Without --peer it starts a new "
             "network (others join through this peer's address, logged at start). With "
-            "--no-train the manifest is only published through --peer."
+            "--no-train the manifest is only published through --peer. The same command "
+            "again with the same --data-dir (after Ctrl-C or a crash) resumes that swarm "
+            "from its checkpoints, as its creator; other settings make a new swarm."
         ),
         epilog=(
             "examples:\n"
@@ -743,6 +745,7 @@ def _create(args: argparse.Namespace) -> int:
     import dataclasses
 
     from swarmloco.net.identity import Identity
+    from swarmloco.runtime.api import created_before
     from swarmloco.train.tasks import build_manifest, get_task  # imports torch
 
     launched = _box_launch(args)
@@ -804,6 +807,8 @@ def _create(args: argparse.Namespace) -> int:
         admission="certificate" if args.private else "",
         identity_work=args.identity_work,
     )
+    # The same create command in the same data directory resumes its swarm as the creator.
+    manifest = created_before(manifest, Path(args.data_dir))
     print(manifest.swarm_id, flush=True)
     if not args.no_train:
         return _run_peer(manifest, args)

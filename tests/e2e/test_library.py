@@ -86,12 +86,22 @@ def test_ctrl_c_during_a_round_exits_cleanly_and_resumes_at_the_same_global_step
     assert stopped["reason"] == "signal SIGINT"
     last = a.of("checkpoint")[-1]
     assert (last["round"], last["step"]) == (stopped["round"], stopped["step"])
-    # Started again on the same data directory (its partner gone, the manifest read from
-    # the directory's copy): it resumes where it was.
-    with PeerProcess.script(EXAMPLE, tmp_path / "a", "join", a.swarm_id) as again:
+    # The same create command again, on the same data directory (its partner gone): it
+    # resumes the same swarm where it was, as its creator.
+    with PeerProcess.script(
+        EXAMPLE, tmp_path / "a", "create", "--identity-work", "0", *common
+    ) as again:
         resumed = again.wait_for("resumed", timeout=120)
         again.wait_for("ready", timeout=120)
         again.process.send_signal(signal.SIGINT)
         assert again.wait(120) == 0, again.log_tail()
+    assert again.swarm_id == a.swarm_id
+    assert any("resuming swarm " + a.swarm_id in line for line in again.log), again.log_tail()
     assert resumed["global_step"] == stopped["global_step"]
     assert (resumed["round"], resumed["step"]) == (stopped["round"], stopped["step"])
+    # And by its id, as any peer resumes (the manifest read from the directory's copy).
+    with PeerProcess.script(EXAMPLE, tmp_path / "a", "join", a.swarm_id) as third:
+        third.wait_for("ready", timeout=120)
+        third.process.send_signal(signal.SIGINT)
+        assert third.wait(120) == 0, third.log_tail()
+    assert third.of("resumed")[0]["round"] == stopped["round"]

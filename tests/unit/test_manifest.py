@@ -115,3 +115,36 @@ def test_is_frozen():
     m = SwarmManifest(**BASE)
     with pytest.raises(dataclasses.FrozenInstanceError):
         m.task = "other"  # type: ignore[misc]
+
+
+def _created(data_dir, manifest, *, checkpoint: bool = True):
+    swarm_dir = data_dir / "swarms" / manifest.swarm_id
+    swarm_dir.mkdir(parents=True, exist_ok=True)
+    if checkpoint:
+        (swarm_dir / "checkpoints" / "0000000001").mkdir(parents=True)
+    (swarm_dir / "manifest.json").write_bytes(manifest.to_bytes())
+
+
+def test_the_same_create_in_the_same_data_dir_resumes_its_swarm_and_names_another(
+    tmp_path, caplog
+):
+    from swarmloco.runtime.api import created_before
+    from swarmloco.train.tasks import build_manifest
+
+    creator = "ab" * 32
+    first = build_manifest("gpt-bytes", "tiny", creator=creator)
+    again = build_manifest("gpt-bytes", "tiny", creator=creator)  # another time and salt
+    assert again.swarm_id != first.swarm_id
+    assert created_before(again, tmp_path) is again  # nothing there yet
+    _created(tmp_path, first, checkpoint=False)
+    assert created_before(again, tmp_path) is again  # no checkpoint: nothing to resume
+    _created(tmp_path, first)
+    assert created_before(again, tmp_path).swarm_id == first.swarm_id
+    # Other settings, or another creator: a new swarm, and the old one named with how to
+    # resume it.
+    other = build_manifest("gpt-bytes", "tiny", creator=creator, name="other")
+    with caplog.at_level("INFO", logger="swarmloco.create"):
+        assert created_before(other, tmp_path) is other
+    assert f"swarmloco join {first.swarm_id}" in caplog.text
+    stranger = build_manifest("gpt-bytes", "tiny", creator="cd" * 32)
+    assert created_before(stranger, tmp_path) is stranger

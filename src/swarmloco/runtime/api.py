@@ -22,6 +22,7 @@ peers=["HOST:PORT"])`` with the same model. Both return a :class:`~.swarm.Swarm`
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -31,6 +32,7 @@ import torch
 from swarmloco.core.manifest import SwarmManifest, identity_work_for
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.signature import LayerUnit, ModelSignature, default_layer_unit, signature_of
+from swarmloco.errors import ManifestError
 from swarmloco.net.identity import Identity
 from swarmloco.runtime.box import Box, BoxRank, unwrap, whole_values
 from swarmloco.runtime.config import PeerConfig
@@ -38,6 +40,53 @@ from swarmloco.runtime.swarm import Evaluator, EventSink, Swarm
 
 CUSTOM_TASK = "custom"
 """The task name of runs whose model lives in their creator's own script."""
+
+logger = logging.getLogger("swarmloco.create")
+
+
+def created_before(manifest: SwarmManifest, data_dir: Path) -> SwarmManifest:
+    """The swarm to run for ``create``: ``manifest``, unless ``data_dir`` already holds the
+    checkpoints of a swarm this key created with the same settings (every field but the
+    creation time and the salt), which is then resumed, as the creator. So the same
+    ``create`` command after a crash or Ctrl-C goes on with the same swarm; a swarm of
+    other settings in the same directory is named in the log, with how to resume it."""
+    swarms = data_dir / "swarms"
+    if not swarms.is_dir():
+        return manifest
+    same, other = [], []
+    for copy in sorted(swarms.glob("*/manifest.json")):
+        try:
+            old = SwarmManifest.from_bytes(copy.read_bytes(), expected_id=copy.parent.name)
+        except (OSError, ManifestError):
+            continue  # not a swarm of ours to resume (a torn or foreign copy)
+        checkpoints = copy.parent / "checkpoints"
+        if old.creator != manifest.creator or not (
+            checkpoints.is_dir() and any(checkpoints.iterdir())
+        ):
+            continue
+        salted = dataclasses.replace(old, created_at=manifest.created_at, nonce=manifest.nonce)
+        (same if salted.to_bytes() == manifest.to_bytes() else other).append(old)
+    if same:
+        old = max(same, key=lambda m: m.created_at)
+        logger.info(
+            "resuming swarm %s, created by this key on %s with the same settings, from its "
+            "checkpoints in %s (a new swarm needs another data directory)",
+            old.swarm_id,
+            old.created_at,
+            data_dir,
+        )
+        return old
+    for old in other:
+        logger.info(
+            "%s also holds swarm %s (created %s, other settings); this is a new swarm. "
+            "To resume that one: swarmloco join %s --data-dir %s",
+            data_dir,
+            old.swarm_id,
+            old.created_at,
+            old.swarm_id,
+            data_dir,
+        )
+    return manifest
 
 
 def run_manifest(
@@ -124,7 +173,9 @@ def create(
 ) -> Swarm:
     """A new swarm training ``model`` (its current weights are the run's initial weights),
     with this process as its first peer. The swarm id is ``swarm.swarm_id``; other peers
-    :func:`join` it with the same model.
+    :func:`join` it with the same model. Called again with the same settings and
+    ``data_dir`` (after a crash, Ctrl-C or the end of the script), it resumes that swarm
+    from its checkpoints instead, as its creator (:func:`created_before`).
 
     ``data_dir``: the peer's key and checkpoints (or ``config.data_dir``). ``peers``:
     HOST:PORT of peers or bootstrap nodes to join through (none: start a network; others
@@ -174,6 +225,7 @@ def create(
         admission="certificate" if private else "",
         identity_work=identity_work,
     )
+    manifest = created_before(manifest, config.data_dir)
     return Swarm(
         manifest,
         model,
