@@ -125,9 +125,7 @@ def _created(data_dir, manifest, *, checkpoint: bool = True):
     (swarm_dir / "manifest.json").write_bytes(manifest.to_bytes())
 
 
-def test_the_same_create_in_the_same_data_dir_resumes_its_swarm_and_names_another(
-    tmp_path, caplog
-):
+def test_the_same_create_in_the_same_data_dir_resumes_its_swarm_and_names_another(tmp_path, caplog):
     from swarmloco.runtime.api import created_before
     from swarmloco.train.tasks import build_manifest
 
