@@ -53,7 +53,8 @@ def created_before(manifest: SwarmManifest, data_dir: Path) -> SwarmManifest:
     swarms = data_dir / "swarms"
     if not swarms.is_dir():
         return manifest
-    same, other = [], []
+    same: list[SwarmManifest] = []
+    other: list[SwarmManifest] = []
     for copy in sorted(swarms.glob("*/manifest.json")):
         try:
             old = SwarmManifest.from_bytes(copy.read_bytes(), expected_id=copy.parent.name)
