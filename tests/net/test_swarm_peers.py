@@ -363,6 +363,11 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
     for p in (a, b):
         assert p.events.of("stopped")[0]["reason"].startswith("the run is over")
         assert any(e["excluded"] for e in p.events.of("round"))  # the hostile one, struck
+    # Every round applied is applied by both (the hostile one completes none), on one state:
+    # striking it never leaves them with different results.
+    applied = [{e["round"]: e["digest"] for e in p.events.of("round")} for p in (a, b)]
+    both = set(applied[0]) & set(applied[1])
+    assert both and all(applied[0][r] == applied[1][r] for r in both), _story(a, b)
     assert a.swarm.snapshots.current.digest == b.swarm.snapshots.current.digest, _story(a, b)
 
 

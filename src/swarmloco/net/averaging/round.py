@@ -435,12 +435,16 @@ class RoundRun:
         if not self.view.expects(part, epoch, reducer):
             self.a.stats["stale-results"] += 1
             return
-        self.view.on_result(part, index, bits)
+        self.view.check_result(part, index, bits)
         span = self.view.spans[part][index]
         start = self.group.part_range(part)[0] + span.start
         # One multiply per element (q * s), the same on every member for the same bytes:
-        # identical bits everywhere.
+        # identical bits everywhere. Recorded as received only once decoded: a chunk the
+        # decoder refuses (NaN or huge scales) must leave its part incomplete, so that
+        # failing its reducer moves the part on (a complete part would stay, its slice of
+        # the result whatever the reused buffer held, different on every member).
         dequantize_into_(self.result[start : start + span.numel], payload, scales, self.cfg.codec)
+        self.view.on_result(part, index, bits)
         self.last_result[reducer] = self.a.clock()
         self.changed.set()
 

@@ -121,11 +121,9 @@ class RoundView:
         """Whether results of ``part`` at ``epoch`` from ``reducer`` are the ones we use."""
         return self.owner.get(part) == Claim(epoch, reducer)
 
-    def on_result(self, part: int, index: int, contributors: bytes) -> None:
-        """Record result chunk ``index`` of ``part`` (call only when :meth:`expects`).
-
-        Raises Rejection if it is not the next chunk or names impossible contributors.
-        """
+    def check_result(self, part: int, index: int, contributors: bytes) -> None:
+        """Rejection unless result chunk ``index`` of ``part`` is the next one and names
+        possible contributors (call only when :meth:`expects`)."""
         received = self._received[part]
         if index != len(received) or index >= len(self.spans[part]):
             raise Rejection(
@@ -133,7 +131,13 @@ class RoundView:
             )
         if not members_of(contributors, self.group.size):
             raise Rejection("bad-result", f"result chunk {index} of part {part} averages nobody")
-        received.append(contributors)
+
+    def on_result(self, part: int, index: int, contributors: bytes) -> None:
+        """Record result chunk ``index`` of ``part`` as received (call only when
+        :meth:`expects`, once its payload decoded). Raises Rejection as
+        :meth:`check_result`."""
+        self.check_result(part, index, contributors)
+        self._received[part].append(contributors)
 
     def received(self, part: int) -> int:
         return len(self._received[part])
