@@ -28,7 +28,7 @@ from swarmloco.core.adoption import Evidence
 from swarmloco.core.grouping import part_blocks
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.state import StateSchema
-from swarmloco.errors import ModelMismatch
+from swarmloco.errors import ModelMismatch, SwarmlocoError
 from swarmloco.net.admission import AdmissionError, gate_of
 from swarmloco.net.averaging import BandwidthConfig, Fault, FaultPlan, MatchmakingConfig
 from swarmloco.net.identity import Identity
@@ -776,3 +776,54 @@ def test_a_peer_whose_checkpoints_are_all_corrupt_starts_afresh_and_keeps_its_ne
     assert [p for p, _ in inventory] == written[::-1][:2] + corrupt
     assert [bool(why) for _, why in inventory] == [False, False, True, True]
     assert latest is not None and latest.path == written[-1] and latest.round == 2
+
+
+def test_a_peer_that_leaves_says_goodbye_and_nobody_waits_for_it(tmp_path):
+    """Two peers average; one leaves. The other's wait_for_peers stops counting it at once,
+    and its next rounds go on alone without an aborted attempt waiting for the leaver (its
+    last partner); the leaver's records say it left."""
+    a = _peer(tmp_path, "a", SPEC)
+    watch = Watch(a.events, round=2, group=2)
+    a.swarm.on_event = watch
+    first = Background(a.job)
+    assert watch.ready.wait(60)
+    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint)
+    second = Background(b.job)
+    assert a.swarm.wait_for_peers(2, timeout_s=60) == 2
+    assert watch.reached.wait(60), a.events.of("aborted")
+    b.swarm.stop("leaving")
+    second.join()
+    with pytest.raises(SwarmlocoError, match="1 of 2 peers online"):
+        a.swarm.wait_for_peers(2, timeout_s=2)
+    left = a.swarm.round  # the farewell was read by now: every later round is a's alone
+    after = Watch(a.events, round=left + 3)
+    a.swarm.on_event = after
+    assert after.reached.wait(60)
+    a.swarm.stop("done")
+    first.join()
+    assert not [e for e in a.events.of("aborted") if e["round"] > left + 1], a.events
+    assert all(e["group"] == 1 for e in a.events.of("round") if e["round"] > left + 1)
+    assert b.events.of("stopped")[0]["reason"] == "leaving"
+
+
+def test_stopping_during_wait_for_peers_leaves_without_a_step(tmp_path):
+    """Ctrl-C (``stop``) while waiting for peers that never come: ``with swarm`` leaves
+    quietly from the wait, and the loop after it never runs a step."""
+    peer = _peer(tmp_path, "a", SPEC)
+    watch = Watch(peer.events, round=1)
+    peer.swarm.on_event = watch
+    after_wait: list[int] = []
+
+    def user() -> None:
+        with peer.swarm:
+            after_wait.append(peer.swarm.wait_for_peers(2, timeout_s=120))
+            train(peer.swarm, peer.model, peer.opt, batches(0))
+
+    thread = threading.Thread(target=user, daemon=True)
+    thread.start()
+    assert watch.ready.wait(60)
+    peer.swarm.stop("signal SIGINT")
+    thread.join(60)
+    assert not thread.is_alive()
+    assert after_wait == [] and peer.swarm.steps == 0
+    assert peer.events.of("stopped")[0]["reason"] == "signal SIGINT"

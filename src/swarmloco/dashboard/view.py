@@ -140,7 +140,8 @@ def age_of(value: Mapping[str, Any], now: float) -> float:
 
 
 def is_fresh(value: Mapping[str, Any], now: float, fresh_s: float = FRESH_S) -> bool:
-    return age_of(value, now) <= fresh_s
+    """Whether a status record shows its peer online: recent, and not its farewell."""
+    return value.get("state") != "left" and age_of(value, now) <= fresh_s
 
 
 def short_id(peer_id: str) -> str:

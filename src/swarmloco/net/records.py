@@ -497,7 +497,9 @@ MANIFEST = register(
 # HOST:PORT where a peer serves gRPC; empty for client-mode peers.
 ENDPOINT = Str(262, pattern=r"|[^\s/]{1,255}:[0-9]{1,5}")
 
-PEER_ROLES = frozenset({"bootstrap", "trainer", "client", "dashboard"})
+PEER_ROLES = frozenset({"bootstrap", "trainer", "client", "dashboard", "left"})
+"""``left``: the peer's farewell, stored over its entry when it leaves
+(:func:`~swarmloco.net.swarm.withdraw_peer`)."""
 
 PEERS = register(
     RecordKind(
@@ -558,6 +560,16 @@ PROGRESS = register(
 
 def progress_key(swarm_id: str) -> str:
     return swarm_key(swarm_id, "progress")
+
+
+FAREWELL_AT = 0.0
+"""The ``at`` of a leaving peer's last progress record: stale at once, so nobody paces on
+it, and told apart from a report that merely aged (:func:`is_farewell`)."""
+
+
+def is_farewell(report: ProgressReport) -> bool:
+    """Whether ``report`` is a peer's farewell (it left the swarm)."""
+    return report.at == FAREWELL_AT
 
 
 def progress_report(peer: str, value: Mapping[str, Any]) -> ProgressReport:
@@ -650,7 +662,7 @@ def digest_key(swarm_id: str, round: int) -> str:
 
 # -- the kinds of the training daemon ----------------------------------------------------------
 
-PEER_STATES = frozenset({"starting", "downloading", "training", "averaging", "stopping"})
+PEER_STATES = frozenset({"starting", "downloading", "training", "averaging", "stopping", "left"})
 
 ROUND_SUMMARY = Struct(
     {

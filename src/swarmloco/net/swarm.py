@@ -4,7 +4,8 @@
   ``swarmloco/v1/<swarm id>/manifest``; every node and every reader checks that its bytes
   hash to the swarm id, so a peer can only ever get the run it asked for.
 - :func:`announce_peer` / :func:`find_peers`: each peer keeps one signed entry under
-  ``swarmloco/v1/<swarm id>/peers`` (endpoint, role, version, public flag).
+  ``swarmloco/v1/<swarm id>/peers`` (endpoint, role, version, public flag);
+  :func:`withdraw_peer` replaces it with a farewell (role ``left``) when the peer leaves.
 """
 
 from __future__ import annotations
@@ -93,6 +94,15 @@ async def find_peers(dht: DHTNode, swarm_id: str) -> list[PeerEntry]:
             expiration=entry.expiration,
         )
         for entry in result.entries.values()
+        if entry.value["role"] != "left"
     ]
     peers.sort(key=lambda p: p.expiration, reverse=True)
     return peers
+
+
+async def withdraw_peer(dht: DHTNode, swarm_id: str, *, ttl: float = PEER_TTL_S) -> int:
+    """Replace this peer's entry with a farewell (role ``left``, which :func:`find_peers`
+    leaves out): stored later than any announcement, it wins on every node that stores it
+    (a later expiration replaces an earlier one), until the peer announces itself again."""
+    value = {"endpoint": dht.endpoint, "role": "left", "version": __version__, "public": False}
+    return await dht.store(peers_key(swarm_id), value, ttl=ttl)

@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 _WIDTH = 6  # ints in one command
 
 
+STOPPED_PREFIX = "stopped: "
+"""What rank 0 shares from ``wait_for_peers`` when the peer was asked to stop meanwhile:
+every rank then raises :class:`Stopped`, as rank 0 does."""
+
+
 class BoxError(SwarmlocoError):
     """A rank of the box failed or is gone: the box's peer leaves the swarm."""
 
@@ -462,6 +467,8 @@ class BoxRank:
     def wait_for_peers(self, n: int, *, timeout_s: float = 600.0) -> int:
         """Rank 0 waits for the swarm's peers; this rank for its word."""
         error = self.box.share()
+        if error.startswith(STOPPED_PREFIX):
+            raise Stopped(error[len(STOPPED_PREFIX) :])
         if error:
             raise SwarmlocoError(error)
         return n

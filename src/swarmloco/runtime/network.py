@@ -45,6 +45,7 @@ from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode
 from swarmloco.net.records import (
+    FAREWELL_AT,
     MAX_PARTNERS,
     digest_key,
     partners_key,
@@ -53,7 +54,7 @@ from swarmloco.net.records import (
     status_key,
 )
 from swarmloco.net.state import Requester, StateDonor, state_service
-from swarmloco.net.swarm import announce_peer, publish_manifest
+from swarmloco.net.swarm import announce_peer, publish_manifest, withdraw_peer
 from swarmloco.runtime.catchup import CatchUp
 from swarmloco.runtime.config import PeerConfig
 
@@ -65,6 +66,7 @@ logger = logging.getLogger(__name__)
 DIGEST_TTL_S = 300.0
 PROGRESS_TTL_S = 120.0
 ANNOUNCE_EVERY_S = 120.0
+FAREWELL_S = 5.0  # at most this long to tell the swarm that the peer leaves
 
 Provider = Callable[[], dict[str, Any]]
 
@@ -194,7 +196,29 @@ class SwarmNetwork:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        await self.node.__aexit__(None, None, None)
+        try:
+            await self._farewell()
+        finally:
+            await self.node.__aexit__(None, None, None)
+
+    async def _farewell(self) -> None:
+        """Tell the swarm this peer left, so that nobody waits for it: its progress record
+        at :data:`FAREWELL_AT` (pacing and matchmaking stop counting it at their next read),
+        its status ``left`` (the dashboard lists it offline), its peers entry withdrawn
+        (``wait_for_peers`` no longer counts it). Best effort and bounded: a peer leaving
+        an unreachable network leaves all the same (its records then expire)."""
+        dht = self.node.dht
+        progress = {**self.progress(), "at": FAREWELL_AT}
+        status = {**self.status(), "state": "left"}
+        stores = (
+            dht.store(progress_key(self.swarm_id), progress, ttl=PROGRESS_TTL_S),
+            dht.store(status_key(self.swarm_id), status, ttl=PROGRESS_TTL_S),
+            withdraw_peer(dht, self.swarm_id),
+        )
+        try:
+            await asyncio.wait_for(asyncio.gather(*stores, return_exceptions=True), FAREWELL_S)
+        except TimeoutError:
+            logger.info("could not say goodbye to the swarm in %.0f s; leaving", FAREWELL_S)
 
     # -- records ---------------------------------------------------------------------------
 

@@ -73,8 +73,10 @@ from swarmloco.errors import (
 from swarmloco.net.admission import Gate, gate_of
 from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
+from swarmloco.net.records import is_farewell
 from swarmloco.net.state import DownloadedState
 from swarmloco.runtime.box import (
+    STOPPED_PREFIX,
     Box,
     BoxError,
     BoxParams,
@@ -102,7 +104,7 @@ _REMEMBER = 32  # peers kept in peers.json for the next start
 _MAX_WAIT_ROUNDS = 4
 _CATCH_UP_RETRY_S = 2.0
 _UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs is ignored
-_PEERS_POLL_S = 0.5  # how often wait_for_peers looks
+_PEERS_POLL_S = 0.5  # how long wait_for_peers waits for a read of the records at most
 _DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
 _MAX_DISTRUSTED_DIGESTS = 1024  # states rolled back, remembered
 _ROLLED_BACK_S = 60.0  # how long the holders of a state rolled back are not asked again
@@ -256,7 +258,8 @@ class Swarm:
         self._expected: tuple[int, int] | None = None
         """Peers known to work on the next round (this one included), and strangers worth a
         short wait besides (see ``_pace``)."""
-        self._last_group: tuple[int, int] | None = None  # (round, size) of our last group
+        # (round, the other members' ids) of our last group
+        self._last_group: tuple[int, frozenset[str]] | None = None
         self._next_catch_up = 0.0
         self._checkpoint_due: float | None = None  # a checkpoint owed (retry, or pending)
         self._state_verified = True
@@ -391,27 +394,35 @@ class Swarm:
 
     def wait_for_peers(self, n: int, *, timeout_s: float = 600.0) -> int:
         """Block until at least ``n`` peers of the swarm (this one included) are online, so
-        that they start training together; returns how many are. Raises
-        :class:`SwarmlocoError` after ``timeout_s``. Inside ``with swarm:``; in a box, every
-        rank calls it."""
+        that they start training together; returns how many are. Online: a peer whose
+        progress record is fresh (it reports every ``progress_interval_s``; one that left
+        said goodbye, one that was killed falls silent). Raises :class:`SwarmlocoError`
+        after ``timeout_s``, and :class:`Stopped` when the peer is asked to stop meanwhile
+        (Ctrl-C: ``with swarm`` leaves quietly, no step runs). Inside ``with swarm:``; in a
+        box, every rank calls it."""
         if self._stack is None or self.network is None:
             raise SwarmlocoError("wait_for_peers() inside `with swarm:`")
-        from swarmloco.net.swarm import find_peers
-
         network = self.network
         deadline = time.monotonic() + timeout_s
-        found, error = 0, ""
-        while not self._stop.is_set():
-            peers = self.loop.run(find_peers(network.node.dht, self.swarm_id), timeout=30.0)
-            found = len({p.peer_id for p in peers} | {self.peer_id})
+        found, error = 1, ""
+        while True:
+            # Count on records read from now on: a peer that left a moment ago is seen gone.
+            reads = network.reads
+            self.loop.loop.call_soon_threadsafe(network.wake)
+            network.wait_for_reads(reads + 1, _PEERS_POLL_S)
+            if self._stop.is_set():
+                error = STOPPED_PREFIX + self._stop_reason
+                break
+            found = 1 + len({r.peer for r in self._fresh_reports(self._now())})
             if found >= n:
                 break
             if time.monotonic() > deadline:
                 error = f"{found} of {n} peers online after {timeout_s:.0f} s"
                 break
-            time.sleep(_PEERS_POLL_S)
         if self.box is not None:
             self.box.share(error)
+        if error.startswith(STOPPED_PREFIX):
+            raise Stopped(self._stop_reason)
         if error:
             raise SwarmlocoError(error)
         logger.info("%d peers online", found)
@@ -1252,8 +1263,9 @@ class Swarm:
         expected = 1 + len(known)
         if self._last_group is not None and self._last_group[0] == self.round:
             # Who averaged the last round with us will most likely average this one too,
-            # even when their reports lag a round behind.
-            expected = max(expected, self._last_group[1])
+            # even when their reports lag a round behind; not those that said goodbye.
+            left = {r.peer for r in self.network.reports if is_farewell(r)}
+            expected = max(expected, 1 + len(self._last_group[1] - left))
         self._expected = (expected, min(len(near - known), _EXPECTED_STRANGERS))
         if any(r.round > target + 1 for r in reports):
             return Verdict.BEHIND  # others applied rounds this peer has not
@@ -1591,7 +1603,7 @@ class Swarm:
         self.snapshots.hash_later(self.round, self.diloco.committed(), hashed)
         self.rounds_applied += 1
         self._nan_in_a_row = 0  # a round made it: training works from this state
-        self._last_group = (x.round, len(report.members))
+        self._last_group = (x.round, frozenset(report.members) - {self.peer_id})
         self.loop.loop.call_soon_threadsafe(self.network.wake)
         # The round's own time (matchmaking and exchange): the same figure in the event, the
         # log and the status record, without the evaluation below.
