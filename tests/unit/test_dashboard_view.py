@@ -163,6 +163,20 @@ def test_only_peers_with_a_fresh_status_are_online_and_count():
     assert view_of(status={})["round"] is None and view_of()["peers_online"] == 0
 
 
+def test_a_peer_that_said_goodbye_is_offline_and_the_round_it_ended_at_stays():
+    view = view_of(
+        status={
+            A: status(name="alpha", round=7, tokens_per_s=1500.0, at=NOW - 2.0),
+            B: status(name="beta", state="left", round=8, tokens_per_s=500.0, at=NOW - 1.0),
+        }
+    )
+    assert view["peers_online"] == 1 and view["tokens_per_s"] == 1500.0
+    beta = row(view, B)
+    assert beta["online"] is False and beta["state"] == "left"
+    assert view["round"] == 8  # a run whose peers all left still shows where it ended
+    assert "left" in text.render(view)
+
+
 def test_each_peer_gets_its_share_of_the_tokens_of_all_known_peers():
     view = view_of(
         status={

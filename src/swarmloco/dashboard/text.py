@@ -136,7 +136,9 @@ def render(view: Mapping[str, Any]) -> str:
             [
                 p["name"] or "-",
                 p["short_id"],
-                p["state"] if p["online"] else f"offline ({duration(p['age_s'])})",
+                p["state"]
+                if p["online"] or p["state"] == "left"
+                else f"offline ({duration(p['age_s'])})",
                 str(p["round"]),
                 human(p["tokens_per_s"]),
                 f"{100 * p['share']:.1f}%",

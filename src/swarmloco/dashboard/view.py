@@ -140,8 +140,14 @@ def age_of(value: Mapping[str, Any], now: float) -> float:
 
 
 def is_fresh(value: Mapping[str, Any], now: float, fresh_s: float = FRESH_S) -> bool:
-    """Whether a status record shows its peer online: recent, and not its farewell."""
-    return value.get("state") != "left" and age_of(value, now) <= fresh_s
+    """Whether a record was made recently (its peer online, or just gone)."""
+    return age_of(value, now) <= fresh_s
+
+
+def is_online(value: Mapping[str, Any], now: float, fresh_s: float = FRESH_S) -> bool:
+    """Whether a status record shows its peer online: recent, and not its farewell (a peer
+    that leaves says so, state ``left``)."""
+    return value.get("state") != "left" and is_fresh(value, now, fresh_s)
 
 
 def short_id(peer_id: str) -> str:
@@ -151,8 +157,9 @@ def short_id(peer_id: str) -> str:
 def current_round(
     status: Mapping[str, Mapping[str, Any]], *, now: float, fresh_s: float = FRESH_S
 ) -> int | None:
-    """The swarm's round: the highest round of an online peer, ignoring claims more than
-    :data:`MAX_ROUND_LEAD` beyond the median (None when no peer is online)."""
+    """The swarm's round: the highest round of a peer heard from recently (online, or just
+    left: the round a run ended at stays on the page), ignoring claims more than
+    :data:`MAX_ROUND_LEAD` beyond the median (None when no record is fresh)."""
     rounds = [
         value["round"]
         for value in status.values()
@@ -329,7 +336,7 @@ class History:
             self.peer_loss.popitem(last=False)
         while len(self._last_at) > 4 * self._max_peers + len(status):
             self._last_at.popitem(last=False)
-        online = [v for v in status.values() if is_fresh(v, now, fresh_s)]
+        online = [v for v in status.values() if is_online(v, now, fresh_s)]
         if updated and online:
             losses = [x for v in online if (x := _loss(v.get("loss"))) is not None]
             if losses:
@@ -543,7 +550,7 @@ def _peer_rows(
         started = _number(value.get("started_at"), low=0.0)
         listing = reading.peers.get(peer_id, {})
         progress = reading.progress.get(peer_id)
-        fresh = is_fresh(value, now, fresh_s)
+        fresh = is_online(value, now, fresh_s)
         rows.append(
             {
                 "id": peer_id,
