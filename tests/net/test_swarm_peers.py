@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import json
 import math
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -827,3 +829,76 @@ def test_stopping_during_wait_for_peers_leaves_without_a_step(tmp_path):
     assert not thread.is_alive()
     assert after_wait == [] and peer.swarm.steps == 0
     assert peer.events.of("stopped")[0]["reason"] == "signal SIGINT"
+
+
+def _uneven(seed: int, pause: float) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches whose steps take 0.2 and 1.8 x ``pause`` in turn (``pause`` on average), as a
+    real loop's do (data, GC, logging)."""
+    for i, batch in enumerate(batches(seed)):
+        time.sleep(pause * (0.2 if i % 2 else 1.8))
+        yield batch
+
+
+@pytest.mark.parametrize("pause, h", [(0.005, 25), (0.1, 10)])
+def test_each_peer_trains_about_h_steps_a_round_whatever_its_step_time(tmp_path, pause, h):
+    """Two peers at the same speed, publishing progress every 2 s (the default) and
+    evaluating after every round (10 steps' time): each trains H steps a round, within 20%,
+    with steps of 5 ms as of 100 ms. Nobody's tokens may be projected over the exchange or
+    the evaluation (no training happens then), nor at a rate steps of uneven length bias
+    up."""
+    spec = dataclasses.replace(SPEC, sync_every=h)
+    two = {
+        "matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
+        "progress_interval_s": 2.0,
+        "max_rounds": 8,
+    }
+
+    def evaluate() -> float:
+        time.sleep(10 * pause)  # a held-out evaluation of ten steps' work
+        return 1.0
+
+    a = _peer(tmp_path, "a", spec, pause=pause, **two)
+    watch = Watch(a.events, round=1)
+    a.swarm.on_event = watch
+    a.swarm.evaluate = evaluate
+    first = Background((a.swarm, a.model, a.opt, _uneven(a.seed, pause)))
+    assert watch.ready.wait(60)
+    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, pause=pause, **two)
+    b.swarm.evaluate = evaluate
+    run_peers((b.swarm, b.model, b.opt, _uneven(b.seed, pause)))
+    first.join()
+    for p in (a, b):
+        steps = [e["step"] for e in p.events.of("round")]
+        per_round = [later - earlier for earlier, later in itertools.pairwise(steps)]
+        assert len(per_round) >= 4, p.events
+        assert 0.8 * h <= statistics.median(per_round) <= 1.2 * h, per_round
+
+
+def test_peers_that_waited_for_each_other_average_their_first_round_together(tmp_path):
+    """Both peers call wait_for_peers(2) before training, as the README's loop does: round
+    1 is averaged by both, and neither throws its first steps away for a download."""
+    spec = dataclasses.replace(SPEC, sync_every=10)
+    a = _peer(tmp_path, "a", spec, max_rounds=3)
+    watch = Watch(a.events, round=1)
+    a.swarm.on_event = watch
+
+    def waiting(peer: Peer) -> None:
+        with peer.swarm:
+            peer.swarm.wait_for_peers(2, timeout_s=60)
+            for x, y in batches(peer.seed, peer.pause):
+                loss = nn.functional.mse_loss(peer.model(x), y)
+                peer.opt.zero_grad()
+                loss.backward()
+                peer.opt.step()
+
+    first = threading.Thread(target=waiting, args=(a,), daemon=True)
+    first.start()
+    assert watch.ready.wait(60)
+    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, max_rounds=3)
+    waiting(b)
+    first.join(60)
+    assert not first.is_alive()
+    for p in (a, b):
+        rounds = p.events.of("round")
+        assert rounds and rounds[0]["round"] == 1 and rounds[0]["group"] == 2, p.events
+        assert not p.events.of("downloaded"), p.events

@@ -150,3 +150,29 @@ def test_honest_peers_within_the_cap_count_in_full():
     free = estimate(reports, round=5, now=100.0, config=CONFIG)
     bounded = estimate(reports, round=5, now=100.0, config=CONFIG, trusted="me", since=85.0)
     assert (bounded.tokens_now, bounded.tokens_per_s) == (free.tokens_now, free.tokens_per_s)
+
+
+def test_a_report_is_projected_only_over_time_spent_training():
+    # The partner reported round 5 (0 tokens) as the exchange of round 4 started at 100;
+    # training resumed at 100.5, after the outer step and an evaluation. At 100.6 it has
+    # trained 0.1 s, not 0.6 s: a fast peer's rate over the exchange would make the round
+    # due at once.
+    partner = report("b", tokens=0, rate=10_000.0, at=100.0)
+    e = estimate([partner], round=5, now=100.6, config=CONFIG, resumed=100.5)
+    assert e.tokens_now == pytest.approx(1_000)
+    assert estimate([partner], round=5, now=100.6, config=CONFIG).tokens_now == pytest.approx(6_000)
+    # A report made after training resumed is projected from itself.
+    later = report("b", tokens=2_000, rate=10_000.0, at=100.55)
+    e = estimate([later], round=5, now=100.6, config=CONFIG, resumed=100.5)
+    assert e.tokens_now == pytest.approx(2_500)
+
+
+def test_a_peers_rate_is_its_tokens_over_its_time_not_an_average_of_step_rates():
+    from swarmloco.runtime.swarm import _Rate
+
+    rate = _Rate()
+    for _ in range(200):
+        rate.add(1, 0.001)
+        rate.add(1, 0.009)
+    # Two steps every 10 ms: 200 steps/s (averaging the steps' own rates gives about 555).
+    assert rate.value == pytest.approx(200.0, rel=0.1)

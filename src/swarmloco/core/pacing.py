@@ -87,12 +87,17 @@ def estimate(
     config: PacingConfig,
     trusted: str | None = None,
     since: float | None = None,
+    resumed: float | None = None,
 ) -> Estimate:
     """When round ``round`` is due, from the newest report of each peer.
 
     Reports for earlier rounds are ignored (those peers are catching up); a report for a
     later round makes the verdict :attr:`Verdict.BEHIND`. A fresh report counts its tokens
-    plus its rate times the time since it was made; a stale one only its tokens.
+    plus its rate times the time since it was made, or since ``resumed`` if later (when
+    training resumed after the last round: a peer reports the new round as its exchange
+    starts, and without overlap trains nothing until it lands; projected from the report
+    instead, a fast peer's rate over the exchange would make the next round due after a
+    step or two); a stale one only its tokens.
 
     Reports other than ``trusted``'s (this peer's own) are bounded: a rate counts at most
     ``rate_cap_multiple`` times the median rate of all reports, and with ``since`` (when
@@ -135,7 +140,8 @@ def estimate(
         fresh = age <= config.stale_after_s
         tokens_now += r_tokens
         if fresh:
-            tokens_now += r_rate * age
+            trained = age if resumed is None else max(0.0, now - max(r.at, resumed))
+            tokens_now += r_rate * trained
             rate += r_rate
     target = config.tokens_per_round
     if tokens_now >= target:

@@ -45,7 +45,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -226,7 +226,11 @@ class Swarm:
         # When the counts above began, if this peer started the round with the swarm (its
         # own exchange started it); None after a start or a download: others may have been
         # counting for long already, and pacing must not cap their tokens by our time.
-        self._counting_since: float | None = None
+        self._hook_s = 0.0  # the last step's hook, rounds and downloads aside
+        self._resume_pending = False  # a round landed in this hook (no overlap)
+        self._blocked_s = 0.0  # time in rounds and downloads during the current hook
+        self._counting_since: float | None = None  # swarm time the round's tokens began
+        self._resumed_at: float | None = None  # swarm time training resumed after a round
         self.rounds_applied = 0
         self.rounds_aborted = 0
         self.downloads = 0
@@ -1048,7 +1052,7 @@ class Swarm:
 
     def _step(self, tokens: int | None) -> None:
         started = time.monotonic()
-        seconds = started - self._step_ended
+        seconds = started - self._step_ended  # the user's step: forward, backward, update
         n = self.config.tokens_per_step if tokens is None else int(tokens)
         self.steps += 1
         self.steps_since_round += 1
@@ -1058,12 +1062,30 @@ class Swarm:
         self._lr_steps += 1
         self._dirty = True
         self.train_seconds += seconds
-        self._rate.add(n, seconds)
+        # The rate others project this peer's tokens by: a whole cycle, this hook's own
+        # time included (a few ms of pacing and bookkeeping weigh on steps of a few ms),
+        # the rounds and downloads it waited for left out.
+        self._rate.add(n, seconds + self._hook_s)
         self._advance_global()
         if self._stop.is_set():  # the loop stepped on after a stop: leave it here
             raise Stopped(self._stop_reason)
         self._between_steps()
-        self._step_ended = time.monotonic()
+        if self._resume_pending:
+            self._resume_pending = False
+            self._resumed_at = self._now()
+        ended = time.monotonic()
+        self._hook_s = max(0.0, ended - started - self._blocked_s)
+        self._blocked_s = 0.0
+        self._step_ended = ended
+
+    @contextlib.contextmanager
+    def _blocking(self) -> Iterator[None]:
+        """Time spent on rounds and downloads between two steps, which the rate leaves out."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._blocked_s += time.monotonic() - t0
 
     def _advance_global(self) -> None:
         pending = 1 if self._inflight is not None else 0
@@ -1082,21 +1104,25 @@ class Swarm:
                 return
             if self._inflight is not None:
                 if self.steps - self._inflight.step >= tau:
-                    self._land()  # the exchange overlapped tau steps: apply it now
+                    with self._blocking():
+                        self._land()  # the exchange overlapped tau steps: apply it now
                     continue
                 return
             if self._condemned is not None:
-                self._roll_back(self._condemned)
+                with self._blocking():
+                    self._roll_back(self._condemned)
                 return
             verdict = self._pace()
             if verdict is Verdict.BEHIND and time.monotonic() >= self._next_catch_up:
                 # Others work on a later round. If its state is not to be had yet (digests
                 # not published, donors busy), train on and look again later.
-                self._catch_up()
+                with self._blocking():
+                    self._catch_up()
                 self._next_catch_up = time.monotonic() + _CATCH_UP_RETRY_S
                 return
             if verdict is Verdict.DUE:
-                self._start_round()
+                with self._blocking():
+                    self._start_round()
                 if self._inflight is not None and tau == 0:
                     continue
             return
@@ -1184,7 +1210,7 @@ class Swarm:
         self.steps_since_round = 0
         self.tokens_since_round = 0
         self._lr_sum, self._lr_steps = 0.0, 0
-        self._counting_since = None
+        self._counting_since = self._resumed_at = None
 
     # -- pacing -------------------------------------------------------------------------------
 
@@ -1232,7 +1258,9 @@ class Swarm:
                 return Verdict.WAIT
             self._read_twice = True
             self.loop.loop.call_soon_threadsafe(self.network.wake)
-            if not self.network.wait_for_reads(2, 2 * self.config.progress_interval_s + 1.0):
+            with self._blocking():
+                read = self.network.wait_for_reads(2, 2 * self.config.progress_interval_s + 1.0)
+            if not read:
                 logger.info("no second read of the progress records: deciding on what we have")
         now = self._now()
         target = self.round + 1
@@ -1292,6 +1320,7 @@ class Swarm:
             config=config,
             trusted=self.peer_id,
             since=self._counting_since,
+            resumed=self._resumed_at,
         ).verdict
         if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
             return Verdict.DUE if self.steps_since_round >= h else Verdict.WAIT
@@ -1520,7 +1549,9 @@ class Swarm:
         # What trains from now on counts towards the next round.
         self.steps_since_round = 0
         self.tokens_since_round = 0
-        self._counting_since = time.time()
+        # Swarm time, as reports are dated. Training goes on through the exchange only
+        # when it overlaps (delay > 0); else it resumes when the round lands (_land).
+        self._counting_since = self._resumed_at = self._now()
 
     def _land(self) -> None:
         """Wait for the exchange in flight; apply its outer step, or count it as aborted."""
@@ -1528,7 +1559,12 @@ class Swarm:
         assert x is not None and self.network is not None
         self._inflight = None
         try:
-            outcome = x.future.result(timeout=self.config.round_timeout_s + 10.0)
+            try:
+                outcome = x.future.result(timeout=self.config.round_timeout_s + 10.0)
+            finally:
+                # Without overlap nobody of the group trained meanwhile: their tokens count
+                # again from when the loop resumes (after the outer step and evaluation).
+                self._resume_pending = self.spec_.delay == 0
             if not bool(torch.isfinite(self.diloco.means[x.fragment]).all()):
                 raise RoundAborted(f"round {x.round}: the group's mean is not finite")
         except Exception as exc:  # whatever the others sent: the round fails, never the peer
@@ -1738,16 +1774,23 @@ def describe_device(device: torch.device) -> str:
 
 
 class _Rate:
-    """Tokens per second over the recent steps (exponential average)."""
+    """Tokens per second over the recent steps: exponential averages of the tokens and of
+    the seconds, divided (an average of each step's rate would be biased up when step times
+    vary: one step of 1 ms and one of 9 ms make 2 steps in 10 ms, not 5.6 ms a step)."""
 
     def __init__(self) -> None:
         self.value = 0.0
+        self._tokens = self._seconds = 0.0
 
     def add(self, tokens: int, seconds: float) -> None:
         if seconds <= 0 or not math.isfinite(seconds):
             return
-        rate = tokens / seconds
-        self.value = rate if self.value == 0.0 else 0.9 * self.value + 0.1 * rate
+        if self._seconds == 0.0:
+            self._tokens, self._seconds = float(tokens), seconds
+        else:
+            self._tokens = 0.9 * self._tokens + 0.1 * tokens
+            self._seconds = 0.9 * self._seconds + 0.1 * seconds
+        self.value = self._tokens / self._seconds
 
 
 def _write_manifest_copy(path: Path, manifest: SwarmManifest) -> None:
