@@ -3,6 +3,7 @@
 import dataclasses
 
 from swarmloco import cli
+from swarmloco.cli.common import _MATCHMAKING_DEFAULTS
 from swarmloco.net.averaging import MatchmakingConfig
 from swarmloco.runtime.config import PeerConfig, default
 
@@ -27,5 +28,5 @@ def test_create_and_join_take_their_defaults_from_the_configs():
 
 def test_the_torch_free_copy_of_the_matchmaking_defaults_is_exact():
     fields = {f.name: f.default for f in dataclasses.fields(MatchmakingConfig)}
-    for field, value in cli._MATCHMAKING_DEFAULTS.items():
+    for field, value in _MATCHMAKING_DEFAULTS.items():
         assert fields[field] == value, field

@@ -50,7 +50,7 @@ def test_create_lists_the_tasks_and_what_each_preset_picks():
 def test_seq_len_and_vocab_size_replace_the_presets_values():
     import argparse
 
-    from swarmloco.cli import _model_overrides
+    from swarmloco.cli.common import _model_overrides
     from swarmloco.train.tasks import build_manifest
 
     args = argparse.Namespace(vocab_size=None, seq_len=64)

@@ -1,6 +1,6 @@
 """How one peer runs: its own choices, none of which enters the manifest.
 
-The command line takes its defaults from these fields (``cli.py`` reads them), so a
+The command line takes its defaults from these fields (``cli/`` reads them), so a
 default is written once. This module imports no torch (the configs of the layers that do
 are built on first use), so the command line's ``--help`` and the bootstrap node stay
 light.

@@ -1,0 +1,393 @@
+"""The options of a training peer (`create` and `join`), the box of ranks it may launch,
+and the peer's run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from typing import Any
+
+from swarmloco.cli.common import (
+    _add_tls_options,
+    _matchmaking_default,
+    _membership_text,
+    _peer_default,
+    _tls_config,
+)
+
+
+def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
+    """A training peer's own choices (none enters the manifest), defaults from
+    :class:`~swarmloco.runtime.config.PeerConfig`."""
+    g = parser.add_argument_group("the training peer")
+    _add_network_options(g)
+    _add_compute_options(g)
+    _add_round_options(g)
+
+
+def _add_network_options(g: argparse._ArgumentGroup) -> None:
+    """Where the peer serves and how others reach it."""
+    g.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    g.add_argument(
+        "--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)"
+    )
+    g.add_argument(
+        "--announce-host",
+        default=None,
+        help="host other peers should dial (default: the bound host, or as the peers see us)",
+    )
+    g.add_argument(
+        "--announce-port",
+        type=int,
+        default=None,
+        help="port other peers should dial, when a router or proxy forwards another port to "
+        "--port (default: the bound port)",
+    )
+    g.add_argument(
+        "--reflection",
+        action="store_true",
+        help="serve gRPC server reflection, so `grpcurl` can list the services (default: off)",
+    )
+    _add_tls_options(g)
+    g.add_argument(
+        "--client-mode",
+        action="store_true",
+        help="for a peer that others cannot dial (behind NAT or a firewall): it only calls "
+        "out, sends its update and receives the average, but reduces no part and serves no "
+        "state; needs --peer",
+    )
+    g.add_argument(
+        "--membership",
+        metavar="CERT",
+        default="",
+        help="a private swarm's membership certificate for this peer: the line `swarmloco "
+        "admit` printed for it, or a file holding that line (kept in the data directory, so "
+        "a restart needs it no more)",
+    )
+
+
+def _add_compute_options(g: argparse._ArgumentGroup) -> None:
+    """What the peer trains on and how much of the machine it takes."""
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train as a box of N ranks on this machine, one peer in the swarm (data "
+        "parallel: each rank trains the preset's batch on its own data, one GPU each with "
+        "--device cuda, CPU ranks over gloo otherwise); this command starts the ranks",
+    )
+    g.add_argument(
+        "--peer-name",
+        default="",
+        help="how dashboards name this peer (default: the host name)",
+    )
+    g.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"
+    )
+    g.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="torch.compile the model (default: the swarm's choice: on CUDA only)",
+    )
+    g.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default=None,
+        help="inner-loop arithmetic: auto (bf16 autocast on CUDA, fp16 with loss scaling on "
+        "GPUs without bf16, fp32 on CPU; the default), or one of them; the global state is "
+        "fp32 either way",
+    )
+    g.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="device memory the training may use: the largest micro-batch that fits is "
+        "accumulated to the run's sequences per step (the same arithmetic on any card), "
+        "with activation checkpointing when not even one sequence fits otherwise. On CUDA "
+        "the default is the card's memory, measured at start; elsewhere no fitting unless "
+        "given (then estimated from the model's shape). The choice is logged and in the "
+        "ready event",
+    )
+    g.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        metavar="MBIT",
+        help="cap this peer's upload and download at MBIT megabits/s (averaging and state "
+        "transfer together; default: no cap); the peer then reduces a part of each round "
+        "sized to that rate",
+    )
+    g.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve the swarm's dashboard on 127.0.0.1:PORT (0: a free port)",
+    )
+    g.add_argument(
+        "--codec",
+        choices=("auto", "compiled", "eager"),
+        default=None,
+        help="how this peer runs the int8 codec: compiled (fast, compiles for a few seconds "
+        "at start), eager, or auto (compiled where possible; the default)",
+    )
+
+
+def _add_round_options(g: argparse._ArgumentGroup) -> None:
+    """Rounds, matchmaking, checkpoints, evaluation and events."""
+    g.add_argument(
+        "--max-rounds",
+        type=int,
+        default=None,
+        metavar="R",
+        help="leave once the swarm's state reached round R (default: train until stopped)",
+    )
+    g.add_argument(
+        "--round-timeout",
+        type=float,
+        default=_peer_default("round_timeout_s"),
+        metavar="SECONDS",
+        help="matchmaking plus all-reduce of one round (default: %(default)s)",
+    )
+    g.add_argument(
+        "--gather",
+        type=float,
+        default=_matchmaking_default("gather_s"),
+        metavar="SECONDS",
+        help="how long a round's leader waits for the others to join (default: %(default)s)",
+    )
+    g.add_argument(
+        "--min-group",
+        type=int,
+        default=_matchmaking_default("min_group_size"),
+        metavar="N",
+        help="abort a round with fewer peers than this and retry later (default: 1, i.e. a "
+        "peer alone averages with itself)",
+    )
+    g.add_argument(
+        "--limit-local-downloads",
+        action="store_true",
+        help="count callers on this machine (loopback) per address in the limits of state "
+        "downloads, as any other network, instead of exempting them (benchmarks and tests "
+        "of many peers on one machine)",
+    )
+    g.add_argument(
+        "--progress-interval",
+        type=float,
+        default=_peer_default("progress_interval_s"),
+        metavar="SECONDS",
+        help="how often the peer publishes its progress (default: %(default)s)",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=_peer_default("checkpoint_every"),
+        metavar="ROUNDS",
+        help="rounds between checkpoints, written in the background (one is skipped while "
+        "the last is still being written); 0: only when stopping (default: %(default)s)",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=_peer_default("eval_every"),
+        metavar="ROUNDS",
+        help="evaluate the global model every this many rounds; 0: never (default: %(default)s)",
+    )
+    g.add_argument(
+        "--events",
+        metavar="FILE",
+        default=None,
+        help="write one JSON object per event (ready, round, checkpoint, ...) to FILE; - for "
+        "stdout",
+    )
+
+
+def _box_launch(args: argparse.Namespace) -> int | None:
+    """With --nproc-per-node N > 1: run this same command as N ranks (the environment of a
+    torch.distributed launch: RANK, WORLD_SIZE, MASTER_ADDR/PORT on this machine) and
+    return the box's exit code; None inside a rank (or for one process).
+
+    SIGINT/SIGTERM go to rank 0, which stops every rank at a step's end, checkpoints the
+    box and leaves. A rank that fails stops the others (SIGTERM, then SIGKILL after
+    30 s): the box's peer leaves the swarm, and the box resumes from its checkpoint."""
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    if args.nproc_per_node == 1 or "RANK" in os.environ:
+        return None
+    if getattr(args, "no_train", False):
+        raise ValueError("--no-train trains nothing: leave out --nproc-per-node")
+    import signal
+    import socket
+
+    n = args.nproc_per_node
+    with socket.socket() as s:  # a free port for the box's rendezvous, on loopback
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    command = [sys.executable, "-m", "swarmloco.cli", *args.argv]
+    ranks = [
+        subprocess.Popen(command, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(n)
+    ]
+    logging.getLogger("swarmloco.box").info("started %d ranks (rank 0 is the peer)", n)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, _frame: ranks[0].send_signal(signum))
+    by_pid = {p.pid: p for p in ranks}
+    code = 0
+    while by_pid:
+        pid, status = os.waitpid(-1, 0)
+        rank = by_pid.pop(pid, None)
+        if rank is None:
+            continue
+        rank.returncode = os.waitstatus_to_exitcode(status)
+        if rank.returncode != 0 and code == 0:
+            code = rank.returncode if rank.returncode > 0 else 128 - rank.returncode
+            logging.getLogger("swarmloco.box").error(
+                "rank %d exited with %d: stopping the box", ranks.index(rank), rank.returncode
+            )
+            for other in by_pid.values():
+                other.terminate()
+            _reap(by_pid, grace_s=30.0)
+            break
+    return code
+
+
+def _reap(ranks: dict[int, subprocess.Popen[bytes]], *, grace_s: float) -> None:
+    """Wait for ``ranks`` to exit; SIGKILL those still running after ``grace_s``."""
+    for p in ranks.values():
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _box_rank() -> int:
+    """This process's rank in a box (0 outside one)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
+    """Train as a peer of ``manifest`` until stopped (SIGINT/SIGTERM), the run's end or
+    --max-rounds. In a box's rank other than 0, ``manifest`` is None (rank 0 sends it)."""
+
+    import torch
+
+    from swarmloco.net.averaging import BandwidthConfig, MatchmakingConfig
+    from swarmloco.net.client import ClientConfig
+    from swarmloco.net.identity import Identity
+    from swarmloco.net.node import NodeConfig
+    from swarmloco.net.server import ServerConfig
+    from swarmloco.net.state import DonorConfig
+    from swarmloco.runtime.config import PeerConfig
+    from swarmloco.runtime.daemon import DaemonConfig, train_task
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    peer = PeerConfig(
+        data_dir=args.data_dir,
+        node=NodeConfig(
+            server=None
+            if args.client_mode
+            else ServerConfig(
+                host=args.host, port=args.port, reflection=args.reflection, **_tls_config(args)
+            ),
+            client=ClientConfig(tls_ca_file=args.tls_ca),
+            announce_host=args.announce_host,
+            announce_port=args.announce_port,
+            peers=tuple(args.peers),
+        ),
+        name=args.peer_name,
+        dashboard_port=args.dashboard_port,
+        bandwidth=BandwidthConfig.mbit(args.bandwidth) if args.bandwidth else None,
+        codec_backend=args.codec,
+        max_rounds=args.max_rounds,
+        round_timeout_s=args.round_timeout,
+        matchmaking=MatchmakingConfig(gather_s=args.gather, min_group_size=args.min_group),
+        progress_interval_s=args.progress_interval,
+        checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every,
+        membership=_membership_text(args.membership),
+        donor=DonorConfig(limit_loopback=args.limit_local_downloads),
+    )
+    box = None
+    if "RANK" in os.environ and args.nproc_per_node > 1:
+        box = _init_box(args.device)
+    config = DaemonConfig(
+        peer=peer,
+        device=args.device,
+        compile=args.compile,
+        precision=args.precision,
+        memory_budget_gb=args.memory_budget,
+    )
+    sink = None
+    events_file = None
+    if args.events:
+        events_file = sys.stdout if args.events == "-" else open(args.events, "a", encoding="utf-8")  # noqa: SIM115
+
+        def sink(event: dict[str, Any]) -> None:
+            assert events_file is not None
+            events_file.write(json.dumps(event) + "\n")
+            events_file.flush()
+
+    try:
+        identity = Identity.load_or_create(args.data_dir) if _box_rank() == 0 else None
+        summary = train_task(manifest, config, identity=identity, on_event=sink, box=box)
+    finally:
+        if events_file is not None and events_file is not sys.stdout:
+            events_file.close()
+        if box is not None:
+            box = None
+            _leave_process_group()
+    if summary is None:  # a rank other than 0: rank 0 reports
+        return 0
+    logging.getLogger("swarmloco.peer").info(
+        "left swarm %s at round %d after %d steps (global step %d; %d rounds applied, %d "
+        "aborted, %d downloads)%s",
+        summary.swarm_id[:12],
+        summary.round,
+        summary.steps,
+        summary.global_step,
+        summary.rounds_applied,
+        summary.rounds_aborted,
+        summary.downloads,
+        f": {summary.stopped_because}" if summary.stopped_because else "",
+    )
+    return 0
+
+
+def _leave_process_group() -> None:
+    """Destroy the box's process group once nothing holds it (the model's DDP wrapper, the
+    box): its communication threads are joined now, while the interpreter runs. Left to
+    exit, one of them may free its last work object during finalization and abort the
+    process (std::terminate), failing a box that stopped cleanly."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _init_box(device: str) -> Any:
+    """Join this torchrun rank's process group (NCCL on GPUs, gloo on CPUs); the box."""
+    import torch
+    import torch.distributed as dist
+
+    from swarmloco.runtime.box import Box
+
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return Box()
