@@ -29,7 +29,6 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import swarmloco
 from swarmloco.integrations.hf import SwarmCallback
-from swarmloco.net.averaging import MatchmakingConfig
 
 SEQ = 64
 TOTAL_STEPS = 400
@@ -70,7 +69,12 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0, help="port to serve on (0: any free)")
     p.add_argument("--sync-every", type=int, default=10, help="H: inner steps per round")
     p.add_argument("--max-rounds", type=int, default=None, help="leave at this round")
-    p.add_argument("--min-peers", type=int, default=1, help="smallest group to average in")
+    p.add_argument(
+        "--min-peers",
+        type=int,
+        default=1,
+        help="smallest group to average in; training starts once this many peers are online",
+    )
     p.add_argument(
         "--identity-work",
         type=int,
@@ -90,10 +94,15 @@ def main() -> None:
     config = swarmloco.PeerConfig(
         data_dir=Path(args.data_dir),
         max_rounds=args.max_rounds,
-        matchmaking=MatchmakingConfig(min_group_size=args.min_peers),
+        matchmaking=swarmloco.MatchmakingConfig(min_group_size=args.min_peers),
     )
     common = dict(
-        data_dir=args.data_dir, peers=args.peer, port=args.port, config=config, on_event=on_event
+        data_dir=args.data_dir,
+        peers=args.peer,
+        port=args.port,
+        config=config,
+        on_event=on_event,
+        wait_for_peers=args.min_peers,
     )
     if args.command == "create":
         spec = swarmloco.RunSpec(sync_every=args.sync_every, total_steps=TOTAL_STEPS)
@@ -124,6 +133,9 @@ def main() -> None:
             model=model, args=training, train_dataset=StdlibBytes(), callbacks=[callback]
         )
         trainer.train()
+    swarm = callback.swarm  # the swarm it trained with, left
+    assert swarm is not None
+    print(f"left swarm {swarm.swarm_id[:12]} at round {swarm.round}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from mlp_own_loop import batches, build_model, schedule
 from torch import nn
 
 import swarmloco
-from swarmloco.net.averaging import MatchmakingConfig
 
 
 def shard(model: nn.Module, layout: str) -> nn.Module:
@@ -116,9 +115,11 @@ def train(
     model = build_model(args.hidden).to(device)
     wrapped = shard(model, args.layout) if world > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    matchmaking = MatchmakingConfig(min_group_size=args.min_peers)
+    matchmaking = swarmloco.MatchmakingConfig(min_group_size=args.min_peers)
     if args.gather is not None:
-        matchmaking = MatchmakingConfig(min_group_size=args.min_peers, gather_s=args.gather)
+        matchmaking = swarmloco.MatchmakingConfig(
+            min_group_size=args.min_peers, gather_s=args.gather
+        )
     config = swarmloco.PeerConfig(
         data_dir=Path(args.data_dir),
         max_rounds=args.max_rounds,

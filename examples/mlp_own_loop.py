@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 import swarmloco
-from swarmloco.net.averaging import MatchmakingConfig
 
 DIM, CLASSES, HIDDEN = 32, 10, 128
 WARMUP = 100
@@ -101,7 +100,7 @@ def main() -> None:
     config = swarmloco.PeerConfig(
         data_dir=Path(args.data_dir),
         max_rounds=args.max_rounds,
-        matchmaking=MatchmakingConfig(min_group_size=args.min_peers),
+        matchmaking=swarmloco.MatchmakingConfig(min_group_size=args.min_peers),
     )
     common = dict(peers=args.peer, port=args.port, config=config, on_event=on_event)
     if args.command == "create":

@@ -39,6 +39,7 @@ _EXPORTS = {
     "PeerConfig": "swarmloco.runtime.config",
     "export": "swarmloco.runtime.export",
     "simulate": "swarmloco.train.simulate",
+    "MatchmakingConfig": "swarmloco.net.averaging",
     "SwarmlocoError": "swarmloco.errors",
     "ModelMismatch": "swarmloco.errors",
     "Stopped": "swarmloco.errors",
@@ -49,6 +50,7 @@ __all__ = [
     "Box",
     "BoxRank",
     "CodecConfig",
+    "MatchmakingConfig",
     "ModelMismatch",
     "PeerConfig",
     "RunSpec",
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
     from swarmloco.core.codec import CodecConfig
     from swarmloco.core.runspec import RunSpec
     from swarmloco.errors import ModelMismatch, Stopped, SwarmlocoError
+    from swarmloco.net.averaging import MatchmakingConfig
     from swarmloco.runtime.api import admit, create, join
     from swarmloco.runtime.box import Box, BoxRank
     from swarmloco.runtime.config import PeerConfig

@@ -33,6 +33,10 @@ def test_two_trainer_processes_agree_and_the_export_loads_with_from_pretrained(t
     finals = {p.of("round")[-1]["digest"] for p in (a, b)}
     assert len(finals) == 1 and a.of("round")[-1]["round"] == rounds, finals
     assert max(e["group"] for e in b.of("round")) == 2
+    # The creator waited for its partner (wait_for_peers): its first round is round 1, and
+    # after train() the callback still names the swarm it trained with.
+    assert a.of("round")[0]["round"] == 1 and a.of("round")[0]["group"] == 2
+    assert any(f"left swarm {ready['swarm_id'][:12]} at round {rounds}" in line for line in a.log)
     # Both at the swarm's global step (rounds x H = 10), whatever steps each took.
     assert {p.of("round")[-1]["global_step"] for p in (a, b)} == {rounds * 10}
 

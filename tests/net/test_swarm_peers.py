@@ -902,3 +902,31 @@ def test_peers_that_waited_for_each_other_average_their_first_round_together(tmp
         rounds = p.events.of("round")
         assert rounds and rounds[0]["round"] == 1 and rounds[0]["group"] == 2, p.events
         assert not p.events.of("downloaded"), p.events
+
+
+def test_a_scheduler_made_before_entering_starts_a_late_joiner_at_the_swarms_rate(tmp_path):
+    """A warmup schedule built before ``with swarm`` (as the library's docstring shows):
+    a peer that joins at round 3 takes its first step at the rate of the swarm's step, not
+    at the warmup's first."""
+    spec = dataclasses.replace(SPEC, sync_every=10)
+    a = _peer(tmp_path, "a", spec)
+    watch = Watch(a.events, round=3)
+    a.swarm.on_event = watch
+    first = Background(a.job)
+    assert watch.reached.wait(60)
+    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, max_rounds=4)
+    schedule = lambda step: min(1.0, (step + 1) / 100)  # noqa: E731
+    sched = b.swarm.scheduler(schedule)
+    assert b.opt.param_groups[0]["lr"] == pytest.approx(1e-2 * schedule(0))
+    with b.swarm:
+        step = b.swarm.global_step
+        assert step >= 30  # it took the swarm's state, and its step
+        assert b.opt.param_groups[0]["lr"] == pytest.approx(1e-2 * schedule(step))
+        for x, y in batches(b.seed, b.pause):
+            loss = nn.functional.mse_loss(b.model(x), y)
+            b.opt.zero_grad()
+            loss.backward()
+            b.opt.step()
+            sched.step()
+    a.swarm.stop("done")
+    first.join()

@@ -85,7 +85,7 @@ def _add_compute_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--peer-name",
         default="",
-        help="how dashboards name this peer (default: the host name)",
+        help="how dashboards name this peer (default: the host name and the start of its id)",
     )
     g.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)"

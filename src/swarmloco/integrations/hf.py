@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,12 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
     Give ``spec`` to create a swarm (its id is ``callback.swarm.swarm_id`` once training
     began, and in the ``ready`` event) or ``swarm_id`` to join one. ``tokens_per_step``:
     what one optimizer step trains on (default: the samples of a step, all processes and
-    accumulation included). The other arguments are those of :func:`swarmloco.create`.
+    accumulation included). ``wait_for_peers``: before the first step, wait until this
+    many peers (this one included) are online, so that a creator does not train its first
+    rounds alone (:meth:`Swarm.wait_for_peers`; ``wait_timeout_s`` bounds it). After
+    ``train()`` returns, ``callback.swarm`` is the swarm it trained with (left, so its
+    ``summary`` and ids stay readable). The other arguments are those of
+    :func:`swarmloco.create`.
     """
 
     def __init__(
@@ -62,6 +68,8 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
         config: PeerConfig | None = None,
         on_event: EventSink | None = None,
         identity_work: int | None = None,
+        wait_for_peers: int = 0,
+        wait_timeout_s: float = 600.0,
     ) -> None:
         if (spec is None) == (swarm_id is None):
             raise ValueError("give spec (to create a swarm) or swarm_id (to join one)")
@@ -79,7 +87,10 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
         self.config = config
         self.on_event = on_event
         self.identity_work = identity_work
+        self.wait_for_peers = wait_for_peers
+        self.wait_timeout_s = wait_timeout_s
         self.swarm: Swarm | None = None
+        self._active = False  # between on_train_begin and on_train_end
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, *, model: Any = None, **kwargs: Any
@@ -128,11 +139,20 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
             scheduler.lr_lambdas = [swarm.lr_lambda(f) for f in lambdas]
             swarm.register("lr_scheduler", scheduler)
         swarm.__enter__()
-        self.swarm = swarm
+        self.swarm, self._active = swarm, True
+        if self.wait_for_peers > 1:
+            try:
+                swarm.wait_for_peers(self.wait_for_peers, timeout_s=self.wait_timeout_s)
+            except Stopped:  # Ctrl-C while waiting: no step runs
+                control.should_training_stop = True
+            except BaseException:
+                self._active = False
+                swarm.__exit__(*sys.exc_info())
+                raise
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         swarm = self.swarm
-        if swarm is None:
+        if swarm is None or not self._active:
             return
         try:
             swarm.step()
@@ -146,10 +166,10 @@ class SwarmCallback(TrainerCallback):  # type: ignore[misc]
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
     ) -> None:
-        if self.swarm is not None and logs and "loss" in logs:
+        if self.swarm is not None and self._active and logs and "loss" in logs:
             self.swarm.log(loss=float(logs["loss"]))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        swarm, self.swarm = self.swarm, None
-        if swarm is not None:
-            swarm.__exit__(None, None, None)
+        if self.swarm is not None and self._active:
+            self._active = False
+            self.swarm.__exit__(None, None, None)

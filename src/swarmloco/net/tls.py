@@ -197,6 +197,8 @@ async def fetch_certificate(endpoint: str, timeout: float, *, ca_pem: bytes | No
             _, writer = await asyncio.open_connection(
                 host, port, ssl=context, server_hostname=TLS_SERVER_NAME
             )
+    except ConnectionRefusedError:
+        raise NetworkError(f"{endpoint} refused the connection (nothing listens there)") from None
     except (OSError, TimeoutError, ssl.SSLError) as exc:
         why = "no answer in time" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
         raise NetworkError(f"TLS handshake with {endpoint} failed: {why}") from None

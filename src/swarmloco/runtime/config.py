@@ -83,7 +83,7 @@ class PeerConfig:
     to serve the final state to peers still working towards a round it applied (it leaves
     as soon as none is; 0: at once)."""
     name: str = ""
-    """How the dashboard names this peer (default: the host name)."""
+    """How the dashboard names this peer (default: the host name and the start of its id)."""
     membership: str = ""
     """A private swarm's membership certificate for this peer, as ``swarmloco admit``
     prints it (it is kept in the data directory, so a restart needs it no more). Empty:

@@ -213,6 +213,7 @@ class Swarm:
         self.on_event = on_event
         self.evaluate = evaluate
         self.objects: dict[str, Stateful] = {}
+        self._schedulers: list[torch.optim.lr_scheduler.LambdaLR] = []  # made by scheduler()
         self.state = "starting"
         self.started_at = time.time()
         self.last_error = ""
@@ -364,7 +365,18 @@ class Swarm:
         sched = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_lambda(schedule))
         if self._stack is None and "scheduler" not in self.objects:
             self.register("scheduler", sched)
+        self._schedulers.append(sched)
         return sched
+
+    def _follow_schedules(self) -> None:
+        """Set the learning rates of the schedulers made by :meth:`scheduler` to the
+        swarm's step now (one made before entering set them at global step 0: a peer that
+        resumed or downloaded would take its first step at the warmup's rate)."""
+        for sched in self._schedulers:
+            for group, factor, base in zip(
+                self.optimizer.param_groups, sched.lr_lambdas, sched.base_lrs, strict=False
+            ):
+                group["lr"] = base * factor(sched.last_epoch)
 
     def log(self, *, loss: float | None = None) -> None:
         """Report the training loss (shown on the dashboard and in round events). While a
@@ -548,6 +560,7 @@ class Swarm:
         self._catch_up()
         if not own_initial and self.round == 0:
             self._fetch_initial()
+        self._follow_schedules()
         if cfg.hook:
             self._hook = self.optimizer.register_step_post_hook(lambda *_: self.step())
             stack.callback(self._hook.remove)
@@ -1572,7 +1585,10 @@ class Swarm:
                 logger.error("round %d failed on an unexpected error", x.round, exc_info=exc)
             x.future.cancel()
             self.state = "training"
-            self.last_error = f"round {x.round} aborted: {exc}"
+            if not (isinstance(exc, RoundAborted) and exc.late):
+                # (Late for a group that formed without it: a healthy peer's routine, not an
+                # error the dashboard should show; it takes the group's result instead.)
+                self.last_error = f"round {x.round} aborted: {exc}"
             self._remember(x.round, 0, x.started, None, x.fragment)
             # Nothing applied: the fragment's delta keeps growing and the next attempt
             # carries all of it.
@@ -1740,7 +1756,8 @@ class Swarm:
 
     def _status_value(self) -> dict[str, Any]:
         value: dict[str, Any] = {
-            "name": (self.config.name or socket.gethostname())[:64],
+            # Several peers on one host (or in containers named alike) stay apart.
+            "name": (self.config.name or f"{socket.gethostname()[:50]}/{self.peer_id[:6]}")[:64],
             "state": self.state,
             "round": self.round,
             "step": self.steps,
