@@ -30,3 +30,24 @@ def test_the_torch_free_copy_of_the_matchmaking_defaults_is_exact():
     fields = {f.name: f.default for f in dataclasses.fields(MatchmakingConfig)}
     for field, value in _MATCHMAKING_DEFAULTS.items():
         assert fields[field] == value, field
+
+
+def test_a_peer_config_needs_no_data_dir_when_create_or_join_gets_one(tmp_path):
+    from pathlib import Path
+
+    import pytest
+
+    from swarmloco.runtime.api import peer_config
+
+    def given(config, data_dir):
+        return peer_config(
+            config, data_dir=data_dir, peers=(), tokens_per_step=None, host=None, port=None
+        )
+
+    assert given(PeerConfig(), tmp_path).directory == tmp_path
+    assert given(PeerConfig(data_dir=tmp_path), None).directory == tmp_path
+    assert given(PeerConfig(data_dir=tmp_path), tmp_path).directory == tmp_path
+    with pytest.raises(ValueError, match="two data directories"):
+        given(PeerConfig(data_dir=tmp_path), Path("elsewhere"))
+    with pytest.raises(ValueError, match="give data_dir"):
+        given(PeerConfig(), None)

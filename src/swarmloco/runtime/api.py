@@ -127,13 +127,17 @@ def peer_config(
     port: int | None,
 ) -> PeerConfig:
     """``config`` (or the defaults) with the shortcuts given as arguments applied."""
-    if config is None:
-        if data_dir is None:
-            raise ValueError("give data_dir (where the peer keeps its key and checkpoints)")
-        config = PeerConfig(data_dir=Path(data_dir))
+    config = config or PeerConfig()
     changes: dict[str, Any] = {}
     if data_dir is not None:
+        if config.data_dir is not None and config.data_dir != Path(data_dir):
+            raise ValueError(
+                f"two data directories: data_dir={str(data_dir)!r} and the config's "
+                f"{str(config.data_dir)!r}; give one"
+            )
         changes["data_dir"] = Path(data_dir)
+    elif config.data_dir is None:
+        raise ValueError("give data_dir (where the peer keeps its key and checkpoints)")
     if tokens_per_step is not None:
         changes["tokens_per_step"] = tokens_per_step
     node = config.node
@@ -208,7 +212,7 @@ def create(
     values = whole_values(box, model)  # every rank takes part when the model is sharded
     if box is not None and not box.leader:
         return _follower(box, model, optimizer, config)
-    identity = Identity.load_or_create(config.data_dir)
+    identity = Identity.load_or_create(config.directory)
     signature = signature_of(
         model,
         fragments=spec.fragments,
@@ -226,7 +230,7 @@ def create(
         admission="certificate" if private else "",
         identity_work=identity_work,
     )
-    manifest = created_before(manifest, config.data_dir)
+    manifest = created_before(manifest, config.directory)
     return Swarm(
         manifest,
         model,
@@ -273,7 +277,7 @@ def join(
         config = dataclasses.replace(config, membership=membership)
     if box is not None and not box.leader:
         return _follower(box, model, optimizer, config)
-    identity = Identity.load_or_create(config.data_dir)
+    identity = Identity.load_or_create(config.directory)
     return Swarm(
         swarm_id,
         model,

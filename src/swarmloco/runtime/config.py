@@ -50,8 +50,9 @@ def _catchup() -> CatchUpConfig:
 class PeerConfig:
     """How one peer runs (its own choices: nothing here enters the manifest)."""
 
-    data_dir: Path
-    """The peer's key, and per swarm its manifest copy and checkpoints."""
+    data_dir: Path | None = None
+    """The peer's key, and per swarm its manifest copy and checkpoints (None here: given
+    to ``create``/``join`` as ``data_dir=``, which fill it in)."""
     node: NodeConfig = dataclasses.field(default_factory=NodeConfig)
     """Where to serve and which peers to join through."""
     tokens_per_step: int = 1
@@ -102,8 +103,18 @@ class PeerConfig:
     stop at the next step (the round in flight lands, a checkpoint is written); a second
     one stops at once."""
 
+    @property
+    def directory(self) -> Path:
+        """:attr:`data_dir`, which a running peer must have."""
+        if self.data_dir is None:
+            raise ValueError("give data_dir (where the peer keeps its key and checkpoints)")
+        return self.data_dir
+
     def __post_init__(self) -> None:
-        require(isinstance(self.data_dir, Path), "data_dir must be a pathlib.Path")
+        require(
+            self.data_dir is None or isinstance(self.data_dir, Path),
+            "data_dir must be a pathlib.Path",
+        )
         require_int("tokens_per_step", self.tokens_per_step, minimum=1)
         if self.max_rounds is not None:
             require_int("max_rounds", self.max_rounds, minimum=1)

@@ -536,7 +536,7 @@ class Swarm:
         self.params = BoxParams(
             parameters_in_order(self.model, self.signature.params), self.diloco.layout, self.box
         )
-        swarm_dir = cfg.data_dir / "swarms" / self.swarm_id
+        swarm_dir = cfg.directory / "swarms" / self.swarm_id
         swarm_dir.mkdir(parents=True, exist_ok=True)
         _write_manifest_copy(swarm_dir / "manifest.json", manifest)
         self.store = stack.enter_context(
@@ -601,7 +601,7 @@ class Swarm:
 
         swarm_id = check_swarm_id(self.swarm_id)
         self.swarm_id = swarm_id
-        local = self.config.data_dir / "swarms" / swarm_id / "manifest.json"
+        local = self.config.directory / "swarms" / swarm_id / "manifest.json"
         peers = self.config.node.peers
         if local.is_file():
             # A restart: our own copy, verified against the id (again, here) when we first
@@ -626,7 +626,7 @@ class Swarm:
         one in the config, then kept in the data directory for restarts, or the one kept;
         AdmissionError, saying what to do, before anything else happens, when the peer
         holds none), or a public run's proof of work for this key (solved once, kept)."""
-        swarm_dir = self.config.data_dir / "swarms" / manifest.swarm_id
+        swarm_dir = self.config.directory / "swarms" / manifest.swarm_id
         kept = swarm_dir / "membership"
         given = self.config.membership.strip()
         text = given
@@ -642,7 +642,7 @@ class Swarm:
 
     @property
     def _peers_file(self) -> Path:
-        return self.config.data_dir / "swarms" / self.swarm_id / "peers.json"
+        return self.config.directory / "swarms" / self.swarm_id / "peers.json"
 
     def _remembered(self) -> tuple[str, ...]:
         """The peers this one knew when it last ran (``peers.json`` in its data directory):
