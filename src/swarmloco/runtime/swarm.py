@@ -37,11 +37,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import logging
 import math
-import os
-import signal
 import socket
 import threading
 import time
@@ -70,8 +67,7 @@ from swarmloco.errors import (
     Stopped,
     SwarmlocoError,
 )
-from swarmloco.net.admission import Gate, gate_of
-from swarmloco.net.endpoints import parse_endpoint
+from swarmloco.net.admission import Gate
 from swarmloco.net.identity import Identity
 from swarmloco.net.records import is_farewell
 from swarmloco.net.state import DownloadedState
@@ -90,6 +86,7 @@ from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.network import SwarmNetwork, averaging_config, peer_codec
+from swarmloco.runtime.session import REMEMBER, Session, handle_signals
 from swarmloco.runtime.snapshots import Snapshots
 from swarmloco.train.diloco import DilocoState, fragment_of_round
 
@@ -100,7 +97,6 @@ Evaluator = Callable[[], float]
 
 _FRESH_REPORTS = 5  # a report older than this many publishing intervals: the peer left
 _FRESH_MIN_S = 10.0
-_REMEMBER = 32  # peers kept in peers.json for the next start
 _MAX_WAIT_ROUNDS = 4
 _CATCH_UP_RETRY_S = 2.0
 _UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs is ignored
@@ -112,14 +108,6 @@ _EXPECTED_STRANGERS = 2  # newcomers a round waits for (a short grace) besides p
 _MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
 _INITIAL_RETRY_S = 2.0
 _ROUND_FAILURES = (SwarmlocoError, TimeoutError)
-
-
-def _is_endpoint(text: str) -> bool:
-    try:
-        parse_endpoint(text)
-    except ValueError:
-        return False
-    return True
 
 
 class Stateful(Protocol):
@@ -271,7 +259,6 @@ class Swarm:
         """False while the global state was adopted from other peers and is on probation:
         its checkpoints are saved unverified, and the newest verified one is kept however
         many of those follow it (what a rollback returns to)."""
-        self._remembered_last: list[str] = []  # what peers.json holds, as written by us
         self._nan_in_a_row = 0
         self._train_started = 0.0
         self._step_ended = 0.0
@@ -504,10 +491,12 @@ class Swarm:
     def _enter(self, stack: contextlib.ExitStack) -> None:
         cfg = self.config
         if cfg.handle_signals and threading.current_thread() is threading.main_thread():
-            self._install_signal_handlers(stack)  # Ctrl-C while starting: stop at step one
+            handle_signals(stack, self.stop)  # Ctrl-C while starting: stop at step one
         self.loop = stack.enter_context(LoopThread(name="swarmloco-peer-loop"))
+        self.session = Session(cfg, self.identity, self.loop, self.swarm_id)
         if self.manifest is None:
-            self.manifest = self._fetch_manifest()
+            self.manifest = self.session.manifest()
+            self.swarm_id = self.session.swarm_id
         manifest = self.manifest
         spec = manifest_spec(manifest)
         self.signature = manifest_signature(manifest)
@@ -521,7 +510,7 @@ class Swarm:
             )
         # After the model's check (a wrong model is refused at once), before the network:
         # a private run's certificate, or this key's proof of work (solved once, kept).
-        self.admission = self._admission(manifest)
+        self.admission = self.session.admission(manifest)
         self.h = spec.steps_per_round
         self.spec_ = spec
         if self.box is not None:
@@ -594,86 +583,22 @@ class Swarm:
     def _device(self) -> torch.device:
         return self.params.device
 
-    def _fetch_manifest(self) -> SwarmManifest:
-        from swarmloco.core.manifest import check_swarm_id
-        from swarmloco.net.node import NetNode, NodeConfig
-        from swarmloco.net.swarm import fetch_manifest
-
-        swarm_id = check_swarm_id(self.swarm_id)
-        self.swarm_id = swarm_id
-        local = self.config.directory / "swarms" / swarm_id / "manifest.json"
-        peers = self.config.node.peers
-        if local.is_file():
-            # A restart: our own copy, verified against the id (again, here) when we first
-            # joined, needs no network; a dead entry address then costs nothing.
-            return SwarmManifest.from_bytes(local.read_bytes(), expected_id=swarm_id)
-        if not peers:
-            raise SwarmlocoError(
-                f"cannot join swarm {swarm_id}: no peer to fetch its manifest from (give "
-                "peers=[HOST:PORT]) and no copy in the data directory"
-            )
-
-        async def fetch() -> SwarmManifest:
-            # Fetching leaves nothing behind: a throwaway identity, no key file.
-            config = NodeConfig(server=None, peers=peers, remembered=self._remembered())
-            async with NetNode(identity=Identity.generate(), config=config) as node:
-                return await fetch_manifest(node.dht, swarm_id)
-
-        return self.loop.run(fetch(), timeout=60.0)
-
-    def _admission(self, manifest: SwarmManifest) -> Gate | None:
-        """The swarm's gate with this peer's credential: a private swarm's certificate (the
-        one in the config, then kept in the data directory for restarts, or the one kept;
-        AdmissionError, saying what to do, before anything else happens, when the peer
-        holds none), or a public run's proof of work for this key (solved once, kept)."""
-        swarm_dir = self.config.directory / "swarms" / manifest.swarm_id
-        kept = swarm_dir / "membership"
-        given = self.config.membership.strip()
-        text = given
-        if not text and kept.is_file():
-            text = kept.read_text().strip()
-        admission = gate_of(manifest, self.identity, text or None, work_file=swarm_dir / "work")
-        if admission is not None and given:
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            tmp = kept.with_suffix(".tmp")
-            tmp.write_text(given + "\n")
-            os.replace(tmp, kept)
-        return admission
-
-    @property
-    def _peers_file(self) -> Path:
-        return self.config.directory / "swarms" / self.swarm_id / "peers.json"
-
-    def _remembered(self) -> tuple[str, ...]:
-        """The peers this one knew when it last ran (``peers.json`` in its data directory):
-        a restart joins through them too, so a dead bootstrap address does not matter."""
-        try:
-            known = json.loads(self._peers_file.read_text())["peers"]
-            return tuple(p for p in known if isinstance(p, str) and _is_endpoint(p))[:_REMEMBER]
-        except (OSError, ValueError, KeyError, TypeError):
-            return ()
-
     def _remember_peers(self) -> None:
-        """Write the peers this one knows now to ``peers.json`` (best effort; only when
-        they changed since the last write)."""
+        """Keep the peers this one knows now for its next start (``peers.json``)."""
         if self.network is None:
             return
         try:
-            peers = self.loop.run(self.network.known_peers(_REMEMBER), timeout=5.0)
-            if not peers or peers == self._remembered_last:
-                return
-            tmp = self._peers_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"peers": peers, "at": time.time()}))
-            os.replace(tmp, self._peers_file)
-            self._remembered_last = peers
-        except (OSError, TimeoutError, SwarmlocoError) as exc:
-            logger.debug("could not remember the peers this one knows: %s", exc)
+            peers = self.loop.run(self.network.known_peers(REMEMBER), timeout=5.0)
+        except (TimeoutError, SwarmlocoError) as exc:
+            logger.debug("could not list the peers this one knows: %s", exc)
+            return
+        self.session.remember(peers)
 
     def _start_network(self, stack: contextlib.ExitStack, spec: RunSpec) -> None:
         assert self.manifest is not None
         if self.network is None:
             config = self.config
-            remembered = self._remembered()
+            remembered = self.session.remembered()
             if remembered:
                 node = dataclasses.replace(config.node, remembered=remembered)
                 config = dataclasses.replace(config, node=node)
@@ -709,26 +634,6 @@ class Swarm:
         self._remember_peers()
         with contextlib.suppress(Exception):
             self.loop.run(self.network.__aexit__(None, None, None), timeout=30.0)
-
-    def _install_signal_handlers(self, stack: contextlib.ExitStack) -> None:
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-
-        def on_signal(signum: int, _frame: object) -> None:
-            name = signal.Signals(signum).name
-            logger.warning("%s: stopping after this step (again to stop at once)", name)
-            self.stop(f"signal {name}")
-            # A second signal stops at once (the default handlers come back).
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-        for s in previous:
-            signal.signal(s, on_signal)
-
-        def restore() -> None:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-        stack.callback(restore)
 
     def _fetch_initial(self) -> None:
         """This model's initial weights are not the manifest's and the swarm has no later
