@@ -441,7 +441,10 @@ def test_a_full_disk_fails_a_checkpoint_training_goes_on_and_the_next_one_succee
 
 
 def test_a_restarted_peer_whose_bootstrap_is_dead_rejoins_through_the_peers_it_knew(tmp_path):
-    a = _peer(tmp_path, "a", SPEC)
+    # Groups of two at least: alone, a would apply a round every few tens of ms, and a
+    # restarted peer on a busy machine could chase it for minutes without averaging.
+    two = {"matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2)}
+    a = _peer(tmp_path, "a", SPEC, **two)
     watch = Watch(a.events, round=2)
     a.swarm.on_event = watch
     first = Background(a.job)
@@ -464,10 +467,7 @@ def test_a_restarted_peer_whose_bootstrap_is_dead_rejoins_through_the_peers_it_k
     c.swarm.stop("the test stops b's bootstrap")
     third.join()
     # b again, on its data directory, given only its dead bootstrap: it joins through a.
-    again = _peer(
-        tmp_path, "b", a.swarm.swarm_id, dead, max_rounds=a.swarm.round + 3,
-        matchmaking=MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
-    )  # fmt: skip
+    again = _peer(tmp_path, "b", a.swarm.swarm_id, dead, max_rounds=a.swarm.round + 3, **two)
     run_peers(again.job)
     a.swarm.stop("the test is over")
     first.join()
