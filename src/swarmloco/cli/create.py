@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,43 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "hyperparameters are at the end)",
     )
     parser.add_argument("--name", default="", help="a human label for dashboards (optional)")
-    h = parser.add_argument_group("hyperparameters (default: the preset's; all enter the manifest)")
+    _add_hyperparameter_options(
+        parser.add_argument_group("hyperparameters (default: the preset's; all enter the manifest)")
+    )
+    parser.add_argument(
+        "--private",
+        action="store_true",
+        help="a private run: only peers you admit take part (give each a certificate with "
+        "`swarmloco admit PEER_ID --swarm SWARM_ID`); default: anyone may join",
+    )
+    parser.add_argument(
+        "--identity-work",
+        type=int,
+        default=None,
+        metavar="BITS",
+        help="bits of work every peer's key proves for this run before it takes part: about "
+        "2^BITS x 5 ms of one core, once per key and run, so that a stranger pays for each "
+        "key it shows (default: 8, about a second, for a public run; 0 for a private one)",
+    )
+    _add_data_options(parser)
+    _add_peer_option(parser, required=False)
+    _add_data_dir_option(
+        parser,
+        "peer",
+        "where this peer keeps its key (its public half is the swarm's creator) and checkpoints",
+    )
+    parser.add_argument(
+        "--no-train",
+        action="store_true",
+        help="only publish the manifest, then exit (`swarmloco join` with this --data-dir "
+        "later trains as the creator, the peer dashboards trust by default)",
+    )
+    _add_peer_run_options(parser)
+    parser.set_defaults(handler=_create)
+
+
+def _add_hyperparameter_options(h: argparse._ArgumentGroup) -> None:
+    """The run's hyperparameters: each enters the manifest (unset: the preset's)."""
     h.add_argument(
         "--sync-every", type=int, default=None, metavar="H", help="inner steps per round"
     )
@@ -115,36 +152,6 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "in a public run, where anyone may send a lie; mean in a private one)",
     )
     h.add_argument("--seed", type=int, default=None, help="seed of the initial model and data")
-    parser.add_argument(
-        "--private",
-        action="store_true",
-        help="a private run: only peers you admit take part (give each a certificate with "
-        "`swarmloco admit PEER_ID --swarm SWARM_ID`); default: anyone may join",
-    )
-    parser.add_argument(
-        "--identity-work",
-        type=int,
-        default=None,
-        metavar="BITS",
-        help="bits of work every peer's key proves for this run before it takes part: about "
-        "2^BITS x 5 ms of one core, once per key and run, so that a stranger pays for each "
-        "key it shows (default: 8, about a second, for a public run; 0 for a private one)",
-    )
-    _add_data_options(parser)
-    _add_peer_option(parser, required=False)
-    _add_data_dir_option(
-        parser,
-        "peer",
-        "where this peer keeps its key (its public half is the swarm's creator) and checkpoints",
-    )
-    parser.add_argument(
-        "--no-train",
-        action="store_true",
-        help="only publish the manifest, then exit (`swarmloco join` with this --data-dir "
-        "later trains as the creator, the peer dashboards trust by default)",
-    )
-    _add_peer_run_options(parser)
-    parser.set_defaults(handler=_create)
 
 
 def _describe_tasks_in_help(parser: argparse.ArgumentParser) -> None:
@@ -161,11 +168,9 @@ def _describe_tasks_in_help(parser: argparse.ArgumentParser) -> None:
 
 
 def _create(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from swarmloco.net.identity import Identity
     from swarmloco.runtime.api import created_before
-    from swarmloco.train.tasks import build_manifest, get_task  # imports torch
+    from swarmloco.train.tasks import build_manifest  # imports torch
 
     launched = _box_launch(args)
     if launched is not None:
@@ -181,6 +186,44 @@ def _create(args: argparse.Namespace) -> int:
             "--peer HOST:PORT of a serving peer or bootstrap node"
         )
     identity = Identity.load_or_create(args.data_dir)
+    run = _run_from(args)
+    overrides = _model_overrides(args) or None
+    manifest = build_manifest(
+        args.task,
+        args.preset,
+        creator=identity.public_key.hex(),
+        name=args.name,
+        data=_data_spec(args),
+        run=run,
+        model_overrides=overrides,
+        admission="certificate" if args.private else "",
+        identity_work=args.identity_work,
+    )
+    # The same create command in the same data directory resumes its swarm as the creator.
+    manifest = created_before(manifest, Path(args.data_dir))
+    print(manifest.swarm_id, flush=True)
+    if not args.no_train:
+        return _run_peer(manifest, args)
+
+    async def publish() -> int:
+        from swarmloco.net.node import NetNode, NodeConfig
+        from swarmloco.net.swarm import publish_manifest
+
+        config = NodeConfig(server=None, peers=tuple(args.peers))
+        async with NetNode(identity=identity, config=config) as node:
+            return await publish_manifest(node.dht, manifest)
+
+    stored = run_async(publish())
+    logging.getLogger("swarmloco.create").info(
+        "published the manifest of swarm %s on %d DHT nodes", manifest.swarm_id, stored
+    )
+    return 0
+
+
+def _run_from(args: argparse.Namespace) -> Any:
+    """The task preset's run with the hyperparameters given on the command line."""
+    from swarmloco.train.tasks import get_task
+
     run = get_task(args.task).default_run(args.preset)
     inner_changes = {
         k: v
@@ -214,34 +257,4 @@ def _create(args: argparse.Namespace) -> int:
         if v is not None
     }
     run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, **spec_changes))
-    overrides = _model_overrides(args) or None
-    manifest = build_manifest(
-        args.task,
-        args.preset,
-        creator=identity.public_key.hex(),
-        name=args.name,
-        data=_data_spec(args),
-        run=run,
-        model_overrides=overrides,
-        admission="certificate" if args.private else "",
-        identity_work=args.identity_work,
-    )
-    # The same create command in the same data directory resumes its swarm as the creator.
-    manifest = created_before(manifest, Path(args.data_dir))
-    print(manifest.swarm_id, flush=True)
-    if not args.no_train:
-        return _run_peer(manifest, args)
-
-    async def publish() -> int:
-        from swarmloco.net.node import NetNode, NodeConfig
-        from swarmloco.net.swarm import publish_manifest
-
-        config = NodeConfig(server=None, peers=tuple(args.peers))
-        async with NetNode(identity=identity, config=config) as node:
-            return await publish_manifest(node.dht, manifest)
-
-    stored = run_async(publish())
-    logging.getLogger("swarmloco.create").info(
-        "published the manifest of swarm %s on %d DHT nodes", manifest.swarm_id, stored
-    )
-    return 0
+    return run

@@ -21,6 +21,15 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    _add_run_options(p)
+    _add_sweep_options(p)
+    _add_machine_options(p)
+    _add_data_options(p)
+    p.set_defaults(handler=_run_simulate)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """The simulated run: task, workers, rounds, the exchange, the optimizers."""
     p.add_argument("--task", default="gpt-bytes", help="registered task name")
     p.add_argument("--preset", default="tiny", help="model preset of the task (tiny, small, base)")
     p.add_argument("--workers", type=int, default=4, help="number of DiLoCo workers")
@@ -66,6 +75,10 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="first train STEPS steps synchronously (N times the batch) and start every arm "
         "from there, as the DiLoCo paper does (0: every arm from the initial model)",
     )
+
+
+def _add_sweep_options(p: argparse.ArgumentParser) -> None:
+    """A grid of runs over H and the outer optimizer."""
     p.add_argument(
         "--sweep",
         action="store_true",
@@ -81,6 +94,10 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="the outer momenta of --sweep (0.5 learned better than the papers' 0.9 in small "
         "runs with small batches)",
     )
+
+
+def _add_machine_options(p: argparse.ArgumentParser) -> None:
+    """Evaluation, seed, device and output."""
     p.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data streams")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -104,8 +121,6 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the summary here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    _add_data_options(p)
-    p.set_defaults(handler=_run_simulate)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
