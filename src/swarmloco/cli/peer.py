@@ -282,43 +282,12 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
 
     import torch
 
-    from swarmloco.net.averaging import BandwidthConfig, MatchmakingConfig
-    from swarmloco.net.client import ClientConfig
     from swarmloco.net.identity import Identity
-    from swarmloco.net.node import NodeConfig
-    from swarmloco.net.server import ServerConfig
-    from swarmloco.net.state import DonorConfig
-    from swarmloco.runtime.config import PeerConfig
     from swarmloco.runtime.daemon import DaemonConfig, train_task
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    peer = PeerConfig(
-        data_dir=args.data_dir,
-        node=NodeConfig(
-            server=None
-            if args.client_mode
-            else ServerConfig(
-                host=args.host, port=args.port, reflection=args.reflection, **_tls_config(args)
-            ),
-            client=ClientConfig(tls_ca_file=args.tls_ca),
-            announce_host=args.announce_host,
-            announce_port=args.announce_port,
-            peers=tuple(args.peers),
-        ),
-        name=args.peer_name,
-        dashboard_port=args.dashboard_port,
-        bandwidth=BandwidthConfig.mbit(args.bandwidth) if args.bandwidth else None,
-        codec_backend=args.codec,
-        max_rounds=args.max_rounds,
-        round_timeout_s=args.round_timeout,
-        matchmaking=MatchmakingConfig(gather_s=args.gather, min_group_size=args.min_group),
-        progress_interval_s=args.progress_interval,
-        checkpoint_every=args.checkpoint_every,
-        eval_every=args.eval_every,
-        membership=_membership_text(args.membership),
-        donor=DonorConfig(limit_loopback=args.limit_local_downloads),
-    )
+    peer = _peer_config(args)
     box = None
     if "RANK" in os.environ and args.nproc_per_node > 1:
         box = _init_box(args.device)
@@ -348,8 +317,49 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         if box is not None:
             box = None
             _leave_process_group()
-    if summary is None:  # a rank other than 0: rank 0 reports
-        return 0
+    if summary is not None:  # a rank other than 0 has none: rank 0 reports
+        _log_summary(summary)
+    return 0
+
+
+def _peer_config(args: argparse.Namespace) -> Any:
+    """The peer's :class:`~swarmloco.runtime.config.PeerConfig` from its options."""
+    from swarmloco.net.averaging import BandwidthConfig, MatchmakingConfig
+    from swarmloco.net.client import ClientConfig
+    from swarmloco.net.node import NodeConfig
+    from swarmloco.net.server import ServerConfig
+    from swarmloco.net.state import DonorConfig
+    from swarmloco.runtime.config import PeerConfig
+
+    return PeerConfig(
+        data_dir=args.data_dir,
+        node=NodeConfig(
+            server=None
+            if args.client_mode
+            else ServerConfig(
+                host=args.host, port=args.port, reflection=args.reflection, **_tls_config(args)
+            ),
+            client=ClientConfig(tls_ca_file=args.tls_ca),
+            announce_host=args.announce_host,
+            announce_port=args.announce_port,
+            peers=tuple(args.peers),
+        ),
+        name=args.peer_name,
+        dashboard_port=args.dashboard_port,
+        bandwidth=BandwidthConfig.mbit(args.bandwidth) if args.bandwidth else None,
+        codec_backend=args.codec,
+        max_rounds=args.max_rounds,
+        round_timeout_s=args.round_timeout,
+        matchmaking=MatchmakingConfig(gather_s=args.gather, min_group_size=args.min_group),
+        progress_interval_s=args.progress_interval,
+        checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every,
+        membership=_membership_text(args.membership),
+        donor=DonorConfig(limit_loopback=args.limit_local_downloads),
+    )
+
+
+def _log_summary(summary: Any) -> None:
     logging.getLogger("swarmloco.peer").info(
         "left swarm %s at round %d after %d steps (global step %d; %d rounds applied, %d "
         "aborted, %d downloads)%s",
@@ -362,7 +372,6 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         summary.downloads,
         f": {summary.stopped_because}" if summary.stopped_because else "",
     )
-    return 0
 
 
 def _leave_process_group() -> None:
