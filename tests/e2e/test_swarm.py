@@ -142,6 +142,22 @@ def test_a_killed_peer_resumes_from_its_checkpoint_and_catches_up(tmp_path):
     assert digests_of(a)[together["round"]] == digests_of(b2)[together["round"]]
 
 
+def test_the_same_create_command_again_resumes_its_swarm_as_the_creator(tmp_path):
+    """`swarmloco create` run again with the same settings and --data-dir (a peer's own
+    options, such as --max-rounds, may differ): the same swarm, resumed from its
+    checkpoint, not a new one at round 0."""
+    with PeerProcess.create(tmp_path / "a", "--max-rounds", "2") as first:
+        assert first.wait(120) == 0, first.log_tail()
+    stopped = first.of("stopped")[-1]
+    assert stopped["round"] == 2
+    with PeerProcess.create(tmp_path / "a", "--max-rounds", "3") as again:
+        assert again.wait(120) == 0, again.log_tail()
+    assert again.swarm_id == first.swarm_id
+    resumed = again.of("resumed")[0]
+    assert (resumed["round"], resumed["step"]) == (stopped["round"], stopped["step"])
+    assert [e["round"] for e in again.of("round")] == [3]
+
+
 def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path):
     with PeerProcess.create(tmp_path / "a", "--dashboard-port", "0", "--peer-name", "solo") as a:
         a.wait_for("round", lambda e: e["round"] >= 1, timeout=120)
