@@ -104,5 +104,4 @@ async def withdraw_peer(dht: DHTNode, swarm_id: str, *, ttl: float = PEER_TTL_S)
     """Replace this peer's entry with a farewell (role ``left``, which :func:`find_peers`
     leaves out): stored later than any announcement, it wins on every node that stores it
     (a later expiration replaces an earlier one), until the peer announces itself again."""
-    value = {"endpoint": dht.endpoint, "role": "left", "version": __version__, "public": False}
-    return await dht.store(peers_key(swarm_id), value, ttl=ttl)
+    return await announce_peer(dht, swarm_id, role="left", ttl=ttl)

@@ -261,12 +261,6 @@ def check_declaration(
 # -- forming and checking a group -----------------------------------------------------------
 
 
-def struck_weights(weights: Sequence[float]) -> dict[int, str]:
-    """Members to strike for their weight: those that declared no weight at all (not a
-    finite positive number). A large weight is capped where it is used, never struck."""
-    return weight_violations(weights)
-
-
 def _group_id(
     round: int,
     declarations: Sequence[pb.MemberDeclaration],
@@ -301,11 +295,11 @@ def build_group(
     """The leader's group from checked declarations (leader first, then in joining order).
 
     Returns the group (None if no member can serve a part) and ``{index in declarations:
-    reason}`` of the members struck for their weight (:func:`struck_weights`).
+    reason}`` of the members struck for their weight (no weight: :func:`weight_violations`).
     A large weight stays as declared (the declaration is signed): every member caps it
     the same way where it is used (:attr:`Group.weights`).
     """
-    struck = struck_weights([d.weight for d in declarations])
+    struck = weight_violations([d.weight for d in declarations])
     kept = [d for i, d in enumerate(declarations) if i not in struck]
     bandwidths = _part_bandwidths([d.bandwidth if d.endpoint else 0.0 for d in kept])
     if not kept or sum(bandwidths) <= 0:
