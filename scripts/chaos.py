@@ -3,13 +3,15 @@
 
     python scripts/chaos.py --minutes 10                 # as in docs/benchmarks.md (~22 min with
                                                          # the fault-free baseline)
-    python scripts/chaos.py --minutes 2 --no-baseline    # what CI runs
+    python scripts/chaos.py --minutes 1.5 --quiet 30 --seed 3 --no-baseline   # what CI runs
 
 A bootstrap node and ``--peers`` (5) tiny training peers (`swarmloco join`, one process
-each) on 127.0.0.1. Every 20-60 s (seeded) one peer is hit: SIGKILLed (restarted 3 s later
-on the same data dir, so it resumes from its newest checkpoint), SIGKILLed a few
-milliseconds after it applied a round (while its checkpoint is being written), or frozen
-with SIGSTOP for 25-32 s and then continued. Once, a peer more joins and later leaves; once,
+each) on 127.0.0.1. The run's clock starts once the swarm has formed (every peer up, a
+first round applied), however long that takes on a loaded machine. Then every 20-60 s
+(seeded) one peer is hit: SIGKILLed (restarted 3 s later on the same data dir, so it
+resumes from its newest checkpoint), SIGKILLed a few milliseconds after it applied a round
+(while its checkpoint is being written), or frozen with SIGSTOP for 25-32 s and then
+continued. Once, a peer more joins and later leaves; once,
 the bootstrap node is killed for good (restarts then rejoin through the peers they
 remember). The last ``--quiet`` seconds have no faults: the swarm should settle on one
 state. Then every peer is stopped with SIGTERM.
@@ -187,6 +189,7 @@ class Chaos:
         guest = Peer(args.peers, self.run_dir, swarm, endpoint)
         for peer in peers:
             peer.start()
+        formed_after = self._wait_until_formed(peers, boot)
         started = time.monotonic()
         end = started + args.minutes * 60
         quiet_at = end - args.quiet
@@ -238,7 +241,46 @@ class Chaos:
             if boot.poll() is None:
                 boot.terminate()
                 boot.wait()
-        return self._report(peers, guest, quiet_wall, swarm)
+        report = self._report(peers, guest, quiet_wall, swarm)
+        report["formed_after_s"] = formed_after
+        return report
+
+    def _wait_until_formed(self, peers: list[Peer], boot: subprocess.Popen[str]) -> float:
+        """Wait until every peer is up and one round has been applied: the schedule's clock
+        starts there, not when the processes were spawned, so that on a loaded machine no
+        fault lands before the swarm exists (a bootstrap node killed before the peers had
+        met each other would end the run, not test it). Seconds waited; SystemExit after
+        ``--form-timeout`` or when a peer or the bootstrap node exits meanwhile."""
+        spawned = time.monotonic()
+        deadline = spawned + self.args.form_timeout
+        while True:
+            for peer in peers:
+                peer.poll()
+            kinds = [{e["event"] for e in p.events} for p in peers]
+            if all("ready" in k for k in kinds) and any("round" in k for k in kinds):
+                waited = round(time.monotonic() - spawned, 1)
+                log(f"the swarm formed {waited} s after its peers were started")
+                return waited
+            dead = [p.name for p in peers if not p.alive]
+            if dead or boot.poll() is not None or time.monotonic() > deadline:
+                for peer in peers:
+                    peer.stop(timeout=30)
+                boot.terminate()
+                boot.wait()
+                why = (
+                    f"{', '.join(dead)} exited"
+                    if dead
+                    else "the bootstrap node exited"
+                    if boot.poll() is not None
+                    else f"not within --form-timeout ({self.args.form_timeout:g} s)"
+                )
+                up = sum("ready" in k for k in kinds)
+                raise SystemExit(
+                    f"the swarm never formed ({up} of {len(peers)} peers up, "
+                    f"{'a' if any('round' in k for k in kinds) else 'no'} round applied): "
+                    f"{why}; logs in {self.run_dir}"
+                )
+            time.sleep(0.25)
 
     # -- faults -----------------------------------------------------------------------------
 
@@ -407,7 +449,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--minutes", type=float, default=10.0, help="length of the run (default: 10)"
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="length of the run from when the swarm formed (default: 10)",
     )
     parser.add_argument("--peers", type=int, default=5, help="training peers (default: 5)")
     parser.add_argument(
@@ -424,6 +469,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="the fault schedule's seed (default: 0)"
+    )
+    parser.add_argument(
+        "--form-timeout",
+        type=float,
+        default=300.0,
+        help="most seconds to wait for every peer to be up and a first round applied; "
+        "the schedule starts there (default: 300)",
     )
     parser.add_argument(
         "--dir",

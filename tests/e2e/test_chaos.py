@@ -1,8 +1,10 @@
-"""The churn soak, short: `scripts/chaos.py` for two minutes, as CI runs it.
+"""The churn soak, short: `scripts/chaos.py` for 90 s, as CI runs it.
 
-Five peer processes and a bootstrap node on loopback; a peer is SIGKILLed and restarted,
-a guest joins and leaves, and the bootstrap node is killed for good, so the restarted peer
-must rejoin through the peers it remembers. The swarm must end on one state, with no
+Five peer processes and a bootstrap node on loopback. Once every peer is up and a first
+round is applied (the schedule waits for that, however loaded the machine), the bootstrap
+node is killed for good at 20 s, a guest joins at 15 s and leaves at 45 s, and a peer is
+SIGKILLed at 29.5 s (seed 3) and restarted, so it must rejoin through the peers it
+remembers; the last 30 s have no faults. The swarm must end on one state, with no
 traceback, no failed restart and no checkpoint that does not verify. The full report is
 printed (pytest shows it with -s or on failure).
 """
@@ -21,12 +23,13 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_two_minute_soak_with_kills_and_a_dead_bootstrap_ends_on_one_state(tmp_path):
+def test_a_short_soak_with_kills_and_a_dead_bootstrap_ends_on_one_state(tmp_path):
     result = subprocess.run(
         [
             sys.executable,
             str(SCRIPT),
-            *("--minutes", "2", "--quiet", "40", "--no-baseline", "--dir", str(tmp_path)),
+            *("--minutes", "1.5", "--quiet", "30", "--seed", "3", "--no-baseline"),
+            *("--dir", str(tmp_path)),
         ],
         capture_output=True,
         text=True,
