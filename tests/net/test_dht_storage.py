@@ -3,12 +3,15 @@ network, and which records make room for which (no network)."""
 
 import contextlib
 import dataclasses
+import gc
+import tracemalloc
 
 import msgpack
 import pytest
 from netutil import SWARM, counter_key
 
 from swarmloco.net.dht.storage import Storage, StorageConfig
+from swarmloco.net.dht.wire import record_from_proto, record_to_proto
 from swarmloco.net.endpoints import source_network
 from swarmloco.net.identity import Identity
 from swarmloco.net.records import (
@@ -17,11 +20,16 @@ from swarmloco.net.records import (
     Record,
     RecordKind,
     Struct,
+    digest_key,
+    held_bytes,
     make_record,
     peers_key,
+    progress_key,
     register,
+    status_key,
 )
 from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import dht_pb2 as pb
 
 PEER = {"endpoint": "127.0.0.1:5000", "role": "trainer", "version": "0.1.0", "public": True}
 YEAR = 365 * 24 * 3600.0
@@ -326,3 +334,111 @@ def test_expiry_and_eviction_leave_every_count_at_zero():
 )
 def test_the_network_a_caller_counts_toward(host, limit_private, network):
     assert source_network(host, limit_private=limit_private) == network
+
+
+def wire_copy(record: Record) -> Record:
+    """``record`` as a node gets it: every field a fresh object parsed from a message."""
+    message = pb.Record()
+    message.ParseFromString(record_to_proto(record).SerializeToString())
+    return record_from_proto(message)
+
+
+def full_status(i: int, now: float) -> dict:
+    summary = {
+        "round": 10_000 + i,
+        "group": 5,
+        "seconds": 1.5,
+        "matchmaking_s": 0.25,
+        "bytes_sent": 1 << 30,
+        "bytes_received": 1 << 30,
+        "payload_bytes": 1 << 30,
+        "ok": True,
+        "at": now,
+    }
+    return {
+        "name": f"peer-{i:04d}",
+        "state": "training",
+        "round": 10_000 + i,
+        "step": 1 << 20,
+        "tokens": 1 << 40,
+        "tokens_per_s": 12_345.5,
+        "loss": 2.5,
+        "eval_loss": 2.25,
+        "device": "NVIDIA H200",
+        "fit": "micro-batch 8 x 2",
+        "mfu": 0.45,
+        "version": "0.1.0",
+        "started_at": now,
+        "rounds_applied": 10_000,
+        "rounds_aborted": 12,
+        "downloads": 3,
+        "last_error": "",
+        "rounds": [summary] * 8,
+        "at": now,
+    }
+
+
+def test_the_bytes_storage_counts_bound_the_memory_its_records_take():
+    # What a flood of small records costs is their Python objects, about five times their
+    # encoded size: storage counts those, so max_bytes bounds the memory they take.
+    clock = Clock()
+    owners = [Identity.generate() for _ in range(64)]
+    values = {
+        peers_key(SWARM): lambda i: {**PEER, "endpoint": f"127.0.0.1:{5000 + i}"},
+        progress_key(SWARM): lambda i: {
+            "round": i, "tokens": 1 << 30, "tokens_per_s": 512.5, "at": clock.now
+        },
+        digest_key(SWARM, 7): lambda i: {
+            "digest": bytes([i % 256]) * 32, "endpoint": "127.0.0.1:4000", "at": clock.now
+        },
+        status_key(SWARM): lambda i: full_status(i, clock.now),
+    }  # fmt: skip
+    records = [
+        wire_copy(make_record(key, value(i), expiration=clock.now + 60, owner=owners[i]))
+        for key, value in values.items()
+        for i in range(64)
+    ]
+    storage = Storage(StorageConfig(max_records_per_sender=1 << 20), clock=clock)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for record in records:
+            # Every field again a fresh object, as each arrives in a message of its own.
+            assert storage.put(wire_copy(record), sender=b"relay", network=NET)
+        gc.collect()
+        taken = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    counted = storage.bytes_used
+    encoded = sum(record.size for record in records)
+    assert 0.8 * counted <= taken <= counted, (taken, counted)
+    assert counted > 3 * encoded  # what counting encoded bytes would have missed
+    # And a node at its budget refuses the next record, from any network.
+    full = Storage(StorageConfig(max_bytes=counted, max_bytes_per_network=counted), clock=clock)
+    for record in records:
+        full.put(record, sender=b"relay", network=NET)
+    late = make_record(peers_key(SWARM), PEER, expiration=clock.now + 60, owner=Identity.generate())
+    with pytest.raises(Rejection, match="full"):
+        full.put(late, sender=late.subkey.encode(), network="198.51.100.0/24")
+
+
+def test_one_network_fills_at_most_its_share_of_a_nodes_bytes():
+    clock = Clock()
+    owners = [Identity.generate() for _ in range(5)]
+    flood = [
+        make_record(peers_key(SWARM), PEER, expiration=clock.now + 60, owner=o) for o in owners
+    ]
+    one = held_bytes(flood[0], PEER)  # every record here takes as much
+    storage = Storage(StorageConfig(max_bytes=8 * one, max_bytes_per_network=3 * one), clock=clock)
+    for record in flood[:3]:
+        assert storage.put(record, sender=b"flooder", network=NET)
+    with pytest.raises(Rejection) as info:
+        storage.put(flood[3], sender=b"flooder", network=NET)
+    assert info.value.code == "network-quota" and "bytes" in info.value.reason
+    # Another network still finds room, and an update from the same network replaces its
+    # earlier record within the share.
+    assert storage.put(flood[3], sender=b"someone", network="198.51.100.0/24")
+    newer = make_record(peers_key(SWARM), PEER, expiration=clock.now + 120, owner=owners[0])
+    assert storage.put(newer, sender=b"flooder", network=NET)
+    assert storage.bytes_used == 4 * one

@@ -13,6 +13,7 @@ from swarmloco.net.records import (
     CheckedRecords,
     Record,
     digest_key,
+    held_bytes,
     make_record,
     manifest_key,
     peers_key,
@@ -218,7 +219,7 @@ def test_checked_records_are_remembered_within_their_budget_and_still_expire():
         make_record(peers_key(SWARM), PEER, expiration=NOW + 60, owner=Identity.generate())
         for _ in range(4)
     ]
-    checked = CheckedRecords(max_bytes=3 * records[0].size)
+    checked = CheckedRecords(max_bytes=3 * held_bytes(records[0], PEER))
     first = checked.validate(records[0], now=NOW)
     assert first == PEER
     assert checked.validate(records[0], now=NOW) is first  # remembered, not decoded again

@@ -29,6 +29,7 @@ import abc
 import dataclasses
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -285,8 +286,46 @@ class Record:
 
     @property
     def size(self) -> int:
-        """Bytes this record costs a storing node (roughly)."""
+        """Bytes this record takes on the wire (roughly): what a node holding it costs in
+        memory is :func:`held_bytes`."""
         return len(self.key) + len(self.subkey) + len(self.value) + 96
+
+
+BOOKKEEPING_BYTES = 400
+"""What a node's indexes take per record it holds (entries in a few dictionaries and
+counters, and the small object that ties them together), measured with tracemalloc."""
+
+
+def held_bytes(record: Record, value: Any) -> int:
+    """Bytes of memory a node spends holding ``record`` with its decoded ``value``: the
+    Python objects of its fields and of the value, and :data:`BOOKKEEPING_BYTES`. A small
+    record takes about five times its size on the wire, so quotas in encoded bytes would
+    undercount what a flood of records costs; these are what storage counts."""
+    fields = (record.key, record.subkey, record.value, record.owner_public_key, record.signature)
+    return (
+        sys.getsizeof(record)
+        + sum(sys.getsizeof(field) for field in fields)
+        + _deep_size(value)
+        + BOOKKEEPING_BYTES
+    )
+
+
+def _deep_size(value: Any) -> int:
+    """The bytes of a decoded msgpack value's own objects (dicts, lists, strings, numbers);
+    not those it shares with every other value: map keys (msgpack interns them), None,
+    booleans and small integers."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if item is None or isinstance(item, bool) or (type(item) is int and -5 <= item <= 256):
+            continue
+        total += sys.getsizeof(item)
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return total
 
 
 def signing_payload(key: str, subkey: str, value: bytes, expiration: float) -> bytes:
@@ -430,7 +469,7 @@ def validate(record: Record, *, now: float) -> Any:
 
 class CheckedRecords:
     """Records that passed :func:`validate`, with their values, remembered up to
-    ``max_bytes`` (the oldest are forgotten first).
+    ``max_bytes`` of memory (:func:`held_bytes`; the oldest are forgotten first).
 
     A reader polling a key (the swarm's ``peers``, a round's entries) gets the same records
     from every node it asks, time after time, and a key may hold thousands: a record seen
@@ -440,7 +479,7 @@ class CheckedRecords:
 
     def __init__(self, *, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._values: dict[Record, Any] = {}
+        self._values: dict[Record, tuple[Any, int]] = {}  # the value, its held bytes
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -450,15 +489,15 @@ class CheckedRecords:
         """:func:`validate`, remembered."""
         if record in self._values:
             check_shape(record, now=now)
-            return self._values[record]
+            return self._values[record][0]
         value = validate(record, now=now)
-        if record.size <= self.max_bytes:
-            while self._bytes + record.size > self.max_bytes:
+        held = held_bytes(record, value)
+        if held <= self.max_bytes:
+            while self._bytes + held > self.max_bytes:
                 oldest = next(iter(self._values))
-                del self._values[oldest]
-                self._bytes -= oldest.size
-            self._values[record] = value
-            self._bytes += record.size
+                self._bytes -= self._values.pop(oldest)[1]
+            self._values[record] = (value, held)
+            self._bytes += held
         return value
 
 

@@ -133,10 +133,10 @@ class DhtConfig:
     was frozen) joins again through the peers it first joined through, this often."""
     max_records_per_request: int = 64
     """Most records in one store request."""
-    checked_records_bytes: int = 2 * 1024 * 1024
-    """Records read from other nodes that a node remembers as checked, in their bytes
-    (``Record.size``; Python's objects take about five times as much): a full ``peers``
-    key (4,096 records, 1 MiB) read again costs lookups, not signature checks."""
+    checked_records_bytes: int = 8 * 1024 * 1024
+    """Records read from other nodes that a node remembers as checked, in bytes of memory
+    (``held_bytes``): a full ``peers`` key (4,096 records, about 5 MiB) read again costs
+    lookups, not signature checks."""
     max_clock_skew_s: float = 600.0
     """Store requests dated further from our clock are refused (replays); a node whose
     clock is further off the peers it joins through refuses to start."""

@@ -21,8 +21,13 @@ a newcomer the records of its neighbourhood, Kademlia section 2.5). Limits:
   subkeys there as any other;
 - per sender, per owner, per source network: at most ``max_records_per_sender``,
   ``max_records_per_owner`` and ``max_records_per_network`` records in all keys;
+- per source network: at most ``max_bytes_per_network`` bytes;
 - per node: at most ``max_records`` records and ``max_bytes`` bytes in all;
 - per record: expiration clamped to the kind's max TTL from now.
+
+Bytes are memory (:func:`~swarmloco.net.records.held_bytes`: the record's Python objects,
+its decoded value's and its place in the indexes), not encoded size, which undercounts a
+small record's cost about five times.
 
 For one (key, subkey), a record with a later expiration replaces an earlier one (this is
 how owners update values); an older or equal one is not stored. A record is only ever
@@ -49,6 +54,7 @@ from swarmloco.net.records import (
     check_signature,
     decode_value,
     effective_expiration,
+    held_bytes,
 )
 from swarmloco.net.rejections import Rejection
 
@@ -62,8 +68,13 @@ LOCAL_NETWORK = "local"
 class StorageConfig:
     max_records: int = 65_536
     """Most records one node keeps for others."""
-    max_bytes: int = 64 * 1024 * 1024
-    """Most bytes (keys, subkeys, values) one node keeps for others."""
+    max_bytes: int = 32 * 1024 * 1024
+    """Most bytes of memory one node's records for others take (``held_bytes``: about
+    1.2 KB for a ``peers`` entry, 3-6 KB for a ``status``): room for the records of a swarm
+    of a thousand peers or two, and what a flood can make a node hold."""
+    max_bytes_per_network: int = 8 * 1024 * 1024
+    """Most of those bytes that came from one source network: four networks are needed to
+    fill a node."""
     max_records_per_sender: int = 4096
     """Most records one node keeps on behalf of one sending peer. A node hands a newcomer
     every record of its neighbourhood it holds (in a small swarm, everyone's: a peer's
@@ -88,6 +99,7 @@ class StorageConfig:
     def __post_init__(self) -> None:
         require_int("max_records", self.max_records, minimum=1)
         require_int("max_bytes", self.max_bytes, minimum=1024)
+        require_int("max_bytes_per_network", self.max_bytes_per_network, minimum=1024)
         require_int("max_records_per_sender", self.max_records_per_sender, minimum=1)
         require_int("max_records_per_owner", self.max_records_per_owner, minimum=1)
         require_int("max_records_per_network", self.max_records_per_network, minimum=1)
@@ -103,6 +115,7 @@ class _Stored:
     network: str
     owner: str  # the owner's peer id in hex; empty for unowned kinds
     first_hand: bool  # stored by its owner itself
+    held: int = 0  # bytes of memory it takes (held_bytes)
 
 
 class _Shelf:
@@ -170,6 +183,7 @@ class Storage:
         self._per_sender: Counter[bytes] = Counter()
         self._per_owner: Counter[str] = Counter()
         self._per_network: Counter[str] = Counter()
+        self._bytes_per_network: Counter[str] = Counter()
         self._count = 0
         self._bytes = 0
         self._last_sweep = float("-inf")
@@ -185,6 +199,7 @@ class Storage:
 
     @property
     def bytes_used(self) -> int:
+        """Bytes of memory the records held take (``held_bytes``)."""
         return self._bytes
 
     def records_from(self, sender: bytes) -> int:
@@ -220,17 +235,20 @@ class Storage:
             return True  # a republished copy of what we hold
         if existing is not None and record.expiration <= existing.record.expiration:
             return False
+        # Decoded before the quotas (what it costs is counted with its value), checked
+        # after them: a refused record never costs a signature check.
+        value = decode_value(kind, record.key, record.value)
         stored = _Stored(
             record,
-            None,
+            value,
             effective_expiration(kind, record.expiration, now=now),
             sender,
             network,
             owner=record.subkey if kind.owned else "",
             first_hand=kind.owned and record.subkey == sender.hex(),
+            held=held_bytes(record, value),
         )
         victim = self._make_room(stored, kind, replacing=existing, now=now)
-        stored.value = decode_value(kind, record.key, record.value)
         check_signature(kind, record)
         if existing is not None:
             self._forget(existing)
@@ -243,7 +261,8 @@ class Storage:
         if stored.owner:
             self._per_owner[stored.owner] += 1
         self._count += 1
-        self._bytes += record.size
+        self._bytes += stored.held
+        self._bytes_per_network[network] += stored.held
         return True
 
     def _make_room(
@@ -322,8 +341,16 @@ class Storage:
             return Rejection(
                 "quota", f"record not stored: this node is full ({cfg.max_records} records)"
             )
-        released = sum(s.record.size for s in (replacing, victim) if s is not None)
-        if self._bytes - released + record.size > cfg.max_bytes:
+        freed = [s for s in (replacing, victim) if s is not None]
+        released = sum(s.held for s in freed if s.network == network)
+        if self._bytes_per_network[network] - released + new.held > cfg.max_bytes_per_network:
+            limit = cfg.max_bytes_per_network
+            return Rejection(
+                "network-quota",
+                f"record not stored: this node keeps at most {limit} bytes from one network "
+                f"({network})",
+            )
+        if self._bytes - sum(s.held for s in freed) + new.held > cfg.max_bytes:
             return Rejection(
                 "quota", f"record not stored: this node is full ({cfg.max_bytes} bytes)"
             )
@@ -380,10 +407,11 @@ class Storage:
         if stored.owner:
             _release(self._per_owner, stored.owner)
         self._count -= 1
-        self._bytes -= stored.record.size
+        self._bytes -= stored.held
+        _release(self._bytes_per_network, stored.network, stored.held)
 
 
-def _release(counter: Counter[T], item: T) -> None:
-    counter[item] -= 1
+def _release(counter: Counter[T], item: T, amount: int = 1) -> None:
+    counter[item] -= amount
     if not counter[item]:
         del counter[item]
