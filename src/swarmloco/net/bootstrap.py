@@ -8,6 +8,7 @@ as they enter and leave its routing table, and runs until ``stop`` is set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -16,7 +17,8 @@ from pathlib import Path
 from swarmloco.core.config import require, require_positive
 from swarmloco.net.client import ClientConfig
 from swarmloco.net.dht.contact import Contact
-from swarmloco.net.dht.node import DhtConfig
+from swarmloco.net.dht.node import DHT_MESSAGE_BYTES, DhtConfig
+from swarmloco.net.heap import release_when_grown
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.server import ServerConfig
@@ -63,6 +65,9 @@ async def serve_bootstrap(
         server=ServerConfig(
             host=config.host,
             port=config.port,
+            # It serves the DHT alone: a larger message is refused by gRPC before it is
+            # whole, and costs the node far less memory than one read and then refused.
+            max_message_bytes=DHT_MESSAGE_BYTES,
             reflection=config.reflection,
             tls_cert_file=config.tls_cert_file,
             tls_key_file=config.tls_key_file,
@@ -83,6 +88,12 @@ async def serve_bootstrap(
         identity=identity, config=node_config, on_contact_added=joined, on_contact_removed=left
     )
     async with node:
-        ready(node.endpoint, identity)
-        await stop.wait()
-        logger.info("stopping")
+        releasing = asyncio.ensure_future(release_when_grown())
+        try:
+            ready(node.endpoint, identity)
+            await stop.wait()
+            logger.info("stopping")
+        finally:
+            releasing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await releasing

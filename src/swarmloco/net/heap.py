@@ -86,6 +86,42 @@ RELEASER = Releaser(_malloc_trim())
 """The process's releaser (the allocator is the process's, not a peer's)."""
 
 
+def resident_bytes() -> int | None:
+    """This process's resident set, from /proc (None where there is none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE_BYTES = 4096
+
+
+async def release_when_grown(
+    *, interval_s: float = 5.0, grown_bytes: int = 8 << 20, trim: Callable[[], object] | None = None
+) -> None:
+    """Forever: every ``interval_s``, hand free memory back when the resident set has grown
+    ``grown_bytes`` past where the last release left it.
+
+    For a process that serves the DHT alone (a bootstrap node): its messages are small, so
+    gRPC refuses a large one itself, before any handler of ours sees it and can call
+    :func:`release_after`; what gRPC held for it stays with the allocator. Its heap is
+    small, so a trim costs it little. Without glibc or /proc it returns at once."""
+    trim = trim or _malloc_trim()
+    if trim is None or resident_bytes() is None:
+        return
+    floor = resident_bytes() or 0
+    while True:
+        await asyncio.sleep(interval_s)
+        now = resident_bytes() or 0
+        if now >= floor + grown_bytes:
+            trim()
+            floor = resident_bytes() or now
+        else:
+            floor = min(floor, now)
+
+
 def release_after(nbytes: int) -> None:
     """Tell the process that ``nbytes`` of input were just refused (see the module)."""
     RELEASER.after(nbytes)

@@ -27,7 +27,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from google.protobuf.message import Message
@@ -83,6 +83,29 @@ _OWN_STALL_S = 1.0  # a failed call this late past its deadline: our own stall, 
 _MAX_REPLICATED_KEYS = 4096
 ContactCallback = Callable[[Contact], None]
 
+DHT_MESSAGE_BYTES = 1024 * 1024
+"""The largest message a node that serves only the DHT (a bootstrap node) receives: a store
+request of :attr:`DhtConfig.max_request_bytes` with its framing fits. A training peer's
+server takes larger ones (averaging chunks); a DHT-only node has no use for them, and every
+byte of a large message is held in memory before it can be refused."""
+
+
+def store_batches(
+    records: list[Record], max_records: int, max_bytes: int
+) -> Iterator[list[Record]]:
+    """``records`` in order, cut into batches of at most ``max_records`` records and
+    ``max_bytes`` bytes (``Record.size``; a larger record goes alone)."""
+    batch: list[Record] = []
+    size = 0
+    for record in records:
+        if batch and (len(batch) >= max_records or size + record.size > max_bytes):
+            yield batch
+            batch, size = [], 0
+        batch.append(record)
+        size += record.size
+    if batch:
+        yield batch
+
 
 @dataclasses.dataclass(frozen=True)
 class _Answer:
@@ -133,6 +156,10 @@ class DhtConfig:
     was frozen) joins again through the peers it first joined through, this often."""
     max_records_per_request: int = 64
     """Most records in one store request."""
+    max_request_bytes: int = 512 * 1024
+    """Most bytes of records (``Record.size``) this node puts in one store request it
+    sends (a record larger than this goes alone): DHT-only nodes such as a bootstrap node
+    receive messages of at most :data:`DHT_MESSAGE_BYTES`."""
     checked_records_bytes: int = 8 * 1024 * 1024
     """Records read from other nodes that a node remembers as checked, in bytes of memory
     (``held_bytes``): a full ``peers`` key (4,096 records, about 5 MiB) read again costs
@@ -152,6 +179,7 @@ class DhtConfig:
         require(self.get_quorum <= self.k, "get_quorum must be <= k")
         require_int("max_per_subnet", self.max_per_subnet, minimum=1)
         require_int("max_records_per_request", self.max_records_per_request, minimum=1)
+        require_int("max_request_bytes", self.max_request_bytes, minimum=1)
         require_int("checked_records_bytes", self.checked_records_bytes, minimum=0)
         for name in (
             "rpc_timeout_s",
@@ -867,17 +895,15 @@ class DHTNode:
                 # not take all of it.
                 records.extend(self.storage.get(key))
         deadline = Deadline.after(self.config.lookup_timeout_s)
-        batch = self.config.max_records_per_request
-        for start in range(0, len(records), batch):
+        for batch in store_batches(
+            records, self.config.max_records_per_request, self.config.max_request_bytes
+        ):
             request = signed_store_request(
-                self.identity,
-                self.card,
-                records[start : start + batch],
-                timestamp_ms=int(self.clock() * 1000),
+                self.identity, self.card, batch, timestamp_ms=int(self.clock() * 1000)
             )
             if await self._call(newcomer, self._transport.store, request, deadline) is None:
                 return
-            self.stats["replicated"] += len(records[start : start + batch])
+            self.stats["replicated"] += len(batch)
 
     def _failed(self, contact: Contact, why: str, *, blame: bool = True) -> None:
         """Drop a contact whose call failed; with ``blame``, lookups also skip it for
