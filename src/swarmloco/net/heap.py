@@ -99,7 +99,11 @@ _PAGE_BYTES = 4096
 
 
 async def release_when_grown(
-    *, interval_s: float = 5.0, grown_bytes: int = 8 << 20, trim: Callable[[], object] | None = None
+    *,
+    interval_s: float = 5.0,
+    grown_bytes: int = 8 << 20,
+    trim: Callable[[], object] | None = None,
+    resident: Callable[[], int | None] = resident_bytes,
 ) -> None:
     """Forever: every ``interval_s``, hand free memory back when the resident set has grown
     ``grown_bytes`` past where the last release left it.
@@ -109,15 +113,15 @@ async def release_when_grown(
     :func:`release_after`; what gRPC held for it stays with the allocator. Its heap is
     small, so a trim costs it little. Without glibc or /proc it returns at once."""
     trim = trim or _malloc_trim()
-    if trim is None or resident_bytes() is None:
+    if trim is None or resident() is None:
         return
-    floor = resident_bytes() or 0
+    floor = resident() or 0
     while True:
         await asyncio.sleep(interval_s)
-        now = resident_bytes() or 0
+        now = resident() or 0
         if now >= floor + grown_bytes:
             trim()
-            floor = resident_bytes() or now
+            floor = resident() or now
         else:
             floor = min(floor, now)
 
