@@ -61,7 +61,6 @@ from swarmloco.core.signature import (
 )
 from swarmloco.core.state import THETA_G, StateSnapshot, state_digest
 from swarmloco.errors import (
-    CheckpointError,
     ModelMismatch,
     RoundAborted,
     Stopped,
@@ -82,8 +81,9 @@ from swarmloco.runtime.box import (
     local_state,
     unwrap,
 )
-from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore
+from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore, Saved
 from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.keeper import CheckpointKeeper
 from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.network import SwarmNetwork, averaging_config, peer_codec
 from swarmloco.runtime.session import REMEMBER, Session, handle_signals
@@ -246,7 +246,6 @@ class Swarm:
         self._stack: contextlib.ExitStack | None = None
         self._inflight: _Exchange | None = None
         self._rate = _Rate()
-        self._dirty = False
         self._consistent = True  # False while a round's result is being applied
         self._expected: tuple[int, int] | None = None
         """Peers known to work on the next round (this one included), and strangers worth a
@@ -254,11 +253,6 @@ class Swarm:
         # (round, the other members' ids) of our last group
         self._last_group: tuple[int, frozenset[str]] | None = None
         self._next_catch_up = 0.0
-        self._checkpoint_due: float | None = None  # a checkpoint owed (retry, or pending)
-        self._state_verified = True
-        """False while the global state was adopted from other peers and is on probation:
-        its checkpoints are saved unverified, and the newest verified one is kept however
-        many of those follow it (what a rollback returns to)."""
         self._nan_in_a_row = 0
         self._train_started = 0.0
         self._step_ended = 0.0
@@ -533,7 +527,10 @@ class Swarm:
                 swarm_dir / "checkpoints", swarm_id=self.swarm_id, keep=cfg.keep_checkpoints
             )
         )
-        self.writer = stack.enter_context(BackgroundWriter(self.store))
+        writer = stack.enter_context(BackgroundWriter(self.store))
+        self.keeper = CheckpointKeeper(
+            self.store, writer, retry_s=cfg.checkpoint_retry_s, emit=self._emit
+        )
         self.snapshots = stack.enter_context(Snapshots(self.swarm_id))
         own_initial = True
         if not self._restore():
@@ -665,48 +662,12 @@ class Swarm:
     def _restore(self, *, verified: bool | None = None) -> bool:
         """Resume from the newest checkpoint that loads and fits this peer (with
         ``verified=True``, the newest whose global state this peer trained and checked
-        itself); False when there is none. One that fails the hash check, or whose content
-        does not fit (a missing key, a wrong type or shape, an object that refuses its
-        state), is skipped with a warning and a ``checkpoint-skipped`` event, and the next
-        one loaded over everything it touched. Raises when checkpoints with good hashes
-        exist but none fits: starting afresh over them would lose the user's work."""
-        # Reasons, not exceptions: a traceback would hold each failed state in memory.
-        misfits: list[tuple[Path, str]] = []
-        corrupt: list[Path] = []
-
-        def skipped(path: Path, why: str) -> None:
-            corrupt.append(path)
-            self._checkpoint_skipped(path, why)
-
-        found = None
-        for candidate in self.store.valid(verified=verified, on_skip=skipped):
-            try:
-                self._load_checkpoint(candidate.state)
-            except Exception as exc:  # whatever the content makes the loaders raise
-                why = f"does not fit this peer: {type(exc).__name__}: {exc}"
-                self.store.reject(candidate.path, why)
-                logger.warning("skipping checkpoint %s: %s", candidate.path, why)
-                self._checkpoint_skipped(candidate.path, why)
-                misfits.append((candidate.path, why))
-                continue
-            found = candidate
-            break
+        itself); False when there is none (see :class:`CheckpointKeeper`)."""
+        found = self.keeper.resume(self._load_checkpoint, verified=verified)
         if found is None:
-            if not misfits:
-                if corrupt:
-                    self.last_error = (
-                        f"none of the {len(corrupt)} checkpoint(s) in {self.store.root} is "
-                        "intact (left there to look at): started without them"
-                    )
-                    logger.warning("%s", self.last_error)
-                return False
-            (path, why), older = misfits[0], len(misfits) - 1
-            raise SwarmlocoError(
-                f"checkpoint {path} {why}"
-                + (f" (nor do the {older} older one(s) beside it)" if older else "")
-                + f"; move {'them' if older else 'it'} away to start over"
-            )
-        self._state_verified = found.verified
+            if self.keeper.error:
+                self.last_error = self.keeper.error
+            return False
         if self.box is not None:
             self._restore_box(found.state, found.state.get("ranks", []))
         if not found.verified:
@@ -735,7 +696,7 @@ class Swarm:
         peer that adopted and stopped before its first verified save), the state is kept
         as this peer's own, with a warning."""
         fallback = None
-        for candidate in self.store.valid(verified=True):
+        for candidate in self.keeper.store.valid(verified=True):
             try:
                 state = candidate.state["diloco"]
                 fallback = StateSnapshot.of(
@@ -755,7 +716,7 @@ class Swarm:
                     self._probation.round,
                 )
             self._probation = None
-            self._state_verified = True
+            self.keeper.verified = True
             return
         self._verified = fallback
         logger.info(
@@ -764,9 +725,6 @@ class Swarm:
             self._probation.round,
             fallback.round,
         )
-
-    def _checkpoint_skipped(self, path: Path, why: str) -> None:
-        self._emit("checkpoint-skipped", checkpoint=str(path), why=why)
 
     def _load_checkpoint(self, s: Mapping[str, Any]) -> None:
         """Load one checkpoint's state into the model, optimizer, registered objects, RNG,
@@ -810,18 +768,15 @@ class Swarm:
 
     def _checkpoint(self, *, wait: bool = False, urgent: bool = False) -> None:
         """Checkpoint the state as it is now: only the copy happens here, the write on the
-        writer's thread. While the previous one is still being written, a round's is
-        skipped (the next one, or the one at exit, carries its state); an ``urgent`` one (a
-        downloaded state, which no later round may follow soon) is taken as soon as the
-        writer is free."""
+        writer's thread (see :meth:`CheckpointKeeper.save`); with ``wait``, until it is on
+        disk."""
         self._collect_checkpoint(wait=wait)
-        if self.writer.busy:
-            if urgent:
-                self._checkpoint_due = time.monotonic()
-                return
-            logger.info("checkpoint of round %d skipped: the last one is being written", self.round)
-            return
-        self._checkpoint_due = None
+        started = self.keeper.save(self._capture, round=self.round, step=self.steps, urgent=urgent)
+        if started and wait:
+            self._collect_checkpoint(wait=True)
+
+    def _capture(self) -> dict[str, Any]:
+        """What a checkpoint holds: this peer's whole state as it is now."""
         ranks: list[Any] = []
         if self.box is not None:
             self.box.tell(Op.SAVE)
@@ -842,50 +797,35 @@ class Swarm:
             state["probation"] = self._probation.to_state()
         if ranks:
             state["ranks"] = ranks  # the box's other ranks: their objects, RNG and shards
-        self.writer.submit(
-            round=self.round, step=self.steps, state=state, verified=self._state_verified
-        )
-        self._dirty = False
-        if wait:
-            self._collect_checkpoint(wait=True)
+        return state
 
     def _collect_checkpoint(self, *, wait: bool = False) -> None:
-        """Report a checkpoint written in the background once it is on disk. A failed write
-        (a full disk) is reported and tried again ``checkpoint_retry_s`` later; training
-        goes on, and the checkpoints before it stay intact."""
-        try:
-            saved = self.writer.wait() if wait else self.writer.poll()
-        except CheckpointError as exc:
-            retry = self.config.checkpoint_retry_s
-            self._dirty = True
-            self._checkpoint_due = time.monotonic() + retry
-            self.last_error = f"checkpoint failed: {exc}"
-            stopping = self._stop.is_set()
-            logger.log(
-                logging.ERROR if stopping else logging.WARNING,
-                "checkpoint failed%s: %s",
-                "; the work since the last one on disk is lost"
-                if stopping
-                else f"; training goes on, next try in {retry:.0f} s",
-                exc,
-            )
-            self._emit("checkpoint-failed", round=self.round, error=str(exc))
+        """Report a checkpoint written in the background once it is on disk, or a failed
+        write (tried again later: see :meth:`CheckpointKeeper.collect`)."""
+        failures = self.keeper.failures
+        saved = self.keeper.collect(wait=wait, stopping=self._stop.is_set())
+        self._saved(saved, failed=self.keeper.failures > failures)
+
+    def _saved(self, saved: Saved | None, *, failed: bool) -> None:
+        """Tell of a checkpoint on disk (``saved``) or a write that ``failed``."""
+        if failed:
+            self.last_error = self.keeper.error
+        if saved is None:
             return
-        if saved is not None:
-            self._remember_peers()
-            if self.last_error.startswith("checkpoint failed"):
-                self.last_error = ""
-            self.snapshots.finish(wait=True)  # the round's event before its checkpoint's
-            self._emit(
-                "checkpoint",
-                round=saved.round,
-                step=saved.step,
-                path=str(saved.path),
-                bytes=saved.nbytes,
-                seconds=round(saved.write_seconds, 3),
-                copy_seconds=round(saved.copy_seconds, 3),
-                verified=saved.verified,
-            )
+        self._remember_peers()
+        if self.last_error.startswith("checkpoint failed"):
+            self.last_error = ""
+        self.snapshots.finish(wait=True)  # the round's event before its checkpoint's
+        self._emit(
+            "checkpoint",
+            round=saved.round,
+            step=saved.step,
+            path=str(saved.path),
+            bytes=saved.nbytes,
+            seconds=round(saved.write_seconds, 3),
+            copy_seconds=round(saved.copy_seconds, 3),
+            verified=saved.verified,
+        )
 
     # -- leaving ------------------------------------------------------------------------------
 
@@ -918,7 +858,7 @@ class Swarm:
                     self._land()
             self.snapshots.finish(wait=True)
             self.state = "stopping"
-            if self._dirty and self._consistent:
+            if self.keeper.dirty and self._consistent:
                 self._checkpoint(wait=True)
             self._collect_checkpoint(wait=True)
             if box is not None and not box.broken:
@@ -978,7 +918,7 @@ class Swarm:
         self.diloco.trained(n)
         self._lr_sum += float(self.optimizer.param_groups[0]["lr"])
         self._lr_steps += 1
-        self._dirty = True
+        self.keeper.dirty = True
         self.train_seconds += seconds
         # The rate others project this peer's tokens by: a whole cycle, this hook's own
         # time included (a few ms of pacing and bookkeeping weigh on steps of a few ms),
@@ -1015,8 +955,7 @@ class Swarm:
         while True:
             self.snapshots.finish()
             self._collect_checkpoint()
-            due = self._checkpoint_due
-            if due is not None and time.monotonic() >= due and not self.writer.busy:
+            if self.keeper.owed():
                 self._checkpoint()
             if self._ends():
                 return
@@ -1361,14 +1300,14 @@ class Swarm:
                 before=recent_losses(self._losses),
             )
             self._condemned = None
-            self._state_verified = False  # its checkpoints never replace the verified one
+            self.keeper.verified = False  # its checkpoints never replace the verified one
         self.diloco.adopt(snap)
         self._take_global()
         self._global_step = max(self._global_step, int(self.round * self.h))
         self.snapshots.publish(self.round, self.diloco.committed(), snap.digest)
         self.evidence.adopted(time.time())
         self.downloads += 1
-        self._dirty = True
+        self.keeper.dirty = True
         if self.config.checkpoint_every:
             self._checkpoint(urgent=True)  # what was downloaded is not lost to a crash
         logger.info("took the swarm's state of round %d from %s: %s", self.round, got.donor, why)
@@ -1392,7 +1331,7 @@ class Swarm:
         self._probation = self._verified = self._condemned = None
         if probation is None or verified is None:
             return
-        self._state_verified = True
+        self.keeper.verified = True
         self._distrusted_digests[probation.digest] = None
         while len(self._distrusted_digests) > _MAX_DISTRUSTED_DIGESTS:
             self._distrusted_digests.popitem(last=False)
@@ -1420,7 +1359,7 @@ class Swarm:
         self._take_global()
         self.snapshots.publish(self.round, self.diloco.committed(), verified.digest)
         self.last_error = f"rolled back an adopted state of round {probation.round}: {why}"
-        self._dirty = True
+        self.keeper.dirty = True
         self._emit(
             "rolled-back",
             round=self.round,
@@ -1549,7 +1488,7 @@ class Swarm:
             )
             self._probation = None
             self._verified = None
-            self._state_verified = True
+            self.keeper.verified = True
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
 
         def hashed(digest: bytes) -> None:
