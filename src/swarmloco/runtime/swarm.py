@@ -42,7 +42,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -67,6 +67,7 @@ from swarmloco.errors import (
     SwarmlocoError,
 )
 from swarmloco.net.admission import Gate
+from swarmloco.net.averaging.report import AllReduceReport
 from swarmloco.net.identity import Identity
 from swarmloco.net.records import is_farewell
 from swarmloco.net.state import DownloadedState
@@ -1425,36 +1426,7 @@ class Swarm:
             if not bool(torch.isfinite(self.diloco.means[x.fragment]).all()):
                 raise RoundAborted(f"round {x.round}: the group's mean is not finite")
         except Exception as exc:  # whatever the others sent: the round fails, never the peer
-            if not isinstance(exc, _ROUND_FAILURES):
-                logger.error("round %d failed on an unexpected error", x.round, exc_info=exc)
-            x.future.cancel()
-            self.state = "training"
-            if not (isinstance(exc, RoundAborted) and exc.late):
-                # (Late for a group that formed without it: a healthy peer's routine, not an
-                # error the dashboard should show; it takes the group's result instead.)
-                self.last_error = f"round {x.round} aborted: {exc}"
-            self._remember(x.round, 0, x.started, None, x.fragment)
-            # Nothing applied: the fragment's delta keeps growing and the next attempt
-            # carries all of it.
-            self.rounds_aborted += 1
-            self._last_group = None  # those we expected did not come
-            if isinstance(exc, RoundAborted) and exc.late:
-                # The others average this round without us: take their result once it is
-                # published. Wait about as long as their round takes (a gathering window
-                # and the exchange, twice over), then try the round again as usual.
-                wait = 2 * (self.config.matchmaking.gather_s + self._round_s)
-                self._late = (x.round, time.monotonic() + min(wait, self.config.round_timeout_s))
-                # Unless that group aborts: its members then announce the round again.
-                self.network.late = (x.round, self.diloco.means[x.fragment].numel())
-                self.loop.loop.call_soon_threadsafe(self.network.wake)
-            logger.warning("round %d aborted: %s", x.round, exc)
-            self._emit(
-                "aborted",
-                round=x.round,
-                fragment=x.fragment,
-                error=f"{type(exc).__name__}: {exc}",
-                seconds=round(time.monotonic() - x.started, 3),
-            )
+            self._aborted(x, exc)
             return
         self.state = "training"
         f = x.fragment
@@ -1466,29 +1438,7 @@ class Swarm:
             self.diloco.land(f, whole, alpha)
         self._consistent = True
         self._advance_global()
-        lr = self._lr_sum / self._lr_steps if self._lr_steps else None
-        self._lr_sum, self._lr_steps = 0.0, 0
-        grouped = len(report.members) >= 2
-        adoption = self.config.catchup.adoption
-        self.evidence.applied(
-            movement,
-            time.time(),
-            alone=not grouped,
-            lr=lr,
-            update=float(torch.linalg.vector_norm(self.diloco.means[f])),
-            tokens=outcome.group_tokens,
-        )
-        self.evidence.grouped(x.round, report.members, self.peer_id, adoption)
-        if self._probation is not None and self._probation.round_applied(grouped, adoption):
-            logger.info(
-                "the state adopted at round %d passed its probation (%d round(s) averaged "
-                "with others since): it is this peer's own now",
-                self._probation.round,
-                self._probation.rounds,
-            )
-            self._probation = None
-            self._verified = None
-            self.keeper.verified = True
+        self._weigh(x, report.members, movement, outcome.group_tokens)
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
 
         def hashed(digest: bytes) -> None:
@@ -1513,29 +1463,7 @@ class Swarm:
         ):
             eval_loss = self.last_eval = float(self.evaluate())
         self._round_s = seconds
-        event.update(
-            {
-                "round": self.round,
-                "fragment": f,
-                "step": self.steps,
-                "global_step": self.global_step,
-                "overlap_steps": self.steps - x.step,
-                "group": len(report.members),
-                "weight": x.weight,
-                "lr": float(self.optimizer.param_groups[0]["lr"]),
-                "loss": self.last_loss,
-                "eval_loss": eval_loss,
-                "bytes_sent": report.bytes_sent,
-                "seconds": round(seconds, 3),
-                "matchmaking_seconds": round(matchmaking, 3),
-                # The training loop's own time so far (the share of wall time it trains,
-                # between any two rounds, is the difference of this over that of "time").
-                "train_seconds": round(self.train_seconds, 3),
-                "excluded": sorted(report.excluded),
-                "rejections": dict(report.rejections),
-                "clipped": report.clipped,
-            }
-        )
+        event.update(self._round_event(x, report, seconds, matchmaking, eval_loss))
         logger.info(
             "round %d (fragment %d) applied with %d peer(s) in %.2fs: train loss %.3f%s",
             self.round,
@@ -1547,6 +1475,101 @@ class Swarm:
         )
         if self.config.checkpoint_every and self.round % self.config.checkpoint_every == 0:
             self._checkpoint()
+
+    def _aborted(self, x: _Exchange, exc: BaseException) -> None:
+        """The exchange ``x`` failed (``exc``): nothing applied, the round counted as
+        aborted; a peer late for a group that formed without it waits for its result."""
+        assert self.network is not None
+        if not isinstance(exc, _ROUND_FAILURES):
+            logger.error("round %d failed on an unexpected error", x.round, exc_info=exc)
+        x.future.cancel()
+        self.state = "training"
+        if not (isinstance(exc, RoundAborted) and exc.late):
+            # (Late for a group that formed without it: a healthy peer's routine, not an
+            # error the dashboard should show; it takes the group's result instead.)
+            self.last_error = f"round {x.round} aborted: {exc}"
+        self._remember(x.round, 0, x.started, None, x.fragment)
+        # Nothing applied: the fragment's delta keeps growing and the next attempt
+        # carries all of it.
+        self.rounds_aborted += 1
+        self._last_group = None  # those we expected did not come
+        if isinstance(exc, RoundAborted) and exc.late:
+            # The others average this round without us: take their result once it is
+            # published. Wait about as long as their round takes (a gathering window
+            # and the exchange, twice over), then try the round again as usual.
+            wait = 2 * (self.config.matchmaking.gather_s + self._round_s)
+            self._late = (x.round, time.monotonic() + min(wait, self.config.round_timeout_s))
+            # Unless that group aborts: its members then announce the round again.
+            self.network.late = (x.round, self.diloco.means[x.fragment].numel())
+            self.loop.loop.call_soon_threadsafe(self.network.wake)
+        logger.warning("round %d aborted: %s", x.round, exc)
+        self._emit(
+            "aborted",
+            round=x.round,
+            fragment=x.fragment,
+            error=f"{type(exc).__name__}: {exc}",
+            seconds=round(time.monotonic() - x.started, 3),
+        )
+
+    def _weigh(
+        self, x: _Exchange, members: Sequence[str], movement: float, group_tokens: int
+    ) -> None:
+        """Count the applied round as evidence for adoption, and end a probation it
+        completes."""
+        lr = self._lr_sum / self._lr_steps if self._lr_steps else None
+        self._lr_sum, self._lr_steps = 0.0, 0
+        grouped = len(members) >= 2
+        adoption = self.config.catchup.adoption
+        self.evidence.applied(
+            movement,
+            time.time(),
+            alone=not grouped,
+            lr=lr,
+            update=float(torch.linalg.vector_norm(self.diloco.means[x.fragment])),
+            tokens=group_tokens,
+        )
+        self.evidence.grouped(x.round, members, self.peer_id, adoption)
+        if self._probation is not None and self._probation.round_applied(grouped, adoption):
+            logger.info(
+                "the state adopted at round %d passed its probation (%d round(s) averaged "
+                "with others since): it is this peer's own now",
+                self._probation.round,
+                self._probation.rounds,
+            )
+            self._probation = None
+            self._verified = None
+            self.keeper.verified = True
+
+    def _round_event(
+        self,
+        x: _Exchange,
+        report: AllReduceReport,
+        seconds: float,
+        matchmaking: float,
+        eval_loss: float | None,
+    ) -> dict[str, Any]:
+        """The fields of an applied round's event (its digest comes once it is hashed)."""
+        return {
+            "round": self.round,
+            "fragment": x.fragment,
+            "step": self.steps,
+            "global_step": self.global_step,
+            "overlap_steps": self.steps - x.step,
+            "group": len(report.members),
+            "weight": x.weight,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "loss": self.last_loss,
+            "eval_loss": eval_loss,
+            "bytes_sent": report.bytes_sent,
+            "seconds": round(seconds, 3),
+            "matchmaking_seconds": round(matchmaking, 3),
+            # The training loop's own time so far (the share of wall time it trains,
+            # between any two rounds, is the difference of this over that of "time").
+            "train_seconds": round(self.train_seconds, 3),
+            "excluded": sorted(report.excluded),
+            "rejections": dict(report.rejections),
+            "clipped": report.clipped,
+        }
 
     def _remember(
         self,
