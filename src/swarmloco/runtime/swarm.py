@@ -42,7 +42,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -1107,19 +1107,9 @@ class Swarm:
             return Verdict.DUE
         assert self.network is not None
         if self.network.reads < 2 and not self._read_twice:
-            # Just joined: peers that started with this one may not have reported yet (a
-            # report interval apart), and one that decides it is alone now splits the first
-            # round. Once due by its own count, the training thread waits (once, briefly)
-            # for a second read: training on instead would make a lone peer's first round
-            # as long as the network is slow, and its result depend on timing.
             if self.steps_since_round < h:
                 return Verdict.WAIT
-            self._read_twice = True
-            self.loop.loop.call_soon_threadsafe(self.network.wake)
-            with self._blocking():
-                read = self.network.wait_for_reads(2, 2 * self.config.progress_interval_s + 1.0)
-            if not read:
-                logger.info("no second read of the progress records: deciding on what we have")
+            self._wait_for_a_second_read()
         now = self._now()
         target = self.round + 1
         mine = ProgressReport(
@@ -1138,32 +1128,11 @@ class Swarm:
         heard = [r for r in everyone if r.peer in partners]
         reports = heard if heard else everyone
         working = 1 + len({r.peer for r in reports if r.round == target})
-        # Matchmaking waits for the peers of this round: those whose report names it, the
-        # round before (they applied it with us and have not reported since) or the round
-        # after (they started this one: it is in flight on their side). Counting too many
-        # costs a gathering window, too few a group split in two. A few newcomers are
-        # waited for besides partners, not a crowd of keys, and only for a short grace
-        # once the partners are in (``stranger_grace_s``): anyone can claim progress.
-        near = {r.peer for r in everyone if target - 1 <= r.round <= target + 1}
-        known = {p for p in near if p in partners} if heard else near
-        expected = 1 + len(known)
-        if self._last_group is not None and self._last_group[0] == self.round:
-            # Who averaged the last round with us will most likely average this one too,
-            # even when their reports lag a round behind; not those that said goodbye.
-            left = {r.peer for r in self.network.reports if is_farewell(r)}
-            expected = max(expected, 1 + len(self._last_group[1] - left))
-        self._expected = (expected, min(len(near - known), _EXPECTED_STRANGERS))
+        self._expected = self._expect(everyone, partners if heard else None, target)
         if any(r.round > target + 1 for r in reports):
             return Verdict.BEHIND  # others applied rounds this peer has not
-        if self._late is not None:
-            late_round, until = self._late
-            if late_round != target or time.monotonic() >= until:
-                self._end_late_wait()
-            elif self.network.late_group_aborted(target):
-                logger.info("round %d: the group that formed without us aborted", target)
-                self._end_late_wait()
-            else:
-                return Verdict.BEHIND  # this round's group formed without us: fetch its result
+        if self._late is not None and self._still_late(target):
+            return Verdict.BEHIND  # this round's group formed without us: fetch its result
         if any(r.round == target + 1 for r in reports) and self.steps_since_round >= h / 4:
             # Someone started this round already: join it now, with what we have, rather
             # than fall a gathering window out of step with it (not before a quarter of
@@ -1183,6 +1152,58 @@ class Swarm:
         if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
             return Verdict.DUE if self.steps_since_round >= h else Verdict.WAIT
         return verdict
+
+    def _wait_for_a_second_read(self) -> None:
+        """Just joined: peers that started with this one may not have reported yet (a
+        report interval apart), and one that decides it is alone now splits the first
+        round. Once due by its own count, the training thread waits (once, briefly) for a
+        second read: training on instead would make a lone peer's first round as long as
+        the network is slow, and its result depend on timing."""
+        assert self.network is not None
+        self._read_twice = True
+        self.loop.loop.call_soon_threadsafe(self.network.wake)
+        with self._blocking():
+            read = self.network.wait_for_reads(2, 2 * self.config.progress_interval_s + 1.0)
+        if not read:
+            logger.info("no second read of the progress records: deciding on what we have")
+
+    def _expect(
+        self, everyone: list[ProgressReport], partners: Collection[str] | None, target: int
+    ) -> tuple[int, int]:
+        """(peers matchmaking waits for, this one included; strangers worth a short wait
+        besides) for round ``target``, from the reports and, when any partner is heard
+        (``partners``), from theirs alone.
+
+        Matchmaking waits for the peers of this round: those whose report names it, the
+        round before (they applied it with us and have not reported since) or the round
+        after (they started this one: it is in flight on their side). Counting too many
+        costs a gathering window, too few a group split in two. A few newcomers are waited
+        for besides partners, not a crowd of keys, and only for a short grace once the
+        partners are in (``stranger_grace_s``): anyone can claim progress."""
+        assert self.network is not None
+        near = {r.peer for r in everyone if target - 1 <= r.round <= target + 1}
+        known = {p for p in near if p in partners} if partners is not None else near
+        expected = 1 + len(known)
+        if self._last_group is not None and self._last_group[0] == self.round:
+            # Who averaged the last round with us will most likely average this one too,
+            # even when their reports lag a round behind; not those that said goodbye.
+            left = {r.peer for r in self.network.reports if is_farewell(r)}
+            expected = max(expected, 1 + len(self._last_group[1] - left))
+        return expected, min(len(near - known), _EXPECTED_STRANGERS)
+
+    def _still_late(self, target: int) -> bool:
+        """Whether this peer still waits for the result of round ``target``'s group that
+        formed without it (until its deadline, or until that group aborts)."""
+        assert self._late is not None and self.network is not None
+        late_round, until = self._late
+        if late_round != target or time.monotonic() >= until:
+            self._end_late_wait()
+            return False
+        if self.network.late_group_aborted(target):
+            logger.info("round %d: the group that formed without us aborted", target)
+            self._end_late_wait()
+            return False
+        return True
 
     def _end_late_wait(self) -> None:
         self._late = None
