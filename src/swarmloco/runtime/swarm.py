@@ -495,14 +495,7 @@ class Swarm:
         manifest = self.manifest
         spec = manifest_spec(manifest)
         self.signature = manifest_signature(manifest)
-        differences = self.signature.differences(params_of(self.model))
-        if differences:
-            lines = "\n".join(f"  - {d}" for d in differences)
-            raise ModelMismatch(
-                f"this model is not the one swarm {self.swarm_id} trains:\n{lines}\nbuild the "
-                "model exactly as the swarm's creator did (same class, config and dtype)",
-                differences,
-            )
+        self._check_model()
         # After the model's check (a wrong model is refused at once), before the network:
         # a private run's certificate, or this key's proof of work (solved once, kept).
         self.admission = self.session.admission(manifest)
@@ -520,18 +513,7 @@ class Swarm:
         self.params = BoxParams(
             parameters_in_order(self.model, self.signature.params), self.diloco.layout, self.box
         )
-        swarm_dir = cfg.directory / "swarms" / self.swarm_id
-        swarm_dir.mkdir(parents=True, exist_ok=True)
-        _write_manifest_copy(swarm_dir / "manifest.json", manifest)
-        self.store = stack.enter_context(
-            CheckpointStore(
-                swarm_dir / "checkpoints", swarm_id=self.swarm_id, keep=cfg.keep_checkpoints
-            )
-        )
-        writer = stack.enter_context(BackgroundWriter(self.store))
-        self.keeper = CheckpointKeeper(
-            self.store, writer, retry_s=cfg.checkpoint_retry_s, emit=self._emit
-        )
+        self._open_checkpoints(stack, manifest)
         self.snapshots = stack.enter_context(Snapshots(self.swarm_id))
         own_initial = True
         if not self._restore():
@@ -553,6 +535,38 @@ class Swarm:
             stack.callback(self._hook.remove)
         self.state = "training"
         self._step_ended = time.monotonic()
+        self._ready(spec)
+
+    def _check_model(self) -> None:
+        """Refuse a model that is not the swarm's, naming each difference."""
+        differences = self.signature.differences(params_of(self.model))
+        if differences:
+            lines = "\n".join(f"  - {d}" for d in differences)
+            raise ModelMismatch(
+                f"this model is not the one swarm {self.swarm_id} trains:\n{lines}\nbuild the "
+                "model exactly as the swarm's creator did (same class, config and dtype)",
+                differences,
+            )
+
+    def _open_checkpoints(self, stack: contextlib.ExitStack, manifest: SwarmManifest) -> None:
+        """The swarm's directory (with a copy of its manifest), its checkpoint store and
+        the keeper of its checkpoints."""
+        cfg = self.config
+        swarm_dir = cfg.directory / "swarms" / self.swarm_id
+        swarm_dir.mkdir(parents=True, exist_ok=True)
+        _write_manifest_copy(swarm_dir / "manifest.json", manifest)
+        self.store = stack.enter_context(
+            CheckpointStore(
+                swarm_dir / "checkpoints", swarm_id=self.swarm_id, keep=cfg.keep_checkpoints
+            )
+        )
+        writer = stack.enter_context(BackgroundWriter(self.store))
+        self.keeper = CheckpointKeeper(
+            self.store, writer, retry_s=cfg.checkpoint_retry_s, emit=self._emit
+        )
+
+    def _ready(self, spec: RunSpec) -> None:
+        """Say that this peer trains: its event and its log line."""
         self._emit(
             "ready",
             swarm_id=self.swarm_id,
