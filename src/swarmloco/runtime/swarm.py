@@ -48,7 +48,6 @@ from typing import Any, Protocol
 
 import torch
 
-from swarmloco import __version__
 from swarmloco.core.adoption import Evidence, Probation, Reference, recent_losses
 from swarmloco.core.codec import warm_up
 from swarmloco.core.manifest import SwarmManifest
@@ -89,6 +88,7 @@ from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.network import SwarmNetwork, averaging_config, peer_codec
 from swarmloco.runtime.session import REMEMBER, Session, handle_signals
 from swarmloco.runtime.snapshots import Snapshots
+from swarmloco.runtime.status import Counters, StatusSheet
 from swarmloco.train.diloco import DilocoState, fragment_of_round
 
 logger = logging.getLogger(__name__)
@@ -206,10 +206,12 @@ class Swarm:
         self.state = "starting"
         self.started_at = time.time()
         self.last_error = ""
-        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
-        self._fit = ""
-        self._flops_per_token: float | None = None
-        self._peak_flops: float | None = None
+        self.sheet = StatusSheet(
+            # Several peers on one host (or in containers named alike) stay apart.
+            name=config.name or f"{socket.gethostname()[:50]}/{self.peer_id[:6]}",
+            device="",  # known once the swarm is entered
+            started_at=self.started_at,
+        )
         self.steps = 0
         self.steps_since_round = 0
         self.tokens_since_round = 0
@@ -513,6 +515,7 @@ class Swarm:
         self.params = BoxParams(
             parameters_in_order(self.model, self.signature.params), self.diloco.layout, self.box
         )
+        self.sheet.device = describe_device(self._device)
         self._open_checkpoints(stack, manifest)
         self.snapshots = stack.enter_context(Snapshots(self.swarm_id))
         own_initial = True
@@ -1489,7 +1492,16 @@ class Swarm:
         # The round's own time (matchmaking and exchange): the same figure in the event, the
         # log and the status record, without the evaluation below.
         seconds = time.monotonic() - x.started
-        self._remember(x.round, len(report.members), x.started, report, f, matchmaking)
+        self.sheet.remember(
+            round=x.round,
+            group=len(report.members),
+            seconds=seconds,
+            payload_bytes=4 * self.diloco.deltas[f].numel(),
+            bytes_sent=report.bytes_sent,
+            bytes_received=report.bytes_received,
+            ok=True,
+            matchmaking_s=matchmaking,
+        )
         eval_loss = None
         if (
             self.evaluate is not None
@@ -1523,7 +1535,13 @@ class Swarm:
             # (Late for a group that formed without it: a healthy peer's routine, not an
             # error the dashboard should show; it takes the group's result instead.)
             self.last_error = f"round {x.round} aborted: {exc}"
-        self._remember(x.round, 0, x.started, None, x.fragment)
+        self.sheet.remember(
+            round=x.round,
+            group=0,
+            seconds=time.monotonic() - x.started,
+            payload_bytes=4 * self.diloco.deltas[x.fragment].numel(),
+            ok=False,
+        )
         # Nothing applied: the fragment's delta keeps growing and the next attempt
         # carries all of it.
         self.rounds_aborted += 1
@@ -1606,30 +1624,6 @@ class Swarm:
             "clipped": report.clipped,
         }
 
-    def _remember(
-        self,
-        round: int,
-        group: int,
-        started: float,
-        report: Any,
-        fragment: int,
-        matchmaking: float | None = None,
-    ) -> None:
-        """One line of the round timeline the status record carries."""
-        line: dict[str, Any] = {
-            "round": round,
-            "group": group,
-            "seconds": time.monotonic() - started,
-            "bytes_sent": report.bytes_sent if report is not None else 0,
-            "bytes_received": report.bytes_received if report is not None else 0,
-            "payload_bytes": 4 * self.diloco.deltas[fragment].numel(),
-            "ok": report is not None,
-            "at": time.time(),
-        }
-        if matchmaking is not None:
-            line["matchmaking_s"] = matchmaking
-        self.history.append(line)
-
     # -- records ----------------------------------------------------------------------------
 
     def describe_compute(
@@ -1642,9 +1636,7 @@ class Swarm:
         """What the dashboard shows of this peer's compute: how its step fits the device
         (``fit``, a few words), and its model FLOPs utilisation, from the training FLOPs of
         a token and the device's peak (both needed; the rate is the peer's own)."""
-        self._fit = fit
-        self._flops_per_token = flops_per_token
-        self._peak_flops = peak_flops
+        self.sheet.describe_compute(fit=fit, flops_per_token=flops_per_token, peak_flops=peak_flops)
 
     def _progress_value(self) -> dict[str, Any]:
         # The round this peer's new tokens count towards: while round r is in flight,
@@ -1657,33 +1649,22 @@ class Swarm:
         }
 
     def _status_value(self) -> dict[str, Any]:
-        value: dict[str, Any] = {
-            # Several peers on one host (or in containers named alike) stay apart.
-            "name": (self.config.name or f"{socket.gethostname()[:50]}/{self.peer_id[:6]}")[:64],
-            "state": self.state,
-            "round": self.round,
-            "step": self.steps,
-            "tokens": self.steps * self.config.tokens_per_step,
-            "tokens_per_s": self._rate.value,
-            "device": describe_device(self._device)[:64],
-            "version": __version__[:32],
-            "started_at": self.started_at,
-            "rounds_applied": self.rounds_applied,
-            "rounds_aborted": self.rounds_aborted,
-            "downloads": self.downloads,
-            "last_error": self.last_error[:240],
-            "rounds": list(self.history),
-            "at": self._now(),
-        }
-        if self._fit:
-            value["fit"] = self._fit[:64]
-        if self._flops_per_token and self._peak_flops and self._rate.value > 0:
-            value["mfu"] = min(1.0, self._rate.value * self._flops_per_token / self._peak_flops)
-        if math.isfinite(self.last_loss):
-            value["loss"] = self.last_loss
-        if self.last_eval is not None and math.isfinite(self.last_eval):
-            value["eval_loss"] = self.last_eval
-        return value
+        return self.sheet.value(
+            Counters(
+                state=self.state,
+                round=self.round,
+                step=self.steps,
+                tokens=self.steps * self.config.tokens_per_step,
+                tokens_per_s=self._rate.value,
+                rounds_applied=self.rounds_applied,
+                rounds_aborted=self.rounds_aborted,
+                downloads=self.downloads,
+                last_error=self.last_error,
+                loss=self.last_loss,
+                eval_loss=self.last_eval,
+                at=self._now(),
+            )
+        )
 
 
 def describe_device(device: torch.device) -> str:
