@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING, Any
 
 from swarmloco.cli.common import _add_data_options, _data_spec, _model_overrides
+
+if TYPE_CHECKING:
+    from swarmloco.core.runspec import RunSpec
+    from swarmloco.train.simulate import ArmResult
+    from swarmloco.train.tasks import RunConfig
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -126,39 +132,15 @@ def _add_machine_options(p: argparse.ArgumentParser) -> None:
 def _run_simulate(args: argparse.Namespace) -> int:
     import dataclasses
 
+    import torch
+
     from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync, warm_start
     from swarmloco.train.tasks import get_task, resolve_model
 
     task = get_task(args.task)
-    overrides = _model_overrides(args)
-    model = resolve_model(task, args.preset, overrides)
-    run = task.default_run(args.preset)
-    inner = run.inner
-    inner = dataclasses.replace(
-        inner,
-        total_steps=args.steps,
-        lr=args.lr if args.lr is not None else inner.lr,
-        batch_size=args.batch_size or inner.batch_size,
-        warmup_steps=min(inner.warmup_steps, max(args.steps // 10, 1)),
-        precision=args.precision,
-        compile=args.compile,
-    )
-    spec = dataclasses.replace(
-        run.spec,
-        sync_every=args.sync_every,
-        fragments=args.fragments,
-        delay=args.delay,
-        alpha=args.alpha,
-        outer_lr=run.spec.outer_lr if args.outer_lr is None else args.outer_lr,
-        outer_momentum=(
-            run.spec.outer_momentum if args.outer_momentum is None else args.outer_momentum
-        ),
-        codec=dataclasses.replace(run.spec.codec, error_feedback=args.error_feedback),
-        seed=args.seed,
-    )
-    run = dataclasses.replace(run, inner=inner, spec=spec)
-    import torch
-
+    model = resolve_model(task, args.preset, _model_overrides(args))
+    run = _simulated_run(task.default_run(args.preset), args)
+    spec = run.spec
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device
@@ -179,14 +161,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if args.warm_start >= args.steps:
             raise SystemExit(f"--warm-start {args.warm_start} leaves nothing of --steps")
         start = warm_start(task, model, data, run, sim, args.warm_start, progress=progress)
-    grid = [(args.sync_every, spec.outer_lr, spec.outer_momentum)]
-    if args.sweep:
-        grid = [
-            (int(h), float(lr), float(mu))
-            for h in args.sweep_sync_every.split(",")
-            for lr in args.sweep_outer_lr.split(",")
-            for mu in args.sweep_outer_momentum.split(",")
-        ]
+    grid = _grid(args, spec)
     suffix = f"-F{args.fragments}" if args.fragments > 1 else ""
     arms = []
     for h, outer_lr, momentum in grid:
@@ -224,32 +199,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     baseline = None if args.no_baseline else arms[-1]
     diloco = arms[:-1] if baseline is not None else arms
     if args.sweep:
-        ranked = sorted(zip(grid, diloco, strict=True), key=lambda g: g[1].final_eval_loss)
-        summary["sweep"] = [
-            {
-                "sync_every": h,
-                "outer_lr": lr,
-                "outer_momentum": mu,
-                "final_eval_loss": a.final_eval_loss,
-                **({"over_sync": a.final_eval_loss / baseline.final_eval_loss} if baseline else {}),
-            }
-            for (h, lr, mu), a in ranked
-        ]
-        summary["best"] = summary["sweep"][0]
-        for row in summary["sweep"]:
-            versus = f" ({100 * (row['over_sync'] - 1):+.2f}% vs sync)" if baseline else ""
-            print(
-                f"H {row['sync_every']:>4}  outer lr {row['outer_lr']:<4g}  "
-                f"momentum {row['outer_momentum']:<4g}  "
-                f"final eval loss {row['final_eval_loss']:.4f}{versus}",
-                file=sys.stderr,
-            )
-        best = summary["best"]
-        print(
-            f"best: --sync-every {best['sync_every']} --outer-lr {best['outer_lr']:g} "
-            f"--outer-momentum {best['outer_momentum']:g}",
-            file=sys.stderr,
-        )
+        _rank_sweep(summary, grid, diloco, baseline)
     elif baseline is not None:
         d, s = diloco[0].final_eval_loss, baseline.final_eval_loss
         summary["diloco_vs_sync_eval_loss_ratio"] = d / s
@@ -264,3 +214,80 @@ def _run_simulate(args: argparse.Namespace) -> int:
         with open(args.json, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
     return 0
+
+
+def _simulated_run(run: RunConfig, args: argparse.Namespace) -> RunConfig:
+    """The task's default run with the command line's inner and outer settings."""
+    import dataclasses
+
+    inner = run.inner
+    inner = dataclasses.replace(
+        inner,
+        total_steps=args.steps,
+        lr=args.lr if args.lr is not None else inner.lr,
+        batch_size=args.batch_size or inner.batch_size,
+        warmup_steps=min(inner.warmup_steps, max(args.steps // 10, 1)),
+        precision=args.precision,
+        compile=args.compile,
+    )
+    spec = dataclasses.replace(
+        run.spec,
+        sync_every=args.sync_every,
+        fragments=args.fragments,
+        delay=args.delay,
+        alpha=args.alpha,
+        outer_lr=run.spec.outer_lr if args.outer_lr is None else args.outer_lr,
+        outer_momentum=(
+            run.spec.outer_momentum if args.outer_momentum is None else args.outer_momentum
+        ),
+        codec=dataclasses.replace(run.spec.codec, error_feedback=args.error_feedback),
+        seed=args.seed,
+    )
+    return dataclasses.replace(run, inner=inner, spec=spec)
+
+
+def _grid(args: argparse.Namespace, spec: RunSpec) -> list[tuple[int, float, float]]:
+    """(H, outer lr, outer momentum) of each DiLoCo arm: one, or the sweep's grid."""
+    if not args.sweep:
+        return [(args.sync_every, spec.outer_lr, spec.outer_momentum)]
+    return [
+        (int(h), float(lr), float(mu))
+        for h in args.sweep_sync_every.split(",")
+        for lr in args.sweep_outer_lr.split(",")
+        for mu in args.sweep_outer_momentum.split(",")
+    ]
+
+
+def _rank_sweep(
+    summary: dict[str, Any],
+    grid: list[tuple[int, float, float]],
+    diloco: list[ArmResult],
+    baseline: ArmResult | None,
+) -> None:
+    """Rank the sweep's arms by final eval loss into ``summary`` and print the ranking."""
+    ranked = sorted(zip(grid, diloco, strict=True), key=lambda g: g[1].final_eval_loss)
+    summary["sweep"] = [
+        {
+            "sync_every": h,
+            "outer_lr": lr,
+            "outer_momentum": mu,
+            "final_eval_loss": a.final_eval_loss,
+            **({"over_sync": a.final_eval_loss / baseline.final_eval_loss} if baseline else {}),
+        }
+        for (h, lr, mu), a in ranked
+    ]
+    summary["best"] = summary["sweep"][0]
+    for row in summary["sweep"]:
+        versus = f" ({100 * (row['over_sync'] - 1):+.2f}% vs sync)" if baseline else ""
+        print(
+            f"H {row['sync_every']:>4}  outer lr {row['outer_lr']:<4g}  "
+            f"momentum {row['outer_momentum']:<4g}  "
+            f"final eval loss {row['final_eval_loss']:.4f}{versus}",
+            file=sys.stderr,
+        )
+    best = summary["best"]
+    print(
+        f"best: --sync-every {best['sync_every']} --outer-lr {best['outer_lr']:g} "
+        f"--outer-momentum {best['outer_momentum']:g}",
+        file=sys.stderr,
+    )

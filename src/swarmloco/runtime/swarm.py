@@ -42,13 +42,12 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from swarmloco import __version__
 from swarmloco.core.adoption import Evidence, Probation, Reference, recent_losses
 from swarmloco.core.codec import warm_up
 from swarmloco.core.manifest import SwarmManifest
@@ -61,13 +60,13 @@ from swarmloco.core.signature import (
 )
 from swarmloco.core.state import THETA_G, StateSnapshot, state_digest
 from swarmloco.errors import (
-    CheckpointError,
     ModelMismatch,
     RoundAborted,
     Stopped,
     SwarmlocoError,
 )
 from swarmloco.net.admission import Gate
+from swarmloco.net.averaging.report import AllReduceReport
 from swarmloco.net.identity import Identity
 from swarmloco.net.records import is_farewell
 from swarmloco.net.state import DownloadedState
@@ -82,12 +81,14 @@ from swarmloco.runtime.box import (
     local_state,
     unwrap,
 )
-from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore
+from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore, Saved
 from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.keeper import CheckpointKeeper
 from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.network import SwarmNetwork, averaging_config, peer_codec
 from swarmloco.runtime.session import REMEMBER, Session, handle_signals
 from swarmloco.runtime.snapshots import Snapshots
+from swarmloco.runtime.status import Counters, StatusSheet
 from swarmloco.train.diloco import DilocoState, fragment_of_round
 
 logger = logging.getLogger(__name__)
@@ -205,10 +206,12 @@ class Swarm:
         self.state = "starting"
         self.started_at = time.time()
         self.last_error = ""
-        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=8)
-        self._fit = ""
-        self._flops_per_token: float | None = None
-        self._peak_flops: float | None = None
+        self.sheet = StatusSheet(
+            # Several peers on one host (or in containers named alike) stay apart.
+            name=config.name or f"{socket.gethostname()[:50]}/{self.peer_id[:6]}",
+            device="",  # known once the swarm is entered
+            started_at=self.started_at,
+        )
         self.steps = 0
         self.steps_since_round = 0
         self.tokens_since_round = 0
@@ -246,7 +249,6 @@ class Swarm:
         self._stack: contextlib.ExitStack | None = None
         self._inflight: _Exchange | None = None
         self._rate = _Rate()
-        self._dirty = False
         self._consistent = True  # False while a round's result is being applied
         self._expected: tuple[int, int] | None = None
         """Peers known to work on the next round (this one included), and strangers worth a
@@ -254,11 +256,6 @@ class Swarm:
         # (round, the other members' ids) of our last group
         self._last_group: tuple[int, frozenset[str]] | None = None
         self._next_catch_up = 0.0
-        self._checkpoint_due: float | None = None  # a checkpoint owed (retry, or pending)
-        self._state_verified = True
-        """False while the global state was adopted from other peers and is on probation:
-        its checkpoints are saved unverified, and the newest verified one is kept however
-        many of those follow it (what a rollback returns to)."""
         self._nan_in_a_row = 0
         self._train_started = 0.0
         self._step_ended = 0.0
@@ -500,14 +497,7 @@ class Swarm:
         manifest = self.manifest
         spec = manifest_spec(manifest)
         self.signature = manifest_signature(manifest)
-        differences = self.signature.differences(params_of(self.model))
-        if differences:
-            lines = "\n".join(f"  - {d}" for d in differences)
-            raise ModelMismatch(
-                f"this model is not the one swarm {self.swarm_id} trains:\n{lines}\nbuild the "
-                "model exactly as the swarm's creator did (same class, config and dtype)",
-                differences,
-            )
+        self._check_model()
         # After the model's check (a wrong model is refused at once), before the network:
         # a private run's certificate, or this key's proof of work (solved once, kept).
         self.admission = self.session.admission(manifest)
@@ -525,15 +515,8 @@ class Swarm:
         self.params = BoxParams(
             parameters_in_order(self.model, self.signature.params), self.diloco.layout, self.box
         )
-        swarm_dir = cfg.directory / "swarms" / self.swarm_id
-        swarm_dir.mkdir(parents=True, exist_ok=True)
-        _write_manifest_copy(swarm_dir / "manifest.json", manifest)
-        self.store = stack.enter_context(
-            CheckpointStore(
-                swarm_dir / "checkpoints", swarm_id=self.swarm_id, keep=cfg.keep_checkpoints
-            )
-        )
-        self.writer = stack.enter_context(BackgroundWriter(self.store))
+        self.sheet.device = describe_device(self._device)
+        self._open_checkpoints(stack, manifest)
         self.snapshots = stack.enter_context(Snapshots(self.swarm_id))
         own_initial = True
         if not self._restore():
@@ -555,6 +538,38 @@ class Swarm:
             stack.callback(self._hook.remove)
         self.state = "training"
         self._step_ended = time.monotonic()
+        self._ready(spec)
+
+    def _check_model(self) -> None:
+        """Refuse a model that is not the swarm's, naming each difference."""
+        differences = self.signature.differences(params_of(self.model))
+        if differences:
+            lines = "\n".join(f"  - {d}" for d in differences)
+            raise ModelMismatch(
+                f"this model is not the one swarm {self.swarm_id} trains:\n{lines}\nbuild the "
+                "model exactly as the swarm's creator did (same class, config and dtype)",
+                differences,
+            )
+
+    def _open_checkpoints(self, stack: contextlib.ExitStack, manifest: SwarmManifest) -> None:
+        """The swarm's directory (with a copy of its manifest), its checkpoint store and
+        the keeper of its checkpoints."""
+        cfg = self.config
+        swarm_dir = cfg.directory / "swarms" / self.swarm_id
+        swarm_dir.mkdir(parents=True, exist_ok=True)
+        _write_manifest_copy(swarm_dir / "manifest.json", manifest)
+        self.store = stack.enter_context(
+            CheckpointStore(
+                swarm_dir / "checkpoints", swarm_id=self.swarm_id, keep=cfg.keep_checkpoints
+            )
+        )
+        writer = stack.enter_context(BackgroundWriter(self.store))
+        self.keeper = CheckpointKeeper(
+            self.store, writer, retry_s=cfg.checkpoint_retry_s, emit=self._emit
+        )
+
+    def _ready(self, spec: RunSpec) -> None:
+        """Say that this peer trains: its event and its log line."""
         self._emit(
             "ready",
             swarm_id=self.swarm_id,
@@ -665,48 +680,12 @@ class Swarm:
     def _restore(self, *, verified: bool | None = None) -> bool:
         """Resume from the newest checkpoint that loads and fits this peer (with
         ``verified=True``, the newest whose global state this peer trained and checked
-        itself); False when there is none. One that fails the hash check, or whose content
-        does not fit (a missing key, a wrong type or shape, an object that refuses its
-        state), is skipped with a warning and a ``checkpoint-skipped`` event, and the next
-        one loaded over everything it touched. Raises when checkpoints with good hashes
-        exist but none fits: starting afresh over them would lose the user's work."""
-        # Reasons, not exceptions: a traceback would hold each failed state in memory.
-        misfits: list[tuple[Path, str]] = []
-        corrupt: list[Path] = []
-
-        def skipped(path: Path, why: str) -> None:
-            corrupt.append(path)
-            self._checkpoint_skipped(path, why)
-
-        found = None
-        for candidate in self.store.valid(verified=verified, on_skip=skipped):
-            try:
-                self._load_checkpoint(candidate.state)
-            except Exception as exc:  # whatever the content makes the loaders raise
-                why = f"does not fit this peer: {type(exc).__name__}: {exc}"
-                self.store.reject(candidate.path, why)
-                logger.warning("skipping checkpoint %s: %s", candidate.path, why)
-                self._checkpoint_skipped(candidate.path, why)
-                misfits.append((candidate.path, why))
-                continue
-            found = candidate
-            break
+        itself); False when there is none (see :class:`CheckpointKeeper`)."""
+        found = self.keeper.resume(self._load_checkpoint, verified=verified)
         if found is None:
-            if not misfits:
-                if corrupt:
-                    self.last_error = (
-                        f"none of the {len(corrupt)} checkpoint(s) in {self.store.root} is "
-                        "intact (left there to look at): started without them"
-                    )
-                    logger.warning("%s", self.last_error)
-                return False
-            (path, why), older = misfits[0], len(misfits) - 1
-            raise SwarmlocoError(
-                f"checkpoint {path} {why}"
-                + (f" (nor do the {older} older one(s) beside it)" if older else "")
-                + f"; move {'them' if older else 'it'} away to start over"
-            )
-        self._state_verified = found.verified
+            if self.keeper.error:
+                self.last_error = self.keeper.error
+            return False
         if self.box is not None:
             self._restore_box(found.state, found.state.get("ranks", []))
         if not found.verified:
@@ -735,7 +714,7 @@ class Swarm:
         peer that adopted and stopped before its first verified save), the state is kept
         as this peer's own, with a warning."""
         fallback = None
-        for candidate in self.store.valid(verified=True):
+        for candidate in self.keeper.store.valid(verified=True):
             try:
                 state = candidate.state["diloco"]
                 fallback = StateSnapshot.of(
@@ -755,7 +734,7 @@ class Swarm:
                     self._probation.round,
                 )
             self._probation = None
-            self._state_verified = True
+            self.keeper.verified = True
             return
         self._verified = fallback
         logger.info(
@@ -764,9 +743,6 @@ class Swarm:
             self._probation.round,
             fallback.round,
         )
-
-    def _checkpoint_skipped(self, path: Path, why: str) -> None:
-        self._emit("checkpoint-skipped", checkpoint=str(path), why=why)
 
     def _load_checkpoint(self, s: Mapping[str, Any]) -> None:
         """Load one checkpoint's state into the model, optimizer, registered objects, RNG,
@@ -810,18 +786,15 @@ class Swarm:
 
     def _checkpoint(self, *, wait: bool = False, urgent: bool = False) -> None:
         """Checkpoint the state as it is now: only the copy happens here, the write on the
-        writer's thread. While the previous one is still being written, a round's is
-        skipped (the next one, or the one at exit, carries its state); an ``urgent`` one (a
-        downloaded state, which no later round may follow soon) is taken as soon as the
-        writer is free."""
+        writer's thread (see :meth:`CheckpointKeeper.save`); with ``wait``, until it is on
+        disk."""
         self._collect_checkpoint(wait=wait)
-        if self.writer.busy:
-            if urgent:
-                self._checkpoint_due = time.monotonic()
-                return
-            logger.info("checkpoint of round %d skipped: the last one is being written", self.round)
-            return
-        self._checkpoint_due = None
+        started = self.keeper.save(self._capture, round=self.round, step=self.steps, urgent=urgent)
+        if started and wait:
+            self._collect_checkpoint(wait=True)
+
+    def _capture(self) -> dict[str, Any]:
+        """What a checkpoint holds: this peer's whole state as it is now."""
         ranks: list[Any] = []
         if self.box is not None:
             self.box.tell(Op.SAVE)
@@ -842,50 +815,35 @@ class Swarm:
             state["probation"] = self._probation.to_state()
         if ranks:
             state["ranks"] = ranks  # the box's other ranks: their objects, RNG and shards
-        self.writer.submit(
-            round=self.round, step=self.steps, state=state, verified=self._state_verified
-        )
-        self._dirty = False
-        if wait:
-            self._collect_checkpoint(wait=True)
+        return state
 
     def _collect_checkpoint(self, *, wait: bool = False) -> None:
-        """Report a checkpoint written in the background once it is on disk. A failed write
-        (a full disk) is reported and tried again ``checkpoint_retry_s`` later; training
-        goes on, and the checkpoints before it stay intact."""
-        try:
-            saved = self.writer.wait() if wait else self.writer.poll()
-        except CheckpointError as exc:
-            retry = self.config.checkpoint_retry_s
-            self._dirty = True
-            self._checkpoint_due = time.monotonic() + retry
-            self.last_error = f"checkpoint failed: {exc}"
-            stopping = self._stop.is_set()
-            logger.log(
-                logging.ERROR if stopping else logging.WARNING,
-                "checkpoint failed%s: %s",
-                "; the work since the last one on disk is lost"
-                if stopping
-                else f"; training goes on, next try in {retry:.0f} s",
-                exc,
-            )
-            self._emit("checkpoint-failed", round=self.round, error=str(exc))
+        """Report a checkpoint written in the background once it is on disk, or a failed
+        write (tried again later: see :meth:`CheckpointKeeper.collect`)."""
+        failures = self.keeper.failures
+        saved = self.keeper.collect(wait=wait, stopping=self._stop.is_set())
+        self._saved(saved, failed=self.keeper.failures > failures)
+
+    def _saved(self, saved: Saved | None, *, failed: bool) -> None:
+        """Tell of a checkpoint on disk (``saved``) or a write that ``failed``."""
+        if failed:
+            self.last_error = self.keeper.error
+        if saved is None:
             return
-        if saved is not None:
-            self._remember_peers()
-            if self.last_error.startswith("checkpoint failed"):
-                self.last_error = ""
-            self.snapshots.finish(wait=True)  # the round's event before its checkpoint's
-            self._emit(
-                "checkpoint",
-                round=saved.round,
-                step=saved.step,
-                path=str(saved.path),
-                bytes=saved.nbytes,
-                seconds=round(saved.write_seconds, 3),
-                copy_seconds=round(saved.copy_seconds, 3),
-                verified=saved.verified,
-            )
+        self._remember_peers()
+        if self.last_error.startswith("checkpoint failed"):
+            self.last_error = ""
+        self.snapshots.finish(wait=True)  # the round's event before its checkpoint's
+        self._emit(
+            "checkpoint",
+            round=saved.round,
+            step=saved.step,
+            path=str(saved.path),
+            bytes=saved.nbytes,
+            seconds=round(saved.write_seconds, 3),
+            copy_seconds=round(saved.copy_seconds, 3),
+            verified=saved.verified,
+        )
 
     # -- leaving ------------------------------------------------------------------------------
 
@@ -918,7 +876,7 @@ class Swarm:
                     self._land()
             self.snapshots.finish(wait=True)
             self.state = "stopping"
-            if self._dirty and self._consistent:
+            if self.keeper.dirty and self._consistent:
                 self._checkpoint(wait=True)
             self._collect_checkpoint(wait=True)
             if box is not None and not box.broken:
@@ -978,7 +936,7 @@ class Swarm:
         self.diloco.trained(n)
         self._lr_sum += float(self.optimizer.param_groups[0]["lr"])
         self._lr_steps += 1
-        self._dirty = True
+        self.keeper.dirty = True
         self.train_seconds += seconds
         # The rate others project this peer's tokens by: a whole cycle, this hook's own
         # time included (a few ms of pacing and bookkeeping weigh on steps of a few ms),
@@ -1015,8 +973,7 @@ class Swarm:
         while True:
             self.snapshots.finish()
             self._collect_checkpoint()
-            due = self._checkpoint_due
-            if due is not None and time.monotonic() >= due and not self.writer.busy:
+            if self.keeper.owed():
                 self._checkpoint()
             if self._ends():
                 return
@@ -1167,19 +1124,9 @@ class Swarm:
             return Verdict.DUE
         assert self.network is not None
         if self.network.reads < 2 and not self._read_twice:
-            # Just joined: peers that started with this one may not have reported yet (a
-            # report interval apart), and one that decides it is alone now splits the first
-            # round. Once due by its own count, the training thread waits (once, briefly)
-            # for a second read: training on instead would make a lone peer's first round
-            # as long as the network is slow, and its result depend on timing.
             if self.steps_since_round < h:
                 return Verdict.WAIT
-            self._read_twice = True
-            self.loop.loop.call_soon_threadsafe(self.network.wake)
-            with self._blocking():
-                read = self.network.wait_for_reads(2, 2 * self.config.progress_interval_s + 1.0)
-            if not read:
-                logger.info("no second read of the progress records: deciding on what we have")
+            self._wait_for_a_second_read()
         now = self._now()
         target = self.round + 1
         mine = ProgressReport(
@@ -1198,32 +1145,11 @@ class Swarm:
         heard = [r for r in everyone if r.peer in partners]
         reports = heard if heard else everyone
         working = 1 + len({r.peer for r in reports if r.round == target})
-        # Matchmaking waits for the peers of this round: those whose report names it, the
-        # round before (they applied it with us and have not reported since) or the round
-        # after (they started this one: it is in flight on their side). Counting too many
-        # costs a gathering window, too few a group split in two. A few newcomers are
-        # waited for besides partners, not a crowd of keys, and only for a short grace
-        # once the partners are in (``stranger_grace_s``): anyone can claim progress.
-        near = {r.peer for r in everyone if target - 1 <= r.round <= target + 1}
-        known = {p for p in near if p in partners} if heard else near
-        expected = 1 + len(known)
-        if self._last_group is not None and self._last_group[0] == self.round:
-            # Who averaged the last round with us will most likely average this one too,
-            # even when their reports lag a round behind; not those that said goodbye.
-            left = {r.peer for r in self.network.reports if is_farewell(r)}
-            expected = max(expected, 1 + len(self._last_group[1] - left))
-        self._expected = (expected, min(len(near - known), _EXPECTED_STRANGERS))
+        self._expected = self._expect(everyone, partners if heard else None, target)
         if any(r.round > target + 1 for r in reports):
             return Verdict.BEHIND  # others applied rounds this peer has not
-        if self._late is not None:
-            late_round, until = self._late
-            if late_round != target or time.monotonic() >= until:
-                self._end_late_wait()
-            elif self.network.late_group_aborted(target):
-                logger.info("round %d: the group that formed without us aborted", target)
-                self._end_late_wait()
-            else:
-                return Verdict.BEHIND  # this round's group formed without us: fetch its result
+        if self._late is not None and self._still_late(target):
+            return Verdict.BEHIND  # this round's group formed without us: fetch its result
         if any(r.round == target + 1 for r in reports) and self.steps_since_round >= h / 4:
             # Someone started this round already: join it now, with what we have, rather
             # than fall a gathering window out of step with it (not before a quarter of
@@ -1243,6 +1169,58 @@ class Swarm:
         if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
             return Verdict.DUE if self.steps_since_round >= h else Verdict.WAIT
         return verdict
+
+    def _wait_for_a_second_read(self) -> None:
+        """Just joined: peers that started with this one may not have reported yet (a
+        report interval apart), and one that decides it is alone now splits the first
+        round. Once due by its own count, the training thread waits (once, briefly) for a
+        second read: training on instead would make a lone peer's first round as long as
+        the network is slow, and its result depend on timing."""
+        assert self.network is not None
+        self._read_twice = True
+        self.loop.loop.call_soon_threadsafe(self.network.wake)
+        with self._blocking():
+            read = self.network.wait_for_reads(2, 2 * self.config.progress_interval_s + 1.0)
+        if not read:
+            logger.info("no second read of the progress records: deciding on what we have")
+
+    def _expect(
+        self, everyone: list[ProgressReport], partners: Collection[str] | None, target: int
+    ) -> tuple[int, int]:
+        """(peers matchmaking waits for, this one included; strangers worth a short wait
+        besides) for round ``target``, from the reports and, when any partner is heard
+        (``partners``), from theirs alone.
+
+        Matchmaking waits for the peers of this round: those whose report names it, the
+        round before (they applied it with us and have not reported since) or the round
+        after (they started this one: it is in flight on their side). Counting too many
+        costs a gathering window, too few a group split in two. A few newcomers are waited
+        for besides partners, not a crowd of keys, and only for a short grace once the
+        partners are in (``stranger_grace_s``): anyone can claim progress."""
+        assert self.network is not None
+        near = {r.peer for r in everyone if target - 1 <= r.round <= target + 1}
+        known = {p for p in near if p in partners} if partners is not None else near
+        expected = 1 + len(known)
+        if self._last_group is not None and self._last_group[0] == self.round:
+            # Who averaged the last round with us will most likely average this one too,
+            # even when their reports lag a round behind; not those that said goodbye.
+            left = {r.peer for r in self.network.reports if is_farewell(r)}
+            expected = max(expected, 1 + len(self._last_group[1] - left))
+        return expected, min(len(near - known), _EXPECTED_STRANGERS)
+
+    def _still_late(self, target: int) -> bool:
+        """Whether this peer still waits for the result of round ``target``'s group that
+        formed without it (until its deadline, or until that group aborts)."""
+        assert self._late is not None and self.network is not None
+        late_round, until = self._late
+        if late_round != target or time.monotonic() >= until:
+            self._end_late_wait()
+            return False
+        if self.network.late_group_aborted(target):
+            logger.info("round %d: the group that formed without us aborted", target)
+            self._end_late_wait()
+            return False
+        return True
 
     def _end_late_wait(self) -> None:
         self._late = None
@@ -1361,14 +1339,14 @@ class Swarm:
                 before=recent_losses(self._losses),
             )
             self._condemned = None
-            self._state_verified = False  # its checkpoints never replace the verified one
+            self.keeper.verified = False  # its checkpoints never replace the verified one
         self.diloco.adopt(snap)
         self._take_global()
         self._global_step = max(self._global_step, int(self.round * self.h))
         self.snapshots.publish(self.round, self.diloco.committed(), snap.digest)
         self.evidence.adopted(time.time())
         self.downloads += 1
-        self._dirty = True
+        self.keeper.dirty = True
         if self.config.checkpoint_every:
             self._checkpoint(urgent=True)  # what was downloaded is not lost to a crash
         logger.info("took the swarm's state of round %d from %s: %s", self.round, got.donor, why)
@@ -1392,7 +1370,7 @@ class Swarm:
         self._probation = self._verified = self._condemned = None
         if probation is None or verified is None:
             return
-        self._state_verified = True
+        self.keeper.verified = True
         self._distrusted_digests[probation.digest] = None
         while len(self._distrusted_digests) > _MAX_DISTRUSTED_DIGESTS:
             self._distrusted_digests.popitem(last=False)
@@ -1420,7 +1398,7 @@ class Swarm:
         self._take_global()
         self.snapshots.publish(self.round, self.diloco.committed(), verified.digest)
         self.last_error = f"rolled back an adopted state of round {probation.round}: {why}"
-        self._dirty = True
+        self.keeper.dirty = True
         self._emit(
             "rolled-back",
             round=self.round,
@@ -1486,36 +1464,7 @@ class Swarm:
             if not bool(torch.isfinite(self.diloco.means[x.fragment]).all()):
                 raise RoundAborted(f"round {x.round}: the group's mean is not finite")
         except Exception as exc:  # whatever the others sent: the round fails, never the peer
-            if not isinstance(exc, _ROUND_FAILURES):
-                logger.error("round %d failed on an unexpected error", x.round, exc_info=exc)
-            x.future.cancel()
-            self.state = "training"
-            if not (isinstance(exc, RoundAborted) and exc.late):
-                # (Late for a group that formed without it: a healthy peer's routine, not an
-                # error the dashboard should show; it takes the group's result instead.)
-                self.last_error = f"round {x.round} aborted: {exc}"
-            self._remember(x.round, 0, x.started, None, x.fragment)
-            # Nothing applied: the fragment's delta keeps growing and the next attempt
-            # carries all of it.
-            self.rounds_aborted += 1
-            self._last_group = None  # those we expected did not come
-            if isinstance(exc, RoundAborted) and exc.late:
-                # The others average this round without us: take their result once it is
-                # published. Wait about as long as their round takes (a gathering window
-                # and the exchange, twice over), then try the round again as usual.
-                wait = 2 * (self.config.matchmaking.gather_s + self._round_s)
-                self._late = (x.round, time.monotonic() + min(wait, self.config.round_timeout_s))
-                # Unless that group aborts: its members then announce the round again.
-                self.network.late = (x.round, self.diloco.means[x.fragment].numel())
-                self.loop.loop.call_soon_threadsafe(self.network.wake)
-            logger.warning("round %d aborted: %s", x.round, exc)
-            self._emit(
-                "aborted",
-                round=x.round,
-                fragment=x.fragment,
-                error=f"{type(exc).__name__}: {exc}",
-                seconds=round(time.monotonic() - x.started, 3),
-            )
+            self._aborted(x, exc)
             return
         self.state = "training"
         f = x.fragment
@@ -1527,29 +1476,7 @@ class Swarm:
             self.diloco.land(f, whole, alpha)
         self._consistent = True
         self._advance_global()
-        lr = self._lr_sum / self._lr_steps if self._lr_steps else None
-        self._lr_sum, self._lr_steps = 0.0, 0
-        grouped = len(report.members) >= 2
-        adoption = self.config.catchup.adoption
-        self.evidence.applied(
-            movement,
-            time.time(),
-            alone=not grouped,
-            lr=lr,
-            update=float(torch.linalg.vector_norm(self.diloco.means[f])),
-            tokens=outcome.group_tokens,
-        )
-        self.evidence.grouped(x.round, report.members, self.peer_id, adoption)
-        if self._probation is not None and self._probation.round_applied(grouped, adoption):
-            logger.info(
-                "the state adopted at round %d passed its probation (%d round(s) averaged "
-                "with others since): it is this peer's own now",
-                self._probation.round,
-                self._probation.rounds,
-            )
-            self._probation = None
-            self._verified = None
-            self._state_verified = True
+        self._weigh(x, report.members, movement, outcome.group_tokens)
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
 
         def hashed(digest: bytes) -> None:
@@ -1565,7 +1492,16 @@ class Swarm:
         # The round's own time (matchmaking and exchange): the same figure in the event, the
         # log and the status record, without the evaluation below.
         seconds = time.monotonic() - x.started
-        self._remember(x.round, len(report.members), x.started, report, f, matchmaking)
+        self.sheet.remember(
+            round=x.round,
+            group=len(report.members),
+            seconds=seconds,
+            payload_bytes=4 * self.diloco.deltas[f].numel(),
+            bytes_sent=report.bytes_sent,
+            bytes_received=report.bytes_received,
+            ok=True,
+            matchmaking_s=matchmaking,
+        )
         eval_loss = None
         if (
             self.evaluate is not None
@@ -1574,29 +1510,7 @@ class Swarm:
         ):
             eval_loss = self.last_eval = float(self.evaluate())
         self._round_s = seconds
-        event.update(
-            {
-                "round": self.round,
-                "fragment": f,
-                "step": self.steps,
-                "global_step": self.global_step,
-                "overlap_steps": self.steps - x.step,
-                "group": len(report.members),
-                "weight": x.weight,
-                "lr": float(self.optimizer.param_groups[0]["lr"]),
-                "loss": self.last_loss,
-                "eval_loss": eval_loss,
-                "bytes_sent": report.bytes_sent,
-                "seconds": round(seconds, 3),
-                "matchmaking_seconds": round(matchmaking, 3),
-                # The training loop's own time so far (the share of wall time it trains,
-                # between any two rounds, is the difference of this over that of "time").
-                "train_seconds": round(self.train_seconds, 3),
-                "excluded": sorted(report.excluded),
-                "rejections": dict(report.rejections),
-                "clipped": report.clipped,
-            }
-        )
+        event.update(self._round_event(x, report, seconds, matchmaking, eval_loss))
         logger.info(
             "round %d (fragment %d) applied with %d peer(s) in %.2fs: train loss %.3f%s",
             self.round,
@@ -1609,29 +1523,106 @@ class Swarm:
         if self.config.checkpoint_every and self.round % self.config.checkpoint_every == 0:
             self._checkpoint()
 
-    def _remember(
-        self,
-        round: int,
-        group: int,
-        started: float,
-        report: Any,
-        fragment: int,
-        matchmaking: float | None = None,
+    def _aborted(self, x: _Exchange, exc: BaseException) -> None:
+        """The exchange ``x`` failed (``exc``): nothing applied, the round counted as
+        aborted; a peer late for a group that formed without it waits for its result."""
+        assert self.network is not None
+        if not isinstance(exc, _ROUND_FAILURES):
+            logger.error("round %d failed on an unexpected error", x.round, exc_info=exc)
+        x.future.cancel()
+        self.state = "training"
+        if not (isinstance(exc, RoundAborted) and exc.late):
+            # (Late for a group that formed without it: a healthy peer's routine, not an
+            # error the dashboard should show; it takes the group's result instead.)
+            self.last_error = f"round {x.round} aborted: {exc}"
+        self.sheet.remember(
+            round=x.round,
+            group=0,
+            seconds=time.monotonic() - x.started,
+            payload_bytes=4 * self.diloco.deltas[x.fragment].numel(),
+            ok=False,
+        )
+        # Nothing applied: the fragment's delta keeps growing and the next attempt
+        # carries all of it.
+        self.rounds_aborted += 1
+        self._last_group = None  # those we expected did not come
+        if isinstance(exc, RoundAborted) and exc.late:
+            # The others average this round without us: take their result once it is
+            # published. Wait about as long as their round takes (a gathering window
+            # and the exchange, twice over), then try the round again as usual.
+            wait = 2 * (self.config.matchmaking.gather_s + self._round_s)
+            self._late = (x.round, time.monotonic() + min(wait, self.config.round_timeout_s))
+            # Unless that group aborts: its members then announce the round again.
+            self.network.late = (x.round, self.diloco.means[x.fragment].numel())
+            self.loop.loop.call_soon_threadsafe(self.network.wake)
+        logger.warning("round %d aborted: %s", x.round, exc)
+        self._emit(
+            "aborted",
+            round=x.round,
+            fragment=x.fragment,
+            error=f"{type(exc).__name__}: {exc}",
+            seconds=round(time.monotonic() - x.started, 3),
+        )
+
+    def _weigh(
+        self, x: _Exchange, members: Sequence[str], movement: float, group_tokens: int
     ) -> None:
-        """One line of the round timeline the status record carries."""
-        line: dict[str, Any] = {
-            "round": round,
-            "group": group,
-            "seconds": time.monotonic() - started,
-            "bytes_sent": report.bytes_sent if report is not None else 0,
-            "bytes_received": report.bytes_received if report is not None else 0,
-            "payload_bytes": 4 * self.diloco.deltas[fragment].numel(),
-            "ok": report is not None,
-            "at": time.time(),
+        """Count the applied round as evidence for adoption, and end a probation it
+        completes."""
+        lr = self._lr_sum / self._lr_steps if self._lr_steps else None
+        self._lr_sum, self._lr_steps = 0.0, 0
+        grouped = len(members) >= 2
+        adoption = self.config.catchup.adoption
+        self.evidence.applied(
+            movement,
+            time.time(),
+            alone=not grouped,
+            lr=lr,
+            update=float(torch.linalg.vector_norm(self.diloco.means[x.fragment])),
+            tokens=group_tokens,
+        )
+        self.evidence.grouped(x.round, members, self.peer_id, adoption)
+        if self._probation is not None and self._probation.round_applied(grouped, adoption):
+            logger.info(
+                "the state adopted at round %d passed its probation (%d round(s) averaged "
+                "with others since): it is this peer's own now",
+                self._probation.round,
+                self._probation.rounds,
+            )
+            self._probation = None
+            self._verified = None
+            self.keeper.verified = True
+
+    def _round_event(
+        self,
+        x: _Exchange,
+        report: AllReduceReport,
+        seconds: float,
+        matchmaking: float,
+        eval_loss: float | None,
+    ) -> dict[str, Any]:
+        """The fields of an applied round's event (its digest comes once it is hashed)."""
+        return {
+            "round": self.round,
+            "fragment": x.fragment,
+            "step": self.steps,
+            "global_step": self.global_step,
+            "overlap_steps": self.steps - x.step,
+            "group": len(report.members),
+            "weight": x.weight,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "loss": self.last_loss,
+            "eval_loss": eval_loss,
+            "bytes_sent": report.bytes_sent,
+            "seconds": round(seconds, 3),
+            "matchmaking_seconds": round(matchmaking, 3),
+            # The training loop's own time so far (the share of wall time it trains,
+            # between any two rounds, is the difference of this over that of "time").
+            "train_seconds": round(self.train_seconds, 3),
+            "excluded": sorted(report.excluded),
+            "rejections": dict(report.rejections),
+            "clipped": report.clipped,
         }
-        if matchmaking is not None:
-            line["matchmaking_s"] = matchmaking
-        self.history.append(line)
 
     # -- records ----------------------------------------------------------------------------
 
@@ -1645,9 +1636,7 @@ class Swarm:
         """What the dashboard shows of this peer's compute: how its step fits the device
         (``fit``, a few words), and its model FLOPs utilisation, from the training FLOPs of
         a token and the device's peak (both needed; the rate is the peer's own)."""
-        self._fit = fit
-        self._flops_per_token = flops_per_token
-        self._peak_flops = peak_flops
+        self.sheet.describe_compute(fit=fit, flops_per_token=flops_per_token, peak_flops=peak_flops)
 
     def _progress_value(self) -> dict[str, Any]:
         # The round this peer's new tokens count towards: while round r is in flight,
@@ -1660,33 +1649,22 @@ class Swarm:
         }
 
     def _status_value(self) -> dict[str, Any]:
-        value: dict[str, Any] = {
-            # Several peers on one host (or in containers named alike) stay apart.
-            "name": (self.config.name or f"{socket.gethostname()[:50]}/{self.peer_id[:6]}")[:64],
-            "state": self.state,
-            "round": self.round,
-            "step": self.steps,
-            "tokens": self.steps * self.config.tokens_per_step,
-            "tokens_per_s": self._rate.value,
-            "device": describe_device(self._device)[:64],
-            "version": __version__[:32],
-            "started_at": self.started_at,
-            "rounds_applied": self.rounds_applied,
-            "rounds_aborted": self.rounds_aborted,
-            "downloads": self.downloads,
-            "last_error": self.last_error[:240],
-            "rounds": list(self.history),
-            "at": self._now(),
-        }
-        if self._fit:
-            value["fit"] = self._fit[:64]
-        if self._flops_per_token and self._peak_flops and self._rate.value > 0:
-            value["mfu"] = min(1.0, self._rate.value * self._flops_per_token / self._peak_flops)
-        if math.isfinite(self.last_loss):
-            value["loss"] = self.last_loss
-        if self.last_eval is not None and math.isfinite(self.last_eval):
-            value["eval_loss"] = self.last_eval
-        return value
+        return self.sheet.value(
+            Counters(
+                state=self.state,
+                round=self.round,
+                step=self.steps,
+                tokens=self.steps * self.config.tokens_per_step,
+                tokens_per_s=self._rate.value,
+                rounds_applied=self.rounds_applied,
+                rounds_aborted=self.rounds_aborted,
+                downloads=self.downloads,
+                last_error=self.last_error,
+                loss=self.last_loss,
+                eval_loss=self.last_eval,
+                at=self._now(),
+            )
+        )
 
 
 def describe_device(device: torch.device) -> str:
