@@ -34,7 +34,6 @@ that joins at round 100 schedules from there, not from its own first step
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -48,7 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
-from swarmloco.core.adoption import Evidence, Probation, Reference, recent_losses
+from swarmloco.core.adoption import Evidence, Reference
 from swarmloco.core.codec import warm_up
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimate
@@ -89,6 +88,7 @@ from swarmloco.runtime.network import SwarmNetwork, averaging_config, peer_codec
 from swarmloco.runtime.session import REMEMBER, Session, handle_signals
 from swarmloco.runtime.snapshots import Snapshots
 from swarmloco.runtime.status import Counters, StatusSheet
+from swarmloco.runtime.trial import Trial
 from swarmloco.train.diloco import DilocoState, fragment_of_round
 
 logger = logging.getLogger(__name__)
@@ -100,11 +100,7 @@ _FRESH_REPORTS = 5  # a report older than this many publishing intervals: the pe
 _FRESH_MIN_S = 10.0
 _MAX_WAIT_ROUNDS = 4
 _CATCH_UP_RETRY_S = 2.0
-_UNBACKED_S = 10.0  # how long a claim of a later round no adoptable state backs is ignored
 _PEERS_POLL_S = 0.5  # how long wait_for_peers waits for a read of the records at most
-_DISTRUSTED_S = 600.0  # how long the holders of a refused state are not asked again
-_MAX_DISTRUSTED_DIGESTS = 1024  # states rolled back, remembered
-_ROLLED_BACK_S = 60.0  # how long the holders of a state rolled back are not asked again
 _EXPECTED_STRANGERS = 2  # newcomers a round waits for (a short grace) besides partners
 _MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
 _INITIAL_RETRY_S = 2.0
@@ -259,24 +255,13 @@ class Swarm:
         self._nan_in_a_row = 0
         self._train_started = 0.0
         self._step_ended = 0.0
-        self._unbacked: dict[str, float] = {}
         self._late: tuple[int, float] | None = None
         """(round, until): that round's group formed without this peer, which waits for its
         result (a download) instead of averaging the round with whoever else came late."""
         self._read_twice = False  # the first round waited for a second read of the records
         self._round_s = 5.0  # how long this peer's last applied round took (a guess at first)
-        self._distrusted: dict[str, float] = {}
-        self._distrusted_digests: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        """States rolled back after their adoption: never adopted again (the newest kept)."""
-        self._refusals_told: set[tuple[int, str]] = set()
-        self._losses: collections.deque[float] = collections.deque(maxlen=8)
-        self._probation: Probation | None = None
-        """The adopted state on trial, while it is (``core/adoption.py``)."""
-        self._verified: StateSnapshot | None = None
-        """The last state this peer trained (or checked against the manifest) itself, kept
-        while an adopted one is on probation: what a rollback returns to."""
-        self._condemned: str | None = None
-        """Why the state on probation is to be rolled back, at the next step boundary."""
+        self.trial = Trial(config.catchup.adoption)
+        """The adopted state on trial, its fallback, and whom this peer no longer believes."""
         self._hook: Any = None
 
     # -- what the user reads and calls ------------------------------------------------------
@@ -369,10 +354,7 @@ class Swarm:
         if loss is None:
             return
         self.last_loss = float(loss)
-        if math.isfinite(self.last_loss):
-            self._losses.append(self.last_loss)
-        if self._probation is not None and self._condemned is None:
-            self._condemned = self._probation.loss(self.last_loss, self.config.catchup.adoption)
+        self.trial.loss(self.last_loss)
 
     def load_global_into(self, module: torch.nn.Module) -> None:
         """Copy the global parameters (``theta_g``) into ``module`` (e.g. an eval copy)."""
@@ -726,21 +708,22 @@ class Swarm:
                 logger.warning("checkpoint %s holds no usable state: %s", candidate.path, exc)
                 continue
             break
-        if self._probation is None or fallback is None:
-            if self._probation is not None:
+        probation = self.trial.probation
+        if probation is None or fallback is None:
+            if probation is not None:
                 logger.warning(
                     "the state of round %d was adopted on probation and no state this peer "
                     "verified itself is checkpointed: keeping it as this peer's own",
-                    self._probation.round,
+                    probation.round,
                 )
-            self._probation = None
+            self.trial.end()
             self.keeper.verified = True
             return
-        self._verified = fallback
+        self.trial.fallback = fallback
         logger.info(
             "the state of round %d is on probation; its fallback is this peer's own state of "
             "round %d",
-            self._probation.round,
+            probation.round,
             fallback.round,
         )
 
@@ -769,8 +752,7 @@ class Swarm:
         self.tokens_since_round = int(s["tokens_since_round"])
         self._global_step = int(s["global_step"])
         self.evidence = Evidence.from_state(s.get("evidence", {}))
-        trial = s.get("probation")
-        self._probation = Probation.from_state(trial) if trial is not None else None
+        self.trial.load_state(s.get("probation"))
 
     def _restore_box(self, s: Mapping[str, Any], ranks: list[dict[str, Any]]) -> None:
         """Give each of the box's other ranks its part of a checkpoint: its own objects and
@@ -811,8 +793,8 @@ class Swarm:
             "global_step": self._global_step,
             "evidence": self.evidence.to_state(),
         }
-        if self._probation is not None:
-            state["probation"] = self._probation.to_state()
+        if (probation := self.trial.to_state()) is not None:
+            state["probation"] = probation
         if ranks:
             state["ranks"] = ranks  # the box's other ranks: their objects, RNG and shards
         return state
@@ -983,9 +965,9 @@ class Swarm:
                         self._land()  # the exchange overlapped tau steps: apply it now
                     continue
                 return
-            if self._condemned is not None:
+            if self.trial.condemned is not None:
                 with self._blocking():
-                    self._roll_back(self._condemned)
+                    self._roll_back(self.trial.condemned)
                 return
             verdict = self._pace()
             if verdict is Verdict.BEHIND and time.monotonic() >= self._next_catch_up:
@@ -1053,7 +1035,7 @@ class Swarm:
             self._end_step()
 
     def _discard(self, why: str) -> None:
-        if self._probation is not None:
+        if self.trial.probation is not None:
             # Training from a state on probation failed: the state is to blame, not the
             # data or the learning rate.
             self._roll_back(f"{why} after adopting it")
@@ -1104,7 +1086,7 @@ class Swarm:
             for r in self.network.reports
             if r.peer != self.peer_id
             and now - r.at <= fresh
-            and not (r.round > target + 1 and self._unbacked.get(r.peer, 0.0) > clock)
+            and not (r.round > target + 1 and self.trial.unbacked.get(r.peer, 0.0) > clock)
         ]
 
     def _pace(self) -> Verdict:
@@ -1247,8 +1229,8 @@ class Swarm:
                     round=self.round,
                     digest=current.digest if self.round > 0 else None,
                     reference=self._reference(),
-                    distrusted={p for p, t in self._distrusted.items() if t > time.monotonic()},
-                    distrusted_digests=frozenset(self._distrusted_digests),
+                    distrusted=self.trial.distrusted_now(time.monotonic()),
+                    distrusted_digests=frozenset(self.trial.distrusted_digests),
                     peak_lr=self._peak_lr,
                 ),
                 timeout=self.config.catchup.state_timeout_s + 30.0,
@@ -1256,16 +1238,9 @@ class Swarm:
         except (SwarmlocoError, TimeoutError) as exc:
             logger.warning("could not catch up with the swarm: %s", exc)
             return
-        now = time.monotonic()
-        for peer in found.unbacked:
-            self._unbacked[peer] = now + _UNBACKED_S
-        for peer in found.distrusted:
-            self._distrusted[peer] = now + _DISTRUSTED_S
-            self._unbacked[peer] = now + _DISTRUSTED_S
+        self.trial.heard(unbacked=found.unbacked, distrusted=found.distrusted, now=time.monotonic())
         for refusal in found.refused:
-            key = (refusal.round, refusal.digest)
-            if key not in self._refusals_told:  # once per state, not at every look
-                self._refusals_told.add(key)
+            if self.trial.first_refusal(refusal.round, refusal.digest):
                 self._emit(
                     "refused",
                     round=refusal.round,
@@ -1330,15 +1305,8 @@ class Swarm:
         snap = got.snapshot
         if holders is not None and self.config.catchup.adoption.probation_rounds > 0:
             self.snapshots.finish(wait=True)
-            if self._probation is None:  # a second adoption keeps the first one's fallback
-                self._verified = self.snapshots.current
-            self._probation = Probation(
-                round=snap.round,
-                digest=snap.digest,
-                holders=tuple(holders),
-                before=recent_losses(self._losses),
-            )
-            self._condemned = None
+            assert self.snapshots.current is not None
+            self.trial.adopt(snap, holders, own=self.snapshots.current)
             self.keeper.verified = False  # its checkpoints never replace the verified one
         self.diloco.adopt(snap)
         self._take_global()
@@ -1366,20 +1334,11 @@ class Swarm:
         """Training from the adopted state on probation went wrong (``why``): return to the
         last state this peer trained and verified itself, drop the local work since, and
         never take that state, nor anything from its holders for a while, again."""
-        probation, verified = self._probation, self._verified
-        self._probation = self._verified = self._condemned = None
-        if probation is None or verified is None:
+        ended = self.trial.roll_back(time.monotonic())
+        if ended is None:
             return
+        probation, verified = ended
         self.keeper.verified = True
-        self._distrusted_digests[probation.digest] = None
-        while len(self._distrusted_digests) > _MAX_DISTRUSTED_DIGESTS:
-            self._distrusted_digests.popitem(last=False)
-        # The state itself is never taken again; its holders are not asked for another
-        # for a while (they may be honest peers whose state training here disagreed with:
-        # pacing keeps hearing them).
-        until = time.monotonic() + _ROLLED_BACK_S
-        for peer in probation.holders:
-            self._distrusted[peer] = max(self._distrusted.get(peer, 0.0), until)
         logger.error(
             "rolling back the state of round %d (digest %s) adopted from %d peer(s): %s. "
             "Back to this peer's own state of round %d; that state is never taken again, "
@@ -1582,15 +1541,13 @@ class Swarm:
             tokens=group_tokens,
         )
         self.evidence.grouped(x.round, members, self.peer_id, adoption)
-        if self._probation is not None and self._probation.round_applied(grouped, adoption):
+        if (passed := self.trial.applied(grouped)) is not None:
             logger.info(
                 "the state adopted at round %d passed its probation (%d round(s) averaged "
                 "with others since): it is this peer's own now",
-                self._probation.round,
-                self._probation.rounds,
+                passed.round,
+                passed.rounds,
             )
-            self._probation = None
-            self._verified = None
             self.keeper.verified = True
 
     def _round_event(
