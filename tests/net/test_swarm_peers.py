@@ -930,3 +930,76 @@ def test_a_scheduler_made_before_entering_starts_a_late_joiner_at_the_swarms_rat
             sched.step()
     a.swarm.stop("done")
     first.join()
+
+
+class Wide(nn.Module):
+    """The MLP, and 3M parameters it never uses: each of two parts of the vector is more
+    than a chunk of 1.5 MiB."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = mlp()
+        self.table = nn.Parameter(torch.zeros(3072, 1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mlp(x)
+        return out
+
+
+def test_a_training_peer_receives_no_message_larger_than_its_averaging_chunks(tmp_path):
+    from swarmloco.net.client import RpcClient, RpcError
+    from swarmloco.net.dht.contact import sign_card
+    from swarmloco.net.dht.transport import PING
+    from swarmloco.proto.v1 import dht_pb2
+
+    codec = dataclasses.replace(FAST.codec, chunk_bytes=3 << 19)  # 1.5 MiB
+    spec = dataclasses.replace(SPEC, codec=codec)
+    changes = {
+        "averaging": dataclasses.replace(FAST, codec=codec),
+        "matchmaking": MatchmakingConfig(gather_s=2.0, poll_s=0.05, min_group_size=2),
+        "max_rounds": 3,
+    }
+    jobs = []
+    for name in ("a", "b"):
+        model = Wide()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        events = Events()
+        if not jobs:
+            cfg = config(tmp_path, name, **changes)
+            watch = Watch(events, round=1)
+            swarm = swarmloco.create(spec, model, opt, config=cfg, on_event=watch,
+                                     identity_work=0)  # fmt: skip
+            first = Background((swarm, model, opt, batches(1)))
+            assert watch.ready.wait(60)
+        else:
+            a = jobs[0][0]
+            cfg = config(tmp_path, name, a.endpoint, **changes)
+            swarm = swarmloco.join(a.swarm_id, model, opt, config=cfg, on_event=events)
+        jobs.append((swarm, model, opt))
+    a, b = jobs[0][0], jobs[1][0]
+    assert a.network is not None and a.network.node.server is not None
+    limit = a.network.node.server.config.receive_limit
+    chunk = codec.max_chunk_bytes()
+    assert chunk > 1 << 20 and limit == chunk + 64 * 1024
+
+    async def ping(size: int) -> str:
+        card = sign_card(Identity.generate(), "127.0.0.1:9").to_proto()
+        card.signature = bytes(size)
+        async with RpcClient() as client:
+            try:
+                await client.call(a.endpoint, PING, dht_pb2.PingRequest(sender=card), timeout=30)
+            except RpcError as exc:
+                return str(exc)
+        return "answered"
+
+    # Larger than its chunks: refused by gRPC before it is whole.
+    assert "RESOURCE_EXHAUSTED" in a.loop.run(ping(limit + 1), timeout=60)
+    # Under it: read whole, then refused by the node for its size.
+    assert "INVALID_ARGUMENT" in a.loop.run(ping(limit // 2), timeout=60)
+    # And chunks of 1.5 MiB travel: the two average their rounds and end on one state.
+    run_peers((b, jobs[1][1], jobs[1][2], batches(2)))
+    first.join()
+    assert a.round == b.round == 3
+    assert max(e["group"] for e in watch.events.of("round")) == 2
+    assert a.snapshots.current.digest == b.snapshots.current.digest

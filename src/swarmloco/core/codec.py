@@ -96,6 +96,10 @@ class CodecConfig:
     def blocks_per_chunk(self) -> int:
         return max(1, self.chunk_bytes // (self.block_size + self.scale_bytes))
 
+    def max_chunk_bytes(self) -> int:
+        """The most payload and scales one chunk carries on the wire."""
+        return self.blocks_per_chunk() * (self.block_size + self.scale_bytes)
+
 
 def num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)

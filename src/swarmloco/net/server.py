@@ -154,6 +154,11 @@ class ServerConfig:
     """Port to bind; 0 picks a free one (read it back from ``PeerServer.port``)."""
     max_message_bytes: int = 8 * 1024 * 1024
     """Largest message received or sent; larger ones fail with RESOURCE_EXHAUSTED."""
+    max_receive_bytes: int | None = None
+    """Largest message received, when smaller than ``max_message_bytes`` (None: the same).
+    gRPC refuses a larger one before it is whole; one under the limit is held whole in
+    memory before any handler can refuse it, so a peer receives no more than its services
+    need (a training peer: its swarm's averaging chunks)."""
     max_concurrent_rpcs: int = 512
     """Calls at large handled at once (all but long-lived calls and the members' reserve);
     beyond this new calls are refused with RESOURCE_EXHAUSTED instead of queueing."""
@@ -203,6 +208,8 @@ class ServerConfig:
         require_int("port", self.port, minimum=0)
         require(self.port < 65536, f"port must be < 65536, got {self.port}")
         require_int("max_message_bytes", self.max_message_bytes, minimum=1024)
+        if self.max_receive_bytes is not None:
+            require_int("max_receive_bytes", self.max_receive_bytes, minimum=1024)
         require_int("max_concurrent_rpcs", self.max_concurrent_rpcs, minimum=1)
         require_int("max_concurrent_streams", self.max_concurrent_streams, minimum=1)
         require_int("max_rpcs_per_network", self.max_rpcs_per_network, minimum=1)
@@ -227,7 +234,7 @@ class ServerConfig:
     def options(self) -> list[tuple[str, Any]]:
         ms = lambda seconds: int(seconds * 1000)  # noqa: E731
         return [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.receive_limit),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_concurrent_streams", self.max_concurrent_streams),
             ("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)),
@@ -241,6 +248,13 @@ class ServerConfig:
             # Two peers must never share a port by accident.
             ("grpc.so_reuseport", 0),
         ]
+
+    @property
+    def receive_limit(self) -> int:
+        """The largest message this server receives."""
+        if self.max_receive_bytes is None:
+            return self.max_message_bytes
+        return min(self.max_receive_bytes, self.max_message_bytes)
 
     @property
     def grpc_max_rpcs(self) -> int:
