@@ -783,6 +783,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.keys < FORGED_KEYS + FAKE_LEADERS + FAKE_STATUS:
         parser.error(f"--keys must be at least {FORGED_KEYS + FAKE_LEADERS + FAKE_STATUS}")
+    if args.dir is not None and args.dir.exists() and any(args.dir.iterdir()):
+        # A run there would resume the swarm and the peers it holds, whose event logs
+        # already name their earlier endpoints: the attacker would aim at those.
+        parser.error(f"--dir {args.dir} is not empty: give a new or empty directory")
     run_dir = args.dir or Path(tempfile.mkdtemp(prefix="bench-sybil-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     children: list[subprocess.Popen[str]] = []
