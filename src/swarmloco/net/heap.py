@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import time
 from collections.abc import Callable
 
@@ -90,12 +91,9 @@ def resident_bytes() -> int | None:
     """This process's resident set, from /proc (None where there is none)."""
     try:
         with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * _PAGE_BYTES
-    except (OSError, ValueError, IndexError):
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
-
-
-_PAGE_BYTES = 4096
 
 
 async def release_when_grown(

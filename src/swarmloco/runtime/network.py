@@ -42,8 +42,9 @@ from swarmloco.net.averaging import (
     averaging_service,
 )
 from swarmloco.net.deadline import Deadline
+from swarmloco.net.dht.node import DHT_MESSAGE_BYTES
 from swarmloco.net.identity import Identity
-from swarmloco.net.node import NetNode
+from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import (
     FAREWELL_AT,
     MAX_PARTNERS,
@@ -93,7 +94,7 @@ class SwarmNetwork:
         self.manifest = manifest
         self.swarm_id = manifest.swarm_id
         self.config = config
-        self.node = NetNode(identity=identity, config=config.node)
+        self.node = NetNode(identity=identity, config=receiving(config.node, averaging.codec))
         if admission is not None:
             self.node.dht.admit(admission)
         self.matchmaker = Matchmaker(
@@ -370,6 +371,22 @@ class RoundOutcome:
     group_tokens: float
     """The group's declared weights summed: the tokens the round averaged (the same on
     every member)."""
+
+
+_FRAMING_BYTES = 64 * 1024
+"""What an averaging message carries besides its chunk's payload and scales (ids, the
+part and chunk numbers, a rerun's notice), with room to spare."""
+
+
+def receiving(node: NodeConfig, codec: CodecConfig) -> NodeConfig:
+    """``node`` with a server that receives nothing larger than the DHT's messages and the
+    group's averaging chunks (``codec``'s) need, unless its config says otherwise: a
+    stranger's 7 MiB Ping is refused by gRPC before it is whole."""
+    server = node.server
+    if server is None or server.max_receive_bytes is not None:
+        return node
+    largest = max(DHT_MESSAGE_BYTES, codec.max_chunk_bytes() + _FRAMING_BYTES)
+    return dataclasses.replace(node, server=dataclasses.replace(server, max_receive_bytes=largest))
 
 
 def matchmaking_config(config: PeerConfig) -> MatchmakingConfig:

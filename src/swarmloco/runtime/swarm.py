@@ -66,7 +66,6 @@ from swarmloco.errors import (
 )
 from swarmloco.net.admission import Gate
 from swarmloco.net.averaging.report import AllReduceReport
-from swarmloco.net.dht.node import DHT_MESSAGE_BYTES
 from swarmloco.net.identity import Identity
 from swarmloco.net.records import is_farewell
 from swarmloco.net.state import DownloadedState
@@ -599,14 +598,6 @@ class Swarm:
             remembered = self.session.remembered()
             if remembered:
                 node = dataclasses.replace(config.node, remembered=remembered)
-                config = dataclasses.replace(config, node=node)
-            server = config.node.server
-            if server is not None and server.max_receive_bytes is None:
-                # It receives the DHT's messages and its group's averaging chunks: nothing
-                # larger (a stranger's 7 MiB Ping is refused before it is whole).
-                largest = max(DHT_MESSAGE_BYTES, spec.codec.max_chunk_bytes() + _FRAMING_BYTES)
-                server = dataclasses.replace(server, max_receive_bytes=largest)
-                node = dataclasses.replace(config.node, server=server)
                 config = dataclasses.replace(config, node=node)
             self.network = SwarmNetwork(
                 identity=self.identity,
@@ -1657,11 +1648,6 @@ class _Rate:
             self._tokens = 0.9 * self._tokens + 0.1 * tokens
             self._seconds = 0.9 * self._seconds + 0.1 * seconds
         self.value = self._tokens / self._seconds
-
-
-_FRAMING_BYTES = 64 * 1024
-"""What an averaging message carries besides its chunk's payload and scales (ids, the
-part and chunk numbers, a rerun's notice), with room to spare."""
 
 
 def _write_manifest_copy(path: Path, manifest: SwarmManifest) -> None:

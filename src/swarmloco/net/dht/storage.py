@@ -2,7 +2,8 @@
 
 Every record goes through ``records.validate`` (schema, ownership, signature) before it is
 kept, but the quota checks run first, so a flood of records costs a node a dictionary
-lookup each, not a signature verification each.
+lookup and the decoding of a small value each (what a record costs in memory is counted
+with its value), not a signature verification each.
 
 A key costs nothing to make, so quotas that count signers alone do not bind anyone: one
 sender can store records owned by thousands of fresh keys. What costs an attacker is an
