@@ -271,10 +271,16 @@ def test_a_peer_lying_about_its_round_does_not_stall_the_swarm(tmp_path):
     # Once averaging, rounds came about every H = 8 steps, not only at the 4 H a peer waits
     # at most for peers it believes ahead of it. (The first round, after the start and a
     # possible download, once came at step 63: an unexplained rare stall, left to issue 12.)
+    # On a busy machine one peer may start so late that it takes the other's state of round
+    # 3 and averages only round 4: it has no gap to measure, the other has.
+    gaps = 0
     for p in (a, b):
         steps = [e["step"] for e in p.of("round")]
         why = {"aborted": p.of("aborted"), "downloaded": p.of("downloaded")}
-        assert max(y - x for x, y in itertools.pairwise(steps)) < 3 * 8, (steps, why)
+        between = [y - x for x, y in itertools.pairwise(steps)]
+        assert all(gap < 3 * 8 for gap in between), (steps, why)
+        gaps += len(between)
+    assert gaps > 0, (a.of("round"), b.of("round"))
 
 
 def _flat_numel(manifest_path) -> int:
