@@ -168,9 +168,9 @@ def test_a_report_is_projected_only_over_time_spent_training():
 
 
 def test_a_peers_rate_is_its_tokens_over_its_time_not_an_average_of_step_rates():
-    from swarmloco.runtime.swarm import _Rate
+    from swarmloco.runtime.progress import Rate
 
-    rate = _Rate()
+    rate = Rate()
     for _ in range(200):
         rate.add(1, 0.001)
         rate.add(1, 0.009)

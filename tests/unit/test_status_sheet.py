@@ -12,7 +12,6 @@ SWARM = "ef" * 20
 
 def counters(**change) -> Counters:
     fields = {
-        "state": "training",
         "round": 12,
         "step": 340,
         "tokens": 340 * 512,
@@ -20,7 +19,6 @@ def counters(**change) -> Counters:
         "rounds_applied": 11,
         "rounds_aborted": 1,
         "downloads": 0,
-        "last_error": "",
         "loss": 2.5,
         "eval_loss": 2.75,
         "at": 1_700_000_000.0,
@@ -34,7 +32,9 @@ def test_the_value_carries_the_last_rounds_and_passes_the_schema():
         sheet.remember(round=r, group=3, seconds=1.5, payload_bytes=4096, bytes_sent=1100,
                        bytes_received=1200, ok=True, matchmaking_s=0.25)  # fmt: skip
     sheet.remember(round=12, group=0, seconds=30.0, payload_bytes=4096, ok=False)
-    value = sheet.value(counters(last_error="round 12 aborted: " + "x" * 500))
+    sheet.state, sheet.last_error = "training", "round 12 aborted: " + "x" * 500
+    value = sheet.value(counters())
+    assert value["state"] == "training"
     encode_value(status_key(SWARM), value)  # raises if any field is out of bounds
     rounds = value["rounds"]
     assert len(rounds) == TIMELINE_ROUNDS and [r["round"] for r in rounds] == list(range(5, 13))

@@ -228,6 +228,12 @@ class Evidence:
             last_round_at=None if last is None else float(last),
         )
 
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Become what :meth:`to_state` saved (in place: the peer's parts hold this object)."""
+        loaded = Evidence.from_state(state)
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(loaded, field.name))
+
     def support(self, holders: Iterable[str]) -> int:
         """How much this peer's own history backs a digest ``holders`` hold: each witness
         among them counts the rounds it averaged with this peer; strangers count 0."""

@@ -3,8 +3,9 @@ how fast it trains, its last rounds, how its step fits its device.
 
 The dashboard and `swarmloco status` read these records; nothing else does. The peer
 keeps a :class:`StatusSheet` and hands it its counters when the record is refreshed
-(every few seconds, on the peer's loop thread), so the sheet holds only what the peer
-does not: the round timeline and the description of its compute.
+(every few seconds, on the peer's loop thread). The sheet holds what the peer's parts
+tell the dashboard and keep nowhere else: the state in a word and the last error (set by
+whichever part meets it), the round timeline and the description of its compute.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ TIMELINE_ROUNDS = 8
 class Counters:
     """A peer's figures as they stand when its status is refreshed."""
 
-    state: str
     round: int
     step: int
     tokens: int
@@ -33,7 +33,6 @@ class Counters:
     rounds_applied: int
     rounds_aborted: int
     downloads: int
-    last_error: str
     loss: float
     eval_loss: float | None
     at: float
@@ -47,6 +46,10 @@ class StatusSheet:
         self.name = name
         self.device = device
         self.started_at = started_at
+        self.state = "starting"
+        """In a word: starting, training, averaging, stopping."""
+        self.last_error = ""
+        """What last went wrong, until it is set right (a checkpoint written again, ...)."""
         self.timeline: collections.deque[dict[str, Any]] = collections.deque(maxlen=TIMELINE_ROUNDS)
         self._fit = ""
         self._flops_per_token: float | None = None
@@ -100,7 +103,7 @@ class StatusSheet:
         c = counters
         value: dict[str, Any] = {
             "name": self.name[:64],
-            "state": c.state,
+            "state": self.state,
             "round": c.round,
             "step": c.step,
             "tokens": c.tokens,
@@ -111,7 +114,7 @@ class StatusSheet:
             "rounds_applied": c.rounds_applied,
             "rounds_aborted": c.rounds_aborted,
             "downloads": c.downloads,
-            "last_error": c.last_error[:240],
+            "last_error": self.last_error[:240],
             "rounds": list(self.timeline),
             "at": c.at,
         }

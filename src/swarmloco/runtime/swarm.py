@@ -37,20 +37,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from swarmloco.core.adoption import Evidence, Reference
+from swarmloco.core.adoption import Evidence
 from swarmloco.core.codec import warm_up
 from swarmloco.core.manifest import SwarmManifest
-from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimate
+from swarmloco.core.pacing import Verdict
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.signature import (
     ModelSignature,
@@ -60,15 +59,11 @@ from swarmloco.core.signature import (
 from swarmloco.core.state import THETA_G, StateSnapshot, state_digest
 from swarmloco.errors import (
     ModelMismatch,
-    RoundAborted,
     Stopped,
     SwarmlocoError,
 )
 from swarmloco.net.admission import Gate
-from swarmloco.net.averaging.report import AllReduceReport
 from swarmloco.net.identity import Identity
-from swarmloco.net.records import is_farewell
-from swarmloco.net.state import DownloadedState
 from swarmloco.runtime.box import (
     STOPPED_PREFIX,
     Box,
@@ -82,29 +77,27 @@ from swarmloco.runtime.box import (
 )
 from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore, Saved
 from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.follow import Follower
 from swarmloco.runtime.keeper import CheckpointKeeper
 from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.network import SwarmNetwork, averaging_config, peer_codec
+from swarmloco.runtime.pacer import Pacer
+from swarmloco.runtime.parts import PeerParts
+from swarmloco.runtime.progress import LocalProgress
+from swarmloco.runtime.rounds import RoundDriver
 from swarmloco.runtime.session import REMEMBER, Session, handle_signals
 from swarmloco.runtime.snapshots import Snapshots
 from swarmloco.runtime.status import Counters, StatusSheet
 from swarmloco.runtime.trial import Trial
-from swarmloco.train.diloco import DilocoState, fragment_of_round
+from swarmloco.train.diloco import DilocoState
 
 logger = logging.getLogger(__name__)
 
 EventSink = Callable[[dict[str, Any]], None]
 Evaluator = Callable[[], float]
 
-_FRESH_REPORTS = 5  # a report older than this many publishing intervals: the peer left
-_FRESH_MIN_S = 10.0
-_MAX_WAIT_ROUNDS = 4
-_CATCH_UP_RETRY_S = 2.0
 _PEERS_POLL_S = 0.5  # how long wait_for_peers waits for a read of the records at most
-_EXPECTED_STRANGERS = 2  # newcomers a round waits for (a short grace) besides partners
 _MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
-_INITIAL_RETRY_S = 2.0
-_ROUND_FAILURES = (SwarmlocoError, TimeoutError)
 
 
 class Stateful(Protocol):
@@ -129,18 +122,6 @@ class Summary:
     downloads: int
     last_eval_loss: float | None
     stopped_because: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _Exchange:
-    """A round in flight: started after local step ``step``, applied ``tau`` steps later."""
-
-    round: int
-    fragment: int
-    future: Any  # concurrent.futures.Future[tuple[AllReduceResult, float]]
-    step: int
-    started: float
-    weight: float
 
 
 def manifest_spec(manifest: SwarmManifest) -> RunSpec:
@@ -199,69 +180,39 @@ class Swarm:
         self.evaluate = evaluate
         self.objects: dict[str, Stateful] = {}
         self._schedulers: list[torch.optim.lr_scheduler.LambdaLR] = []  # made by scheduler()
-        self.state = "starting"
         self.started_at = time.time()
-        self.last_error = ""
         self.sheet = StatusSheet(
             # Several peers on one host (or in containers named alike) stay apart.
             name=config.name or f"{socket.gethostname()[:50]}/{self.peer_id[:6]}",
             device="",  # known once the swarm is entered
             started_at=self.started_at,
         )
-        self.steps = 0
-        self.steps_since_round = 0
-        self.tokens_since_round = 0
-        # When the counts above began, if this peer started the round with the swarm (its
-        # own exchange started it); None after a start or a download: others may have been
-        # counting for long already, and pacing must not cap their tokens by our time.
-        self._hook_s = 0.0  # the last step's hook, rounds and downloads aside
-        self._resume_pending = False  # a round landed in this hook (no overlap)
-        self._blocked_s = 0.0  # time in rounds and downloads during the current hook
-        self._counting_since: float | None = None  # swarm time the round's tokens began
-        self._resumed_at: float | None = None  # swarm time training resumed after a round
-        self.rounds_applied = 0
-        self.rounds_aborted = 0
-        self.downloads = 0
-        self.last_eval: float | None = None
-        self.last_loss = float("nan")
-        self.train_seconds = 0.0
+        self.progress = LocalProgress()
         self.evidence = Evidence()
+        self.trial = Trial(config.catchup.adoption)
+        """The adopted state on trial, its fallback, and whom this peer no longer believes."""
         self.lr_at: Callable[[int], float] | None = None
         """The inner learning rate at a global step, when the loop follows a schedule
         (:meth:`lr_lambda` and :meth:`scheduler` set it; a loop that sets its optimizer's
         learning rate itself may too). A peer behind the swarm uses it to judge how far the
         rounds it missed can have moved the global state; without it, it assumes the
         current learning rate held."""
-        self._lr_sum = 0.0  # learning rates of the inner steps since the last outer step
-        self._lr_steps = 0
         self.admission: Gate | None = None
         """The swarm's gate, once entered: a private swarm's certificates, or a public
         run's proofs of work (None: an open run)."""
-        self._global_step = 0
+        # Built on enter, around the parts they share (see _collaborators).
+        self.parts: PeerParts | None = None
+        self.pacer: Pacer | None = None
+        self.rounds: RoundDriver | None = None
+        self.follower: Follower | None = None
         self._told_stopping = False
         self._stop = threading.Event()
         self._run_over = False  # the run reached its end here (not just this peer stopping)
         self._stop_reason = ""
         self._stack: contextlib.ExitStack | None = None
-        self._inflight: _Exchange | None = None
-        self._rate = _Rate()
-        self._consistent = True  # False while a round's result is being applied
-        self._expected: tuple[int, int] | None = None
-        """Peers known to work on the next round (this one included), and strangers worth a
-        short wait besides (see ``_pace``)."""
-        # (round, the other members' ids) of our last group
-        self._last_group: tuple[int, frozenset[str]] | None = None
-        self._next_catch_up = 0.0
+        self._consistent = True  # False once the model may not be whole (a box rank failed)
         self._nan_in_a_row = 0
         self._train_started = 0.0
-        self._step_ended = 0.0
-        self._late: tuple[int, float] | None = None
-        """(round, until): that round's group formed without this peer, which waits for its
-        result (a download) instead of averaging the round with whoever else came late."""
-        self._read_twice = False  # the first round waited for a second read of the records
-        self._round_s = 5.0  # how long this peer's last applied round took (a guess at first)
-        self.trial = Trial(config.catchup.adoption)
-        """The adopted state on trial, its fallback, and whom this peer no longer believes."""
         self._hook: Any = None
 
     # -- what the user reads and calls ------------------------------------------------------
@@ -282,7 +233,39 @@ class Swarm:
     def global_step(self) -> int:
         """The swarm's progress in inner steps: ``round * H / F`` plus this peer's steps into
         the next round (at most H / F; never decreasing)."""
-        return self._global_step
+        return self.progress.global_step
+
+    @property
+    def steps(self) -> int:
+        """This peer's own optimizer steps (counted across restarts)."""
+        return self.progress.steps
+
+    @property
+    def state(self) -> str:
+        """In a word: starting, training, averaging, stopping."""
+        return self.sheet.state
+
+    @property
+    def last_error(self) -> str:
+        """What last went wrong (shown on the dashboard), "" once set right."""
+        return self.sheet.last_error
+
+    @property
+    def rounds_applied(self) -> int:
+        return self.rounds.applied if self.rounds is not None else 0
+
+    @property
+    def rounds_aborted(self) -> int:
+        return self.rounds.aborted if self.rounds is not None else 0
+
+    @property
+    def downloads(self) -> int:
+        return self.follower.downloads if self.follower is not None else 0
+
+    @property
+    def last_eval(self) -> float | None:
+        """The global model's loss at the last evaluation (``evaluate``), if any."""
+        return self.rounds.last_eval if self.rounds is not None else None
 
     @property
     def data_seed(self) -> int:
@@ -353,8 +336,8 @@ class Swarm:
         at the next step boundary."""
         if loss is None:
             return
-        self.last_loss = float(loss)
-        self.trial.loss(self.last_loss)
+        self.progress.loss = float(loss)
+        self.trial.loss(self.progress.loss)
 
     def load_global_into(self, module: torch.nn.Module) -> None:
         """Copy the global parameters (``theta_g``) into ``module`` (e.g. an eval copy)."""
@@ -382,9 +365,9 @@ class Swarm:
         after ``timeout_s``, and :class:`Stopped` when the peer is asked to stop meanwhile
         (Ctrl-C: ``with swarm`` leaves quietly, no step runs). Inside ``with swarm:``; in a
         box, every rank calls it."""
-        if self._stack is None or self.network is None:
+        if self._stack is None or self.network is None or self.pacer is None:
             raise SwarmlocoError("wait_for_peers() inside `with swarm:`")
-        network = self.network
+        network, pacer = self.network, self.pacer
         deadline = time.monotonic() + timeout_s
         found, error = 1, ""
         while True:
@@ -395,7 +378,7 @@ class Swarm:
             if self._stop.is_set():
                 error = STOPPED_PREFIX + self._stop_reason
                 break
-            found = 1 + len({r.peer for r in self._fresh_reports(self._now())})
+            found = 1 + len({r.peer for r in pacer.fresh_reports(self.round)})
             if found >= n:
                 break
             if time.monotonic() > deadline:
@@ -484,7 +467,7 @@ class Swarm:
         # a private run's certificate, or this key's proof of work (solved once, kept).
         self.admission = self.session.admission(manifest)
         self.h = spec.steps_per_round
-        self.spec_ = spec
+        self._spec = spec
         if self.box is not None:
             self.box.tell(Op.MANIFEST)
             self.box.share(manifest.to_bytes())
@@ -509,17 +492,17 @@ class Swarm:
             if own_initial:
                 self.diloco.theta_g.copy_(theta)
         self.snapshots.publish(self.round, self.diloco.committed())
-        self._start_network(stack, spec)
+        follower = self._start_network(stack, spec)
         self._train_started = time.monotonic()
-        self._catch_up()
+        follower.catch_up()
         if not own_initial and self.round == 0:
-            self._fetch_initial()
+            follower.fetch_initial(self.signature.init_digest, spec.seed)
         self._follow_schedules()
         if cfg.hook:
             self._hook = self.optimizer.register_step_post_hook(lambda *_: self.step())
             stack.callback(self._hook.remove)
-        self.state = "training"
-        self._step_ended = time.monotonic()
+        self.sheet.state = "training"
+        self.progress.step_ended = time.monotonic()
         self._ready(spec)
 
     def _check_model(self) -> None:
@@ -591,7 +574,9 @@ class Swarm:
             return
         self.session.remember(peers)
 
-    def _start_network(self, stack: contextlib.ExitStack, spec: RunSpec) -> None:
+    def _start_network(self, stack: contextlib.ExitStack, spec: RunSpec) -> Follower:
+        """Start networking, with the collaborators that need it (the network reads this
+        peer's progress as soon as it runs): returns the follower, for the catch-up."""
         assert self.manifest is not None
         if self.network is None:
             config = self.config
@@ -609,7 +594,8 @@ class Swarm:
                 admission=self.admission,
             )
         network = self.network
-        network.catchup.evidence = self.evidence  # restored from a checkpoint, maybe
+        follower = self._collaborators(network, spec)
+        network.catchup.evidence = self.evidence
         network.snapshot = lambda: self.snapshots.current
         network.previous_snapshot = lambda: self.snapshots.previous
         network.progress = self._progress_value
@@ -621,41 +607,62 @@ class Swarm:
         if abs(skew) > network.node.dht.config.warn_clock_skew_s:
             where = "behind" if skew > 0 else "ahead of"
             # Shown on the dashboard until something else goes wrong.
-            self.last_error = (
+            self.sheet.last_error = (
                 f"clock {abs(skew):.0f} s {where} the swarm's (kept in step with it): set it "
                 "right (NTP)"
             )
+        return follower
+
+    def _collaborators(self, network: SwarmNetwork, spec: RunSpec) -> Follower:
+        """The pacer, the round driver and the follower, around the parts they share."""
+        parts = PeerParts(
+            config=self.config,
+            spec=spec,
+            peer_id=self.peer_id,
+            loop=self.loop,
+            network=network,
+            diloco=self.diloco,
+            params=self.params,
+            snapshots=self.snapshots,
+            progress=self.progress,
+            evidence=self.evidence,
+            trial=self.trial,
+            keeper=self.keeper,
+            sheet=self.sheet,
+            box=self.box,
+            emit=self._emit,
+        )
+        self.parts = parts
+        self.pacer = Pacer(
+            network=network,
+            loop=self.loop,
+            config=self.config,
+            peer_id=self.peer_id,
+            h=spec.steps_per_round,
+            progress=self.progress,
+            evidence=self.evidence,
+            unbacked=self.trial.unbacked,
+            now=parts.now,
+        )
+        self.rounds = RoundDriver(
+            parts,
+            self.pacer,
+            evaluate=self.evaluate,
+            lr=lambda: float(self.optimizer.param_groups[0]["lr"]),
+        )
+        self.follower = Follower(
+            parts,
+            peak_lr=self._peak_lr,
+            reset_optimizer=self._reset_optimizer,
+            checkpoint=self._urgent_checkpoint,
+        )
+        return self.follower
 
     def _leave_network(self) -> None:
         assert self.network is not None
         self._remember_peers()
         with contextlib.suppress(Exception):
             self.loop.run(self.network.__aexit__(None, None, None), timeout=30.0)
-
-    def _fetch_initial(self) -> None:
-        """This model's initial weights are not the manifest's and the swarm has no later
-        state yet: fetch round 0's from a peer, checked against the manifest's digest."""
-        assert self.network is not None
-        deadline = time.monotonic() + self.config.catchup.state_timeout_s
-        while self.round == 0:
-            got = self.loop.run(
-                self.network.catchup.initial(self.signature.init_digest),
-                timeout=self.config.catchup.state_timeout_s + 30.0,
-            )
-            if got is not None:
-                self._take(got, "this model's initial weights are not the swarm's")
-                return
-            self._catch_up()
-            if self.round > 0:
-                return
-            if time.monotonic() > deadline:
-                raise SwarmlocoError(
-                    "this model's initial weights differ from the swarm's, and no peer serves "
-                    "the swarm's state: seed torch as the swarm's creator did before building "
-                    f"the model (torch.manual_seed({self.spec_.seed})), or join while a peer "
-                    "of the swarm is up"
-                )
-            time.sleep(_INITIAL_RETRY_S)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -666,7 +673,7 @@ class Swarm:
         found = self.keeper.resume(self._load_checkpoint, verified=verified)
         if found is None:
             if self.keeper.error:
-                self.last_error = self.keeper.error
+                self.sheet.last_error = self.keeper.error
             return False
         if self.box is not None:
             self._restore_box(found.state, found.state.get("ranks", []))
@@ -747,11 +754,8 @@ class Swarm:
                 raise KeyError(f"object {name!r} (registered now, not when it was saved)")
             obj.load_state_dict(objects[name])
         torch.set_rng_state(s["rng"])
-        self.steps = int(s["steps"])
-        self.steps_since_round = int(s["steps_since_round"])
-        self.tokens_since_round = int(s["tokens_since_round"])
-        self._global_step = int(s["global_step"])
-        self.evidence = Evidence.from_state(s.get("evidence", {}))
+        self.progress.load_state_dict(s)
+        self.evidence.load_state(s.get("evidence", {}))
         self.trial.load_state(s.get("probation"))
 
     def _restore_box(self, s: Mapping[str, Any], ranks: list[dict[str, Any]]) -> None:
@@ -775,6 +779,18 @@ class Swarm:
         if started and wait:
             self._collect_checkpoint(wait=True)
 
+    def _urgent_checkpoint(self) -> None:
+        """What was downloaded or rolled back to is not lost to a crash."""
+        if self.config.checkpoint_every:
+            self._checkpoint(urgent=True)
+
+    def _reset_optimizer(self) -> None:
+        """Clear the inner optimizer's moments (every rank's): they came from a state
+        this peer no longer trains from."""
+        if self.box is not None:
+            self.box.tell(Op.RESET)
+        self.optimizer.state.clear()
+
     def _capture(self) -> dict[str, Any]:
         """What a checkpoint holds: this peer's whole state as it is now."""
         ranks: list[Any] = []
@@ -787,10 +803,7 @@ class Swarm:
             "optimizer": local_state(self.optimizer.state_dict()),
             "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
             "rng": torch.get_rng_state(),
-            "steps": self.steps,
-            "steps_since_round": self.steps_since_round,
-            "tokens_since_round": self.tokens_since_round,
-            "global_step": self._global_step,
+            **self.progress.state_dict(),
             "evidence": self.evidence.to_state(),
         }
         if (probation := self.trial.to_state()) is not None:
@@ -809,12 +822,12 @@ class Swarm:
     def _saved(self, saved: Saved | None, *, failed: bool) -> None:
         """Tell of a checkpoint on disk (``saved``) or a write that ``failed``."""
         if failed:
-            self.last_error = self.keeper.error
+            self.sheet.last_error = self.keeper.error
         if saved is None:
             return
         self._remember_peers()
-        if self.last_error.startswith("checkpoint failed"):
-            self.last_error = ""
+        if self.sheet.last_error.startswith("checkpoint failed"):
+            self.sheet.last_error = ""
         self.snapshots.finish(wait=True)  # the round's event before its checkpoint's
         self._emit(
             "checkpoint",
@@ -840,31 +853,7 @@ class Swarm:
                 self._hook = None
             if exc_type is not None and issubclass(exc_type, Exception):
                 self.stop(f"the training loop raised {exc_type.__name__}")
-            box = self.box
-            if box is not None and exc_type is not None and not issubclass(exc_type, Stopped):
-                # The other ranks may be anywhere in the step (in a collective of the
-                # model's own): nothing more is asked of them, and nothing is saved that
-                # would need their shards. The last checkpoint on disk stands.
-                box.broken = True
-                self._consistent = False
-            if box is not None and box.broken and self._inflight is not None:
-                self._inflight.future.cancel()
-                self._inflight = None
-            if self._inflight is not None:
-                if interrupted:
-                    self._inflight.future.cancel()  # a second Ctrl-C: do not wait for it
-                    self._inflight = None
-                else:
-                    self._land()
-            self.snapshots.finish(wait=True)
-            self.state = "stopping"
-            if self.keeper.dirty and self._consistent:
-                self._checkpoint(wait=True)
-            self._collect_checkpoint(wait=True)
-            if box is not None and not box.broken:
-                box.tell(Op.EXIT)  # before lingering: the other ranks are done
-            if self._run_over and not interrupted:
-                self._linger()
+            self._leave(exc_type, interrupted)
         finally:
             wall = time.monotonic() - self._train_started if self._train_started else 0.0
             stack.close()
@@ -875,10 +864,35 @@ class Swarm:
                 global_step=self.global_step,
                 reason=self._stop_reason,
                 # Time in inner steps over time since training started: what rounds cost.
-                train_seconds=round(self.train_seconds, 3),
+                train_seconds=round(self.progress.train_seconds, 3),
                 wall_seconds=round(wall, 3),
             )
         return exc_type is not None and issubclass(exc_type, Stopped)
+
+    def _leave(self, exc_type: type[BaseException] | None, interrupted: bool) -> None:
+        """Land the round in flight (unless interrupted again, or a box rank failed), write
+        the last checkpoint, and stay a donor a while if the run is over."""
+        rounds, box = self.rounds, self.box
+        assert rounds is not None
+        if box is not None and exc_type is not None and not issubclass(exc_type, Stopped):
+            # The other ranks may be anywhere in the step (in a collective of the model's
+            # own): nothing more is asked of them, and nothing is saved that would need
+            # their shards. The last checkpoint on disk stands.
+            box.broken = True
+            self._consistent = False
+        if interrupted or (box is not None and box.broken):
+            rounds.cancel()  # a second Ctrl-C: do not wait for it
+        elif rounds.inflight is not None:
+            self._land()
+        self.snapshots.finish(wait=True)
+        self.sheet.state = "stopping"
+        if self.keeper.dirty and self._consistent and rounds.consistent:
+            self._checkpoint(wait=True)
+        self._collect_checkpoint(wait=True)
+        if box is not None and not box.broken:
+            box.tell(Op.EXIT)  # before lingering: the other ranks are done
+        if self._run_over and not interrupted:
+            self._linger()
 
     # -- between two steps --------------------------------------------------------------------
 
@@ -909,49 +923,25 @@ class Swarm:
         self.box.tell(Op.END, self.global_step, self.round, self._told_stopping, raised)
 
     def _step(self, tokens: int | None) -> None:
+        assert self.rounds is not None and self.parts is not None
         started = time.monotonic()
-        seconds = started - self._step_ended  # the user's step: forward, backward, update
         n = self.config.tokens_per_step if tokens is None else int(tokens)
-        self.steps += 1
-        self.steps_since_round += 1
-        self.tokens_since_round += n
+        self.progress.stepped(n, float(self.optimizer.param_groups[0]["lr"]), now=started)
         self.diloco.trained(n)
-        self._lr_sum += float(self.optimizer.param_groups[0]["lr"])
-        self._lr_steps += 1
         self.keeper.dirty = True
-        self.train_seconds += seconds
-        # The rate others project this peer's tokens by: a whole cycle, this hook's own
-        # time included (a few ms of pacing and bookkeeping weigh on steps of a few ms),
-        # the rounds and downloads it waited for left out.
-        self._rate.add(n, seconds + self._hook_s)
-        self._advance_global()
+        self.progress.advance(self.round + (self.rounds.inflight is not None), self.h)
         if self._stop.is_set():  # the loop stepped on after a stop: leave it here
             raise Stopped(self._stop_reason)
         self._between_steps()
-        if self._resume_pending:
-            self._resume_pending = False
-            self._resumed_at = self._now()
-        ended = time.monotonic()
-        self._hook_s = max(0.0, ended - started - self._blocked_s)
-        self._blocked_s = 0.0
-        self._step_ended = ended
-
-    @contextlib.contextmanager
-    def _blocking(self) -> Iterator[None]:
-        """Time spent on rounds and downloads between two steps, which the rate leaves out."""
-        t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            self._blocked_s += time.monotonic() - t0
-
-    def _advance_global(self) -> None:
-        pending = 1 if self._inflight is not None else 0
-        swarm = int((self.round + pending) * self.h) + min(self.steps_since_round, int(self.h))
-        self._global_step = max(self._global_step, swarm)
+        self.progress.hook_ended(started, self.parts.now)
 
     def _between_steps(self) -> None:
-        tau = self.spec_.delay
+        """The swarm's work between two steps, in order: land the round in flight once it
+        overlapped ``tau`` steps, roll back a condemned adopted state, catch up when others
+        are on later rounds, start the next round when it is due."""
+        assert self.rounds is not None and self.pacer is not None and self.follower is not None
+        rounds, follower, progress = self.rounds, self.follower, self.progress
+        tau = self._spec.delay
         while True:
             self.snapshots.finish()
             self._collect_checkpoint()
@@ -959,34 +949,54 @@ class Swarm:
                 self._checkpoint()
             if self._ends():
                 return
-            if self._inflight is not None:
-                if self.steps - self._inflight.step >= tau:
-                    with self._blocking():
+            if rounds.inflight is not None:
+                if progress.steps - rounds.inflight.step >= tau:
+                    with progress.blocking():
                         self._land()  # the exchange overlapped tau steps: apply it now
                     continue
                 return
             if self.trial.condemned is not None:
-                with self._blocking():
-                    self._roll_back(self.trial.condemned)
+                with progress.blocking():
+                    follower.roll_back(self.trial.condemned)
                 return
-            verdict = self._pace()
-            if verdict is Verdict.BEHIND and time.monotonic() >= self._next_catch_up:
+            verdict = self.pacer.verdict(self.round)
+            if verdict is Verdict.BEHIND and follower.may_look():
                 # Others work on a later round. If its state is not to be had yet (digests
                 # not published, donors busy), train on and look again later.
-                with self._blocking():
-                    self._catch_up()
-                self._next_catch_up = time.monotonic() + _CATCH_UP_RETRY_S
+                with progress.blocking():
+                    follower.catch_up()
+                follower.looked()
                 return
             if verdict is Verdict.DUE:
-                with self._blocking():
+                with progress.blocking():
                     self._start_round()
-                if self._inflight is not None and tau == 0:
+                if rounds.inflight is not None and tau == 0:
                     continue
             return
 
+    def _start_round(self) -> None:
+        """Catch up first (this peer's state must be the swarm's), then start averaging the
+        next round's fragment; training goes on while it runs."""
+        assert self.rounds is not None and self.follower is not None
+        self.follower.catch_up()
+        if self.progress.steps_since_round == 0:
+            return  # the download replaced this peer's work with the swarm's state
+        if not self.rounds.start():
+            self._discard("the local model holds NaN/Inf")
+
+    def _land(self) -> None:
+        """Apply the round in flight (or count it aborted); checkpoint every so often."""
+        assert self.rounds is not None
+        if not self.rounds.land():
+            return
+        self._nan_in_a_row = 0  # a round made it: training works from this state
+        every = self.config.checkpoint_every
+        if every and self.round % every == 0:
+            self._checkpoint()
+
     def _ends(self) -> bool:
         """Whether the peer must stop now (and asks itself to)."""
-        cfg, spec = self.config, self.spec_
+        cfg, spec = self.config, self._spec
         if cfg.max_rounds is not None and self.round >= cfg.max_rounds:
             self.stop(f"round {self.round} reached (max rounds {cfg.max_rounds})")
         elif spec.total_steps is not None and self.round * self.h >= spec.total_steps:
@@ -1002,12 +1012,13 @@ class Swarm:
         """The run is over: stay a donor while other peers still work towards a round this
         one applied (a group of them may be short of members now, and can only finish by
         downloading the final state), for at most ``linger_s``."""
-        if self.network is None or self.config.linger_s <= 0:
+        if self.pacer is None or self.config.linger_s <= 0:
             return
         deadline = time.monotonic() + self.config.linger_s
         told = False
         while time.monotonic() < deadline:
-            behind = {r.peer for r in self._fresh_reports(self._now()) if r.round <= self.round}
+            reports = self.pacer.fresh_reports(self.round)
+            behind = {r.peer for r in reports if r.round <= self.round}
             if not behind:
                 return
             if not told:
@@ -1035,243 +1046,30 @@ class Swarm:
             self._end_step()
 
     def _discard(self, why: str) -> None:
+        assert self.follower is not None
         if self.trial.probation is not None:
             # Training from a state on probation failed: the state is to blame, not the
             # data or the learning rate.
-            self._roll_back(f"{why} after adopting it")
+            self.follower.roll_back(f"{why} after adopting it")
             return
         self._nan_in_a_row += 1
         logger.error(
             "%s after %d local steps: discarding them and restarting from the global state "
             "of round %d (%d time(s) since a round last succeeded)",
             why,
-            self.steps_since_round,
+            self.progress.steps_since_round,
             self.round,
             self._nan_in_a_row,
         )
-        self._emit("discarded", round=self.round, steps=self.steps_since_round, why=why)
+        self._emit("discarded", round=self.round, steps=self.progress.steps_since_round, why=why)
         if self._nan_in_a_row > _MAX_DISCARDS:
             raise SwarmlocoError(
                 f"training produced NaN/Inf {self._nan_in_a_row} times from the swarm's global "
                 "state without completing a round; check the data and the learning rate (or "
                 "try --compile off) before joining again"
             )
-        if self.box is not None:
-            self.box.tell(Op.RESET)
-        self.optimizer.state.clear()
-        self._take_global()
-
-    def _take_global(self) -> None:
-        with self.params.view(None, read=False, write=True) as whole:
-            self.diloco.take_global(whole)
-        self.steps_since_round = 0
-        self.tokens_since_round = 0
-        self._lr_sum, self._lr_steps = 0.0, 0
-        self._counting_since = self._resumed_at = None
-
-    # -- pacing -------------------------------------------------------------------------------
-
-    def _now(self) -> float:
-        """The swarm's time (this machine's clock corrected to the peers' it joined
-        through): what progress reports and records are dated and judged by."""
-        return self.network.node.dht.clock() if self.network is not None else time.time()
-
-    def _fresh_reports(self, now: float) -> list[ProgressReport]:
-        assert self.network is not None
-        clock = time.monotonic()
-        fresh = max(_FRESH_MIN_S, _FRESH_REPORTS * self.config.progress_interval_s)
-        target = self.round + 1
-        return [
-            r
-            for r in self.network.reports
-            if r.peer != self.peer_id
-            and now - r.at <= fresh
-            and not (r.round > target + 1 and self.trial.unbacked.get(r.peer, 0.0) > clock)
-        ]
-
-    def _pace(self) -> Verdict:
-        """Whether to average now (DESIGN section 3, "When a round is due").
-
-        The round is due when the peers working on it have together processed as many
-        tokens as each doing H / F steps: a fast peer trains on past its steps while slower
-        ones catch up (and so contributes more tokens, and weight), a slow one joins early,
-        and they arrive at matchmaking together. Alone, a peer averages (with itself) every
-        H / F steps. It never waits past ``4 H / F`` steps for peers whose reports promise
-        more.
-        """
-        h = self.h
-        if self.steps_since_round == 0:
-            return Verdict.WAIT
-        if self.steps_since_round >= _MAX_WAIT_ROUNDS * h:
-            return Verdict.DUE
-        assert self.network is not None
-        if self.network.reads < 2 and not self._read_twice:
-            if self.steps_since_round < h:
-                return Verdict.WAIT
-            self._wait_for_a_second_read()
-        now = self._now()
-        target = self.round + 1
-        mine = ProgressReport(
-            peer=self.peer_id,
-            round=target,
-            tokens=self.tokens_since_round,
-            tokens_per_s=self._rate.value,
-            at=now,
-        )
-        everyone = self._fresh_reports(now)
-        # Keys cost nothing: once this peer has partners (peers it averaged with lately)
-        # and hears from any of them, only their reports decide when a round is due, that
-        # it is behind, or that the round started; strangers' reports count again when
-        # every partner is silent (this peer is on its own).
-        partners = self.evidence.witnesses
-        heard = [r for r in everyone if r.peer in partners]
-        reports = heard if heard else everyone
-        working = 1 + len({r.peer for r in reports if r.round == target})
-        self._expected = self._expect(everyone, partners if heard else None, target)
-        if any(r.round > target + 1 for r in reports):
-            return Verdict.BEHIND  # others applied rounds this peer has not
-        if self._late is not None and self._still_late(target):
-            return Verdict.BEHIND  # this round's group formed without us: fetch its result
-        if any(r.round == target + 1 for r in reports) and self.steps_since_round >= h / 4:
-            # Someone started this round already: join it now, with what we have, rather
-            # than fall a gathering window out of step with it (not before a quarter of
-            # the round's steps: a liar cannot make rounds much more frequent).
-            return Verdict.DUE
-        tokens_per_step = max(1, self.tokens_since_round // max(1, self.steps_since_round))
-        config = PacingConfig(tokens_per_round=max(1, round(working * h * tokens_per_step)))
-        verdict = estimate(
-            [mine, *reports],
-            round=target,
-            now=now,
-            config=config,
-            trusted=self.peer_id,
-            since=self._counting_since,
-            resumed=self._resumed_at,
-        ).verdict
-        if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
-            return Verdict.DUE if self.steps_since_round >= h else Verdict.WAIT
-        return verdict
-
-    def _wait_for_a_second_read(self) -> None:
-        """Just joined: peers that started with this one may not have reported yet (a
-        report interval apart), and one that decides it is alone now splits the first
-        round. Once due by its own count, the training thread waits (once, briefly) for a
-        second read: training on instead would make a lone peer's first round as long as
-        the network is slow, and its result depend on timing."""
-        assert self.network is not None
-        self._read_twice = True
-        self.loop.loop.call_soon_threadsafe(self.network.wake)
-        with self._blocking():
-            read = self.network.wait_for_reads(2, 2 * self.config.progress_interval_s + 1.0)
-        if not read:
-            logger.info("no second read of the progress records: deciding on what we have")
-
-    def _expect(
-        self, everyone: list[ProgressReport], partners: Collection[str] | None, target: int
-    ) -> tuple[int, int]:
-        """(peers matchmaking waits for, this one included; strangers worth a short wait
-        besides) for round ``target``, from the reports and, when any partner is heard
-        (``partners``), from theirs alone.
-
-        Matchmaking waits for the peers of this round: those whose report names it, the
-        round before (they applied it with us and have not reported since) or the round
-        after (they started this one: it is in flight on their side). Counting too many
-        costs a gathering window, too few a group split in two. A few newcomers are waited
-        for besides partners, not a crowd of keys, and only for a short grace once the
-        partners are in (``stranger_grace_s``): anyone can claim progress."""
-        assert self.network is not None
-        near = {r.peer for r in everyone if target - 1 <= r.round <= target + 1}
-        known = {p for p in near if p in partners} if partners is not None else near
-        expected = 1 + len(known)
-        if self._last_group is not None and self._last_group[0] == self.round:
-            # Who averaged the last round with us will most likely average this one too,
-            # even when their reports lag a round behind; not those that said goodbye.
-            left = {r.peer for r in self.network.reports if is_farewell(r)}
-            expected = max(expected, 1 + len(self._last_group[1] - left))
-        return expected, min(len(near - known), _EXPECTED_STRANGERS)
-
-    def _still_late(self, target: int) -> bool:
-        """Whether this peer still waits for the result of round ``target``'s group that
-        formed without it (until its deadline, or until that group aborts)."""
-        assert self._late is not None and self.network is not None
-        late_round, until = self._late
-        if late_round != target or time.monotonic() >= until:
-            self._end_late_wait()
-            return False
-        if self.network.late_group_aborted(target):
-            logger.info("round %d: the group that formed without us aborted", target)
-            self._end_late_wait()
-            return False
-        return True
-
-    def _end_late_wait(self) -> None:
-        self._late = None
-        assert self.network is not None
-        self.network.late = None
-
-    # -- catching up ----------------------------------------------------------------------------
-
-    def _catch_up(self) -> None:
-        """Download the swarm's state if this peer's is older or in the minority, on the
-        evidence ``runtime/catchup.py`` asks for.
-
-        Peers that claim later rounds no adoptable state backs (liars, or a lone peer ahead
-        of everyone) are left out of pacing for a while instead of stalling this one, and
-        the holders of a state refused after its download for longer.
-        """
-        assert self.network is not None
-        self.snapshots.finish(wait=True)  # this peer's own digest of its last round
-        current = self.snapshots.current
-        assert current is not None
-        try:
-            found = self.loop.run(
-                self.network.catchup.find(
-                    round=self.round,
-                    digest=current.digest if self.round > 0 else None,
-                    reference=self._reference(),
-                    distrusted=self.trial.distrusted_now(time.monotonic()),
-                    distrusted_digests=frozenset(self.trial.distrusted_digests),
-                    peak_lr=self._peak_lr,
-                ),
-                timeout=self.config.catchup.state_timeout_s + 30.0,
-            )
-        except (SwarmlocoError, TimeoutError) as exc:
-            logger.warning("could not catch up with the swarm: %s", exc)
-            return
-        self.trial.heard(unbacked=found.unbacked, distrusted=found.distrusted, now=time.monotonic())
-        for refusal in found.refused:
-            if self.trial.first_refusal(refusal.round, refusal.digest):
-                self._emit(
-                    "refused",
-                    round=refusal.round,
-                    digest=refusal.digest,
-                    holders=len(refusal.holders),
-                    why=refusal.reason,
-                )
-        if found.failed:
-            self.last_error = f"state download failed: {found.failed[-1]}"
-            self._emit("download-failed", round=self.round, error=found.failed[-1])
-        if found.adopted is not None:
-            checked = {
-                "distance": found.distance,
-                "bound": found.bound,
-                "momentum": found.momentum,
-                "momentum_bound": found.momentum_bound,
-            }
-            self._take(found.adopted, found.why, checked, holders=found.adopted_holders)
-
-    def _reference(self) -> Reference:
-        """This peer's own global state, which a downloaded one is checked against."""
-        spec = self.spec_
-        return Reference(
-            theta_g=self.diloco.theta_g,
-            momentum=self.diloco.momentum if self.round > 0 else None,
-            tokens=self.diloco.tokens,
-            outer_lr=spec.outer_lr,
-            outer_momentum=spec.outer_momentum,
-            fragments=self.diloco.fragments,
-            group_cap=self.config.matchmaking.max_group_size,
-        )
+        self._reset_optimizer()
+        self.follower.restart_from_global()
 
     def _peak_lr(self, rounds: int) -> float | None:
         """The highest inner learning rate over the next ``rounds`` rounds of the schedule
@@ -1290,297 +1088,6 @@ class Swarm:
             self.lr_at = None
             return self._peak_lr(rounds)
 
-    def _take(
-        self,
-        got: DownloadedState,
-        why: str,
-        checked: dict[str, Any] | None = None,
-        *,
-        holders: tuple[str, ...] | None = None,
-    ) -> None:
-        """Make a downloaded state this peer's global state (and local parameters);
-        ``checked``: how far it lay from this peer's and the bound it met (for the event).
-        ``holders``: who vouched for it; the state is then on probation (None: a state
-        checked against the manifest, the run's initial one)."""
-        snap = got.snapshot
-        if holders is not None and self.config.catchup.adoption.probation_rounds > 0:
-            self.snapshots.finish(wait=True)
-            assert self.snapshots.current is not None
-            self.trial.adopt(snap, holders, own=self.snapshots.current)
-            self.keeper.verified = False  # its checkpoints never replace the verified one
-        self.diloco.adopt(snap)
-        self._take_global()
-        self._global_step = max(self._global_step, int(self.round * self.h))
-        self.snapshots.publish(self.round, self.diloco.committed(), snap.digest)
-        self.evidence.adopted(time.time())
-        self.downloads += 1
-        self.keeper.dirty = True
-        if self.config.checkpoint_every:
-            self._checkpoint(urgent=True)  # what was downloaded is not lost to a crash
-        logger.info("took the swarm's state of round %d from %s: %s", self.round, got.donor, why)
-        self._emit(
-            "downloaded",
-            round=self.round,
-            global_step=self.global_step,
-            donor=str(got.donor),
-            bytes=snap.nbytes,
-            seconds=round(got.seconds, 3),
-            why=why,
-            digest=snap.digest.hex(),
-            **(checked or {}),
-        )
-
-    def _roll_back(self, why: str) -> None:
-        """Training from the adopted state on probation went wrong (``why``): return to the
-        last state this peer trained and verified itself, drop the local work since, and
-        never take that state, nor anything from its holders for a while, again."""
-        ended = self.trial.roll_back(time.monotonic())
-        if ended is None:
-            return
-        probation, verified = ended
-        self.keeper.verified = True
-        logger.error(
-            "rolling back the state of round %d (digest %s) adopted from %d peer(s): %s. "
-            "Back to this peer's own state of round %d; that state is never taken again, "
-            "nor another from its holders for a minute",
-            probation.round,
-            probation.digest.hex()[:12],
-            len(probation.holders),
-            why,
-            verified.round,
-        )
-        if self.box is not None:
-            self.box.tell(Op.RESET)
-        self.optimizer.state.clear()  # its moments came from the condemned state
-        self.diloco.adopt(verified)
-        self._global_step = int(self.round * self.h)
-        self._take_global()
-        self.snapshots.publish(self.round, self.diloco.committed(), verified.digest)
-        self.last_error = f"rolled back an adopted state of round {probation.round}: {why}"
-        self.keeper.dirty = True
-        self._emit(
-            "rolled-back",
-            round=self.round,
-            adopted_round=probation.round,
-            digest=probation.digest.hex(),
-            holders=len(probation.holders),
-            why=why,
-        )
-        if self.config.checkpoint_every:
-            self._checkpoint(urgent=True)
-
-    # -- one round ------------------------------------------------------------------------------
-
-    def _start_round(self) -> None:
-        """Start averaging the next round's fragment; training goes on while it runs."""
-        assert self.network is not None
-        self._catch_up()
-        if self.steps_since_round == 0:
-            return  # the download replaced this peer's work with the swarm's state
-        target = self.round + 1
-        f = fragment_of_round(target, self.diloco.fragments)
-        with self.params.view(f, read=True) as whole:
-            delta = self.diloco.delta(f, whole)
-        if not bool(torch.isfinite(delta).all()):
-            self._discard("the local model holds NaN/Inf")
-            return
-        weight = float(self.diloco.fragment_tokens[f])
-        self.state = "averaging"
-        feedback = self.diloco.feedback[f] if self.diloco.feedback else None
-        expected, strangers = self._expected or (None, 0)
-        future = self.loop.submit(
-            self.network.average(
-                target,
-                delta,
-                self.diloco.means[f],
-                weight=weight,
-                expected=expected,
-                strangers=strangers,
-                error_feedback=feedback,
-            )
-        )
-        self._inflight = _Exchange(target, f, future, self.steps, time.monotonic(), weight)
-        self.loop.loop.call_soon_threadsafe(self.network.wake)
-        # What trains from now on counts towards the next round.
-        self.steps_since_round = 0
-        self.tokens_since_round = 0
-        # Swarm time, as reports are dated. Training goes on through the exchange only
-        # when it overlaps (delay > 0); else it resumes when the round lands (_land).
-        self._counting_since = self._resumed_at = self._now()
-
-    def _land(self) -> None:
-        """Wait for the exchange in flight; apply its outer step, or count it as aborted."""
-        x = self._inflight
-        assert x is not None and self.network is not None
-        self._inflight = None
-        try:
-            try:
-                outcome = x.future.result(timeout=self.config.round_timeout_s + 10.0)
-            finally:
-                # Without overlap nobody of the group trained meanwhile: their tokens count
-                # again from when the loop resumes (after the outer step and evaluation).
-                self._resume_pending = self.spec_.delay == 0
-            if not bool(torch.isfinite(self.diloco.means[x.fragment]).all()):
-                raise RoundAborted(f"round {x.round}: the group's mean is not finite")
-        except Exception as exc:  # whatever the others sent: the round fails, never the peer
-            self._aborted(x, exc)
-            return
-        self.state = "training"
-        f = x.fragment
-        report, matchmaking = outcome.result.report, outcome.matchmaking_s
-        self._consistent = False
-        movement = self.diloco.apply(f, x.round, weight=x.weight, group_tokens=outcome.group_tokens)
-        alpha = self.spec_.streaming.alpha
-        with self.params.view(f, read=alpha != 0.0, write=True) as whole:
-            self.diloco.land(f, whole, alpha)
-        self._consistent = True
-        self._advance_global()
-        self._weigh(x, report.members, movement, outcome.group_tokens)
-        event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
-
-        def hashed(digest: bytes) -> None:
-            assert self.network is not None
-            self.loop.submit(self.network.publish_digest(event["round"], digest))
-            self._emit("round", **event, digest=digest.hex())
-
-        self.snapshots.hash_later(self.round, self.diloco.committed(), hashed)
-        self.rounds_applied += 1
-        self._nan_in_a_row = 0  # a round made it: training works from this state
-        self._last_group = (x.round, frozenset(report.members) - {self.peer_id})
-        self.loop.loop.call_soon_threadsafe(self.network.wake)
-        # The round's own time (matchmaking and exchange): the same figure in the event, the
-        # log and the status record, without the evaluation below.
-        seconds = time.monotonic() - x.started
-        self.sheet.remember(
-            round=x.round,
-            group=len(report.members),
-            seconds=seconds,
-            payload_bytes=4 * self.diloco.deltas[f].numel(),
-            bytes_sent=report.bytes_sent,
-            bytes_received=report.bytes_received,
-            ok=True,
-            matchmaking_s=matchmaking,
-        )
-        eval_loss = None
-        if (
-            self.evaluate is not None
-            and self.config.eval_every
-            and (self.round % self.config.eval_every == 0)
-        ):
-            eval_loss = self.last_eval = float(self.evaluate())
-        self._round_s = seconds
-        event.update(self._round_event(x, report, seconds, matchmaking, eval_loss))
-        logger.info(
-            "round %d (fragment %d) applied with %d peer(s) in %.2fs: train loss %.3f%s",
-            self.round,
-            f,
-            len(report.members),
-            seconds,
-            self.last_loss,
-            f", eval loss {eval_loss:.3f}" if eval_loss is not None else "",
-        )
-        if self.config.checkpoint_every and self.round % self.config.checkpoint_every == 0:
-            self._checkpoint()
-
-    def _aborted(self, x: _Exchange, exc: BaseException) -> None:
-        """The exchange ``x`` failed (``exc``): nothing applied, the round counted as
-        aborted; a peer late for a group that formed without it waits for its result."""
-        assert self.network is not None
-        if not isinstance(exc, _ROUND_FAILURES):
-            logger.error("round %d failed on an unexpected error", x.round, exc_info=exc)
-        x.future.cancel()
-        self.state = "training"
-        if not (isinstance(exc, RoundAborted) and exc.late):
-            # (Late for a group that formed without it: a healthy peer's routine, not an
-            # error the dashboard should show; it takes the group's result instead.)
-            self.last_error = f"round {x.round} aborted: {exc}"
-        self.sheet.remember(
-            round=x.round,
-            group=0,
-            seconds=time.monotonic() - x.started,
-            payload_bytes=4 * self.diloco.deltas[x.fragment].numel(),
-            ok=False,
-        )
-        # Nothing applied: the fragment's delta keeps growing and the next attempt
-        # carries all of it.
-        self.rounds_aborted += 1
-        self._last_group = None  # those we expected did not come
-        if isinstance(exc, RoundAborted) and exc.late:
-            # The others average this round without us: take their result once it is
-            # published. Wait about as long as their round takes (a gathering window
-            # and the exchange, twice over), then try the round again as usual.
-            wait = 2 * (self.config.matchmaking.gather_s + self._round_s)
-            self._late = (x.round, time.monotonic() + min(wait, self.config.round_timeout_s))
-            # Unless that group aborts: its members then announce the round again.
-            self.network.late = (x.round, self.diloco.means[x.fragment].numel())
-            self.loop.loop.call_soon_threadsafe(self.network.wake)
-        logger.warning("round %d aborted: %s", x.round, exc)
-        self._emit(
-            "aborted",
-            round=x.round,
-            fragment=x.fragment,
-            error=f"{type(exc).__name__}: {exc}",
-            seconds=round(time.monotonic() - x.started, 3),
-        )
-
-    def _weigh(
-        self, x: _Exchange, members: Sequence[str], movement: float, group_tokens: int
-    ) -> None:
-        """Count the applied round as evidence for adoption, and end a probation it
-        completes."""
-        lr = self._lr_sum / self._lr_steps if self._lr_steps else None
-        self._lr_sum, self._lr_steps = 0.0, 0
-        grouped = len(members) >= 2
-        adoption = self.config.catchup.adoption
-        self.evidence.applied(
-            movement,
-            time.time(),
-            alone=not grouped,
-            lr=lr,
-            update=float(torch.linalg.vector_norm(self.diloco.means[x.fragment])),
-            tokens=group_tokens,
-        )
-        self.evidence.grouped(x.round, members, self.peer_id, adoption)
-        if (passed := self.trial.applied(grouped)) is not None:
-            logger.info(
-                "the state adopted at round %d passed its probation (%d round(s) averaged "
-                "with others since): it is this peer's own now",
-                passed.round,
-                passed.rounds,
-            )
-            self.keeper.verified = True
-
-    def _round_event(
-        self,
-        x: _Exchange,
-        report: AllReduceReport,
-        seconds: float,
-        matchmaking: float,
-        eval_loss: float | None,
-    ) -> dict[str, Any]:
-        """The fields of an applied round's event (its digest comes once it is hashed)."""
-        return {
-            "round": self.round,
-            "fragment": x.fragment,
-            "step": self.steps,
-            "global_step": self.global_step,
-            "overlap_steps": self.steps - x.step,
-            "group": len(report.members),
-            "weight": x.weight,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "loss": self.last_loss,
-            "eval_loss": eval_loss,
-            "bytes_sent": report.bytes_sent,
-            "seconds": round(seconds, 3),
-            "matchmaking_seconds": round(matchmaking, 3),
-            # The training loop's own time so far (the share of wall time it trains,
-            # between any two rounds, is the difference of this over that of "time").
-            "train_seconds": round(self.train_seconds, 3),
-            "excluded": sorted(report.excluded),
-            "rejections": dict(report.rejections),
-            "clipped": report.clipped,
-        }
-
     # -- records ----------------------------------------------------------------------------
 
     def describe_compute(
@@ -1596,30 +1103,30 @@ class Swarm:
         self.sheet.describe_compute(fit=fit, flops_per_token=flops_per_token, peak_flops=peak_flops)
 
     def _progress_value(self) -> dict[str, Any]:
+        assert self.rounds is not None and self.parts is not None
         # The round this peer's new tokens count towards: while round r is in flight,
         # r + 1 (its tokens since r started are the next round's).
         return {
-            "round": self.round + 1 + (self._inflight is not None),
-            "tokens": self.tokens_since_round,
-            "tokens_per_s": self._rate.value,
-            "at": self._now(),
+            "round": self.round + 1 + (self.rounds.inflight is not None),
+            "tokens": self.progress.tokens_since_round,
+            "tokens_per_s": self.progress.rate.value,
+            "at": self.parts.now(),
         }
 
     def _status_value(self) -> dict[str, Any]:
+        assert self.parts is not None
         return self.sheet.value(
             Counters(
-                state=self.state,
                 round=self.round,
                 step=self.steps,
                 tokens=self.steps * self.config.tokens_per_step,
-                tokens_per_s=self._rate.value,
+                tokens_per_s=self.progress.rate.value,
                 rounds_applied=self.rounds_applied,
                 rounds_aborted=self.rounds_aborted,
                 downloads=self.downloads,
-                last_error=self.last_error,
-                loss=self.last_loss,
+                loss=self.progress.loss,
                 eval_loss=self.last_eval,
-                at=self._now(),
+                at=self.parts.now(),
             )
         )
 
@@ -1628,26 +1135,6 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
-
-
-class _Rate:
-    """Tokens per second over the recent steps: exponential averages of the tokens and of
-    the seconds, divided (an average of each step's rate would be biased up when step times
-    vary: one step of 1 ms and one of 9 ms make 2 steps in 10 ms, not 5.6 ms a step)."""
-
-    def __init__(self) -> None:
-        self.value = 0.0
-        self._tokens = self._seconds = 0.0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        if seconds <= 0 or not math.isfinite(seconds):
-            return
-        if self._seconds == 0.0:
-            self._tokens, self._seconds = float(tokens), seconds
-        else:
-            self._tokens = 0.9 * self._tokens + 0.1 * tokens
-            self._seconds = 0.9 * self._seconds + 0.1 * seconds
-        self.value = self._tokens / self._seconds
 
 
 def _write_manifest_copy(path: Path, manifest: SwarmManifest) -> None:

@@ -1,0 +1,66 @@
+"""The parts of one entered peer that its collaborators share (:class:`PeerParts`).
+
+``Swarm`` builds them on enter, in order (the manifest, the DiLoCo state, the checkpoints,
+the network), and hands them to the collaborators that do the swarm's work between two
+steps: the pacer (``runtime/pacer.py``), the round driver (``runtime/rounds.py``) and the
+follower that keeps the peer's state the swarm's (``runtime/follow.py``). Each part owns
+its own state; this is only how they reach each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from swarmloco.core.adoption import Evidence
+from swarmloco.core.runspec import RunSpec
+from swarmloco.runtime.box import Box, BoxParams
+from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.keeper import CheckpointKeeper
+from swarmloco.runtime.loop_thread import LoopThread
+from swarmloco.runtime.network import SwarmNetwork
+from swarmloco.runtime.progress import LocalProgress
+from swarmloco.runtime.snapshots import Snapshots
+from swarmloco.runtime.status import StatusSheet
+from swarmloco.runtime.trial import Trial
+from swarmloco.train.diloco import DilocoState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerParts:
+    config: PeerConfig
+    spec: RunSpec
+    peer_id: str
+    loop: LoopThread
+    """The peer's event loop, which every network call goes through."""
+    network: SwarmNetwork
+    diloco: DilocoState
+    """The global state (``theta_g``, momentum, tokens) and the deltas of the fragments."""
+    params: BoxParams
+    """The model's parameters (in a box, every rank's), read and written through views."""
+    snapshots: Snapshots
+    """The committed global state this peer serves, and its digest."""
+    progress: LocalProgress
+    evidence: Evidence
+    """What this peer observed itself (its partners, its outer steps): never replaced."""
+    trial: Trial
+    keeper: CheckpointKeeper
+    sheet: StatusSheet
+    """What the dashboard shows: also the peer's state ("training", ...) and last error."""
+    box: Box | None
+    emit: Callable[..., None]
+    """``emit(event, **fields)``: one event for the user's sink (the daemon's log)."""
+
+    @property
+    def h(self) -> float:
+        """Inner steps between two rounds of one fragment: ``H / F``."""
+        return self.spec.steps_per_round
+
+    def now(self) -> float:
+        """The swarm's time (this machine's clock corrected to the peers' it joined
+        through): what progress reports and records are dated and judged by."""
+        return self.network.node.dht.clock()
+
+    def wake(self) -> None:
+        """Have the network publish and read the records now (from any thread)."""
+        self.loop.loop.call_soon_threadsafe(self.network.wake)
