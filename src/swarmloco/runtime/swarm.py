@@ -11,8 +11,9 @@ its tokens, and does the swarm's work between two steps:
    objects registered with :meth:`Swarm.register`, the DiLoCo state), start networking
    and catch up with the swarm (downloading its state, or the initial weights when this
    model's differ from the manifest's).
-2. **Between steps.** A round is due when the peers working on it have together trained
-   H / F steps' worth of tokens each (:meth:`Swarm._pace`). Round r averages fragment
+2. **Between steps** (``runtime/hook.py``, the round in one place). A round is due when
+   the peers working on it have together trained H / F steps' worth of tokens each
+   (``runtime/pacer.py``). Round r averages fragment
    ``(r - 1) % F`` of ``delta = theta_g - theta`` (weighted by the tokens the fragment
    trained on since its last sync) with the peers ready for the same round; the exchange
    runs while the loop trains ``tau`` more steps, then the outer Nesterov step is applied
@@ -20,7 +21,8 @@ its tokens, and does the swarm's work between two steps:
    ``lerp(theta_g, theta, alpha)``, the digest of the new global state is published and a
    checkpoint written (hashing and writing run on threads of their own). A round that
    fails changes nothing. Before each round the peer checks that its state is the swarm's
-   and downloads the swarm's when it is behind or outvoted (``runtime/catchup.py``).
+   and downloads the swarm's when it is behind or outvoted (``runtime/follow.py``,
+   ``runtime/catchup.py``); the round itself is ``runtime/rounds.py``'s.
 3. **Exit.** The round in flight lands, a final checkpoint is written, the peer leaves.
    Once asked to stop (a signal, ``max_rounds``, the end of the run, :meth:`Swarm.stop`)
    the next ``optimizer.step()`` raises :class:`~swarmloco.errors.Stopped`, which leaves
@@ -40,56 +42,48 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from swarmloco.core.adoption import Evidence
-from swarmloco.core.codec import warm_up
 from swarmloco.core.manifest import SwarmManifest
-from swarmloco.core.pacing import Verdict
 from swarmloco.core.runspec import RunSpec
-from swarmloco.core.signature import (
-    ModelSignature,
-    parameters_in_order,
-    params_of,
-)
-from swarmloco.core.state import THETA_G, StateSnapshot, state_digest
-from swarmloco.errors import (
-    ModelMismatch,
-    Stopped,
-    SwarmlocoError,
-)
+from swarmloco.core.signature import parameters_in_order, params_of
+from swarmloco.errors import ModelMismatch, Stopped, SwarmlocoError
 from swarmloco.net.admission import Gate
 from swarmloco.net.identity import Identity
-from swarmloco.runtime.box import (
-    STOPPED_PREFIX,
-    Box,
-    BoxError,
-    BoxParams,
-    Op,
-    load_model_state,
-    load_optimizer_state,
-    local_state,
-    unwrap,
-)
-from swarmloco.runtime.checkpoint import BackgroundWriter, CheckpointStore, Saved
+from swarmloco.runtime.box import STOPPED_PREFIX, Box, BoxError, Op, unwrap
+from swarmloco.runtime.checkpoint import CheckpointStore
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.follow import Follower
-from swarmloco.runtime.keeper import CheckpointKeeper
+from swarmloco.runtime.hook import StepHook, StopFlag
 from swarmloco.runtime.loop_thread import LoopThread
-from swarmloco.runtime.network import SwarmNetwork, averaging_config, peer_codec
+from swarmloco.runtime.network import SwarmNetwork
 from swarmloco.runtime.pacer import Pacer
 from swarmloco.runtime.parts import PeerParts
+from swarmloco.runtime.persist import PeerCheckpoints, PeerState, Stateful
 from swarmloco.runtime.progress import LocalProgress
 from swarmloco.runtime.rounds import RoundDriver
 from swarmloco.runtime.session import REMEMBER, Session, handle_signals
 from swarmloco.runtime.snapshots import Snapshots
+from swarmloco.runtime.start import (
+    build_network,
+    clock_warning,
+    describe_device,
+    diloco_around,
+    log_ready,
+    manifest_signature,
+    manifest_spec,
+    open_keeper,
+    take_own_initial,
+)
 from swarmloco.runtime.status import Counters, StatusSheet
 from swarmloco.runtime.trial import Trial
-from swarmloco.train.diloco import DilocoState
+
+__all__ = ["Evaluator", "EventSink", "Stateful", "Summary", "Swarm", "describe_device",
+           "manifest_signature", "manifest_spec"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -97,15 +91,6 @@ EventSink = Callable[[dict[str, Any]], None]
 Evaluator = Callable[[], float]
 
 _PEERS_POLL_S = 0.5  # how long wait_for_peers waits for a read of the records at most
-_MAX_DISCARDS = 3  # NaN/Inf restarts without a round in between before the peer gives up
-
-
-class Stateful(Protocol):
-    """What :meth:`Swarm.register` checkpoints: a scheduler, a data loader, an RNG."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> Any: ...
 
 
 @dataclasses.dataclass
@@ -122,25 +107,6 @@ class Summary:
     downloads: int
     last_eval_loss: float | None
     stopped_because: str
-
-
-def manifest_spec(manifest: SwarmManifest) -> RunSpec:
-    try:
-        return RunSpec.from_manifest(manifest.hparams["run"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SwarmlocoError(
-            f"swarm {manifest.swarm_id}'s manifest has no valid run spec: {exc}"
-        ) from exc
-
-
-def manifest_signature(manifest: SwarmManifest) -> ModelSignature:
-    signature = manifest.model.get("signature")
-    if not isinstance(signature, Mapping):
-        raise SwarmlocoError(
-            f"swarm {manifest.swarm_id}'s manifest has no model signature: it was made by an "
-            "older swarmloco; create the run again"
-        )
-    return ModelSignature.from_manifest(signature)
 
 
 class Swarm:
@@ -180,12 +146,11 @@ class Swarm:
         self.evaluate = evaluate
         self.objects: dict[str, Stateful] = {}
         self._schedulers: list[torch.optim.lr_scheduler.LambdaLR] = []  # made by scheduler()
-        self.started_at = time.time()
         self.sheet = StatusSheet(
             # Several peers on one host (or in containers named alike) stay apart.
             name=config.name or f"{socket.gethostname()[:50]}/{self.peer_id[:6]}",
             device="",  # known once the swarm is entered
-            started_at=self.started_at,
+            started_at=time.time(),
         )
         self.progress = LocalProgress()
         self.evidence = Evidence()
@@ -200,20 +165,18 @@ class Swarm:
         self.admission: Gate | None = None
         """The swarm's gate, once entered: a private swarm's certificates, or a public
         run's proofs of work (None: an open run)."""
-        # Built on enter, around the parts they share (see _collaborators).
+        # Built on enter (see _enter and _collaborators).
         self.parts: PeerParts | None = None
+        self.checkpoints: PeerCheckpoints | None = None
         self.pacer: Pacer | None = None
         self.rounds: RoundDriver | None = None
         self.follower: Follower | None = None
+        self.hook: StepHook | None = None
+        self._stop = StopFlag()
         self._told_stopping = False
-        self._stop = threading.Event()
-        self._run_over = False  # the run reached its end here (not just this peer stopping)
-        self._stop_reason = ""
         self._stack: contextlib.ExitStack | None = None
-        self._consistent = True  # False once the model may not be whole (a box rank failed)
-        self._nan_in_a_row = 0
         self._train_started = 0.0
-        self._hook: Any = None
+        self._optimizer_hook: Any = None
 
     # -- what the user reads and calls ------------------------------------------------------
 
@@ -288,9 +251,7 @@ class Swarm:
 
     def stop(self, reason: str = "asked to stop") -> None:
         """Ask the peer to stop at the next step (thread-safe)."""
-        if not self._stop.is_set():
-            self._stop_reason = reason
-            self._stop.set()
+        self._stop.stop(reason)
 
     def register(self, name: str, obj: Stateful) -> None:
         """Checkpoint ``obj`` (``state_dict``/``load_state_dict``) with the peer, and
@@ -376,7 +337,7 @@ class Swarm:
             self.loop.loop.call_soon_threadsafe(network.wake)
             network.wait_for_reads(reads + 1, _PEERS_POLL_S)
             if self._stop.is_set():
-                error = STOPPED_PREFIX + self._stop_reason
+                error = STOPPED_PREFIX + self._stop.reason
                 break
             found = 1 + len({r.peer for r in pacer.fresh_reports(self.round)})
             if found >= n:
@@ -387,7 +348,7 @@ class Swarm:
         if self.box is not None:
             self.box.share(error)
         if error.startswith(STOPPED_PREFIX):
-            raise Stopped(self._stop_reason)
+            raise Stopped(self._stop.reason)
         if error:
             raise SwarmlocoError(error)
         logger.info("%d peers online", found)
@@ -405,8 +366,25 @@ class Swarm:
             rounds_aborted=self.rounds_aborted,
             downloads=self.downloads,
             last_eval_loss=self.last_eval,
-            stopped_because=self._stop_reason,
+            stopped_because=self._stop.reason,
         )
+
+    @property
+    def store(self) -> CheckpointStore:
+        """This peer's checkpoints of this swarm (once entered)."""
+        return self.keeper.store
+
+    def describe_compute(
+        self,
+        *,
+        fit: str = "",
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
+        """What the dashboard shows of this peer's compute: how its step fits the device
+        (``fit``, a few words), and its model FLOPs utilisation, from the training FLOPs of
+        a token and the device's peak (both needed; the rate is the peer's own)."""
+        self.sheet.describe_compute(fit=fit, flops_per_token=flops_per_token, peak_flops=peak_flops)
 
     def _emit(self, event: str, **fields: Any) -> None:
         if self.on_event is not None:
@@ -467,43 +445,53 @@ class Swarm:
         # a private run's certificate, or this key's proof of work (solved once, kept).
         self.admission = self.session.admission(manifest)
         self.h = spec.steps_per_round
-        self._spec = spec
         if self.box is not None:
             self.box.tell(Op.MANIFEST)
             self.box.share(manifest.to_bytes())
-        layout = self.signature.layout(spec.codec.block_size)
-        codec = peer_codec(cfg, spec.codec, layout.numel)
-        seconds = warm_up(codec)  # before any round: compiling stalls the event loop
-        logger.info("codec (%s) ready in %.1fs", codec.backend, seconds)
-        self.codec = codec
-        self.diloco = DilocoState(layout, spec.outer, codec)
-        self.params = BoxParams(
-            parameters_in_order(self.model, self.signature.params), self.diloco.layout, self.box
+        self.diloco, self.params, codec = diloco_around(
+            self.model, self.signature, spec, cfg, self.box
         )
-        self.sheet.device = describe_device(self._device)
-        self._open_checkpoints(stack, manifest)
+        self.sheet.device = describe_device(self.params.device)
+        self.keeper = open_keeper(stack, cfg, manifest, self._emit)
         self.snapshots = stack.enter_context(Snapshots(self.swarm_id))
-        own_initial = True
-        if not self._restore():
-            layout = self.diloco.layout
-            with self.params.view(None, read=True) as whole:
-                theta = layout.gather(whole, layout.zeros())
-            own_initial = state_digest({THETA_G: theta}) == self.signature.init_digest
-            if own_initial:
-                self.diloco.theta_g.copy_(theta)
+        own_initial = self._restore() or take_own_initial(
+            self.diloco, self.params, self.signature.init_digest
+        )
         self.snapshots.publish(self.round, self.diloco.committed())
-        follower = self._start_network(stack, spec)
+        if self.network is None:
+            self.network = build_network(
+                config=cfg,
+                session=self.session,
+                identity=self.identity,
+                manifest=manifest,
+                diloco=self.diloco,
+                codec=codec,
+                evidence=self.evidence,
+                admission=self.admission,
+            )
+        follower = self._start_network(stack, self.network, spec)
         self._train_started = time.monotonic()
         follower.catch_up()
         if not own_initial and self.round == 0:
             follower.fetch_initial(self.signature.init_digest, spec.seed)
         self._follow_schedules()
         if cfg.hook:
-            self._hook = self.optimizer.register_step_post_hook(lambda *_: self.step())
-            stack.callback(self._hook.remove)
+            self._optimizer_hook = self.optimizer.register_step_post_hook(lambda *_: self.step())
+            stack.callback(self._optimizer_hook.remove)
         self.sheet.state = "training"
         self.progress.step_ended = time.monotonic()
-        self._ready(spec)
+        self._emit(
+            "ready",
+            swarm_id=self.swarm_id,
+            peer_id=self.peer_id,
+            endpoint=self.network.endpoint,
+            round=self.round,
+            global_step=self.global_step,
+            params=self.signature.numel,
+            device=str(self.params.device),
+        )
+        log_ready(spec, self.signature, swarm_id=self.swarm_id, peer_id=self.peer_id,
+                  round=self.round, global_step=self.global_step)  # fmt: skip
 
     def _check_model(self) -> None:
         """Refuse a model that is not the swarm's, naming each difference."""
@@ -516,169 +504,33 @@ class Swarm:
                 differences,
             )
 
-    def _open_checkpoints(self, stack: contextlib.ExitStack, manifest: SwarmManifest) -> None:
-        """The swarm's directory (with a copy of its manifest), its checkpoint store and
-        the keeper of its checkpoints."""
-        cfg = self.config
-        swarm_dir = cfg.directory / "swarms" / self.swarm_id
-        swarm_dir.mkdir(parents=True, exist_ok=True)
-        _write_manifest_copy(swarm_dir / "manifest.json", manifest)
-        self.store = stack.enter_context(
-            CheckpointStore(
-                swarm_dir / "checkpoints", swarm_id=self.swarm_id, keep=cfg.keep_checkpoints
-            )
-        )
-        writer = stack.enter_context(BackgroundWriter(self.store))
-        self.keeper = CheckpointKeeper(
-            self.store, writer, retry_s=cfg.checkpoint_retry_s, emit=self._emit
-        )
-
-    def _ready(self, spec: RunSpec) -> None:
-        """Say that this peer trains: its event and its log line."""
-        self._emit(
-            "ready",
-            swarm_id=self.swarm_id,
-            peer_id=self.peer_id,
-            endpoint=self.network.endpoint if self.network else "",
-            round=self.round,
-            global_step=self.global_step,
-            params=self.signature.numel,
-            device=str(self._device),
-        )
-        logger.info(
-            "swarm %s: %s parameters, each of %d fragment(s) syncs every %d steps (overlap %d "
-            "steps, mix %.2f); this peer (id %s) at round %d, global step %d",
-            self.swarm_id[:12],
-            f"{self.signature.numel:,}",
-            spec.fragments,
-            spec.sync_every,
-            spec.delay,
-            spec.alpha,
-            self.peer_id,
-            self.round,
-            self.global_step,
-        )
-
-    @property
-    def _device(self) -> torch.device:
-        return self.params.device
-
-    def _remember_peers(self) -> None:
-        """Keep the peers this one knows now for its next start (``peers.json``)."""
-        if self.network is None:
-            return
-        try:
-            peers = self.loop.run(self.network.known_peers(REMEMBER), timeout=5.0)
-        except (TimeoutError, SwarmlocoError) as exc:
-            logger.debug("could not list the peers this one knows: %s", exc)
-            return
-        self.session.remember(peers)
-
-    def _start_network(self, stack: contextlib.ExitStack, spec: RunSpec) -> Follower:
-        """Start networking, with the collaborators that need it (the network reads this
-        peer's progress as soon as it runs): returns the follower, for the catch-up."""
-        assert self.manifest is not None
-        if self.network is None:
-            config = self.config
-            remembered = self.session.remembered()
-            if remembered:
-                node = dataclasses.replace(config.node, remembered=remembered)
-                config = dataclasses.replace(config, node=node)
-            self.network = SwarmNetwork(
-                identity=self.identity,
-                manifest=self.manifest,
-                config=config,
-                averaging=averaging_config(self.config, self.codec, spec.averaging_aggregator),
-                schema=self.diloco.schema,
-                evidence=self.evidence,
-                admission=self.admission,
-            )
-        network = self.network
-        follower = self._collaborators(network, spec)
-        network.catchup.evidence = self.evidence
-        network.snapshot = lambda: self.snapshots.current
-        network.previous_snapshot = lambda: self.snapshots.previous
-        network.progress = self._progress_value
-        network.status = self._status_value
-        network.on_dashboard = lambda url: self._emit("dashboard", url=url)
-        self.loop.run(network.__aenter__(), timeout=60.0)
-        stack.callback(self._leave_network)
-        skew = network.node.dht.clock_skew_s
-        if abs(skew) > network.node.dht.config.warn_clock_skew_s:
-            where = "behind" if skew > 0 else "ahead of"
-            # Shown on the dashboard until something else goes wrong.
-            self.sheet.last_error = (
-                f"clock {abs(skew):.0f} s {where} the swarm's (kept in step with it): set it "
-                "right (NTP)"
-            )
-        return follower
-
-    def _collaborators(self, network: SwarmNetwork, spec: RunSpec) -> Follower:
-        """The pacer, the round driver and the follower, around the parts they share."""
-        parts = PeerParts(
-            config=self.config,
-            spec=spec,
-            peer_id=self.peer_id,
-            loop=self.loop,
-            network=network,
+    def _restore(self) -> bool:
+        """Resume from the newest checkpoint that loads and fits this peer (see
+        :class:`PeerCheckpoints`); False when there is none."""
+        state = PeerState(
+            model=self.model,
+            optimizer=self.optimizer,
+            objects=self.objects,
             diloco=self.diloco,
             params=self.params,
-            snapshots=self.snapshots,
             progress=self.progress,
             evidence=self.evidence,
             trial=self.trial,
-            keeper=self.keeper,
-            sheet=self.sheet,
             box=self.box,
+        )
+        self.checkpoints = PeerCheckpoints(
+            state,
+            self.keeper,
+            swarm_id=self.swarm_id,
+            snapshots=self.snapshots,
+            sheet=self.sheet,
             emit=self._emit,
+            remember=self._remember_peers,
+            stopping=self._stop.is_set,
         )
-        self.parts = parts
-        self.pacer = Pacer(
-            network=network,
-            loop=self.loop,
-            config=self.config,
-            peer_id=self.peer_id,
-            h=spec.steps_per_round,
-            progress=self.progress,
-            evidence=self.evidence,
-            unbacked=self.trial.unbacked,
-            now=parts.now,
-        )
-        self.rounds = RoundDriver(
-            parts,
-            self.pacer,
-            evaluate=self.evaluate,
-            lr=lambda: float(self.optimizer.param_groups[0]["lr"]),
-        )
-        self.follower = Follower(
-            parts,
-            peak_lr=self._peak_lr,
-            reset_optimizer=self._reset_optimizer,
-            checkpoint=self._urgent_checkpoint,
-        )
-        return self.follower
-
-    def _leave_network(self) -> None:
-        assert self.network is not None
-        self._remember_peers()
-        with contextlib.suppress(Exception):
-            self.loop.run(self.network.__aexit__(None, None, None), timeout=30.0)
-
-    # -- checkpoints --------------------------------------------------------------------------
-
-    def _restore(self, *, verified: bool | None = None) -> bool:
-        """Resume from the newest checkpoint that loads and fits this peer (with
-        ``verified=True``, the newest whose global state this peer trained and checked
-        itself); False when there is none (see :class:`CheckpointKeeper`)."""
-        found = self.keeper.resume(self._load_checkpoint, verified=verified)
+        found = self.checkpoints.restore()
         if found is None:
-            if self.keeper.error:
-                self.sheet.last_error = self.keeper.error
             return False
-        if self.box is not None:
-            self._restore_box(found.state, found.state.get("ranks", []))
-        if not found.verified:
-            self._resume_probation()
         logger.info(
             "resumed from %s: round %d, step %d, global step %d%s",
             found.path.name,
@@ -697,148 +549,91 @@ class Swarm:
         )
         return True
 
-    def _resume_probation(self) -> None:
-        """Resumed from a checkpoint of an adopted state still on probation: its fallback
-        is the newest checkpoint of a state this peer verified itself. Without one (a fresh
-        peer that adopted and stopped before its first verified save), the state is kept
-        as this peer's own, with a warning."""
-        fallback = None
-        for candidate in self.keeper.store.valid(verified=True):
-            try:
-                state = candidate.state["diloco"]
-                fallback = StateSnapshot.of(
-                    swarm_id=self.swarm_id,
-                    round=int(state["round"]),
-                    tensors=DilocoState.snapshot_tensors(state),
-                )
-            except (KeyError, TypeError, ValueError) as exc:
-                logger.warning("checkpoint %s holds no usable state: %s", candidate.path, exc)
-                continue
-            break
-        probation = self.trial.probation
-        if probation is None or fallback is None:
-            if probation is not None:
-                logger.warning(
-                    "the state of round %d was adopted on probation and no state this peer "
-                    "verified itself is checkpointed: keeping it as this peer's own",
-                    probation.round,
-                )
-            self.trial.end()
-            self.keeper.verified = True
-            return
-        self.trial.fallback = fallback
-        logger.info(
-            "the state of round %d is on probation; its fallback is this peer's own state of "
-            "round %d",
-            probation.round,
-            fallback.round,
+    def _start_network(
+        self, stack: contextlib.ExitStack, network: SwarmNetwork, spec: RunSpec
+    ) -> Follower:
+        """Start networking, with the collaborators that need it (the network reads this
+        peer's progress as soon as it runs): returns the follower, for the catch-up."""
+        follower = self._collaborators(network, spec)
+        network.catchup.evidence = self.evidence
+        network.snapshot = lambda: self.snapshots.current
+        network.previous_snapshot = lambda: self.snapshots.previous
+        network.progress = self._progress_value
+        network.status = self._status_value
+        network.on_dashboard = lambda url: self._emit("dashboard", url=url)
+        self.loop.run(network.__aenter__(), timeout=60.0)
+        stack.callback(self._leave_network)
+        if warning := clock_warning(network):
+            self.sheet.last_error = warning  # shown until something else goes wrong
+        return follower
+
+    def _collaborators(self, network: SwarmNetwork, spec: RunSpec) -> Follower:
+        """The pacer, the round driver, the follower and the step hook, around the parts
+        they share."""
+        assert self.checkpoints is not None
+        parts = self.parts = PeerParts(
+            config=self.config,
+            spec=spec,
+            peer_id=self.peer_id,
+            loop=self.loop,
+            network=network,
+            diloco=self.diloco,
+            params=self.params,
+            snapshots=self.snapshots,
+            progress=self.progress,
+            evidence=self.evidence,
+            trial=self.trial,
+            keeper=self.keeper,
+            sheet=self.sheet,
+            box=self.box,
+            emit=self._emit,
         )
+        pacer = self.pacer = Pacer(
+            network=network,
+            loop=self.loop,
+            config=self.config,
+            peer_id=self.peer_id,
+            h=spec.steps_per_round,
+            progress=self.progress,
+            evidence=self.evidence,
+            unbacked=self.trial.unbacked,
+            now=parts.now,
+        )
+        self.rounds = RoundDriver(parts, pacer, evaluate=self.evaluate, lr=self._lr)
+        self.follower = Follower(
+            parts,
+            peak_lr=self._peak_lr,
+            reset_optimizer=self._reset_optimizer,
+            checkpoint=self._urgent_checkpoint,
+        )
+        self.hook = StepHook(
+            parts,
+            pacer=pacer,
+            rounds=self.rounds,
+            follower=self.follower,
+            checkpoints=self.checkpoints,
+            stop=self._stop,
+            lr=self._lr,
+            reset_optimizer=self._reset_optimizer,
+        )
+        return self.follower
 
-    def _load_checkpoint(self, s: Mapping[str, Any]) -> None:
-        """Load one checkpoint's state into the model, optimizer, registered objects, RNG,
-        counters and DiLoCo state; raises at the first part that does not fit (what was
-        loaded before it is overwritten by the next checkpoint tried)."""
-        ranks = s.get("ranks", [])
-        if self.box is not None and len(ranks) != self.box.size - 1:
-            raise ValueError(
-                f"it was saved by a box of {len(ranks) + 1} rank(s), this one has {self.box.size}"
-            )
-        if self.box is None and ranks:
-            raise ValueError(f"it was saved by a box of {len(ranks) + 1} ranks")
-        self.diloco.load_state_dict(s["diloco"])
-        load_model_state(self.model, s["model"])
-        load_optimizer_state(self.optimizer, s["optimizer"])
-        objects = s.get("objects", {})
-        for name, obj in self.objects.items():
-            if name not in objects:
-                raise KeyError(f"object {name!r} (registered now, not when it was saved)")
-            obj.load_state_dict(objects[name])
-        torch.set_rng_state(s["rng"])
-        self.progress.load_state_dict(s)
-        self.evidence.load_state(s.get("evidence", {}))
-        self.trial.load_state(s.get("probation"))
-
-    def _restore_box(self, s: Mapping[str, Any], ranks: list[dict[str, Any]]) -> None:
-        """Give each of the box's other ranks its part of a checkpoint: its own objects and
-        RNG, and its shards (sharded) or rank 0's model and optimizer (replicated)."""
-        assert self.box is not None
-        parts: list[Any] = [None]
-        for part in ranks:
-            if not self.params.sharded:
-                part = {**part, "model": s["model"], "optimizer": s["optimizer"]}
-            parts.append(part)
-        self.box.tell(Op.LOAD)
-        self.box.scatter(parts)
-
-    def _checkpoint(self, *, wait: bool = False, urgent: bool = False) -> None:
-        """Checkpoint the state as it is now: only the copy happens here, the write on the
-        writer's thread (see :meth:`CheckpointKeeper.save`); with ``wait``, until it is on
-        disk."""
-        self._collect_checkpoint(wait=wait)
-        started = self.keeper.save(self._capture, round=self.round, step=self.steps, urgent=urgent)
-        if started and wait:
-            self._collect_checkpoint(wait=True)
-
-    def _urgent_checkpoint(self) -> None:
-        """What was downloaded or rolled back to is not lost to a crash."""
-        if self.config.checkpoint_every:
-            self._checkpoint(urgent=True)
-
-    def _reset_optimizer(self) -> None:
-        """Clear the inner optimizer's moments (every rank's): they came from a state
-        this peer no longer trains from."""
-        if self.box is not None:
-            self.box.tell(Op.RESET)
-        self.optimizer.state.clear()
-
-    def _capture(self) -> dict[str, Any]:
-        """What a checkpoint holds: this peer's whole state as it is now."""
-        ranks: list[Any] = []
-        if self.box is not None:
-            self.box.tell(Op.SAVE)
-            ranks = (self.box.gather(None) or [None])[1:]
-        state = {
-            "diloco": self.diloco.state_dict(),
-            "model": local_state(self.model.state_dict()),
-            "optimizer": local_state(self.optimizer.state_dict()),
-            "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
-            "rng": torch.get_rng_state(),
-            **self.progress.state_dict(),
-            "evidence": self.evidence.to_state(),
-        }
-        if (probation := self.trial.to_state()) is not None:
-            state["probation"] = probation
-        if ranks:
-            state["ranks"] = ranks  # the box's other ranks: their objects, RNG and shards
-        return state
-
-    def _collect_checkpoint(self, *, wait: bool = False) -> None:
-        """Report a checkpoint written in the background once it is on disk, or a failed
-        write (tried again later: see :meth:`CheckpointKeeper.collect`)."""
-        failures = self.keeper.failures
-        saved = self.keeper.collect(wait=wait, stopping=self._stop.is_set())
-        self._saved(saved, failed=self.keeper.failures > failures)
-
-    def _saved(self, saved: Saved | None, *, failed: bool) -> None:
-        """Tell of a checkpoint on disk (``saved``) or a write that ``failed``."""
-        if failed:
-            self.sheet.last_error = self.keeper.error
-        if saved is None:
+    def _remember_peers(self) -> None:
+        """Keep the peers this one knows now for its next start (``peers.json``)."""
+        if self.network is None:
             return
+        try:
+            peers = self.loop.run(self.network.known_peers(REMEMBER), timeout=5.0)
+        except (TimeoutError, SwarmlocoError) as exc:
+            logger.debug("could not list the peers this one knows: %s", exc)
+            return
+        self.session.remember(peers)
+
+    def _leave_network(self) -> None:
+        assert self.network is not None
         self._remember_peers()
-        if self.sheet.last_error.startswith("checkpoint failed"):
-            self.sheet.last_error = ""
-        self.snapshots.finish(wait=True)  # the round's event before its checkpoint's
-        self._emit(
-            "checkpoint",
-            round=saved.round,
-            step=saved.step,
-            path=str(saved.path),
-            bytes=saved.nbytes,
-            seconds=round(saved.write_seconds, 3),
-            copy_seconds=round(saved.copy_seconds, 3),
-            verified=saved.verified,
-        )
+        with contextlib.suppress(Exception):
+            self.loop.run(self.network.__aexit__(None, None, None), timeout=30.0)
 
     # -- leaving ------------------------------------------------------------------------------
 
@@ -848,12 +643,14 @@ class Swarm:
             return False
         interrupted = exc_type is not None and not issubclass(exc_type, (Exception, Stopped))
         try:
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
+            if self._optimizer_hook is not None:
+                self._optimizer_hook.remove()
+                self._optimizer_hook = None
             if exc_type is not None and issubclass(exc_type, Exception):
                 self.stop(f"the training loop raised {exc_type.__name__}")
-            self._leave(exc_type, interrupted)
+            assert self.hook is not None
+            failed = exc_type is not None and not issubclass(exc_type, Stopped)
+            self.hook.leave(failed=failed, interrupted=interrupted)
         finally:
             wall = time.monotonic() - self._train_started if self._train_started else 0.0
             stack.close()
@@ -862,37 +659,12 @@ class Swarm:
                 round=self.round,
                 step=self.steps,
                 global_step=self.global_step,
-                reason=self._stop_reason,
+                reason=self._stop.reason,
                 # Time in inner steps over time since training started: what rounds cost.
                 train_seconds=round(self.progress.train_seconds, 3),
                 wall_seconds=round(wall, 3),
             )
         return exc_type is not None and issubclass(exc_type, Stopped)
-
-    def _leave(self, exc_type: type[BaseException] | None, interrupted: bool) -> None:
-        """Land the round in flight (unless interrupted again, or a box rank failed), write
-        the last checkpoint, and stay a donor a while if the run is over."""
-        rounds, box = self.rounds, self.box
-        assert rounds is not None
-        if box is not None and exc_type is not None and not issubclass(exc_type, Stopped):
-            # The other ranks may be anywhere in the step (in a collective of the model's
-            # own): nothing more is asked of them, and nothing is saved that would need
-            # their shards. The last checkpoint on disk stands.
-            box.broken = True
-            self._consistent = False
-        if interrupted or (box is not None and box.broken):
-            rounds.cancel()  # a second Ctrl-C: do not wait for it
-        elif rounds.inflight is not None:
-            self._land()
-        self.snapshots.finish(wait=True)
-        self.sheet.state = "stopping"
-        if self.keeper.dirty and self._consistent and rounds.consistent:
-            self._checkpoint(wait=True)
-        self._collect_checkpoint(wait=True)
-        if box is not None and not box.broken:
-            box.tell(Op.EXIT)  # before lingering: the other ranks are done
-        if self._run_over and not interrupted:
-            self._linger()
 
     # -- between two steps --------------------------------------------------------------------
 
@@ -901,13 +673,14 @@ class Swarm:
         ``hook=False`` the loop does, after each ``optimizer.step()``). ``tokens``: what
         the step trained on (default: the config's ``tokens_per_step``; in a box, what
         the whole box trained on)."""
-        if self._stack is None:
+        if self._stack is None or self.hook is None:
             raise SwarmlocoError("step() outside `with swarm:`")
+        n = self.config.tokens_per_step if tokens is None else int(tokens)
         if self.box is None:
-            self._step(tokens)
+            self.hook.stepped(n)
             return
         try:
-            self._step(tokens)
+            self.hook.stepped(n)
         except Stopped:
             self._end_step(raised=True)
             raise
@@ -922,161 +695,42 @@ class Swarm:
         self._told_stopping = self._stop.is_set()
         self.box.tell(Op.END, self.global_step, self.round, self._told_stopping, raised)
 
-    def _step(self, tokens: int | None) -> None:
-        assert self.rounds is not None and self.parts is not None
-        started = time.monotonic()
-        n = self.config.tokens_per_step if tokens is None else int(tokens)
-        self.progress.stepped(n, float(self.optimizer.param_groups[0]["lr"]), now=started)
-        self.diloco.trained(n)
-        self.keeper.dirty = True
-        self.progress.advance(self.round + (self.rounds.inflight is not None), self.h)
-        if self._stop.is_set():  # the loop stepped on after a stop: leave it here
-            raise Stopped(self._stop_reason)
-        self._between_steps()
-        self.progress.hook_ended(started, self.parts.now)
-
-    def _between_steps(self) -> None:
-        """The swarm's work between two steps, in order: land the round in flight once it
-        overlapped ``tau`` steps, roll back a condemned adopted state, catch up when others
-        are on later rounds, start the next round when it is due."""
-        assert self.rounds is not None and self.pacer is not None and self.follower is not None
-        rounds, follower, progress = self.rounds, self.follower, self.progress
-        tau = self._spec.delay
-        while True:
-            self.snapshots.finish()
-            self._collect_checkpoint()
-            if self.keeper.owed():
-                self._checkpoint()
-            if self._ends():
-                return
-            if rounds.inflight is not None:
-                if progress.steps - rounds.inflight.step >= tau:
-                    with progress.blocking():
-                        self._land()  # the exchange overlapped tau steps: apply it now
-                    continue
-                return
-            if self.trial.condemned is not None:
-                with progress.blocking():
-                    follower.roll_back(self.trial.condemned)
-                return
-            verdict = self.pacer.verdict(self.round)
-            if verdict is Verdict.BEHIND and follower.may_look():
-                # Others work on a later round. If its state is not to be had yet (digests
-                # not published, donors busy), train on and look again later.
-                with progress.blocking():
-                    follower.catch_up()
-                follower.looked()
-                return
-            if verdict is Verdict.DUE:
-                with progress.blocking():
-                    self._start_round()
-                if rounds.inflight is not None and tau == 0:
-                    continue
-            return
-
-    def _start_round(self) -> None:
-        """Catch up first (this peer's state must be the swarm's), then start averaging the
-        next round's fragment; training goes on while it runs."""
-        assert self.rounds is not None and self.follower is not None
-        self.follower.catch_up()
-        if self.progress.steps_since_round == 0:
-            return  # the download replaced this peer's work with the swarm's state
-        if not self.rounds.start():
-            self._discard("the local model holds NaN/Inf")
-
-    def _land(self) -> None:
-        """Apply the round in flight (or count it aborted); checkpoint every so often."""
-        assert self.rounds is not None
-        if not self.rounds.land():
-            return
-        self._nan_in_a_row = 0  # a round made it: training works from this state
-        every = self.config.checkpoint_every
-        if every and self.round % every == 0:
-            self._checkpoint()
-
-    def _ends(self) -> bool:
-        """Whether the peer must stop now (and asks itself to)."""
-        cfg, spec = self.config, self._spec
-        if cfg.max_rounds is not None and self.round >= cfg.max_rounds:
-            self.stop(f"round {self.round} reached (max rounds {cfg.max_rounds})")
-        elif spec.total_steps is not None and self.round * self.h >= spec.total_steps:
-            # By rounds, not this peer's own steps: every peer stops after the same round.
-            self._run_over = True
-            self.stop(f"the run is over: round {self.round} reached {spec.total_steps} steps")
-        elif spec.total_tokens is not None and self.diloco.tokens >= spec.total_tokens:
-            self._run_over = True
-            self.stop(f"the run is over: {self.diloco.tokens} of {spec.total_tokens} tokens")
-        return self._stop.is_set()
-
-    def _linger(self) -> None:
-        """The run is over: stay a donor while other peers still work towards a round this
-        one applied (a group of them may be short of members now, and can only finish by
-        downloading the final state), for at most ``linger_s``."""
-        if self.pacer is None or self.config.linger_s <= 0:
-            return
-        deadline = time.monotonic() + self.config.linger_s
-        told = False
-        while time.monotonic() < deadline:
-            reports = self.pacer.fresh_reports(self.round)
-            behind = {r.peer for r in reports if r.round <= self.round}
-            if not behind:
-                return
-            if not told:
-                told = True
-                logger.info(
-                    "the run is over; serving its final state to %d peer(s) still finishing "
-                    "(at most %.0f s)",
-                    len(behind),
-                    self.config.linger_s,
-                )
-                self._emit("lingering", round=self.round, peers=len(behind))
-            time.sleep(min(1.0, self.config.progress_interval_s / 2))  # reports come in
-
     def discard_local(self, why: str) -> None:
         """NaN or Inf in training: nothing of it may reach the swarm. Drop the local steps
         since the last round and the optimizer's moments (they hold the NaN too), restart
         from the global state; give up when it happens again and again. In a box, every
         rank calls it at the same point of the loop."""
+        if self.hook is None:
+            raise SwarmlocoError("discard_local() inside `with swarm:`")
         try:
-            self._discard(why)
+            self.hook.discard(why)
         except BaseException as exc:
             self._abort_box(exc)
             raise
         if self.box is not None:
             self._end_step()
 
-    def _discard(self, why: str) -> None:
-        assert self.follower is not None
-        if self.trial.probation is not None:
-            # Training from a state on probation failed: the state is to blame, not the
-            # data or the learning rate.
-            self.follower.roll_back(f"{why} after adopting it")
-            return
-        self._nan_in_a_row += 1
-        logger.error(
-            "%s after %d local steps: discarding them and restarting from the global state "
-            "of round %d (%d time(s) since a round last succeeded)",
-            why,
-            self.progress.steps_since_round,
-            self.round,
-            self._nan_in_a_row,
-        )
-        self._emit("discarded", round=self.round, steps=self.progress.steps_since_round, why=why)
-        if self._nan_in_a_row > _MAX_DISCARDS:
-            raise SwarmlocoError(
-                f"training produced NaN/Inf {self._nan_in_a_row} times from the swarm's global "
-                "state without completing a round; check the data and the learning rate (or "
-                "try --compile off) before joining again"
-            )
-        self._reset_optimizer()
-        self.follower.restart_from_global()
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _reset_optimizer(self) -> None:
+        """Clear the inner optimizer's moments (every rank's): they came from a state
+        this peer no longer trains from."""
+        if self.box is not None:
+            self.box.tell(Op.RESET)
+        self.optimizer.state.clear()
+
+    def _urgent_checkpoint(self) -> None:
+        """What was downloaded or rolled back to is not lost to a crash."""
+        if self.config.checkpoint_every and self.checkpoints is not None:
+            self.checkpoints.save(urgent=True)
 
     def _peak_lr(self, rounds: int) -> float | None:
         """The highest inner learning rate over the next ``rounds`` rounds of the schedule
         (:attr:`lr_at`, sampled), or the current one when the schedule is not known."""
         lr_at = self.lr_at
         if lr_at is None:
-            current = float(self.optimizer.param_groups[0]["lr"])
+            current = self._lr()
             return current if current > 0 else None
         start = self.global_step
         span = max(1, int(rounds * self.h))
@@ -1089,18 +743,6 @@ class Swarm:
             return self._peak_lr(rounds)
 
     # -- records ----------------------------------------------------------------------------
-
-    def describe_compute(
-        self,
-        *,
-        fit: str = "",
-        flops_per_token: float | None = None,
-        peak_flops: float | None = None,
-    ) -> None:
-        """What the dashboard shows of this peer's compute: how its step fits the device
-        (``fit``, a few words), and its model FLOPs utilisation, from the training FLOPs of
-        a token and the device's peak (both needed; the rate is the peer's own)."""
-        self.sheet.describe_compute(fit=fit, flops_per_token=flops_per_token, peak_flops=peak_flops)
 
     def _progress_value(self) -> dict[str, Any]:
         assert self.rounds is not None and self.parts is not None
@@ -1129,19 +771,3 @@ class Swarm:
                 at=self.parts.now(),
             )
         )
-
-
-def describe_device(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return str(device)
-
-
-def _write_manifest_copy(path: Path, manifest: SwarmManifest) -> None:
-    """Keep the manifest beside the checkpoints (atomic: a torn copy never replaces one)."""
-    data = manifest.to_bytes()
-    if path.exists() and path.read_bytes() == data:
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
