@@ -66,6 +66,7 @@ from swarmloco.runtime.parts import PeerParts
 from swarmloco.runtime.persist import PeerCheckpoints, PeerState, Stateful
 from swarmloco.runtime.progress import LocalProgress
 from swarmloco.runtime.rounds import RoundDriver
+from swarmloco.runtime.schedule import SwarmSchedule
 from swarmloco.runtime.session import REMEMBER, Session, handle_signals
 from swarmloco.runtime.snapshots import Snapshots
 from swarmloco.runtime.start import (
@@ -145,7 +146,7 @@ class Swarm:
         self.on_event = on_event
         self.evaluate = evaluate
         self.objects: dict[str, Stateful] = {}
-        self._schedulers: list[torch.optim.lr_scheduler.LambdaLR] = []  # made by scheduler()
+        self.schedule = SwarmSchedule(optimizer, lambda: self.progress.global_step)
         self.sheet = StatusSheet(
             # Several peers on one host (or in containers named alike) stay apart.
             name=config.name or f"{socket.gethostname()[:50]}/{self.peer_id[:6]}",
@@ -156,12 +157,6 @@ class Swarm:
         self.evidence = Evidence()
         self.trial = Trial(config.catchup.adoption)
         """The adopted state on trial, its fallback, and whom this peer no longer believes."""
-        self.lr_at: Callable[[int], float] | None = None
-        """The inner learning rate at a global step, when the loop follows a schedule
-        (:meth:`lr_lambda` and :meth:`scheduler` set it; a loop that sets its optimizer's
-        learning rate itself may too). A peer behind the swarm uses it to judge how far the
-        rounds it missed can have moved the global state; without it, it assumes the
-        current learning rate held."""
         self.admission: Gate | None = None
         """The swarm's gate, once entered: a private swarm's certificates, or a public
         run's proofs of work (None: an open run)."""
@@ -262,34 +257,32 @@ class Swarm:
             raise SwarmlocoError("register objects before entering the swarm (with swarm:)")
         self.objects[name] = obj
 
+    @property
+    def lr_at(self) -> Callable[[int], float] | None:
+        """The inner learning rate at a global step, when the loop follows a schedule
+        (:meth:`lr_lambda` and :meth:`scheduler` set it; a loop that sets its optimizer's
+        learning rate itself may too). A peer behind the swarm uses it to judge how far the
+        rounds it missed can have moved the global state; without it, it assumes the
+        current learning rate held."""
+        return self.schedule.lr_at
+
+    @lr_at.setter
+    def lr_at(self, lr_at: Callable[[int], float] | None) -> None:
+        self.schedule.lr_at = lr_at
+
     def lr_lambda(self, schedule: Callable[[int], float]) -> Callable[[int], float]:
         """A ``LambdaLR`` factor that follows the swarm: ``schedule(global_step)``, whatever
         step count the scheduler keeps itself. The first schedule given (that of the first
         parameter group, for a list of them) also sets :attr:`lr_at` if it is unset."""
-        if self.lr_at is None:
-            group = self.optimizer.param_groups[0]
-            # LambdaLR keeps the base learning rate as "initial_lr"; before that, "lr" is it.
-            self.lr_at = lambda step: float(group.get("initial_lr", group["lr"])) * schedule(step)
-        return lambda _: schedule(self.global_step)
+        return self.schedule.lr_lambda(schedule)
 
     def scheduler(self, schedule: Callable[[int], float]) -> torch.optim.lr_scheduler.LambdaLR:
         """``LambdaLR(optimizer, lr_lambda(schedule))``: call its ``step()`` after each
         ``optimizer.step()`` as usual; it is registered (checkpointed) as ``scheduler``."""
-        sched = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_lambda(schedule))
+        sched = self.schedule.scheduler(schedule)
         if self._stack is None and "scheduler" not in self.objects:
             self.register("scheduler", sched)
-        self._schedulers.append(sched)
         return sched
-
-    def _follow_schedules(self) -> None:
-        """Set the learning rates of the schedulers made by :meth:`scheduler` to the
-        swarm's step now (one made before entering set them at global step 0: a peer that
-        resumed or downloaded would take its first step at the warmup's rate)."""
-        for sched in self._schedulers:
-            for group, factor, base in zip(
-                self.optimizer.param_groups, sched.lr_lambdas, sched.base_lrs, strict=False
-            ):
-                group["lr"] = base * factor(sched.last_epoch)
 
     def log(self, *, loss: float | None = None) -> None:
         """Report the training loss (shown on the dashboard and in round events). While a
@@ -474,7 +467,7 @@ class Swarm:
         follower.catch_up()
         if not own_initial and self.round == 0:
             follower.fetch_initial(self.signature.init_digest, spec.seed)
-        self._follow_schedules()
+        self.schedule.follow()
         if cfg.hook:
             self._optimizer_hook = self.optimizer.register_step_post_hook(lambda *_: self.step())
             stack.callback(self._optimizer_hook.remove)
@@ -599,10 +592,10 @@ class Swarm:
             unbacked=self.trial.unbacked,
             now=parts.now,
         )
-        self.rounds = RoundDriver(parts, pacer, evaluate=self.evaluate, lr=self._lr)
+        self.rounds = RoundDriver(parts, pacer, evaluate=self.evaluate, lr=self.schedule.lr)
         self.follower = Follower(
             parts,
-            peak_lr=self._peak_lr,
+            peak_lr=lambda rounds: self.schedule.peak(int(rounds * self.h)),
             reset_optimizer=self._reset_optimizer,
             checkpoint=self._urgent_checkpoint,
         )
@@ -613,7 +606,7 @@ class Swarm:
             follower=self.follower,
             checkpoints=self.checkpoints,
             stop=self._stop,
-            lr=self._lr,
+            lr=self.schedule.lr,
             reset_optimizer=self._reset_optimizer,
         )
         return self.follower
@@ -710,9 +703,6 @@ class Swarm:
         if self.box is not None:
             self._end_step()
 
-    def _lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
     def _reset_optimizer(self) -> None:
         """Clear the inner optimizer's moments (every rank's): they came from a state
         this peer no longer trains from."""
@@ -724,23 +714,6 @@ class Swarm:
         """What was downloaded or rolled back to is not lost to a crash."""
         if self.config.checkpoint_every and self.checkpoints is not None:
             self.checkpoints.save(urgent=True)
-
-    def _peak_lr(self, rounds: int) -> float | None:
-        """The highest inner learning rate over the next ``rounds`` rounds of the schedule
-        (:attr:`lr_at`, sampled), or the current one when the schedule is not known."""
-        lr_at = self.lr_at
-        if lr_at is None:
-            current = self._lr()
-            return current if current > 0 else None
-        start = self.global_step
-        span = max(1, int(rounds * self.h))
-        samples = min(span, 256)
-        try:
-            return max(lr_at(start + span * i // samples) for i in range(samples + 1))
-        except Exception as exc:  # the user's schedule; a bound from the current lr instead
-            logger.warning("the learning-rate schedule failed (%s): using the current lr", exc)
-            self.lr_at = None
-            return self._peak_lr(rounds)
 
     # -- records ----------------------------------------------------------------------------
 
