@@ -4,7 +4,10 @@ Imports torch (the codec), so only the training daemon imports this package; the
 bootstrap node and the dashboard never do.
 
 - ``group``: signed member declarations, forming and checking a group (pure);
-- ``matchmaking``: :class:`Matchmaker`, the ``round/<r>`` DHT entries and the Join RPC;
+- ``matchmaking``: :class:`Matchmaker`, the ``round/<r>`` DHT entries and the Join RPC,
+  composed of ``announcing`` (this peer's entries and their marks), ``candidates`` (whom
+  to follow: pure), ``following`` (the calls to leaders), ``leading`` (a leader's
+  gathering) and ``peerlist`` (the swarm's announced peers);
 - ``reduction``: :class:`PartReduction`, the reducer of one part (pure);
 - ``view``: :class:`RoundView`, one member's view of a round: failover, digest, report
   (pure);
