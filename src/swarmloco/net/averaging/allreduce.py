@@ -4,8 +4,9 @@
 the members of a :class:`~swarmloco.net.averaging.group.Group` and returns the mean, which
 every member that returns holds bit for bit, and a report of who counted where.
 
-How a round runs, for member i (the pure pieces live in ``reduction.py`` and ``view.py``,
-the driver in ``round.py``, the stream ends in ``streams.py``):
+How a round runs, for member i (the pure pieces live in ``reduction.py``, ``view.py``,
+``verdicts.py`` and ``liveness.py``, the driver in ``round.py``, the stream ends in
+``streams.py``):
 
 1. Quantize the whole vector once (the compiled codec amortizes best on big inputs); the
    chunks sent later are views of it.

@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
 import os
@@ -50,46 +48,40 @@ import grpc
 from swarmloco.core.config import require, require_int, require_non_negative, require_positive
 from swarmloco.errors import RejectedInput, RoundAborted
 from swarmloco.net.admission import Gate
-from swarmloco.net.averaging.faults import FaultCut, FaultPlan
+from swarmloco.net.averaging.announcing import RoundEntries
+from swarmloco.net.averaging.candidates import (
+    Candidate,
+    formed_marked,
+    leader_candidates,
+    leader_rank,
+    servers,
+)
+from swarmloco.net.averaging.faults import FaultPlan
+from swarmloco.net.averaging.following import JOIN, Leaders, check_answer
 from swarmloco.net.averaging.group import (
     NONCE_BYTES,
     Group,
-    Member,
-    build_group,
-    check_declaration,
     check_group,
     sign_declaration,
     single_group,
 )
-from swarmloco.net.averaging.wire import SERVICE_NAME
-from swarmloco.net.client import Method, RpcClient, RpcError
+from swarmloco.net.averaging.leading import Gathering, TooFew, closing_reason, refused
+from swarmloco.net.averaging.peerlist import PeerList
+from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.node import DHTNode, Entry
-from swarmloco.net.endpoints import (
-    MAX_ENDPOINT_CHARS,
-    host_of_grpc_peer,
-    parse_endpoint,
-    subnet_of,
-)
+from swarmloco.net.endpoints import host_of_grpc_peer, parse_endpoint, subnet_of
 from swarmloco.net.heap import release_after
-from swarmloco.net.identity import Identity, peer_id_of
+from swarmloco.net.identity import Identity
 from swarmloco.net.records import round_key
-from swarmloco.net.rejections import (
-    MAX_CODE_CHARS,
-    MAX_REASON_CHARS,
-    Rejection,
-    RejectionLog,
-)
-from swarmloco.net.swarm import find_peers
+from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.proto.v1 import averaging_pb2 as pb
+
+__all__ = ["JOIN", "Matchmaker", "MatchmakingConfig", "check_answer", "leader_rank"]
 
 logger = logging.getLogger(__name__)
 
-JOIN = Method(f"/{SERVICE_NAME}/Join", pb.JoinRequest, pb.JoinResponse)
 _MAX_REDIRECTS = 8
-_RECORDS_REREAD_S = 1.0  # how often a leader may read the peer list again for an unknown key
-_RECORDS_WAIT_S = 5.0  # how long a Join waits for that read
-_PROBED = 8  # leader candidates whose TLS handshake is tried at once
 # Refusals after which asking again (elsewhere) makes sense; the others are final.
 _TRANSIENT = frozenset({"not-leading", "formed", "full", "subnet-full", "stepped-down"})
 
@@ -158,10 +150,6 @@ class MatchmakingConfig:
         require(math.isfinite(self.bandwidth) and self.bandwidth > 0, "bandwidth must be positive")
 
 
-class _TooFew(Exception):
-    """Internal: the group this peer led gathered fewer than ``min_group_size``."""
-
-
 class _Handover(Exception):
     """Internal: the gathering leader found a peer ahead of it at ``endpoint``."""
 
@@ -171,45 +159,54 @@ class _Handover(Exception):
 
 
 @dataclasses.dataclass
-class _Gathering:
-    """A round this peer leads: the declarations so far and each follower's answer."""
+class _Search:
+    """A follower's search for its leader in one round."""
 
     round: int
     me: pb.MemberDeclaration
-    numel: int
-    block_size: int
-    declarations: list[pb.MemberDeclaration]
-    waiters: dict[str, asyncio.Future[pb.JoinResponse]]
-    joined: asyncio.Event
-    subnets: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-    """Members per subnet (exempt addresses are not counted)."""
-    subnet_of: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Each follower's subnet, by peer id."""
-    closed: bool = False
+    deadline: Deadline
+    expected: int | None
+    strangers: int
+    tried: set[str] = dataclasses.field(default_factory=set)
+    formed_without_us: bool = False
+    not_leading: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Since when each leader refused us as not leading (yet)."""
+    redirects: int = 0
+    next_endpoint: str | None = None
+    unserved_since: float | None = None
+    """Client mode: since when no leader is in sight."""
+    failed_leaders: set[str] = dataclasses.field(default_factory=set)
+    """Candidates that did not answer our Join."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Candidate:
-    rank: bytes
-    peer_id: str
-    endpoint: str
-    gathering: bool = False
-    """Its leader says it gathers its group now (and has partners)."""
+def targets(expected: int | None, strangers: int, max_size: int) -> tuple[int, int]:
+    """How many members a leader gathers at most (``enough``), and after how many (the
+    peers it knows of: ``known``) the strangers get only a short grace."""
+    if expected is None:
+        return max_size, max_size
+    enough = min(max_size, expected + strangers)
+    return enough, min(expected, enough)
 
 
-def leader_rank(swarm_id: str, round: int, peer_id: str) -> bytes:
-    """Where ``peer_id`` stands in the order of leadership of ``round`` (lowest leads).
-
-    A hash nobody chooses: a peer cannot move itself ahead by what it announces, and each
-    round draws a new order, so one peer leads about one round in as many as there are
-    peers ready for it.
-    """
-    payload = f"{swarm_id}\x00{round}\x00{peer_id}".encode()
-    return hashlib.blake2b(payload, digest_size=16, person=b"swarmloco-leader").digest()
+def check_arguments(weight: float, expected: int | None, strangers: int, norm: float) -> None:
+    """ValueError unless :meth:`Matchmaker.form_group`'s numbers make sense."""
+    if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+        raise ValueError(f"weight must be a finite positive number, got {weight!r}")
+    if expected is not None and (not isinstance(expected, int) or expected < 1):
+        raise ValueError(f"expected must be a positive number of peers, got {expected!r}")
+    if not isinstance(strangers, int) or isinstance(strangers, bool) or strangers < 0:
+        raise ValueError(f"strangers must be a number of peers >= 0, got {strangers!r}")
+    if not (isinstance(norm, (int, float)) and math.isfinite(norm) and norm >= 0):
+        raise ValueError(f"norm must be a finite number >= 0, got {norm!r}")
 
 
 class Matchmaker:
-    """Forms this peer's group for each round. Constructing does no I/O."""
+    """Forms this peer's group for each round. Constructing does no I/O.
+
+    The composition of matchmaking's parts: the round's entries (``announcing.py``), whom
+    to follow (``candidates.py``), the calls to leaders (``following.py``), a gathering
+    when this peer leads (``leading.py``) and the swarm's peer list (``peerlist.py``).
+    """
 
     def __init__(
         self,
@@ -236,28 +233,26 @@ class Matchmaker:
         self.partners = partners or (lambda: ())
         self.admission = admission
         self.peer_records = peer_records
-        self._records: dict[str, str] = {}
-        """Each announced peer's endpoint, by peer id, as last read from the DHT."""
-        self._records_read_at = -math.inf
-        self._reading_records: asyncio.Task[None] | None = None
         self.dht = dht
         self.client = client
         self.swarm_id = swarm_id
-        self.config = config or MatchmakingConfig()
+        self.config = cfg = config or MatchmakingConfig()
         self.faults = faults
         self.clock = clock
         self.rejections = RejectionLog(logger)
-        self._leading: dict[int, _Gathering] = {}
+        self.peers = PeerList(dht=dht, swarm_id=swarm_id)
+        self.entries = RoundEntries(
+            dht=dht, swarm_id=swarm_id, owner=identity.peer_id_hex, ttl_s=cfg.announce_ttl_s
+        )
+        self.leaders = Leaders(client=client, rejections=self.rejections, faults=faults, config=cfg)
+        self._leading: dict[int, Gathering] = {}
         self._following: dict[int, str] = {}
         self._finished: collections.deque[int] = collections.deque(maxlen=64)
         self._came_late: collections.deque[int] = collections.deque(maxlen=64)
         self._lonely: collections.deque[int] = collections.deque(maxlen=64)
-        """Rounds this peer led and gathered too few in (see ``_candidates``)."""
-        self._entries: dict[int, dict[str, object]] = {}
-        """This peer's ``round/<r>`` entry, per round it is forming a group for."""
+        """Rounds this peer led and gathered too few in (it follows anyone then)."""
         self._grouped: collections.OrderedDict[int, frozenset[str]] = collections.OrderedDict()
         """The members of this peer's last group of each recent round."""
-        self._marking: set[asyncio.Task[None]] = set()
 
     # -- the public API ----------------------------------------------------------------
 
@@ -288,14 +283,7 @@ class Matchmaker:
         update this peer brings (0: not declared); the group bounds every update by a
         multiple of the median declared norm.
         """
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
-            raise ValueError(f"weight must be a finite positive number, got {weight!r}")
-        if expected is not None and (not isinstance(expected, int) or expected < 1):
-            raise ValueError(f"expected must be a positive number of peers, got {expected!r}")
-        if not isinstance(strangers, int) or isinstance(strangers, bool) or strangers < 0:
-            raise ValueError(f"strangers must be a number of peers >= 0, got {strangers!r}")
-        if not (isinstance(norm, (int, float)) and math.isfinite(norm) and norm >= 0):
-            raise ValueError(f"norm must be a finite number >= 0, got {norm!r}")
+        check_arguments(weight, expected, strangers, norm)
         cfg = self.config
         endpoint = self.dht.endpoint
         me = sign_declaration(
@@ -312,7 +300,6 @@ class Matchmaker:
             membership=self.admission.own_bytes if self.admission is not None else b"",
         )
         announced_at = self.clock()  # shown to others, never trusted (see leader_rank)
-        key = round_key(self.swarm_id, round)
         # A round tried again (the last attempt aborted) is not formed: followers asking
         # now should wait for this attempt's gathering, not give up on us.
         if round in self._finished:
@@ -320,96 +307,16 @@ class Matchmaker:
                 (r for r in self._finished if r != round), maxlen=self._finished.maxlen
             )
         try:
-            await self._announce(key, me, announced_at, deadline)
-            group = await self._find_group(round, me, deadline, expected, strangers)
+            await self.entries.announce(me, announced_at, deadline)
+            group = await self._find_group(_Search(round, me, deadline, expected, strangers))
         finally:
-            self.dht.forget_published(key, self.identity.peer_id_hex)
+            self.entries.forget(round)
             self._following.pop(round, None)
-            self._entries.pop(round, None)
             self._finished.append(round)
         self._grouped[round] = frozenset(m.peer_id for m in group.members)
         while len(self._grouped) > 64:
             self._grouped.popitem(last=False)
         return group
-
-    # -- finding the leader ------------------------------------------------------------
-
-    async def _announce(
-        self, key: str, me: pb.MemberDeclaration, announced_at: float, deadline: Deadline
-    ) -> None:
-        value = {
-            "endpoint": me.endpoint,
-            "weight": float(me.weight),
-            "bandwidth": float(me.bandwidth),
-            "client_mode": not me.endpoint,
-            "announced_at": announced_at,
-            "numel": me.numel,
-        }
-        self._entries[me.round] = value
-        try:
-            async with asyncio.timeout(deadline.remaining()):
-                await self.dht.store(key, value, ttl=self.config.announce_ttl_s)
-        except TimeoutError:
-            raise RoundAborted(f"round {me.round}: announcing took past the deadline") from None
-
-    async def _candidates(
-        self, round: int, me: pb.MemberDeclaration, deadline: Deadline
-    ) -> tuple[list[_Candidate], bool]:
-        """The serving peers of this round and vector size this peer may follow, in the
-        order it asks them (all of them if it cannot lead); and whether a leader says the
-        round's group formed (without us: a group we were in does not count).
-
-        A peer with partners follows only partners ahead of it in the order of leadership.
-        A peer without partners (a newcomer) follows the peers ahead of it, and, first,
-        leaders with partners that say they are gathering now (``formed: 1``) wherever they
-        stand in the order: peers with partners never follow a stranger, so a newcomer
-        first in the order would otherwise lead, and average, alone."""
-        key = round_key(self.swarm_id, round)
-        timeout = max(min(deadline.remaining(), self.dht.config.lookup_timeout_s), 0.01)
-        result = await self.dht.get(key, timeout=timeout)
-        mine = self.identity.peer_id_hex
-        formed = self._formed_marked(round, me.numel, result.entries.values())
-        partners = set(self.partners())
-        own = leader_rank(self.swarm_id, round, mine)
-        entries = [
-            e
-            for e in result.entries.values()
-            if e.subkey != mine
-            and not e.value["client_mode"]
-            and e.value["endpoint"]
-            and e.value["numel"] == me.numel
-            and (not partners or e.subkey in partners)  # a stranger never leads a partner
-        ]
-        if self.peer_records and any(
-            self._records.get(e.subkey) != e.value["endpoint"] for e in entries
-        ):
-            await self._reread_records(deadline)
-        found = []
-        for entry in entries:
-            if self.peer_records and self._records.get(entry.subkey) != entry.value["endpoint"]:
-                continue  # not announced in the swarm's peer list (at that endpoint)
-            rank = leader_rank(self.swarm_id, round, entry.subkey)
-            gathering = entry.value.get("formed") == 1
-            ahead = rank < own or not me.endpoint
-            follow_any = not partners and (gathering or round in self._lonely)
-            if ahead or follow_any:
-                found.append(_Candidate(rank, entry.subkey, entry.value["endpoint"], gathering))
-        # Gathering leaders first (a newcomer's), then the order of leadership.
-        found.sort(key=lambda c: (not (c.gathering and not partners), c.rank))
-        return found, formed
-
-    def _formed_marked(self, round: int, numel: int, entries: Iterable[Entry]) -> bool:
-        """Whether a peer outside our own group of ``round`` marks its entry ``formed``
-        (once this peer has partners, only a partner's mark counts: a stranger's would
-        make it wait for a result that never comes)."""
-        mine = self.identity.peer_id_hex
-        ours = self._grouped.get(round, frozenset())
-        partners = set(self.partners())
-        return any(
-            e.value.get("formed", 0) > 1 and e.value["numel"] == numel
-            for e in entries
-            if e.subkey != mine and e.subkey not in ours and (not partners or e.subkey in partners)
-        )
 
     async def formed_without_us(self, round: int, numel: int) -> bool:
         """Whether ``round``'s group formed without this peer, as the round's entries say
@@ -418,268 +325,157 @@ class Matchmaker:
         result = await self.dht.get(round_key(self.swarm_id, round))
         return self._formed_marked(round, numel, result.entries.values())
 
-    async def _find_group(
-        self,
-        round: int,
-        me: pb.MemberDeclaration,
-        deadline: Deadline,
-        expected: int | None,
-        strangers: int,
-    ) -> Group:
-        tried: set[str] = set()
-        formed_without_us = False
-        not_leading: dict[str, float] = {}
-        redirects = 0
-        next_endpoint: str | None = None
-        unserved_since: float | None = None  # client mode: since when no leader is in sight
-        failed_leaders: set[str] = set()  # candidates that did not answer our Join
-        while not deadline.expired:
-            if next_endpoint is None:
-                candidates, formed = await self._candidates(round, me, deadline)
-                formed_without_us |= formed
-                untried = [c for c in candidates if c.endpoint not in tried]
-                if len(failed_leaders) >= self.config.stranger_leaders and not self.partners():
-                    untried = []  # enough strangers failed us: lead (or wait) instead
-                tried |= await self._unreachable(untried, deadline)
-                untried = [c for c in untried if c.endpoint not in tried]
-                if not untried:
-                    if formed_without_us and round not in self._came_late:
-                        # A peer ahead of us already formed this round's group: leading
-                        # another with whoever else came late would split the swarm's
-                        # state in two. Once per round: a leader that only says so (a
-                        # liar, or a group that aborted) costs one attempt, not the round.
-                        self._came_late.append(round)
-                        raise RoundAborted(
-                            f"round {round}: its group formed before this peer came; "
-                            "catching up with it instead",
-                            late=True,
-                        )
-                    if me.endpoint:
-                        try:
-                            return await self._lead(round, me, tried, deadline, expected, strangers)
-                        except _Handover as handover:
-                            next_endpoint = handover.endpoint
-                            continue
-                        except _TooFew as lonely:
-                            self._lonely.append(round)
-                            raise RoundAborted(str(lonely)) from None
-                    # A client-mode peer cannot lead. When no serving peer it can reach
-                    # shows up for a whole gathering window, it averages alone, as a
-                    # leader nobody joined would.
-                    now = time.monotonic()
-                    if unserved_since is None:
-                        unserved_since = now
-                    if now - unserved_since >= self.config.gather_s:
-                        return self._alone(round, me)
-                    await asyncio.sleep(min(self.config.poll_s, deadline.remaining()))
-                    continue
-                unserved_since = None
-                next_endpoint = untried[0].endpoint
-            endpoint, next_endpoint = next_endpoint, None
-            response = await self._join(endpoint, me, deadline)
-            if response is None:
-                failed_leaders.add(endpoint)
-                tried.add(endpoint)
-                continue
-            outcome = response.WhichOneof("outcome")
-            if outcome == "group":
-                try:
-                    return check_group(
-                        response.group,
-                        me=me,
-                        swarm_id=self.swarm_id,
-                        cap_multiple=self.config.weight_cap_multiple,
-                        admission=self.admission,
-                    )
-                except Rejection as rejection:
-                    self.rejections.record(rejection, endpoint)
-                    raise RoundAborted(
-                        f"round {round}: the leader at {endpoint} sent an invalid group "
-                        f"({rejection.reason})"
-                    ) from None
-            if outcome == "redirect" and redirects < _MAX_REDIRECTS:
-                redirects += 1
-                self._following[round] = response.redirect
-                next_endpoint = response.redirect
-                continue
-            refusal = response.refused
-            if outcome == "refused" and refusal.code == "too-few":
-                raise RoundAborted(f"round {round}: {refusal.reason}")
-            waiting = ("not-leading",) if me.endpoint else ("not-leading", "formed")
-            if outcome == "refused" and refusal.code in waiting:
-                # It announced but has not started leading yet (or never will: after a
-                # gathering window of asking, give up on it). A client-mode peer, which
-                # cannot lead, also waits out a leader that formed a group of this round
-                # without it: the leader may try the round again (its last attempt
-                # aborted) and would then take it.
-                since = not_leading.setdefault(endpoint, time.monotonic())
-                if time.monotonic() - since > self.config.gather_s:
-                    tried.add(endpoint)
-                await asyncio.sleep(min(self.config.poll_s, deadline.remaining()))
-                continue
-            if outcome == "refused" and refusal.code not in _TRANSIENT:
-                raise RejectedInput(
-                    f"round {round}: the leader refused us: {refusal.reason}", peer=endpoint
-                )
-            formed_without_us |= outcome == "refused" and refusal.code == "formed"
-            tried.add(endpoint)
-        raise RoundAborted(f"round {round}: no group formed before the deadline")
+    # -- finding the leader ------------------------------------------------------------
 
-    async def _unreachable(self, candidates: list[_Candidate], deadline: Deadline) -> set[str]:
-        """The endpoints among the first few ``candidates`` that do not answer a TLS
-        handshake within ``first_contact_s``, all tried at once: a listener that never
-        answers costs this once, not a call timeout per candidate. (Endpoints reached
-        before answer at once.)"""
-        batch = candidates[:_PROBED]
-        if not batch:
-            return set()
-        wait = Deadline.after(min(self.config.first_contact_s, max(deadline.remaining(), 0.0)))
-
-        async def reach(endpoint: str) -> str | None:
-            try:
-                await self.client.open(endpoint, wait)
-            except RpcError as exc:
-                logger.info("leader candidate %s is out of reach: %s", endpoint, exc)
-                return endpoint
-            return None
-
-        gone = await asyncio.gather(*(reach(c.endpoint) for c in batch))
-        return {endpoint for endpoint in gone if endpoint is not None}
-
-    async def _join(
-        self, endpoint: str, me: pb.MemberDeclaration, deadline: Deadline
-    ) -> pb.JoinResponse | None:
-        """Ask the leader at ``endpoint`` for the group; None if it cannot be reached."""
-        request = pb.JoinRequest(member=me)
-        self._following[me.round] = endpoint
-        # A leader answers once its gathering window closes; twice that window is as long
-        # as an honest leader can take, whatever the round deadline.
-        wait = Deadline.after(min(deadline.remaining(), 2 * self.config.gather_s))
-        try:
-            if self.faults is not None:
-                data = await self.faults.outgoing(
-                    "join", peer=endpoint, round=me.round, message=request.SerializeToString()
-                )
-                if data is None:  # dropped: the leader never hears of us, we never hear back
-                    await asyncio.sleep(wait.remaining())
-                    return None
-            response = await self.client.call(endpoint, JOIN, request, timeout=wait, attempts=2)
-        except (RpcError, FaultCut) as exc:
-            logger.info("round %d: leader %s did not answer: %s", me.round, endpoint, exc)
-            return None
-        try:
-            check_answer(response)
-        except Rejection as rejection:
-            self.rejections.record(rejection, endpoint)
-            return None
-        return response
-
-    # -- leading -------------------------------------------------------------------------
-
-    async def _lead(
-        self,
-        round: int,
-        me: pb.MemberDeclaration,
-        tried: set[str],
-        deadline: Deadline,
-        expected: int | None = None,
-        strangers: int = 0,
-    ) -> Group:
-        cfg = self.config
-        if expected is None:
-            known = enough = cfg.max_group_size
-        else:
-            enough = min(cfg.max_group_size, expected + strangers)
-            known = min(expected, enough)
-        loop = asyncio.get_running_loop()
-        gathering = _Gathering(
-            round=round,
-            me=me,
-            numel=me.numel,
-            block_size=me.block_size,
-            declarations=[me],
-            waiters={},
-            joined=asyncio.Event(),
+    def _formed_marked(self, round: int, numel: int, entries: Iterable[Entry]) -> bool:
+        return formed_marked(
+            entries,
+            mine=self.identity.peer_id_hex,
+            numel=numel,
+            ours=self._grouped.get(round, frozenset()),
+            partners=set(self.partners()),
         )
-        own = self._subnet(parse_endpoint(me.endpoint)[0]) if me.endpoint else None
-        if own is not None:
-            gathering.subnets[own] += 1
-        self._leading[round] = gathering
-        self._following.pop(round, None)
-        if self.partners():
-            # Say so: newcomers, whom this peer would never follow, find their way here.
-            self._mark_formed(round, 1, forget=False)
-        window_closes = close_at = loop.time() + min(cfg.gather_s, deadline.remaining())
-        try:
-            if known <= 1:
-                # Expecting nobody: still give way to a peer ahead of us (it may count on
-                # us), rather than split the round in two.
-                await self._give_way(gathering, me, tried, deadline)
-            while len(gathering.declarations) < enough:
-                if len(gathering.declarations) >= known and close_at == window_closes:
-                    # Everyone we know joined: strangers get a short grace, not the window.
-                    # Progress claims under many keys cost nothing and would fill every
-                    # stranger's place, holding each group for the whole window.
-                    close_at = min(close_at, loop.time() + cfg.stranger_grace_s)
-                left = close_at - loop.time()
-                if left <= 0:
-                    break
-                gathering.joined.clear()
-                try:
-                    async with asyncio.timeout(min(left, cfg.poll_s)):
-                        await gathering.joined.wait()
+
+    async def _candidates(
+        self, round: int, me: pb.MemberDeclaration, deadline: Deadline
+    ) -> tuple[list[Candidate], bool]:
+        """The serving peers of this round and vector size this peer may follow, in the
+        order it asks them (all of them if it cannot lead); and whether a leader says the
+        round's group formed (without us: a group we were in does not count). See
+        ``candidates.py`` for whom a peer follows."""
+        key = round_key(self.swarm_id, round)
+        timeout = max(min(deadline.remaining(), self.dht.config.lookup_timeout_s), 0.01)
+        result = await self.dht.get(key, timeout=timeout)
+        mine = self.identity.peer_id_hex
+        formed = self._formed_marked(round, me.numel, result.entries.values())
+        partners = set(self.partners())
+        entries = servers(result.entries.values(), mine=mine, numel=me.numel, partners=partners)
+        records = self.peers.endpoints if self.peer_records else None
+        if records is not None and any(
+            records.get(e.subkey) != e.value["endpoint"] for e in entries
+        ):
+            await self.peers.reread(deadline)
+            records = self.peers.endpoints
+        found = leader_candidates(
+            entries,
+            swarm_id=self.swarm_id,
+            round=round,
+            mine=mine,
+            serving=bool(me.endpoint),
+            partners=partners,
+            lonely=round in self._lonely,
+            records=records,
+        )
+        return found, formed
+
+    async def _find_group(self, search: _Search) -> Group:
+        while not search.deadline.expired:
+            if search.next_endpoint is None:
+                group = await self._without_leader(search)
+                if group is not None:
+                    return group
+                if search.next_endpoint is None:
                     continue
-                except TimeoutError:
-                    pass
-                await self._give_way(gathering, me, tried, deadline)
-            joined = len(gathering.declarations)
-            if joined >= cfg.max_group_size:
-                why = "the group is full"
-            elif joined >= enough:
-                why = f"the {enough} peer(s) expected joined"
-            elif close_at < window_closes:
-                why = (
-                    f"its {known} known peer(s) joined, {joined - known} of {strangers} "
-                    f"stranger(s) within the {cfg.stranger_grace_s:g} s grace"
-                )
-            else:
-                why = "its gathering window closed"
-            group = self._close(gathering, why)
-        finally:
-            gathering.closed = True
-            self._leading.pop(round, None)
-            for waiter in gathering.waiters.values():
-                if not waiter.done():
-                    waiter.set_result(_refused("formed", "the leader stopped gathering"))
-        if group.size > 1:
-            self._mark_formed(round, group.size)
-        return group
+            endpoint, search.next_endpoint = search.next_endpoint, None
+            self._following[search.round] = endpoint
+            response = await self.leaders.join(endpoint, search.me, search.deadline)
+            if response is None:
+                search.failed_leaders.add(endpoint)
+                search.tried.add(endpoint)
+                continue
+            group = await self._answered(search, endpoint, response)
+            if group is not None:
+                return group
+        raise RoundAborted(f"round {search.round}: no group formed before the deadline")
 
-    def _mark_formed(self, round: int, size: int, *, forget: bool = True) -> None:
-        """Say in our ``round/<r>`` entry that the round's group formed with ``size``
-        members, or with ``size`` 1 that this peer gathers it now (in the background: the
-        exchange does not wait for it). A peer coming later does not lead a second group of
-        a formed round with other latecomers; a newcomer asks a gathering leader."""
-        entry = self._entries.get(round)
-        if entry is None:
-            return
-        key, value = round_key(self.swarm_id, round), {**entry, "formed": size}
-
-        async def store() -> None:
+    async def _without_leader(self, search: _Search) -> Group | None:
+        """Pick the next leader to ask (``search.next_endpoint``); with none left, lead (a
+        serving peer), average alone or wait (a client-mode peer), or give way to the
+        group that formed before we came."""
+        round, me, deadline, tried = search.round, search.me, search.deadline, search.tried
+        candidates, formed = await self._candidates(round, me, deadline)
+        search.formed_without_us |= formed
+        untried = [c for c in candidates if c.endpoint not in tried]
+        if len(search.failed_leaders) >= self.config.stranger_leaders and not self.partners():
+            untried = []  # enough strangers failed us: lead (or wait) instead
+        tried |= await self.leaders.unreachable(untried, deadline)
+        untried = [c for c in untried if c.endpoint not in tried]
+        if untried:
+            search.unserved_since = None
+            search.next_endpoint = untried[0].endpoint
+            return None
+        if search.formed_without_us and round not in self._came_late:
+            # A peer ahead of us already formed this round's group: leading another with
+            # whoever else came late would split the swarm's state in two. Once per round:
+            # a leader that only says so (a liar, or a group that aborted) costs one
+            # attempt, not the round.
+            self._came_late.append(round)
+            raise RoundAborted(
+                f"round {round}: its group formed before this peer came; "
+                "catching up with it instead",
+                late=True,
+            )
+        if me.endpoint:
             try:
-                await self.dht.store(key, value, ttl=self.config.announce_ttl_s)
-            except Exception as exc:  # a lost marker costs at most a split, never the round
-                logger.info("round %d: could not mark the group %s: %s", round, size, exc)
-            finally:
-                if forget:
-                    self.dht.forget_published(key, self.identity.peer_id_hex)
+                return await self._lead(search)
+            except _Handover as handover:
+                search.next_endpoint = handover.endpoint
+                return None
+            except TooFew as lonely:
+                self._lonely.append(round)
+                raise RoundAborted(str(lonely)) from None
+        # A client-mode peer cannot lead. When no serving peer it can reach shows up for a
+        # whole gathering window, it averages alone, as a leader nobody joined would.
+        now = time.monotonic()
+        if search.unserved_since is None:
+            search.unserved_since = now
+        if now - search.unserved_since >= self.config.gather_s:
+            return self._alone(round, me)
+        await asyncio.sleep(min(self.config.poll_s, deadline.remaining()))
+        return None
 
-        task = asyncio.get_running_loop().create_task(store())
-        self._marking.add(task)
-        task.add_done_callback(self._marking.discard)
-
-    def _subnet(self, host: str) -> str | None:
-        return subnet_of(host, limit_private=self.config.limit_private_subnets) if host else None
+    async def _answered(
+        self, search: _Search, endpoint: str, response: pb.JoinResponse
+    ) -> Group | None:
+        """Act on a leader's answer: the group, or where to ask next (None)."""
+        round, me = search.round, search.me
+        outcome = response.WhichOneof("outcome")
+        if outcome == "group":
+            try:
+                return self._checked(response.group, me)
+            except Rejection as rejection:
+                self.rejections.record(rejection, endpoint)
+                raise RoundAborted(
+                    f"round {round}: the leader at {endpoint} sent an invalid group "
+                    f"({rejection.reason})"
+                ) from None
+        if outcome == "redirect" and search.redirects < _MAX_REDIRECTS:
+            search.redirects += 1
+            self._following[round] = response.redirect
+            search.next_endpoint = response.redirect
+            return None
+        refusal = response.refused
+        if outcome == "refused" and refusal.code == "too-few":
+            raise RoundAborted(f"round {round}: {refusal.reason}")
+        waiting = ("not-leading",) if me.endpoint else ("not-leading", "formed")
+        if outcome == "refused" and refusal.code in waiting:
+            # It announced but has not started leading yet (or never will: after a
+            # gathering window of asking, give up on it). A client-mode peer, which
+            # cannot lead, also waits out a leader that formed a group of this round
+            # without it: the leader may try the round again (its last attempt
+            # aborted) and would then take it.
+            since = search.not_leading.setdefault(endpoint, time.monotonic())
+            if time.monotonic() - since > self.config.gather_s:
+                search.tried.add(endpoint)
+            await asyncio.sleep(min(self.config.poll_s, search.deadline.remaining()))
+            return None
+        if outcome == "refused" and refusal.code not in _TRANSIENT:
+            raise RejectedInput(
+                f"round {round}: the leader refused us: {refusal.reason}", peer=endpoint
+            )
+        search.formed_without_us |= outcome == "refused" and refusal.code == "formed"
+        search.tried.add(endpoint)
+        return None
 
     def _alone(self, round: int, me: pb.MemberDeclaration) -> Group:
         cfg = self.config
@@ -689,83 +485,74 @@ class Matchmaker:
                 f"{cfg.min_group_size} members needed"
             )
         logger.info("round %d: no serving peer in sight (client mode): a group of one", round)
-        info = single_group(me, os.urandom(NONCE_BYTES))
+        return self._checked(single_group(me, os.urandom(NONCE_BYTES)), me)
+
+    def _checked(self, info: pb.GroupInfo, me: pb.MemberDeclaration) -> Group:
+        """The group ``info`` describes, checked as every member checks it."""
         return check_group(
             info,
             me=me,
             swarm_id=self.swarm_id,
-            cap_multiple=cfg.weight_cap_multiple,
+            cap_multiple=self.config.weight_cap_multiple,
             admission=self.admission,
         )
 
-    async def _give_way(
-        self,
-        gathering: _Gathering,
-        me: pb.MemberDeclaration,
-        tried: set[str],
-        deadline: Deadline,
-    ) -> None:
+    # -- leading -------------------------------------------------------------------------
+
+    async def _lead(self, search: _Search) -> Group:
+        cfg = self.config
+        round, me, deadline = search.round, search.me, search.deadline
+        enough, known = targets(search.expected, search.strangers, cfg.max_group_size)
+        gathering = Gathering(
+            me=me,
+            own_subnet=self._subnet(parse_endpoint(me.endpoint)[0]) if me.endpoint else None,
+            swarm_id=self.swarm_id,
+            admission=self.admission,
+            rejections=self.rejections,
+            config=cfg,
+        )
+        self._leading[round] = gathering
+        self._following.pop(round, None)
+        if self.partners():
+            # Say so: newcomers, whom this peer would never follow, find their way here.
+            self.entries.mark_formed(round, 1, forget=False)
+        window_closes = asyncio.get_running_loop().time() + min(cfg.gather_s, deadline.remaining())
+        try:
+            if known <= 1:
+                # Expecting nobody: still give way to a peer ahead of us (it may count on
+                # us), rather than split the round in two.
+                await self._give_way(gathering, search)
+            close_at = await gathering.wait(
+                enough, known, window_closes, give_way=lambda: self._give_way(gathering, search)
+            )
+            why = closing_reason(
+                len(gathering.declarations),
+                enough=enough,
+                known=known,
+                strangers=search.strangers,
+                graced=close_at < window_closes,
+                config=cfg,
+            )
+            group = gathering.close(why)
+        finally:
+            gathering.closed = True
+            self._leading.pop(round, None)
+            gathering.answer_all(refused("formed", "the leader stopped gathering"))
+        if group.size > 1:
+            self.entries.mark_formed(round, group.size)
+        return group
+
+    def _subnet(self, host: str) -> str | None:
+        return subnet_of(host, limit_private=self.config.limit_private_subnets) if host else None
+
+    async def _give_way(self, gathering: Gathering, search: _Search) -> None:
         """Hand the gathering over (raising _Handover) to a serving peer of the round ahead
         of us in the order of leadership and not tried yet; return if there is none."""
-        candidates, _ = await self._candidates(gathering.round, me, deadline)
-        ahead = [c for c in candidates if c.endpoint not in tried]
+        candidates, _ = await self._candidates(gathering.round, search.me, search.deadline)
+        ahead = [c for c in candidates if c.endpoint not in search.tried]
         if ahead:
-            self._hand_over(gathering, ahead[0].endpoint)
+            gathering.hand_over(ahead[0].endpoint)
             raise _Handover(ahead[0].endpoint)
-
-    def _hand_over(self, gathering: _Gathering, endpoint: str) -> None:
-        logger.info("round %d: handing the group over to %s", gathering.round, endpoint)
-        gathering.closed = True
-        for waiter in gathering.waiters.values():
-            if not waiter.done():
-                waiter.set_result(pb.JoinResponse(redirect=endpoint))
-
-    def _close(self, gathering: _Gathering, why: str) -> Group:
-        cfg = self.config
-        gathering.closed = True
-        info, struck = build_group(
-            gathering.declarations,
-            round=gathering.round,
-            numel=gathering.numel,
-            block_size=gathering.block_size,
-            nonce=os.urandom(NONCE_BYTES),
-        )
-        ids = [_peer_of(d) for d in gathering.declarations]
-        for index, reason in struck.items():
-            self.rejections.record(Rejection("bad-weight", reason), ids[index])
-            waiter = gathering.waiters.get(ids[index])
-            if waiter is not None and not waiter.done():
-                waiter.set_result(_refused("bad-weight", reason))
-        if 0 in struck:
-            # Our own weight is no weight (a bug of ours): no group of ours, and the others have not
-            # missed one. They move on to the next leader in order (or lead).
-            for waiter in gathering.waiters.values():
-                if not waiter.done():
-                    waiter.set_result(
-                        _refused("stepped-down", "the leader's own weight was struck")
-                    )
-            raise RejectedInput(f"round {gathering.round}: our own declaration: {struck[0]}")
-        size = len(gathering.declarations) - len(struck)
-        if info is None or size < cfg.min_group_size:
-            reason = (
-                f"{size} member(s) gathered in round {gathering.round}, at least "
-                f"{cfg.min_group_size} needed"
-            )
-            for waiter in gathering.waiters.values():
-                if not waiter.done():
-                    waiter.set_result(_refused("too-few", reason))
-            raise _TooFew(reason)
-        for waiter in gathering.waiters.values():
-            if not waiter.done():
-                waiter.set_result(pb.JoinResponse(group=info))
-        logger.info("round %d: formed a group of %d (%s)", gathering.round, size, why)
-        return check_group(
-            info,
-            me=gathering.me,
-            swarm_id=self.swarm_id,
-            cap_multiple=cfg.weight_cap_multiple,
-            admission=self.admission,
-        )
 
     async def handle_join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
@@ -778,143 +565,29 @@ class Matchmaker:
             if following:
                 return pb.JoinResponse(redirect=following)
             if gathering is None and declaration.round not in self._finished:
-                return _refused("not-leading", "this peer leads no group for that round (yet)")
-            return _refused("formed", "the group of that round is already formed")
+                return refused("not-leading", "this peer leads no group for that round (yet)")
+            return refused("formed", "the group of that round is already formed")
         try:
-            member = check_declaration(
-                declaration,
-                swarm_id=self.swarm_id,
-                round=gathering.round,
-                numel=gathering.numel,
-                block_size=gathering.block_size,
-                now_ms=int(self.clock() * 1000),
-                max_age_ms=int(self.config.max_declaration_age_s * 1000),
-                admission=self.admission,
-            )
+            member = gathering.check(declaration, now_ms=int(self.clock() * 1000))
         except Rejection as rejection:
             self.rejections.record(rejection, context.peer())
             release_after(request.ByteSize())
-            return _refused(rejection.code, rejection.reason)
+            return refused(rejection.code, rejection.reason)
         if member.peer_id == self.identity.peer_id_hex:
-            return _refused("bad-declaration", "that is the leader's own declaration")
-        waiter = gathering.waiters.get(member.peer_id)
-        if waiter is None and self.peer_records and not await self._announced(member):
-            unknown = Rejection(
-                "no-record",
-                f"peer {member.peer_id[:12]} has no signed record in the swarm's peer list "
-                f"at {member.endpoint or 'no endpoint'} (peers announce themselves before "
-                "they average; a key that never did is not taken into a group)",
-            )
-            self.rejections.record(unknown, context.peer())
-            return _refused(unknown.code, unknown.reason)
+            return refused("bad-declaration", "that is the leader's own declaration")
+        if member.peer_id not in gathering.waiters and self.peer_records:
+            unknown = await self.peers.unannounced(member.peer_id, member.endpoint)
+            if unknown is not None:
+                self.rejections.record(unknown, context.peer())
+                return refused(unknown.code, unknown.reason)
         if gathering.closed:  # while the peer list was read
-            return _refused("formed", "the group of that round is already formed")
-        waiter = gathering.waiters.get(member.peer_id)
-        if waiter is None:
-            if len(gathering.declarations) >= self.config.max_group_size:
-                return _refused("full", "the group is full")
-            host = host_of_grpc_peer(context.peer())
-            subnet = self._subnet(host)
-            if (
-                subnet is not None
-                and gathering.subnets[subnet] >= self.config.max_members_per_subnet
-            ):
-                full = Rejection(
-                    "subnet-full",
-                    f"the group already has {gathering.subnets[subnet]} members from {subnet}",
-                )
-                self.rejections.record(full, host)
-                return _refused(full.code, full.reason)
-            waiter = asyncio.get_running_loop().create_future()
-            gathering.waiters[member.peer_id] = waiter
-            gathering.declarations.append(declaration)
-            if subnet is not None:
-                gathering.subnets[subnet] += 1
-                gathering.subnet_of[member.peer_id] = subnet
-            gathering.joined.set()
+            return refused("formed", "the group of that round is already formed")
+        host = host_of_grpc_peer(context.peer())
+        waiter = gathering.admit(declaration, member.peer_id, self._subnet(host), host)
+        if isinstance(waiter, pb.JoinResponse):
+            return waiter
         try:
             return await asyncio.shield(waiter)
         except asyncio.CancelledError:
-            # The follower gave up (its deadline, its cancel): keep it out of the group.
-            if not gathering.closed and not waiter.done():
-                del gathering.waiters[member.peer_id]
-                gathering.declarations = [
-                    d for d in gathering.declarations if _peer_of(d) != member.peer_id
-                ]
-                left = gathering.subnet_of.pop(member.peer_id, None)
-                if left is not None:
-                    gathering.subnets[left] -= 1
+            gathering.withdraw(member.peer_id, waiter)
             raise
-
-    async def _announced(self, member: Member) -> bool:
-        """Whether ``member`` announced itself in the swarm's peer list at the endpoint it
-        declares. Unknown keys make the list be read again, at most once per second
-        however many ask (one read serves them all), waiting at most 5 s for it."""
-        if self._records.get(member.peer_id) == member.endpoint:
-            return True
-        await self._reread_records(Deadline.after(_RECORDS_WAIT_S), wait=True)
-        return self._records.get(member.peer_id) == member.endpoint
-
-    async def _reread_records(self, deadline: Deadline, *, wait: bool = False) -> bool:
-        """Read the swarm's peer list again, at most once per second however many ask (one
-        read serves them all), waiting at most 5 s (and ``deadline``) for it; whether it
-        was read. ``wait``: if it was read less than a second ago, read it once the second
-        is over (a key may have announced itself since) instead of not at all."""
-        loop = asyncio.get_running_loop()
-        early = self._records_read_at + _RECORDS_REREAD_S - loop.time()
-        if early > 0 and not wait:
-            return False
-        if self._reading_records is None or self._reading_records.done():
-            self._reading_records = loop.create_task(self._read_records(max(early, 0.0)))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(
-                asyncio.shield(self._reading_records), deadline.timeout(_RECORDS_WAIT_S)
-            )
-        return self._reading_records.done()
-
-    async def _read_records(self, after: float = 0.0) -> None:
-        if after > 0:
-            await asyncio.sleep(after)  # the once-a-second limit on reading the list
-        try:
-            peers = await find_peers(self.dht, self.swarm_id)
-        except Exception as exc:  # a DHT read that fails keeps the list as it was
-            logger.info("could not read the swarm's peer list: %s", exc)
-            return
-        finally:
-            self._records_read_at = asyncio.get_running_loop().time()
-        self._records = {p.peer_id: p.endpoint for p in peers}
-
-
-def check_answer(response: pb.JoinResponse) -> None:
-    """Refuse a leader's answer whose strings are longer than any honest one: a redirect
-    is followed and handed to others, a refusal's reason ends up in our logs and errors.
-    (A group's declarations are checked by ``check_group``.)"""
-    outcome = response.WhichOneof("outcome")
-    if outcome == "redirect":
-        # Sizes before contents: reading a string field copies it, however long.
-        if response.ByteSize() > 4 * MAX_ENDPOINT_CHARS + 8:
-            raise Rejection("malformed", "the leader redirects to more than an endpoint")
-        try:
-            parse_endpoint(response.redirect)
-        except ValueError:
-            raise Rejection(
-                "malformed", f"the leader redirects to {response.redirect[:80]!r}, not HOST:PORT"
-            ) from None
-    elif outcome == "refused" and (
-        response.refused.ByteSize() > 4 * (MAX_CODE_CHARS + MAX_REASON_CHARS) + 16
-        or len(response.refused.code) > MAX_CODE_CHARS
-        or len(response.refused.reason) > MAX_REASON_CHARS
-    ):
-        raise Rejection(
-            "malformed",
-            f"the leader's refusal ({response.refused.ByteSize()} bytes) is longer than a "
-            f"code of {MAX_CODE_CHARS} and a reason of {MAX_REASON_CHARS} characters",
-        )
-
-
-def _refused(code: str, reason: str) -> pb.JoinResponse:
-    return pb.JoinResponse(refused=pb.Refusal(code=code, reason=reason))
-
-
-def _peer_of(declaration: pb.MemberDeclaration) -> str:
-    return peer_id_of(declaration.public_key).hex()

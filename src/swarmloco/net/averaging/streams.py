@@ -4,7 +4,7 @@
 parts that member reduces go out, the averaged chunks, failover notices and the verdict
 come back. :class:`IncomingStream` is the same stream on the serving side. Each end runs a
 reader and a writer task (so a slow reader never blocks a writer), writes through the
-fault plan and the bandwidth limiter (``RoundRun.write_out``), keeps the stream alive with
+fault plan and the bandwidth limiter (``traffic.py``), keeps the stream alive with
 heartbeats when idle, and hands every message to its :class:`~.round.RoundRun`, which owns
 all state. A broken stream is reported to the round, which decides what it means.
 """
@@ -48,6 +48,8 @@ class OutgoingStream:
     def __init__(self, rnd: RoundRun, member: int) -> None:
         self.rnd = rnd
         self.member = member
+        self.peer = rnd.group.members[member].peer_id
+        self.traffic = rnd.traffic
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -140,7 +142,7 @@ class OutgoingStream:
             await self._send(call, "chunk", message)
 
     async def _send(self, call: Any, phase: Phase, message: bytes) -> None:
-        self.sent += await self.rnd.write_out(phase, self.member, message, call.write, self.sent)
+        self.sent += await self.traffic.write_out(phase, self.peer, message, call.write, self.sent)
 
     async def _read(self, call: Any) -> None:
         rnd = self.rnd
@@ -152,7 +154,7 @@ class OutgoingStream:
                     if not self.verdict:
                         self._broken("it ended the stream before its verdict")
                     return
-                await rnd.received(self, data)
+                await self.traffic.received(self, data)
                 try:
                     self._dispatch(wire.decode_response(data))
                 except Rejection as rejection:
@@ -207,6 +209,7 @@ class IncomingStream:
         self.rnd = rnd
         self.sender = sender
         self.peer = rnd.group.members[sender].peer_id
+        self.traffic = rnd.traffic
         self.context = context
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.clean = False
@@ -249,7 +252,7 @@ class IncomingStream:
                     )
                     self.end_reason = "it ended its stream early"
                     return
-                await rnd.received(self, data)
+                await self.traffic.received(self, data)
                 try:
                     message = wire.decode_request(data)
                     if isinstance(message, wire.ChunkMessage):
@@ -289,7 +292,9 @@ class IncomingStream:
                     return
                 await self._stall_point()
                 phase, message = item
-                sent += await rnd.write_out(phase, self.sender, message, self.context.write, sent)
+                sent += await self.traffic.write_out(
+                    phase, self.peer, message, self.context.write, sent
+                )
         except STREAM_ERRORS as exc:
             self.end_reason = f"sending to it failed: {describe(exc)}"
             for task in self._tasks:

@@ -227,61 +227,11 @@ class StateDonor:
 
     async def handle_download(self, data: bytes, context: grpc.aio.ServicerContext) -> None:
         """The ``Download`` handler (raw bytes in and out: ``wire.py`` encodes)."""
-        try:
-            request = wire.decode_request(data)
-        except Rejection as rejection:
-            self.rejections.record(rejection, context.peer())
-            release_after(len(data))
-            # Not abort: it would keep the request (maybe megabytes) alive; see refuse.
-            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
+        admitted = await self._admit(data, context)
+        if admitted is None:
             return
-        if self.admission is not None:
-            try:
-                wire.check_requester(
-                    request,
-                    self.admission,
-                    now_ms=int(self._wall_clock() * 1000),
-                    max_skew_ms=int(self.config.max_request_age_s * 1000),
-                )
-            except Rejection as rejection:
-                self.stats["refused"] += 1
-                self.rejections.record(rejection, context.peer())
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, rejection.reason)
-                return
-        if self._active >= self.config.max_concurrent_downloads:
-            self.stats["busy"] += 1
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this peer already serves {self._active} downloads; ask another donor",
-            )
-            return
-        host = host_of_grpc_peer(context.peer())
-        network = source_network(host)
-        if not self.config.limit_loopback and _is_loopback(host):
-            network = ""  # not counted per network
-        if network and self._per_network[network] >= self.config.max_downloads_per_network:
-            self.stats["busy"] += 1
-            await self._refuse(
-                context,
-                Rejection(
-                    "too-many-downloads",
-                    f"this peer already serves {self._per_network[network]} download(s) to "
-                    f"{network}; ask another donor",
-                ),
-                network,
-            )
-            return
-        snapshot = self._snapshot()
-        if snapshot is not None and request.round and request.round != snapshot.round:
-            # Asked for the round before ours (we moved on while the requester decided):
-            # the previous snapshot, if it is that state, saves it a new search.
-            older = self._previous() if self._previous is not None else None
-            if (
-                older is not None
-                and older.round == request.round
-                and (not request.digest or older.digest == request.digest)
-            ):
-                snapshot = older
+        request, host, network = admitted
+        snapshot = _snapshot_for(request, self._snapshot(), self._previous)
         if snapshot is None:
             self.stats["no-state"] += 1
             await context.abort(
@@ -289,22 +239,10 @@ class StateDonor:
             )
             return
         if network and not _declined(request, snapshot):
-            capacity = self.config.budget_states * snapshot.nbytes
-            wait = self.budget.wait_s(network, snapshot.nbytes, capacity)
-            if wait > 0:
+            spent = self._budget_spent(network, snapshot)
+            if spent is not None:
                 self.stats["budget-spent"] += 1
-                window = self.config.budget_window_s
-                await self._refuse(
-                    context,
-                    Rejection(
-                        "budget-spent",
-                        f"{network} took {self.budget.level(network) / 1e6:.1f} MB of this "
-                        f"peer's state lately: {self.config.budget_states:g} whole states "
-                        f"per {window:g}s is all one network gets; ask another donor, or "
-                        f"this one again in {wait:.0f}s",
-                    ),
-                    network,
-                )
+                await self._refuse(context, spent, network)
                 return
         self._active += 1
         self._per_network[network] += 1
@@ -323,6 +261,78 @@ class StateDonor:
                 del self._per_network[network]
         # The slot is free already: the status waits behind the data the requester does
         # not read, and leaves when it reads, cancels or its deadline passes.
+        await self._drop(context, stalled=stalled, pace=pace, where=network or host)
+
+    async def _admit(
+        self, data: bytes, context: grpc.aio.ServicerContext
+    ) -> tuple[pb.DownloadRequest, str, str] | None:
+        """The request, the requester's host and source network ("": not counted per
+        network), if it is to be served; None once it was refused."""
+        try:
+            request = wire.decode_request(data)
+        except Rejection as rejection:
+            self.rejections.record(rejection, context.peer())
+            release_after(len(data))
+            # Not abort: it would keep the request (maybe megabytes) alive; see refuse.
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
+            return None
+        if self.admission is not None:
+            try:
+                wire.check_requester(
+                    request,
+                    self.admission,
+                    now_ms=int(self._wall_clock() * 1000),
+                    max_skew_ms=int(self.config.max_request_age_s * 1000),
+                )
+            except Rejection as rejection:
+                self.stats["refused"] += 1
+                self.rejections.record(rejection, context.peer())
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, rejection.reason)
+                return None
+        if self._active >= self.config.max_concurrent_downloads:
+            self.stats["busy"] += 1
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this peer already serves {self._active} downloads; ask another donor",
+            )
+            return None
+        host = host_of_grpc_peer(context.peer())
+        network = source_network(host)
+        if not self.config.limit_loopback and _is_loopback(host):
+            network = ""  # not counted per network
+        if network and self._per_network[network] >= self.config.max_downloads_per_network:
+            self.stats["busy"] += 1
+            await self._refuse(
+                context,
+                Rejection(
+                    "too-many-downloads",
+                    f"this peer already serves {self._per_network[network]} download(s) to "
+                    f"{network}; ask another donor",
+                ),
+                network,
+            )
+            return None
+        return request, host, network
+
+    def _budget_spent(self, network: str, snapshot: StateSnapshot) -> Rejection | None:
+        """Why ``network`` may not take ``snapshot`` now (None: its budget affords it)."""
+        capacity = self.config.budget_states * snapshot.nbytes
+        wait = self.budget.wait_s(network, snapshot.nbytes, capacity)
+        if wait <= 0:
+            return None
+        return Rejection(
+            "budget-spent",
+            f"{network} took {self.budget.level(network) / 1e6:.1f} MB of this "
+            f"peer's state lately: {self.config.budget_states:g} whole states "
+            f"per {self.config.budget_window_s:g}s is all one network gets; ask another "
+            f"donor, or this one again in {wait:.0f}s",
+        )
+
+    async def _drop(
+        self, context: grpc.aio.ServicerContext, *, stalled: bool, pace: _Pace, where: str
+    ) -> None:
+        """End a download whose requester did not read it: it took nothing for
+        ``write_timeout_s`` (``stalled``), or read slower than the minimum rate."""
         if stalled:
             self.stats["dropped"] += 1
             logger.info(
@@ -341,7 +351,7 @@ class StateDonor:
             f"the download was read at {pace.rate / 1024:.0f} KiB/s, under this peer's "
             f"minimum of {self.config.min_read_rate_bytes_s / 1024:.0f} KiB/s",
         )
-        await self._refuse(context, too_slow, network or host)
+        await self._refuse(context, too_slow, where)
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, rejection: Rejection, network: str
@@ -394,6 +404,26 @@ class StateDonor:
         finally:
             pace.waited += loop.time() - started
         pace.written += len(message)
+
+
+def _snapshot_for(
+    request: pb.DownloadRequest,
+    current: StateSnapshot | None,
+    previous: SnapshotProvider | None,
+) -> StateSnapshot | None:
+    """The state to answer ``request`` with: ours (None: we hold none yet), or, when it
+    asks for the round before ours (we moved on while the requester decided), the previous
+    snapshot if it is that state: it saves the requester a new search."""
+    if current is None or not request.round or request.round == current.round:
+        return current
+    older = previous() if previous is not None else None
+    if (
+        older is not None
+        and older.round == request.round
+        and (not request.digest or older.digest == request.digest)
+    ):
+        return older
+    return current
 
 
 def _declined(request: pb.DownloadRequest, snapshot: StateSnapshot) -> bool:

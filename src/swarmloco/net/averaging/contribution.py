@@ -1,0 +1,91 @@
+"""A member's own update as the sender side of a round sends it: bounded to the group's
+norm, quantized once, and cut into the chunks of every part.
+
+Quantized once and kept: every reducer of a part (and a backup reducer after a failure)
+gets the same bytes, sliced out of one int8 tensor and its scales without a copy. With
+error feedback, the encoder bounds and quantizes the update itself and keeps what the
+quantization lost for the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+
+from swarmloco.core.codec import CodecConfig, ErrorFeedback, l2_norm, quantize
+from swarmloco.net.averaging.group import Group
+from swarmloco.net.averaging.view import RoundView
+
+# The round's events are the all-reduce's: one logger for the whole round.
+logger = logging.getLogger("swarmloco.net.averaging.allreduce")
+
+Take = Callable[[int, torch.dtype], torch.Tensor]
+
+
+class Contribution:
+    """Our quantized update in one round, and its chunks (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        group: Group,
+        view: RoundView,
+        codec: CodecConfig,
+        norm_bound: float,
+        take: Take,
+    ) -> None:
+        """``take(numel, dtype)`` lends a scratch buffer for the round."""
+        self._group = group
+        self._view = view
+        self._codec = codec
+        self.norm_bound = norm_bound
+        self._take = take
+        self.clipped = 1.0
+        """The factor our update was scaled by to stay within the norm bound (1: none)."""
+        self.q = torch.empty(0, dtype=torch.int8)
+        self.scales = torch.empty(0)
+
+    def encode(self, vector: torch.Tensor, error_feedback: ErrorFeedback | None) -> None:
+        """Bound and quantize ``vector`` (the caller's stays as it is)."""
+        if error_feedback is not None:
+            self.q, self.scales = error_feedback.encode(vector, max_norm=self.norm_bound)
+            return
+        bounded = self._bounded(vector)
+        numel = self._group.numel
+        self.q = self._take(numel, torch.int8)
+        self.scales = self._take(numel // self._codec.block_size, self._codec.scale_torch_dtype)
+        quantize(bounded, self._codec, out=(self.q, self.scales))
+
+    def _bounded(self, vector: torch.Tensor) -> torch.Tensor:
+        """``vector``, scaled down to the group's norm bound if it exceeds it (a copy; the
+        caller's vector stays as it is)."""
+        if not math.isfinite(self.norm_bound):
+            return vector
+        norm = l2_norm(vector)
+        if norm <= self.norm_bound:
+            return vector
+        # A hair below the bound, so that float rounding cannot take it past.
+        self.clipped = self.norm_bound / norm * (1 - 1e-6)
+        clipped = self._take(vector.numel(), torch.float32)
+        torch.mul(vector, self.clipped, out=clipped)
+        logger.info(
+            "round %d: our update's norm %.3g is above the group's bound %.3g: scaled by %.3g",
+            self._group.round,
+            norm,
+            self.norm_bound,
+            self.clipped,
+        )
+        return clipped
+
+    def slice_of(self, part: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Our quantized contribution to chunk ``index`` of ``part`` (views, no copy)."""
+        first, _ = self._group.parts[part]
+        span = self._view.spans[part][index]
+        start = (first + span.first_block) * self._group.block_size
+        return (
+            self.q[start : start + span.numel],
+            self.scales[first + span.first_block : first + span.first_block + span.blocks],
+        )

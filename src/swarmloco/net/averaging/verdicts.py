@@ -1,0 +1,101 @@
+"""The agreement that ends a round: which digests the members hold, the verdicts of the
+serving members, and whether this member may apply its result. No I/O.
+
+Every member sends a ``MemberDone`` with the digest of its whole result once it has every
+part; a serving member that holds the digest of every live member answers each stream with
+a ``Verdict`` (agreed only if they are all the same). A member applies its result only once
+every live serving member's verdict agrees with its own digest. A member may hold an older
+result while a rerun notice is on its way to it, so a serving member waits up to
+``patience`` seconds for the digests to match before it declares a disagreement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from swarmloco.proto.v1 import averaging_pb2 as pb
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What one look at the agreement asks of the round."""
+
+    announce: bytes | None = None
+    """Our digest changed: send it to every live member we stream to."""
+    verdict: pb.Verdict | None = None
+    """Our verdict, now made: send it on every stream to us, and close them."""
+    disagreement: str | None = None
+    """Why the round must end with nothing applied (after sending ``verdict``)."""
+    decided: bool = False
+    """Every live serving member agreed with our digest: apply it."""
+
+
+class Agreement:
+    """Member ``me``'s account of the digests and verdicts of one round."""
+
+    def __init__(
+        self,
+        *,
+        me: int,
+        serving: bool,
+        patience: float,
+        label: Callable[[int], str],
+    ) -> None:
+        """``label(member)`` names a member in reasons."""
+        self._me = me
+        self._serving = serving
+        self._patience = patience
+        self._label = label
+        self.done: dict[int, bytes] = {}
+        """The digest each member announced (ours included)."""
+        self.verdicts: dict[int, pb.Verdict] = {}
+        """The verdict of each serving member (ours included)."""
+        self.verdict_sent = False
+        self.my_done: bytes | None = None
+        self.decided = False
+        self._disagree_since: float | None = None
+
+    def step(
+        self, digest: bytes, *, alive: Sequence[int], servers: Sequence[int], now: float
+    ) -> Step:
+        """Move the agreement forward with our complete result's ``digest``; ``alive`` are
+        the members not failed, ``servers`` the serving ones among them."""
+        announce = None
+        if digest != self.my_done:
+            self.my_done = digest
+            self.done[self._me] = digest
+            announce = digest
+        verdict = None
+        if self._serving and not self.verdict_sent and all(x in self.done for x in alive):
+            differ = [self._label(x) for x in alive if self.done[x] != digest]
+            if differ and self._patient(now):
+                return Step(announce)
+            verdict = self._make_verdict(digest, differ)
+        for member, said in self.verdicts.items():
+            if not said.agreed or said.digest != digest:
+                why = said.reason or "its result differs from ours"
+                reason = f"member {self._label(member)} disagrees ({why})"
+                return Step(announce, verdict, disagreement=reason)
+        self.decided = all(x in self.verdicts for x in servers)
+        return Step(announce, verdict, decided=self.decided)
+
+    def _patient(self, now: float) -> bool:
+        """Whether to wait longer for members whose digest differs from ours: one may hold
+        an older result while a rerun notice is on its way to it."""
+        self._disagree_since = self._disagree_since or now
+        return now - self._disagree_since < self._patience
+
+    def _make_verdict(self, digest: bytes, differ: list[str]) -> pb.Verdict:
+        verdict = pb.Verdict(
+            agreed=not differ,
+            digest=digest,
+            reason=f"members {differ} hold another result" if differ else "",
+        )
+        self.verdict_sent = True
+        self.verdicts[self._me] = verdict
+        return verdict
+
+    def agreed(self) -> int:
+        """How many verdicts agree with our digest."""
+        return sum(1 for v in self.verdicts.values() if v.agreed and v.digest == self.my_done)

@@ -1,0 +1,120 @@
+"""Handing a newcomer the records it is now one of the k closest nodes to (Kademlia section
+2.5), so that gets find them at once instead of after the owners' next republish.
+
+Every holder that counts the newcomer among the k closest nodes it knows to a key sends it,
+not only the holder closest to the key (the paper's rule to save messages): the closest
+holders often do not know the newcomer (its bucket in their table is full) or are newcomers
+themselves still waiting for the record, and the newcomer would then miss it until the next
+republish. The price is a few duplicate stores of small records per join; the receiver
+drops duplicates.
+
+The :class:`Replicator` owns the hand-offs under way and bounds them; which records a
+newcomer gets is the plain function :func:`records_for`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+from swarmloco.net.deadline import Deadline
+from swarmloco.net.dht.book import ContactBook
+from swarmloco.net.dht.config import DhtConfig
+from swarmloco.net.dht.contact import Contact, distance
+from swarmloco.net.dht.routing import RoutingTable
+from swarmloco.net.dht.storage import Storage
+from swarmloco.net.dht.transport import DhtTransport
+from swarmloco.net.dht.wire import key_id
+from swarmloco.net.records import Record
+from swarmloco.proto.v1 import dht_pb2 as pb
+
+MAX_REPLICATIONS = 16  # newcomers being handed records at once
+MAX_PENDING_REPLICATIONS = 1024  # newcomers waiting for a hand-off (beyond: republish)
+MAX_REPLICATED_KEYS = 4096  # keys considered per newcomer (beyond: republish)
+
+
+def store_batches(
+    records: list[Record], max_records: int, max_bytes: int
+) -> Iterator[list[Record]]:
+    """``records`` in order, cut into batches of at most ``max_records`` records and
+    ``max_bytes`` bytes (``Record.size``; a larger record goes alone)."""
+    batch: list[Record] = []
+    size = 0
+    for record in records:
+        if batch and (len(batch) >= max_records or size + record.size > max_bytes):
+            yield batch
+            batch, size = [], 0
+        batch.append(record)
+        size += record.size
+    if batch:
+        yield batch
+
+
+def records_for(
+    newcomer: Contact, *, storage: Storage, routing: RoutingTable, k: int
+) -> list[Record]:
+    """The stored records of every key (the first ``MAX_REPLICATED_KEYS``) to which
+    ``newcomer`` is closer than the k-th closest other node we know."""
+    records: list[Record] = []
+    for key in storage.keys()[:MAX_REPLICATED_KEYS]:
+        target = key_id(key)
+        others = routing.closest(target, k, exclude=newcomer.peer_id)
+        bound = distance(others[-1].peer_id, target) if len(others) >= k else None
+        if bound is None or distance(newcomer.peer_id, target) < bound:
+            # Interleaved across the networks they came from: the newcomer takes at most
+            # its cap per key from our network, and a flood stored here must not take all
+            # of it.
+            records.extend(storage.get(key))
+    return records
+
+
+class Replicator:
+    """The hand-offs of one node: at most ``MAX_REPLICATIONS`` at once, newcomers beyond
+    that waiting their turn (a skipped newcomer would miss its records until the next
+    republish), and at most ``MAX_PENDING_REPLICATIONS`` waiting."""
+
+    def __init__(
+        self,
+        *,
+        config: DhtConfig,
+        storage: Storage,
+        book: ContactBook,
+        transport: DhtTransport,
+        sign: Callable[[list[Record]], pb.StoreRequest],
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        stats: Counter[str],
+    ) -> None:
+        self._config = config
+        self._storage = storage
+        self._book = book
+        self._transport = transport
+        self._sign = sign
+        self._spawn = spawn
+        self._stats = stats
+        self._pending: set[bytes] = set()
+        self._slots = asyncio.Semaphore(MAX_REPLICATIONS)
+
+    def offer(self, newcomer: Contact) -> None:
+        """A contact new to our table: hand it its records in the background."""
+        if len(self._storage) and len(self._pending) < MAX_PENDING_REPLICATIONS:
+            self._pending.add(newcomer.peer_id)
+            self._spawn(self._replicate_to(newcomer))
+
+    async def _replicate_to(self, newcomer: Contact) -> None:
+        try:
+            async with self._slots:
+                await self._hand_off(newcomer)
+        finally:
+            self._pending.discard(newcomer.peer_id)
+
+    async def _hand_off(self, newcomer: Contact) -> None:
+        cfg = self._config
+        records = records_for(newcomer, storage=self._storage, routing=self._book.routing, k=cfg.k)
+        deadline = Deadline.after(cfg.lookup_timeout_s)
+        for batch in store_batches(records, cfg.max_records_per_request, cfg.max_request_bytes):
+            request = self._sign(batch)
+            if await self._book.call(newcomer, self._transport.store, request, deadline) is None:
+                return
+            self._stats["replicated"] += len(batch)

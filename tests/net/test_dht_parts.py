@@ -1,0 +1,319 @@
+"""The parts a DHT node is made of, each alone with real parts around it: the contact book,
+a lookup's state, the hand-off to newcomers, the request handlers, the entry peers and the
+clock check, the private swarms' gates (in process; the in-memory network where one node
+must answer another)."""
+
+import logging
+import random
+import time
+from collections import Counter
+
+import pytest
+from netutil import SWARM, counter_key
+
+from swarmloco.errors import NetworkError
+from swarmloco.net.dht.book import ContactBook, ContactHooks
+from swarmloco.net.dht.config import DhtConfig
+from swarmloco.net.dht.contact import contact_from_proto, distance, sign_card
+from swarmloco.net.dht.gates import SwarmGates
+from swarmloco.net.dht.joining import EntryPeers, check_clock
+from swarmloco.net.dht.lookup import Entry, Lookup
+from swarmloco.net.dht.memory import MemoryNetwork, MemoryTransport
+from swarmloco.net.dht.node import DHTNode
+from swarmloco.net.dht.replication import records_for
+from swarmloco.net.dht.requests import Requests
+from swarmloco.net.dht.routing import RoutingTable
+from swarmloco.net.dht.storage import Storage, StorageConfig
+from swarmloco.net.dht.wire import key_id, signed_store_request
+from swarmloco.net.identity import Identity
+from swarmloco.net.records import MEMBER_FIELD, make_record, peers_key
+from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.work import IdentityWork, solve
+from swarmloco.proto.v1 import dht_pb2 as pb
+
+PEER = {"endpoint": "127.0.0.1:5000", "role": "trainer", "version": "0.1.0", "public": True}
+logger = logging.getLogger(__name__)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def card(host: str = "8.8.8.8", identity: Identity | None = None):
+    return sign_card(identity or Identity.generate(), f"{host}:4000", started_at_ms=1)
+
+
+def book_of(own: Identity, *, config: DhtConfig | None = None, clock=time.monotonic, **hooks):
+    routing = RoutingTable(own.peer_id, k=(config or DhtConfig()).k)
+    return ContactBook(
+        routing=routing,
+        config=config or DhtConfig(),
+        rejections=RejectionLog(logger),
+        stats=Counter(),
+        hooks=ContactHooks(**hooks),
+        monotonic=clock,
+    )
+
+
+# -- the contact book ------------------------------------------------------------------
+
+
+def test_a_contact_whose_call_failed_is_skipped_for_unreachable_s_then_counts_again():
+    clock = Clock()
+    book = book_of(Identity.generate(), config=DhtConfig(unreachable_s=30.0), clock=clock)
+    contact = card()
+    book.seen(contact)
+    book.failed(contact, "timed out")
+    assert contact.peer_id not in book.routing and book.unreachable(contact.peer_id)
+    clock.now += 29.0
+    assert book.unreachable(contact.peer_id)
+    clock.now += 2.0
+    assert not book.unreachable(contact.peer_id)
+
+
+def test_a_contact_that_answers_again_counts_at_once_and_one_our_stall_failed_is_not_blamed():
+    book = book_of(Identity.generate())
+    blamed, stalled = card("8.8.8.8"), card("9.9.9.9")
+    book.failed(blamed, "timed out")
+    book.failed(stalled, "timed out while this process was frozen", blame=False)
+    assert book.unreachable(blamed.peer_id) and not book.unreachable(stalled.peer_id)
+    book.seen(blamed)
+    assert not book.unreachable(blamed.peer_id) and blamed.peer_id in book.routing
+
+
+def test_the_book_tells_of_newcomers_once_and_of_dropped_contacts():
+    added, removed, newcomers = [], [], []
+    book = book_of(
+        Identity.generate(), added=added.append, removed=removed.append, newcomer=newcomers.append
+    )
+    contact = card()
+    book.seen(contact)
+    book.seen(contact)  # heard from again: not new
+    book.failed(contact, "refused")
+    assert added == [contact] and newcomers == [contact] and removed == [contact]
+
+
+def test_a_forged_card_is_refused_and_counted_once():
+    book = book_of(Identity.generate())
+    forged = card().to_proto()
+    forged.endpoint = "6.6.6.6:4000"  # no longer what the key signed
+    assert book.card_from(forged, source=None) is None
+    assert sum(book._rejections.counts.values()) == 1
+
+
+# -- one lookup's state -----------------------------------------------------------------
+
+
+def test_a_lookup_asks_the_closest_unasked_contact_and_skips_unreachable_ones():
+    own = Identity.generate()
+    book = book_of(own)
+    target = Identity.generate().peer_id
+    contacts = sorted((card() for _ in range(5)), key=lambda c: distance(c.peer_id, target))
+    book.failed(contacts[0], "timed out")  # the closest failed a moment ago
+    lookup = Lookup(target=target, k=3, book=book)
+    for contact in contacts:
+        lookup.offer(contact, depth=1)
+    lookup.offer(sign_card(own, "8.8.4.4:4000"), depth=1)  # never ourselves
+    assert [c.peer_id for c in lookup.ranked()] == [c.peer_id for c in contacts[1:4]]
+    first = lookup.next_to_query(within=3)
+    assert first == contacts[1]
+    lookup.queried.add(first.peer_id)
+    assert lookup.next_to_query(within=3) == contacts[2]
+    assert lookup.next_to_query(within=1) is None
+
+
+def test_a_get_is_settled_once_it_holds_records_and_the_closest_answered():
+    book = book_of(Identity.generate())
+    target = key_id(peers_key(SWARM))
+    near, far = sorted((card(), card()), key=lambda c: distance(c.peer_id, target))
+    lookup = Lookup(target=target, k=20, book=book)
+    lookup.offer(near, depth=1)
+    lookup.offer(far, depth=1)
+    answer = pb.FindValueResponse(peer=far.to_proto())
+    assert lookup.absorb_nodes(far, answer) and not lookup.settled(quorum=1)
+    owner = Identity.generate()
+    record = make_record(peers_key(SWARM), PEER, expiration=time.time() + 60, owner=owner)
+    lookup.merge(Entry(record.subkey, PEER, record.expiration, record))
+    assert not lookup.settled(quorum=1)  # the closest has not answered yet
+    assert lookup.absorb_nodes(near, pb.FindValueResponse(peer=near.to_proto()))
+    assert lookup.settled(quorum=1) and lookup.settled(quorum=2)
+
+
+# -- the hand-off to newcomers ----------------------------------------------------------
+
+
+def test_a_newcomer_is_handed_the_records_of_the_keys_it_is_closer_to_than_the_kth_node():
+    clock = Clock()
+    clock.now = time.time()
+    storage = Storage(StorageConfig(), clock=clock)
+    owner = Identity.generate()
+    keys = [counter_key(f"{i:02x}" * 20) for i in range(24)]
+    for key in keys:
+        record = make_record(key, {"count": 1, "label": ""}, expiration=clock.now + 60, owner=owner)
+        assert storage.put(record, sender=owner.peer_id, network="203.0.113.0/24")
+    routing = RoutingTable(Identity.generate().peer_id, k=1)
+    known, newcomer = card("8.8.8.8"), card("9.9.9.9")
+    routing.add(known, now=0)
+    handed = records_for(newcomer, storage=storage, routing=routing, k=1)
+    closer = [
+        k
+        for k in keys
+        if distance(newcomer.peer_id, key_id(k)) < distance(known.peer_id, key_id(k))
+    ]
+    assert sorted(r.key for r in handed) == sorted(closer)
+    # Knowing fewer than k others, every key is the newcomer's.
+    assert len(records_for(newcomer, storage=storage, routing=routing, k=2)) == len(keys)
+
+
+# -- the request handlers ---------------------------------------------------------------
+
+
+class Spawned:
+    """What the handlers start in the background, kept to look at (and closed after)."""
+
+    def __init__(self) -> None:
+        self.work = []
+
+    def __call__(self, work) -> None:
+        self.work.append(work)
+
+    def close(self) -> None:
+        for work in self.work:
+            work.close()
+
+
+def requests_of(own: Identity, spawned: Spawned, *, gates: SwarmGates | None = None):
+    config = DhtConfig()
+    network = MemoryNetwork()
+    book = book_of(own, config=config)
+    storage = Storage(config.storage, clock=time.time)
+    requests = Requests(
+        config=config,
+        book=book,
+        storage=storage,
+        gates=gates or SwarmGates(),
+        rejections=book._rejections,
+        transport=MemoryTransport(network, "8.8.4.4:4000"),
+        card=lambda: sign_card(own, "8.8.4.4:4000"),
+        clock=time.time,
+        spawn=spawned,
+    )
+    return requests, book, storage
+
+
+async def test_an_oversized_ping_is_refused_before_its_card_is_read_and_counted():
+    spawned = Spawned()
+    requests, book, _ = requests_of(Identity.generate(), spawned)
+    request = pb.PingRequest(sender=card().to_proto())
+    request.sender.endpoint = "x" * 10_000
+    with pytest.raises(Rejection) as refused:
+        await requests.handle_ping(request, "8.8.8.8")
+    assert refused.value.code == "oversize" and book._rejections.counts["oversize"] == 1
+    assert len(book.routing) == 0
+
+
+async def test_a_caller_at_its_cards_host_joins_the_table_and_one_elsewhere_is_pinged_first():
+    spawned = Spawned()
+    requests, book, _ = requests_of(Identity.generate(), spawned)
+    honest, elsewhere = card("8.8.8.8"), card("9.9.9.9")
+    answer = await requests.handle_ping(pb.PingRequest(sender=honest.to_proto()), "8.8.8.8")
+    assert answer.observed_host == "8.8.8.8" and honest.peer_id in book.routing
+    await requests.handle_ping(pb.PingRequest(sender=elsewhere.to_proto()), "7.7.7.7")
+    assert elsewhere.peer_id not in book.routing and len(spawned.work) == 1
+    spawned.close()
+
+
+async def test_a_store_from_a_non_member_of_a_guarded_swarm_is_refused_per_record():
+    spawned = Spawned()
+    gates = SwarmGates()
+    gates.admit(IdentityWork(swarm_id=SWARM, bits=1))
+    requests, book, storage = requests_of(Identity.generate(), spawned, gates=gates)
+    member, stranger = Identity.generate(), Identity.generate()
+    proven = {**PEER, MEMBER_FIELD: solve(SWARM, member.peer_id, 1)}
+    records = [
+        make_record(peers_key(SWARM), proven, expiration=time.time() + 60, owner=member),
+        make_record(peers_key(SWARM), PEER, expiration=time.time() + 60, owner=stranger),
+    ]
+    sender = Identity.generate()
+    request = signed_store_request(
+        sender, sign_card(sender, "8.8.8.8:4000"), records, timestamp_ms=int(time.time() * 1000)
+    )
+    answer = await requests.handle_store(request, "8.8.8.8")
+    assert [r.stored for r in answer.results] == [True, False]
+    assert "proof of work" in answer.results[1].reason
+    assert [r.subkey for r in storage.get(peers_key(SWARM))] == [member.peer_id_hex]
+    assert book._rejections.counts["unproven"] == 1
+    spawned.close()
+
+
+# -- the private swarms' gates ----------------------------------------------------------
+
+
+def test_own_records_of_a_guarded_swarm_carry_the_credential_and_others_pass_unchanged():
+    own = Identity.generate()
+    gates = SwarmGates()
+    assert gates.with_membership(peers_key(SWARM), PEER) is PEER and not gates
+    nonce = solve(SWARM, own.peer_id, 1)
+    gates.admit(IdentityWork(swarm_id=SWARM, bits=1, own=nonce))
+    assert gates.guards(SWARM) and not gates.guards("cd" * 20)
+    assert gates.with_membership(peers_key(SWARM), PEER)[MEMBER_FIELD] == nonce
+    assert gates.with_membership(peers_key("cd" * 20), PEER) is PEER
+    value = gates.with_membership(peers_key(SWARM), PEER)
+    record = make_record(peers_key(SWARM), value, expiration=time.time() + 60, owner=own)
+    assert gates.refusal(record, value) is None
+    bare = make_record(peers_key(SWARM), PEER, expiration=time.time() + 60, owner=own)
+    assert gates.refusal(bare, PEER).code == "unproven"
+
+
+# -- entering the network ---------------------------------------------------------------
+
+
+def test_a_clock_within_network_jitter_is_kept_without_a_word():
+    verdict = check_clock([0.4, -0.2, 0.1], config=DhtConfig())
+    assert verdict.skew == pytest.approx(0.1) and verdict.warning is verdict.refusal is None
+    assert check_clock([], config=DhtConfig()).skew is None
+
+
+def test_a_clock_a_little_off_keeps_the_swarms_time_and_says_how_to_fix_it():
+    verdict = check_clock([20.0, 21.0, 19.0], config=DhtConfig())
+    assert verdict.skew == 20.0 and verdict.refusal is None
+    assert "clock is 20 s behind the clock of the 3 peer(s)" in verdict.warning
+    assert "NTP" in verdict.warning
+
+
+def test_a_clock_off_by_more_than_records_tolerate_is_refused_and_not_kept():
+    verdict = check_clock([-900.0], config=DhtConfig(max_clock_skew_s=600.0))
+    assert verdict.skew is None and "900 s ahead of" in verdict.refusal
+    assert "600 s off" in verdict.refusal
+
+
+async def test_joining_through_a_dead_and_a_live_address_answers_with_the_live_one():
+    network = MemoryNetwork()
+    config = DhtConfig(join_grace_s=0.2)
+    live = DHTNode(
+        identity=Identity.generate(),
+        transport=MemoryTransport(network, "8.8.8.8:4000"),
+        endpoint="8.8.8.8:4000",
+        config=config,
+    )
+    network.register("8.8.8.8:4000", live)
+    own = Identity.generate()
+    book = book_of(own, config=config)
+    entry = EntryPeers(
+        config=config,
+        transport=MemoryTransport(network, "9.9.9.9:4000"),
+        book=book,
+        local_clock=time.time,
+        rng=random.Random(1),
+    )
+    request = pb.PingRequest(sender=sign_card(own, "9.9.9.9:4000").to_proto())
+    answers = await entry.ask(["6.6.6.6:4000", "8.8.8.8:4000"], request, budget=5.0)
+    assert [contact_from_proto(a.response.peer).peer_id for a in answers] == [live.peer_id]
+    assert live.peer_id in book.routing
+    assert entry.endpoints == ("6.6.6.6:4000", "8.8.8.8:4000")
+    with pytest.raises(NetworkError, match=r"none of 6\.6\.6\.6:4000 answered.*refused"):
+        await entry.ask(["6.6.6.6:4000"], request, budget=0.3)

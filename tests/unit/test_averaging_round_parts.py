@@ -1,0 +1,183 @@
+"""The parts one member's round is made of, each alone (no streams): the agreement, the
+per-member deadlines, our contribution, the reductions we run and the output they land in."""
+
+import pytest
+import torch
+
+from swarmloco.core.codec import CodecConfig, dequantize_into_, quantize
+from swarmloco.net.averaging.allreduce import AveragingConfig
+from swarmloco.net.averaging.contribution import Contribution
+from swarmloco.net.averaging.group import Group, Member
+from swarmloco.net.averaging.liveness import Watch
+from swarmloco.net.averaging.output import Output
+from swarmloco.net.averaging.reducing import Reductions
+from swarmloco.net.averaging.verdicts import Agreement
+from swarmloco.net.averaging.view import RoundView
+from swarmloco.net.averaging.wire import ChunkMessage, ResultMessage
+from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import averaging_pb2 as pb
+
+CODEC = CodecConfig(block_size=64, chunk_bytes=4 * (64 + 4), backend="eager")
+CONFIG = AveragingConfig(codec=CODEC)
+
+
+def group(size: int = 2, norms: tuple[float, ...] = ()) -> Group:
+    members = tuple(
+        Member(f"{i:040x}", b"k" * 32, "127.0.0.1:1", 1.0, norms[i] if norms else 0.0)
+        for i in range(size)
+    )
+    blocks = 8
+    return Group(
+        group_id=b"g" * 16,
+        round=1,
+        members=members,
+        parts=tuple((blocks * i, blocks) for i in range(size)),
+        numel=64 * blocks * size,
+        block_size=64,
+    )
+
+
+def take(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype)
+
+
+def label(member: int) -> str:
+    return f"m{member}"
+
+
+# -- the agreement ----------------------------------------------------------------------
+
+
+def test_a_member_applies_only_once_every_live_server_agreed_with_its_digest():
+    agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+    step = agreement.step(b"d", alive=[0, 1, 2], servers=[0, 1], now=0.0)
+    assert step.announce == b"d" and step.verdict is None and not step.decided
+    agreement.done.update({1: b"d", 2: b"d"})
+    step = agreement.step(b"d", alive=[0, 1, 2], servers=[0, 1], now=1.0)
+    assert step.announce is None and step.verdict.agreed and not step.decided
+    agreement.verdicts[1] = pb.Verdict(agreed=True, digest=b"d")
+    step = agreement.step(b"d", alive=[0, 1, 2], servers=[0, 1], now=2.0)
+    assert step.verdict is None and step.decided and agreement.agreed() == 2
+
+
+def test_a_serving_member_waits_its_patience_before_declaring_a_disagreement():
+    agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+    agreement.done[1] = b"old"
+    assert agreement.step(b"d", alive=[0, 1], servers=[0, 1], now=10.0).verdict is None
+    assert agreement.step(b"d", alive=[0, 1], servers=[0, 1], now=14.9).verdict is None
+    step = agreement.step(b"d", alive=[0, 1], servers=[0, 1], now=15.0)
+    assert not step.verdict.agreed and "['m1'] hold another result" in step.verdict.reason
+    assert step.disagreement == "member m0 disagrees (members ['m1'] hold another result)"
+
+
+def test_a_verdict_that_differs_from_our_digest_ends_the_round_with_its_reason():
+    agreement = Agreement(me=2, serving=False, patience=5.0, label=label)
+    agreement.verdicts[0] = pb.Verdict(agreed=True, digest=b"other")
+    step = agreement.step(b"d", alive=[0, 1, 2], servers=[0, 1], now=0.0)
+    assert step.disagreement == "member m0 disagrees (its result differs from ours)"
+    assert step.verdict is None and not step.decided
+
+
+# -- per-member deadlines ---------------------------------------------------------------
+
+
+def test_a_member_silent_past_the_liveness_timeout_fails_naming_the_silent_stream():
+    watch = Watch(members=3, started=0.0, config=CONFIG)
+    watch.start(0.0)
+    assert watch.judges(watch.tick)
+    now = CONFIG.liveness_timeout_s + 1.0
+    assert watch.silence(1, now, answers_heard=0.5, stream_heard=None, lacking=False) == (
+        "silent for 10.5s (its answers)"
+    )
+    assert watch.silence(1, now, answers_heard=None, stream_heard=0.0, lacking=False) == (
+        "silent for 11.0s (its stream to us)"
+    )
+    assert watch.silence(1, now, answers_heard=None, stream_heard=None, lacking=True) is None
+
+
+def test_after_our_own_loop_stalled_nobody_is_judged_and_silence_counts_from_then():
+    watch = Watch(members=2, started=0.0, config=CONFIG)
+    watch.start(0.0)
+    stalled = 30.0  # a GC pause, a blocking call: every member looks silent
+    assert not watch.judges(stalled)
+    assert watch.judges(stalled + watch.tick)
+    assert (
+        watch.silence(1, stalled + 1.0, answers_heard=0.0, stream_heard=0.0, lacking=False) is None
+    )
+
+
+def test_a_reducer_without_a_result_fails_only_while_we_lack_its_part():
+    watch = Watch(members=2, started=0.0, config=CONFIG)
+    late = CONFIG.reducer_timeout_s + 1.0
+    assert watch.silence(1, late, answers_heard=None, stream_heard=None, lacking=False) is None
+    assert watch.silence(1, late, answers_heard=None, stream_heard=None, lacking=True) == (
+        "no result for 21.0s"
+    )
+    watch.heard_result(1, late - 1.0)
+    assert watch.silence(1, late, answers_heard=None, stream_heard=None, lacking=True) is None
+
+
+# -- our contribution, our reductions, the output ---------------------------------------
+
+
+def parts_of(g: Group, me: int = 0):
+    view = RoundView(g, me, CODEC)
+    ours = Contribution(group=g, view=view, codec=CODEC, norm_bound=float("inf"), take=take)
+    reducing = Reductions(
+        group=g, view=view, me=me, config=CONFIG, contribution=ours, clock=lambda: 0.0, take=take
+    )
+    output = Output(result=torch.zeros(g.numel), group=g, view=view, codec=CODEC)
+    return view, ours, reducing, output
+
+
+def test_our_part_reduced_alone_lands_in_the_output_and_stays_in_the_backlog():
+    g = group()
+    view, ours, reducing, output = parts_of(g)
+    vector = torch.randn(g.numel, generator=torch.Generator().manual_seed(1))
+    ours.encode(vector, None)
+    assert reducing.start(0, 0, senders=[0]) is None  # epoch 0: no rerun notice
+    landed = 0
+    while (done := reducing.finish_next(0)) is not None:
+        args = (done.part, done.epoch, 0, done.index, done.payload, done.scales)
+        assert output.apply(*args, done.contributors)
+        landed += 1
+    assert landed == len(view.spans[0]) and view.part_complete(0)
+    assert [phase for phase, _ in reducing.backlog()] == ["result"] * landed
+    q, s = (
+        torch.empty(g.numel, dtype=torch.int8),
+        torch.empty(g.numel // 64, dtype=CODEC.scale_torch_dtype),
+    )
+    quantize(vector, CODEC, out=(q, s))
+    expected = torch.empty(g.numel)
+    dequantize_into_(expected, q, s, CODEC)
+    start, stop = g.part_range(0)
+    assert torch.equal(output.result[start:stop], expected[start:stop])
+
+
+def test_an_update_above_the_groups_norm_bound_is_scaled_below_it_and_the_callers_stays():
+    g = group()
+    view = RoundView(g, 0, CODEC)
+    ours = Contribution(group=g, view=view, codec=CODEC, norm_bound=1.0, take=take)
+    vector = torch.full((g.numel,), 1.0)
+    ours.encode(vector, None)
+    assert ours.clipped == pytest.approx(1.0 / vector.norm().item(), rel=1e-5)
+    assert torch.equal(vector, torch.full((g.numel,), 1.0))
+
+
+def test_a_chunk_past_the_end_of_a_part_or_a_result_of_the_wrong_size_is_refused():
+    g = group()
+    view, ours, reducing, output = parts_of(g)
+    ours.encode(torch.zeros(g.numel), None)
+    reducing.start(0, 0, senders=[0, 1])
+    chunks = len(view.spans[0])
+    empty = memoryview(b"")
+    with pytest.raises(Rejection) as refused:
+        reducing.accept(1, ChunkMessage(g.group_id, 1, 0, 0, chunks, empty, empty))
+    assert refused.value.code == "bad-index"
+    wrong = ResultMessage(
+        part=1, epoch=0, index=0, payload=memoryview(b"x"), scales=empty, contributors=b""
+    )
+    with pytest.raises(Rejection) as refused:
+        output.receive(1, wrong)
+    assert refused.value.code == "bad-size"
+    assert not output.receive(0, wrong)  # member 0 does not reduce part 1: stale
