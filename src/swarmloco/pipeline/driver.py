@@ -1,0 +1,165 @@
+"""A stage-0 peer driving micro-batches through the pipeline (``docs/DESIGN.md``
+section 10, "A micro-batch's path").
+
+:meth:`Driver.run` computes stage 0 locally, calls ``Forward`` on one replica of each
+later stage in turn (the last returns the loss), then ``Backward`` from the last stage down
+to stage 1, and ends with stage 0's own backward. A forward hop that fails, is refused or
+misses its deadline goes to another replica of the same stage (nothing was applied
+anywhere yet); a backward hop that fails abandons the micro-batch below it (the stages
+above keep the gradients they added: true gradients of its loss). A replica that failed is
+not drawn again for ``shun_s``. Which replica takes a hop is drawn at random among the
+others for now; by measured throughput and queue is to come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import random
+import time
+from collections.abc import Sequence
+
+import torch
+
+from swarmloco.errors import SwarmlocoError
+from swarmloco.net.client import Method, Req, Resp, RpcClient, RpcError
+from swarmloco.net.rejections import Rejection
+from swarmloco.pipeline.replica import StageReplica
+from swarmloco.pipeline.service import BACKWARD, FORWARD, MICRO_BATCH_BYTES
+from swarmloco.pipeline.wire import Boundary, pack, unpack
+from swarmloco.proto.v1 import stage_pb2 as pb
+
+
+class PipelineError(SwarmlocoError):
+    """A micro-batch could not be run through the pipeline."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DriverConfig:
+    encoding: str = "int8"
+    """How activations and their gradients travel (int8, f32 or bf16)."""
+    hop_timeout_s: float = 30.0
+    """Deadline of one call to one replica."""
+    shun_s: float = 30.0
+    """How long a replica that failed is not drawn again."""
+
+
+@dataclasses.dataclass
+class Trace:
+    """What one micro-batch did: its loss, the replica of each later stage, the retries."""
+
+    loss: float = float("nan")
+    path: list[str] = dataclasses.field(default_factory=list)
+    retries: int = 0
+    bytes_sent: int = 0
+
+
+class Driver:
+    """See the module. ``replicas[k - 1]``: the endpoints of stage k's replicas (k >= 1);
+    ``boundaries[k]``: what crosses into stage k + 1 (activations); ``ids``: what stage 0
+    takes."""
+
+    def __init__(
+        self,
+        client: RpcClient,
+        first: StageReplica,
+        *,
+        swarm_id: str,
+        replicas: Sequence[Sequence[str]],
+        boundaries: Sequence[Boundary],
+        ids: Boundary,
+        config: DriverConfig | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.client = client
+        self.first = first
+        self.swarm_id = swarm_id
+        self.replicas = [list(r) for r in replicas]
+        self.boundaries = list(boundaries)
+        self.ids = ids
+        self.config = config or DriverConfig()
+        self.rng = rng or random.Random()
+        self.shunned: dict[str, float] = {}
+
+    async def run(self, x: torch.Tensor, targets: torch.Tensor) -> Trace:
+        """One micro-batch, forward and backward: its loss and path."""
+        name = os.urandom(MICRO_BATCH_BYTES)
+        try:
+            return await self._run(name, x, targets)
+        except BaseException:
+            self.first.abandon(name)
+            raise
+
+    async def _run(self, name: bytes, x: torch.Tensor, targets: torch.Tensor) -> Trace:
+        trace = Trace()
+        h = await asyncio.to_thread(self.first.forward, name, x)
+        stages = len(self.replicas) + 1
+        for k in range(1, stages):
+            last = k == stages - 1
+            request = pb.ForwardRequest(
+                swarm_id=self.swarm_id,
+                stage=k,
+                micro_batch=name,
+                input=pack(h, self.config.encoding),
+                targets=pack(targets, "i64") if last else None,
+            )
+            trace.bytes_sent += len(request.input.data) + len(request.input.scales)
+            endpoint, answer = await self._forward(k, request, trace)
+            trace.path.append(endpoint)
+            if last:
+                trace.loss = answer.loss
+            else:
+                h = unpack(answer.output, self.boundaries[k], f"stage {k}'s output")
+        grad: torch.Tensor | None = None
+        for k in range(stages - 1, 0, -1):
+            request_b = pb.BackwardRequest(
+                swarm_id=self.swarm_id,
+                stage=k,
+                micro_batch=name,
+                grad_output=pack(grad, self.config.encoding) if grad is not None else None,
+            )
+            answer_b = await self._call(trace.path[k - 1], BACKWARD, request_b)
+            if answer_b.WhichOneof("outcome") != "grad_input":
+                raise PipelineError(f"stage {k} refused the backward: {answer_b.refused.reason}")
+            grad = unpack(answer_b.grad_input, self.boundaries[k - 1], f"stage {k}'s gradient")
+        await asyncio.to_thread(self.first.backward, name, grad)
+        return trace
+
+    async def _forward(
+        self, stage: int, request: pb.ForwardRequest, trace: Trace
+    ) -> tuple[str, pb.ForwardResponse]:
+        """Forward on one replica of ``stage``, another one after each failure."""
+        tried: set[str] = set()
+        errors: list[str] = []
+        while True:
+            endpoint = self._draw(stage, tried)
+            if endpoint is None:
+                raise PipelineError(
+                    f"no replica of stage {stage} took the micro-batch: " + "; ".join(errors)
+                )
+            tried.add(endpoint)
+            try:
+                answer = await self._call(endpoint, FORWARD, request)
+                if answer.WhichOneof("outcome") == "refused":
+                    raise Rejection(answer.refused.code, answer.refused.reason)
+                return endpoint, answer
+            except (RpcError, Rejection) as exc:
+                errors.append(f"{endpoint}: {exc}")
+                if not (isinstance(exc, Rejection) and exc.code == "busy"):
+                    self.shunned[endpoint] = time.monotonic() + self.config.shun_s
+                trace.retries += 1
+
+    def _draw(self, stage: int, tried: set[str]) -> str | None:
+        now = time.monotonic()
+        fresh = [
+            e
+            for e in self.replicas[stage - 1]
+            if e not in tried and self.shunned.get(e, 0.0) <= now
+        ]
+        return self.rng.choice(fresh) if fresh else None
+
+    async def _call(self, endpoint: str, method: Method[Req, Resp], request: Req) -> Resp:
+        return await self.client.call(
+            endpoint, method, request, timeout=self.config.hop_timeout_s, attempts=1
+        )

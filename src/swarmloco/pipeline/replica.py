@@ -1,0 +1,163 @@
+"""One replica of one pipeline stage: its compute, the micro-batches in flight through
+it, and its gradient accumulator (``docs/DESIGN.md`` section 10).
+
+``forward`` computes the stage's output without autograd and keeps the micro-batch's input
+(and the RNG state, so that dropout replays); ``backward`` recomputes the forward under
+autograd from that input, adds the parameters' gradients to their ``.grad`` (the
+accumulator) and returns the gradient with respect to the input. So a replica holds the
+inputs of its micro-batches in flight, never their activations, and each backward runs
+against the weights its forward used: :meth:`StageReplica.step` refuses while any
+micro-batch is between its forward and its backward. A retried backward (its reply was
+lost) is answered again from the last results kept, never added twice. One compute runs at
+a time (the accumulator is shared).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from swarmloco.core.config import require_int, require_positive
+from swarmloco.net.rejections import Rejection
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicaConfig:
+    max_inflight: int = 64
+    """Micro-batches whose inputs a replica holds at most; more are refused as busy."""
+    inflight_s: float = 120.0
+    """A micro-batch whose backward has not come by then is dropped (its driver gave up)."""
+    kept_results: int = 64
+    """Backward results kept to answer a retried call again."""
+
+    def __post_init__(self) -> None:
+        require_int("max_inflight", self.max_inflight, minimum=1)
+        require_positive("inflight_s", self.inflight_s)
+        require_int("kept_results", self.kept_results, minimum=1)
+
+
+@dataclasses.dataclass
+class _Held:
+    input: torch.Tensor
+    targets: torch.Tensor | None
+    rng: torch.Tensor
+    at: float
+
+
+class StageReplica:
+    """See the module. ``module(x)`` is the stage (``module(x, targets)``, the loss, at the
+    last stage)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        first: bool,
+        last: bool,
+        config: ReplicaConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.module = module
+        self.first, self.last = first, last
+        self.config = config or ReplicaConfig()
+        self.clock = clock
+        self._held: collections.OrderedDict[bytes, _Held] = collections.OrderedDict()
+        self._results: collections.OrderedDict[bytes, torch.Tensor | None] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+        self.micro_batches = 0
+        """Micro-batches whose gradients are in the accumulator."""
+        self.samples = 0
+        """Their sequences."""
+        self.dropped = 0
+        """Micro-batches dropped at their deadline (their backward never came)."""
+
+    @property
+    def inflight(self) -> int:
+        return len(self._held)
+
+    def forward(
+        self, micro_batch: bytes, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The stage's output for ``x`` (the loss, at the last stage, with ``targets``)."""
+        if self.last and targets is None:
+            raise Rejection("malformed", "the last stage needs the targets")
+        with self._lock:
+            self._expire()
+            if micro_batch in self._held or micro_batch in self._results:
+                raise Rejection("malformed", "a micro-batch of that name came before")
+            if len(self._held) >= self.config.max_inflight:
+                raise Rejection("busy", f"{len(self._held)} micro-batches in flight here")
+            rng = torch.get_rng_state()
+            with torch.no_grad():
+                out = self.module(x, targets) if self.last else self.module(x)
+            self._held[micro_batch] = _Held(x, targets, rng, self.clock())
+        return out.detach()
+
+    def backward(self, micro_batch: bytes, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """Add the gradients of ``micro_batch`` to the accumulator and return the gradient
+        with respect to its input (None at stage 0: its input is token ids)."""
+        with self._lock:
+            if micro_batch in self._results:
+                return self._results[micro_batch]  # a retried call: answered again
+            held = self._held.pop(micro_batch, None)
+            if held is None:
+                raise Rejection("unknown", "no forward of that micro-batch is held here")
+            x = held.input if self.first else held.input.detach().requires_grad_(True)
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(held.rng)
+                with torch.enable_grad():
+                    out = self.module(x, held.targets) if self.last else self.module(x)
+                    if self.last:
+                        out.backward()
+                    else:
+                        if grad_output is None or grad_output.shape != out.shape:
+                            self._held[micro_batch] = held  # the caller may send it again
+                            raise Rejection("bad-shape", "the gradient is not the output's shape")
+                        out.backward(grad_output)
+            grad_input = None if self.first else x.grad
+            self.micro_batches += 1
+            self.samples += int(held.input.shape[0])
+            self._results[micro_batch] = grad_input
+            while len(self._results) > self.config.kept_results:
+                self._results.popitem(last=False)
+        return grad_input
+
+    def abandon(self, micro_batch: bytes) -> None:
+        """The micro-batch will not come back (its path broke): drop its input now."""
+        with self._lock:
+            self._held.pop(micro_batch, None)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> int:
+        """One optimizer step on the mean gradient of the micro-batches accumulated;
+        returns their count. Refused while a micro-batch is in flight (its backward must
+        run against the weights its forward used)."""
+        with self._lock:
+            self._expire()
+            if self._held:
+                raise RuntimeError(f"{len(self._held)} micro-batch(es) in flight: not stepping")
+            n = self.micro_batches
+            if n:
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(n)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            self.micro_batches = self.samples = 0
+            return n
+
+    def _expire(self) -> None:
+        limit = self.clock() - self.config.inflight_s
+        while self._held:
+            name, held = next(iter(self._held.items()))
+            if held.at > limit:
+                break
+            del self._held[name]
+            self.dropped += 1

@@ -1,0 +1,102 @@
+"""A stage replica behind the ``swarmloco.v1.Stage`` gRPC service (``proto/swarmloco/v1/
+stage.proto``): each call decoded and checked (``wire.py``), the compute run on a worker
+thread (never on the event loop), the answer packed in the run's encoding. Whatever a
+caller sends becomes a counted refusal, never an exception in the peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+import grpc
+
+from swarmloco.net.client import Method
+from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.server import Service, unary_service
+from swarmloco.pipeline.replica import StageReplica
+from swarmloco.pipeline.wire import Boundary, pack, unpack
+from swarmloco.proto.v1 import stage_pb2 as pb
+
+SERVICE_NAME = "swarmloco.v1.Stage"
+FORWARD = Method(f"/{SERVICE_NAME}/Forward", pb.ForwardRequest, pb.ForwardResponse)
+BACKWARD = Method(f"/{SERVICE_NAME}/Backward", pb.BackwardRequest, pb.BackwardResponse)
+MICRO_BATCH_BYTES = 16
+
+
+class StageService:
+    """See the module. ``inputs``/``outputs``: what may cross the stage's two boundaries
+    (``targets``: the last stage's targets); ``encoding``: how answers travel."""
+
+    def __init__(
+        self,
+        replica: StageReplica,
+        *,
+        swarm_id: str,
+        stage: int,
+        inputs: Boundary,
+        outputs: Boundary | None,
+        targets: Boundary | None,
+        encoding: str,
+        rejections: RejectionLog,
+    ) -> None:
+        self.replica = replica
+        self.swarm_id = swarm_id
+        self.stage = stage
+        self.inputs, self.outputs, self.targets = inputs, outputs, targets
+        self.encoding = encoding
+        self.rejections = rejections
+        self.refused: collections.Counter[str] = collections.Counter()
+        """Refusals by code."""
+
+    def service(self) -> Service:
+        return unary_service(
+            SERVICE_NAME,
+            {
+                "Forward": (pb.ForwardRequest, self.forward),
+                "Backward": (pb.BackwardRequest, self.backward),
+            },
+            rejections=self.rejections,
+        )
+
+    def _check_call(self, swarm_id: str, stage: int, micro_batch: bytes) -> None:
+        if swarm_id != self.swarm_id or stage != self.stage:
+            raise Rejection("wrong-stage", f"this peer serves stage {self.stage} of another run")
+        if len(micro_batch) != MICRO_BATCH_BYTES:
+            raise Rejection("malformed", f"a micro-batch is named by {MICRO_BATCH_BYTES} bytes")
+
+    async def forward(self, request: pb.ForwardRequest, context: Any) -> pb.ForwardResponse:
+        try:
+            self._check_call(request.swarm_id, request.stage, request.micro_batch)
+            x = unpack(request.input, self.inputs, "input")
+            targets = None
+            if self.targets is not None:
+                targets = unpack(request.targets, self.targets, "targets")
+                if targets.shape != x.shape[:2]:
+                    raise Rejection("bad-shape", "the targets are not the input's shape")
+            out = await asyncio.to_thread(self.replica.forward, request.micro_batch, x, targets)
+        except Rejection as rejection:
+            return pb.ForwardResponse(refused=self._refuse(rejection, context))
+        if self.replica.last:
+            return pb.ForwardResponse(loss=float(out))
+        return pb.ForwardResponse(output=pack(out, self.encoding))
+
+    async def backward(self, request: pb.BackwardRequest, context: Any) -> pb.BackwardResponse:
+        try:
+            self._check_call(request.swarm_id, request.stage, request.micro_batch)
+            grad = None
+            if self.outputs is not None:
+                grad = unpack(request.grad_output, self.outputs, "grad_output")
+            grad_input = await asyncio.to_thread(self.replica.backward, request.micro_batch, grad)
+        except Rejection as rejection:
+            return pb.BackwardResponse(refused=self._refuse(rejection, context))
+        if grad_input is None:
+            return pb.BackwardResponse(grad_input=pb.StageTensor())
+        return pb.BackwardResponse(grad_input=pack(grad_input, self.encoding))
+
+    def _refuse(self, rejection: Rejection, context: Any) -> pb.StageRefusal:
+        self.refused[rejection.code] += 1
+        peer = context.peer() if isinstance(context, grpc.aio.ServicerContext) else "in-process"
+        self.rejections.record(rejection, peer)
+        return pb.StageRefusal(code=rejection.code, reason=rejection.reason)

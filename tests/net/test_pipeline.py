@@ -1,0 +1,213 @@
+"""Pipeline stages over real gRPC on loopback: a micro-batch driven through a replica of
+each stage computes what one process computes, travels int8 at a quarter of fp32's bytes,
+survives a dead replica, and what a hostile caller sends is refused and counted."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+import torch
+from netutil import closed_port
+
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.rejections import RejectionLog
+from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
+from swarmloco.pipeline.replica import StageReplica
+from swarmloco.pipeline.service import BACKWARD, FORWARD, StageService
+from swarmloco.pipeline.stages import GPTStage, gpt_stages, split_evenly
+from swarmloco.pipeline.wire import Boundary, pack
+from swarmloco.proto.v1 import stage_pb2 as pb
+from swarmloco.train.spec import GPTConfig
+
+CONFIG = GPTConfig(vocab_size=256, seq_len=16, n_layer=3, n_head=2, n_embd=32)
+SWARM = "5a" * 20
+IDS = Boundary(width=0, max_batch=8, max_tokens=CONFIG.seq_len, vocab=CONFIG.vocab_size)
+ACTS = Boundary(width=CONFIG.n_embd, max_batch=8, max_tokens=CONFIG.seq_len)
+
+
+def batch(seed: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CONFIG.vocab_size, (n, CONFIG.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def service_of(module: GPTStage, stage: int, stages: int, encoding: str) -> StageService:
+    last = stage == stages - 1
+    return StageService(
+        StageReplica(module, first=False, last=last),
+        swarm_id=SWARM,
+        stage=stage,
+        inputs=ACTS,
+        outputs=None if last else ACTS,
+        targets=IDS if last else None,
+        encoding=encoding,
+        rejections=RejectionLog(logging.getLogger("swarmloco.pipeline")),
+    )
+
+
+@contextlib.asynccontextmanager
+async def pipeline(
+    services: Sequence[Sequence[StageService]], first: StageReplica, **driver: object
+) -> AsyncIterator[tuple[Driver, list[list[str]]]]:
+    """Each service served by a peer of its own on loopback, and a client-mode driver."""
+    async with contextlib.AsyncExitStack() as stack:
+        endpoints: list[list[str]] = []
+        entry: tuple[str, ...] = ()
+        for replicas in services:
+            endpoints.append([])
+            for service in replicas:
+                node = NetNode(
+                    identity=Identity.generate(),
+                    config=NodeConfig(peers=entry),
+                    services=[service.service()],
+                )
+                await stack.enter_async_context(node)
+                entry = entry or (node.endpoint,)
+                endpoints[-1].append(node.endpoint)
+        client = await stack.enter_async_context(
+            NetNode(identity=Identity.generate(), config=NodeConfig(server=None, peers=entry))
+        )
+        replicas = driver.pop("replicas", endpoints)
+        yield (
+            Driver(
+                client.client,
+                first,
+                swarm_id=SWARM,
+                replicas=replicas,  # type: ignore[arg-type]
+                boundaries=[ACTS] * len(services),
+                ids=IDS,
+                **driver,  # type: ignore[arg-type]
+            ),
+            endpoints,
+        )
+
+
+def test_the_blocks_are_split_as_evenly_as_they_go():
+    assert split_evenly(3, 2) == [range(0, 2), range(2, 3)]
+    assert split_evenly(8, 3) == [range(0, 3), range(3, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="cannot cut"):
+        split_evenly(2, 3)
+
+
+async def test_two_stages_over_fp32_compute_what_one_process_computes():
+    local, remote = gpt_stages(CONFIG, 2, seed=1)
+    ref0, ref1 = gpt_stages(CONFIG, 2, seed=1)
+    first = StageReplica(local, first=True, last=False)
+    service = service_of(remote, 1, 2, "f32")
+    async with pipeline([[service]], first, config=DriverConfig(encoding="f32")) as (drv, _):
+        for seed in range(3):
+            x, y = batch(seed)
+            trace = await drv.run(x, y)
+            loss = ref1(ref0(x), y)
+            loss.backward()
+            assert trace.loss == pytest.approx(loss.item(), rel=1e-6)
+    assert service.replica.micro_batches == 3 and first.micro_batches == 3
+    for mine, ref in ((local, ref0), (remote, ref1)):
+        for (name, p), q in zip(mine.named_parameters(), ref.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None, name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # One optimizer step on the mean of the three: the accumulator empties.
+    opt = torch.optim.AdamW(remote.parameters(), lr=1e-3)
+    assert service.replica.step(opt) == 3 and service.replica.micro_batches == 0
+
+
+async def test_three_stages_over_int8_send_a_quarter_of_the_bytes_at_a_small_loss_error():
+    stages = gpt_stages(CONFIG, 3, seed=2)
+    ref = gpt_stages(CONFIG, 3, seed=2)
+    first = StageReplica(stages[0], first=True, last=False)
+    sent = {}
+    for encoding in ("f32", "int8"):
+        services = [[service_of(stages[k], k, 3, encoding)] for k in (1, 2)]
+        config = DriverConfig(encoding=encoding)
+        async with pipeline(services, first, config=config) as (drv, _):
+            x, y = batch(7)
+            trace = await drv.run(x, y)
+        sent[encoding] = trace.bytes_sent
+        with torch.no_grad():
+            want = float(ref[2](ref[1](ref[0](x)), y))
+        assert trace.loss == pytest.approx(want, rel=1e-6 if encoding == "f32" else 1e-2)
+    assert sent["int8"] <= 0.27 * sent["f32"], sent
+
+
+async def test_a_dead_replica_costs_a_retry_and_each_micro_batch_is_applied_once():
+    class FirstDrawn(random.Random):
+        def choice(self, seq):  # the dead replica is listed first
+            return seq[0]
+
+    local, remote = gpt_stages(CONFIG, 2, seed=3)
+    first = StageReplica(local, first=True, last=False)
+    service = service_of(remote, 1, 2, "int8")
+    async with pipeline([[service]], first) as (drv, endpoints):
+        dead = f"127.0.0.1:{closed_port()}"
+        drv.replicas, drv.rng = [[dead, *endpoints[0]]], FirstDrawn()
+        traces = [await drv.run(*batch(s)) for s in range(3)]
+        drv.replicas = [[dead]]
+        with pytest.raises(PipelineError, match="no replica of stage 1"):
+            await drv.run(*batch(9))
+    assert [t.retries for t in traces] == [1, 0, 0] and dead in drv.shunned
+    assert all(t.path == endpoints[0] for t in traces)
+    assert service.replica.micro_batches == 3 and first.micro_batches == 3
+    assert first.inflight == 0  # the broken micro-batch's input was let go at once
+
+
+async def test_hostile_activations_and_calls_are_refused_and_counted():
+    local, remote = gpt_stages(CONFIG, 2, seed=4)
+    service = service_of(remote, 1, 2, "int8")
+    first = StageReplica(local, first=True, last=False)
+    async with pipeline([[service]], first) as (drv, endpoints):
+        endpoint = endpoints[0][0]
+        x, y = batch(0)
+        good = torch.randn(4, CONFIG.seq_len, CONFIG.n_embd)
+
+        async def forward(tensor: pb.StageTensor, **change: object) -> str:
+            request = pb.ForwardRequest(
+                swarm_id=SWARM,
+                stage=1,
+                micro_batch=os.urandom(16),
+                input=tensor,
+                targets=pack(y, "i64"),
+            )
+            for field, value in change.items():
+                setattr(request, field, value)
+            answer = await drv.client.call(endpoint, FORWARD, request, timeout=10.0)
+            assert answer.WhichOneof("outcome") == "refused", answer
+            return answer.refused.code
+
+        nan = good.clone()
+        nan[0, 0, 0] = float("nan")
+        huge = good.clone()
+        huge[1, 2, 3] = 1e30
+        wide = torch.randn(4, CONFIG.seq_len, CONFIG.n_embd + 1)
+        assert await forward(pack(nan, "f32")) == "not-finite"
+        assert await forward(pack(huge, "f32")) == "out-of-bounds"
+        assert await forward(pack(huge, "int8")) == "out-of-bounds"
+        assert await forward(pack(wide, "f32")) == "bad-shape"
+        assert await forward(pack(torch.randn(9, 4, CONFIG.n_embd), "f32")) == "bad-shape"
+        short = pack(good, "f32")
+        short.data = short.data[:-4]
+        assert await forward(short) == "malformed"
+        assert await forward(pack(good, "f32"), stage=0) == "wrong-stage"
+        assert await forward(pack(good, "f32"), micro_batch=b"x") == "malformed"
+        unknown = pb.BackwardRequest(swarm_id=SWARM, stage=1, micro_batch=os.urandom(16))
+        answer = await drv.client.call(endpoint, BACKWARD, unknown, timeout=10.0)
+        assert answer.refused.code == "unknown"
+        # Nothing was held or applied, and the pipeline still works.
+        assert service.replica.inflight == 0 and service.replica.micro_batches == 0
+        assert all(p.grad is None for p in remote.parameters())
+        await drv.run(x, y)
+    assert service.replica.micro_batches == 1
+    assert dict(service.refused) == {
+        "not-finite": 1,
+        "out-of-bounds": 2,
+        "bad-shape": 2,
+        "malformed": 2,
+        "wrong-stage": 1,
+        "unknown": 1,
+    }
+    assert sum(service.rejections.counts.values()) == 9

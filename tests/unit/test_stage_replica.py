@@ -1,0 +1,72 @@
+"""One stage replica alone: inputs held within a bound, each backward added once and
+against the weights its forward used, the step refused while a micro-batch is in flight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmloco.net.rejections import Rejection
+from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def replica(**config: object) -> tuple[StageReplica, torch.nn.Linear, Clock]:
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    clock = Clock()
+    return StageReplica(module, first=False, last=False, config=ReplicaConfig(**config),
+                        clock=clock), module, clock  # fmt: skip
+
+
+def test_a_retried_backward_is_answered_again_and_added_once():
+    r, module, _ = replica()
+    x, dy = torch.randn(2, 4), torch.ones(2, 4)
+    r.forward(b"a" * 16, x)
+    first = r.backward(b"a" * 16, dy)
+    grad = module.weight.grad.clone()
+    again = r.backward(b"a" * 16, dy)
+    assert again is first and torch.equal(module.weight.grad, grad)
+    assert r.micro_batches == 1 and r.samples == 2
+    torch.testing.assert_close(first, dy @ module.weight)
+    with pytest.raises(Rejection) as refused:
+        r.forward(b"a" * 16, x)  # a name never comes twice
+    assert refused.value.code == "malformed"
+
+
+def test_inputs_are_held_within_the_bound_and_expire():
+    r, _, clock = replica(max_inflight=2, inflight_s=10.0)
+    r.forward(b"a" * 16, torch.randn(1, 4))
+    r.forward(b"b" * 16, torch.randn(1, 4))
+    with pytest.raises(Rejection) as refused:
+        r.forward(b"c" * 16, torch.randn(1, 4))
+    assert refused.value.code == "busy"
+    clock.now = 11.0
+    r.forward(b"c" * 16, torch.randn(1, 4))  # the two before expired
+    assert r.inflight == 1 and r.dropped == 2
+    with pytest.raises(Rejection) as refused:
+        r.backward(b"a" * 16, torch.ones(1, 4))
+    assert refused.value.code == "unknown"
+
+
+def test_no_step_while_a_micro_batch_is_between_its_forward_and_backward():
+    r, module, _ = replica()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    for name in (b"a" * 16, b"b" * 16):
+        r.forward(name, torch.randn(3, 4))
+    r.backward(b"a" * 16, torch.ones(3, 4))
+    before = module.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="in flight"):
+        r.step(opt)
+    assert torch.equal(module.weight, before)
+    r.backward(b"b" * 16, torch.ones(3, 4))
+    grad = module.weight.grad.clone() / 2  # the mean of the two micro-batches
+    assert r.step(opt) == 2
+    torch.testing.assert_close(module.weight.detach(), before - 0.1 * grad)
+    assert module.weight.grad is None and r.micro_batches == 0
