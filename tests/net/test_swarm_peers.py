@@ -291,7 +291,7 @@ def test_peers_average_with_their_token_weights_and_a_late_one_catches_up(tmp_pa
     peers = (a, b, c)
     # The run ended for all after round 16 (160 global steps of H / F = 10), on one state.
     assert [p.swarm.round for p in peers] == [16, 16, 16]
-    assert len({p.swarm.snapshots.current.digest for p in peers}) == 1
+    assert len({p.swarm.peer.snapshots.current.digest for p in peers}) == 1
     for p in peers:
         assert p.events.of("stopped")[0]["reason"].startswith("the run is over")
     # The late one took the swarm's state, and its global step, before averaging.
@@ -317,7 +317,7 @@ def test_nan_in_the_users_training_is_discarded_and_never_averaged(tmp_path):
     run_peers((swarm, model, opt, poisoned()))
     assert len(events.of("discarded")) == 1 and "NaN" in events.of("discarded")[0]["why"]
     assert [e["round"] for e in events.of("round")] == [1, 2, 3, 4]
-    assert torch.isfinite(swarm.diloco.theta_g).all()
+    assert torch.isfinite(swarm.peer.diloco.theta_g).all()
 
 
 def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tmp_path):
@@ -370,7 +370,9 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
     applied = [{e["round"]: e["digest"] for e in p.events.of("round")} for p in (a, b)]
     both = set(applied[0]) & set(applied[1])
     assert both and all(applied[0][r] == applied[1][r] for r in both), _story(a, b)
-    assert a.swarm.snapshots.current.digest == b.swarm.snapshots.current.digest, _story(a, b)
+    assert a.swarm.peer.snapshots.current.digest == b.swarm.peer.snapshots.current.digest, _story(
+        a, b
+    )
 
 
 def _story(*peers: Peer) -> str:
@@ -516,7 +518,7 @@ def test_a_private_swarm_turns_away_a_peer_without_a_certificate_and_trains_with
     run_peers(b.job)
     first.join()
     assert [p.swarm.round for p in (a, b)] == [4, 4]
-    assert a.swarm.snapshots.current.digest == b.swarm.snapshots.current.digest
+    assert a.swarm.peer.snapshots.current.digest == b.swarm.peer.snapshots.current.digest
     assert max(e["group"] for e in b.events.of("round")) == 2
     kept = tmp_path / "b" / "swarms" / swarm_id / "membership"
     assert kept.read_text().strip() == cert
@@ -626,8 +628,8 @@ def test_a_state_that_blows_training_up_is_rolled_back_and_its_holder_distrusted
     assert "loss" in rolled[0]["why"]
     assert donor.stats["served"] == 1  # that state is never taken again
     assert [e["round"] for e in events.of("round")] == list(range(1, 8))
-    assert torch.isfinite(peer.swarm.diloco.theta_g).all()
-    assert peer.swarm.snapshots.current.digest != poisoned.digest
+    assert torch.isfinite(peer.swarm.peer.diloco.theta_g).all()
+    assert peer.swarm.peer.snapshots.current.digest != poisoned.digest
 
 
 # -- checkpoints that do not fit ----------------------------------------------------------
@@ -718,13 +720,15 @@ def test_a_checkpoint_with_good_hashes_and_malformed_content_falls_back_to_the_o
             good.state["global_step"],
         )
         assert counter.count == 7
-        assert torch.equal(swarm.diloco.theta_g, good.state["diloco"]["theta_g"])
+        assert torch.equal(swarm.peer.diloco.theta_g, good.state["diloco"]["theta_g"])
         for name, value in again.model.state_dict().items():
             assert torch.equal(value, good.state["model"][name]), name
         for k, per in again.opt.state_dict()["state"].items():
             assert torch.equal(per["exp_avg"], good.state["optimizer"]["state"][k]["exp_avg"])
         # Left on disk for a person to look at, and not counted as one of the kept.
-        assert dict(swarm.store.inventory())[spoiled].startswith("does not fit this peer")
+        assert dict(swarm.peer.keeper.store.inventory())[spoiled].startswith(
+            "does not fit this peer"
+        )
 
 
 def test_when_no_checkpoint_fits_the_peer_refuses_to_start_over_them(tmp_path):
@@ -994,12 +998,12 @@ def test_a_training_peer_receives_no_message_larger_than_its_averaging_chunks(tm
         return "answered"
 
     # Larger than its chunks: refused by gRPC before it is whole.
-    assert "RESOURCE_EXHAUSTED" in a.loop.run(ping(limit + 1), timeout=60)
+    assert "RESOURCE_EXHAUSTED" in a.peer.loop.run(ping(limit + 1), timeout=60)
     # Under it: read whole, then refused by the node for its size.
-    assert "INVALID_ARGUMENT" in a.loop.run(ping(limit // 2), timeout=60)
+    assert "INVALID_ARGUMENT" in a.peer.loop.run(ping(limit // 2), timeout=60)
     # And chunks of 1.5 MiB travel: the two average their rounds and end on one state.
     run_peers((b, jobs[1][1], jobs[1][2], batches(2)))
     first.join()
     assert a.round == b.round == 3
     assert max(e["group"] for e in watch.events.of("round")) == 2
-    assert a.snapshots.current.digest == b.snapshots.current.digest
+    assert a.peer.snapshots.current.digest == b.peer.snapshots.current.digest

@@ -156,6 +156,56 @@ class Box:
             raise BoxError(f"a rank of this box failed or is gone: {exc}") from exc
 
 
+class BoxLead:
+    """Rank 0's side of the lock-step, around what its ``Swarm`` does: the box is told when
+    the peer is ready (with the facts every rank reads), at the end of each step (the
+    global step, the round, whether to stop, whether the step raised), and when rank 0
+    failed (the others raise too). Without a box (``box`` None) it does nothing."""
+
+    def __init__(self, box: Box | None) -> None:
+        self.box = box
+        self.told_stopping = False
+        """Whether the last step's end told the box to stop (every rank leaves together)."""
+
+    def ready(self, facts: dict[str, Any]) -> None:
+        if self.box is not None:
+            self.box.tell(Op.READY)
+            self.box.share(facts)
+
+    def abort(self, exc: BaseException) -> None:
+        """Tell the box's other ranks that this one failed (they raise too)."""
+        if self.box is None or self.box.broken:
+            return
+        try:
+            self.box.tell(Op.ABORT)
+            self.box.share(f"{type(exc).__name__}: {exc}")
+        except BoxError:
+            pass
+
+    def end_step(self, global_step: int, round: int, stopping: bool, *, raised: bool) -> None:
+        """Tell the box's other ranks that the step is over, and whether to stop."""
+        if self.box is not None:
+            self.told_stopping = stopping
+            self.box.tell(Op.END, global_step, round, stopping, raised)
+
+    def around_step(self, work: Callable[[], None], end: Callable[[bool], None]) -> None:
+        """Run ``work`` (what rank 0 does between two steps), then ``end(raised)``: the
+        step's end told to the box, also when ``work`` stopped the peer; any other failure
+        is told as one."""
+        if self.box is None:
+            work()
+            return
+        try:
+            work()
+        except Stopped:
+            end(True)
+            raise
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        end(False)
+
+
 def whole_values(box: Box | None, model: torch.nn.Module) -> list[torch.Tensor] | None:
     """Every rank: the whole values of ``model``'s parameters in model order (sharded ones
     gathered, a collective), or None when nothing is sharded or there is no box."""

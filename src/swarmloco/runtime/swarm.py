@@ -5,12 +5,12 @@ optimizer, gradient scaler, clipping and LR scheduler stay theirs: the swarm hoo
 optimizer's step (a post hook; or the loop calls :meth:`Swarm.step`), counts the step and
 its tokens, and does the swarm's work between two steps:
 
-1. **Enter.** Fetch the manifest (a swarm id) or take it (``create``), refuse a model that
-   is not the swarm's (names, shapes, dtypes; before any other network traffic), restore
-   the newest checkpoint of this swarm from the data directory (model, optimizer, the
-   objects registered with :meth:`Swarm.register`, the DiLoCo state), start networking
-   and catch up with the swarm (downloading its state, or the initial weights when this
-   model's differ from the manifest's).
+1. **Enter** (``runtime/peer.py``). Fetch the manifest (a swarm id) or take it
+   (``create``), refuse a model that is not the swarm's (names, shapes, dtypes; before any
+   other network traffic), restore the newest checkpoint of this swarm from the data
+   directory (model, optimizer, the objects registered with :meth:`Swarm.register`, the
+   DiLoCo state), start networking and catch up with the swarm (downloading its state, or
+   the initial weights when this model's differ from the manifest's).
 2. **Between steps** (``runtime/hook.py``, the round in one place). A round is due when
    the peers working on it have together trained H / F steps' worth of tokens each
    (``runtime/pacer.py``). Round r averages fragment
@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -47,41 +46,19 @@ from typing import Any
 
 import torch
 
-from swarmloco.core.adoption import Evidence
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.runspec import RunSpec
-from swarmloco.core.signature import parameters_in_order, params_of
-from swarmloco.errors import ModelMismatch, Stopped, SwarmlocoError
-from swarmloco.net.admission import Gate
+from swarmloco.core.signature import parameters_in_order
+from swarmloco.errors import Stopped, SwarmlocoError
 from swarmloco.net.identity import Identity
-from swarmloco.runtime.box import STOPPED_PREFIX, Box, BoxError, Op, unwrap
-from swarmloco.runtime.checkpoint import CheckpointStore
+from swarmloco.runtime.box import STOPPED_PREFIX, Box, BoxLead, unwrap
 from swarmloco.runtime.config import PeerConfig
-from swarmloco.runtime.follow import Follower
-from swarmloco.runtime.hook import StepHook, StopFlag
-from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.network import SwarmNetwork
-from swarmloco.runtime.pacer import Pacer
-from swarmloco.runtime.parts import PeerParts
-from swarmloco.runtime.persist import PeerCheckpoints, PeerState, Stateful
-from swarmloco.runtime.progress import LocalProgress
-from swarmloco.runtime.rounds import RoundDriver
+from swarmloco.runtime.peer import Kept, Peer, Summary, Trainee
+from swarmloco.runtime.persist import Stateful
 from swarmloco.runtime.schedule import SwarmSchedule
-from swarmloco.runtime.session import REMEMBER, Session, handle_signals
-from swarmloco.runtime.snapshots import Snapshots
-from swarmloco.runtime.start import (
-    build_network,
-    clock_warning,
-    describe_device,
-    diloco_around,
-    log_ready,
-    manifest_signature,
-    manifest_spec,
-    open_keeper,
-    take_own_initial,
-)
-from swarmloco.runtime.status import Counters, StatusSheet
-from swarmloco.runtime.trial import Trial
+from swarmloco.runtime.session import handle_signals
+from swarmloco.runtime.start import describe_device, manifest_signature, manifest_spec
 
 __all__ = ["Evaluator", "EventSink", "Stateful", "Summary", "Swarm", "describe_device",
            "manifest_signature", "manifest_spec"]  # fmt: skip
@@ -90,24 +67,6 @@ logger = logging.getLogger(__name__)
 
 EventSink = Callable[[dict[str, Any]], None]
 Evaluator = Callable[[], float]
-
-_PEERS_POLL_S = 0.5  # how long wait_for_peers waits for a read of the records at most
-
-
-@dataclasses.dataclass
-class Summary:
-    """What a peer did, in :attr:`Swarm.summary`."""
-
-    swarm_id: str
-    peer_id: str
-    round: int
-    steps: int
-    global_step: int
-    rounds_applied: int
-    rounds_aborted: int
-    downloads: int
-    last_eval_loss: float | None
-    stopped_because: str
 
 
 class Swarm:
@@ -119,6 +78,8 @@ class Swarm:
     fault plan). ``evaluate``: returns the loss of the global model (after
     :meth:`load_global_into` of the caller's eval copy), run every ``eval_every`` rounds.
     ``box``: the box's rank 0, when the peer is several ranks (``runtime/box.py``).
+    Entered, it is the :class:`~swarmloco.runtime.peer.Peer` it builds (``runtime/peer.py``)
+    that trains with the swarm.
     """
 
     def __init__(
@@ -134,46 +95,48 @@ class Swarm:
         evaluate: Evaluator | None = None,
         box: Box | None = None,
     ) -> None:
-        self.manifest = source if isinstance(source, SwarmManifest) else None
-        self.swarm_id = source.swarm_id if isinstance(source, SwarmManifest) else source
         self.box = box if box is not None and box.size > 1 else None
         self.model = unwrap(model)
         self.optimizer = optimizer
         self.config = config
         self.identity = identity
         self.peer_id = identity.peer_id_hex
-        self.network = network
         self.on_event = on_event
-        self.evaluate = evaluate
         self.objects: dict[str, Stateful] = {}
+        kept = Kept.fresh(config, self.peer_id, self._emit)
+        self.sheet, self.progress, self.trial = kept.sheet, kept.progress, kept.trial
+        self._stop = kept.stop
         self.schedule = SwarmSchedule(optimizer, lambda: self.progress.global_step)
-        self.sheet = StatusSheet(
-            # Several peers on one host (or in containers named alike) stay apart.
-            name=config.name or f"{socket.gethostname()[:50]}/{self.peer_id[:6]}",
-            device="",  # known once the swarm is entered
-            started_at=time.time(),
-        )
-        self.progress = LocalProgress()
-        self.evidence = Evidence()
-        self.trial = Trial(config.catchup.adoption)
-        """The adopted state on trial, its fallback, and whom this peer no longer believes."""
-        self.admission: Gate | None = None
-        """The swarm's gate, once entered: a private swarm's certificates, or a public
-        run's proofs of work (None: an open run)."""
-        # Built on enter (see _enter and _collaborators).
-        self.parts: PeerParts | None = None
-        self.checkpoints: PeerCheckpoints | None = None
-        self.pacer: Pacer | None = None
-        self.rounds: RoundDriver | None = None
-        self.follower: Follower | None = None
-        self.hook: StepHook | None = None
-        self._stop = StopFlag()
-        self._told_stopping = False
+        trainee = Trainee(model=self.model, optimizer=optimizer, objects=self.objects,
+                          box=self.box, evaluate=evaluate, schedule=self.schedule)  # fmt: skip
+        self.peer = Peer(source, trainee, kept, config=config, identity=identity,
+                         network=network, on_step=self.step)  # fmt: skip
+        self._entered = False
+        self.lead = BoxLead(self.box)
         self._stack: contextlib.ExitStack | None = None
-        self._train_started = 0.0
-        self._optimizer_hook: Any = None
 
     # -- what the user reads and calls ------------------------------------------------------
+
+    @property
+    def evaluate(self) -> Evaluator | None:
+        """The evaluation of the global model (set it before entering)."""
+        return self.peer.trainee.evaluate
+
+    @evaluate.setter
+    def evaluate(self, evaluate: Evaluator | None) -> None:
+        self.peer.trainee = dataclasses.replace(self.peer.trainee, evaluate=evaluate)
+
+    @property
+    def swarm_id(self) -> str:
+        return self.peer.swarm_id
+
+    @property
+    def manifest(self) -> SwarmManifest | None:
+        return self.peer.manifest
+
+    @property
+    def network(self) -> SwarmNetwork | None:
+        return self.peer.network
 
     @property
     def spec(self) -> RunSpec:
@@ -185,7 +148,7 @@ class Swarm:
     @property
     def round(self) -> int:
         """The round of this peer's global state."""
-        return self.diloco.round if hasattr(self, "diloco") else 0
+        return self.peer.diloco.round if self._entered else 0
 
     @property
     def global_step(self) -> int:
@@ -199,31 +162,9 @@ class Swarm:
         return self.progress.steps
 
     @property
-    def state(self) -> str:
-        """In a word: starting, training, averaging, stopping."""
-        return self.sheet.state
-
-    @property
     def last_error(self) -> str:
         """What last went wrong (shown on the dashboard), "" once set right."""
         return self.sheet.last_error
-
-    @property
-    def rounds_applied(self) -> int:
-        return self.rounds.applied if self.rounds is not None else 0
-
-    @property
-    def rounds_aborted(self) -> int:
-        return self.rounds.aborted if self.rounds is not None else 0
-
-    @property
-    def downloads(self) -> int:
-        return self.follower.downloads if self.follower is not None else 0
-
-    @property
-    def last_eval(self) -> float | None:
-        """The global model's loss at the last evaluation (``evaluate``), if any."""
-        return self.rounds.last_eval if self.rounds is not None else None
 
     @property
     def data_seed(self) -> int:
@@ -234,14 +175,15 @@ class Swarm:
     @property
     def endpoint(self) -> str:
         """HOST:PORT where other peers reach this one once entered ("" in client mode)."""
-        return self.network.endpoint if self.network is not None else ""
+        network = self.peer.network
+        return network.endpoint if network is not None else ""
 
     @property
     def stopping(self) -> bool:
         """Whether the peer was asked to stop; a loop that checks it ends cleanly. In a
         box, as told to every rank at the last step's end (all ranks leave together)."""
         if self.box is not None:
-            return self._told_stopping
+            return self.lead.told_stopping
         return self._stop.is_set()
 
     def stop(self, reason: str = "asked to stop") -> None:
@@ -296,8 +238,8 @@ class Swarm:
     def load_global_into(self, module: torch.nn.Module) -> None:
         """Copy the global parameters (``theta_g``) into ``module`` (e.g. an eval copy)."""
         with torch.no_grad():
-            self.diloco.layout.scatter(
-                self.diloco.theta_g, parameters_in_order(module, self.signature.params)
+            self.peer.diloco.layout.scatter(
+                self.peer.diloco.theta_g, parameters_in_order(module, self.peer.signature.params)
             )
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
@@ -305,11 +247,7 @@ class Swarm:
         vector on the CPU: no copy (read them, never write them; they change when a round
         lands). ``torch.func.functional_call(model, swarm.global_parameters(), args)``
         evaluates the global model without an eval copy of the model."""
-        theta = self.diloco.theta_g
-        return {
-            slot.name: theta[slot.start : slot.start + slot.numel].view(slot.shape)
-            for slot in self.diloco.layout.slots
-        }
+        return self.peer.diloco.global_by_name()
 
     def wait_for_peers(self, n: int, *, timeout_s: float = 600.0) -> int:
         """Block until at least ``n`` peers of the swarm (this one included) are online, so
@@ -319,28 +257,16 @@ class Swarm:
         after ``timeout_s``, and :class:`Stopped` when the peer is asked to stop meanwhile
         (Ctrl-C: ``with swarm`` leaves quietly, no step runs). Inside ``with swarm:``; in a
         box, every rank calls it."""
-        if self._stack is None or self.network is None or self.pacer is None:
+        if self._stack is None or not self._entered:
             raise SwarmlocoError("wait_for_peers() inside `with swarm:`")
-        network, pacer = self.network, self.pacer
-        deadline = time.monotonic() + timeout_s
-        found, error = 1, ""
-        while True:
-            # Count on records read from now on: a peer that left a moment ago is seen gone.
-            reads = network.reads
-            self.loop.loop.call_soon_threadsafe(network.wake)
-            network.wait_for_reads(reads + 1, _PEERS_POLL_S)
-            if self._stop.is_set():
-                error = STOPPED_PREFIX + self._stop.reason
-                break
-            found = 1 + len({r.peer for r in pacer.fresh_reports(self.round)})
-            if found >= n:
-                break
-            if time.monotonic() > deadline:
-                error = f"{found} of {n} peers online after {timeout_s:.0f} s"
-                break
+        found, error = self.peer.count_online(n, time.monotonic() + timeout_s)
+        if self._stop.is_set():
+            error = STOPPED_PREFIX + self._stop.reason  # every rank raises Stopped too
+        elif error:
+            error += f" after {timeout_s:.0f} s"
         if self.box is not None:
             self.box.share(error)
-        if error.startswith(STOPPED_PREFIX):
+        if self._stop.is_set():
             raise Stopped(self._stop.reason)
         if error:
             raise SwarmlocoError(error)
@@ -349,23 +275,7 @@ class Swarm:
 
     @property
     def summary(self) -> Summary:
-        return Summary(
-            swarm_id=self.swarm_id,
-            peer_id=self.peer_id,
-            round=self.round,
-            steps=self.steps,
-            global_step=self.global_step,
-            rounds_applied=self.rounds_applied,
-            rounds_aborted=self.rounds_aborted,
-            downloads=self.downloads,
-            last_eval_loss=self.last_eval,
-            stopped_because=self._stop.reason,
-        )
-
-    @property
-    def store(self) -> CheckpointStore:
-        """This peer's checkpoints of this swarm (once entered)."""
-        return self.keeper.store
+        return self.peer.summary(entered=self._entered)
 
     def describe_compute(
         self,
@@ -383,280 +293,44 @@ class Swarm:
         if self.on_event is not None:
             self.on_event({"event": event, "time": time.time(), **fields})
 
-    # -- entering -----------------------------------------------------------------------------
+    # -- entering and leaving -----------------------------------------------------------------
 
     def __enter__(self) -> Swarm:
         if self._stack is not None:
             raise SwarmlocoError("this swarm object is already entered")
         stack = contextlib.ExitStack()
         try:
-            self._enter(stack)
-            if self.box is not None:
-                self.box.tell(Op.READY)
-                self.box.share(
-                    {
-                        "swarm_id": self.swarm_id,
-                        "peer_id": self.peer_id,
-                        "endpoint": self.endpoint,
-                        "data_seed": self.data_seed,
-                        "round": self.round,
-                        "global_step": self.global_step,
-                    }
-                )
+            if self.config.handle_signals and threading.current_thread() is threading.main_thread():
+                handle_signals(stack, self.stop)  # Ctrl-C while starting: stop at step one
+            self.peer.enter(stack)
+            self._entered = True
+            self.lead.ready(
+                {
+                    "swarm_id": self.swarm_id,
+                    "peer_id": self.peer_id,
+                    "endpoint": self.endpoint,
+                    "data_seed": self.data_seed,
+                    "round": self.round,
+                    "global_step": self.global_step,
+                }
+            )
         except BaseException as exc:
             self._stack = None
-            self._abort_box(exc)
+            self.lead.abort(exc)
             stack.close()
             raise
         self._stack = stack
         return self
-
-    def _abort_box(self, exc: BaseException) -> None:
-        """Tell the box's other ranks that this one failed (they raise too)."""
-        if self.box is None or self.box.broken:
-            return
-        try:
-            self.box.tell(Op.ABORT)
-            self.box.share(f"{type(exc).__name__}: {exc}")
-        except BoxError:
-            pass
-
-    def _enter(self, stack: contextlib.ExitStack) -> None:
-        cfg = self.config
-        if cfg.handle_signals and threading.current_thread() is threading.main_thread():
-            handle_signals(stack, self.stop)  # Ctrl-C while starting: stop at step one
-        self.loop = stack.enter_context(LoopThread(name="swarmloco-peer-loop"))
-        self.session = Session(cfg, self.identity, self.loop, self.swarm_id)
-        if self.manifest is None:
-            self.manifest = self.session.manifest()
-            self.swarm_id = self.session.swarm_id
-        manifest = self.manifest
-        spec = manifest_spec(manifest)
-        self.signature = manifest_signature(manifest)
-        self._check_model()
-        # After the model's check (a wrong model is refused at once), before the network:
-        # a private run's certificate, or this key's proof of work (solved once, kept).
-        self.admission = self.session.admission(manifest)
-        self.h = spec.steps_per_round
-        if self.box is not None:
-            self.box.tell(Op.MANIFEST)
-            self.box.share(manifest.to_bytes())
-        self.diloco, self.params, codec = diloco_around(
-            self.model, self.signature, spec, cfg, self.box
-        )
-        self.sheet.device = describe_device(self.params.device)
-        self.keeper = open_keeper(stack, cfg, manifest, self._emit)
-        self.snapshots = stack.enter_context(Snapshots(self.swarm_id))
-        own_initial = self._restore() or take_own_initial(
-            self.diloco, self.params, self.signature.init_digest
-        )
-        self.snapshots.publish(self.round, self.diloco.committed())
-        if self.network is None:
-            self.network = build_network(
-                config=cfg,
-                session=self.session,
-                identity=self.identity,
-                manifest=manifest,
-                diloco=self.diloco,
-                codec=codec,
-                evidence=self.evidence,
-                admission=self.admission,
-            )
-        follower = self._start_network(stack, self.network, spec)
-        self._train_started = time.monotonic()
-        follower.catch_up()
-        if not own_initial and self.round == 0:
-            follower.fetch_initial(self.signature.init_digest, spec.seed)
-        self.schedule.follow()
-        if cfg.hook:
-            self._optimizer_hook = self.optimizer.register_step_post_hook(lambda *_: self.step())
-            stack.callback(self._optimizer_hook.remove)
-        self.sheet.state = "training"
-        self.progress.step_ended = time.monotonic()
-        self._emit(
-            "ready",
-            swarm_id=self.swarm_id,
-            peer_id=self.peer_id,
-            endpoint=self.network.endpoint,
-            round=self.round,
-            global_step=self.global_step,
-            params=self.signature.numel,
-            device=str(self.params.device),
-        )
-        log_ready(spec, self.signature, swarm_id=self.swarm_id, peer_id=self.peer_id,
-                  round=self.round, global_step=self.global_step)  # fmt: skip
-
-    def _check_model(self) -> None:
-        """Refuse a model that is not the swarm's, naming each difference."""
-        differences = self.signature.differences(params_of(self.model))
-        if differences:
-            lines = "\n".join(f"  - {d}" for d in differences)
-            raise ModelMismatch(
-                f"this model is not the one swarm {self.swarm_id} trains:\n{lines}\nbuild the "
-                "model exactly as the swarm's creator did (same class, config and dtype)",
-                differences,
-            )
-
-    def _restore(self) -> bool:
-        """Resume from the newest checkpoint that loads and fits this peer (see
-        :class:`PeerCheckpoints`); False when there is none."""
-        state = PeerState(
-            model=self.model,
-            optimizer=self.optimizer,
-            objects=self.objects,
-            diloco=self.diloco,
-            params=self.params,
-            progress=self.progress,
-            evidence=self.evidence,
-            trial=self.trial,
-            box=self.box,
-        )
-        self.checkpoints = PeerCheckpoints(
-            state,
-            self.keeper,
-            swarm_id=self.swarm_id,
-            snapshots=self.snapshots,
-            sheet=self.sheet,
-            emit=self._emit,
-            remember=self._remember_peers,
-            stopping=self._stop.is_set,
-        )
-        found = self.checkpoints.restore()
-        if found is None:
-            return False
-        logger.info(
-            "resumed from %s: round %d, step %d, global step %d%s",
-            found.path.name,
-            self.round,
-            self.steps,
-            self.global_step,
-            "" if found.verified else " (an adopted state, on probation)",
-        )
-        self._emit(
-            "resumed",
-            round=self.round,
-            step=self.steps,
-            global_step=self.global_step,
-            checkpoint=str(found.path),
-            verified=found.verified,
-        )
-        return True
-
-    def _start_network(
-        self, stack: contextlib.ExitStack, network: SwarmNetwork, spec: RunSpec
-    ) -> Follower:
-        """Start networking, with the collaborators that need it (the network reads this
-        peer's progress as soon as it runs): returns the follower, for the catch-up."""
-        follower = self._collaborators(network, spec)
-        network.catchup.evidence = self.evidence
-        network.snapshot = lambda: self.snapshots.current
-        network.previous_snapshot = lambda: self.snapshots.previous
-        network.progress = self._progress_value
-        network.status = self._status_value
-        network.on_dashboard = lambda url: self._emit("dashboard", url=url)
-        self.loop.run(network.__aenter__(), timeout=60.0)
-        stack.callback(self._leave_network)
-        if warning := clock_warning(network):
-            self.sheet.last_error = warning  # shown until something else goes wrong
-        return follower
-
-    def _collaborators(self, network: SwarmNetwork, spec: RunSpec) -> Follower:
-        """The pacer, the round driver, the follower and the step hook, around the parts
-        they share."""
-        assert self.checkpoints is not None
-        parts = self.parts = PeerParts(
-            config=self.config,
-            spec=spec,
-            peer_id=self.peer_id,
-            loop=self.loop,
-            network=network,
-            diloco=self.diloco,
-            params=self.params,
-            snapshots=self.snapshots,
-            progress=self.progress,
-            evidence=self.evidence,
-            trial=self.trial,
-            keeper=self.keeper,
-            sheet=self.sheet,
-            box=self.box,
-            emit=self._emit,
-        )
-        pacer = self.pacer = Pacer(
-            network=network,
-            loop=self.loop,
-            config=self.config,
-            peer_id=self.peer_id,
-            h=spec.steps_per_round,
-            progress=self.progress,
-            evidence=self.evidence,
-            unbacked=self.trial.unbacked,
-            now=parts.now,
-        )
-        self.rounds = RoundDriver(parts, pacer, evaluate=self.evaluate, lr=self.schedule.lr)
-        self.follower = Follower(
-            parts,
-            peak_lr=lambda rounds: self.schedule.peak(int(rounds * self.h)),
-            reset_optimizer=self._reset_optimizer,
-            checkpoint=self._urgent_checkpoint,
-        )
-        self.hook = StepHook(
-            parts,
-            pacer=pacer,
-            rounds=self.rounds,
-            follower=self.follower,
-            checkpoints=self.checkpoints,
-            stop=self._stop,
-            lr=self.schedule.lr,
-            reset_optimizer=self._reset_optimizer,
-        )
-        return self.follower
-
-    def _remember_peers(self) -> None:
-        """Keep the peers this one knows now for its next start (``peers.json``)."""
-        if self.network is None:
-            return
-        try:
-            peers = self.loop.run(self.network.known_peers(REMEMBER), timeout=5.0)
-        except (TimeoutError, SwarmlocoError) as exc:
-            logger.debug("could not list the peers this one knows: %s", exc)
-            return
-        self.session.remember(peers)
-
-    def _leave_network(self) -> None:
-        assert self.network is not None
-        self._remember_peers()
-        with contextlib.suppress(Exception):
-            self.loop.run(self.network.__aexit__(None, None, None), timeout=30.0)
-
-    # -- leaving ------------------------------------------------------------------------------
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: Any, tb: Any) -> bool:
         stack, self._stack = self._stack, None
         if stack is None:
             return False
         interrupted = exc_type is not None and not issubclass(exc_type, (Exception, Stopped))
-        try:
-            if self._optimizer_hook is not None:
-                self._optimizer_hook.remove()
-                self._optimizer_hook = None
-            if exc_type is not None and issubclass(exc_type, Exception):
-                self.stop(f"the training loop raised {exc_type.__name__}")
-            assert self.hook is not None
-            failed = exc_type is not None and not issubclass(exc_type, Stopped)
-            self.hook.leave(failed=failed, interrupted=interrupted)
-        finally:
-            wall = time.monotonic() - self._train_started if self._train_started else 0.0
-            stack.close()
-            self._emit(
-                "stopped",
-                round=self.round,
-                step=self.steps,
-                global_step=self.global_step,
-                reason=self._stop.reason,
-                # Time in inner steps over time since training started: what rounds cost.
-                train_seconds=round(self.progress.train_seconds, 3),
-                wall_seconds=round(wall, 3),
-            )
+        if exc_type is not None and issubclass(exc_type, Exception):
+            self.stop(f"the training loop raised {exc_type.__name__}")
+        failed = exc_type is not None and not issubclass(exc_type, Stopped)
+        self.peer.leave(stack, failed=failed, interrupted=interrupted)
         return exc_type is not None and issubclass(exc_type, Stopped)
 
     # -- between two steps --------------------------------------------------------------------
@@ -666,81 +340,19 @@ class Swarm:
         ``hook=False`` the loop does, after each ``optimizer.step()``). ``tokens``: what
         the step trained on (default: the config's ``tokens_per_step``; in a box, what
         the whole box trained on)."""
-        if self._stack is None or self.hook is None:
+        if self._stack is None:
             raise SwarmlocoError("step() outside `with swarm:`")
         n = self.config.tokens_per_step if tokens is None else int(tokens)
-        if self.box is None:
-            self.hook.stepped(n)
-            return
-        try:
-            self.hook.stepped(n)
-        except Stopped:
-            self._end_step(raised=True)
-            raise
-        except BaseException as exc:
-            self._abort_box(exc)
-            raise
-        self._end_step()
+        self.lead.around_step(lambda: self.peer.hook.stepped(n), self._end_step)
 
-    def _end_step(self, *, raised: bool = False) -> None:
-        """Tell the box's other ranks that the step is over, and whether to stop."""
-        assert self.box is not None
-        self._told_stopping = self._stop.is_set()
-        self.box.tell(Op.END, self.global_step, self.round, self._told_stopping, raised)
+    def _end_step(self, raised: bool) -> None:
+        self.lead.end_step(self.global_step, self.round, self._stop.is_set(), raised=raised)
 
     def discard_local(self, why: str) -> None:
         """NaN or Inf in training: nothing of it may reach the swarm. Drop the local steps
         since the last round and the optimizer's moments (they hold the NaN too), restart
         from the global state; give up when it happens again and again. In a box, every
         rank calls it at the same point of the loop."""
-        if self.hook is None:
+        if self._stack is None:
             raise SwarmlocoError("discard_local() inside `with swarm:`")
-        try:
-            self.hook.discard(why)
-        except BaseException as exc:
-            self._abort_box(exc)
-            raise
-        if self.box is not None:
-            self._end_step()
-
-    def _reset_optimizer(self) -> None:
-        """Clear the inner optimizer's moments (every rank's): they came from a state
-        this peer no longer trains from."""
-        if self.box is not None:
-            self.box.tell(Op.RESET)
-        self.optimizer.state.clear()
-
-    def _urgent_checkpoint(self) -> None:
-        """What was downloaded or rolled back to is not lost to a crash."""
-        if self.config.checkpoint_every and self.checkpoints is not None:
-            self.checkpoints.save(urgent=True)
-
-    # -- records ----------------------------------------------------------------------------
-
-    def _progress_value(self) -> dict[str, Any]:
-        assert self.rounds is not None and self.parts is not None
-        # The round this peer's new tokens count towards: while round r is in flight,
-        # r + 1 (its tokens since r started are the next round's).
-        return {
-            "round": self.round + 1 + (self.rounds.inflight is not None),
-            "tokens": self.progress.tokens_since_round,
-            "tokens_per_s": self.progress.rate.value,
-            "at": self.parts.now(),
-        }
-
-    def _status_value(self) -> dict[str, Any]:
-        assert self.parts is not None
-        return self.sheet.value(
-            Counters(
-                round=self.round,
-                step=self.steps,
-                tokens=self.steps * self.config.tokens_per_step,
-                tokens_per_s=self.progress.rate.value,
-                rounds_applied=self.rounds_applied,
-                rounds_aborted=self.rounds_aborted,
-                downloads=self.downloads,
-                loss=self.progress.loss,
-                eval_loss=self.last_eval,
-                at=self.parts.now(),
-            )
-        )
+        self.lead.around_step(lambda: self.peer.hook.discard(why), self._end_step)

@@ -134,6 +134,15 @@ class DilocoState:
 
     # -- the state others download ------------------------------------------------------------
 
+    def global_by_name(self) -> dict[str, torch.Tensor]:
+        """The global parameters (``theta_g``) by name, as views of the fp32 vector: no
+        copy (read them, never write them; they change when a round lands)."""
+        theta = self.theta_g
+        return {
+            slot.name: theta[slot.start : slot.start + slot.numel].view(slot.shape)
+            for slot in self.layout.slots
+        }
+
     def committed(self) -> dict[str, torch.Tensor]:
         """A copy of the committed global state (a donor serves it while the original
         changes); the momentum only once a round was applied."""
