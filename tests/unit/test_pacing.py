@@ -141,6 +141,14 @@ def test_a_peer_over_reporting_counts_at_most_a_plausible_rate_and_tokens():
     assert e.tokens_per_s == pytest.approx(1e6 + 2_000)
 
 
+def test_one_liar_beside_one_honest_peer_cannot_raise_the_cap():
+    # The cap follows the lower median: with two peers, the honest one's rate.
+    me = report("me", tokens=0, rate=1_000.0, at=100.0)
+    liar = report("liar", tokens=0, rate=1e12, at=100.0)
+    e = estimate([me, liar], round=5, now=100.0, config=CONFIG, trusted="me")
+    assert e.tokens_per_s == pytest.approx(1_000 + 10 * 1_000)
+
+
 def test_honest_peers_within_the_cap_count_in_full():
     reports = [
         report("me", tokens=50_000, rate=5_000.0, at=100.0),

@@ -11,8 +11,9 @@ from swarmloco.cli.common import _add_data_options, _data_spec, _model_overrides
 
 if TYPE_CHECKING:
     from swarmloco.core.runspec import RunSpec
-    from swarmloco.train.simulate import ArmResult
-    from swarmloco.train.tasks import RunConfig
+    from swarmloco.train.data import TokenData
+    from swarmloco.train.simulate import ArmResult, SimulationConfig, WarmStart
+    from swarmloco.train.tasks import RunConfig, Task
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -130,17 +131,14 @@ def _add_machine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import torch
 
-    from swarmloco.train.simulate import SimulationConfig, run_diloco, run_sync, warm_start
+    from swarmloco.train.simulate import SimulationConfig, run_sync, warm_start
     from swarmloco.train.tasks import get_task, resolve_model
 
     task = get_task(args.task)
     model = resolve_model(task, args.preset, _model_overrides(args))
     run = _simulated_run(task.default_run(args.preset), args)
-    spec = run.spec
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device
@@ -161,12 +159,50 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if args.warm_start >= args.steps:
             raise SystemExit(f"--warm-start {args.warm_start} leaves nothing of --steps")
         start = warm_start(task, model, data, run, sim, args.warm_start, progress=progress)
-    grid = _grid(args, spec)
+    grid = _grid(args, run.spec)
+    diloco = _diloco_arms(args, grid, task, model, data, run, sim, start, progress=progress)
+    baseline = None
+    if not args.no_baseline:
+        baseline = run_sync(task, model, data, run, sim, progress=progress, start=start)
+    arms = [*diloco, baseline] if baseline is not None else diloco
+    summary = _summary(args, task, model, data, device, arms)
+    if start is not None:
+        summary["warm_start_steps"] = start.step
+    if args.sweep:
+        _rank_sweep(summary, grid, diloco, baseline)
+    elif baseline is not None:
+        _compare_to_sync(summary, diloco[0], baseline)
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+def _diloco_arms(
+    args: argparse.Namespace,
+    grid: list[tuple[int, float, float]],
+    task: Task,
+    model: dict[str, Any],
+    data: TokenData,
+    run: RunConfig,
+    sim: SimulationConfig,
+    start: WarmStart | None,
+    *,
+    progress: bool,
+) -> list[ArmResult]:
+    """One DiLoCo arm per (H, outer lr, outer momentum) of ``grid``, named by them when
+    sweeping."""
+    import dataclasses
+
+    from swarmloco.train.simulate import run_diloco
+
     suffix = f"-F{args.fragments}" if args.fragments > 1 else ""
     arms = []
     for h, outer_lr, momentum in grid:
         arm_spec = dataclasses.replace(
-            spec, sync_every=h, outer_lr=outer_lr, outer_momentum=momentum
+            run.spec, sync_every=h, outer_lr=outer_lr, outer_momentum=momentum
         )
         arm_run = dataclasses.replace(run, spec=arm_spec)
         label = f"diloco-{args.exchange}{suffix}"
@@ -175,9 +211,19 @@ def _run_simulate(args: argparse.Namespace) -> int:
         arms.append(
             run_diloco(task, model, data, arm_run, sim, progress=progress, label=label, start=start)
         )
-    if not args.no_baseline:
-        arms.append(run_sync(task, model, data, run, sim, progress=progress, start=start))
-    summary = {
+    return arms
+
+
+def _summary(
+    args: argparse.Namespace,
+    task: Task,
+    model: dict[str, Any],
+    data: TokenData,
+    device: str,
+    arms: list[ArmResult],
+) -> dict[str, Any]:
+    """What was simulated, and what each arm measured."""
+    return {
         "task": task.name,
         "preset": args.preset,
         "model_params": sum(p.numel() for p in task.build_model(model).parameters()),
@@ -194,26 +240,17 @@ def _run_simulate(args: argparse.Namespace) -> int:
         "tokens": arms[0].tokens,
         "arms": {a.name: a.summary() for a in arms},
     }
-    if start is not None:
-        summary["warm_start_steps"] = start.step
-    baseline = None if args.no_baseline else arms[-1]
-    diloco = arms[:-1] if baseline is not None else arms
-    if args.sweep:
-        _rank_sweep(summary, grid, diloco, baseline)
-    elif baseline is not None:
-        d, s = diloco[0].final_eval_loss, baseline.final_eval_loss
-        summary["diloco_vs_sync_eval_loss_ratio"] = d / s
-        print(
-            f"final eval loss: {diloco[0].name} {d:.4f}, sync {s:.4f} "
-            f"({100 * (d / s - 1):+.2f}% vs synchronous data-parallel at equal tokens)",
-            file=sys.stderr,
-        )
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-    return 0
+
+
+def _compare_to_sync(summary: dict[str, Any], diloco: ArmResult, baseline: ArmResult) -> None:
+    """Put DiLoCo's final eval loss over the baseline's into ``summary``, and say it."""
+    d, s = diloco.final_eval_loss, baseline.final_eval_loss
+    summary["diloco_vs_sync_eval_loss_ratio"] = d / s
+    print(
+        f"final eval loss: {diloco.name} {d:.4f}, sync {s:.4f} "
+        f"({100 * (d / s - 1):+.2f}% vs synchronous data-parallel at equal tokens)",
+        file=sys.stderr,
+    )
 
 
 def _simulated_run(run: RunConfig, args: argparse.Namespace) -> RunConfig:

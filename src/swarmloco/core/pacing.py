@@ -109,50 +109,104 @@ def estimate(
     """
     require_int("round", round, minimum=0)
     require_non_negative("now", now)
-    newest: dict[str, ProgressReport] = {}
-    for report in reports:
-        known = newest.get(report.peer)
-        if known is None or (report.round, report.at) > (known.round, known.at):
-            newest[report.peer] = report
+    newest = _newest_per_peer(reports)
     ahead = [r for r in newest.values() if r.round > round]
     if ahead:
-        latest = max(r.round for r in ahead)
-        return Estimate(
-            Verdict.BEHIND,
-            now,
-            0.0,
-            0.0,
-            len(ahead),
-            f"{len(ahead)} peer(s) already work on round {latest}; fetch the newer state",
-        )
+        return _behind(ahead, now=now)
     current = [r for r in newest.values() if r.round == round and _sane(r)]
-    rates = sorted(r.tokens_per_s for r in current)
-    cap = config.rate_cap_multiple * rates[(len(rates) - 1) // 2] if rates else 0.0
+    tokens_now, rate = _projected(
+        current, now=now, config=config, trusted=trusted, since=since, resumed=resumed
+    )
+    return _verdict(
+        round=round,
+        now=now,
+        target=config.tokens_per_round,
+        tokens_now=tokens_now,
+        rate=rate,
+        peers=len(current),
+    )
+
+
+def _projected(
+    current: list[ProgressReport],
+    *,
+    now: float,
+    config: PacingConfig,
+    trusted: str | None,
+    since: float | None,
+    resumed: float | None,
+) -> tuple[float, float]:
+    """The swarm's tokens for the round projected to ``now``, and its rate from fresh
+    reports, with every report but ``trusted``'s bounded."""
+    cap = _rate_cap(current, config)
     tokens_now = 0.0
     rate = 0.0
     for r in current:
         r_rate, r_tokens = float(r.tokens_per_s), float(r.tokens)
         if r.peer != trusted and cap > 0:
-            r_rate = min(r_rate, cap)
-            if since is not None:
-                r_tokens = min(r_tokens, 2 * cap * max(0.0, r.at - since))
+            r_rate, r_tokens = _bounded(r, cap=cap, since=since)
         age = max(0.0, now - r.at)
-        fresh = age <= config.stale_after_s
         tokens_now += r_tokens
-        if fresh:
+        if age <= config.stale_after_s:
             trained = age if resumed is None else max(0.0, now - max(r.at, resumed))
             tokens_now += r_rate * trained
             rate += r_rate
-    target = config.tokens_per_round
+    return tokens_now, rate
+
+
+def _newest_per_peer(reports: Iterable[ProgressReport]) -> dict[str, ProgressReport]:
+    """Each peer's newest report: the latest round it names, then the latest time."""
+    newest: dict[str, ProgressReport] = {}
+    for report in reports:
+        known = newest.get(report.peer)
+        if known is None or (report.round, report.at) > (known.round, known.at):
+            newest[report.peer] = report
+    return newest
+
+
+def _behind(ahead: list[ProgressReport], *, now: float) -> Estimate:
+    """The verdict when some peers already report a later round."""
+    latest = max(r.round for r in ahead)
+    return Estimate(
+        Verdict.BEHIND,
+        now,
+        0.0,
+        0.0,
+        len(ahead),
+        f"{len(ahead)} peer(s) already work on round {latest}; fetch the newer state",
+    )
+
+
+def _rate_cap(current: list[ProgressReport], config: PacingConfig) -> float:
+    """The most another peer's rate may count: a multiple of the median reported rate
+    (the lower median, so that one fast liar among two peers cannot raise it); 0 when
+    nobody reports."""
+    rates = sorted(r.tokens_per_s for r in current)
+    return config.rate_cap_multiple * rates[(len(rates) - 1) // 2] if rates else 0.0
+
+
+def _bounded(report: ProgressReport, *, cap: float, since: float | None) -> tuple[float, float]:
+    """An untrusted report's rate and tokens, held to ``cap`` and, with ``since``, its
+    tokens to twice what ``cap`` makes from ``since`` to the report."""
+    rate = min(float(report.tokens_per_s), cap)
+    tokens = float(report.tokens)
+    if since is not None:
+        tokens = min(tokens, 2 * cap * max(0.0, report.at - since))
+    return rate, tokens
+
+
+def _verdict(
+    *, round: int, now: float, target: int, tokens_now: float, rate: float, peers: int
+) -> Estimate:
+    """Due, stalled or waiting, from the swarm's projected tokens and rate."""
     if tokens_now >= target:
         return Estimate(
             Verdict.DUE,
             now,
             tokens_now,
             rate,
-            len(current),
-            f"round {round} due: {tokens_now:,.0f} of {target:,} tokens "
-            f"from {len(current)} peer(s)",
+            peers,
+            f"round {round} due: {tokens_now:,.0f} of {target:,} tokens from {peers} peer(s)",
         )
     if rate <= 0:
         return Estimate(
@@ -160,7 +214,7 @@ def estimate(
             math.inf,
             tokens_now,
             0.0,
-            len(current),
+            peers,
             f"round {round}: {tokens_now:,.0f} of {target:,} tokens and no peer making progress",
         )
     due_in = (target - tokens_now) / rate
@@ -169,9 +223,9 @@ def estimate(
         now + due_in,
         tokens_now,
         rate,
-        len(current),
+        peers,
         f"round {round} due in {due_in:.1f} s: {tokens_now:,.0f} of {target:,} tokens, "
-        f"{rate:,.0f} tokens/s from {len(current)} peer(s)",
+        f"{rate:,.0f} tokens/s from {peers} peer(s)",
     )
 
 

@@ -103,23 +103,7 @@ def render(view: Mapping[str, Any]) -> str:
     lines = [_swarm_line(view["swarm"])]
     if view.get("error"):
         lines.append(f"error: {view['error']}")
-    agreement = view.get("agreement")
-    agree = (
-        f"{agreement['holders']}/{agreement['published']} agree on round {agreement['round']}"
-        if agreement and agreement["published"]
-        else "no digests yet"
-    )
-    loss = f"  loss {_loss(view.get('loss'))}" if view.get("loss") is not None else ""
-    eval_loss = (
-        f"  eval loss {_loss(view.get('eval_loss'))}" if view.get("eval_loss") is not None else ""
-    )
-    round_now = view.get("round")
-    lines.append(
-        f"peers online {view['peers_online']} (of {view['peers_known']} known"
-        f"{_apart_count(view)})  "
-        f"round {'-' if round_now is None else round_now}  "
-        f"{human(view.get('tokens_per_s'))} tokens/s  {agree}{loss}{eval_loss}"
-    )
+    lines.append(_summary_line(view))
     where = progress_line(view.get("progress"))
     if where:
         lines.append(where)
@@ -132,82 +116,116 @@ def render(view: Mapping[str, Any]) -> str:
     peers = view.get("peers", [])
     if peers:
         lines.append("")
-        rows = [
-            [
-                p["name"] or "-",
-                p["short_id"],
-                p["state"]
-                if p["online"] or p["state"] == "left"
-                else f"offline ({duration(p['age_s'])})",
-                str(p["round"]),
-                human(p["tokens_per_s"]),
-                f"{100 * p['share']:.1f}%",
-                _loss(p["loss"]),
-                _loss(p["eval_loss"]),
-                " ".join(filter(None, [p["device"] or "-", f"({p['fit']})" if p["fit"] else ""])),
-                f"{100 * p['mfu']:.1f}%" if p["mfu"] is not None else "-",
-                duration(p["uptime_s"]),
-                p["version"] or "-",
-                p["last_error"][:60] or "-",
-            ]
-            for p in peers
-        ]
-        lines += table(
-            [
-                "NAME",
-                "ID",
-                "STATE",
-                "ROUND",
-                "TOK/S",
-                "SHARE",
-                "LOSS",
-                "EVAL",
-                "DEVICE",
-                "MFU",
-                "UPTIME",
-                "VERSION",
-                "LAST ERROR",
-            ],
-            rows,
-        )
+        lines += _peer_table(peers)
         if view.get("peers_not_shown"):
             lines.append(f"... and {view['peers_not_shown']} more peers")
     apart = view.get("uncounted", [])
     if apart:
         lines.append("")
         lines.append("not counted (no trusted peer averaged with them; their claims):")
-        lines += table(
-            ["NAME", "ID", "STATE", "ROUND", "TOK/S", "AGE"],
-            [
-                [
-                    p["name"] or "-",
-                    p["short_id"],
-                    p["state"],
-                    str(p["round"]),
-                    human(p["tokens_per_s"]),
-                    duration(p["age_s"]),
-                ]
-                for p in apart
-            ],
-        )
+        lines += _uncounted_table(apart)
     rounds = view.get("rounds", [])[-8:]
     if rounds:
         lines.append("")
-        lines += table(
-            ["ROUND", "GROUP", "SECONDS", "SENT/PEER", "PAYLOAD", "RATIO", "FAILURES"],
-            [
-                [
-                    str(r["round"]),
-                    str(r["group"]),
-                    "-" if r["seconds"] is None else f"{r['seconds']:.2f}",
-                    human_bytes(r["bytes_sent"]),
-                    human_bytes(r["payload_bytes"]),
-                    "-" if r["compression"] is None else f"{r['compression']:.2f}x",
-                    str(r["failures"]),
-                ]
-                for r in rounds
-            ],
-        )
+        lines += _rounds_table(rounds)
     for warning in view.get("warnings", []):
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+def _summary_line(view: Mapping[str, Any]) -> str:
+    """Peers online, the round, the swarm's rate, agreement on the round and the losses."""
+    agreement = view.get("agreement")
+    agree = (
+        f"{agreement['holders']}/{agreement['published']} agree on round {agreement['round']}"
+        if agreement and agreement["published"]
+        else "no digests yet"
+    )
+    loss = f"  loss {_loss(view.get('loss'))}" if view.get("loss") is not None else ""
+    eval_loss = (
+        f"  eval loss {_loss(view.get('eval_loss'))}" if view.get("eval_loss") is not None else ""
+    )
+    round_now = view.get("round")
+    return (
+        f"peers online {view['peers_online']} (of {view['peers_known']} known"
+        f"{_apart_count(view)})  "
+        f"round {'-' if round_now is None else round_now}  "
+        f"{human(view.get('tokens_per_s'))} tokens/s  {agree}{loss}{eval_loss}"
+    )
+
+
+_PEER_COLUMNS = [
+    "NAME",
+    "ID",
+    "STATE",
+    "ROUND",
+    "TOK/S",
+    "SHARE",
+    "LOSS",
+    "EVAL",
+    "DEVICE",
+    "MFU",
+    "UPTIME",
+    "VERSION",
+    "LAST ERROR",
+]
+
+
+def _peer_table(peers: list[Mapping[str, Any]]) -> list[str]:
+    """The counted peers, one row each."""
+    return table(_PEER_COLUMNS, [_peer_row(p) for p in peers])
+
+
+def _peer_row(p: Mapping[str, Any]) -> list[str]:
+    return [
+        p["name"] or "-",
+        p["short_id"],
+        p["state"] if p["online"] or p["state"] == "left" else f"offline ({duration(p['age_s'])})",
+        str(p["round"]),
+        human(p["tokens_per_s"]),
+        f"{100 * p['share']:.1f}%",
+        _loss(p["loss"]),
+        _loss(p["eval_loss"]),
+        " ".join(filter(None, [p["device"] or "-", f"({p['fit']})" if p["fit"] else ""])),
+        f"{100 * p['mfu']:.1f}%" if p["mfu"] is not None else "-",
+        duration(p["uptime_s"]),
+        p["version"] or "-",
+        p["last_error"][:60] or "-",
+    ]
+
+
+def _uncounted_table(apart: list[Mapping[str, Any]]) -> list[str]:
+    """Keys no trusted peer averaged with, and what they claim."""
+    return table(
+        ["NAME", "ID", "STATE", "ROUND", "TOK/S", "AGE"],
+        [
+            [
+                p["name"] or "-",
+                p["short_id"],
+                p["state"],
+                str(p["round"]),
+                human(p["tokens_per_s"]),
+                duration(p["age_s"]),
+            ]
+            for p in apart
+        ],
+    )
+
+
+def _rounds_table(rounds: list[Mapping[str, Any]]) -> list[str]:
+    """The given rounds' group, time, traffic, compression and failures."""
+    return table(
+        ["ROUND", "GROUP", "SECONDS", "SENT/PEER", "PAYLOAD", "RATIO", "FAILURES"],
+        [
+            [
+                str(r["round"]),
+                str(r["group"]),
+                "-" if r["seconds"] is None else f"{r['seconds']:.2f}",
+                human_bytes(r["bytes_sent"]),
+                human_bytes(r["payload_bytes"]),
+                "-" if r["compression"] is None else f"{r['compression']:.2f}x",
+                str(r["failures"]),
+            ]
+            for r in rounds
+        ],
+    )

@@ -404,38 +404,13 @@ def build_view(
         history.add(reading, fresh_s=fresh_s, trust=trust)
     warnings: list[str] = []
     counted = history.roster
-    if not counted.anchored and reading.status:
-        warnings.append(
-            "no trusted peer publishes (the swarm's creator, --trust PEER_ID): the figures "
-            "count every key's claims"
-        )
-    rows = _peer_rows(reading, now=now, fresh_s=fresh_s, warnings=warnings)
-    peers = [row for row in rows if row["id"] in counted.counted]
-    apart = [row for row in rows if row["id"] not in counted.counted]
-    if apart:
-        warnings.append(
-            f"{len(apart)} peer(s) not counted: no trusted peer averaged with them (listed apart)"
-        )
-    total_tokens = sum(row["tokens"] for row in peers)
-    for row in peers:
-        row["share"] = _round_to(row["tokens"] / total_tokens, 4) if total_tokens else 0.0
-    status = counted.only(reading.status)
-    round_now = current_round(status, now=now, fresh_s=fresh_s)
+    peers, apart = _counted_and_apart(reading, counted, now=now, fresh_s=fresh_s, warnings=warnings)
+    round_now = current_round(counted.only(reading.status), now=now, fresh_s=fresh_s)
+    warnings += _ahead_warnings(peers, round_now)
     online = [row for row in peers if row["online"]]
-    for row in peers:
-        if round_now is not None and row["online"] and row["round"] > round_now:
-            warnings.append(
-                f"peer {row['id'][:_SHORT_ID]} claims round {row['round']}, far ahead of the "
-                "others: not counted as the swarm's round"
-            )
-    losses = [row["loss"] for row in online if row["loss"] is not None]
-    evals = [row["eval_loss"] for row in online if row["eval_loss"] is not None]
-    roles = collections.Counter(
-        clean_text(value.get("role"), 16) or "unknown" for value in reading.peers.values()
-    )
     swarm = _swarm(reading)
     timeline = _timeline(history)
-    view: dict[str, Any] = {
+    return {
         "version": VIEW_VERSION,
         "swarm": swarm,
         "now": now,
@@ -451,16 +426,8 @@ def build_view(
             "trusted_online": sorted(short_id(p) for p in counted.anchors),
             "vouched": len(counted.vouched),
         },
-        "peers_listed": dict(sorted(roles.items())),
-        "tokens_per_s": _round_to(math.fsum(row["tokens_per_s"] for row in online), 6),
-        "tokens": sum(row["tokens"] for row in peers),
-        "round": round_now,
-        "next_round": _next_round(
-            counted.only(reading.progress), round_now, now=now, fresh_s=fresh_s
-        ),
-        "agreement": _agreement(reading.digest_round, counted.only(reading.digests), round_now),
-        "loss": _round_to(_median(losses), 5),
-        "eval_loss": _round_to(_median(evals), 5),
+        "peers_listed": _roles(reading),
+        **_swarm_figures(reading, counted, peers, round_now, now=now, fresh_s=fresh_s),
         "peers": peers[:MAX_PEERS_SHOWN],
         "peers_not_shown": max(0, len(peers) - MAX_PEERS_SHOWN),
         "uncounted": apart[:MAX_PEERS_SHOWN],
@@ -471,7 +438,76 @@ def build_view(
         "history": _curves(history),
         "warnings": warnings[:MAX_WARNINGS],
     }
-    return view
+
+
+def _counted_and_apart(
+    reading: Reading, counted: Roster, *, now: float, fresh_s: float, warnings: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The peer rows split into the counted peers, each with its share of their tokens,
+    and the rest; ``warnings`` says when no trusted peer publishes and who is apart."""
+    if not counted.anchored and reading.status:
+        warnings.append(
+            "no trusted peer publishes (the swarm's creator, --trust PEER_ID): the figures "
+            "count every key's claims"
+        )
+    rows = _peer_rows(reading, now=now, fresh_s=fresh_s, warnings=warnings)
+    peers = [row for row in rows if row["id"] in counted.counted]
+    apart = [row for row in rows if row["id"] not in counted.counted]
+    if apart:
+        warnings.append(
+            f"{len(apart)} peer(s) not counted: no trusted peer averaged with them (listed apart)"
+        )
+    total_tokens = sum(row["tokens"] for row in peers)
+    for row in peers:
+        row["share"] = _round_to(row["tokens"] / total_tokens, 4) if total_tokens else 0.0
+    return peers, apart
+
+
+def _ahead_warnings(peers: list[dict[str, Any]], round_now: int | None) -> list[str]:
+    """A warning for each online peer that claims a round beyond the swarm's."""
+    if round_now is None:
+        return []
+    return [
+        f"peer {row['id'][:_SHORT_ID]} claims round {row['round']}, far ahead of the "
+        "others: not counted as the swarm's round"
+        for row in peers
+        if row["online"] and row["round"] > round_now
+    ]
+
+
+def _roles(reading: Reading) -> dict[str, int]:
+    """How many listed peers play each role (trainer, dashboard, ...)."""
+    roles = collections.Counter(
+        clean_text(value.get("role"), 16) or "unknown" for value in reading.peers.values()
+    )
+    return dict(sorted(roles.items()))
+
+
+def _swarm_figures(
+    reading: Reading,
+    counted: Roster,
+    peers: list[dict[str, Any]],
+    round_now: int | None,
+    *,
+    now: float,
+    fresh_s: float,
+) -> dict[str, Any]:
+    """The swarm's rate, tokens, round, next round, agreement and median losses, from the
+    counted peers (rates and losses from the online ones)."""
+    online = [row for row in peers if row["online"]]
+    losses = [row["loss"] for row in online if row["loss"] is not None]
+    evals = [row["eval_loss"] for row in online if row["eval_loss"] is not None]
+    return {
+        "tokens_per_s": _round_to(math.fsum(row["tokens_per_s"] for row in online), 6),
+        "tokens": sum(row["tokens"] for row in peers),
+        "round": round_now,
+        "next_round": _next_round(
+            counted.only(reading.progress), round_now, now=now, fresh_s=fresh_s
+        ),
+        "agreement": _agreement(reading.digest_round, counted.only(reading.digests), round_now),
+        "loss": _round_to(_median(losses), 5),
+        "eval_loss": _round_to(_median(evals), 5),
+    }
 
 
 def _swarm(reading: Reading) -> dict[str, Any]:

@@ -212,25 +212,18 @@ def create(
     values = whole_values(box, model)  # every rank takes part when the model is sharded
     if box is not None and not box.leader:
         return _follower(box, model, optimizer, config)
-    identity = Identity.load_or_create(config.directory)
-    signature = signature_of(
-        model,
-        fragments=spec.fragments,
-        block_size=spec.codec.block_size,
-        layer_unit=layer_unit,
-        values=values,
-    )
-    manifest = run_manifest(
+    identity, manifest = _key_and_swarm(
         spec,
-        signature,
-        creator=identity.public_key.hex(),
+        model,
+        config.directory,
+        values=values,
+        layer_unit=layer_unit,
         task=task,
         name=name,
-        model=model_info,
-        admission="certificate" if private else "",
+        model_info=model_info,
+        private=private,
         identity_work=identity_work,
     )
-    manifest = created_before(manifest, config.directory)
     return Swarm(
         manifest,
         model,
@@ -288,6 +281,44 @@ def join(
         evaluate=evaluate,
         box=box,
     )
+
+
+def _key_and_swarm(
+    spec: RunSpec,
+    model: torch.nn.Module,
+    data_dir: Path,
+    *,
+    values: Sequence[torch.Tensor] | None,
+    layer_unit: LayerUnit,
+    task: str,
+    name: str,
+    model_info: Mapping[str, Any] | None,
+    private: bool,
+    identity_work: int | None,
+) -> tuple[Identity, SwarmManifest]:
+    """The key in ``data_dir`` (made on first use) and the swarm :func:`create` runs with
+    it: a new one of ``spec`` training ``model`` (its whole parameter ``values`` when
+    sharded), unless ``data_dir`` holds the same one created before
+    (:func:`created_before`)."""
+    identity = Identity.load_or_create(data_dir)
+    signature = signature_of(
+        model,
+        fragments=spec.fragments,
+        block_size=spec.codec.block_size,
+        layer_unit=layer_unit,
+        values=values,
+    )
+    manifest = run_manifest(
+        spec,
+        signature,
+        creator=identity.public_key.hex(),
+        task=task,
+        name=name,
+        model=model_info,
+        admission="certificate" if private else "",
+        identity_work=identity_work,
+    )
+    return identity, created_before(manifest, data_dir)
 
 
 def _follower(

@@ -148,6 +148,20 @@ class Found:
     momentum_bound: float | None = None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Search:
+    """One :meth:`CatchUp.find`: the round this peer holds, its own state that candidates
+    are checked against, the states never asked for again, the schedule's peak learning
+    rate, the deadline of the whole search, and what it found so far."""
+
+    round: int
+    reference: Reference
+    distrusted_digests: frozenset[bytes]
+    peak_lr: Callable[[int], float | None] | None
+    deadline: Deadline
+    found: Found = dataclasses.field(default_factory=Found)
+
+
 class CatchUp:
     """Finds, checks and downloads a later or majority state for one peer."""
 
@@ -207,9 +221,25 @@ class CatchUp:
         states were refused before, and ``distrusted_digests``: states rolled back (never
         asked for again); ``peak_lr(n)``: the highest inner learning rate of the schedule
         over the next ``n`` rounds, when known (it scales the bounds)."""
-        deadline = Deadline.after(self.config.state_timeout_s)
-        found = Found()
-        claims = await self.claims()
+        search = _Search(
+            round=round,
+            reference=reference,
+            distrusted_digests=distrusted_digests,
+            peak_lr=peak_lr,
+            deadline=Deadline.after(self.config.state_timeout_s),
+        )
+        if await self._find_later(search, await self.claims(), distrusted):
+            return search.found
+        if round != 0 and digest is not None:
+            await self._find_majority(search, digest, distrusted)
+        return search.found
+
+    async def _find_later(
+        self, search: _Search, claims: dict[str, int], distrusted: set[str]
+    ) -> bool:
+        """Adopt a later state than ``search.round``'s, if one passes; either way note in
+        ``search.found`` the peers whose claims of later rounds nothing backs."""
+        found = search.found
         # While partners report, only their claims say which later rounds are worth a
         # look: a crowd of keys claiming rounds ahead costs no digest reads (and no
         # downloads: only a partner's word backs a state then anyway).
@@ -217,40 +247,51 @@ class CatchUp:
             p: r for p, r in claims.items() if p in self.evidence.witnesses and p not in distrusted
         }
         counted = list(partners.values()) if partners else self._counted(claims)
-        candidates = await self._later(counted, round, distrusted_digests)
+        candidates = await self._later(counted, search.round, search.distrusted_digests)
         # Orphaned: every recent partner is silent (or was caught serving a bad state).
         heard = set(claims) | {h for c in candidates for h in c.holders}
         live = (heard & self.evidence.witnesses.keys()) - distrusted
         orphaned = not self.evidence.fresh and not live
-        why = "the swarm is at round {target}, this peer at " + str(round)
-        if await self._try(
-            candidates, round, reference, distrusted, deadline, found, why, peak_lr, orphaned
-        ):
-            return found
+        why = "the swarm is at round {target}, this peer at " + str(search.round)
+        if await self._try(search, candidates, distrusted, why, orphaned):
+            return True
         if live and not live - found.distrusted:
             # The only partners still heard from just served states that failed the
             # checks: this peer is on its own now, and looks at what everyone claims.
             orphaned = True
             gone = distrusted | found.distrusted
-            heard_rest = {p: r for p, r in claims.items() if p not in gone}
-            rest = [
-                c
-                for c in await self._later(self._counted(heard_rest), round, distrusted_digests)
-                if not set(c.holders) <= gone
-            ]
-            retried = {(c.round, c.digest.hex()) for c in rest}
-            found.refused = [r for r in found.refused if (r.round, r.digest) not in retried]
+            rest = await self._beyond(search, claims, gone)
             candidates += rest
-            if await self._try(
-                rest, round, reference, gone, deadline, found, why, peak_lr, orphaned
-            ):
-                return found
+            if await self._try(search, rest, gone, why, orphaned):
+                return True
         backed = {
             h for c in candidates for h in c.holders if not self._unbacked_reason(c, orphaned)
         }
-        found.unbacked = {p for p, r in claims.items() if r > round + 2 and p not in backed}
-        if round == 0 or digest is None:
-            return found
+        found.unbacked = {p for p, r in claims.items() if r > search.round + 2 and p not in backed}
+        return False
+
+    async def _beyond(
+        self, search: _Search, claims: dict[str, int], gone: set[str]
+    ) -> list[Candidate]:
+        """The later states that peers other than ``gone`` claim, each held by someone not
+        gone; a refusal of one of them is taken back, since it is tried again."""
+        heard_rest = {p: r for p, r in claims.items() if p not in gone}
+        rest = [
+            c
+            for c in await self._later(
+                self._counted(heard_rest), search.round, search.distrusted_digests
+            )
+            if not set(c.holders) <= gone
+        ]
+        retried = {(c.round, c.digest.hex()) for c in rest}
+        found = search.found
+        found.refused = [r for r in found.refused if (r.round, r.digest) not in retried]
+        return rest
+
+    async def _find_majority(self, search: _Search, digest: bytes, distrusted: set[str]) -> None:
+        """Adopt another state of ``search.round`` than this peer's ``digest`` if its
+        partners back that one more, and it passes."""
+        round = search.round
         published = await self.digests_of(round)
         published.pop(self.me, None)
         own = (*(p for p, (d, _) in published.items() if d == digest), self.me)
@@ -258,7 +299,7 @@ class CatchUp:
         others = [
             c
             for c in self._candidates(round, published)
-            if c.digest != digest and c.digest not in distrusted_digests
+            if c.digest != digest and c.digest not in search.distrusted_digests
         ]
         ahead = []
         for c in sorted(others, key=lambda c: -self.evidence.support(c.holders)):
@@ -268,10 +309,9 @@ class CatchUp:
             if reason is None:
                 ahead.append(c)
             elif self.evidence.support(c.holders) > 0:
-                self._refuse(found, c, reason)  # strangers' digests are not worth a line
+                self._refuse(search.found, c, reason)  # strangers' digests are not worth a line
         why = f"this peer's partners back another state of round {round} than its own"
-        await self._try(ahead, round, reference, distrusted, deadline, found, why, peak_lr, False)
-        return found
+        await self._try(search, ahead, distrusted, why, False)
 
     async def _later(
         self, counted: list[int], round: int, distrusted_digests: frozenset[bytes]
@@ -360,16 +400,16 @@ class CatchUp:
 
     async def _try(
         self,
+        search: _Search,
         candidates: Sequence[Candidate],
-        round: int,
-        reference: Reference,
         distrusted: set[str],
-        deadline: Deadline,
-        found: Found,
         why: str,
-        peak_lr: Callable[[int], float | None] | None,
         orphaned: bool,
     ) -> bool:
+        """Adopt the first of ``candidates`` that is backed, plausible and passes the checks
+        once downloaded (``why``: the reason to give, ``{target}`` its round); refuse the
+        rest tried on the way."""
+        round, found, peak_lr = search.round, search.found, search.peak_lr
         adoption = self.config.adoption
         for c in self._order(candidates, orphaned):
             ahead = c.round - round
@@ -382,14 +422,14 @@ class CatchUp:
             if reason is not None:
                 self._refuse(found, c, reason)
                 continue
-            got = await self._download(c, donors, deadline, found)
+            got = await self._download(c, donors, search.deadline, found)
             if got is None:
                 continue
             lr = peak_lr(max(ahead, 0) + 2) if peak_lr is not None else None
             checked = check_state(
                 got.snapshot.tensors,
                 ahead=ahead,
-                reference=reference,
+                reference=search.reference,
                 evidence=self.evidence,
                 config=adoption,
                 lr=lr,

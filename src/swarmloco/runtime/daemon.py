@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,8 +29,9 @@ from swarmloco.train.fit import (
     measure_profile,
     peak_bf16_flops,
 )
-from swarmloco.train.inner import CompileMode, InnerLoop, Precision, evaluate
-from swarmloco.train.tasks import build_task_model, run_from_manifest
+from swarmloco.train.inner import CompileMode, InnerConfig, InnerLoop, Precision, evaluate
+from swarmloco.train.spec import DataSpec, GPTConfig, LlamaConfig
+from swarmloco.train.tasks import RunConfig, Task, build_task_model, run_from_manifest
 from swarmloco.train.tasks import model_config as model_config_of
 
 logger = logging.getLogger(__name__)
@@ -112,38 +114,15 @@ def train_task(
     In a ``box`` of several ranks (data parallel: DDP), rank 0 passes the manifest and its
     identity and is the peer; the other ranks pass None for both, get the manifest from
     rank 0, train the same loop on their own data, and return None."""
-    if box is not None and box.size > 1:
-        shared = box.share(manifest.to_bytes() if box.leader and manifest else None)
-        manifest = SwarmManifest.from_bytes(shared)
-    else:
-        box = None
-    assert manifest is not None
-    try:
-        task, model_config, data_spec, run = run_from_manifest(manifest)
-    except ValueError as exc:
-        if manifest.task == "custom":
-            raise SwarmlocoError(
-                f"swarm {manifest.swarm_id} trains a model defined in its creator's own script, "
-                "not a registered task: join it from that script (swarmloco.join)"
-            ) from exc
-        raise
-    inner = run.inner  # compile and precision are this peer's own choices
-    if config.compile is not None:
-        inner = dataclasses.replace(inner, compile=config.compile)
-    if config.precision is not None:
-        inner = dataclasses.replace(inner, precision=config.precision)
+    manifest, box = _shared_manifest(manifest, box)
+    task, model_config, data_spec, run = _task_of(manifest)
+    inner = _own_choices(run.inner, config)
     device = resolve_device(config.device)
     if box is not None and device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
-    model = build_task_model(task, model_config, run)
-    plain_model = model  # the module itself, whatever wraps it for training
-    if box is not None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(
-            model.to(device), device_ids=[device.index] if device.type == "cuda" else None
-        )
-    loop = InnerLoop(model, inner, device)
+    # The module itself, whatever wraps it for training.
+    plain_model = build_task_model(task, model_config, run)
+    loop = InnerLoop(_for_training(plain_model, device, box), inner, device)
     seq_len = int(model_config["seq_len"])
     fit = None
     if box is None and (device.type == "cuda" or config.memory_budget_gb is not None):
@@ -155,17 +134,6 @@ def train_task(
     peer = dataclasses.replace(
         config.peer, tokens_per_step=ranks * inner.batch_size * inner.grad_accum * seq_len
     )
-    precision = _PRECISION_NAMES[loop.amp_dtype]
-
-    def events(event: dict[str, Any]) -> None:
-        if event["event"] == "ready":
-            event["precision"] = precision
-            event["device"] = str(device)
-            event["micro_batch"] = inner.batch_size
-            event["grad_accum"] = inner.grad_accum
-            event["checkpointing"] = bool(fit and fit.checkpointing)
-        if on_event is not None:
-            on_event(event)
 
     def evaluate_global() -> float:
         # The training model's modules with the global weights in place of its own: no
@@ -174,25 +142,15 @@ def train_task(
         weights = {k: v.to(device) for k, v in swarm.global_parameters().items()}
         return evaluate(_WithWeights(plain_model, weights), evalset, device, loop.amp_dtype)
 
-    swarm: Swarm | BoxRank
-    if box is None or box.leader:
-        assert identity is not None
-        swarm = Swarm(
-            manifest,
-            loop.model,
-            loop.optimizer,
-            peer,
-            identity=identity,
-            on_event=events,
-            evaluate=evaluate_global,
-            box=box,
-        )
-        data_seed = swarm.data_seed
-    else:
-        swarm = BoxRank(box, loop.model, loop.optimizer)
-        data_seed = 0
-    if box is not None:
-        data_seed = box.share(data_seed) + box.rank  # each rank a stream of its own
+    swarm, data_seed = _peer(
+        manifest,
+        loop,
+        peer,
+        box,
+        identity=identity,
+        on_event=_telling_ready(on_event, _how_it_trains(loop, inner, device, fit)),
+        evaluate=evaluate_global,
+    )
     stream = BatchStream(
         data.train,
         seq_len=seq_len,
@@ -202,16 +160,141 @@ def train_task(
         worker=data_seed,
     )
     if isinstance(swarm, Swarm):
-        shape = model_config_of(task.name, model_config)
-        swarm.describe_compute(
-            fit=fit.short() if fit is not None else "",
-            flops_per_token=shape.flops_per_token() if shape is not None else None,
-            peak_flops=peak_bf16_flops(device) if loop.amp_dtype is not None else None,
-        )
+        _describe_compute(swarm, model_config_of(task.name, model_config), fit, device, loop)
     swarm.register("inner", _LoopState(loop))
     swarm.register("data", stream)
     loop.lr_step = lambda: swarm.global_step  # the learning rate follows the swarm
     swarm.lr_at = inner.lr_at  # and the swarm knows the schedule (to judge downloads)
+    _train(swarm, loop, stream, box)
+    return swarm.summary if isinstance(swarm, Swarm) else None
+
+
+def _shared_manifest(
+    manifest: SwarmManifest | None, box: Box | None
+) -> tuple[SwarmManifest, Box | None]:
+    """The manifest every rank of a box of several trains (rank 0's), and the box; a box
+    of one rank is no box."""
+    if box is not None and box.size > 1:
+        shared = box.share(manifest.to_bytes() if box.leader and manifest else None)
+        manifest = SwarmManifest.from_bytes(shared)
+    else:
+        box = None
+    assert manifest is not None
+    return manifest, box
+
+
+def _task_of(manifest: SwarmManifest) -> tuple[Task, dict[str, Any], DataSpec, RunConfig]:
+    """The registered task ``manifest`` trains, with its model, data and run."""
+    try:
+        return run_from_manifest(manifest)
+    except ValueError as exc:
+        if manifest.task == "custom":
+            raise SwarmlocoError(
+                f"swarm {manifest.swarm_id} trains a model defined in its creator's own script, "
+                "not a registered task: join it from that script (swarmloco.join)"
+            ) from exc
+        raise
+
+
+def _own_choices(inner: InnerConfig, config: DaemonConfig) -> InnerConfig:
+    """The run's inner loop with this peer's own choices of compile and precision."""
+    if config.compile is not None:
+        inner = dataclasses.replace(inner, compile=config.compile)
+    if config.precision is not None:
+        inner = dataclasses.replace(inner, precision=config.precision)
+    return inner
+
+
+def _for_training(model: torch.nn.Module, device: torch.device, box: Box | None) -> torch.nn.Module:
+    """``model`` as it trains: itself, or wrapped in DDP across the ranks of ``box``."""
+    if box is None:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        model.to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
+
+
+def _peer(
+    manifest: SwarmManifest,
+    loop: InnerLoop,
+    peer: PeerConfig,
+    box: Box | None,
+    *,
+    identity: Identity | None,
+    on_event: EventSink,
+    evaluate: Callable[[], float],
+) -> tuple[Swarm | BoxRank, int]:
+    """This rank's side of the peer and the worker id of its data stream: rank 0 (or a
+    peer alone) is the :class:`Swarm`, the other ranks of a box follow it; in a box, each
+    rank reads a stream of its own."""
+    swarm: Swarm | BoxRank
+    if box is None or box.leader:
+        assert identity is not None
+        swarm = Swarm(
+            manifest,
+            loop.model,
+            loop.optimizer,
+            peer,
+            identity=identity,
+            on_event=on_event,
+            evaluate=evaluate,
+            box=box,
+        )
+        data_seed = swarm.data_seed
+    else:
+        swarm = BoxRank(box, loop.model, loop.optimizer)
+        data_seed = 0
+    if box is not None:
+        data_seed = box.share(data_seed) + box.rank  # each rank a stream of its own
+    return swarm, data_seed
+
+
+def _how_it_trains(
+    loop: InnerLoop, inner: InnerConfig, device: torch.device, fit: Fit | None
+) -> dict[str, Any]:
+    """What the ``ready`` event tells of this peer's training: precision, device, the
+    micro-batch and accumulation, activation checkpointing."""
+    return {
+        "precision": _PRECISION_NAMES[loop.amp_dtype],
+        "device": str(device),
+        "micro_batch": inner.batch_size,
+        "grad_accum": inner.grad_accum,
+        "checkpointing": bool(fit and fit.checkpointing),
+    }
+
+
+def _telling_ready(on_event: EventSink | None, ready: dict[str, Any]) -> EventSink:
+    """``on_event`` with the ``ready`` event also telling how this peer trains."""
+
+    def events(event: dict[str, Any]) -> None:
+        if event["event"] == "ready":
+            event.update(ready)
+        if on_event is not None:
+            on_event(event)
+
+    return events
+
+
+def _describe_compute(
+    swarm: Swarm,
+    shape: GPTConfig | LlamaConfig | None,
+    fit: Fit | None,
+    device: torch.device,
+    loop: InnerLoop,
+) -> None:
+    """Tell the swarm how this peer's step is fitted and what it computes (for its MFU)."""
+    swarm.describe_compute(
+        fit=fit.short() if fit is not None else "",
+        flops_per_token=shape.flops_per_token() if shape is not None else None,
+        peak_flops=peak_bf16_flops(device) if loop.amp_dtype is not None else None,
+    )
+
+
+def _train(swarm: Swarm | BoxRank, loop: InnerLoop, stream: BatchStream, box: Box | None) -> None:
+    """Train until the peer is asked to stop; a step that meets NaN/Inf is discarded (by
+    every rank of a box, or none)."""
     batches = iter(stream)
     with swarm:
         while not swarm.stopping:
@@ -226,7 +309,6 @@ def train_task(
                 swarm.discard_local(failed)
                 continue
             swarm.log(loss=loss)
-    return swarm.summary if isinstance(swarm, Swarm) else None
 
 
 def fit_batch(

@@ -97,18 +97,7 @@ class SwarmNetwork:
         self.node = NetNode(identity=identity, config=receiving(config.node, averaging.codec))
         if admission is not None:
             self.node.dht.admit(admission)
-        self.matchmaker = Matchmaker(
-            identity=identity,
-            dht=self.node.dht,
-            client=self.node.client,
-            swarm_id=self.swarm_id,
-            config=matchmaking_config(config),
-            faults=faults,
-            admission=admission,
-            peer_records=True,
-            clock=self.node.dht.clock,  # declarations are dated in the swarm's time
-            partners=lambda: evidence.witnesses.keys(),
-        )
+        self.matchmaker = self._matchmaker(evidence, faults, admission)
         limiter = BandwidthLimiter(config.bandwidth) if config.bandwidth is not None else None
         self.averager = Averager(
             identity=identity,
@@ -122,28 +111,11 @@ class SwarmNetwork:
         """What the donor serves (the peer sets it before entering)."""
         self.previous_snapshot: Callable[[], StateSnapshot | None] = lambda: None
         """The snapshot before it, served to whoever asks for that round."""
-        self.donor = StateDonor(
-            identity=identity,
-            config=config.donor,
-            snapshot=lambda: self.snapshot(),
-            previous=lambda: self.previous_snapshot(),
-            limiter=limiter,
-            admission=admission,
-        )
+        self.donor = self._donor(limiter, admission)
         if self.node.server is not None:
             self.node.server.add_service(averaging_service(self.matchmaker, self.averager))
             self.node.server.add_service(state_service(self.donor))
-        self.catchup = CatchUp(
-            me=self.peer_id,
-            swarm_id=self.swarm_id,
-            dht=self.node.dht,
-            client=self.node.client,
-            schema=schema,
-            evidence=evidence,
-            config=config.catchup,
-            rejections=self.node.dht.rejections,
-            requester=Requester(identity, admission.own_bytes) if admission is not None else None,
-        )
+        self.catchup = self._catchup(schema, evidence, admission)
         self.progress: Provider = dict
         """This peer's ``progress`` value (set by the peer before entering)."""
         self.status: Provider = dict
@@ -165,6 +137,53 @@ class SwarmNetwork:
         """The late round whose formed mark was read at least once."""
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
+
+    def _matchmaker(
+        self, evidence: Evidence, faults: FaultPlan | None, admission: Gate | None
+    ) -> Matchmaker:
+        """Matchmaking for this peer, in the swarm's time and among the swarm's announced
+        peers; once it has partners (``evidence``'s witnesses), only they may lead it."""
+        return Matchmaker(
+            identity=self.identity,
+            dht=self.node.dht,
+            client=self.node.client,
+            swarm_id=self.swarm_id,
+            config=matchmaking_config(self.config),
+            faults=faults,
+            admission=admission,
+            peer_records=True,
+            clock=self.node.dht.clock,  # declarations are dated in the swarm's time
+            partners=lambda: evidence.witnesses.keys(),
+        )
+
+    def _donor(self, limiter: BandwidthLimiter | None, admission: Gate | None) -> StateDonor:
+        """The donor of this peer's state: whatever ``snapshot`` and ``previous_snapshot``
+        give when asked (the peer sets them after construction)."""
+        return StateDonor(
+            identity=self.identity,
+            config=self.config.donor,
+            snapshot=lambda: self.snapshot(),
+            previous=lambda: self.previous_snapshot(),
+            limiter=limiter,
+            admission=admission,
+        )
+
+    def _catchup(self, schema: StateSchema, evidence: Evidence, admission: Gate | None) -> CatchUp:
+        """Catch-up through this peer's node, its download requests signed as a member
+        when the swarm is private."""
+        return CatchUp(
+            me=self.peer_id,
+            swarm_id=self.swarm_id,
+            dht=self.node.dht,
+            client=self.node.client,
+            schema=schema,
+            evidence=evidence,
+            config=self.config.catchup,
+            rejections=self.node.dht.rejections,
+            requester=Requester(self.identity, admission.own_bytes)
+            if admission is not None
+            else None,
+        )
 
     @property
     def endpoint(self) -> str:

@@ -245,80 +245,32 @@ def diloco_arm(
     the all-reduce would (``exchange_mean``). The same :class:`DilocoState` and schedule as
     a real peer's; ``evaluate`` scores the global model. ``liars``: the last workers send
     ``attack`` each round instead of their update (:func:`lie`)."""
-    signature = signature_of(
-        template, fragments=spec.fragments, block_size=spec.codec.block_size, layer_unit=layer_unit
+    outer = _SimulatedOuter(
+        spec,
+        template,
+        workers,
+        evaluate,
+        exchange=exchange,
+        layer_unit=layer_unit,
+        liars=liars,
+        attack=attack,
     )
-    layout = signature.layout(spec.codec.block_size)
-    codec = settle_backend(spec.codec, layout.numel)  # as a peer settles it
-    state = DilocoState(layout, spec.outer, codec)
-    state.set_global(parameters_in_order(template, signature.params))
-    params = [parameters_in_order(w.model, signature.params) for w in workers]
     schedule = FragmentSchedule(spec.streaming)
-    feedback = None
-    if exchange == "int8" and codec.error_feedback:
-        feedback = [
-            [ErrorFeedback(b - a, codec) for _ in workers] for a, b in state.layout.fragment_ranges
-        ]
-    eval_model = copy.deepcopy(template).to(next(workers[0].model.parameters()).device)
-    eval_params = parameters_in_order(eval_model, signature.params)
-
-    def eval_global() -> float:
-        state.layout.scatter(state.theta_g, eval_params)
-        return evaluate(eval_model)
-
-    scratch = [state.layout.zeros() for _ in workers]
-    last_start = [0] * state.fragments
-    wire = 0
-
-    def sync(fragment: int) -> None:
-        nonlocal wire
-        deltas = [
-            state.delta(fragment, p, out=state.layout.fragment(buf, fragment))
-            for p, buf in zip(params, scratch, strict=True)
-        ]
-        weights = [1.0] * len(workers)  # equal tokens per worker in a simulation
-        if liars:
-            aggregator = spec.averaging_aggregator or AggregatorConfig()
-            deltas, weights = lie(deltas, liars, attack, aggregator.norm_clip)
-        mean = exchange_mean(
-            deltas,
-            weights,
-            exchange,
-            codec,
-            feedback[fragment] if feedback else None,
-            aggregator=spec.averaging_aggregator,
-        )
-        state.apply(fragment, state.round + 1, mean)
-        n = mean.numel()
-        wire += codec.wire_bytes(n) if exchange == "int8" else 4 * n
-
-    def land(fragment: int) -> None:
-        for p in params:
-            state.land(fragment, p, spec.alpha)
-
-    curve: list[tuple[int, float]] = [(0, eval_global())]
+    curve: list[tuple[int, float]] = [(0, outer.evaluate())]
     bar = Progress(steps, label, enabled=progress)
     started = time.monotonic()
     loss = float("nan")
     for step in range(1, steps + 1):
         loss = sum(w.step() for w in workers) / len(workers)
         for f in schedule.starts_after(step):
-            sync(f)
-            last_start[f] = step
+            outer.start(f, step)
         for f in schedule.lands_after(step):
-            land(f)
+            outer.land(f)
         if step % eval_every == 0 and step < steps:
-            curve.append((step, eval_global()))
+            curve.append((step, outer.evaluate()))
         bar.update(1, loss=loss, eval=curve[-1][1])
-    # Finish: sync every fragment that trained since its last sync, so that the global
-    # model holds the workers' last steps. A fragment whose exchange is still in flight
-    # (started less than tau steps ago) is already in theta_g: syncing it again would count
-    # the outer step twice.
-    for f in range(state.fragments):
-        in_flight = last_start[f] > 0 and last_start[f] + spec.delay > steps
-        if last_start[f] < steps and not in_flight:
-            sync(f)
-    final = eval_global()
+    outer.finish(steps)
+    final = outer.evaluate()
     curve.append((steps, final))
     bar.update(0, loss=loss, eval=final)
     bar.close()
@@ -329,10 +281,105 @@ def diloco_arm(
         final_train_loss=loss,
         tokens=len(workers) * steps * tokens_per_step,
         seconds=time.monotonic() - started,
-        outer_rounds=state.round,
-        bytes_per_worker=wire,
-        final_model=eval_model,
+        outer_rounds=outer.state.round,
+        bytes_per_worker=outer.wire,
+        final_model=outer.eval_model,
     )
+
+
+class _SimulatedOuter:
+    """The outer side of a simulated swarm: the global model in the same
+    :class:`DilocoState` as a real peer's, each worker's parameters, the exchange as the
+    all-reduce would compute it (the last ``liars`` workers sending ``attack``, as
+    :func:`lie` says), and the bytes one worker sent."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        template: nn.Module,
+        workers: Sequence[SimWorker],
+        evaluate: Callable[[nn.Module], float],
+        *,
+        exchange: Exchange,
+        layer_unit: LayerUnit,
+        liars: int,
+        attack: Attack,
+    ) -> None:
+        signature = signature_of(
+            template,
+            fragments=spec.fragments,
+            block_size=spec.codec.block_size,
+            layer_unit=layer_unit,
+        )
+        layout = signature.layout(spec.codec.block_size)
+        self.spec = spec
+        self.exchange = exchange
+        self.codec = settle_backend(spec.codec, layout.numel)  # as a peer settles it
+        self.state = DilocoState(layout, spec.outer, self.codec)
+        self.state.set_global(parameters_in_order(template, signature.params))
+        self.params = [parameters_in_order(w.model, signature.params) for w in workers]
+        self.feedback: list[list[ErrorFeedback]] | None = None
+        if exchange == "int8" and self.codec.error_feedback:
+            self.feedback = [
+                [ErrorFeedback(b - a, self.codec) for _ in workers]
+                for a, b in self.state.layout.fragment_ranges
+            ]
+        self.eval_model = copy.deepcopy(template).to(next(workers[0].model.parameters()).device)
+        self._eval_params = parameters_in_order(self.eval_model, signature.params)
+        self._evaluate = evaluate
+        self._scratch = [self.state.layout.zeros() for _ in workers]
+        self._last_start = [0] * self.state.fragments
+        self._liars = liars
+        self._attack = attack
+        self.wire = 0
+
+    def evaluate(self) -> float:
+        """The global model's score."""
+        self.state.layout.scatter(self.state.theta_g, self._eval_params)
+        return self._evaluate(self.eval_model)
+
+    def start(self, fragment: int, step: int) -> None:
+        """Exchange ``fragment`` after ``step`` and take the outer step on it."""
+        self._sync(fragment)
+        self._last_start[fragment] = step
+
+    def land(self, fragment: int) -> None:
+        """Every worker takes in the global ``fragment`` (mixed by alpha)."""
+        for p in self.params:
+            self.state.land(fragment, p, self.spec.alpha)
+
+    def finish(self, steps: int) -> None:
+        """Sync every fragment that trained since its last sync, so that the global model
+        holds the workers' last steps."""
+        # A fragment whose exchange is still in flight (started less than tau steps ago) is
+        # already in theta_g: syncing it again would count the outer step twice.
+        for f in range(self.state.fragments):
+            started = self._last_start[f]
+            in_flight = started > 0 and started + self.spec.delay > steps
+            if started < steps and not in_flight:
+                self._sync(f)
+
+    def _sync(self, fragment: int) -> None:
+        state = self.state
+        deltas = [
+            state.delta(fragment, p, out=state.layout.fragment(buf, fragment))
+            for p, buf in zip(self.params, self._scratch, strict=True)
+        ]
+        weights = [1.0] * len(self.params)  # equal tokens per worker in a simulation
+        if self._liars:
+            aggregator = self.spec.averaging_aggregator or AggregatorConfig()
+            deltas, weights = lie(deltas, self._liars, self._attack, aggregator.norm_clip)
+        mean = exchange_mean(
+            deltas,
+            weights,
+            self.exchange,
+            self.codec,
+            self.feedback[fragment] if self.feedback else None,
+            aggregator=self.spec.averaging_aggregator,
+        )
+        state.apply(fragment, state.round + 1, mean)
+        n = mean.numel()
+        self.wire += self.codec.wire_bytes(n) if self.exchange == "int8" else 4 * n
 
 
 def sync_arm(
@@ -576,26 +623,9 @@ def simulate(
     torch.manual_seed(spec.seed)
     template = model()
 
-    def stepper(net: nn.Module, streams: list[Any]) -> Callable[[], float]:
-        opt = optimizer(net)
-        sched = scheduler(opt) if scheduler is not None else None
-
-        def step() -> float:
-            opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for stream in streams:
-                value = loss(net, next(stream)) / len(streams)
-                value.backward()
-                total += float(value.detach())
-            if grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
-            opt.step()
-            if sched is not None:
-                sched.step()
-            return total
-
-        return step
-
+    stepper = functools.partial(
+        _stepper, optimizer=optimizer, loss=loss, scheduler=scheduler, grad_clip=grad_clip
+    )
     sims = []
     for i in range(workers):
         net = copy.deepcopy(template)
@@ -626,3 +656,34 @@ def simulate(
             progress=progress,
         )
     return SimulationResult(diloco, sync)
+
+
+def _stepper(
+    net: nn.Module,
+    streams: list[Any],
+    *,
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    loss: Callable[[nn.Module, Any], torch.Tensor],
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None,
+    grad_clip: float,
+) -> Callable[[], float]:
+    """One optimizer step of ``net`` on a batch of each of ``streams`` (their mean loss),
+    with an optimizer and scheduler of its own."""
+    opt = optimizer(net)
+    sched = scheduler(opt) if scheduler is not None else None
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for stream in streams:
+            value = loss(net, next(stream)) / len(streams)
+            value.backward()
+            total += float(value.detach())
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        return total
+
+    return step
