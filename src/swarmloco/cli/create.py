@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from swarmloco.cli.box import _box_launch, _box_rank
 from swarmloco.cli.common import (
     _add_data_dir_option,
     _add_data_options,
@@ -16,7 +17,7 @@ from swarmloco.cli.common import (
     _model_overrides,
     run_async,
 )
-from swarmloco.cli.peer import _add_peer_run_options, _box_launch, _box_rank, _run_peer
+from swarmloco.cli.peer import _add_peer_run_options, _run_peer
 
 
 def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -7,8 +7,9 @@ import json
 import logging
 from typing import Any
 
+from swarmloco.cli.box import _box_launch, _box_rank
 from swarmloco.cli.common import _add_data_dir_option, _add_peer_option, _fetch_manifest
-from swarmloco.cli.peer import _add_peer_run_options, _box_launch, _box_rank, _run_peer
+from swarmloco.cli.peer import _add_peer_run_options, _run_peer
 
 
 def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,5 +1,5 @@
-"""The options of a training peer (`create` and `join`), the box of ranks it may launch,
-and the peer's run."""
+"""The options of a training peer (`create` and `join`) and the peer's run (a box of ranks
+is `cli/box.py`'s)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 from typing import Any
 
+from swarmloco.cli.box import _box_rank, _init_box, _leave_process_group
 from swarmloco.cli.common import (
     _add_tls_options,
     _matchmaking_default,
@@ -210,72 +210,6 @@ def _add_round_options(g: argparse._ArgumentGroup) -> None:
     )
 
 
-def _box_launch(args: argparse.Namespace) -> int | None:
-    """With --nproc-per-node N > 1: run this same command as N ranks (the environment of a
-    torch.distributed launch: RANK, WORLD_SIZE, MASTER_ADDR/PORT on this machine) and
-    return the box's exit code; None inside a rank (or for one process).
-
-    SIGINT/SIGTERM go to rank 0, which stops every rank at a step's end, checkpoints the
-    box and leaves. A rank that fails stops the others (SIGTERM, then SIGKILL after
-    30 s): the box's peer leaves the swarm, and the box resumes from its checkpoint."""
-    if args.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
-    if args.nproc_per_node == 1 or "RANK" in os.environ:
-        return None
-    if getattr(args, "no_train", False):
-        raise ValueError("--no-train trains nothing: leave out --nproc-per-node")
-    import signal
-    import socket
-
-    n = args.nproc_per_node
-    with socket.socket() as s:  # a free port for the box's rendezvous, on loopback
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    command = [sys.executable, "-m", "swarmloco.cli", *args.argv]
-    ranks = [
-        subprocess.Popen(command, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)})
-        for r in range(n)
-    ]
-    logging.getLogger("swarmloco.box").info("started %d ranks (rank 0 is the peer)", n)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda signum, _frame: ranks[0].send_signal(signum))
-    by_pid = {p.pid: p for p in ranks}
-    code = 0
-    while by_pid:
-        pid, status = os.waitpid(-1, 0)
-        rank = by_pid.pop(pid, None)
-        if rank is None:
-            continue
-        rank.returncode = os.waitstatus_to_exitcode(status)
-        if rank.returncode != 0 and code == 0:
-            code = rank.returncode if rank.returncode > 0 else 128 - rank.returncode
-            logging.getLogger("swarmloco.box").error(
-                "rank %d exited with %d: stopping the box", ranks.index(rank), rank.returncode
-            )
-            for other in by_pid.values():
-                other.terminate()
-            _reap(by_pid, grace_s=30.0)
-            break
-    return code
-
-
-def _reap(ranks: dict[int, subprocess.Popen[bytes]], *, grace_s: float) -> None:
-    """Wait for ``ranks`` to exit; SIGKILL those still running after ``grace_s``."""
-    for p in ranks.values():
-        try:
-            p.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _box_rank() -> int:
-    """This process's rank in a box (0 outside one)."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
     """Train as a peer of ``manifest`` until stopped (SIGINT/SIGTERM), the run's end or
     --max-rounds. In a box's rank other than 0, ``manifest`` is None (rank 0 sends it)."""
@@ -372,31 +306,3 @@ def _log_summary(summary: Any) -> None:
         summary.downloads,
         f": {summary.stopped_because}" if summary.stopped_because else "",
     )
-
-
-def _leave_process_group() -> None:
-    """Destroy the box's process group once nothing holds it (the model's DDP wrapper, the
-    box): its communication threads are joined now, while the interpreter runs. Left to
-    exit, one of them may free its last work object during finalization and abort the
-    process (std::terminate), failing a box that stopped cleanly."""
-    import gc
-
-    import torch.distributed as dist
-
-    gc.collect()
-    dist.destroy_process_group()
-
-
-def _init_box(device: str) -> Any:
-    """Join this torchrun rank's process group (NCCL on GPUs, gloo on CPUs); the box."""
-    import torch
-    import torch.distributed as dist
-
-    from swarmloco.runtime.box import Box
-
-    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
-    return Box()
