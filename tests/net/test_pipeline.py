@@ -4,10 +4,13 @@ survives a dead replica, and what a hostile caller sends is refused and counted.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import random
+import statistics
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -18,7 +21,7 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
-from swarmloco.pipeline.replica import StageReplica
+from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
 from swarmloco.pipeline.service import BACKWARD, FORWARD, StageService
 from swarmloco.pipeline.stages import GPTStage, gpt_stages, split_evenly
 from swarmloco.pipeline.wire import Boundary, pack
@@ -37,10 +40,12 @@ def batch(seed: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def service_of(module: GPTStage, stage: int, stages: int, encoding: str) -> StageService:
+def service_of(
+    module: GPTStage, stage: int, stages: int, encoding: str, replica: StageReplica | None = None
+) -> StageService:
     last = stage == stages - 1
     return StageService(
-        StageReplica(module, first=False, last=last),
+        replica or StageReplica(module, first=False, last=last),
         swarm_id=SWARM,
         stage=stage,
         inputs=ACTS,
@@ -137,8 +142,8 @@ async def test_three_stages_over_int8_send_a_quarter_of_the_bytes_at_a_small_los
 
 async def test_a_dead_replica_costs_a_retry_and_each_micro_batch_is_applied_once():
     class FirstDrawn(random.Random):
-        def choice(self, seq):  # the dead replica is listed first
-            return seq[0]
+        def choices(self, population, weights=None, **_):  # the dead replica is listed first
+            return [population[0]]
 
     local, remote = gpt_stages(CONFIG, 2, seed=3)
     first = StageReplica(local, first=True, last=False)
@@ -211,3 +216,70 @@ async def test_hostile_activations_and_calls_are_refused_and_counted():
         "unknown": 1,
     }
     assert sum(service.rejections.counts.values()) == 9
+
+
+class Slowed(torch.nn.Module):
+    """A stage whose every forward takes ``delay`` seconds more (a slower machine)."""
+
+    def __init__(self, stage: GPTStage, delay: float) -> None:
+        super().__init__()
+        self.stage, self.delay = stage, delay
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        time.sleep(self.delay)
+        return self.stage(x, targets)
+
+
+def counting(seed: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences that count up from a random start: a pattern a tiny model learns fast."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, CONFIG.vocab_size, (n, 1), generator=g)
+    tokens = (start + torch.arange(CONFIG.seq_len + 1)) % CONFIG.vocab_size
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+async def test_two_drivers_train_through_a_fast_and_a_slow_replica_each_micro_batch_once():
+    """Stage 1 has two replicas, one slowed by 30 ms a forward; two stage-0 peers drive
+    micro-batches at once. The replicas step every 8 sequences on their own; the loss
+    falls; the fast replica takes most micro-batches; each is applied exactly once."""
+    heads = [gpt_stages(CONFIG, 2, seed=5)[1] for _ in range(2)]
+    replicas = [
+        StageReplica(
+            Slowed(head, delay) if delay else head,
+            first=False,
+            last=True,
+            optimizer=torch.optim.AdamW(head.parameters(), lr=3e-3),
+            config=ReplicaConfig(step_samples=8),
+        )
+        for head, delay in zip(heads, (0.0, 0.03), strict=True)
+    ]
+    services = [service_of(h, 1, 2, "int8", r) for h, r in zip(heads, replicas, strict=True)]
+    firsts = []
+    for _ in range(2):
+        stage0 = gpt_stages(CONFIG, 2, seed=5)[0]
+        firsts.append(
+            StageReplica(
+                stage0,
+                first=True,
+                last=False,
+                optimizer=torch.optim.AdamW(stage0.parameters(), lr=3e-3),
+                config=ReplicaConfig(step_samples=8),
+            )
+        )
+    losses: list[list[float]] = [[], []]
+    async with pipeline([services], firsts[0]) as (one, endpoints):
+        two = Driver(one.client, firsts[1], swarm_id=SWARM, replicas=endpoints,
+                     boundaries=[ACTS], ids=IDS)  # fmt: skip
+
+        async def drive(driver: Driver, k: int) -> None:
+            for i in range(24):
+                trace = await driver.run(*counting(100 * k + i))
+                losses[k].append(trace.loss)
+
+        await asyncio.gather(drive(one, 0), drive(two, 1))
+    fast, slow = replicas
+    assert fast.served + slow.served == 48 == sum(f.served for f in firsts)
+    assert fast.served > 2 * slow.served, (fast.served, slow.served)
+    assert fast.steps >= 2 and all(f.steps >= 2 for f in firsts)
+    for mine in losses:
+        assert statistics.mean(mine[-4:]) < statistics.mean(mine[:4]) - 0.3, mine  # nats

@@ -3,6 +3,9 @@ against the weights its forward used, the step refused while a micro-batch is in
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -70,3 +73,30 @@ def test_no_step_while_a_micro_batch_is_between_its_forward_and_backward():
     assert r.step(opt) == 2
     torch.testing.assert_close(module.weight.detach(), before - 0.1 * grad)
     assert module.weight.grad is None and r.micro_batches == 0
+
+
+def test_a_due_step_waits_for_the_micro_batches_in_flight_and_holds_new_forwards():
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    r = StageReplica(module, first=False, last=False, optimizer=opt,
+                     config=ReplicaConfig(step_samples=4, inflight_s=30.0))  # fmt: skip
+    x = torch.randn(2, 4)
+    for name in (b"a" * 16, b"b" * 16, b"c" * 16):
+        r.forward(name, x)
+    r.backward(b"a" * 16, torch.ones(2, 4))
+    r.backward(b"b" * 16, torch.ones(2, 4))  # 4 sequences: due, but c is in flight
+    assert r.steps == 0 and r.micro_batches == 2
+    before = module.weight.detach().clone()
+    seen: list[torch.Tensor] = []
+    late = threading.Thread(target=lambda: seen.append(r.forward(b"d" * 16, x)))
+    late.start()
+    deadline = time.monotonic() + 30
+    while r.waiting == 0 and late.is_alive() and time.monotonic() < deadline:
+        late.join(timeout=0.01)  # until the forward is parked on the due step
+    assert r.waiting == 1 and not seen  # held until the step is taken
+    r.backward(b"c" * 16, torch.ones(2, 4))  # the last one back: the step happens
+    late.join(timeout=30)
+    assert not late.is_alive() and r.steps == 1 and r.micro_batches == 0
+    assert not torch.equal(module.weight, before)
+    torch.testing.assert_close(seen[0], module(x).detach())  # the new weights

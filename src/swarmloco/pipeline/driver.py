@@ -7,13 +7,17 @@ to stage 1, and ends with stage 0's own backward. A forward hop that fails, is r
 misses its deadline goes to another replica of the same stage (nothing was applied
 anywhere yet); a backward hop that fails abandons the micro-batch below it (the stages
 above keep the gradients they added: true gradients of its loss). A replica that failed is
-not drawn again for ``shun_s``. Which replica takes a hop is drawn at random among the
-others for now; by measured throughput and queue is to come.
+not drawn again for ``shun_s``. Which replica takes a hop is drawn with probability
+proportional to ``rate / (1 + calls in flight)``: the rate is what this driver measured of
+the replica (sequences per second of its forward calls, an exponential average), and a
+replica never measured is taken to be as fast as the fastest measured, so that it is tried
+(the ``stage-load`` records of the swarm are to come).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import os
 import random
@@ -55,6 +59,24 @@ class Trace:
     bytes_sent: int = 0
 
 
+class HopStats:
+    """What a driver measured of each replica: its rate and the calls to it in flight."""
+
+    def __init__(self) -> None:
+        self.rate: dict[str, float] = {}
+        """Sequences per second of its forward calls (an exponential average)."""
+        self.busy: collections.Counter[str] = collections.Counter()
+
+    def weight(self, endpoint: str) -> float:
+        rate = self.rate.get(endpoint) or max(self.rate.values(), default=1.0)
+        return rate / (1 + self.busy[endpoint])
+
+    def measured(self, endpoint: str, sequences: int, seconds: float) -> None:
+        rate = sequences / max(seconds, 1e-6)
+        old = self.rate.get(endpoint)
+        self.rate[endpoint] = rate if old is None else 0.8 * old + 0.2 * rate
+
+
 class Driver:
     """See the module. ``replicas[k - 1]``: the endpoints of stage k's replicas (k >= 1);
     ``boundaries[k]``: what crosses into stage k + 1 (activations); ``ids``: what stage 0
@@ -81,6 +103,7 @@ class Driver:
         self.config = config or DriverConfig()
         self.rng = rng or random.Random()
         self.shunned: dict[str, float] = {}
+        self.stats = HopStats()
 
     async def run(self, x: torch.Tensor, targets: torch.Tensor) -> Trace:
         """One micro-batch, forward and backward: its loss and path."""
@@ -139,16 +162,22 @@ class Driver:
                     f"no replica of stage {stage} took the micro-batch: " + "; ".join(errors)
                 )
             tried.add(endpoint)
+            started = time.monotonic()
+            self.stats.busy[endpoint] += 1
             try:
                 answer = await self._call(endpoint, FORWARD, request)
                 if answer.WhichOneof("outcome") == "refused":
                     raise Rejection(answer.refused.code, answer.refused.reason)
+                sequences = int(request.input.shape[0]) if request.input.shape else 1
+                self.stats.measured(endpoint, sequences, time.monotonic() - started)
                 return endpoint, answer
             except (RpcError, Rejection) as exc:
                 errors.append(f"{endpoint}: {exc}")
                 if not (isinstance(exc, Rejection) and exc.code == "busy"):
                     self.shunned[endpoint] = time.monotonic() + self.config.shun_s
                 trace.retries += 1
+            finally:
+                self.stats.busy[endpoint] -= 1
 
     def _draw(self, stage: int, tried: set[str]) -> str | None:
         now = time.monotonic()
@@ -157,7 +186,9 @@ class Driver:
             for e in self.replicas[stage - 1]
             if e not in tried and self.shunned.get(e, 0.0) <= now
         ]
-        return self.rng.choice(fresh) if fresh else None
+        if not fresh:
+            return None
+        return self.rng.choices(fresh, weights=[self.stats.weight(e) for e in fresh])[0]
 
     async def _call(self, endpoint: str, method: Method[Req, Resp], request: Req) -> Resp:
         return await self.client.call(

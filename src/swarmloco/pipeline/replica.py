@@ -6,10 +6,13 @@ it, and its gradient accumulator (``docs/DESIGN.md`` section 10).
 autograd from that input, adds the parameters' gradients to their ``.grad`` (the
 accumulator) and returns the gradient with respect to the input. So a replica holds the
 inputs of its micro-batches in flight, never their activations, and each backward runs
-against the weights its forward used: :meth:`StageReplica.step` refuses while any
-micro-batch is between its forward and its backward. A retried backward (its reply was
-lost) is answered again from the last results kept, never added twice. One compute runs at
-a time (the accumulator is shared).
+against the weights its forward used: a replica given an optimizer and ``step_samples``
+steps once it has accumulated that many sequences, at the backward that leaves no
+micro-batch in flight; forwards that come while the step is due wait for it (at most
+``inflight_s``, the time in-flight micro-batches take to come back or expire), so the
+weights never change under a micro-batch. A retried backward (its reply was lost) is
+answered again from the last results kept, never added twice. One compute runs at a time
+(the accumulator is shared).
 """
 
 from __future__ import annotations
@@ -35,11 +38,15 @@ class ReplicaConfig:
     """A micro-batch whose backward has not come by then is dropped (its driver gave up)."""
     kept_results: int = 64
     """Backward results kept to answer a retried call again."""
+    step_samples: int = 0
+    """Sequences accumulated before the replica steps its optimizer (0: the owner calls
+    :meth:`StageReplica.step` itself)."""
 
     def __post_init__(self) -> None:
         require_int("max_inflight", self.max_inflight, minimum=1)
         require_positive("inflight_s", self.inflight_s)
         require_int("kept_results", self.kept_results, minimum=1)
+        require_int("step_samples", self.step_samples, minimum=0)
 
 
 @dataclasses.dataclass
@@ -61,23 +68,34 @@ class StageReplica:
         first: bool,
         last: bool,
         config: ReplicaConfig | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.module = module
         self.first, self.last = first, last
         self.config = config or ReplicaConfig()
+        if self.config.step_samples and optimizer is None:
+            raise ValueError("a replica that steps on its own (step_samples) needs an optimizer")
+        self.optimizer = optimizer
         self.clock = clock
         self._held: collections.OrderedDict[bytes, _Held] = collections.OrderedDict()
         self._results: collections.OrderedDict[bytes, torch.Tensor | None] = (
             collections.OrderedDict()
         )
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self.micro_batches = 0
         """Micro-batches whose gradients are in the accumulator."""
         self.samples = 0
         """Their sequences."""
         self.dropped = 0
         """Micro-batches dropped at their deadline (their backward never came)."""
+        self.steps = 0
+        """Optimizer steps this replica took on its own."""
+        self.served = 0
+        """Micro-batches whose backward it ran, since it started."""
+        self.waiting = 0
+        """Forwards waiting for a due step now."""
+        self._due = False  # a step is due: forwards wait until it is taken
 
     @property
     def inflight(self) -> int:
@@ -90,7 +108,7 @@ class StageReplica:
         if self.last and targets is None:
             raise Rejection("malformed", "the last stage needs the targets")
         with self._lock:
-            self._expire()
+            self._wait_for_a_due_step()
             if micro_batch in self._held or micro_batch in self._results:
                 raise Rejection("malformed", "a micro-batch of that name came before")
             if len(self._held) >= self.config.max_inflight:
@@ -124,10 +142,16 @@ class StageReplica:
                         out.backward(grad_output)
             grad_input = None if self.first else x.grad
             self.micro_batches += 1
+            self.served += 1
             self.samples += int(held.input.shape[0])
             self._results[micro_batch] = grad_input
             while len(self._results) > self.config.kept_results:
                 self._results.popitem(last=False)
+            step = self.config.step_samples
+            if step and self.samples >= step:
+                self._due = True
+            if self._due and not self._held:
+                self._step()
         return grad_input
 
     def abandon(self, micro_batch: bytes) -> None:
@@ -143,15 +167,40 @@ class StageReplica:
             self._expire()
             if self._held:
                 raise RuntimeError(f"{len(self._held)} micro-batch(es) in flight: not stepping")
-            n = self.micro_batches
-            if n:
-                for p in self.module.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(n)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            self.micro_batches = self.samples = 0
-            return n
+            return self._step(optimizer)
+
+    def _step(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+        optimizer = optimizer or self.optimizer
+        assert optimizer is not None and not self._held
+        n = self.micro_batches
+        if n:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.div_(n)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self.steps += 1
+        self.micro_batches = self.samples = 0
+        self._due = False
+        self._lock.notify_all()
+        return n
+
+    def _wait_for_a_due_step(self) -> None:
+        """While a step is due, wait for the micro-batches in flight to come back (or
+        expire) and the step to be taken; refuse as busy past ``inflight_s``."""
+        deadline = self.clock() + self.config.inflight_s
+        self._expire()
+        self.waiting += 1
+        try:
+            while self._due and self._held:
+                if self.clock() >= deadline:
+                    raise Rejection("busy", "a step is due and micro-batches are still in flight")
+                self._lock.wait(timeout=min(1.0, self.config.inflight_s))
+                self._expire()
+        finally:
+            self.waiting -= 1
+        if self._due:  # the last ones in flight expired: nobody else will take the step
+            self._step()
 
     def _expire(self) -> None:
         limit = self.clock() - self.config.inflight_s
