@@ -43,7 +43,8 @@ def test_two_llama_peers_end_on_one_state_and_the_export_loads_in_transformers(t
     rounds = 3
     with Bootstrap(tmp_path / "boot") as boot:
         swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint, "--task", "llama")
-        common = ("--max-rounds", str(rounds))
+        # Both stop at round 3: a round either averaged alone would leave two final states.
+        common = ("--max-rounds", str(rounds), "--min-group", "2")
         with (
             PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", *common) as a,
             # b fits the step's 4 sequences to 40 MB: 2 at a time, accumulated twice.
