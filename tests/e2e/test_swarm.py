@@ -71,9 +71,10 @@ def test_three_peers_train_together_and_hold_the_same_state(tmp_path):
     groups = [e["group"] for p in peers for e in p.of("round")]
     assert max(groups) == 3, groups
     for r in range(1, rounds + 1):
-        held = {digests_of(p)[r] for p in peers if r in digests_of(p)}
-        if any(e["round"] == r and e["group"] > 1 for p in peers for e in p.of("round")):
-            assert len(held) == 1, f"round {r}: {held}"
+        # (A peer that started late may have averaged round 1 alone: it holds its own.)
+        grouped = [e for p in peers for e in p.of("round") if e["round"] == r and e["group"] > 1]
+        held = {e["digest"] for e in grouped}
+        assert len(held) <= 1, f"round {r}: {held}"
     final = {digests_of(p)[rounds] for p in peers}
     assert len(final) == 1, final
     # ... and it learned.

@@ -1,0 +1,111 @@
+"""The peer's collaborators over one pipeline stage's parameters, without ``Swarm``: two
+``Peer`` objects built around stage 1 of the GPT (its blocks and head, a manifest of its
+own) average it with the round driver alone, a third catches up with the follower, and a
+restart resumes from what the checkpoints hold; real gRPC on loopback, real files."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from avgutil import FAST
+
+from swarmloco.core.runspec import RunSpec
+from swarmloco.core.signature import default_layer_unit, signature_of
+from swarmloco.core.state import state_digest
+from swarmloco.net.averaging import MatchmakingConfig
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NodeConfig
+from swarmloco.pipeline.stages import gpt_stages
+from swarmloco.runtime.api import run_manifest
+from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.peer import Kept, Peer, Trainee
+from swarmloco.runtime.schedule import SwarmSchedule
+from swarmloco.train.spec import GPTConfig
+
+pytestmark = pytest.mark.timeout(180)
+
+GPT = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
+SPEC = RunSpec(sync_every=4, codec=dataclasses.replace(FAST.codec))
+
+
+def stage_manifest(creator: Identity):
+    stage = gpt_stages(GPT, 2, seed=0)[1]
+    signature = signature_of(
+        stage, fragments=SPEC.fragments, block_size=SPEC.codec.block_size,
+        layer_unit=default_layer_unit,
+    )  # fmt: skip
+    return run_manifest(SPEC, signature, creator=creator.public_key.hex(), identity_work=0)
+
+
+@contextlib.contextmanager
+def stage_peer(tmp: Path, name: str, manifest, *peers: str) -> Iterator[Peer]:
+    """A Peer serving stage 1 of the run, entered (its own loop, network, checkpoints)."""
+    stage = gpt_stages(GPT, 2, seed=0)[1]
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    config = PeerConfig(
+        data_dir=tmp / name,
+        node=NodeConfig(peers=peers),
+        handle_signals=False,
+        hook=False,
+        progress_interval_s=0.2,
+        matchmaking=MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
+        averaging=FAST,
+        codec_backend="eager",
+    )
+    identity = Identity.load_or_create(config.directory)
+    trainee = Trainee(model=stage, optimizer=optimizer, objects={}, box=None, evaluate=None,
+                      schedule=SwarmSchedule(optimizer, lambda: 0))  # fmt: skip
+    kept = Kept.fresh(config, identity.peer_id_hex, lambda *_, **__: None)
+    peer = Peer(manifest, trainee, kept, config=config, identity=identity, on_step=lambda: None)
+    with contextlib.ExitStack() as stack:
+        peer.enter(stack)
+        yield peer
+        peer.leave(stack, failed=False, interrupted=False)
+
+
+def train(peer: Peer, seed: int, steps: int = 3) -> None:
+    """A few steps of the stage on activations and targets of its own."""
+    g = torch.Generator().manual_seed(seed)
+    stage, optimizer = peer.trainee.model, peer.trainee.optimizer
+    for _ in range(steps):
+        x = torch.randn(2, GPT.seq_len, GPT.n_embd, generator=g)
+        y = torch.randint(0, GPT.vocab_size, (2, GPT.seq_len), generator=g)
+        optimizer.zero_grad()
+        stage(x, y).backward()
+        optimizer.step()
+        peer.kept.progress.stepped(16, 1e-2, now=0.0)
+        peer.diloco.trained(16)
+
+
+def test_a_stages_replicas_average_it_catch_up_and_resume_with_the_peers_collaborators(tmp_path):
+    manifest = stage_manifest(Identity.generate())
+    with (
+        stage_peer(tmp_path, "a", manifest) as a,
+        stage_peer(tmp_path, "b", manifest, a.network.endpoint) as b,
+    ):
+        initial = state_digest(a.diloco.committed())
+        for peer, seed in ((a, 1), (b, 2)):
+            train(peer, seed)
+        # The round driver alone: both start round 1, then both land it.
+        assert a.rounds.start() and b.rounds.start()
+        assert a.rounds.land() and b.rounds.land()
+        assert a.diloco.round == b.diloco.round == 1
+        digest = state_digest(a.diloco.committed())
+        assert digest == state_digest(b.diloco.committed()) != initial
+        assert a.rounds.applied == b.rounds.applied == 1
+        for peer in (a, b):
+            peer.snapshots.finish(wait=True)  # its digest published
+            peer.checkpoints.save(wait=True)
+        # A newcomer's follower takes the stage's state of round 1 from them.
+        with stage_peer(tmp_path, "c", manifest, a.network.endpoint) as c:
+            assert c.diloco.round == 1 and c.follower.downloads == 1
+            assert state_digest(c.diloco.committed()) == digest
+    # b again, from its own checkpoint: the round, the counts and the state.
+    with stage_peer(tmp_path, "b", manifest) as again:
+        assert again.diloco.round == 1 and again.kept.progress.steps == 3
+        assert state_digest(again.diloco.committed()) == digest
