@@ -164,7 +164,10 @@ def test_a_sender_killed_mid_stream(tmp_path):
     reports = check_survivors(done, peers, 3)
     victim = peers[3].peer_id
     counted = [part.included.get(victim, 0) for part in reports[0].parts]
-    assert 0 < sum(counted) < sum(part.chunks for part in reports[0].parts)
+    # How much of its stream had reached the reducers when it died depends on scheduling
+    # (on a busy machine its first chunks may still have been in its own buffers: none);
+    # never all of it, and the mean is exactly over what each part included (above).
+    assert sum(counted) < sum(part.chunks for part in reports[0].parts)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from avgutil import FAST
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.signature import default_layer_unit, signature_of
 from swarmloco.core.state import state_digest
+from swarmloco.errors import Stopped
 from swarmloco.net.averaging import MatchmakingConfig
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NodeConfig
@@ -43,7 +45,7 @@ def stage_manifest(creator: Identity):
 
 
 @contextlib.contextmanager
-def stage_peer(tmp: Path, name: str, manifest, *peers: str) -> Iterator[Peer]:
+def stage_peer(tmp: Path, name: str, manifest, *peers: str, **changes) -> Iterator[Peer]:
     """A Peer serving stage 1 of the run, entered (its own loop, network, checkpoints)."""
     stage = gpt_stages(GPT, 2, seed=0)[1]
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
@@ -56,6 +58,7 @@ def stage_peer(tmp: Path, name: str, manifest, *peers: str) -> Iterator[Peer]:
         matchmaking=MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
         averaging=FAST,
         codec_backend="eager",
+        **changes,
     )
     identity = Identity.load_or_create(config.directory)
     trainee = Trainee(model=stage, optimizer=optimizer, objects={}, box=None, evaluate=None,
@@ -68,16 +71,21 @@ def stage_peer(tmp: Path, name: str, manifest, *peers: str) -> Iterator[Peer]:
         peer.leave(stack, failed=False, interrupted=False)
 
 
-def train(peer: Peer, seed: int, steps: int = 3) -> None:
-    """A few steps of the stage on activations and targets of its own."""
-    g = torch.Generator().manual_seed(seed)
+def step(peer: Peer, g: torch.Generator) -> None:
+    """One step of the stage on activations and targets of its own."""
     stage, optimizer = peer.trainee.model, peer.trainee.optimizer
+    x = torch.randn(2, GPT.seq_len, GPT.n_embd, generator=g)
+    y = torch.randint(0, GPT.vocab_size, (2, GPT.seq_len), generator=g)
+    optimizer.zero_grad()
+    stage(x, y).backward()
+    optimizer.step()
+
+
+def train(peer: Peer, seed: int, steps: int = 3) -> None:
+    """A few steps, counted by hand (no step hook)."""
+    g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        x = torch.randn(2, GPT.seq_len, GPT.n_embd, generator=g)
-        y = torch.randint(0, GPT.vocab_size, (2, GPT.seq_len), generator=g)
-        optimizer.zero_grad()
-        stage(x, y).backward()
-        optimizer.step()
+        step(peer, g)
         peer.kept.progress.stepped(16, 1e-2, now=0.0)
         peer.diloco.trained(16)
 
@@ -109,3 +117,41 @@ def test_a_stages_replicas_average_it_catch_up_and_resume_with_the_peers_collabo
     with stage_peer(tmp_path, "b", manifest) as again:
         assert again.diloco.round == 1 and again.kept.progress.steps == 3
         assert state_digest(again.diloco.committed()) == digest
+
+
+def test_the_step_hook_paces_and_runs_a_stages_rounds_until_its_last(tmp_path):
+    """Each replica's loop calls only the step hook after its optimizer steps: the hook
+    paces, starts and lands the rounds, and stops both replicas after round 3 on one
+    state."""
+    manifest = stage_manifest(Identity.generate())
+    with (
+        stage_peer(tmp_path, "a", manifest, max_rounds=3) as a,
+        stage_peer(tmp_path, "b", manifest, a.network.endpoint, max_rounds=3) as b,
+    ):
+        errors: list[BaseException] = []
+
+        def loop(peer: Peer, seed: int) -> None:
+            g = torch.Generator().manual_seed(seed)
+            try:
+                while True:
+                    step(peer, g)
+                    peer.hook.stepped(16)
+            except Stopped:
+                return
+            except BaseException as exc:  # reported in the test's thread
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=loop, args=(peer, seed), daemon=True)
+            for peer, seed in ((a, 1), (b, 2))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        assert a.diloco.round == b.diloco.round == 3
+        assert state_digest(a.diloco.committed()) == state_digest(b.diloco.committed())
+        assert a.rounds.applied >= 1 and b.rounds.applied >= 1
+        assert a.rounds.applied + a.follower.downloads >= 3
+        assert a.kept.stop.reason.startswith("round 3 reached")
