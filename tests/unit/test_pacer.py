@@ -4,7 +4,10 @@ is behind, whom matchmaking waits for, and whose claims count (runtime/pacer.py)
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
+
+import pytest
 
 from swarmloco.core.adoption import Evidence
 from swarmloco.core.pacing import ProgressReport, Verdict
@@ -124,3 +127,79 @@ def test_a_peer_late_for_its_group_waits_for_its_result_until_that_group_aborts(
         assert p.verdict(4) is Verdict.BEHIND
         board.aborted.add(5)
         assert p.verdict(4) is Verdict.DUE and p.late is None and board.late is None
+
+
+def _round_of_two(step_s: float, b_lag: float, publish: tuple[float, float], tmp_path) -> list[int]:
+    """Two peers start a round together and step every ``step_s`` (b ``b_lag`` of a step
+    behind a), each publishing its progress every 2 s (first at ``publish``'s times) and
+    deciding after each of its steps; the steps each had trained when its round was due."""
+    clock = [0.0]
+    interval = 2.0
+    boards = {name: Board() for name in "ab"}
+    progress: dict[str, LocalProgress] = {}
+    pacers: dict[str, Pacer] = {}
+    for name in "ab":
+        progress[name] = LocalProgress(clock=lambda: clock[0])
+        progress[name].rate.add(TOKENS, step_s)  # trained before: its rate is known
+        progress[name].round_started(0.0)
+        pacers[name] = Pacer(
+            network=boards[name],  # type: ignore[arg-type]
+            loop=None,  # type: ignore[arg-type]  (never used: the records were read twice)
+            config=PeerConfig(data_dir=tmp_path, progress_interval_s=interval),
+            peer_id=name,
+            h=4,
+            progress=progress[name],
+            evidence=Evidence(witnesses={"a": 0, "b": 0}),
+            unbacked={},
+            now=lambda: clock[0],
+        )
+    timeline = sorted(
+        [
+            (b_lag * step_s * (name == "b") + k * step_s, "step", name)
+            for name in "ab"
+            for k in range(1, 40)
+        ]
+        + [
+            (start + j * interval, "publish", name)
+            for name, start in zip("ab", publish)
+            for j in range(40)
+        ]
+    )
+    due: dict[str, int] = {}
+    for at, what, name in timeline:
+        if name in due:
+            continue
+        clock[0] = at
+        p = progress[name]
+        if what == "publish":
+            boards["b" if name == "a" else "a"].reports = [
+                ProgressReport(
+                    peer=name,
+                    round=1,
+                    tokens=p.tokens_since_round,
+                    tokens_per_s=p.rate.value,
+                    at=at,
+                )
+            ]
+            continue
+        p.stepped(TOKENS, 1e-3, now=at)
+        if pacers[name].verdict(0) is Verdict.DUE:
+            due[name] = p.steps_since_round
+        p.hook_ended(at, lambda: clock[0])
+    return [due["a"], due["b"]]
+
+
+@pytest.mark.parametrize("step_s", [0.005, 0.1, 1.0])
+def test_two_peers_are_due_after_h_steps_each_whatever_their_step_time(tmp_path, step_s):
+    """Decisions come between steps, and another peer's tokens are projected from a report
+    made between its steps: waiting until the projection reaches the target ran one step
+    too many at slow steps (a median of 5 steps a round at H = 4 and 1 s a step). The round
+    is due when the target is nearer now than after another step."""
+    per_round = [
+        steps
+        for lag in (0.0, 0.3, 0.7)
+        for publish in ((0.1, 0.3), (0.6, 1.4), (1.1, 1.9), (1.6, 0.9))
+        for steps in _round_of_two(step_s, lag, publish, tmp_path)
+    ]
+    assert statistics.median(per_round) == 4, per_round
+    assert all(4 <= steps <= 5 for steps in per_round), per_round

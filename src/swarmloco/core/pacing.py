@@ -88,6 +88,7 @@ def estimate(
     trusted: str | None = None,
     since: float | None = None,
     resumed: float | None = None,
+    next_decision_s: float = 0.0,
 ) -> Estimate:
     """When round ``round`` is due, from the newest report of each peer.
 
@@ -106,6 +107,14 @@ def estimate(
     round forward by at most what that many fast honest peers would. What it can do to the
     *result* is bounded elsewhere (weights capped at a multiple of the group's lower
     median, updates at a multiple of the median norm).
+
+    ``next_decision_s``: when the caller decides again if it waits now (after its next
+    step). The round is due now when the target is nearer than it would be then, that is
+    when the tokens short of it are at most what the swarm makes in half that time.
+    Decisions come only between steps: waiting for the projection to reach the target
+    exactly would run one step too many whenever it falls short by less than a step, and
+    with slow steps it does so on average by half of another peer's step (a report is
+    made between that peer's steps, and projects its tokens linearly from there).
     """
     require_int("round", round, minimum=0)
     require_non_negative("now", now)
@@ -122,6 +131,7 @@ def estimate(
         now=now,
         target=config.tokens_per_round,
         tokens_now=tokens_now,
+        margin=rate * max(0.0, next_decision_s) / 2,
         rate=rate,
         peers=len(current),
     )
@@ -196,10 +206,18 @@ def _bounded(report: ProgressReport, *, cap: float, since: float | None) -> tupl
 
 
 def _verdict(
-    *, round: int, now: float, target: int, tokens_now: float, rate: float, peers: int
+    *,
+    round: int,
+    now: float,
+    target: int,
+    tokens_now: float,
+    rate: float,
+    peers: int,
+    margin: float = 0.0,
 ) -> Estimate:
-    """Due, stalled or waiting, from the swarm's projected tokens and rate."""
-    if tokens_now >= target:
+    """Due, stalled or waiting, from the swarm's projected tokens and rate; due already
+    ``margin`` tokens short of the target."""
+    if tokens_now + margin >= target:
         return Estimate(
             Verdict.DUE,
             now,
@@ -217,7 +235,7 @@ def _verdict(
             peers,
             f"round {round}: {tokens_now:,.0f} of {target:,} tokens and no peer making progress",
         )
-    due_in = (target - tokens_now) / rate
+    due_in = (target - margin - tokens_now) / rate
     return Estimate(
         Verdict.WAIT,
         now + due_in,

@@ -134,6 +134,7 @@ class Pacer:
             trusted=self.peer_id,
             since=p.counting_since,
             resumed=p.resumed_at,
+            next_decision_s=tokens_per_step / p.rate.value if p.rate.value > 0 else 0.0,
         ).verdict
         if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
             return Verdict.DUE if p.steps_since_round >= h else Verdict.WAIT
