@@ -153,8 +153,16 @@ class Peer:
             self.process.wait()
 
     def stop(self, timeout: float) -> None:
+        self.terminate()
+        self.wait(timeout)
+
+    def terminate(self) -> None:
+        """Ask it to stop (it saves and says goodbye); :meth:`wait` for it."""
         self.signal(signal.SIGCONT)
         self.signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> None:
+        """Wait for a stop asked for, and kill it after ``timeout`` seconds."""
         if self.process is None:
             return
         try:
@@ -235,8 +243,9 @@ class Chaos:
         finally:
             log("stopping every peer")
             for peer in [*peers, guest]:
-                if peer.alive:
-                    peer.stop(timeout=90)
+                peer.terminate()  # all at once: each saves and says goodbye meanwhile
+            for peer in [*peers, guest]:
+                peer.wait(timeout=90)
                 peer.poll()
             if boot.poll() is None:
                 boot.terminate()
