@@ -49,17 +49,15 @@ def stage_peer(tmp: Path, name: str, manifest, *peers: str, **changes) -> Iterat
     """A Peer serving stage 1 of the run, entered (its own loop, network, checkpoints)."""
     stage = gpt_stages(GPT, 2, seed=0)[1]
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
-    config = PeerConfig(
-        data_dir=tmp / name,
-        node=NodeConfig(peers=peers),
-        handle_signals=False,
-        hook=False,
-        progress_interval_s=0.2,
-        matchmaking=MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
-        averaging=FAST,
-        codec_backend="eager",
-        **changes,
-    )
+    settings = {
+        "handle_signals": False,
+        "hook": False,
+        "progress_interval_s": 0.2,
+        "matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
+        "averaging": FAST,
+        "codec_backend": "eager",
+    }
+    config = PeerConfig(data_dir=tmp / name, node=NodeConfig(peers=peers), **(settings | changes))
     identity = Identity.load_or_create(config.directory)
     trainee = Trainee(model=stage, optimizer=optimizer, objects={}, box=None, evaluate=None,
                       schedule=SwarmSchedule(optimizer, lambda: 0))  # fmt: skip
@@ -155,3 +153,36 @@ def test_the_step_hook_paces_and_runs_a_stages_rounds_until_its_last(tmp_path):
         assert a.rounds.applied >= 1 and b.rounds.applied >= 1
         assert a.rounds.applied + a.follower.downloads >= 3
         assert a.kept.stop.reason.startswith("round 3 reached")
+
+
+def test_a_peer_waiting_for_its_group_reports_the_round_as_begun(tmp_path):
+    """Without overlap the training thread waits in ``land`` for its group: meanwhile its
+    progress report names the round after the one it averages (others see that it began
+    and join it), not that round with none of its tokens (which kept a partner at slow
+    steps from ever coming: every round aborted). Cancelled, the report names the round
+    again."""
+    manifest = stage_manifest(Identity.generate())
+    nobody = MatchmakingConfig(gather_s=600.0, poll_s=0.05, min_group_size=2)
+    with stage_peer(tmp_path, "a", manifest, matchmaking=nobody) as a:
+        train(a, 1)
+        assert a.progress_value()["round"] == 1
+        assert a.rounds.start()
+        landed: list[bool] = []
+        entered = threading.Event()
+
+        def landing_thread() -> None:
+            entered.set()
+            landed.append(a.rounds.land())
+
+        landing = threading.Thread(target=landing_thread, daemon=True)
+        landing.start()
+        assert entered.wait(60)
+        # What the network published and read back while the thread waits in land.
+        assert a.network.wait_for_reads(a.network.reads + 2, 60)
+        own = [r for r in a.network.reports if r.peer == a.peer_id]
+        assert [(r.round, r.tokens) for r in own] == [(2, 0)], own
+        assert a.kept.progress.global_step == 0  # nothing applied yet
+        a.rounds.cancel()
+        landing.join(60)
+        assert landed == [False] and a.diloco.round == 0
+        assert a.progress_value()["round"] == 1

@@ -93,7 +93,7 @@ class StepHook:
         p.progress.stepped(tokens, self.lr(), now=started)
         p.diloco.trained(tokens)
         p.keeper.dirty = True
-        p.progress.advance(p.diloco.round + (self.rounds.inflight is not None), p.h)
+        p.progress.advance(p.diloco.round + self.rounds.started, p.h)
         if self.stop.is_set():  # the loop stepped on after a stop: leave it here
             raise Stopped(self.stop.reason)
         self._between_steps()

@@ -253,6 +253,7 @@ class SwarmNetwork:
         announced = time.monotonic()
         while True:
             self._wake.clear()
+            started = time.monotonic()
             try:
                 key = progress_key(self.swarm_id)
                 await self.node.dht.store(key, self.progress(), ttl=PROGRESS_TTL_S)
@@ -265,6 +266,12 @@ class SwarmNetwork:
                 with self._read:
                     self.reads += 1
                     self._read.notify_all()
+                logger.debug(
+                    "progress published and %d report(s) read in %.2f s: %s",
+                    len(self.reports),
+                    time.monotonic() - started,
+                    [(r.peer[:8], r.round, r.tokens) for r in self.reports],
+                )
                 if (late := self.late) is not None:
                     formed = await self.matchmaker.formed_without_us(*late)
                     if formed:

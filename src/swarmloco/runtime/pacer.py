@@ -126,7 +126,7 @@ class Pacer:
             return Verdict.DUE
         tokens_per_step = max(1, p.tokens_since_round // max(1, p.steps_since_round))
         config = PacingConfig(tokens_per_round=max(1, round(working * h * tokens_per_step)))
-        verdict = estimate(
+        found = estimate(
             [mine, *reports],
             round=target,
             now=now,
@@ -135,7 +135,17 @@ class Pacer:
             since=p.counting_since,
             resumed=p.resumed_at,
             next_decision_s=tokens_per_step / p.rate.value if p.rate.value > 0 else 0.0,
-        ).verdict
+        )
+        verdict = found.verdict
+        if verdict is not Verdict.WAIT:
+            logger.debug(
+                "%s after %d step(s); %d peer(s) working on it: %s; reports: %s",
+                found.reason,
+                p.steps_since_round,
+                working,
+                mine,
+                reports,
+            )
         if verdict is Verdict.STALLED:  # cannot happen with our own fresh rate; be safe
             return Verdict.DUE if p.steps_since_round >= h else Verdict.WAIT
         return verdict

@@ -444,7 +444,7 @@ class Peer:
         # r + 1 (its tokens since r started are the next round's).
         p = self.kept.progress
         return {
-            "round": self.diloco.round + 1 + (self.rounds.inflight is not None),
+            "round": self.diloco.round + 1 + self.rounds.started,
             "tokens": p.tokens_since_round,
             "tokens_per_s": p.rate.value,
             "at": self.parts.now(),

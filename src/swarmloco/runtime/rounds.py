@@ -111,12 +111,27 @@ class RoundDriver:
             self.inflight.future.cancel()
             self.inflight = None
 
+    @property
+    def started(self) -> int:
+        """1 while a round is started and not applied (what this peer's progress report
+        and global step count as begun), else 0."""
+        x = self.inflight
+        return int(x is not None and x.round > self.parts.diloco.round)
+
     def land(self) -> bool:
         """Wait for the exchange in flight; apply its outer step (True), or count it as
-        aborted (False)."""
-        p, x = self.parts, self.inflight
+        aborted (False). The exchange stays in flight until then: while this peer waits
+        for its group, its progress report names the round after (others see that it
+        started the round, and join it), not the round with none of its tokens."""
+        x = self.inflight
         assert x is not None
-        self.inflight = None
+        try:
+            return self._land(x)
+        finally:
+            self.inflight = None
+
+    def _land(self, x: Exchange) -> bool:
+        p = self.parts
         try:
             try:
                 outcome = x.future.result(timeout=p.config.round_timeout_s + 10.0)
