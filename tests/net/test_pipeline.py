@@ -21,6 +21,7 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
+from swarmloco.pipeline.load import fresh, publish_load, read_loads
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
 from swarmloco.pipeline.service import BACKWARD, FORWARD, StageService
 from swarmloco.pipeline.stages import GPTStage, gpt_stages, split_evenly
@@ -58,9 +59,15 @@ def service_of(
 
 @contextlib.asynccontextmanager
 async def pipeline(
-    services: Sequence[Sequence[StageService]], first: StageReplica, **driver: object
+    services: Sequence[Sequence[StageService]],
+    first: StageReplica,
+    *,
+    nodes: list[NetNode] | None = None,
+    **driver: object,
 ) -> AsyncIterator[tuple[Driver, list[list[str]]]]:
-    """Each service served by a peer of its own on loopback, and a client-mode driver."""
+    """Each service served by a peer of its own on loopback, and a client-mode driver
+    (``nodes``: filled with the peers' nodes, then the driver's)."""
+    nodes = [] if nodes is None else nodes
     async with contextlib.AsyncExitStack() as stack:
         endpoints: list[list[str]] = []
         entry: tuple[str, ...] = ()
@@ -73,11 +80,13 @@ async def pipeline(
                     services=[service.service()],
                 )
                 await stack.enter_async_context(node)
+                nodes.append(node)
                 entry = entry or (node.endpoint,)
                 endpoints[-1].append(node.endpoint)
         client = await stack.enter_async_context(
             NetNode(identity=Identity.generate(), config=NodeConfig(server=None, peers=entry))
         )
+        nodes.append(client)
         replicas = driver.pop("replicas", endpoints)
         yield (
             Driver(
@@ -283,3 +292,40 @@ async def test_two_drivers_train_through_a_fast_and_a_slow_replica_each_micro_ba
     assert fast.steps >= 2 and all(f.steps >= 2 for f in firsts)
     for mine in losses:
         assert statistics.mean(mine[-4:]) < statistics.mean(mine[:4]) - 0.3, mine  # nats
+
+
+async def test_replicas_say_where_they_serve_in_the_dht_and_a_driver_draws_among_them():
+    """Each replica publishes its stage-load record through its own node; the driver reads
+    them through its own and draws from them alone. A stranger's record claiming a stage 1
+    replica a thousand times faster, where nothing serves, costs at most one retry: a
+    record claims, a call proves."""
+    local, one, two = gpt_stages(CONFIG, 3, seed=5)
+    first = StageReplica(local, first=True, last=False)
+    services = [service_of(one, 1, 3, "int8"), service_of(two, 2, 3, "int8")]
+    nodes: list[NetNode] = []
+    async with pipeline([[s] for s in services], first, nodes=nodes, replicas=[[], []]) as (
+        drv,
+        endpoints,
+    ):
+        *servers, client = nodes
+        dead = f"127.0.0.1:{closed_port()}"
+        liar = NetNode(
+            identity=Identity.generate(), config=NodeConfig(peers=(servers[0].endpoint,))
+        )
+        async with liar:
+            await publish_load(
+                liar.dht, SWARM, stage=1, endpoint=dead, load={"rate": 1e6, "queue": 0, "free": 64}
+            )
+        for node, service, stage in zip(servers, services, (1, 2), strict=True):
+            load = service.replica.load()
+            await publish_load(node.dht, SWARM, stage=stage, endpoint=node.endpoint, load=load)
+        loads = fresh(await read_loads(client.dht, SWARM), client.dht.clock())
+        drv.update(loads)
+        assert sorted(drv.replicas[0]) == sorted([endpoints[0][0], dead])
+        assert drv.replicas[1] == endpoints[1]
+        traces = [await drv.run(*batch(seed)) for seed in range(4)]
+    assert all(t.path == [endpoints[0][0], endpoints[1][0]] for t in traces), traces
+    retries = sum(t.retries for t in traces)
+    assert retries <= 1 and (retries == 0 or dead in drv.shunned)
+    assert [s.replica.micro_batches for s in services] == [4, 4]
+    assert all(s.replica.load()["rate"] > 0 for s in services)  # what they will say next

@@ -15,8 +15,8 @@ Kinds defined here: ``manifest`` (the content-addressed swarm manifest: its hash
 the swarm id), ``peers`` (one signed entry per peer: endpoint, role, version, public) and
 ``round/<r>`` (one signed entry per peer ready to average round r: endpoint, weight,
 bandwidth, client mode, announce time). Later layers add theirs (``progress``,
-``status``, ``partners``, ``digest/<r>``) by defining a :class:`RecordKind` here and calling
-:func:`register`.
+``status``, ``partners``, ``digest/<r>``, the pipeline's ``stage-load``) by defining a
+:class:`RecordKind` here and calling :func:`register`.
 
 Every record from the network passes :func:`validate` before it is stored or used; the
 cheap checks run first and the signature check last. :class:`CheckedRecords` remembers
@@ -799,3 +799,41 @@ PARTNERS = register(
 
 def partners_key(swarm_id: str) -> str:
     return swarm_key(swarm_id, "partners")
+
+
+# -- the kinds of the pipeline layer ---------------------------------------------------------
+
+MAX_STAGES = 256
+"""Stages a pipelined run has at most."""
+
+STAGE_LOAD = register(
+    RecordKind(
+        name="stage-load",
+        pattern="stage-load",
+        # One signed entry per stage replica of a pipelined run, refreshed every few
+        # seconds: where it serves and how fast, from which drivers draw their next hop
+        # (pipeline/load.py). A claim, never proof: a driver caps a claimed rate at the
+        # best it measured itself.
+        schema=owned_value(
+            {
+                "stage": Int(minimum=0, maximum=MAX_STAGES - 1),
+                "endpoint": ENDPOINT,
+                # Sequences per second of its compute (forward and backward), recently.
+                "rate": Float(minimum=0.0),
+                # Micro-batches held between forward and backward, and forwards waiting.
+                "queue": Int(minimum=0),
+                # More micro-batches it takes before it refuses as busy.
+                "free": Int(minimum=0),
+                "at": Float(minimum=0.0),
+            }
+        ),
+        owned=True,
+        max_ttl=600.0,
+        max_value_bytes=512,
+        max_subkeys=4096,
+    )
+)
+
+
+def stage_load_key(swarm_id: str) -> str:
+    return swarm_key(swarm_id, "stage-load")

@@ -6,5 +6,6 @@ driven through one replica of each stage (SWARM parallelism; ``docs/DESIGN.md`` 
 - ``replica.py``: one stage replica's compute, its micro-batches in flight and its
   gradient accumulator;
 - ``service.py``: the replica behind the ``swarmloco.v1.Stage`` gRPC service;
-- ``driver.py``: a stage-0 peer running micro-batches through the pipeline.
+- ``driver.py``: a stage-0 peer running micro-batches through the pipeline;
+- ``load.py``: the ``stage-load`` records, where each replica serves and how fast.
 """

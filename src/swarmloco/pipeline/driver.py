@@ -8,10 +8,13 @@ misses its deadline goes to another replica of the same stage (nothing was appli
 anywhere yet); a backward hop that fails abandons the micro-batch below it (the stages
 above keep the gradients they added: true gradients of its loss). A replica that failed is
 not drawn again for ``shun_s``. Which replica takes a hop is drawn with probability
-proportional to ``rate / (1 + calls in flight)``: the rate is what this driver measured of
-the replica (sequences per second of its forward calls, an exponential average), and a
-replica never measured is taken to be as fast as the fastest measured, so that it is tried
-(the ``stage-load`` records of the swarm are to come).
+proportional to ``rate / (1 + queue)``: the rate is what this driver measured of the
+replica (sequences per second of its forward calls, an exponential average) where it has
+measured it, else what the replica's ``stage-load`` record claims, capped at the best this
+driver measured (a record claims, a call proves; ``pipeline/load.py``), else the best
+measured, so that a new replica is tried; the queue is this driver's calls to it in flight
+plus the micro-batches its record says it holds. :meth:`Driver.update` takes the fresh
+records as the replicas to draw from.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.client import Method, Req, Resp, RpcClient, RpcError
 from swarmloco.net.rejections import Rejection
+from swarmloco.pipeline.load import StageLoad
 from swarmloco.pipeline.replica import StageReplica
 from swarmloco.pipeline.service import BACKWARD, FORWARD, MICRO_BATCH_BYTES
 from swarmloco.pipeline.wire import Boundary, pack, unpack
@@ -60,16 +64,26 @@ class Trace:
 
 
 class HopStats:
-    """What a driver measured of each replica: its rate and the calls to it in flight."""
+    """What a driver measured of each replica (its rate, the calls to it in flight) and
+    what the replicas' records claim."""
 
     def __init__(self) -> None:
         self.rate: dict[str, float] = {}
         """Sequences per second of its forward calls (an exponential average)."""
         self.busy: collections.Counter[str] = collections.Counter()
+        self.claims: dict[str, StageLoad] = {}
+        """Each replica's last ``stage-load`` record."""
 
     def weight(self, endpoint: str) -> float:
-        rate = self.rate.get(endpoint) or max(self.rate.values(), default=1.0)
-        return rate / (1 + self.busy[endpoint])
+        best = max(self.rate.values(), default=0.0)
+        claim = self.claims.get(endpoint)
+        rate = self.rate.get(endpoint)
+        if rate is None and claim is not None and claim.rate > 0:
+            rate = min(claim.rate, best) if best > 0 else claim.rate
+        if rate is None:
+            rate = best or 1.0
+        queue = self.busy[endpoint] + (claim.queue if claim is not None else 0)
+        return rate / (1 + queue)
 
     def measured(self, endpoint: str, sequences: int, seconds: float) -> None:
         rate = sequences / max(seconds, 1e-6)
@@ -104,6 +118,24 @@ class Driver:
         self.rng = rng or random.Random()
         self.shunned: dict[str, float] = {}
         self.stats = HopStats()
+
+    def update(self, loads: Sequence[StageLoad]) -> None:
+        """Draw from the replicas of these (fresh) records from now on: each later stage's,
+        in the order given, with what each claims. A stage none of them serves keeps the
+        replicas it had (a pipeline does not stall on one empty read)."""
+        stages = len(self.replicas) + 1
+        served: list[list[str]] = [[] for _ in self.replicas]
+        for load in loads:
+            if (
+                1 <= load.stage < stages
+                and load.endpoint
+                and load.endpoint not in served[load.stage - 1]
+            ):
+                served[load.stage - 1].append(load.endpoint)
+                self.stats.claims[load.endpoint] = load
+        for k, endpoints in enumerate(served):
+            if endpoints:
+                self.replicas[k] = endpoints
 
     async def run(self, x: torch.Tensor, targets: torch.Tensor) -> Trace:
         """One micro-batch, forward and backward: its loss and path."""

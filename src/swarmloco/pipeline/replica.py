@@ -28,6 +28,7 @@ from torch import nn
 
 from swarmloco.core.config import require_int, require_positive
 from swarmloco.net.rejections import Rejection
+from swarmloco.runtime.progress import Rate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +56,7 @@ class _Held:
     targets: torch.Tensor | None
     rng: torch.Tensor
     at: float
+    seconds: float  # its forward's compute
 
 
 class StageReplica:
@@ -95,6 +97,9 @@ class StageReplica:
         """Micro-batches whose backward it ran, since it started."""
         self.waiting = 0
         """Forwards waiting for a due step now."""
+        self.rate = Rate()
+        """Sequences per second of this replica's compute (a micro-batch's forward and
+        backward), recently: what it claims in its ``stage-load`` record."""
         self._due = False  # a step is due: forwards wait until it is taken
 
     @property
@@ -114,10 +119,22 @@ class StageReplica:
             if len(self._held) >= self.config.max_inflight:
                 raise Rejection("busy", f"{len(self._held)} micro-batches in flight here")
             rng = torch.get_rng_state()
+            started = time.perf_counter()
             with torch.no_grad():
                 out = self.module(x, targets) if self.last else self.module(x)
-            self._held[micro_batch] = _Held(x, targets, rng, self.clock())
+            seconds = time.perf_counter() - started
+            self._held[micro_batch] = _Held(x, targets, rng, self.clock(), seconds)
         return out.detach()
+
+    def load(self) -> dict[str, float | int]:
+        """What this replica's ``stage-load`` record says of it: its rate, the micro-batches
+        held and waiting, and how many more it takes."""
+        with self._lock:
+            return {
+                "rate": float(self.rate.value),
+                "queue": len(self._held) + self.waiting,
+                "free": max(0, self.config.max_inflight - len(self._held)),
+            }
 
     def backward(self, micro_batch: bytes, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Add the gradients of ``micro_batch`` to the accumulator and return the gradient
@@ -129,6 +146,7 @@ class StageReplica:
             if held is None:
                 raise Rejection("unknown", "no forward of that micro-batch is held here")
             x = held.input if self.first else held.input.detach().requires_grad_(True)
+            started = time.perf_counter()
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(held.rng)
                 with torch.enable_grad():
@@ -141,6 +159,7 @@ class StageReplica:
                             raise Rejection("bad-shape", "the gradient is not the output's shape")
                         out.backward(grad_output)
             grad_input = None if self.first else x.grad
+            self.rate.add(int(held.input.shape[0]), held.seconds + time.perf_counter() - started)
             self.micro_batches += 1
             self.served += 1
             self.samples += int(held.input.shape[0])

@@ -1,0 +1,119 @@
+"""The ``stage-load`` records of a pipelined run and what a driver makes of them: a record
+that is not what its kind says is refused, a claimed rate counts at most as the best a
+driver measured itself, the queue a replica declares lowers its draw, and the fresh
+records become the replicas a driver draws from (pipeline/load.py, pipeline/driver.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import msgpack
+import pytest
+import torch
+
+from swarmloco.net.identity import Identity
+from swarmloco.net.records import Record, make_record, sign, stage_load_key, validate
+from swarmloco.net.rejections import Rejection
+from swarmloco.pipeline.driver import Driver, HopStats
+from swarmloco.pipeline.load import StageLoad, fresh, stage_load
+from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
+from swarmloco.pipeline.wire import Boundary
+
+SWARM = "cd" * 20
+NOW = 1_800_000_000.0
+
+
+def value(**changes: object) -> dict[str, object]:
+    return {
+        "stage": 1,
+        "endpoint": "127.0.0.1:4000",
+        "rate": 50.0,
+        "queue": 2,
+        "free": 62,
+        "at": NOW,
+    } | changes
+
+
+def load(endpoint: str, stage: int = 1, **changes: object) -> StageLoad:
+    fields = value(stage=stage, endpoint=endpoint, **changes)
+    return stage_load("ab" * 20, fields)
+
+
+def test_a_replicas_record_is_checked_against_its_kind_and_signature():
+    owner = Identity.generate()
+    key = stage_load_key(SWARM)
+    good = make_record(key, value(), expiration=time.time() + 60, owner=owner)
+    decoded = validate(good, now=time.time())
+    assert stage_load(good.subkey, decoded).rate == 50.0
+    for bad in (
+        value(stage=256),
+        value(rate=math.nan),
+        value(rate=-1.0),
+        value(queue=-1),
+        value(rate=5),  # an int where a float belongs
+        value(endpoint="no port"),
+        value(extra=1),
+    ):
+        raw = Record(key, owner.peer_id_hex, msgpack.packb(bad), time.time() + 60)
+        with pytest.raises(Rejection):
+            validate(sign(raw, owner), now=time.time())
+    forged = dataclasses.replace(good, subkey=Identity.generate().peer_id_hex)
+    with pytest.raises(Rejection):
+        validate(forged, now=time.time())
+
+
+def test_a_claimed_rate_counts_at_most_as_the_best_measured_and_a_queue_lowers_a_draw():
+    stats = HopStats()
+    assert stats.weight("new") == 1.0  # nothing known: tried like any other
+    stats.claims["liar"] = load("liar", rate=1e9)
+    assert stats.weight("liar") == pytest.approx(1e9 / 3)  # nothing measured to cap it yet
+    stats.measured("honest", 8, 1.0)  # 8 sequences a second, measured by a call
+    assert stats.weight("honest") == 8.0
+    assert stats.weight("liar") == pytest.approx(8.0 / 3)  # capped, over 1 + its queue of 2
+    stats.claims["slow"] = load("slow", rate=2.0, queue=0)
+    assert stats.weight("slow") == 2.0  # a lower claim counts as said
+    stats.measured("liar", 1, 1.0)
+    assert stats.weight("liar") == pytest.approx(1.0 / 3)  # measured: the claim is moot
+    stats.busy["honest"] += 1
+    assert stats.weight("honest") == 4.0
+
+
+def test_fresh_records_become_the_replicas_a_driver_draws_from():
+    acts = Boundary(width=4, max_batch=2, max_tokens=4)
+    first = StageReplica(torch.nn.Linear(4, 4), first=True, last=False)
+    driver = Driver(
+        None,  # type: ignore[arg-type]  (no call is made here)
+        first,
+        swarm_id=SWARM,
+        replicas=[["old:1"], ["old:2"]],
+        boundaries=[acts, acts],
+        ids=acts,
+    )
+    loads = [
+        load("a:1", stage=1),
+        load("b:1", stage=1),
+        load("a:1", stage=1),  # said twice: drawn once
+        load("zero:1", stage=0),  # stage 0 is the drivers': never a hop
+        load("far:1", stage=7),  # no such stage
+        load("", stage=2),  # serves nothing
+        load("stale:1", stage=2, at=NOW - 3600),
+    ]
+    driver.update(fresh(loads, NOW))
+    assert driver.replicas == [["a:1", "b:1"], ["old:2"]]  # stage 2: none fresh, kept
+    assert set(driver.stats.claims) == {"a:1", "b:1"}
+    assert fresh([load("future:1", at=NOW + 60)], NOW) == []
+
+
+def test_a_replica_measures_its_own_rate_and_says_what_it_holds():
+    replica = StageReplica(
+        torch.nn.Linear(4, 4), first=False, last=False, config=ReplicaConfig(max_inflight=3)
+    )
+    assert replica.load() == {"rate": 0.0, "queue": 0, "free": 3}
+    replica.forward(b"a" * 16, torch.randn(2, 4))
+    replica.forward(b"b" * 16, torch.randn(2, 4))
+    assert replica.load()["queue"] == 2 and replica.load()["free"] == 1
+    replica.backward(b"a" * 16, torch.ones(2, 4))
+    said = replica.load()
+    assert said["rate"] > 0 and said["queue"] == 1 and said["free"] == 2
