@@ -1,7 +1,8 @@
 """The peer's collaborators over one pipeline stage's parameters, without ``Swarm``: two
-``Peer`` objects built around stage 1 of the GPT (its blocks and head, a manifest of its
-own) average it with the round driver alone, a third catches up with the follower, and a
-restart resumes from what the checkpoints hold; real gRPC on loopback, real files."""
+``Peer`` objects built around stage 1 of the GPT (its blocks and head, the stage's manifest
+derived from the pipelined run's) average it with the round driver alone, a third catches
+up with the follower, and a restart resumes from what the checkpoints hold; real gRPC on
+loopback, real files."""
 
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ import torch
 from avgutil import FAST
 
 from swarmloco.core.runspec import RunSpec
-from swarmloco.core.signature import default_layer_unit, signature_of
 from swarmloco.core.state import state_digest
 from swarmloco.errors import Stopped
 from swarmloco.net.averaging import MatchmakingConfig
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NodeConfig
+from swarmloco.pipeline.manifest import pipeline_manifest
+from swarmloco.pipeline.manifest import stage_manifest as derive_stage_manifest
 from swarmloco.pipeline.stages import gpt_stages
-from swarmloco.runtime.api import run_manifest
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.peer import Kept, Peer, Trainee
 from swarmloco.runtime.schedule import SwarmSchedule
@@ -36,12 +37,12 @@ SPEC = RunSpec(sync_every=4, codec=dataclasses.replace(FAST.codec))
 
 
 def stage_manifest(creator: Identity):
-    stage = gpt_stages(GPT, 2, seed=0)[1]
-    signature = signature_of(
-        stage, fragments=SPEC.fragments, block_size=SPEC.codec.block_size,
-        layer_unit=default_layer_unit,
+    """Stage 1's manifest, as every peer derives it from the pipelined run's."""
+    run = pipeline_manifest(
+        SPEC, gpt_stages(GPT, 2, seed=0), creator=creator.public_key.hex(), task="gpt-bytes",
+        identity_work=0,
     )  # fmt: skip
-    return run_manifest(SPEC, signature, creator=creator.public_key.hex(), identity_work=0)
+    return derive_stage_manifest(run, 1)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 driven through one replica of each stage (SWARM parallelism; ``docs/DESIGN.md`` section 10).
 
 - ``stages.py``: the cut of the built-in GPT into stage modules;
+- ``manifest.py``: the run's manifest with every stage's signature, and each stage's own;
 - ``wire.py``: tensors on the wire, and the checks of what a remote peer sends;
 - ``replica.py``: one stage replica's compute, its micro-batches in flight and its
   gradient accumulator;

@@ -1,0 +1,86 @@
+"""The manifest of a pipelined run: its id covers the cut, every peer derives the same
+manifest for each stage's swarm from it, and a declaration that cannot be read is refused
+with a reason (pipeline/manifest.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.core.runspec import RunSpec
+from swarmloco.core.signature import params_of, signature_of
+from swarmloco.errors import SwarmlocoError
+from swarmloco.pipeline.manifest import pipeline_manifest, pipeline_of, stage_manifest
+from swarmloco.pipeline.stages import gpt_stages
+from swarmloco.runtime.api import run_manifest
+from swarmloco.train.spec import GPTConfig
+
+GPT = GPTConfig(vocab_size=64, seq_len=8, n_layer=3, n_head=2, n_embd=16)
+SPEC = RunSpec(sync_every=4)
+CREATOR = "ab" * 32
+
+
+def manifest(stages: int = 2, seed: int = 0, **kw: object) -> SwarmManifest:
+    made = pipeline_manifest(
+        SPEC, gpt_stages(GPT, stages, seed=seed), creator=CREATOR, task="gpt-bytes", **kw
+    )
+    return dataclasses.replace(made, nonce="00", created_at="2026-11-27T00:00:00Z")
+
+
+def test_the_run_id_covers_the_cut_and_the_initial_weights():
+    ids = {manifest().swarm_id, manifest(stages=3).swarm_id, manifest(seed=1).swarm_id}
+    assert len(ids) == 3
+    assert manifest(encoding="f32").swarm_id != manifest().swarm_id
+    declared = pipeline_of(manifest(stages=3))
+    assert declared is not None and declared.stages == 3 and declared.encoding == "int8"
+
+
+def test_every_peer_derives_the_same_manifest_for_each_stage():
+    run = manifest(stages=3)
+    again = SwarmManifest.from_bytes(run.to_bytes())  # as a joining peer gets it
+    stages = gpt_stages(GPT, 3, seed=0)
+    ids = set()
+    for k, stage in enumerate(stages):
+        ours, theirs = stage_manifest(run, k), stage_manifest(again, k)
+        assert ours.to_bytes() == theirs.to_bytes()
+        ids.add(ours.swarm_id)
+        assert ours.model["stage"] == {"index": k, "of": 3, "run": run.swarm_id}
+        assert ours.creator == run.creator and ours.hparams == run.hparams
+        signature = pipeline_of(run).signatures[k]  # type: ignore[union-attr]
+        assert signature.differences(params_of(stage)) == []
+        own = signature_of(stage, fragments=SPEC.fragments, block_size=SPEC.codec.block_size)
+        assert own.init_digest == signature.init_digest  # built as every peer builds it
+    assert len(ids | {run.swarm_id}) == 4
+    wrong = pipeline_of(run).signatures[1].differences(params_of(stages[2]))  # type: ignore[union-attr]
+    assert wrong  # a peer that built another stage is told how it differs
+
+
+def test_what_cannot_be_read_is_refused_with_a_reason():
+    plain = run_manifest(
+        SPEC,
+        signature_of(gpt_stages(GPT, 2)[0], fragments=1, block_size=SPEC.codec.block_size),
+        creator=CREATOR,
+    )
+    assert pipeline_of(plain) is None
+    with pytest.raises(SwarmlocoError, match="not a pipelined run"):
+        stage_manifest(plain, 0)
+    with pytest.raises(SwarmlocoError, match="stages 0 to 1, not 2"):
+        stage_manifest(manifest(), 2)
+    run = manifest()
+    declared = dict(run.model["pipeline"])  # type: ignore[arg-type]
+    for broken, reason in (
+        ({**declared, "stages": declared["stages"][:1]}, "2 to 256 stages"),
+        ({**declared, "encoding": "f64"}, "travel as one of"),
+        ({**declared, "stages": [declared["stages"][0], {"params": 3}]}, "stage 1's signature"),
+        ({**declared, "stages": [declared["stages"][0], 7]}, "stage 1's signature"),
+        ("stages", "not a mapping"),
+    ):
+        bad = dataclasses.replace(run, model={**run.model, "pipeline": broken})
+        with pytest.raises(SwarmlocoError, match=reason):
+            pipeline_of(bad)
+    with pytest.raises(ValueError, match="2 to 256 stages"):
+        pipeline_manifest(SPEC, gpt_stages(GPT, 1), creator=CREATOR, task="gpt-bytes")
+    with pytest.raises(ValueError, match="travel as one of"):
+        manifest(encoding="fp8")
