@@ -100,3 +100,39 @@ def test_a_due_step_waits_for_the_micro_batches_in_flight_and_holds_new_forwards
     assert not late.is_alive() and r.steps == 1 and r.micro_batches == 0
     assert not torch.equal(module.weight, before)
     torch.testing.assert_close(seen[0], module(x).detach())  # the new weights
+
+
+def test_an_owned_replicas_owner_takes_its_steps_while_new_forwards_wait():
+    """A stage peer's thread takes each due step and runs its rounds before releasing the
+    replica: forwards that come meanwhile wait, so nothing the owner does between
+    ``take_step`` and ``release`` lands under a micro-batch."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="owner takes its steps"):
+        StageReplica(module, first=False, last=False, optimizer=opt, owned=True)
+    r = StageReplica(module, first=False, last=False, optimizer=opt, owned=True,
+                     config=ReplicaConfig(step_samples=4, inflight_s=30.0))  # fmt: skip
+    x = torch.randn(2, 4)
+    assert r.take_step(timeout=0.0) is None  # nothing due
+    for name in (b"a" * 16, b"b" * 16):
+        r.forward(name, x)
+        r.backward(name, torch.ones(2, 4))
+    grad = module.weight.grad.clone() / 2
+    before = module.weight.detach().clone()
+    assert r.steps == 0  # due, but the owner steps, not the backward
+    assert r.take_step(timeout=30.0) == 4
+    torch.testing.assert_close(module.weight.detach(), before - 0.1 * grad)
+    seen: list[torch.Tensor] = []
+    waiting = threading.Thread(target=lambda: seen.append(r.forward(b"c" * 16, x)))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while r.waiting == 0 and waiting.is_alive() and time.monotonic() < deadline:
+        waiting.join(timeout=0.01)  # until the forward is parked on the step in hand
+    assert r.waiting == 1 and not seen
+    with torch.no_grad():
+        module.weight.add_(1.0)  # what the owner's round does to the weights
+    r.release()
+    waiting.join(timeout=30)
+    assert not waiting.is_alive() and r.steps == 1
+    torch.testing.assert_close(seen[0], module(x).detach())  # computed after the round

@@ -8,5 +8,6 @@ driven through one replica of each stage (SWARM parallelism; ``docs/DESIGN.md`` 
   gradient accumulator;
 - ``service.py``: the replica behind the ``swarmloco.v1.Stage`` gRPC service;
 - ``driver.py``: a stage-0 peer running micro-batches through the pipeline;
-- ``load.py``: the ``stage-load`` records, where each replica serves and how fast.
+- ``load.py``: the ``stage-load`` records, where each replica serves and how fast;
+- ``peer.py``: one peer serving one stage, all of the above around a ``Peer``.
 """

@@ -10,9 +10,12 @@ against the weights its forward used: a replica given an optimizer and ``step_sa
 steps once it has accumulated that many sequences, at the backward that leaves no
 micro-batch in flight; forwards that come while the step is due wait for it (at most
 ``inflight_s``, the time in-flight micro-batches take to come back or expire), so the
-weights never change under a micro-batch. A retried backward (its reply was lost) is
-answered again from the last results kept, never added twice. One compute runs at a time
-(the accumulator is shared).
+weights never change under a micro-batch. An *owned* replica leaves the due step to its
+owner's thread instead (:meth:`StageReplica.take_step`, then :meth:`StageReplica.release`):
+a stage peer runs its DiLoCo rounds between the two while forwards wait, so a round's
+outer step never lands under a micro-batch either. A retried backward (its reply was lost)
+is answered again from the last results kept, never added twice. One compute runs at a
+time (the accumulator is shared).
 """
 
 from __future__ import annotations
@@ -71,14 +74,18 @@ class StageReplica:
         last: bool,
         config: ReplicaConfig | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        owned: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.module = module
         self.first, self.last = first, last
         self.config = config or ReplicaConfig()
         if self.config.step_samples and optimizer is None:
-            raise ValueError("a replica that steps on its own (step_samples) needs an optimizer")
+            raise ValueError("a replica that steps (step_samples) needs an optimizer")
+        if owned and not self.config.step_samples:
+            raise ValueError("an owned replica's owner takes its steps every step_samples")
         self.optimizer = optimizer
+        self.owned = owned
         self.clock = clock
         self._held: collections.OrderedDict[bytes, _Held] = collections.OrderedDict()
         self._results: collections.OrderedDict[bytes, torch.Tensor | None] = (
@@ -97,14 +104,28 @@ class StageReplica:
         """Micro-batches whose backward it ran, since it started."""
         self.waiting = 0
         """Forwards waiting for a due step now."""
+        self.loss = float("nan")
+        """The last loss this replica computed (the last stage's forward)."""
         self.rate = Rate()
         """Sequences per second of this replica's compute (a micro-batch's forward and
         backward), recently: what it claims in its ``stage-load`` record."""
         self._due = False  # a step is due: forwards wait until it is taken
+        self._closed = False
 
     @property
     def inflight(self) -> int:
         return len(self._held)
+
+    def close(self) -> None:
+        """Take no more micro-batches (the peer leaves, or its owner stopped stepping):
+        calls waiting for a step are refused now, later ones at once."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Rejection("busy", "this replica is leaving")
 
     def forward(
         self, micro_batch: bytes, x: torch.Tensor, targets: torch.Tensor | None = None
@@ -113,6 +134,7 @@ class StageReplica:
         if self.last and targets is None:
             raise Rejection("malformed", "the last stage needs the targets")
         with self._lock:
+            self._check_open()
             self._wait_for_a_due_step()
             if micro_batch in self._held or micro_batch in self._results:
                 raise Rejection("malformed", "a micro-batch of that name came before")
@@ -124,6 +146,8 @@ class StageReplica:
                 out = self.module(x, targets) if self.last else self.module(x)
             seconds = time.perf_counter() - started
             self._held[micro_batch] = _Held(x, targets, rng, self.clock(), seconds)
+            if self.last:
+                self.loss = float(out)
         return out.detach()
 
     def load(self) -> dict[str, float | int]:
@@ -142,6 +166,7 @@ class StageReplica:
         with self._lock:
             if micro_batch in self._results:
                 return self._results[micro_batch]  # a retried call: answered again
+            self._check_open()
             held = self._held.pop(micro_batch, None)
             if held is None:
                 raise Rejection("unknown", "no forward of that micro-batch is held here")
@@ -170,7 +195,10 @@ class StageReplica:
             if step and self.samples >= step:
                 self._due = True
             if self._due and not self._held:
-                self._step()
+                if self.owned:
+                    self._lock.notify_all()  # the owner takes it
+                else:
+                    self._step()
         return grad_input
 
     def abandon(self, micro_batch: bytes) -> None:
@@ -188,8 +216,41 @@ class StageReplica:
                 raise RuntimeError(f"{len(self._held)} micro-batch(es) in flight: not stepping")
             return self._step(optimizer)
 
+    def take_step(self, timeout: float) -> int | None:
+        """(An owned replica's owner.) Wait until a step is due and no micro-batch is in
+        flight, then take it: the optimizer steps on the mean gradient of the micro-batches
+        accumulated. Returns their sequences (None: no step came due within ``timeout``).
+        Forwards wait until :meth:`release`: what the owner does meanwhile (a round) lands
+        under no micro-batch."""
+        if not self.owned:
+            raise RuntimeError("this replica takes its own steps")
+        deadline = self.clock() + timeout
+        with self._lock:
+            while not self._closed:
+                self._expire()
+                if self._due and not self._held:
+                    samples = self.samples
+                    self._apply_step(self.optimizer)
+                    return samples
+                left = deadline - self.clock()
+                if left <= 0:
+                    return None
+                self._lock.wait(timeout=min(1.0, left))
+            return None
+
+    def release(self) -> None:
+        """(An owned replica's owner.) The step taken, the forwards waiting go on."""
+        with self._lock:
+            self._due = False
+            self._lock.notify_all()
+
     def _step(self, optimizer: torch.optim.Optimizer | None = None) -> int:
-        optimizer = optimizer or self.optimizer
+        n = self._apply_step(optimizer or self.optimizer)
+        self._due = False
+        self._lock.notify_all()
+        return n
+
+    def _apply_step(self, optimizer: torch.optim.Optimizer | None) -> int:
         assert optimizer is not None and not self._held
         n = self.micro_batches
         if n:
@@ -200,8 +261,6 @@ class StageReplica:
             optimizer.zero_grad(set_to_none=True)
             self.steps += 1
         self.micro_batches = self.samples = 0
-        self._due = False
-        self._lock.notify_all()
         return n
 
     def _wait_for_a_due_step(self) -> None:
@@ -211,9 +270,12 @@ class StageReplica:
         self._expire()
         self.waiting += 1
         try:
-            while self._due and self._held:
+            while self._due and (self._held or self.owned):
+                self._check_open()
                 if self.clock() >= deadline:
                     raise Rejection("busy", "a step is due and micro-batches are still in flight")
+                if self.owned and not self._held:
+                    self._lock.notify_all()  # the last ones expired: the owner takes it
                 self._lock.wait(timeout=min(1.0, self.config.inflight_s))
                 self._expire()
         finally:

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from swarmloco.core.signature import params_of
 from swarmloco.errors import ModelMismatch, SwarmlocoError
 from swarmloco.net.admission import Gate
 from swarmloco.net.identity import Identity
+from swarmloco.net.server import Service
 from swarmloco.runtime.box import Box, Op
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.follow import Follower
@@ -139,6 +140,7 @@ class Peer:
         config: PeerConfig,
         identity: Identity,
         network: SwarmNetwork | None = None,
+        services: Sequence[Service] = (),
         on_step: Callable[[], None],
     ) -> None:
         self.manifest = source if isinstance(source, SwarmManifest) else None
@@ -149,6 +151,8 @@ class Peer:
         self.identity = identity
         self.peer_id = identity.peer_id_hex
         self.network = network
+        self.services = tuple(services)
+        """More gRPC services the peer's server carries (a pipeline stage's)."""
         self.on_step = on_step
         self.admission: Gate | None = None
         self.optimizer_hook: Any = None
@@ -192,6 +196,9 @@ class Peer:
                 evidence=k.evidence,
                 admission=self.admission,
             )
+        if self.network.node.server is not None:
+            for service in self.services:
+                self.network.node.server.add_service(service)
         self._start_network(stack, self.network, spec)
         self.train_started = time.monotonic()
         self.follower.catch_up()

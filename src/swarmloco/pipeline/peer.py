@@ -1,0 +1,243 @@
+"""One peer of a pipelined run, serving one stage (``docs/DESIGN.md`` section 10).
+
+A :class:`StagePeer` composes what the other modules of this package and the runtime
+build:
+
+- the stage's **replica** (``replica.py``), owned: this peer's stepping thread takes each
+  due step (``step_samples`` sequences) and runs the step hook of a ``Peer`` over the
+  stage's parameters before it lets forwards in again, so the stage's DiLoCo rounds (its
+  replicas' swarm, named by the manifest ``manifest.py`` derives) pace, start, land and
+  catch up as a data-parallel peer's do, and never under a micro-batch;
+- past stage 0, the replica's **service** on the peer's own gRPC server, and its
+  ``stage-load`` record published every few seconds (``load.py``);
+- at stage 0, a **driver** (``driver.py``) that draws each later stage's replicas from the
+  records it reads; :meth:`StagePeer.drive` runs one micro-batch through the pipeline.
+
+Every stage of the built-in transformers takes and gives activations of one shape
+(``activations``); token ids enter stage 0 and the targets the last (``ids``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarmloco.core.manifest import SwarmManifest
+from swarmloco.errors import Stopped, SwarmlocoError
+from swarmloco.net.identity import Identity
+from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.pipeline.driver import Driver, DriverConfig, Trace
+from swarmloco.pipeline.load import keep_publishing, keep_reading
+from swarmloco.pipeline.manifest import pipeline_of, stage_manifest
+from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
+from swarmloco.pipeline.service import StageService
+from swarmloco.pipeline.wire import Boundary
+from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.peer import Kept, Peer, Trainee
+from swarmloco.runtime.schedule import SwarmSchedule
+
+logger = logging.getLogger(__name__)
+
+STEP_POLL_S = 0.5  # how long the stepping thread waits for a due step before looking again
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageWork:
+    """What this peer trains: its stage's module (as every peer builds it) and optimizer,
+    what crosses the stages' boundaries, and the sequences of one optimizer step."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    activations: Boundary
+    ids: Boundary
+    step_samples: int
+    tokens_per_sequence: int
+
+
+class StagePeer:
+    """See the module. Constructing does no I/O; ``with`` enters the stage's swarm."""
+
+    def __init__(
+        self,
+        run: SwarmManifest,
+        stage: int,
+        work: StageWork,
+        *,
+        config: PeerConfig,
+        identity: Identity | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        replica: ReplicaConfig | None = None,
+        driver: DriverConfig | None = None,
+        load_interval_s: float = 2.0,
+    ) -> None:
+        pipeline = pipeline_of(run)
+        if pipeline is None:
+            raise SwarmlocoError(f"swarm {run.swarm_id} is not a pipelined run")
+        self.run = run
+        self.stage = stage
+        self.stages = pipeline.stages
+        self.manifest = stage_manifest(run, stage)
+        self.work = work
+        self.config = dataclasses.replace(config, hook=False)
+        self.identity = identity or Identity.load_or_create(config.directory)
+        self.on_event = on_event
+        self.load_interval_s = load_interval_s
+        first, last = stage == 0, stage == pipeline.stages - 1
+        self.replica = StageReplica(
+            work.module,
+            first=first,
+            last=last,
+            config=dataclasses.replace(replica or ReplicaConfig(), step_samples=work.step_samples),
+            optimizer=work.optimizer,
+            owned=True,
+        )
+        self.service = StageService(
+            self.replica,
+            swarm_id=run.swarm_id,
+            stage=stage,
+            inputs=work.ids if first else work.activations,
+            outputs=None if last else work.activations,
+            targets=work.ids if last else None,
+            encoding=pipeline.encoding,
+            rejections=RejectionLog(logger),
+        )
+        self.driver_config = dataclasses.replace(
+            driver or DriverConfig(), encoding=pipeline.encoding
+        )
+        self.driver: Driver | None = None
+        self.peer: Peer | None = None
+        self.stopped = threading.Event()
+        """Set when the stage's peer stops (max rounds, the run's end, a stop asked)."""
+        self._closing = threading.Event()
+        self._stack: contextlib.ExitStack | None = None
+        self._stepping: threading.Thread | None = None
+        self._loops: list[concurrent.futures.Future[None]] = []
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            self.on_event({"event": event, "time": time.time(), "stage": self.stage, **fields})
+
+    def __enter__(self) -> StagePeer:
+        w = self.work
+        trainee = Trainee(
+            model=w.module,
+            optimizer=w.optimizer,
+            objects={},
+            box=None,
+            evaluate=None,
+            schedule=SwarmSchedule(w.optimizer, lambda: self._global_step()),
+        )
+        kept = Kept.fresh(self.config, self.identity.peer_id_hex, self._emit)
+        peer = Peer(
+            self.manifest,
+            trainee,
+            kept,
+            config=self.config,
+            identity=self.identity,
+            services=[self.service.service()] if self.stage > 0 else [],
+            on_step=lambda: None,
+        )
+        stack = contextlib.ExitStack()
+        try:
+            peer.enter(stack)
+            self.peer, self._stack = peer, stack
+            self._start_loops(peer)
+        except BaseException:
+            stack.close()
+            raise
+        self._stepping = threading.Thread(
+            target=self._steps, name=f"swarmloco-stage{self.stage}-steps", daemon=True
+        )
+        self._stepping.start()
+        return self
+
+    def _global_step(self) -> int:
+        return self.peer.kept.progress.global_step if self.peer is not None else 0
+
+    def _start_loops(self, peer: Peer) -> None:
+        """The stage-load record (past stage 0) or the driver and its reading (stage 0),
+        on the peer's event loop."""
+        assert peer.network is not None
+        dht = peer.network.node.dht
+        interval = self.load_interval_s
+        if self.stage > 0:
+            publishing = keep_publishing(
+                dht,
+                self.run.swarm_id,
+                stage=self.stage,
+                endpoint=peer.network.node.endpoint,
+                load=self.replica.load,
+                interval_s=interval,
+            )
+            self._loops.append(peer.loop.submit(publishing))
+            return
+        self.driver = Driver(
+            peer.network.node.client,
+            self.replica,
+            swarm_id=self.run.swarm_id,
+            replicas=[[] for _ in range(self.stages - 1)],
+            boundaries=[self.work.activations] * (self.stages - 1),
+            ids=self.work.ids,
+            config=self.driver_config,
+        )
+        reading = keep_reading(dht, self.run.swarm_id, self.driver.update, interval_s=interval)
+        self._loops.append(peer.loop.submit(reading))
+
+    def _steps(self) -> None:
+        """Take each due step and run the stage's step hook before releasing the replica;
+        end when the peer stops or this object closes."""
+        peer = self.peer
+        assert peer is not None
+        try:
+            while not self._closing.is_set() and not self.stopped.is_set():
+                samples = self.replica.take_step(timeout=STEP_POLL_S)
+                if samples is None:
+                    continue
+                if self.stage == self.stages - 1:
+                    peer.kept.progress.loss = self.replica.loss
+                try:
+                    peer.hook.stepped(samples * self.work.tokens_per_sequence)
+                except Stopped:
+                    self.stopped.set()
+                except BaseException:
+                    logger.exception("stage %d: the step hook failed", self.stage)
+                    self.stopped.set()
+                    raise
+                finally:
+                    self.replica.release()
+        finally:
+            self.replica.close()  # nobody takes its steps any more: refuse, never hang
+
+    def drive(self, x: torch.Tensor, targets: torch.Tensor, *, timeout: float = 300.0) -> Trace:
+        """(Stage 0.) One micro-batch through the pipeline: its loss and path. Raises
+        :class:`Stopped` once this peer stopped (as a data-parallel peer's step does),
+        :class:`PipelineError` when no replica of a stage took it."""
+        if self.driver is None or self.peer is None:
+            raise SwarmlocoError("only an entered peer of stage 0 drives micro-batches")
+        if self.stopped.is_set():
+            raise Stopped(self.peer.kept.stop.reason or "this stage's peer stopped")
+        try:
+            trace = self.peer.loop.run(self.driver.run(x, targets), timeout=timeout)
+        except Rejection as exc:  # this peer's own replica refused: it is leaving
+            raise Stopped(self.peer.kept.stop.reason or str(exc)) from exc
+        self.peer.kept.progress.loss = trace.loss  # the pipeline's, for the round's log
+        return trace
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing.set()
+        self.replica.close()
+        if self._stepping is not None:
+            self._stepping.join()
+        for loop in self._loops:
+            loop.cancel()
+        if self.peer is not None and self._stack is not None:
+            self.peer.leave(self._stack, failed=exc[0] is not None, interrupted=False)
