@@ -8,8 +8,9 @@ it is there; only the environment differs (addresses on 127.0.0.1, free ports, t
 shared and data volumes as folders under --dir). The order is compose's: the bootstrap
 node, then ``publish`` (retried until the bootstrap node answers, as compose's
 ``restart: on-failure`` does), then the peers and the dashboard. Ctrl-C stops them all;
-with --until-round N they are stopped once the dashboard shows the swarm at round N, and a
-JSON summary is printed (exit 0 when every process left cleanly).
+with --until-round N they are stopped once the dashboard shows the swarm at round N (and,
+with --until-peers M, M peers online), and a JSON summary is printed (exit 0 when every
+process left cleanly).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=None, help="volumes and logs (default: a temp dir)")
     p.add_argument("--until-round", type=int, default=None, help="stop at this swarm round")
+    p.add_argument(
+        "--until-peers", type=int, default=0, help="... and this many peers online (default: any)"
+    )
     p.add_argument("--run-options", default="", help="RUN_OPTIONS: more `create` options")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after (s)")
     args = p.parse_args()
@@ -155,10 +159,14 @@ def main() -> int:
             if url and args.until_round is not None:
                 with urllib.request.urlopen(url.rstrip("/") + "/api/v1/state", timeout=10) as r:
                     view = json.load(r)
-                if (view.get("round") or 0) >= args.until_round:
+                online = view.get("peers_online") or 0
+                if (view.get("round") or 0) >= args.until_round and online >= args.until_peers:
                     break
             if time.monotonic() > deadline:
-                raise SystemExit(f"no round {args.until_round} in {args.timeout:.0f} s")
+                raise SystemExit(
+                    f"no round {args.until_round} with {args.until_peers} peer(s) online in "
+                    f"{args.timeout:.0f} s (last seen: {view})"
+                )
             time.sleep(1.0)
     except KeyboardInterrupt:
         view = {}

@@ -33,7 +33,7 @@ from swarmloco.train.spec import GPTConfig
 pytestmark = pytest.mark.timeout(180)
 
 GPT = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
-SPEC = RunSpec(sync_every=4, codec=dataclasses.replace(FAST.codec))
+SPEC = RunSpec(sync_every=4, delay=1, codec=dataclasses.replace(FAST.codec))
 
 
 def stage_manifest(creator: Identity):

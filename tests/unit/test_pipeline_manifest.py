@@ -18,7 +18,7 @@ from swarmloco.runtime.api import run_manifest
 from swarmloco.train.spec import GPTConfig
 
 GPT = GPTConfig(vocab_size=64, seq_len=8, n_layer=3, n_head=2, n_embd=16)
-SPEC = RunSpec(sync_every=4)
+SPEC = RunSpec(sync_every=4, delay=1)
 CREATOR = "ab" * 32
 
 
@@ -84,3 +84,7 @@ def test_what_cannot_be_read_is_refused_with_a_reason():
         pipeline_manifest(SPEC, gpt_stages(GPT, 1), creator=CREATOR, task="gpt-bytes")
     with pytest.raises(ValueError, match="travel as one of"):
         manifest(encoding="fp8")
+    with pytest.raises(ValueError, match="overlap its steps"):
+        pipeline_manifest(
+            RunSpec(sync_every=4), gpt_stages(GPT, 2), creator=CREATOR, task="gpt-bytes"
+        )

@@ -112,7 +112,8 @@ def test_an_owned_replicas_owner_takes_its_steps_while_new_forwards_wait():
     with pytest.raises(ValueError, match="owner takes its steps"):
         StageReplica(module, first=False, last=False, optimizer=opt, owned=True)
     r = StageReplica(module, first=False, last=False, optimizer=opt, owned=True,
-                     config=ReplicaConfig(step_samples=4, inflight_s=30.0))  # fmt: skip
+                     config=ReplicaConfig(step_samples=4, inflight_s=600.0,
+                                          hold_wait_s=600.0))  # fmt: skip
     x = torch.randn(2, 4)
     assert r.take_step(timeout=0.0) is None  # nothing due
     for name in (b"a" * 16, b"b" * 16):
@@ -136,3 +137,26 @@ def test_an_owned_replicas_owner_takes_its_steps_while_new_forwards_wait():
     waiting.join(timeout=30)
     assert not waiting.is_alive() and r.steps == 1
     torch.testing.assert_close(seen[0], module(x).detach())  # computed after the round
+
+
+def test_a_forward_held_up_by_its_owners_round_is_refused_as_busy_after_a_while():
+    """A round between two steps may take long: a forward waits ``hold_wait_s`` at most,
+    then its driver is told to draw another replica."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    r = StageReplica(module, first=False, last=False, optimizer=opt, owned=True,
+                     config=ReplicaConfig(step_samples=2, hold_wait_s=0.05))  # fmt: skip
+    x = torch.randn(2, 4)
+    r.forward(b"a" * 16, x)
+    r.backward(b"a" * 16, torch.ones(2, 4))
+    assert r.take_step(timeout=30.0) == 2  # ... and the owner never releases it
+    with pytest.raises(Rejection) as refused:
+        r.forward(b"b" * 16, x)
+    assert refused.value.code == "busy" and "between two steps" in refused.value.reason
+    r.release()
+    r.forward(b"b" * 16, x)  # once released, it takes micro-batches again
+    r.close()
+    with pytest.raises(Rejection, match="leaving"):
+        r.forward(b"c" * 16, x)
+    assert r.take_step(timeout=30.0) is None  # closed: the owner stops waiting at once

@@ -38,6 +38,10 @@ from swarmloco.pipeline.service import BACKWARD, FORWARD, MICRO_BATCH_BYTES
 from swarmloco.pipeline.wire import Boundary, pack, unpack
 from swarmloco.proto.v1 import stage_pb2 as pb
 
+BUSY_PAUSE_S = 0.1
+"""The first pause before a stage whose every replica was busy is tried again."""
+MAX_BUSY_PAUSE_S = 1.0
+
 
 class PipelineError(SwarmlocoError):
     """A micro-batch could not be run through the pipeline."""
@@ -184,14 +188,25 @@ class Driver:
     async def _forward(
         self, stage: int, request: pb.ForwardRequest, trace: Trace
     ) -> tuple[str, pb.ForwardResponse]:
-        """Forward on one replica of ``stage``, another one after each failure."""
+        """Forward on one replica of ``stage``, another one after each failure. When every
+        replica said it is busy (between two steps: a round), all are tried again after a
+        pause, growing, until ``hop_timeout_s`` has passed."""
         tried: set[str] = set()
         errors: list[str] = []
+        busy = 0  # refusals as busy since the last round of tries
+        give_up_at = time.monotonic() + self.config.hop_timeout_s
+        pause = BUSY_PAUSE_S
         while True:
             endpoint = self._draw(stage, tried)
+            if endpoint is None and tried and busy == len(tried) and time.monotonic() < give_up_at:
+                await asyncio.sleep(pause)  # back-pressure: the stage is in a round
+                pause = min(2 * pause, MAX_BUSY_PAUSE_S)
+                tried.clear()
+                busy = 0
+                continue
             if endpoint is None:
                 raise PipelineError(
-                    f"no replica of stage {stage} took the micro-batch: " + "; ".join(errors)
+                    f"no replica of stage {stage} took the micro-batch: " + "; ".join(errors[-8:])
                 )
             tried.add(endpoint)
             started = time.monotonic()
@@ -205,7 +220,9 @@ class Driver:
                 return endpoint, answer
             except (RpcError, Rejection) as exc:
                 errors.append(f"{endpoint}: {exc}")
-                if not (isinstance(exc, Rejection) and exc.code == "busy"):
+                if isinstance(exc, Rejection) and exc.code == "busy":
+                    busy += 1
+                else:
                     self.shunned[endpoint] = time.monotonic() + self.config.shun_s
                 trace.retries += 1
             finally:

@@ -59,11 +59,18 @@ def pipeline_manifest(
     layer_unit: LayerUnit = default_layer_unit,
 ) -> SwarmManifest:
     """The manifest of a run of ``stages`` (each as every peer builds it: its weights now
-    are its initial ones), each stage averaged by the DiLoCo of ``spec``."""
+    are its initial ones), each stage averaged by the DiLoCo of ``spec``, whose rounds
+    overlap the steps (``spec.delay`` >= 1)."""
     if not 2 <= len(stages) <= MAX_STAGES:
         raise ValueError(f"a pipelined run has 2 to {MAX_STAGES} stages, not {len(stages)}")
     if encoding not in ENCODINGS:
         raise ValueError(f"activations travel as one of {', '.join(ENCODINGS)}, not {encoding!r}")
+    if spec.delay < 1:
+        raise ValueError(
+            "a pipelined run's rounds overlap its steps (delay >= 1): a stage whose replicas "
+            "paused for their round would stall every other stage, and keep the replicas "
+            "that should join the round from stepping"
+        )
     signatures = [
         signature_of(
             stage, fragments=spec.fragments, block_size=spec.codec.block_size, layer_unit=layer_unit

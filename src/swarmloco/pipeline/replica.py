@@ -45,10 +45,15 @@ class ReplicaConfig:
     step_samples: int = 0
     """Sequences accumulated before the replica steps its optimizer (0: the owner calls
     :meth:`StageReplica.step` itself)."""
+    hold_wait_s: float = 2.0
+    """An owned replica's owner holds it (a round between its steps): a forward waits
+    this long at most, then is refused as busy, and its driver draws another replica
+    (which keeps the stage's other replicas busy and stepping, so they come to the round)."""
 
     def __post_init__(self) -> None:
         require_int("max_inflight", self.max_inflight, minimum=1)
         require_positive("inflight_s", self.inflight_s)
+        require_positive("hold_wait_s", self.hold_wait_s)
         require_int("kept_results", self.kept_results, minimum=1)
         require_int("step_samples", self.step_samples, minimum=0)
 
@@ -111,6 +116,7 @@ class StageReplica:
         backward), recently: what it claims in its ``stage-load`` record."""
         self._due = False  # a step is due: forwards wait until it is taken
         self._closed = False
+        self._holding = False  # the owner took the step and has not released it yet
 
     @property
     def inflight(self) -> int:
@@ -231,6 +237,7 @@ class StageReplica:
                 if self._due and not self._held:
                     samples = self.samples
                     self._apply_step(self.optimizer)
+                    self._holding = True
                     return samples
                 left = deadline - self.clock()
                 if left <= 0:
@@ -241,7 +248,7 @@ class StageReplica:
     def release(self) -> None:
         """(An owned replica's owner.) The step taken, the forwards waiting go on."""
         with self._lock:
-            self._due = False
+            self._due = self._holding = False
             self._lock.notify_all()
 
     def _step(self, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -267,16 +274,19 @@ class StageReplica:
         """While a step is due, wait for the micro-batches in flight to come back (or
         expire) and the step to be taken; refuse as busy past ``inflight_s``."""
         deadline = self.clock() + self.config.inflight_s
+        held_until = self.clock() + self.config.hold_wait_s
         self._expire()
         self.waiting += 1
         try:
             while self._due and (self._held or self.owned):
                 self._check_open()
+                if self._holding and self.clock() >= held_until:
+                    raise Rejection("busy", "this replica is between two steps (a round)")
                 if self.clock() >= deadline:
                     raise Rejection("busy", "a step is due and micro-batches are still in flight")
                 if self.owned and not self._held:
                     self._lock.notify_all()  # the last ones expired: the owner takes it
-                self._lock.wait(timeout=min(1.0, self.config.inflight_s))
+                self._lock.wait(timeout=min(0.1, self.config.hold_wait_s))
                 self._expire()
         finally:
             self.waiting -= 1
