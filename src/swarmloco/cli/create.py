@@ -57,6 +57,21 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "hyperparameters are at the end)",
     )
     parser.add_argument("--name", default="", help="a human label for dashboards (optional)")
+    parser.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        metavar="S",
+        help="a pipelined run: the model cut into S stages, each served by its own peers, "
+        "micro-batches driven through one peer of each (gpt-bytes; rounds overlap the steps: "
+        "--delay defaults to 1); default: every peer holds the whole model",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=("int8", "bf16", "f32"),
+        default="int8",
+        help="how a pipelined run's activations and gradients travel (default: %(default)s)",
+    )
     _add_hyperparameter_options(
         parser.add_argument_group("hyperparameters (default: the preset's; all enter the manifest)")
     )
@@ -188,18 +203,25 @@ def _create(args: argparse.Namespace) -> int:
         )
     identity = Identity.load_or_create(args.data_dir)
     run = _run_from(args)
-    overrides = _model_overrides(args) or None
-    manifest = build_manifest(
-        args.task,
-        args.preset,
-        creator=identity.public_key.hex(),
-        name=args.name,
-        data=_data_spec(args),
-        run=run,
-        model_overrides=overrides,
-        admission="certificate" if args.private else "",
-        identity_work=args.identity_work,
-    )
+    options = {
+        "creator": identity.public_key.hex(),
+        "name": args.name,
+        "data": _data_spec(args),
+        "run": run,
+        "model_overrides": _model_overrides(args) or None,
+        "admission": "certificate" if args.private else "",
+        "identity_work": args.identity_work,
+    }
+    if args.stages is not None:
+        from swarmloco.pipeline.daemon import build_pipeline_manifest
+
+        if args.delay is None:  # a pipelined run's rounds overlap its steps
+            options["run"] = dataclasses.replace(run, spec=dataclasses.replace(run.spec, delay=1))
+        manifest = build_pipeline_manifest(
+            args.task, args.preset, args.stages, encoding=args.activations, **options
+        )
+    else:
+        manifest = build_manifest(args.task, args.preset, **options)
     # The same create command in the same data directory resumes its swarm as the creator.
     manifest = created_before(manifest, Path(args.data_dir))
     print(manifest.swarm_id, flush=True)

@@ -24,6 +24,14 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
     """A training peer's own choices (none enters the manifest), defaults from
     :class:`~swarmloco.runtime.config.PeerConfig`."""
     g = parser.add_argument_group("the training peer")
+    g.add_argument(
+        "--stage",
+        type=int,
+        default=None,
+        metavar="K",
+        help="in a pipelined run (create --stages), serve stage K (0 draws the data and drives "
+        "micro-batches through the others); default: the stage with the fewest peers",
+    )
     _add_network_options(g)
     _add_compute_options(g)
     _add_round_options(g)
@@ -244,6 +252,8 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
 
     try:
         identity = Identity.load_or_create(args.data_dir) if _box_rank() == 0 else None
+        if manifest is not None and manifest.model.get("pipeline") is not None:
+            return _run_stage(manifest, args, peer, identity, sink, box)
         summary = train_task(manifest, config, identity=identity, on_event=sink, box=box)
     finally:
         if events_file is not None and events_file is not sys.stdout:
@@ -253,6 +263,29 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
             _leave_process_group()
     if summary is not None:  # a rank other than 0 has none: rank 0 reports
         _log_summary(summary)
+    return 0
+
+
+def _run_stage(
+    manifest: Any, args: argparse.Namespace, peer: Any, identity: Any, sink: Any, box: Any
+) -> int:
+    """Serve one stage of a pipelined run (``pipeline/daemon.py``)."""
+    from swarmloco.errors import SwarmlocoError
+    from swarmloco.pipeline.daemon import train_stage
+
+    if box is not None:
+        raise SwarmlocoError(
+            "a pipelined run's stage is served by one process (no --nproc-per-node)"
+        )
+    summary = train_stage(manifest, peer, identity=identity, stage=args.stage, on_event=sink)
+    logging.getLogger("swarmloco.peer").info(
+        "left stage %d at round %d after %d steps (%d micro-batches driven): %s",
+        summary.stage,
+        summary.round,
+        summary.steps,
+        summary.micro_batches,
+        summary.stopped_because,
+    )
     return 0
 
 

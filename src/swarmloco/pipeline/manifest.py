@@ -61,8 +61,44 @@ def pipeline_manifest(
     """The manifest of a run of ``stages`` (each as every peer builds it: its weights now
     are its initial ones), each stage averaged by the DiLoCo of ``spec``, whose rounds
     overlap the steps (``spec.delay`` >= 1)."""
-    if not 2 <= len(stages) <= MAX_STAGES:
-        raise ValueError(f"a pipelined run has 2 to {MAX_STAGES} stages, not {len(stages)}")
+    signatures = stage_signatures(spec, stages, layer_unit)
+    # The run's own signature is its first stage's (what a tool that knows nothing of
+    # pipelines reads); the stages' are under "pipeline".
+    made = run_manifest(
+        spec,
+        signatures[0],
+        creator=creator,
+        task=task,
+        name=name,
+        model=model,
+        data=data,
+        admission=admission,
+        identity_work=identity_work,
+    )
+    return declare_pipeline(made, spec, signatures, encoding)
+
+
+def stage_signatures(
+    spec: RunSpec, stages: Sequence[nn.Module], layer_unit: LayerUnit = default_layer_unit
+) -> list[ModelSignature]:
+    """Each stage's signature, in the layout of ``spec``."""
+    return [
+        signature_of(
+            stage, fragments=spec.fragments, block_size=spec.codec.block_size, layer_unit=layer_unit
+        )
+        for stage in stages
+    ]
+
+
+def declare_pipeline(
+    manifest: SwarmManifest,
+    spec: RunSpec,
+    signatures: Sequence[ModelSignature],
+    encoding: str = "int8",
+) -> SwarmManifest:
+    """``manifest`` (of a run of ``spec``) declaring the stages of these ``signatures``."""
+    if not 2 <= len(signatures) <= MAX_STAGES:
+        raise ValueError(f"a pipelined run has 2 to {MAX_STAGES} stages, not {len(signatures)}")
     if encoding not in ENCODINGS:
         raise ValueError(f"activations travel as one of {', '.join(ENCODINGS)}, not {encoding!r}")
     if spec.delay < 1:
@@ -71,29 +107,8 @@ def pipeline_manifest(
             "paused for their round would stall every other stage, and keep the replicas "
             "that should join the round from stepping"
         )
-    signatures = [
-        signature_of(
-            stage, fragments=spec.fragments, block_size=spec.codec.block_size, layer_unit=layer_unit
-        )
-        for stage in stages
-    ]
-    # The run's own signature is its first stage's (what a tool that knows nothing of
-    # pipelines reads); the stages' are under "pipeline".
-    described = {
-        **(model or {}),
-        "pipeline": {"stages": [s.to_manifest() for s in signatures], "encoding": encoding},
-    }
-    return run_manifest(
-        spec,
-        signatures[0],
-        creator=creator,
-        task=task,
-        name=name,
-        model=described,
-        data=data,
-        admission=admission,
-        identity_work=identity_work,
-    )
+    declared = {"stages": [s.to_manifest() for s in signatures], "encoding": encoding}
+    return dataclasses.replace(manifest, model={**manifest.model, "pipeline": declared})
 
 
 def pipeline_of(manifest: SwarmManifest) -> Pipeline | None:

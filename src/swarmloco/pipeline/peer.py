@@ -8,8 +8,8 @@ build:
   stage's parameters before it lets forwards in again, so the stage's DiLoCo rounds (its
   replicas' swarm, named by the manifest ``manifest.py`` derives) pace, start, land and
   catch up as a data-parallel peer's do, and never under a micro-batch;
-- past stage 0, the replica's **service** on the peer's own gRPC server, and its
-  ``stage-load`` record published every few seconds (``load.py``);
+- past stage 0, the replica's **service** on the peer's own gRPC server; at every stage
+  its ``stage-load`` record, published every few seconds (``load.py``);
 - at stage 0, a **driver** (``driver.py``) that draws each later stage's replicas from the
   records it reads; :meth:`StagePeer.drive` runs one micro-batch through the pipeline.
 
@@ -164,21 +164,22 @@ class StagePeer:
         return self.peer.kept.progress.global_step if self.peer is not None else 0
 
     def _start_loops(self, peer: Peer) -> None:
-        """The stage-load record (past stage 0) or the driver and its reading (stage 0),
-        on the peer's event loop."""
+        """The stage-load record (every stage's: a joining peer counts them to choose its
+        stage; nobody calls stage 0), and at stage 0 the driver and its reading, on the
+        peer's event loop."""
         assert peer.network is not None
         dht = peer.network.node.dht
         interval = self.load_interval_s
+        publishing = keep_publishing(
+            dht,
+            self.run.swarm_id,
+            stage=self.stage,
+            endpoint=peer.network.node.endpoint,
+            load=self.replica.load,
+            interval_s=interval,
+        )
+        self._loops.append(peer.loop.submit(publishing))
         if self.stage > 0:
-            publishing = keep_publishing(
-                dht,
-                self.run.swarm_id,
-                stage=self.stage,
-                endpoint=peer.network.node.endpoint,
-                load=self.replica.load,
-                interval_s=interval,
-            )
-            self._loops.append(peer.loop.submit(publishing))
             return
         self.driver = Driver(
             peer.network.node.client,

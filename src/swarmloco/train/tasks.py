@@ -351,7 +351,12 @@ def task_signature(task: Task, model: Mapping[str, Any], run: RunConfig) -> dict
 def run_from_manifest(manifest: SwarmManifest) -> tuple[Task, dict[str, Any], DataSpec, RunConfig]:
     """Everything a peer needs to train from a manifest: task, model config, data, hparams."""
     task = get_task(manifest.task)
-    model = {k: v for k, v in manifest.model.items() if k not in ("preset", "signature")}
+    # (A pipelined run's stages are no part of the model's config: pipeline/manifest.py.)
+    model = {
+        k: v
+        for k, v in manifest.model.items()
+        if k not in ("preset", "signature", "pipeline", "stage")
+    }
     data_values = dict(manifest.data)
     for key in ("paths", "suffixes"):
         if key in data_values:
