@@ -164,6 +164,11 @@ async def test_a_dead_replica_costs_a_retry_and_each_micro_batch_is_applied_once
         drv.replicas = [[dead]]
         with pytest.raises(PipelineError, match="no replica of stage 1"):
             await drv.run(*batch(9))
+        # A stage no record names yet: waited for (up to the hop's deadline), then told.
+        drv.replicas = [[]]
+        drv.config = DriverConfig(hop_timeout_s=0.3)
+        with pytest.raises(PipelineError, match="stage 1 has no peer"):
+            await drv.run(*batch(10))
     assert [t.retries for t in traces] == [1, 0, 0] and dead in drv.shunned
     assert all(t.path == endpoints[0] for t in traces)
     assert service.replica.micro_batches == 3 and first.micro_batches == 3

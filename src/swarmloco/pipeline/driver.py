@@ -189,8 +189,8 @@ class Driver:
         self, stage: int, request: pb.ForwardRequest, trace: Trace
     ) -> tuple[str, pb.ForwardResponse]:
         """Forward on one replica of ``stage``, another one after each failure. When every
-        replica said it is busy (between two steps: a round), all are tried again after a
-        pause, growing, until ``hop_timeout_s`` has passed."""
+        replica said it is busy (between two steps: a round), or none is known yet, all
+        are tried again after a pause, growing, until ``hop_timeout_s`` has passed."""
         tried: set[str] = set()
         errors: list[str] = []
         busy = 0  # refusals as busy since the last round of tries
@@ -198,12 +198,17 @@ class Driver:
         pause = BUSY_PAUSE_S
         while True:
             endpoint = self._draw(stage, tried)
-            if endpoint is None and tried and busy == len(tried) and time.monotonic() < give_up_at:
-                await asyncio.sleep(pause)  # back-pressure: the stage is in a round
+            unserved = not self.replicas[stage - 1]  # no record of a replica (yet)
+            all_busy = bool(tried) and busy == len(tried)
+            if endpoint is None and (unserved or all_busy) and time.monotonic() < give_up_at:
+                # Back-pressure (the stage is in a round), or its first records to come.
+                await asyncio.sleep(pause)
                 pause = min(2 * pause, MAX_BUSY_PAUSE_S)
                 tried.clear()
                 busy = 0
                 continue
+            if endpoint is None and unserved:
+                raise PipelineError(f"stage {stage} has no peer (no stage-load record of one)")
             if endpoint is None:
                 raise PipelineError(
                     f"no replica of stage {stage} took the micro-batch: " + "; ".join(errors[-8:])
