@@ -52,7 +52,7 @@ def pacer(loop: LoopThread, board: Board, tmp_path, *, steps: int, **kw) -> Pace
         progress.stepped(TOKENS, 1e-3, now=float(i))
     return Pacer(
         network=board,  # type: ignore[arg-type]
-        loop=loop,
+        wake=board.wake,
         config=PeerConfig(data_dir=tmp_path, progress_interval_s=1.0),
         peer_id="me",
         h=H,
@@ -144,7 +144,7 @@ def _round_of_two(step_s: float, b_lag: float, publish: tuple[float, float], tmp
         progress[name].round_started(0.0)
         pacers[name] = Pacer(
             network=boards[name],  # type: ignore[arg-type]
-            loop=None,  # type: ignore[arg-type]  (never used: the records were read twice)
+            wake=boards[name].wake,
             config=PeerConfig(data_dir=tmp_path, progress_interval_s=interval),
             peer_id=name,
             h=4,

@@ -26,7 +26,6 @@ from swarmloco.core.adoption import Evidence
 from swarmloco.core.pacing import PacingConfig, ProgressReport, Verdict, estimate
 from swarmloco.net.records import is_farewell
 from swarmloco.runtime.config import PeerConfig
-from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.network import SwarmNetwork
 from swarmloco.runtime.progress import LocalProgress
 
@@ -46,7 +45,7 @@ class Pacer:
         self,
         *,
         network: SwarmNetwork,
-        loop: LoopThread,
+        wake: Callable[[], None],
         config: PeerConfig,
         peer_id: str,
         h: float,
@@ -56,7 +55,8 @@ class Pacer:
         now: Callable[[], float],
     ) -> None:
         self.network = network
-        self.loop = loop
+        self.wake = wake
+        """Have the network publish and read the records now (from any thread)."""
         self.config = config
         self.peer_id = peer_id
         self.h = h
@@ -157,7 +157,7 @@ class Pacer:
         second read: training on instead would make a lone peer's first round as long as
         the network is slow, and its result depend on timing."""
         self._read_twice = True
-        self.loop.loop.call_soon_threadsafe(self.network.wake)
+        self.wake()
         with self.progress.blocking():
             read = self.network.wait_for_reads(2, 2 * self.config.progress_interval_s + 1.0)
         if not read:
@@ -193,7 +193,7 @@ class Pacer:
         round again, which the network listens for)."""
         self.late = (round, until)
         self.network.late = (round, numel)
-        self.loop.loop.call_soon_threadsafe(self.network.wake)
+        self.wake()
 
     def _still_late(self, target: int) -> bool:
         """Whether this peer still waits for the result of round ``target``'s group that

@@ -310,7 +310,7 @@ class Peer:
         )
         self.pacer = Pacer(
             network=network,
-            loop=self.loop,
+            wake=parts.wake,
             config=self.config,
             peer_id=self.peer_id,
             h=spec.steps_per_round,
@@ -406,7 +406,7 @@ class Peer:
         while True:
             # Count on records read from now on: a peer that left a moment ago is seen gone.
             reads = network.reads
-            self.loop.loop.call_soon_threadsafe(network.wake)
+            self.parts.wake()
             network.wait_for_reads(reads + 1, PEERS_POLL_S)
             if stop.is_set():
                 return 0, "stopped"

@@ -60,8 +60,16 @@ from swarmloco.runtime.schedule import SwarmSchedule
 from swarmloco.runtime.session import handle_signals
 from swarmloco.runtime.start import describe_device, manifest_signature, manifest_spec
 
-__all__ = ["Evaluator", "EventSink", "Stateful", "Summary", "Swarm", "describe_device",
-           "manifest_signature", "manifest_spec"]  # fmt: skip
+__all__ = [
+    "Evaluator",
+    "EventSink",
+    "Stateful",
+    "Summary",
+    "Swarm",
+    "describe_device",
+    "manifest_signature",
+    "manifest_spec",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +105,7 @@ class Swarm:
     ) -> None:
         self.box = box if box is not None and box.size > 1 else None
         self.model = unwrap(model)
-        self.optimizer = optimizer
-        self.config = config
-        self.identity = identity
+        self.optimizer, self.config, self.identity = optimizer, config, identity
         self.peer_id = identity.peer_id_hex
         self.on_event = on_event
         self.objects: dict[str, Stateful] = {}
@@ -107,10 +113,23 @@ class Swarm:
         self.sheet, self.progress, self.trial = kept.sheet, kept.progress, kept.trial
         self._stop = kept.stop
         self.schedule = SwarmSchedule(optimizer, lambda: self.progress.global_step)
-        trainee = Trainee(model=self.model, optimizer=optimizer, objects=self.objects,
-                          box=self.box, evaluate=evaluate, schedule=self.schedule)  # fmt: skip
-        self.peer = Peer(source, trainee, kept, config=config, identity=identity,
-                         network=network, on_step=self.step)  # fmt: skip
+        trainee = Trainee(
+            model=self.model,
+            optimizer=optimizer,
+            objects=self.objects,
+            box=self.box,
+            evaluate=evaluate,
+            schedule=self.schedule,
+        )
+        self.peer = Peer(
+            source,
+            trainee,
+            kept,
+            config=config,
+            identity=identity,
+            network=network,
+            on_step=self.step,
+        )
         self._entered = False
         self.lead = BoxLead(self.box)
         self._stack: contextlib.ExitStack | None = None
