@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,6 +88,13 @@ def main() -> None:
         help="create: bits of work each key proves to take part (default: 8, about a second "
         "of one core once per key; 0: none)",
     )
+    p.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.0,
+        help="make each step take this much longer (to watch the swarm at a large model's "
+        "pace on a small one; default: 0)",
+    )
     p.add_argument("--events", nargs="?", const="-", help="one JSON object per event on stdout (-)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -131,6 +139,8 @@ def main() -> None:
         # peer's, over the run's length (a joiner reads it from the manifest on entering).
         sched = swarm.scheduler(lambda step: schedule(step, swarm.spec.total_steps))
         for x, y in stream:
+            if args.step_seconds:
+                time.sleep(args.step_seconds)  # a larger model's forward and backward
             loss = loss_fn(model(x), y)
             optimizer.zero_grad()
             loss.backward()

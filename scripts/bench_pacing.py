@@ -4,15 +4,16 @@ Prints ONE JSON object.
 
     python scripts/bench_pacing.py                      # 2 peers, H = 20, 12 rounds
     python scripts/bench_pacing.py --sync-every 25 --rounds 20
+    python scripts/bench_pacing.py --sync-every 10 --rounds 6 --step-seconds 1   # slow steps
     python scripts/bench_pacing.py --baseline-src OLD/src   # and an older checkout's, first
 
 Two processes of ``examples/mlp_own_loop.py`` (the library API in a user's own loop: an
-MLP whose steps take a few ms on a CPU, an evaluation after every round, progress records
-every 2 s as by default) create and join one swarm on loopback and leave at ``--rounds``.
-For each peer: the local steps between consecutive applied rounds (``per_round``), their
-median and its ratio to H (``median_over_h``; 1.0 is the promise, issue 31), and the
-rounds it applied in a group of two. The swarm's promise is per round: the group's steps
-add up to about 2 H (a faster peer trains more of them).
+MLP whose steps take a few ms on a CPU, or ``--step-seconds`` more, an evaluation after
+every round, progress records every 2 s as by default) create and join one swarm on
+loopback and leave at ``--rounds``. For each peer: the local steps between consecutive
+applied rounds (``per_round``), their median and its ratio to H (``median_over_h``; 1.0 is
+the promise, issue 31), and the rounds it applied in a group of two. The swarm's promise
+is per round: the group's steps add up to about 2 H (a faster peer trains more of them).
 """
 
 from __future__ import annotations
@@ -84,15 +85,18 @@ class Peer:
         }
 
 
-def pair(h: int, rounds: int, timeout: float, src: str | None) -> list[dict[str, Any]]:
-    """Two peers of the example, with swarmloco and the example from the checkout of
-    ``src`` (None: this one)."""
+def pair(
+    h: int, rounds: int, timeout: float, src: str | None, step_seconds: float = 0.0
+) -> list[dict[str, Any]]:
+    """Two peers of this checkout's example (the same workload for both), with the
+    swarmloco of the checkout of ``src`` (None: this one)."""
     env, example = dict(os.environ), EXAMPLE
     if src is not None:
         env["PYTHONPATH"] = src
-        example = Path(src).resolve().parent / "examples" / EXAMPLE.name
     with tempfile.TemporaryDirectory() as tmp:
         common = ["--max-rounds", str(rounds), "--min-peers", "2"]
+        if step_seconds:
+            common += ["--step-seconds", str(step_seconds)]
         a = Peer(example, ["create", "--data-dir", f"{tmp}/a", "--identity-work", "0",
                   "--sync-every", str(h), "--total-steps", str(100 * h * rounds),
                   *common], env)  # fmt: skip
@@ -110,16 +114,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12, help="rounds each peer applies")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for each pair")
     p.add_argument("--baseline-src", default=None, help="an older checkout's src/ to run first")
+    p.add_argument(
+        "--step-seconds", type=float, default=0.0, help="added to each step (default: none)"
+    )
     args = p.parse_args()
-    h = args.sync_every
+    h, slow = args.sync_every, args.step_seconds
     result: dict[str, Any] = {
         "bench": "pacing",
         "machine": machine(),
-        "settings": {"sync_every": h, "rounds": args.rounds, "peers": 2},
+        "settings": {"sync_every": h, "rounds": args.rounds, "peers": 2, "step_seconds": slow},
     }
     if args.baseline_src:
-        result["baseline"] = pair(h, args.rounds, args.timeout, args.baseline_src)
-    result["peers"] = pair(h, args.rounds, args.timeout, None)
+        result["baseline"] = pair(h, args.rounds, args.timeout, args.baseline_src, slow)
+    result["peers"] = pair(h, args.rounds, args.timeout, None, slow)
     print(json.dumps(result))
 
 

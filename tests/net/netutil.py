@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -81,3 +82,22 @@ async def wait_for(condition: Callable[[], bool], *, timeout: float = 10.0) -> N
         if time.monotonic() > deadline:
             raise AssertionError("condition not met before the deadline")
         await asyncio.sleep(0.01)
+
+
+def run_in_threads(*calls: Callable[[], None], timeout: float) -> None:
+    """Run each call on a thread of its own (daemon: one that hangs fails its test, not the
+    run) and wait for all, up to ``timeout`` each; what any raised fails the test here."""
+    errors: list[BaseException] = []
+
+    def run(call: Callable[[], None]) -> None:
+        try:
+            call()
+        except BaseException as exc:  # reported in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(call,), daemon=True) for call in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors and not any(t.is_alive() for t in threads), errors

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from avgutil import FAST
+from netutil import run_in_threads
 
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.state import state_digest
@@ -127,28 +128,15 @@ def test_the_step_hook_paces_and_runs_a_stages_rounds_until_its_last(tmp_path):
         stage_peer(tmp_path, "a", manifest, max_rounds=3) as a,
         stage_peer(tmp_path, "b", manifest, a.network.endpoint, max_rounds=3) as b,
     ):
-        errors: list[BaseException] = []
 
         def loop(peer: Peer, seed: int) -> None:
             g = torch.Generator().manual_seed(seed)
-            try:
+            with contextlib.suppress(Stopped):
                 while True:
                     step(peer, g)
                     peer.hook.stepped(16)
-            except Stopped:
-                return
-            except BaseException as exc:  # reported in the test's thread
-                errors.append(exc)
 
-        threads = [
-            threading.Thread(target=loop, args=(peer, seed), daemon=True)
-            for peer, seed in ((a, 1), (b, 2))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not errors and not any(t.is_alive() for t in threads), errors
+        run_in_threads(lambda: loop(a, 1), lambda: loop(b, 2), timeout=120)
         assert a.diloco.round == b.diloco.round == 3
         assert state_digest(a.diloco.committed()) == state_digest(b.diloco.committed())
         assert a.rounds.applied >= 1 and b.rounds.applied >= 1

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from avgutil import FAST
+from netutil import run_in_threads
 
 from swarmloco.core.runspec import RunSpec
 from swarmloco.errors import Stopped
@@ -37,7 +38,7 @@ SPEC = RunSpec(sync_every=4, delay=1, codec=dataclasses.replace(FAST.codec))
 MICRO = 2  # sequences a micro-batch
 IDS = Boundary(width=0, max_batch=MICRO, max_tokens=GPT.seq_len, vocab=GPT.vocab_size)
 ACTS = Boundary(width=GPT.n_embd, max_batch=MICRO, max_tokens=GPT.seq_len)
-ROUNDS = 3
+ROUNDS = 2
 
 
 class Events:
@@ -111,23 +112,11 @@ def test_two_stages_of_two_peers_drive_micro_batches_and_average_each_stage(tmp_
             stage_peer(tmp_path, "a2", run, 0, entry) as a2,
         ):
             done: list[int] = []
-            errors: list[BaseException] = []
-
-            def driving(peer: StagePeer, seed: int) -> None:
-                try:
-                    drive(peer, seed, [b1, b2], done)
-                except BaseException as exc:  # reported in the test's thread
-                    errors.append(exc)
-
-            threads = [
-                threading.Thread(target=driving, args=(p, s), daemon=True)
-                for p, s in ((a1, 1), (a2, 2))
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(180)
-            assert not errors and not any(t.is_alive() for t in threads), errors
+            run_in_threads(
+                lambda: drive(a1, 1, [b1, b2], done),
+                lambda: drive(a2, 2, [b1, b2], done),
+                timeout=180,
+            )
             # Both stage 1 replicas served (the drivers found both by their records).
             assert b1.replica.served > 0 and b2.replica.served > 0
             # Each finished micro-batch was applied once at each stage: stage 1's backwards
