@@ -65,6 +65,8 @@ def stage_peer(tmp: Path, name: str, run, stage: int, *peers: str) -> Iterator[S
         ids=IDS,
         step_samples=2 * MICRO,
         tokens_per_sequence=GPT.seq_len,
+        lr_at=lambda step: 1e-3 / (1 + step),  # the schedule, by the stage's global step
+        grad_clip=1.0,
     )
     config = PeerConfig(
         data_dir=tmp / name,
@@ -132,3 +134,7 @@ def test_two_stages_of_two_peers_drive_micro_batches_and_average_each_stage(tmp_
         assert together, [p.events.seen for p in stage]  # type: ignore[attr-defined]
         assert all(len(digests) == 1 for digests in together.values()), together
     assert b1.manifest.swarm_id == b2.manifest.swarm_id != a1.manifest.swarm_id
+    for peer in (a1, a2, b1, b2):  # the schedule set the rate of the last step, not 3e-3
+        step = peer.peer.kept.progress.global_step  # type: ignore[union-attr]
+        lr = peer.work.optimizer.param_groups[0]["lr"]
+        assert step > 0 and lr in {1e-3 / (1 + s) for s in range(step + 1)}, (lr, step)

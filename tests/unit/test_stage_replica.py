@@ -160,3 +160,28 @@ def test_a_forward_held_up_by_its_owners_round_is_refused_as_busy_after_a_while(
     with pytest.raises(Rejection, match="leaving"):
         r.forward(b"c" * 16, x)
     assert r.take_step(timeout=30.0) is None  # closed: the owner stops waiting at once
+
+
+def test_the_owner_sees_the_mean_gradient_before_each_step():
+    """``before_step`` runs on the mean gradient, before the optimizer steps: where a stage
+    peer sets its learning rate and clips."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    r = StageReplica(module, first=False, last=False, optimizer=opt,
+                     config=ReplicaConfig(step_samples=4))  # fmt: skip
+    seen: list[torch.Tensor] = []
+
+    def before() -> None:
+        seen.append(module.weight.grad.clone())
+        opt.param_groups[0]["lr"] = 0.0  # a schedule at zero: the step changes nothing
+
+    r.before_step = before
+    before_weights = module.weight.detach().clone()
+    x = torch.randn(2, 4)
+    for name in (b"a" * 16, b"b" * 16):
+        r.forward(name, x)
+        r.backward(name, torch.ones(2, 4))
+    assert r.steps == 1 and len(seen) == 1
+    torch.testing.assert_close(seen[0], torch.ones(2, 4).T @ x)  # the mean of two equal ones
+    assert torch.equal(module.weight.detach(), before_weights)

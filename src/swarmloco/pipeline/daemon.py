@@ -173,6 +173,8 @@ def _work(module: nn.Module, model: Mapping[str, Any], run: RunConfig) -> StageW
         ids=Boundary(width=0, max_batch=micro, max_tokens=seq_len, vocab=vocab),
         step_samples=sequences,
         tokens_per_sequence=seq_len,
+        lr_at=inner.lr_at,
+        grad_clip=inner.grad_clip,
     )
 
 

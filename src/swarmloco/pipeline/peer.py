@@ -61,6 +61,11 @@ class StageWork:
     ids: Boundary
     step_samples: int
     tokens_per_sequence: int
+    lr_at: Callable[[int], float] | None = None
+    """The learning rate at the stage's global step (None: the optimizer's own)."""
+    grad_clip: float = 0.0
+    """Clip this stage's gradient norm to this before each step (0: no clipping). Each
+    stage clips its own part: no peer sees the whole model's norm."""
 
 
 class StagePeer:
@@ -100,6 +105,7 @@ class StagePeer:
             optimizer=work.optimizer,
             owned=True,
         )
+        self.replica.before_step = self._before_step
         self.service = StageService(
             self.replica,
             swarm_id=run.swarm_id,
@@ -159,6 +165,17 @@ class StagePeer:
         )
         self._stepping.start()
         return self
+
+    def _before_step(self) -> None:
+        """The learning rate of the stage's global step, and the clipping, on the mean
+        gradient the replica is about to step on."""
+        w = self.work
+        if w.lr_at is not None:
+            lr = w.lr_at(self._global_step())
+            for group in w.optimizer.param_groups:
+                group["lr"] = lr
+        if w.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(w.module.parameters(), w.grad_clip)
 
     def _global_step(self) -> int:
         return self.peer.kept.progress.global_step if self.peer is not None else 0

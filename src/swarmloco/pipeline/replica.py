@@ -109,6 +109,9 @@ class StageReplica:
         """Micro-batches whose backward it ran, since it started."""
         self.waiting = 0
         """Forwards waiting for a due step now."""
+        self.before_step: Callable[[], None] | None = None
+        """Called before each optimizer step, on the mean gradient (the owner's learning
+        rate and clipping)."""
         self.loss = float("nan")
         """The last loss this replica computed (the last stage's forward)."""
         self.rate = Rate()
@@ -264,6 +267,8 @@ class StageReplica:
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.div_(n)
+            if self.before_step is not None:
+                self.before_step()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             self.steps += 1
