@@ -117,3 +117,16 @@ def test_a_replica_measures_its_own_rate_and_says_what_it_holds():
     replica.backward(b"a" * 16, torch.ones(2, 4))
     said = replica.load()
     assert said["rate"] > 0 and said["queue"] == 1 and said["free"] == 2
+
+
+def test_a_joining_peer_takes_the_stage_with_the_fewest_peers_the_later_on_a_tie():
+    from swarmloco.pipeline.daemon import choose_stage
+
+    assert choose_stage([], 3) == 2  # nobody yet: the last stage (drivers need the rest)
+    served = [load("a:1", stage=2), load("b:1", stage=1)]
+    assert choose_stage(served, 3) == 0
+    one = stage_load("cd" * 20, value(stage=0, endpoint="c:1"))
+    assert choose_stage([*served, one], 3) == 2
+    # A peer counts once however often it said so; records of no such stage count nowhere.
+    again = [load("b:1", stage=1), load("b:1", stage=1), load("x:1", stage=9)]
+    assert choose_stage(again, 3) == 2 and choose_stage(again, 2) == 0
