@@ -266,12 +266,13 @@ class SwarmNetwork:
                 with self._read:
                     self.reads += 1
                     self._read.notify_all()
-                logger.debug(
-                    "progress published and %d report(s) read in %.2f s: %s",
-                    len(self.reports),
-                    time.monotonic() - started,
-                    [(r.peer[:8], r.round, r.tokens) for r in self.reports],
-                )
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug(
+                        "progress published and %d report(s) read in %.2f s: %s",
+                        len(self.reports),
+                        time.monotonic() - started,
+                        [(r.peer[:8], r.round, r.tokens) for r in self.reports[:16]],
+                    )
                 if (late := self.late) is not None:
                     formed = await self.matchmaker.formed_without_us(*late)
                     if formed:
