@@ -17,8 +17,10 @@ SXM), and ``mfu_measured_peak`` against the bf16 matrix product this run measure
 ``swarm``: ``scripts/local_swarm.py`` with two peers of ``--swarm-preset`` on this GPU,
 ``--sync-every`` (H, 500) steps a round, until ``--rounds``; from each peer's events, between
 its first and last applied round: ``train_share`` (the training loop's share of the wall
-time), ``stall_per_round_s`` (the wall time not spent in inner steps, per round) and the
-rounds' own seconds; ``gpu_busy`` from ``nvidia-smi`` samples over the same stretch.
+time), ``stall_per_round_s`` (the wall time not spent in inner steps, per round), of it the
+loop's wait for the exchange at each landing and the evaluation, and the rounds' own
+seconds; ``--delay`` (tau) overlaps each exchange with that many steps; ``gpu_busy``
+from ``nvidia-smi`` samples over the same stretch.
 Without CUDA both parts run on the CPU at --presets tiny:4 so that the script is tested.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -195,34 +198,49 @@ class GpuSampler:
 
 def bench_swarm(args: argparse.Namespace, run_dir: Path, on_cuda: bool) -> dict[str, Any]:
     preset = args.swarm_preset if on_cuda else "tiny"
-    extra = "--device cuda" if on_cuda else "--device cpu"
+    extra = ("--device cuda" if on_cuda else "--device cpu") + f" --eval-every {args.eval_every}"
+    extra += " --min-group 2"  # every round averaged by both: what the figures are of
     command = [
         sys.executable, str(REPO / "scripts" / "local_swarm.py"),
         "--task", "llama", "--preset", preset, "--peers", "2",
         "--rounds", str(args.rounds), "--sync-every", str(args.sync_every if on_cuda else 10),
         "--batch-size", str(args.swarm_batch if on_cuda else 4), "--threads", "1",
         "--dashboard-port", "-1", "--dir", str(run_dir), "--extra", extra,
+        "--create-extra", f"--delay {args.delay}",
     ]  # fmt: skip
     with GpuSampler() as sampler:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.swarm_timeout)
+        swarm = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            stdout, stderr = swarm.communicate(timeout=args.swarm_timeout)
+        except subprocess.TimeoutExpired:  # Ctrl-C: it stops its peers, the events stay
+            swarm.send_signal(signal.SIGINT)
+            stdout, stderr = swarm.communicate(timeout=120)
+            stderr += f"\n(stopped at the --swarm-timeout of {args.swarm_timeout:.0f} s)"
     try:
-        summary = json.loads(done.stdout)
+        summary = json.loads(stdout)
     except json.JSONDecodeError:
-        summary = {"stdout": done.stdout[-2000:]}
+        summary = {"stdout": stdout[-2000:]}
     out: dict[str, Any] = {
         "preset": preset,
         "peers": 2,
         "sync_every": args.sync_every if on_cuda else 10,
         "micro_batch": args.swarm_batch if on_cuda else 4,
         "rounds": args.rounds,
-        "exit_code": done.returncode,
+        "delay": args.delay,
+        "eval_every": args.eval_every,
+        "exit_code": swarm.returncode,
         "same_final_state": summary.get("same_final_state"),
     }
-    if done.returncode != 0:
-        out["stderr_tail"] = done.stderr[-3000:]
+    if swarm.returncode != 0:
+        out["stderr_tail"] = stderr[-3000:]
     dirs = sorted(d for d in run_dir.iterdir() if d.is_dir()) if run_dir.is_dir() else []
     out["per_peer"] = per_peer(dirs[-1] if dirs else run_dir, sampler)
     return out
+
+
+def _median(events: list[dict[str, Any]], field: str) -> float | None:
+    values = [e[field] for e in events if field in e]  # older events lack the field
+    return statistics.median(values) if values else None
 
 
 def per_peer(run_dir: Path, sampler: GpuSampler | None = None) -> list[dict[str, Any]]:
@@ -251,6 +269,9 @@ def per_peer(run_dir: Path, sampler: GpuSampler | None = None) -> list[dict[str,
                 "matchmaking_seconds_median": statistics.median(
                     e["matchmaking_seconds"] for e in rounds[1:]
                 ),
+                # Of the stall: the loop waiting for the exchange at the landing, evaluating.
+                "wait_seconds_median": _median(rounds[1:], "wait_seconds"),
+                "eval_seconds_median": _median(rounds[1:], "eval_seconds"),
                 "final_digest": final["digest"][:16],
                 "gpu_busy": sampler.busy(first["time"], final["time"]) if sampler else None,
             }
@@ -273,6 +294,13 @@ def main() -> int:
     p.add_argument("--swarm-batch", type=int, default=8, help="the two peers' micro-batch")
     p.add_argument("--sync-every", type=int, default=500, help="H of the two peers")
     p.add_argument("--rounds", type=int, default=3, help="the two peers stop after this round")
+    p.add_argument(
+        "--delay",
+        type=int,
+        default=0,
+        help="tau: inner steps each round's exchange overlaps (0: the loop waits for it)",
+    )
+    p.add_argument("--eval-every", type=int, default=1, help="rounds between evaluations (0: none)")
     p.add_argument("--swarm-timeout", type=float, default=600.0, help="seconds, then give up")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     p.add_argument(

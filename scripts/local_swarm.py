@@ -183,6 +183,11 @@ def main() -> int:
         default="",
         help="more `swarmloco join` options for every peer, as one string",
     )
+    p.add_argument(
+        "--create-extra",
+        default="",
+        help="more `swarmloco create` options (the run's, e.g. '--delay 20'), as one string",
+    )
     args = p.parse_args()
     if args.peers < 1 or args.rounds < 1:
         p.error("--peers and --rounds must be at least 1")
@@ -205,6 +210,7 @@ def main() -> int:
             *("--task", args.task, "--preset", args.preset),
             *("--sync-every", str(args.sync_every)),
             *("--batch-size", str(args.batch_size), "--name", "local swarm"),
+            *args.create_extra.split(),
         )
         print(
             f"swarm {swarm}: {args.peers} peers, {args.rounds} rounds, H={args.sync_every}",

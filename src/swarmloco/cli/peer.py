@@ -277,7 +277,9 @@ def _run_stage(
         raise SwarmlocoError(
             "a pipelined run's stage is served by one process (no --nproc-per-node)"
         )
-    summary = train_stage(manifest, peer, identity=identity, stage=args.stage, on_event=sink)
+    summary = train_stage(
+        manifest, peer, identity=identity, stage=args.stage, device=args.device, on_event=sink
+    )
     logging.getLogger("swarmloco.peer").info(
         "left stage %d at round %d after %d steps (%d micro-batches driven): %s",
         summary.stage,

@@ -33,8 +33,10 @@ from swarmloco.pipeline.peer import StagePeer, StageWork
 from swarmloco.pipeline.stages import GPTStage, split_evenly
 from swarmloco.pipeline.wire import Boundary
 from swarmloco.runtime.config import PeerConfig
+from swarmloco.runtime.daemon import resolve_device
 from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.session import handle_signals
+from swarmloco.runtime.start import describe_device
 from swarmloco.train.data import BatchStream
 from swarmloco.train.model import GPT
 from swarmloco.train.spec import DataSpec
@@ -121,10 +123,13 @@ def train_stage(
     *,
     identity: Identity,
     stage: int | None = None,
+    device: str = "auto",
     on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> StageSummary:
-    """Serve ``stage`` of the pipelined run ``manifest`` (None: :func:`choose_stage`) until
-    stopped (a signal, max rounds, the run's end)."""
+    """Serve ``stage`` of the pipelined run ``manifest`` (None: :func:`choose_stage`) on
+    ``device`` (``auto``: a GPU if torch sees one) until stopped (a signal, max rounds, the
+    run's end)."""
+    where = resolve_device(device)
     pipeline = pipeline_of(manifest)
     if pipeline is None:
         raise SwarmlocoError(f"swarm {manifest.swarm_id} is not a pipelined run")
@@ -137,7 +142,8 @@ def train_stage(
     if not 0 <= stage < pipeline.stages:
         raise SwarmlocoError(f"swarm {manifest.swarm_id} has stages 0 to {pipeline.stages - 1}")
     task, model, data, run = run_from_manifest(manifest)
-    module = task_stages(task, model, run, pipeline.stages)[stage]
+    module = task_stages(task, model, run, pipeline.stages)[stage].to(where)
+    logger.info("stage %d computes on %s", stage, describe_device(where))
     work = _work(module, model, run)
     peer = StagePeer(manifest, stage, work, config=config, identity=identity, on_event=on_event)
     driven = 0
@@ -165,6 +171,7 @@ def _work(module: nn.Module, model: Mapping[str, Any], run: RunConfig) -> StageW
         lr=inner.lr,
         betas=(inner.beta1, inner.beta2),
         weight_decay=inner.weight_decay,
+        fused=next(module.parameters()).is_cuda,
     )
     return StageWork(
         module=module,

@@ -6,7 +6,9 @@ it, and its gradient accumulator (``docs/DESIGN.md`` section 10).
 autograd from that input, adds the parameters' gradients to their ``.grad`` (the
 accumulator) and returns the gradient with respect to the input. So a replica holds the
 inputs of its micro-batches in flight, never their activations, and each backward runs
-against the weights its forward used: a replica given an optimizer and ``step_samples``
+against the weights its forward used. The stage computes on its parameters' device (a
+GPU, say): inputs go there, outputs and input gradients come back to the CPU for the
+wire. A replica given an optimizer and ``step_samples``
 steps once it has accumulated that many sequences, at the backward that leaves no
 micro-batch in flight; forwards that come while the step is due wait for it (at most
 ``inflight_s``, the time in-flight micro-batches take to come back or expire), so the
@@ -62,7 +64,7 @@ class ReplicaConfig:
 class _Held:
     input: torch.Tensor
     targets: torch.Tensor | None
-    rng: torch.Tensor
+    rng: tuple[torch.Tensor, torch.Tensor | None]  # the CPU's generator, the GPU's
     at: float
     seconds: float  # its forward's compute
 
@@ -117,6 +119,9 @@ class StageReplica:
         self.rate = Rate()
         """Sequences per second of this replica's compute (a micro-batch's forward and
         backward), recently: what it claims in its ``stage-load`` record."""
+        first_param = next(module.parameters(), None)
+        self.device = first_param.device if first_param is not None else torch.device("cpu")
+        """Where the stage computes: its parameters' device."""
         self._due = False  # a step is due: forwards wait until it is taken
         self._closed = False
         self._holding = False  # the owner took the step and has not released it yet
@@ -149,15 +154,23 @@ class StageReplica:
                 raise Rejection("malformed", "a micro-batch of that name came before")
             if len(self._held) >= self.config.max_inflight:
                 raise Rejection("busy", f"{len(self._held)} micro-batches in flight here")
-            rng = torch.get_rng_state()
+            x = x.to(self.device)
+            targets = None if targets is None else targets.to(self.device)
+            rng = self._rng_state()
             started = time.perf_counter()
             with torch.no_grad():
                 out = self.module(x, targets) if self.last else self.module(x)
+            out = out.detach().cpu()  # on a GPU: waits for the compute, so timed with it
             seconds = time.perf_counter() - started
             self._held[micro_batch] = _Held(x, targets, rng, self.clock(), seconds)
             if self.last:
                 self.loss = float(out)
-        return out.detach()
+        return out
+
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The generators a forward draws from (dropout): the CPU's and, on a GPU, its."""
+        on_gpu = self.device.type == "cuda"
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if on_gpu else None
 
     def load(self) -> dict[str, float | int]:
         """What this replica's ``stage-load`` record says of it: its rate, the micro-batches
@@ -181,8 +194,12 @@ class StageReplica:
                 raise Rejection("unknown", "no forward of that micro-batch is held here")
             x = held.input if self.first else held.input.detach().requires_grad_(True)
             started = time.perf_counter()
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(held.rng)
+            cpu_rng, gpu_rng = held.rng
+            gpus = [self.device] if gpu_rng is not None else []
+            with torch.random.fork_rng(devices=gpus):
+                torch.set_rng_state(cpu_rng)
+                if gpu_rng is not None:
+                    torch.cuda.set_rng_state(gpu_rng, self.device)
                 with torch.enable_grad():
                     out = self.module(x, held.targets) if self.last else self.module(x)
                     if self.last:
@@ -191,8 +208,8 @@ class StageReplica:
                         if grad_output is None or grad_output.shape != out.shape:
                             self._held[micro_batch] = held  # the caller may send it again
                             raise Rejection("bad-shape", "the gradient is not the output's shape")
-                        out.backward(grad_output)
-            grad_input = None if self.first else x.grad
+                        out.backward(grad_output.to(self.device))
+            grad_input = None if self.first or x.grad is None else x.grad.cpu()
             self.rate.add(int(held.input.shape[0]), held.seconds + time.perf_counter() - started)
             self.micro_batches += 1
             self.served += 1

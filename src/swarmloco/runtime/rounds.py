@@ -132,6 +132,7 @@ class RoundDriver:
 
     def _land(self, x: Exchange) -> bool:
         p = self.parts
+        landing = time.monotonic()
         try:
             try:
                 outcome = x.future.result(timeout=p.config.round_timeout_s + 10.0)
@@ -145,6 +146,7 @@ class RoundDriver:
             self._aborted(x, exc)
             return False
         p.sheet.state = "training"
+        waited = time.monotonic() - landing
         report, matchmaking = outcome.result.report, outcome.matchmaking_s
         self._apply(x, outcome.group_tokens, report.members)
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
@@ -170,9 +172,14 @@ class RoundDriver:
             ok=True,
             matchmaking_s=matchmaking,
         )
+        evaluating = time.monotonic()
         eval_loss = self._evaluate()
         self._round_s = seconds
         event.update(self._event(x, report, seconds, matchmaking, eval_loss))
+        # What the training loop waited for at the landing: the exchange (all of the round
+        # without overlap, what tau steps did not hide with it), then the evaluation.
+        event["wait_seconds"] = round(waited, 3)
+        event["eval_seconds"] = round(time.monotonic() - evaluating, 3)
         logger.info(
             "round %d (fragment %d) applied with %d peer(s) in %.2fs: train loss %.3f%s",
             p.diloco.round,
