@@ -235,6 +235,11 @@ def test_pipeline_stages_on_cuda_compute_what_the_cpu_computes():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.xfail(
+    strict=True,
+    reason="on an H200 (2026-11-27) the stage-1 peer did not answer the stage-0 peer's "
+    "first Backward within 30 s; not explained yet (docs/DESIGN.md section 10, issue 33)",
+)
 def test_a_pipelined_run_trains_its_stages_on_the_gpu(tmp_path):
     """`swarmloco create --stages 2` and two `join --device cuda` peers on one GPU: each
     stage computes there, the micro-batches cross the stages over loopback, both peers
@@ -248,7 +253,7 @@ def test_a_pipelined_run_trains_its_stages_on_the_gpu(tmp_path):
             late.wait_for("ready", timeout=120)
             with PeerProcess.join(swarm, boot.endpoint, tmp_path / "first", *flags) as first:
                 for p in (first, late):
-                    assert p.wait(240) == 0, p.log_tail()
+                    assert p.wait(240) == 0, first.log_tail(40) + late.log_tail(40)
     for p, stage in ((first, 0), (late, 1)):
         ready = p.of("ready")[0]
         assert ready["stage"] == stage and ready["device"].startswith("cuda"), ready

@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import statistics
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -173,6 +174,56 @@ async def test_a_dead_replica_costs_a_retry_and_each_micro_batch_is_applied_once
     assert all(t.path == endpoints[0] for t in traces)
     assert service.replica.micro_batches == 3 and first.micro_batches == 3
     assert first.inflight == 0  # the broken micro-batch's input was let go at once
+
+
+class _Stall(torch.autograd.Function):
+    """The identity, whose backward waits on ``gate`` (a replica stuck in its backward)."""
+
+    @staticmethod
+    def forward(ctx, x, gate):  # type: ignore[override]
+        ctx.gate = gate
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.gate.wait(timeout=30)
+        return grad, None
+
+
+class StuckBackward(torch.nn.Module):
+    """A last stage whose backwards hang until ``gate`` is set."""
+
+    def __init__(self, stage: GPTStage, gate: threading.Event) -> None:
+        super().__init__()
+        self.stage, self.gate = stage, gate
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return self.stage(_Stall.apply(x, self.gate), targets)
+
+
+async def test_a_backward_past_its_deadline_loses_the_micro_batch_not_the_peer():
+    """A replica that answers the forward and then hangs in the backward: the driver gives
+    the micro-batch up at the hop's deadline with a PipelineError (what a stage-0 peer
+    retries), drops its own input, shuns the replica and goes on through the other one."""
+    gate = threading.Event()
+    local, remote = gpt_stages(CONFIG, 2, seed=6)
+    spare = gpt_stages(CONFIG, 2, seed=6)[1]
+    first = StageReplica(local, first=True, last=False)
+    stuck = service_of(StuckBackward(remote, gate), 1, 2, "int8")
+    good = service_of(spare, 1, 2, "int8")
+    config = DriverConfig(hop_timeout_s=1.0)
+    try:
+        async with pipeline([[stuck, good]], first, config=config) as (drv, endpoints):
+            drv.replicas = [[endpoints[0][0]]]  # the stuck one alone first
+            with pytest.raises(PipelineError, match="backward .* the micro-batch is lost"):
+                await drv.run(*batch(0))
+            assert first.inflight == 0 and endpoints[0][0] in drv.shunned
+            drv.replicas = [endpoints[0]]
+            trace = await drv.run(*batch(1))
+            assert trace.path == [endpoints[0][1]]
+    finally:
+        gate.set()
+    assert good.replica.micro_batches == 1 and first.micro_batches == 1
 
 
 async def test_hostile_activations_and_calls_are_refused_and_counted():

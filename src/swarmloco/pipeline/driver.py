@@ -169,7 +169,11 @@ class Driver:
             if last:
                 trace.loss = answer.loss
             else:
-                h = unpack(answer.output, self.boundaries[k], f"stage {k}'s output")
+                try:
+                    h = unpack(answer.output, self.boundaries[k], f"stage {k}'s output")
+                except Rejection as exc:  # what a replica answers is checked like a call
+                    self.shunned[endpoint] = time.monotonic() + self.config.shun_s
+                    raise PipelineError(f"stage {k} on {endpoint} answered badly: {exc}") from exc
         grad: torch.Tensor | None = None
         for k in range(stages - 1, 0, -1):
             request_b = pb.BackwardRequest(
@@ -178,10 +182,19 @@ class Driver:
                 micro_batch=name,
                 grad_output=pack(grad, self.config.encoding) if grad is not None else None,
             )
-            answer_b = await self._call(trace.path[k - 1], BACKWARD, request_b)
-            if answer_b.WhichOneof("outcome") != "grad_input":
-                raise PipelineError(f"stage {k} refused the backward: {answer_b.refused.reason}")
-            grad = unpack(answer_b.grad_input, self.boundaries[k - 1], f"stage {k}'s gradient")
+            endpoint = trace.path[k - 1]
+            try:
+                answer_b = await self._call(endpoint, BACKWARD, request_b)
+                if answer_b.WhichOneof("outcome") != "grad_input":
+                    raise Rejection(answer_b.refused.code, answer_b.refused.reason)
+                grad = unpack(answer_b.grad_input, self.boundaries[k - 1], f"stage {k}'s gradient")
+            except (RpcError, Rejection) as exc:
+                # Only the replica that ran the forward holds its input: the micro-batch is
+                # lost (the replicas before it drop theirs at their deadline), never the peer.
+                self.shunned[endpoint] = time.monotonic() + self.config.shun_s
+                raise PipelineError(
+                    f"stage {k}'s backward on {endpoint} failed ({exc}): the micro-batch is lost"
+                ) from exc
         await asyncio.to_thread(self.first.backward, name, grad)
         return trace
 

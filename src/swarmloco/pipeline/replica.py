@@ -174,13 +174,14 @@ class StageReplica:
 
     def load(self) -> dict[str, float | int]:
         """What this replica's ``stage-load`` record says of it: its rate, the micro-batches
-        held and waiting, and how many more it takes."""
-        with self._lock:
-            return {
-                "rate": float(self.rate.value),
-                "queue": len(self._held) + self.waiting,
-                "free": max(0, self.config.max_inflight - len(self._held)),
-            }
+        held and waiting, and how many more it takes. Read without the lock (each figure
+        is one atomic read): the event loop calls this, and must never wait for a compute."""
+        held = len(self._held)
+        return {
+            "rate": float(self.rate.value),
+            "queue": held + self.waiting,
+            "free": max(0, self.config.max_inflight - held),
+        }
 
     def backward(self, micro_batch: bytes, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Add the gradients of ``micro_batch`` to the accumulator and return the gradient
