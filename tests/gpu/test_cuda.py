@@ -237,8 +237,8 @@ def test_pipeline_stages_on_cuda_compute_what_the_cpu_computes():
 @pytest.mark.timeout(300)
 @pytest.mark.xfail(
     strict=True,
-    reason="on an H200 (2026-11-27) the stage-1 peer did not answer the stage-0 peer's "
-    "first Backward within 30 s; not explained yet (docs/DESIGN.md section 10, issue 33)",
+    reason="on an H200 (2026-11-27) the stage-1 peer did not answer a Backward of the "
+    "stage-0 peer within 30 s; not explained yet (docs/DESIGN.md section 10, issue 33)",
 )
 def test_a_pipelined_run_trains_its_stages_on_the_gpu(tmp_path):
     """`swarmloco create --stages 2` and two `join --device cuda` peers on one GPU: each

@@ -30,7 +30,7 @@ from swarmloco.pipeline.driver import PipelineError
 from swarmloco.pipeline.load import StageLoad, fresh, read_loads
 from swarmloco.pipeline.manifest import declare_pipeline, pipeline_of, stage_signatures
 from swarmloco.pipeline.peer import StagePeer, StageWork
-from swarmloco.pipeline.stages import GPTStage, split_evenly
+from swarmloco.pipeline.stages import cut_gpt
 from swarmloco.pipeline.wire import Boundary
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.daemon import resolve_device
@@ -62,10 +62,7 @@ def task_stages(
         raise SwarmlocoError(
             f"task {task.name} cannot be cut into stages yet (the built-in GPT of gpt-bytes can)"
         )
-    runs = split_evenly(full.config.n_layer, stages)
-    return [
-        GPTStage(full, blocks, first=k == 0, last=k == stages - 1) for k, blocks in enumerate(runs)
-    ]
+    return list(cut_gpt(full, stages))
 
 
 def build_pipeline_manifest(

@@ -69,12 +69,16 @@ class GPTStage(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def cut_gpt(model: GPT, stages: int) -> list[GPTStage]:
+    """``model`` cut into ``stages`` stages (copies: the model is left as it was)."""
+    runs = split_evenly(model.config.n_layer, stages)
+    return [
+        GPTStage(model, blocks, first=k == 0, last=k == stages - 1) for k, blocks in enumerate(runs)
+    ]
+
+
 def gpt_stages(config: GPTConfig, stages: int, *, seed: int = 0) -> list[GPTStage]:
     """The GPT of ``config`` (initialised from ``seed``, as every peer builds it) cut into
     ``stages`` stages."""
     torch.manual_seed(seed)
-    model = GPT(config)
-    runs = split_evenly(config.n_layer, stages)
-    return [
-        GPTStage(model, blocks, first=k == 0, last=k == stages - 1) for k, blocks in enumerate(runs)
-    ]
+    return cut_gpt(GPT(config), stages)
