@@ -34,3 +34,35 @@ def test_create_with_stages_and_two_joins_train_a_two_stage_pipeline(tmp_path):
     # It learns: an untrained byte model's loss is ln 256 = 5.55.
     losses = [e["loss"] for e in first.of("round")]
     assert losses[-1] < 5.0, losses
+
+
+def test_a_killed_stage_peer_resumes_from_its_checkpoint_and_the_pipeline_goes_on(tmp_path):
+    """The stage-1 peer SIGKILLed after a checkpoint: the stage-0 peer does not exit (its
+    micro-batches find no replica until one is back: it says so and tries again), and the
+    peer restarted on the same data directory resumes stage 1 from that checkpoint; both
+    stages then reach round 3."""
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint, "--stages", "2")
+        rounds = ("--max-rounds", "3")
+        served = tmp_path / "served"
+        with PeerProcess.join(swarm, boot.endpoint, served, "--stage", "1", *rounds) as late:
+            late.wait_for("ready", timeout=120)
+            first_dir = tmp_path / "first"
+            with PeerProcess.join(
+                swarm, boot.endpoint, first_dir, "--stage", "0", *rounds
+            ) as first:
+                late.wait_for("checkpoint", lambda e: e["round"] >= 1, timeout=180)
+                late.kill()  # SIGKILL: no chance to save or say goodbye
+                killed_at = max(e["round"] for e in late.of("checkpoint"))
+                with PeerProcess.join(
+                    swarm, boot.endpoint, served, "--stage", "1", *rounds
+                ) as again:
+                    resumed = again.wait_for("resumed", timeout=120)
+                    assert resumed["round"] == killed_at, again.events
+                    for p in (first, again):
+                        assert p.wait(240) == 0, p.log_tail()
+    for p in (first, again):
+        assert p.of("round")[-1]["round"] == 3, p.events
+        assert p.of("stopped")[-1]["reason"].startswith("round 3 reached")
+        assert "Traceback" not in "".join(p.log), p.log_tail()
+    assert [e["round"] for e in again.of("round")] == list(range(killed_at + 1, 4)), again.events
