@@ -5,6 +5,7 @@ with a reason (pipeline/manifest.py)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -88,3 +89,21 @@ def test_what_cannot_be_read_is_refused_with_a_reason():
         pipeline_manifest(
             RunSpec(sync_every=4), gpt_stages(GPT, 2), creator=CREATOR, task="gpt-bytes"
         )
+
+
+def test_a_restarted_peer_takes_back_the_stage_whose_checkpoints_it_holds(tmp_path):
+    from swarmloco.pipeline.daemon import served_before
+
+    run = manifest(stages=3)
+    assert served_before(run, 3, tmp_path) is None  # a fresh data directory
+    other = tmp_path / "swarms" / manifest(stages=3, seed=1).swarm_id / "checkpoints"
+    other.mkdir(parents=True)
+    (other / "ckpt-0000000001").write_bytes(b"")  # another run's: not this one's stages
+    assert served_before(run, 3, tmp_path) is None
+    for k, when in ((2, 1_000), (0, 2_000)):  # stage 2 served first, then stage 0
+        folder = tmp_path / "swarms" / stage_manifest(run, k).swarm_id / "checkpoints"
+        folder.mkdir(parents=True)
+        newest = folder / "ckpt-0000000003"
+        newest.write_bytes(b"")
+        os.utime(newest, (when, when))
+    assert served_before(run, 3, tmp_path) == 0  # the stage it served last

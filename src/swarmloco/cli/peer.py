@@ -30,7 +30,8 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="K",
         help="in a pipelined run (create --stages), serve stage K (0 draws the data and drives "
-        "micro-batches through the others); default: the stage with the fewest peers",
+        "micro-batches through the others); default: the stage whose checkpoints --data-dir "
+        "holds (a restart takes back its stage), else the stage with the fewest peers",
     )
     _add_network_options(g)
     _add_compute_options(g)

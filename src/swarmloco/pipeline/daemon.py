@@ -3,8 +3,10 @@
 
 :func:`build_pipeline_manifest` is the task's manifest (its model, data and every
 hyperparameter) declaring the cut of its model into stages. :func:`train_stage` runs one
-peer of it: the stage it is told, or the one with the fewest peers (:func:`choose_stage`,
-from the ``stage-load`` records: later stages first on a tie, since drivers need them);
+peer of it: the stage it is told, else the one whose checkpoints its data directory holds
+(:func:`served_before`: a restarted peer takes back its stage), else the one with the
+fewest peers (:func:`choose_stage`, from the ``stage-load`` records: later stages first on
+a tie, since drivers need them);
 at stage 0 it draws micro-batches from the task's data and drives them through the
 pipeline until stopped, elsewhere it serves until stopped. Each peer builds the whole
 model to cut its stage from it (every peer's weights are the seed's): a model too large
@@ -17,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +31,12 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.pipeline.driver import PipelineError
 from swarmloco.pipeline.load import StageLoad, fresh, read_loads
-from swarmloco.pipeline.manifest import declare_pipeline, pipeline_of, stage_signatures
+from swarmloco.pipeline.manifest import (
+    declare_pipeline,
+    pipeline_of,
+    stage_manifest,
+    stage_signatures,
+)
 from swarmloco.pipeline.peer import StagePeer, StageWork
 from swarmloco.pipeline.stages import cut_gpt
 from swarmloco.pipeline.wire import Boundary
@@ -93,6 +101,18 @@ def choose_stage(loads: Sequence[StageLoad], stages: int) -> int:
     return min(range(stages), key=lambda k: (peers[k], -k))
 
 
+def served_before(manifest: SwarmManifest, stages: int, directory: Path) -> int | None:
+    """The stage whose checkpoints ``directory`` holds (the newest, if several): a peer
+    restarted without ``--stage`` takes back the stage it served, its work included."""
+    newest: tuple[float, int] | None = None
+    for k in range(stages):
+        folder = directory / "swarms" / stage_manifest(manifest, k).swarm_id / "checkpoints"
+        times = [p.stat().st_mtime for p in folder.glob("ckpt-*")] if folder.is_dir() else []
+        if times and (newest is None or max(times) > newest[0]):
+            newest = (max(times), k)
+    return None if newest is None else newest[1]
+
+
 def _read_loads(swarm_id: str, peers: Sequence[str], identity: Identity) -> list[StageLoad]:
     async def read() -> list[StageLoad]:
         config = NodeConfig(server=None, peers=tuple(peers))
@@ -130,6 +150,14 @@ def train_stage(
     pipeline = pipeline_of(manifest)
     if pipeline is None:
         raise SwarmlocoError(f"swarm {manifest.swarm_id} is not a pipelined run")
+    if stage is None:
+        stage = served_before(manifest, pipeline.stages, config.directory)
+        if stage is not None:
+            logger.info(
+                "serving stage %d of %d again (this data directory holds its checkpoints)",
+                stage,
+                pipeline.stages,
+            )
     if stage is None:
         loads = _read_loads(manifest.swarm_id, config.node.peers, identity)
         stage = choose_stage(loads, pipeline.stages)
