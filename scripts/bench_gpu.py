@@ -18,7 +18,8 @@ SXM), and ``mfu_measured_peak`` against the bf16 matrix product this run measure
 ``--sync-every`` (H, 500) steps a round, until ``--rounds``; from each peer's events, between
 its first and last applied round: ``train_share`` (the training loop's share of the wall
 time), ``stall_per_round_s`` (the wall time not spent in inner steps, per round), of it the
-loop's wait for the exchange at each landing and the evaluation, and the rounds' own
+loop's time starting each round, waiting for its exchange at the landing, applying it and
+evaluating (the checkpoint's copy is in its own event), and the rounds' own
 seconds; ``--delay`` (tau) overlaps each exchange with that many steps; ``gpu_busy``
 from ``nvidia-smi`` samples over the same stretch.
 Without CUDA both parts run on the CPU at --presets tiny:4 so that the script is tested.
@@ -272,6 +273,8 @@ def per_peer(run_dir: Path, sampler: GpuSampler | None = None) -> list[dict[str,
                 # Of the stall: the loop waiting for the exchange at the landing, evaluating.
                 "wait_seconds_median": _median(rounds[1:], "wait_seconds"),
                 "eval_seconds_median": _median(rounds[1:], "eval_seconds"),
+                "start_seconds_median": _median(rounds[1:], "start_seconds"),
+                "apply_seconds_median": _median(rounds[1:], "apply_seconds"),
                 "final_digest": final["digest"][:16],
                 "gpu_busy": sampler.busy(first["time"], final["time"]) if sampler else None,
             }

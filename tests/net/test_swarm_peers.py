@@ -301,6 +301,12 @@ def test_peers_average_with_their_token_weights_and_a_late_one_catches_up(tmp_pa
     # ... and checkpointed it at once (a crash now would not lose the download).
     assert fetched[0]["round"] in [e["round"] for e in c.events.of("checkpoint")]
     assert max(e["group"] for e in c.events.of("round")) == 3
+    # Each round says where the training loop's time went: starting it, waiting for its
+    # exchange, applying it, evaluating (none of it is negative, and the wait is within
+    # the round's own time).
+    for e in (e for p in peers for e in p.events.of("round")):
+        spent = [e[k] for k in ("start_seconds", "wait_seconds", "apply_seconds", "eval_seconds")]
+        assert min(spent) >= 0 and e["wait_seconds"] <= e["seconds"] + 0.01, e
     # Each averaged with the weight of the tokens it trained on since its last round.
     assert all(e["weight"] % 100 == 0 for e in a.events.of("round"))
     assert all(e["weight"] % 30 == 0 for e in b.events.of("round"))

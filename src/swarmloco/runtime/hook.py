@@ -21,6 +21,7 @@ stays a donor a while.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -135,11 +136,14 @@ class StepHook:
             return
 
     def _start_round(self) -> None:
+        began = time.monotonic()
         self.follower.catch_up()
         if self.parts.progress.steps_since_round == 0:
             return  # the download replaced this peer's work with the swarm's state
         if not self.rounds.start():
             self.discard("the local model holds NaN/Inf")
+        elif (x := self.rounds.inflight) is not None:
+            self.rounds.inflight = dataclasses.replace(x, start_seconds=time.monotonic() - began)
 
     def _land(self) -> None:
         """Apply the round in flight (or count it aborted); checkpoint every so often."""

@@ -47,6 +47,8 @@ class Exchange:
     step: int
     started: float
     weight: float
+    start_seconds: float = 0.0
+    """The training loop's time starting it (a look for a later state, the delta)."""
 
 
 class RoundDriver:
@@ -149,6 +151,7 @@ class RoundDriver:
         waited = time.monotonic() - landing
         report, matchmaking = outcome.result.report, outcome.matchmaking_s
         self._apply(x, outcome.group_tokens, report.members)
+        applied = time.monotonic() - landing - waited
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
 
         def hashed(digest: bytes) -> None:
@@ -177,9 +180,12 @@ class RoundDriver:
         self._round_s = seconds
         event.update(self._event(x, report, seconds, matchmaking, eval_loss))
         # What the training loop waited for at the landing: the exchange (all of the round
-        # without overlap, what tau steps did not hide with it), then the evaluation.
+        # without overlap, what tau steps did not hide with it), and the evaluation.
         event["wait_seconds"] = round(waited, 3)
         event["eval_seconds"] = round(time.monotonic() - evaluating, 3)
+        # And what the loop spent on the round itself: starting it, applying it.
+        event["start_seconds"] = round(x.start_seconds, 3)
+        event["apply_seconds"] = round(applied, 3)
         logger.info(
             "round %d (fragment %d) applied with %d peer(s) in %.2fs: train loss %.3f%s",
             p.diloco.round,
