@@ -1,0 +1,27 @@
+"""scripts/bench_pipeline.py runs as documented at a toy size and says what it measured
+(its figures are the benchmark's, not a test's: no speed is asserted here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pipeline.py"
+
+
+def test_the_pipeline_bench_prints_both_arms_and_their_ratio():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--micro-batches", "3", "--repeats", "1", "--slow-s", "0.05"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["bench"] == "pipeline" and report["settings"]["drivers"] == 2
+    for arm in ("uniform", "measured"):
+        (run,) = report[arm]["runs"]
+        assert run["micro_batches_per_s"] > 0 and 0 <= run["fast_share"] <= 1, report
+    assert report["measured_over_uniform"] > 0
