@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Stochastic wiring against a heterogeneous stage: micro-batches per second of a two-stage
 pipeline whose stage 1 has a fast and a slow replica, when the drivers draw the next hop
-by what they measured (the project's ``Driver``) and when they draw it uniformly (the
-baseline: wiring blind to speed). Prints ONE JSON object.
+by what they measured (the project's ``Driver``), against two baselines: a *fixed*
+pipeline (driver k always through replica k, as static pipelines are wired) and a
+*uniform* draw (random wiring blind to speed). Prints ONE JSON object.
 
     python scripts/bench_pipeline.py                         # 2 drivers, slow replica +0.2 s
     python scripts/bench_pipeline.py --slow-s 0.5 --micro-batches 40 --repeats 5
@@ -12,9 +13,10 @@ Real parts on loopback: each stage-1 replica is served by its own ``NetNode`` (g
 with its own stage-0 replica and client, run ``--micro-batches`` each at once. The slow
 replica's every forward sleeps ``--slow-s`` more (a slower machine that uses no CPU of
 this one). Replicas step their optimizers every 8 sequences. Each arm runs once to warm
-up, then ``--repeats`` times, alternating which goes first; per arm: the median
-micro-batches per second, the fast replica's share of them, and the ratio of the measured
-draw's rate to the uniform one's.
+up, then ``--repeats`` times, in turn; per arm: the median micro-batches per second and the fast
+replica's share of them; the ratios of the measured draw's rate to each baseline's; and
+how much slower the slow replica is (its seconds per micro-batch over the fast one's, as
+they measured their own compute).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def replica(module: torch.nn.Module, *, first: bool, last: bool) -> StageReplica
     )
 
 
-async def run_arm(args: argparse.Namespace, config: GPTConfig, uniform: bool) -> dict[str, Any]:
+async def run_arm(args: argparse.Namespace, config: GPTConfig, arm: str) -> dict[str, Any]:
     ids = Boundary(width=0, max_batch=8, max_tokens=config.seq_len, vocab=config.vocab_size)
     acts = Boundary(width=config.n_embd, max_batch=8, max_tokens=config.seq_len)
     rejections = RejectionLog(logging.getLogger("swarmloco.pipeline"))
@@ -107,9 +109,10 @@ async def run_arm(args: argparse.Namespace, config: GPTConfig, uniform: bool) ->
             )
             await stack.enter_async_context(client)
             first = replica(gpt_stages(config, 2, seed=1)[0], first=True, last=False)
-            drivers.append(Driver(client.client, first, swarm_id=SWARM, replicas=[endpoints],
-                                  boundaries=[acts], ids=ids,
-                                  rng=Uniform(k) if uniform else random.Random(k)))  # fmt: skip
+            wired = [endpoints[k % len(endpoints)]] if arm == "fixed" else endpoints
+            rng = Uniform(k) if arm == "uniform" else random.Random(k)
+            drivers.append(Driver(client.client, first, swarm_id=SWARM, replicas=[wired],
+                                  boundaries=[acts], ids=ids, rng=rng))  # fmt: skip
 
         async def drive(driver: Driver, seed: int) -> None:
             g = torch.Generator().manual_seed(seed)
@@ -122,10 +125,12 @@ async def run_arm(args: argparse.Namespace, config: GPTConfig, uniform: bool) ->
         await asyncio.gather(*(drive(d, k) for k, d in enumerate(drivers)))
         seconds = time.perf_counter() - started
     done = args.drivers * args.micro_batches
+    rates = [h.rate.value for h in heads]  # sequences per second of each one's own compute
     return {
         "seconds": round(seconds, 3),
         "micro_batches_per_s": round(done / seconds, 3),
         "fast_share": round(heads[0].served / max(1, heads[0].served + heads[1].served), 3),
+        "slow_over_fast": round(rates[0] / rates[1], 2) if all(rates) else None,
     }
 
 
@@ -153,22 +158,26 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     config = GPTConfig(vocab_size=256, seq_len=32, n_layer=args.layers, n_head=2,
                        n_embd=args.width)  # fmt: skip
-    arms: dict[str, list[dict[str, Any]]] = {"uniform": [], "measured": []}
+    arms: dict[str, list[dict[str, Any]]] = {"fixed": [], "uniform": [], "measured": []}
+    short = argparse.Namespace(**{**vars(args), "micro_batches": 2})
     for name in arms:  # warm-up, not counted: the first calls and connections
-        asyncio.run(run_arm(argparse.Namespace(**{**vars(args), "micro_batches": 2}), config,
-                            uniform=name == "uniform"))  # fmt: skip
+        asyncio.run(run_arm(short, config, name))
     for i in range(args.repeats):
-        for name in sorted(arms, reverse=i % 2 == 1):  # alternating which arm goes first
-            arms[name].append(asyncio.run(run_arm(args, config, uniform=name == "uniform")))
+        order = list(arms)[i % 3 :] + list(arms)[: i % 3]  # each arm first in turn
+        for name in order:
+            arms[name].append(asyncio.run(run_arm(args, config, name)))
     out = {name: summary(runs) for name, runs in arms.items()}
-    base = out["uniform"]["micro_batches_per_s_median"]
+    rate = {name: out[name]["micro_batches_per_s_median"] for name in arms}
+    slower = [r["slow_over_fast"] for r in arms["measured"] if r["slow_over_fast"]]
     report = {
         "bench": "pipeline",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),
         "settings": vars(args),
         **out,
-        "measured_over_uniform": round(out["measured"]["micro_batches_per_s_median"] / base, 3),
+        "slow_over_fast_median": statistics.median(slower) if slower else None,
+        "measured_over_fixed": round(rate["measured"] / rate["fixed"], 3),
+        "measured_over_uniform": round(rate["measured"] / rate["uniform"], 3),
     }
     print(json.dumps(report, indent=2))
     return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pipeline.py"
 
 
-def test_the_pipeline_bench_prints_both_arms_and_their_ratio():
+def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--micro-batches", "3", "--repeats", "1", "--slow-s", "0.05"],
         capture_output=True,
@@ -21,7 +21,7 @@ def test_the_pipeline_bench_prints_both_arms_and_their_ratio():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["bench"] == "pipeline" and report["settings"]["drivers"] == 2
-    for arm in ("uniform", "measured"):
+    for arm in ("fixed", "uniform", "measured"):
         (run,) = report[arm]["runs"]
         assert run["micro_batches_per_s"] > 0 and 0 <= run["fast_share"] <= 1, report
-    assert report["measured_over_uniform"] > 0
+    assert report["measured_over_uniform"] > 0 and report["measured_over_fixed"] > 0
