@@ -215,7 +215,7 @@ async def test_a_backward_past_its_deadline_loses_the_micro_batch_not_the_peer()
     try:
         async with pipeline([[stuck, good]], first, config=config) as (drv, endpoints):
             drv.replicas = [[endpoints[0][0]]]  # the stuck one alone first
-            with pytest.raises(PipelineError, match="backward .* the micro-batch is lost"):
+            with pytest.raises(PipelineError, match=r"backward .* the micro-batch is lost"):
                 await drv.run(*batch(0))
             assert first.inflight == 0 and endpoints[0][0] in drv.shunned
             drv.replicas = [endpoints[0]]
