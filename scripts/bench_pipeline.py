@@ -5,14 +5,16 @@ by what they measured (the project's ``Driver``), against two baselines: a *fixe
 pipeline (driver k always through replica k, as static pipelines are wired) and a
 *uniform* draw (random wiring blind to speed). Prints ONE JSON object.
 
-    python scripts/bench_pipeline.py                         # 2 drivers, slow replica +0.2 s
-    python scripts/bench_pipeline.py --slow-s 0.5 --micro-batches 40 --repeats 5
+    python scripts/bench_pipeline.py                   # 2 drivers, the slow replica 3x slower
+    python scripts/bench_pipeline.py --slow-factor 2 --micro-batches 40 --repeats 5
 
 Real parts on loopback: each stage-1 replica is served by its own ``NetNode`` (gRPC, the
 ``swarmloco.v1.Stage`` service, int8 activations), and ``--drivers`` stage-0 drivers, each
 with its own stage-0 replica and client, run ``--micro-batches`` each at once. The slow
 replica's every forward sleeps ``--slow-s`` more (a slower machine that uses no CPU of
-this one). Replicas step their optimizers every 8 sequences. Each arm runs once to warm
+this one): by default ``--slow-factor`` - 1 times a stage-1 micro-batch's compute as
+measured first, so that it is that many times slower (the design's setting: 3).
+Replicas step their optimizers every 8 sequences. Each arm runs once to warm
 up, then ``--repeats`` times, in turn; per arm: the median micro-batches per second and the fast
 replica's share of them; the ratios of the measured draw's rate to each baseline's; and
 how much slower the slow replica is (its seconds per micro-batch over the fast one's, as
@@ -134,6 +136,23 @@ async def run_arm(args: argparse.Namespace, config: GPTConfig, arm: str) -> dict
     }
 
 
+def compute_seconds(args: argparse.Namespace, config: GPTConfig) -> float:
+    """A stage-1 replica's compute for one micro-batch (its forward, then its backward with
+    the forward recomputed), the median of 7 after 2, in this process."""
+    head = StageReplica(gpt_stages(config, 2, seed=1)[1], first=False, last=True)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for i in range(9):
+        x = torch.randn(args.batch, config.seq_len, config.n_embd, generator=g)
+        y = torch.randint(0, config.vocab_size, (args.batch, config.seq_len), generator=g)
+        name = i.to_bytes(16, "big")
+        started = time.perf_counter()
+        head.forward(name, x, y)
+        head.backward(name, None)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[2:])
+
+
 def summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "micro_batches_per_s_median": statistics.median(r["micro_batches_per_s"] for r in runs),
@@ -149,15 +168,27 @@ def main() -> int:
     p.add_argument("--drivers", type=int, default=2, help="stage-0 drivers at once")
     p.add_argument("--micro-batches", type=int, default=24, help="micro-batches per driver")
     p.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
-    p.add_argument("--slow-s", type=float, default=0.2, help="the slow replica's extra seconds")
+    p.add_argument(
+        "--slow-factor",
+        type=float,
+        default=3.0,
+        help="the slow replica takes this many times the fast one's compute (default: 3)",
+    )
+    p.add_argument(
+        "--slow-s", type=float, default=None, help="or: its extra seconds a forward, as given"
+    )
+    p.add_argument("--seq-len", type=int, default=128, help="tokens a sequence")
     p.add_argument("--repeats", type=int, default=3, help="runs of each arm, alternating")
-    p.add_argument("--layers", type=int, default=4, help="the GPT's blocks (two per stage)")
-    p.add_argument("--width", type=int, default=64, help="the GPT's n_embd")
+    p.add_argument("--layers", type=int, default=8, help="the GPT's blocks (half per stage)")
+    p.add_argument("--width", type=int, default=256, help="the GPT's n_embd")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
-    config = GPTConfig(vocab_size=256, seq_len=32, n_layer=args.layers, n_head=2,
+    config = GPTConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.layers, n_head=4,
                        n_embd=args.width)  # fmt: skip
+    fast_s = compute_seconds(args, config)
+    if args.slow_s is None:  # the slow replica: --slow-factor times the fast one's compute
+        args.slow_s = round((args.slow_factor - 1) * fast_s, 4)
     arms: dict[str, list[dict[str, Any]]] = {"fixed": [], "uniform": [], "measured": []}
     short = argparse.Namespace(**{**vars(args), "micro_batches": 2})
     for name in arms:  # warm-up, not counted: the first calls and connections
@@ -175,6 +206,7 @@ def main() -> int:
         "machine": machine(),
         "settings": vars(args),
         **out,
+        "fast_compute_s": round(fast_s, 4),
         "slow_over_fast_median": statistics.median(slower) if slower else None,
         "measured_over_fixed": round(rate["measured"] / rate["fixed"], 3),
         "measured_over_uniform": round(rate["measured"] / rate["uniform"], 3),

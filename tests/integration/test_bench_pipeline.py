@@ -13,7 +13,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pipeline.py"
 
 def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--micro-batches", "3", "--repeats", "1", "--slow-s", "0.05"],
+        [
+            *(sys.executable, str(SCRIPT), "--micro-batches", "3", "--repeats", "1"),
+            *("--layers", "2", "--width", "32", "--seq-len", "16"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -25,3 +28,4 @@ def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
         (run,) = report[arm]["runs"]
         assert run["micro_batches_per_s"] > 0 and 0 <= run["fast_share"] <= 1, report
     assert report["measured_over_uniform"] > 0 and report["measured_over_fixed"] > 0
+    assert report["fast_compute_s"] > 0 and report["settings"]["slow_s"] > 0  # 3x by default
