@@ -33,6 +33,7 @@ def test_a_two_stage_pipeline_from_the_cli_trains_through_a_killed_stage_peer(tm
                     for p in (first, again):
                         assert p.wait(240) == 0, p.log_tail()
     assert [p.of("ready")[0]["stage"] for p in (late, first, again)] == [1, 0, 1]
+    assert "serving stage 1 of 2 again" in "".join(again.log), again.log_tail()
     assert [e["round"] for e in again.of("round")] == list(range(killed_at + 1, 4)), again.events
     for p in (first, again):
         assert p.of("round")[-1]["round"] == 3, p.events

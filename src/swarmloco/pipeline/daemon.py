@@ -143,9 +143,9 @@ def train_stage(
     device: str = "auto",
     on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> StageSummary:
-    """Serve ``stage`` of the pipelined run ``manifest`` (None: :func:`choose_stage`) on
-    ``device`` (``auto``: a GPU if torch sees one) until stopped (a signal, max rounds, the
-    run's end)."""
+    """Serve ``stage`` of the pipelined run ``manifest`` (None: :func:`served_before`, else
+    :func:`choose_stage`) on ``device`` (``auto``: a GPU if torch sees one) until stopped
+    (a signal, max rounds, the run's end)."""
     where = resolve_device(device)
     pipeline = pipeline_of(manifest)
     if pipeline is None:
