@@ -6,6 +6,7 @@ records become the replicas a driver draws from (pipeline/load.py, pipeline/driv
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 
@@ -38,7 +39,7 @@ def value(**changes: object) -> dict[str, object]:
 
 def load(endpoint: str, stage: int = 1, **changes: object) -> StageLoad:
     fields = value(stage=stage, endpoint=endpoint, **changes)
-    return stage_load("ab" * 20, fields)
+    return stage_load(hashlib.sha1(endpoint.encode()).hexdigest(), fields)  # a peer per endpoint
 
 
 def test_a_replicas_record_is_checked_against_its_kind_and_signature():
@@ -120,7 +121,7 @@ def test_a_replica_measures_its_own_rate_and_says_what_it_holds():
 
 
 def test_a_joining_peer_takes_the_stage_with_the_fewest_peers_the_later_on_a_tie():
-    from swarmloco.pipeline.daemon import choose_stage
+    from swarmloco.pipeline.rebalance import choose_stage
 
     assert choose_stage([], 3) == 2  # nobody yet: the last stage (drivers need the rest)
     served = [load("a:1", stage=2), load("b:1", stage=1)]
@@ -130,3 +131,24 @@ def test_a_joining_peer_takes_the_stage_with_the_fewest_peers_the_later_on_a_tie
     # A peer counts once however often it said so; records of no such stage count nowhere.
     again = [load("b:1", stage=1), load("b:1", stage=1), load("x:1", stage=9)]
     assert choose_stage(again, 3) == 2 and choose_stage(again, 2) == 0
+
+
+def test_a_draining_replica_refuses_new_micro_batches_and_finishes_those_in_flight():
+    import threading
+
+    replica = StageReplica(
+        torch.nn.Linear(4, 4), first=False, last=False, config=ReplicaConfig(max_inflight=3)
+    )
+    replica.forward(b"a" * 16, torch.randn(2, 4))
+    replica.forward(b"b" * 16, torch.randn(2, 4))
+    assert replica.drain(timeout=0.0) == 2  # no wait: both still in flight
+    with pytest.raises(Rejection, match="moving to another stage"):
+        replica.forward(b"c" * 16, torch.randn(2, 4))
+    assert replica.load()["free"] == 0  # its record tells drivers to draw others
+    left: list[int] = []
+    waiting = threading.Thread(target=lambda: left.append(replica.drain(timeout=120.0)))
+    waiting.start()
+    replica.backward(b"a" * 16, torch.ones(2, 4))  # backwards still go on
+    replica.backward(b"b" * 16, torch.ones(2, 4))
+    waiting.join(timeout=120.0)
+    assert left == [0] and replica.served == 2

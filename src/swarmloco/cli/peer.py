@@ -29,9 +29,34 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="K",
-        help="in a pipelined run (create --stages), serve stage K (0 draws the data and drives "
-        "micro-batches through the others); default: the stage whose checkpoints --data-dir "
-        "holds (a restart takes back its stage), else the stage with the fewest peers",
+        help="in a pipelined run (create --stages), start by serving stage K (0 draws the data "
+        "and drives micro-batches through the others); default: the stage whose checkpoints "
+        "--data-dir holds (a restart takes back its stage), else a stage with no peer, else "
+        "the one of least throughput",
+    )
+    g.add_argument(
+        "--rebalance-every",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="in a pipelined run, ask this often whether the stage that limits the pipeline "
+        "needs this peer more than its own (then it moves there; one peer per check, never "
+        "the last of a stage); 0 keeps the peer at its stage (default: %(default)s)",
+    )
+    g.add_argument(
+        "--rebalance-hold",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="a peer that moved stays at least this long (default: %(default)s)",
+    )
+    g.add_argument(
+        "--slowdown",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="in a pipelined run, each forward of this peer's stage waits this long more: a "
+        "slower device, for tests and benchmarks (default: none)",
     )
     _add_network_options(g)
     _add_compute_options(g)
@@ -278,15 +303,25 @@ def _run_stage(
         raise SwarmlocoError(
             "a pipelined run's stage is served by one process (no --nproc-per-node)"
         )
+    from swarmloco.pipeline.rebalance import RebalanceConfig
+
     summary = train_stage(
-        manifest, peer, identity=identity, stage=args.stage, device=args.device, on_event=sink
+        manifest,
+        peer,
+        identity=identity,
+        stage=args.stage,
+        device=args.device,
+        on_event=sink,
+        rebalance=RebalanceConfig(every_s=args.rebalance_every, hold_s=args.rebalance_hold),
+        slowdown_s=args.slowdown,
     )
     logging.getLogger("swarmloco.peer").info(
-        "left stage %d at round %d after %d steps (%d micro-batches driven): %s",
+        "left stage %d at round %d after %d steps (%d micro-batches driven, %d moves): %s",
         summary.stage,
         summary.round,
         summary.steps,
         summary.micro_batches,
+        summary.moves,
         summary.stopped_because,
     )
     return 0

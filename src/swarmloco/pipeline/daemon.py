@@ -4,13 +4,16 @@
 :func:`build_pipeline_manifest` is the task's manifest (its model, data and every
 hyperparameter) declaring the cut of its model into stages. :func:`train_stage` runs one
 peer of it: the stage it is told, else the one whose checkpoints its data directory holds
-(:func:`served_before`: a restarted peer takes back its stage), else the one with the
-fewest peers (:func:`choose_stage`, from the ``stage-load`` records: later stages first on
-a tie, since drivers need them);
-at stage 0 it draws micro-batches from the task's data and drives them through the
-pipeline until stopped, elsewhere it serves until stopped. Each peer builds the whole
-model to cut its stage from it (every peer's weights are the seed's): a model too large
-for one peer's memory needs a cut built stage by stage, not done yet.
+(:func:`served_before`: a restarted peer takes back its stage), else the one the pipeline
+needs most (:func:`~swarmloco.pipeline.rebalance.choose_stage`, from the ``stage-load``
+records); at stage 0 it draws micro-batches from the task's data and drives them through
+the pipeline, elsewhere it serves, until stopped or until its :class:`Rebalancer` says
+that the stage limiting the pipeline needs it more: then it lets its micro-batches in
+flight finish, leaves (a checkpoint, its records gone) and serves that stage, starting
+from the state of its replicas (the stage's swarm downloads it as for any newcomer).
+Each peer builds the whole model to cut its stage from it (every peer's weights are the
+seed's): a model too large for one peer's memory needs a cut built stage by stage, not
+done yet.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,7 @@ from swarmloco.pipeline.manifest import (
     stage_signatures,
 )
 from swarmloco.pipeline.peer import StagePeer, StageWork
+from swarmloco.pipeline.rebalance import RebalanceConfig, choose_move, choose_stage
 from swarmloco.pipeline.stages import cut_gpt
 from swarmloco.pipeline.wire import Boundary
 from swarmloco.runtime.config import PeerConfig
@@ -59,6 +64,7 @@ from swarmloco.train.tasks import (
 logger = logging.getLogger(__name__)
 
 NO_REPLICA_PAUSE_S = 2.0  # a stage with no peer yet: how long a driver waits before trying again
+DRIVEN_EVERY_S = 2.0  # how often a driver says how many micro-batches it drove (a `driven` event)
 
 
 def task_stages(
@@ -91,16 +97,6 @@ def build_pipeline_manifest(
     return declare_pipeline(manifest, run.spec, signatures, encoding)
 
 
-def choose_stage(loads: Sequence[StageLoad], stages: int) -> int:
-    """The stage with the fewest peers in ``loads``; on a tie the later one (drivers are no
-    use until every later stage has a peer)."""
-    peers = [0] * stages
-    for load in {(x.peer, x.stage): x for x in loads}.values():
-        if 0 <= load.stage < stages:
-            peers[load.stage] += 1
-    return min(range(stages), key=lambda k: (peers[k], -k))
-
-
 def served_before(manifest: SwarmManifest, stages: int, directory: Path) -> int | None:
     """The stage whose checkpoints ``directory`` holds (the newest, if several): a peer
     restarted without ``--stage`` takes back the stage it served, its work included."""
@@ -125,13 +121,14 @@ def _read_loads(swarm_id: str, peers: Sequence[str], identity: Identity) -> list
 
 @dataclasses.dataclass(frozen=True)
 class StageSummary:
-    """What a stage's peer did."""
+    """What a stage's peer did (``stage``: the one it served last)."""
 
     stage: int
     round: int
     steps: int
     micro_batches: int
     stopped_because: str
+    moves: int = 0
 
 
 def train_stage(
@@ -142,10 +139,17 @@ def train_stage(
     stage: int | None = None,
     device: str = "auto",
     on_event: Callable[[dict[str, Any]], None] | None = None,
+    rebalance: RebalanceConfig | None = None,
+    slowdown_s: float = 0.0,
 ) -> StageSummary:
     """Serve ``stage`` of the pipelined run ``manifest`` (None: :func:`served_before`, else
-    :func:`choose_stage`) on ``device`` (``auto``: a GPU if torch sees one) until stopped
-    (a signal, max rounds, the run's end)."""
+    :func:`~swarmloco.pipeline.rebalance.choose_stage`) on ``device`` (``auto``: a GPU if
+    torch sees one) until stopped (a signal, max rounds, the run's end), moving to the
+    stage that limits the pipeline when :class:`Rebalancer` says so. ``slowdown_s``: each
+    forward of this peer's stage waits that long more (a slower device, for tests and
+    benchmarks: the wait uses no CPU)."""
+    if slowdown_s < 0:
+        raise ValueError(f"slowdown_s must be >= 0, got {slowdown_s}")
     where = resolve_device(device)
     pipeline = pipeline_of(manifest)
     if pipeline is None:
@@ -162,28 +166,150 @@ def train_stage(
         loads = _read_loads(manifest.swarm_id, config.node.peers, identity)
         stage = choose_stage(loads, pipeline.stages)
         logger.info(
-            "serving stage %d of %d (the one with the fewest peers)", stage, pipeline.stages
+            "serving stage %d of %d (the one the pipeline needs most)", stage, pipeline.stages
         )
     if not 0 <= stage < pipeline.stages:
         raise SwarmlocoError(f"swarm {manifest.swarm_id} has stages 0 to {pipeline.stages - 1}")
+    rebalancer = Rebalancer(
+        rebalance or RebalanceConfig(), pipeline.stages, identity.peer_id_hex, on_event
+    )
     task, model, data, run = run_from_manifest(manifest)
-    module = task_stages(task, model, run, pipeline.stages)[stage].to(where)
-    logger.info("stage %d computes on %s", stage, describe_device(where))
-    work = _work(module, model, run)
-    peer = StagePeer(manifest, stage, work, config=config, identity=identity, on_event=on_event)
-    driven = 0
-    with contextlib.ExitStack() as stack:
+    asked: list[str] = []  # why a signal asked this peer to stop (it may come mid-move)
+    current: list[StagePeer] = []  # the stage peer such a signal stops
+
+    def on_signal(why: str) -> None:
+        asked.append(why)
+        for p in current:
+            _stop(p, why)
+
+    driven = moves = 0
+    with contextlib.ExitStack() as signals:
         if config.handle_signals:
-            handle_signals(stack, lambda why: _stop(peer, why))
-        stack.enter_context(peer)
-        if stage == 0:
-            driven = _drive(peer, task, model, data, run, work, identity.peer_id_hex)
-        else:
-            while not peer.stopped.wait(0.5) and not _asked_to_stop(peer):
-                pass
-    assert peer.peer is not None
-    k = peer.peer.kept
-    return StageSummary(stage, peer.peer.diloco.round, k.progress.steps, driven, k.stop.reason)
+            handle_signals(signals, on_signal)
+        while True:
+            module = task_stages(task, model, run, pipeline.stages)[stage].to(where)
+            if slowdown_s > 0:
+                module.register_forward_pre_hook(_slowed(slowdown_s))
+            logger.info("stage %d computes on %s", stage, describe_device(where))
+            work = _work(module, model, run)
+            peer = StagePeer(
+                manifest, stage, work, config=config, identity=identity, on_event=on_event
+            )
+            move: int | None = None
+            current[:] = [peer]
+            with peer:
+                if asked:
+                    _stop(peer, asked[0])
+                rebalancer.arrived()
+                if stage == 0:
+                    n, move = _drive(peer, task, model, data, run, work, rebalancer)
+                    driven += n
+                else:
+                    while not peer.stopped.wait(0.5) and not _asked_to_stop(peer):
+                        move = rebalancer.check(peer, driven)
+                        if move is not None:
+                            break
+                if move is not None:
+                    left = peer.replica.drain(peer.replica.config.inflight_s)
+                    logger.info(
+                        "moving from stage %d to stage %d (%d micro-batch(es) left in flight)",
+                        stage,
+                        move,
+                        left,
+                    )
+            assert peer.peer is not None
+            k = peer.peer.kept
+            if move is None or asked:
+                return StageSummary(
+                    stage, peer.peer.diloco.round, k.progress.steps, driven, k.stop.reason, moves
+                )
+            if on_event is not None:
+                on_event({"event": "moved", "time": time.time(), "from": stage, "to": move})
+            stage, moves = move, moves + 1
+
+
+class Rebalancer:
+    """When this peer asks whether to move, and what it read. Checks are aligned on the
+    swarm's clock: one in each ``every_s`` window, in its first half (a mover's record,
+    announced at once, has the second half to reach every peer before anyone judges on the
+    next window's choice), none within ``every_s`` of this peer's first work at its stage
+    nor within ``hold_s`` of a move. Each check's view is a ``stages`` event (every stage's
+    throughput and replicas, the verdict and its reason)."""
+
+    def __init__(
+        self,
+        config: RebalanceConfig,
+        stages: int,
+        me: str,
+        on_event: Callable[[dict[str, Any]], None] | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.stages = stages
+        self.me = me
+        self.on_event = on_event
+        self.clock = clock
+        self._arrivals = 0
+        self._not_before: float | None = None  # None: this peer has not worked at its stage yet
+        self._moved_at: float | None = None
+        self._epoch = -1
+
+    def arrived(self) -> None:
+        """This peer (re)entered a stage: the first check comes an interval after its
+        first work there (the pipeline must have run for its rates to say anything)."""
+        self._arrivals += 1
+        if self._arrivals > 1:
+            self._moved_at = self.clock()
+        self._not_before = None
+
+    def check(self, peer: StagePeer, driven: int) -> int | None:
+        """The stage to move to now, if any (None until a check is due). A move is
+        announced (:meth:`StagePeer.announce_move`) before it is returned."""
+        every = self.config.every_s
+        if every <= 0 or not self._arrivals:
+            return None
+        if self._not_before is None:
+            if not peer.working():
+                return None
+            self._not_before = self.clock() + every
+        if self.clock() < self._not_before:
+            return None
+        epoch, phase = divmod(peer.swarm_clock(), every)
+        if epoch <= self._epoch or phase >= every / 2:
+            return None
+        self._epoch = int(epoch)
+        move = choose_move(
+            peer.read_loads(), self.stages, me=self.me, epoch=int(epoch), gap=self.config.gap
+        )
+        since = None if self._moved_at is None else self.clock() - self._moved_at
+        held = since is not None and since < self.config.hold_s and move.to is not None
+        to = None if held else move.to
+        reason = f"it moved {since:.0f} s ago ({move.reason})" if held else move.reason
+        if self.on_event is not None:
+            self.on_event(
+                {
+                    "event": "stages",
+                    "time": time.time(),
+                    "stage": peer.stage,
+                    "throughput": list(move.throughput),
+                    "replicas": list(move.replicas),
+                    "move": to,
+                    "reason": reason,
+                    "driven": driven,
+                }
+            )
+        if to is not None:
+            logger.info("rebalancing: %s", move.reason)
+            peer.announce_move(to)
+        return to
+
+
+def _slowed(seconds: float) -> Callable[..., None]:
+    def wait(module: nn.Module, args: Any) -> None:
+        time.sleep(seconds)
+
+    return wait
 
 
 def _work(module: nn.Module, model: Mapping[str, Any], run: RunConfig) -> StageWork:
@@ -226,9 +352,10 @@ def _drive(
     data_spec: DataSpec,
     run: RunConfig,
     work: StageWork,
-    peer_id: str,
-) -> int:
-    """Stage 0: micro-batches of the task's data through the pipeline until stopped."""
+    rebalancer: Rebalancer,
+) -> tuple[int, int | None]:
+    """Stage 0: micro-batches of the task's data through the pipeline until stopped or
+    the rebalancer moves this peer; returns how many went through, and where it moves."""
     data = task.load_data(model, data_spec)
     stream = BatchStream(
         data.train,
@@ -236,13 +363,20 @@ def _drive(
         batch_size=work.ids.max_batch,
         vocab_size=data.vocab_size,
         seed=run.spec.seed,
-        worker=int(peer_id[:8], 16),
+        worker=int(rebalancer.me[:8], 16),
     )
     driven = 0
+    said_at, loss = time.monotonic(), float("nan")
     while not _asked_to_stop(peer):
+        if time.monotonic() - said_at >= DRIVEN_EVERY_S:
+            peer.emit("driven", driven=driven, loss=loss)
+            said_at = time.monotonic()
+        move = rebalancer.check(peer, driven)
+        if move is not None:
+            return driven, move
         x, y = stream.next_batch()
         try:
-            peer.drive(x, y)
+            trace = peer.drive(x, y)
         except Stopped:
             break
         except PipelineError as exc:  # a stage without a peer yet, or all of its gone
@@ -250,5 +384,7 @@ def _drive(
             if peer.stopped.wait(NO_REPLICA_PAUSE_S):
                 break
             continue
-        driven += 1
-    return driven
+        driven, loss = driven + 1, trace.loss
+        if trace.retries:
+            peer.emit("hop-retried", retries=trace.retries, path=trace.path)
+    return driven, None

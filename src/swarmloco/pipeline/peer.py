@@ -35,8 +35,15 @@ from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import Stopped, SwarmlocoError
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection, RejectionLog
-from swarmloco.pipeline.driver import Driver, DriverConfig, Trace
-from swarmloco.pipeline.load import keep_publishing, keep_reading
+from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError, Trace
+from swarmloco.pipeline.load import (
+    StageLoad,
+    fresh,
+    keep_publishing,
+    keep_reading,
+    publish_load,
+    read_loads,
+)
 from swarmloco.pipeline.manifest import pipeline_of, stage_manifest
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
 from swarmloco.pipeline.service import StageService
@@ -127,8 +134,10 @@ class StagePeer:
         self._stack: contextlib.ExitStack | None = None
         self._stepping: threading.Thread | None = None
         self._loops: list[concurrent.futures.Future[None]] = []
+        self._publishing: concurrent.futures.Future[None] | None = None
 
-    def _emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: str, **fields: Any) -> None:
+        """An event of this peer (its stage added) to ``on_event``."""
         if self.on_event is not None:
             self.on_event({"event": event, "time": time.time(), "stage": self.stage, **fields})
 
@@ -142,7 +151,7 @@ class StagePeer:
             evaluate=None,
             schedule=SwarmSchedule(w.optimizer, lambda: self._global_step()),
         )
-        kept = Kept.fresh(self.config, self.identity.peer_id_hex, self._emit)
+        kept = Kept.fresh(self.config, self.identity.peer_id_hex, self.emit)
         peer = Peer(
             self.manifest,
             trainee,
@@ -164,7 +173,39 @@ class StagePeer:
             target=self._steps, name=f"swarmloco-stage{self.stage}-steps", daemon=True
         )
         self._stepping.start()
+        self.emit("stage-joined", stages=self.stages, swarm=self.manifest.swarm_id)
         return self
+
+    def read_loads(self, timeout: float = 30.0) -> list[StageLoad]:
+        """The run's fresh ``stage-load`` records, as this peer reads them now."""
+        if self.peer is None or self.peer.network is None:
+            raise SwarmlocoError("only an entered stage peer reads the stages' load")
+        dht = self.peer.network.node.dht
+        loads = self.peer.loop.run(read_loads(dht, self.run.swarm_id), timeout=timeout)
+        return fresh(loads, dht.clock())
+
+    def announce_move(self, stage: int, timeout: float = 30.0) -> None:
+        """Say now that this peer leaves for ``stage``: its record from now on counts it
+        there, serving nothing yet and its rate unmeasured (so no other peer judges a move
+        on the old picture, and nobody judges one until this peer measured its new stage).
+        Its drivers stop drawing it once they read it."""
+        if self.peer is None or self.peer.network is None:
+            raise SwarmlocoError("only an entered stage peer moves")
+        if self._publishing is not None:
+            self._publishing.cancel()
+        dht = self.peer.network.node.dht
+        moving = {"rate": 0.0, "queue": 0, "free": 0}
+        store = publish_load(dht, self.run.swarm_id, stage=stage, endpoint="", load=moving)
+        self.peer.loop.run(store, timeout=timeout)
+
+    def working(self) -> bool:
+        """Whether this peer's replica computed a micro-batch yet (its rate is measured)."""
+        return self.replica.rate.value > 0
+
+    def swarm_clock(self) -> float:
+        """The swarm's time (unix seconds, as the DHT's records carry it)."""
+        assert self.peer is not None and self.peer.network is not None
+        return float(self.peer.network.node.dht.clock())
 
     def _before_step(self) -> None:
         """The learning rate of the stage's global step, and the clipping, on the mean
@@ -195,7 +236,8 @@ class StagePeer:
             load=self.replica.load,
             interval_s=interval,
         )
-        self._loops.append(peer.loop.submit(publishing))
+        self._publishing = peer.loop.submit(publishing)
+        self._loops.append(self._publishing)
         if self.stage > 0:
             return
         self.driver = Driver(
@@ -243,10 +285,19 @@ class StagePeer:
             raise SwarmlocoError("only an entered peer of stage 0 drives micro-batches")
         if self.stopped.is_set():
             raise Stopped(self.peer.kept.stop.reason or "this stage's peer stopped")
-        try:
-            trace = self.peer.loop.run(self.driver.run(x, targets), timeout=timeout)
-        except Rejection as exc:  # this peer's own replica refused: it is leaving
-            raise Stopped(self.peer.kept.stop.reason or str(exc)) from exc
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                left = max(0.0, deadline - time.monotonic())
+                trace = self.peer.loop.run(self.driver.run(x, targets), timeout=left)
+                break
+            except Rejection as exc:  # this peer's own replica refused the micro-batch
+                if self.replica.closed or self.stopped.is_set():  # it is leaving
+                    raise Stopped(self.peer.kept.stop.reason or str(exc)) from exc
+                # It is between two steps (a round longer than its forward waits): the
+                # micro-batch waits on, until the round lands or the deadline.
+                if time.monotonic() >= deadline:
+                    raise PipelineError(f"this peer's own stage did not take it: {exc}") from exc
         self.peer.kept.progress.loss = trace.loss  # the pipeline's, for the round's log
         return trace
 

@@ -124,7 +124,13 @@ class StageReplica:
         """Where the stage computes: its parameters' device."""
         self._due = False  # a step is due: forwards wait until it is taken
         self._closed = False
+        self._draining = False  # moving to another stage: no new forwards, backwards go on
         self._holding = False  # the owner took the step and has not released it yet
+
+    @property
+    def closed(self) -> bool:
+        """Whether it takes no more micro-batches (its peer leaves)."""
+        return self._closed
 
     @property
     def inflight(self) -> int:
@@ -136,6 +142,19 @@ class StageReplica:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+
+    def drain(self, timeout: float) -> int:
+        """Take no new micro-batch, and wait up to ``timeout`` seconds for the backwards
+        of those in flight (the peer moves to another stage: what its drivers started here
+        ends here). Returns how many were still in flight at the end (they expire)."""
+        deadline = self.clock() + timeout
+        with self._lock:
+            self._draining = True
+            self._lock.notify_all()
+            while self._held and not self._closed and self.clock() < deadline:
+                self._lock.wait(timeout=min(0.5, max(0.0, deadline - self.clock())))
+                self._expire()
+            return len(self._held)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -149,6 +168,8 @@ class StageReplica:
             raise Rejection("malformed", "the last stage needs the targets")
         with self._lock:
             self._check_open()
+            if self._draining:
+                raise Rejection("busy", "this replica is moving to another stage")
             self._wait_for_a_due_step()
             if micro_batch in self._held or micro_batch in self._results:
                 raise Rejection("malformed", "a micro-batch of that name came before")
@@ -180,7 +201,7 @@ class StageReplica:
         return {
             "rate": float(self.rate.value),
             "queue": held + self.waiting,
-            "free": max(0, self.config.max_inflight - held),
+            "free": 0 if self._draining else max(0, self.config.max_inflight - held),
         }
 
     def backward(self, micro_batch: bytes, grad_output: torch.Tensor | None) -> torch.Tensor | None:
@@ -216,6 +237,8 @@ class StageReplica:
             self.served += 1
             self.samples += int(held.input.shape[0])
             self._results[micro_batch] = grad_input
+            if self._draining:
+                self._lock.notify_all()  # drain() waits for the last one
             while len(self._results) > self.config.kept_results:
                 self._results.popitem(last=False)
             step = self.config.step_samples

@@ -1,0 +1,175 @@
+"""Rebalancing a pipelined run (pipeline/rebalance.py, the Rebalancer of
+pipeline/daemon.py): the stage that limits the pipeline draws exactly one replica of the
+most served stage per check, every peer reading the same records agrees which, nobody
+moves when it would not raise the slowest stage, the last replica of a stage stays, a peer
+that just moved stays, and a joining peer takes the stage the pipeline needs most."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from swarmloco.pipeline.daemon import Rebalancer
+from swarmloco.pipeline.load import StageLoad
+from swarmloco.pipeline.rebalance import RebalanceConfig, choose_move, choose_stage
+
+NOW = 1_800_000_000.0
+
+
+def replica(name: str, stage: int, rate: float, at: float = NOW) -> StageLoad:
+    peer = hashlib.sha1(name.encode()).hexdigest()
+    return StageLoad(
+        peer=peer, stage=stage, endpoint=f"{name}:1", rate=rate, queue=0, free=4, at=at
+    )
+
+
+def movers(loads: list[StageLoad], stages: int, epoch: int, gap: float = 0.2) -> dict[str, int]:
+    """Every peer's own verdict, as each computes it from the same records."""
+    verdicts = {x.peer: choose_move(loads, stages, me=x.peer, epoch=epoch, gap=gap) for x in loads}
+    return {peer: v.to for peer, v in verdicts.items() if v.to is not None}
+
+
+def test_one_replica_of_the_most_served_stage_moves_to_the_one_that_limits_the_pipeline():
+    loads = [replica(n, 0, 10.0) for n in "abc"] + [replica("d", 1, 4.0)]
+    chosen = set()
+    for epoch in range(40):
+        moving = movers(loads, 2, epoch)
+        assert list(moving.values()) == [1], moving  # exactly one, and to stage 1
+        chosen |= moving.keys()
+    # The choice is spread over the candidates by the epoch, never the stage-1 peer.
+    assert chosen == {x.peer for x in loads[:3]}
+    verdict = choose_move(loads, 2, me=loads[3].peer, epoch=0, gap=0.2)
+    assert verdict.throughput == (30.0, 4.0) and verdict.replicas == (3, 1)
+
+
+def test_nobody_moves_when_the_stages_are_within_the_gap_or_a_move_would_not_help():
+    balanced = [replica("a", 0, 10.0), replica("b", 0, 10.0), replica("c", 1, 17.0)]
+    assert movers(balanced, 2, epoch=1) == {}
+    # 20 against 15: over the gap, but one replica less leaves stage 0 at 10 < 15.
+    close = [replica("a", 0, 10.0), replica("b", 0, 10.0), replica("c", 1, 15.0)]
+    verdict = choose_move(close, 2, me=close[0].peer, epoch=1, gap=0.2)
+    assert verdict.to is None and "would not raise" in verdict.reason
+    assert movers(close, 2, epoch=1) == {}
+    # 284 against 145 (one fast and one slow replica at stage 1): a move would leave stage
+    # 0 at 154, a gain of 6% on the slowest stage, not worth a move (gap 20%).
+    marginal = [
+        replica("a", 0, 130.0),
+        replica("b", 0, 154.0),
+        replica("c", 1, 6.5),
+        replica("d", 1, 138.0),
+    ]
+    assert all(movers(marginal, 2, epoch=e) == {} for e in range(20))
+    # A wider gap tolerates more.
+    assert movers([replica("a", 0, 10), replica("b", 0, 10), replica("c", 1, 5)], 2, 1, 0.8) == {}
+
+
+def test_the_last_replica_of_a_stage_stays_and_an_empty_stage_draws_one():
+    alone = [replica("a", 0, 50.0), replica("b", 1, 1.0)]
+    assert movers(alone, 2, epoch=3) == {}
+    # Stage 2 has no replica: the pipeline stalls, so one of stage 0's two moves there,
+    # even before every rate is measured.
+    stalled = [replica("a", 0, 10.0), replica("b", 0, 0.0), replica("c", 1, 10.0)]
+    assert list(movers(stalled, 3, epoch=3).values()) == [2]
+
+
+def test_no_move_is_judged_until_every_rate_is_measured_nor_without_this_peers_record():
+    loads = [replica(n, 0, 10.0) for n in "abc"] + [replica("d", 1, 0.0)]
+    verdict = choose_move(loads, 2, me=loads[0].peer, epoch=0, gap=0.2)
+    assert verdict.to is None and "not measured" in verdict.reason
+    assert movers(loads, 2, epoch=0) == {}
+    stranger = choose_move(loads, 2, me="ee" * 20, epoch=0, gap=0.2)
+    assert stranger.to is None and "not read yet" in stranger.reason
+
+
+def test_a_peer_counts_at_its_newest_record_only():
+    # Peer "a" moved from stage 0 to stage 1: its old record must not count at stage 0.
+    loads = [
+        replica("a", 0, 10.0, at=NOW - 10),
+        replica("a", 1, 4.0, at=NOW),
+        replica("b", 0, 10.0),
+        replica("c", 1, 4.0),
+    ]
+    verdict = choose_move(loads, 2, me=loads[2].peer, epoch=0, gap=0.2)
+    assert verdict.replicas == (1, 2) and verdict.throughput == (10.0, 8.0)
+
+
+class View:
+    """What the Rebalancer reads of its stage peer (the records, the swarm's clock) and
+    what it tells it (a move)."""
+
+    def __init__(self, loads: list[StageLoad], stage: int, now: list[float]) -> None:
+        self.loads, self.stage, self.now = loads, stage, now
+        self.reads = 0
+        self.announced: list[int] = []
+
+    def read_loads(self) -> list[StageLoad]:
+        self.reads += 1
+        return self.loads
+
+    def swarm_clock(self) -> float:
+        return NOW + self.now[0]
+
+    def announce_move(self, stage: int) -> None:
+        self.announced.append(stage)
+
+    def working(self) -> bool:
+        return self.now[0] >= 1.0  # its first micro-batch took a second
+
+
+def test_the_rebalancer_checks_once_a_window_in_its_first_half_and_a_peer_that_moved_holds():
+    loads = [replica(n, 0, 10.0) for n in "abc"] + [replica("d", 1, 4.0)]
+    epoch = int(NOW // 10) + 2
+    mover = next(x.peer for x in loads if movers(loads, 2, epoch).get(x.peer) == 1)
+    now = [0.0]  # seconds since NOW, on both clocks (NOW starts a 10 s window)
+    events: list[dict] = []
+    config = RebalanceConfig(every_s=10.0, hold_s=100.0)
+    rebalancer = Rebalancer(config, 2, mover, events.append, clock=lambda: now[0])
+    view = View(loads, 0, now)
+    rebalancer.arrived()
+    assert rebalancer.check(view, driven=0) is None  # no work yet
+    now[0] = 1.0
+    assert rebalancer.check(view, driven=1) is None  # its first work: checks from 11 s
+    now[0] = 10.5
+    assert rebalancer.check(view, driven=5) is None and view.reads == 0
+    now[0] = 17.0
+    assert rebalancer.check(view, driven=5) is None and view.reads == 0  # the second half
+    now[0] = 21.0
+    assert rebalancer.check(view, driven=7) == 1 and view.announced == [1]
+    assert events[-1]["move"] == 1 and events[-1]["driven"] == 7
+    assert events[-1]["throughput"] == [30.0, 4.0] and events[-1]["replicas"] == [3, 1]
+    now[0] = 22.0
+    assert rebalancer.check(view, driven=7) is None and view.reads == 1  # once a window
+    rebalancer.arrived()  # it moved: were the records the same, it would move again; it holds
+    view.stage = 1
+    now[0] = 23.0
+    assert rebalancer.check(view, driven=7) is None  # it starts working there
+    now[0] = 41.0
+    while movers(loads, 2, int((NOW + now[0]) // 10)).get(mover) != 1:
+        now[0] += 10.0
+    assert rebalancer.check(view, driven=7) is None and view.reads == 2
+    assert events[-1]["move"] is None and "it moved" in events[-1]["reason"]
+    assert view.announced == [1]
+    now[0] += 200.0
+    while movers(loads, 2, int((NOW + now[0]) // 10)).get(mover) != 1:
+        now[0] += 10.0
+    assert rebalancer.check(view, driven=7) == 1  # the hold is over
+    never = Rebalancer(RebalanceConfig(every_s=0), 2, mover, None, clock=lambda: now[0])
+    never.arrived()
+    for _ in range(3):
+        now[0] += 1e6
+        assert never.check(view, driven=0) is None
+
+
+def test_a_joining_peer_takes_a_stage_with_no_replica_else_the_one_of_least_throughput():
+    assert choose_stage([replica("a", 0, 10.0)], 3) == 2
+    measured = [replica("a", 0, 10.0), replica("b", 1, 3.0), replica("c", 1, 3.0)]
+    assert choose_stage(measured, 2) == 1  # 6 seq/s against 10, though it has more peers
+    unmeasured = [replica("a", 0, 10.0), replica("b", 1, 0.0), replica("c", 1, 3.0)]
+    assert choose_stage(unmeasured, 2) == 0  # rates unknown: the fewest peers
+
+
+@pytest.mark.parametrize("bad", [{"every_s": -1.0}, {"gap": 1.0}, {"gap": -0.1}, {"hold_s": -5.0}])
+def test_a_bad_rebalance_setting_is_refused(bad):
+    with pytest.raises(ValueError):
+        RebalanceConfig(**bad)
