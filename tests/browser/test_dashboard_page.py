@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "net"))
-from test_dashboard_app import dashboard, swarm_of_three
+from test_dashboard_app import PIPELINED, dashboard, pipelined_swarm, swarm_of_three
 
 from swarmloco.net.identity import Identity
 
@@ -92,3 +92,20 @@ async def test_the_page_renders_the_swarm_in_a_real_browser(tmp_path):
     chart = re.search(r'<svg id="loss-chart"[^>]*>(.*?)</svg>', dom, re.S)
     assert chart is not None
     assert "<path" in chart.group(1) or "<polyline" in chart.group(1), chart.group(1)[:500]
+
+
+async def test_the_page_shows_a_pipelined_runs_stages_as_a_row_of_pools(tmp_path):
+    async with (
+        pipelined_swarm() as nodes,
+        dashboard(nodes[0].endpoint, manifest=PIPELINED) as (collector, url, _http),
+    ):
+        await collector.poll()
+        dom, log = await rendered(url, tmp_path)
+    assert 'id="stages-panel" hidden' not in dom, log[-2000:]
+    first = re.search(r'<div class="pool" id="stage-0">(.*?)</div></div>', dom, re.S)
+    slow = re.search(r'<div class="pool limiting" id="stage-1">(.*?)</div></div>', dom, re.S)
+    assert first is not None and slow is not None, dom[:4000]
+    assert "2 peers" in first.group(1) and "210 seq/s" in first.group(1), first.group(1)
+    assert "1 peer<" in slow.group(1) and "30 seq/s" in slow.group(1), slow.group(1)
+    assert "limits the pipeline" in slow.group(1)
+    assert "0 move(s) between stages seen" in dom

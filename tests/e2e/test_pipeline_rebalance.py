@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from cliutil import swarmloco
 from swarmutil import Bootstrap, Event, PeerProcess
 
 pytestmark = pytest.mark.timeout(480)
@@ -69,6 +70,8 @@ def test_a_stage_0_peer_moves_to_the_slow_stage_and_the_pipeline_speeds_up(tmp_p
             )
             for d in stayed:
                 d.wait_for("driven", lambda e: e["time"] > settled["time"] + 20, timeout=120)
+            # `swarmloco status` shows the stages as the peers' records say.
+            shown = swarmloco("status", swarm, "--peer", boot.endpoint, timeout=120)
             for d in (*drivers, slow):
                 assert d.stop() == 0, d.log_tail()
     # Before: each driver from its second report (the pipeline running) to the move.
@@ -85,3 +88,8 @@ def test_a_stage_0_peer_moves_to_the_slow_stage_and_the_pipeline_speeds_up(tmp_p
     assert later and all(e["move"] is None for e in later), later
     for d in (*drivers, slow):
         assert "Traceback" not in "".join(d.log), d.log_tail()
+    assert shown.returncode == 0, shown.stderr
+    table = [
+        line.split() for line in shown.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])
+    ]
+    assert [row[:2] for row in table] == [["0", "2"], ["1", "2"]], shown.stdout

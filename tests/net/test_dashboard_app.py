@@ -24,6 +24,7 @@ from swarmloco.net.records import digest_key, partners_key, progress_key, status
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.net.server import ServerConfig
 from swarmloco.net.swarm import announce_peer, publish_manifest
+from swarmloco.pipeline.load import publish_load
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,14 +92,14 @@ async def publish(node: NetNode, name: str, *, round: int, tokens: int, digest: 
 
 
 @asynccontextmanager
-async def dashboard(entry: str, **config: Any):
+async def dashboard(entry: str, *, manifest: SwarmManifest = MANIFEST, **config: Any):
     """A client-mode reader joined through ``entry``, its collector, and the app on port 0."""
     reader = NetNode(identity=Identity.generate(), config=NodeConfig(server=None, peers=(entry,)))
     async with reader:
         collector = Collector(
             dht=reader.dht,
-            swarm_id=SWARM,
-            manifest=MANIFEST,
+            swarm_id=manifest.swarm_id,
+            manifest=manifest,
             rejoin=(entry,),
             config=CollectorConfig(**config),
         )
@@ -129,6 +130,46 @@ async def swarm_of_three(*, stranger: Identity | None = None):
                 named = {"peers": ids, "round": 999_999, "at": time.time()}
                 await liar.dht.store(partners_key(SWARM), named, ttl=120)
         yield nodes
+
+
+PIPELINED = SwarmManifest(
+    task="gpt-bytes",
+    model={"preset": "tiny", "pipeline": {"stages": [{}, {}], "encoding": "int8"}},
+    data={},
+    hparams={},
+    name="pipelined run",
+)
+
+
+@asynccontextmanager
+async def pipelined_swarm():
+    """A pipelined run's stage peers as their ``stage-load`` records say (pipeline/load.py):
+    two at stage 0 (100 and 110 sequences a second), one at stage 1 (30)."""
+    async with loopback_network(3) as nodes:
+        await publish_manifest(nodes[0].dht, PIPELINED)
+        for node, stage, rate in zip(nodes, (0, 0, 1), (100.0, 110.0, 30.0), strict=True):
+            load = {"rate": rate, "queue": 2, "free": 6}
+            await publish_load(
+                node.dht, PIPELINED.swarm_id, stage=stage, endpoint=node.endpoint, load=load
+            )
+        yield nodes
+
+
+async def test_a_pipelined_runs_state_shows_its_stages():
+    async with (
+        pipelined_swarm() as nodes,
+        dashboard(nodes[0].endpoint, manifest=PIPELINED) as (collector, url, http),
+    ):
+        await collector.poll()
+        async with http.get(url + "api/v1/state") as response:
+            view = await response.json()
+    pipeline = view["pipeline"]
+    assert [(r["peers"], r["throughput"], r["queue"]) for r in pipeline["stages"]] == [
+        (2, 210.0, 4),
+        (1, 30.0, 2),
+    ]
+    assert pipeline["limiting"] == 1 and pipeline["throughput"] == 30.0
+    assert pipeline["moves"] == 0 and view["warnings"] == []
 
 
 async def test_the_state_shows_every_peer_and_the_swarm():

@@ -431,3 +431,66 @@ def test_the_dashboard_modules_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+PIPELINED = SwarmManifest(
+    task="gpt-bytes",
+    model={"preset": "tiny", "pipeline": {"stages": [{}, {}, {}], "encoding": "int8"}},
+    data={},
+    hparams={},
+)
+
+
+def stage_load(stage: int, endpoint: str = "127.0.0.1:5000", rate: float = 50.0):
+    return {"stage": stage, "endpoint": endpoint, "rate": rate, "queue": 1, "free": 3, "at": NOW}
+
+
+def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_moves():
+    E, F, G = ("e" * 40, "f" * 40, "0" * 40)
+    loads = {
+        A: stage_load(0, rate=100.0),
+        B: stage_load(0, rate=120.0),
+        C: stage_load(1, rate=40.0),
+        D: stage_load(1, endpoint=""),  # moving in: counted apart, its rate not yet
+        E: stage_load(2, rate=1e30),  # an absurd claim counts as nothing
+        F: {**stage_load(2, rate=30.0), "at": NOW - 3600},  # stale
+        G: stage_load(9),  # no such stage
+    }
+    history = History()
+    reading = Reading(swarm_id=PIPELINED.swarm_id, at=NOW, manifest=PIPELINED, stage_loads=loads)
+    history.add(reading)
+    view = build_view(reading, now=NOW, history=history)
+    pipeline = view["pipeline"]
+    assert [(r["peers"], r["moving_in"], r["throughput"]) for r in pipeline["stages"]] == [
+        (2, 0, 220.0),
+        (1, 1, 40.0),
+        (1, 0, 0.0),
+    ]
+    assert pipeline["stages"][0]["queue"] == 2 and pipeline["stages"][0]["free"] == 6
+    assert pipeline["limiting"] == 2 and pipeline["throughput"] == 0.0
+    assert pipeline["moves"] == 0
+    # Peer B moves to stage 2: the next reading sees it there, once.
+    moved = {**loads, B: {**stage_load(2, endpoint=""), "at": NOW + 2}}
+    later = Reading(swarm_id=PIPELINED.swarm_id, at=NOW + 2, manifest=PIPELINED, stage_loads=moved)
+    for _ in range(2):
+        history.add(later)
+    view = build_view(later, now=NOW + 2, history=history)
+    pipeline = view["pipeline"]
+    assert pipeline["moves"] == 1
+    assert pipeline["recent_moves"] == [{"peer": B[:12], "from": 0, "to": 2, "at": NOW + 2}]
+    assert pipeline["stages"][2]["moving_in"] == 1 and pipeline["limiting"] == 2
+    said = text.render(view)
+    assert "limits the pipeline" in said and "moves between stages: 1" in said, said
+    assert "+1 moving in" in said
+    # A stage nobody serves stalls the pipeline, and the view says so.
+    alone = {A: stage_load(0), C: stage_load(1)}
+    view = build_view(
+        Reading(swarm_id=PIPELINED.swarm_id, at=NOW, manifest=PIPELINED, stage_loads=alone),
+        now=NOW,
+    )
+    assert view["pipeline"]["limiting"] == 2 and view["pipeline"]["throughput"] is None
+    assert any("stage 2 has no peer" in w for w in view["warnings"]), view["warnings"]
+    json.dumps(view, allow_nan=False)
+    # A run that is not pipelined has no stages.
+    plain = build_view(Reading(swarm_id=SWARM, at=NOW, manifest=MANIFEST), now=NOW)
+    assert plain["pipeline"] is None

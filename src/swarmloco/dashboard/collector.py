@@ -27,11 +27,19 @@ from swarmloco.dashboard.view import (
     build_view,
     current_round,
     roster,
+    stage_count,
 )
 from swarmloco.errors import ManifestError, NetworkError
 from swarmloco.net.admission import Admission
 from swarmloco.net.dht.node import DHTNode, GetResult
-from swarmloco.net.records import digest_key, partners_key, peers_key, progress_key, status_key
+from swarmloco.net.records import (
+    digest_key,
+    partners_key,
+    peers_key,
+    progress_key,
+    stage_load_key,
+    status_key,
+)
 from swarmloco.net.swarm import fetch_manifest
 from swarmloco.net.work import IdentityWork
 
@@ -100,10 +108,10 @@ async def read_swarm(
     trust: Sequence[str] = (),
     remembered: Iterable[str] = (),
 ) -> Reading:
-    """One poll: the swarm's peers, progress, status and partners records, then the
-    digests of the current round of the peers that count (``trust`` and ``remembered``:
-    :func:`~swarmloco.dashboard.view.roster`). Raises NetworkError when no DHT node
-    answered."""
+    """One poll: the swarm's peers, progress, status and partners records (and a
+    pipelined run's ``stage-load`` records), then the digests of the current round of the
+    peers that count (``trust`` and ``remembered``: :func:`~swarmloco.dashboard.view.roster`).
+    Raises NetworkError when no DHT node answered."""
     if manifest is None:
         manifest = await _try_manifest(dht, swarm_id)
     _guard(dht, swarm_id, manifest)  # before the reads: a private swarm's show members only
@@ -112,6 +120,11 @@ async def read_swarm(
         progress_task = group.create_task(dht.get(progress_key(swarm_id), timeout=timeout_s))
         peers_task = group.create_task(dht.get(peers_key(swarm_id), timeout=timeout_s))
         partners_task = group.create_task(dht.get(partners_key(swarm_id), timeout=timeout_s))
+        stages_task = (
+            group.create_task(dht.get(stage_load_key(swarm_id), timeout=timeout_s))
+            if stage_count(manifest)
+            else None
+        )
     results = [status_task.result(), progress_task.result(), peers_task.result()]
     if all(result.responded == 0 and not result.entries for result in results):
         raise NetworkError(
@@ -125,6 +138,7 @@ async def read_swarm(
         progress=_values(results[1]),
         status=_values(results[0]),
         partners=_values(partners_task.result()),
+        stage_loads={} if stages_task is None else _values(stages_task.result()),
     )
     whose = roster(reading, anchors=anchors_of(manifest, trust), remembered=remembered)
     round_now = current_round(whose.only(reading.status), now=reading.at, fresh_s=fresh_s)

@@ -113,6 +113,10 @@ def render(view: Mapping[str, Any]) -> str:
             f"round {upcoming['round']}: {human(upcoming['tokens'])} tokens so far from "
             f"{upcoming['peers']} peer(s)"
         )
+    pipeline = view.get("pipeline")
+    if pipeline:
+        lines.append("")
+        lines += stages_lines(pipeline)
     peers = view.get("peers", [])
     if peers:
         lines.append("")
@@ -131,6 +135,25 @@ def render(view: Mapping[str, Any]) -> str:
     for warning in view.get("warnings", []):
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+def stages_lines(pipeline: Mapping[str, Any]) -> list[str]:
+    """A pipelined run's stages: a table of the pools, which limits the pipeline, moves."""
+    rows = []
+    for row in pipeline["stages"]:
+        peers = str(row["peers"]) + (
+            f" (+{row['moving_in']} moving in)" if row["moving_in"] else ""
+        )
+        limits = "limits the pipeline" if row["stage"] == pipeline["limiting"] else ""
+        rate = human(row["throughput"]) if row["peers"] else "-"
+        rows.append([str(row["stage"]), peers, rate, str(row["queue"]), str(row["free"]), limits])
+    lines = table(["STAGE", "PEERS", "SEQ/S", "QUEUE", "FREE", ""], rows)
+    moves = pipeline.get("recent_moves") or []
+    said = "; ".join(f"{m['peer']} {m['from']} -> {m['to']}" for m in moves)
+    lines.append(
+        f"moves between stages: {pipeline['moves']}" + (f" (last: {said})" if said else "")
+    )
+    return lines
 
 
 def _summary_line(view: Mapping[str, Any]) -> str:

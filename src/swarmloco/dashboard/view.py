@@ -60,6 +60,11 @@ HISTORY_POINTS = 720
 MAX_WARNINGS = 20
 MAX_REMEMBERED = 4096
 """Peers a :class:`History` remembers as vouched for by a trusted peer."""
+MAX_SEQUENCES_PER_S = 1e7
+"""No stage replica computes more sequences a second than this; a claim above it is not
+counted."""
+MAX_MOVES_SHOWN = 20
+"""Moves between stages a :class:`History` keeps (the newest)."""
 
 _SHORT_ID = 12
 _TEXT_DROP = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
@@ -85,6 +90,9 @@ class Reading:
     """Peer id -> the digest it published for ``digest_round``."""
     partners: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     """``partners`` record values: the peers each averaged with lately."""
+    stage_loads: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    """A pipelined run's ``stage-load`` record values by owner: each stage peer's stage,
+    endpoint (none: moving there), rate, queue and free slots."""
     error: str = ""
     """Why the poll failed ("" when it did not); the records are then from an earlier poll."""
 
@@ -303,6 +311,10 @@ class History:
         self.remembered: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.roster = NOBODY
         """Whose records counted in the last reading."""
+        # a pipelined run: each stage peer's stage as last read, and the moves seen
+        self.stage_of: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.moves: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_MOVES_SHOWN)
+        self.moves_seen = 0
 
     def add(self, reading: Reading, *, fresh_s: float = FRESH_S, trust: Iterable[str] = ()) -> None:
         """Take in a reading (a failed poll's reading adds nothing); ``trust``: peer ids
@@ -348,6 +360,22 @@ class History:
                 (now, math.fsum(_rate(v.get("tokens_per_s")) for v in online))
             )
         self._add_rounds(reading.at, status, fresh_s)
+        self._add_stages(reading, fresh_s)
+
+    def _add_stages(self, reading: Reading, fresh_s: float) -> None:
+        """A stage peer whose fresh record names another stage than before moved."""
+        for peer_id, load in _fresh_loads(reading, fresh_s).items():
+            stage = load["stage"]
+            before = self.stage_of.get(peer_id)
+            if before is not None and before != stage:
+                self.moves_seen += 1
+                self.moves.append(
+                    {"peer": short_id(peer_id), "from": before, "to": stage, "at": reading.at}
+                )
+            self.stage_of[peer_id] = stage
+            self.stage_of.move_to_end(peer_id)
+        while len(self.stage_of) > MAX_REMEMBERED:
+            self.stage_of.popitem(last=False)
 
     def _remember(self, reading: Reading) -> None:
         """Peers a trusted peer vouched for stay counted while they publish (groups
@@ -436,6 +464,7 @@ def build_view(
             round_now, swarm["rounds_total"] if swarm["known"] else None, timeline
         ),
         "history": _curves(history),
+        "pipeline": _pipeline(reading, history, fresh_s=fresh_s, warnings=warnings),
         "warnings": warnings[:MAX_WARNINGS],
     }
 
@@ -532,6 +561,75 @@ def _swarm(reading: Reading) -> dict[str, Any]:
         "params": params,
         "created_at": clean_text(manifest.created_at, 40),
         "rounds_total": _rounds_total(manifest.hparams),
+    }
+
+
+def stage_count(manifest: SwarmManifest | None) -> int | None:
+    """The stages a pipelined run's manifest declares (None: not a pipelined run)."""
+    declared = manifest.model.get("pipeline") if manifest is not None else None
+    stages = declared.get("stages") if isinstance(declared, Mapping) else None
+    return len(stages) if isinstance(stages, list) and len(stages) >= 2 else None
+
+
+def _fresh_loads(reading: Reading, fresh_s: float) -> dict[str, dict[str, Any]]:
+    """The ``stage-load`` records said within ``fresh_s`` of the reading, of stages the
+    run has, their figures made safe to show (claims: rates beyond
+    :data:`MAX_SEQUENCES_PER_S` count as 0)."""
+    stages = stage_count(reading.manifest)
+    if stages is None:
+        return {}
+    loads = {}
+    for peer_id, value in reading.stage_loads.items():
+        stage = _count(value.get("stage"))
+        if not 0 <= stage < stages or not is_fresh(value, reading.at, fresh_s):
+            continue
+        loads[peer_id] = {
+            "stage": stage,
+            "serving": bool(clean_text(value.get("endpoint"), 262)),
+            "rate": _number(value.get("rate"), low=0.0, high=MAX_SEQUENCES_PER_S) or 0.0,
+            "queue": _count(value.get("queue")),
+            "free": _count(value.get("free")),
+        }
+    return loads
+
+
+def _pipeline(
+    reading: Reading, history: History, *, fresh_s: float, warnings: list[str]
+) -> dict[str, Any] | None:
+    """A pipelined run's stages as a row of pools (None: not a pipelined run): each
+    stage's peers (serving, and moving in), throughput (sequences per second, the sum of
+    its replicas' rates), queue and free slots, which stage limits the pipeline, and the
+    moves seen. All of it is what the stage peers' records claim."""
+    stages = stage_count(reading.manifest)
+    if stages is None:
+        return None
+    pools: list[list[dict[str, Any]]] = [[] for _ in range(stages)]
+    for load in _fresh_loads(reading, fresh_s).values():
+        pools[load["stage"]].append(load)
+    rows = []
+    for k, pool in enumerate(pools):
+        serving = [x for x in pool if x["serving"]]
+        rows.append(
+            {
+                "stage": k,
+                "peers": len(serving),
+                "moving_in": len(pool) - len(serving),
+                "throughput": _round_to(math.fsum(x["rate"] for x in serving), 3),
+                "queue": sum(x["queue"] for x in serving),
+                "free": sum(x["free"] for x in serving),
+            }
+        )
+    empty = [row["stage"] for row in rows if not row["peers"]]
+    for k in empty:
+        warnings.append(f"stage {k} has no peer: the pipeline stalls until one joins or moves in")
+    served = [row for row in rows if row["peers"]]
+    limiting = None if empty or not served else min(served, key=lambda r: r["throughput"])["stage"]
+    return {
+        "stages": rows,
+        "limiting": empty[0] if empty else limiting,
+        "throughput": None if empty else min(row["throughput"] for row in rows),
+        "moves": history.moves_seen,
+        "recent_moves": list(history.moves)[-5:],
     }
 
 
