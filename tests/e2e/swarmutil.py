@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from cliutil import Bootstrap  # re-exported for the e2e tests
+from cliutil import Bootstrap, swarmloco  # re-exported for the e2e tests
 
-__all__ = ["Bootstrap", "PeerProcess"]
+__all__ = ["Bootstrap", "PeerProcess", "swarmloco"]
 
 COMMAND = [sys.executable, "-m", "swarmloco.cli"]
 # Small and fast: a tiny GPT on batches of 4, a round every 8 steps, second-scale timeouts,

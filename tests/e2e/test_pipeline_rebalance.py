@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from cliutil import swarmloco
-from swarmutil import Bootstrap, Event, PeerProcess
+from swarmutil import Bootstrap, Event, PeerProcess, swarmloco
 
 pytestmark = pytest.mark.timeout(480)
 
