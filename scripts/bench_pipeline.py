@@ -1,14 +1,31 @@
 #!/usr/bin/env python3
-"""Stochastic wiring against a heterogeneous stage: micro-batches per second of a two-stage
-pipeline whose stage 1 has a fast and a slow replica, when the drivers draw the next hop
-by what they measured (the project's ``Driver``), against two baselines: a *fixed*
-pipeline (driver k always through replica k, as static pipelines are wired) and a
-*uniform* draw (random wiring blind to speed). Prints ONE JSON object.
+"""A two-stage pipeline of the built-in GPT over real gRPC on loopback, in four parts
+(``--parts``, all by default). Prints ONE JSON object.
+
+- ``wiring``: stochastic wiring against a heterogeneous stage: micro-batches per second
+  when stage 1 has a fast and a slow replica and the drivers draw the next hop by what
+  they measured (the project's ``Driver``), against two baselines: a *fixed* pipeline
+  (driver k always through replica k, as static pipelines are wired) and a *uniform* draw
+  (random wiring blind to speed). ``stochastic_over_fixed`` (target >= 1.5).
+- ``activations``: the same micro-batches of real text (the standard library's source)
+  trained through the pipeline with int8 activations and gradients, and with f32: bytes
+  per micro-batch between the stages (``activation_bytes_ratio``, target <= 0.27) and the
+  mean loss of the last ``--loss-window`` micro-batches (``activation_loss_ratio``,
+  target <= 1.01).
+- ``kill``: one of two stage-1 replicas, each a process of its own, is SIGKILLed while a
+  forward of the driver is on it, ``--kill-trials`` times: the seconds from the kill to the
+  next micro-batch through the pipeline (the retry on the other replica), the micro-batches
+  lost, and the hangs (a micro-batch not done in ``--hang-s``): ``kill_trials``,
+  ``kill_hangs``, ``kill_retry_s_median``.
+- ``memory``: the bytes of what a stage peer holds of the model (parameters, gradients,
+  AdamW's two moments) against the whole model's (target about 1/S). A stage peer's
+  process does not yet hold 1/S: it builds the whole model to cut its stage.
 
     python scripts/bench_pipeline.py                   # 2 drivers, the slow replica 3x slower
-    python scripts/bench_pipeline.py --slow-factor 2 --micro-batches 40 --repeats 5
+    python scripts/bench_pipeline.py --parts wiring --slow-factor 2 --micro-batches 40
+    python scripts/bench_pipeline.py --parts activations,kill --kill-trials 10
 
-Real parts on loopback: each stage-1 replica is served by its own ``NetNode`` (gRPC, the
+Wiring, on loopback: each stage-1 replica is served by its own ``NetNode`` (gRPC, the
 ``swarmloco.v1.Stage`` service, int8 activations), and ``--drivers`` stage-0 drivers, each
 with its own stage-0 replica and client, run ``--micro-batches`` each at once. The slow
 replica's every forward sleeps ``--slow-s`` more (a slower machine that uses no CPU of
@@ -29,8 +46,11 @@ import contextlib
 import json
 import logging
 import random
+import signal
 import statistics
+import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,11 +64,12 @@ from _bench_common import machine
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.rejections import RejectionLog
-from swarmloco.pipeline.driver import Driver
+from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
 from swarmloco.pipeline.service import StageService
 from swarmloco.pipeline.stages import GPTStage, gpt_stages
 from swarmloco.pipeline.wire import Boundary
+from swarmloco.train.model import GPT
 from swarmloco.train.spec import GPTConfig
 
 SWARM = "be" * 20
@@ -82,9 +103,7 @@ def replica(module: torch.nn.Module, *, first: bool, last: bool) -> StageReplica
 
 
 async def run_arm(args: argparse.Namespace, config: GPTConfig, arm: str) -> dict[str, Any]:
-    ids = Boundary(width=0, max_batch=8, max_tokens=config.seq_len, vocab=config.vocab_size)
-    acts = Boundary(width=config.n_embd, max_batch=8, max_tokens=config.seq_len)
-    rejections = RejectionLog(logging.getLogger("swarmloco.pipeline"))
+    ids, acts = boundaries(config)
     heads = [
         replica(Slowed(head, delay) if delay else head, first=False, last=True)
         for head, delay in (
@@ -95,8 +114,7 @@ async def run_arm(args: argparse.Namespace, config: GPTConfig, arm: str) -> dict
     async with contextlib.AsyncExitStack() as stack:
         endpoints: list[str] = []
         for r in heads:
-            service = StageService(r, swarm_id=SWARM, stage=1, inputs=acts, outputs=None,
-                                   targets=ids, encoding="int8", rejections=rejections)  # fmt: skip
+            service = head_service(r, config, "int8")
             node = NetNode(
                 identity=Identity.generate(),
                 config=NodeConfig(peers=tuple(endpoints[:1])),
@@ -153,6 +171,198 @@ def compute_seconds(args: argparse.Namespace, config: GPTConfig) -> float:
     return statistics.median(times[2:])
 
 
+def boundaries(config: GPTConfig) -> tuple[Boundary, Boundary]:
+    """What crosses the cut: token ids (and targets), and activations."""
+    ids = Boundary(width=0, max_batch=8, max_tokens=config.seq_len, vocab=config.vocab_size)
+    return ids, Boundary(width=config.n_embd, max_batch=8, max_tokens=config.seq_len)
+
+
+def head_service(head: StageReplica, config: GPTConfig, encoding: str) -> StageService:
+    ids, acts = boundaries(config)
+    rejections = RejectionLog(logging.getLogger("swarmloco.pipeline"))
+    return StageService(head, swarm_id=SWARM, stage=1, inputs=acts, outputs=None, targets=ids,
+                        encoding=encoding, rejections=rejections)  # fmt: skip
+
+
+def text_batches(config: GPTConfig, batch: int, count: int, seed: int) -> list[torch.Tensor]:
+    """``count`` micro-batches of ``batch`` sequences of real text: byte windows of the
+    standard library's own source at random offsets."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = b"".join(p.read_bytes() for p in sorted(stdlib.glob("[a-m]*.py"))[:40])
+    data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
+    g = torch.Generator().manual_seed(seed)
+    span = config.seq_len + 1
+    starts = torch.randint(0, len(data) - span, (count, batch), generator=g)
+    return [torch.stack([data[int(i) : int(i) + span] for i in row]) for row in starts]
+
+
+async def train_through(
+    args: argparse.Namespace, config: GPTConfig, encoding: str
+) -> tuple[list[float], list[int]]:
+    """The losses and bytes (sent and received by the driver) of each micro-batch of the
+    same text trained through one stage-1 replica with activations as ``encoding``."""
+    ids, acts = boundaries(config)
+    local, remote = gpt_stages(config, 2, seed=1)
+    head = replica(remote, first=False, last=True)
+    service = head_service(head, config, encoding)
+    losses, sizes = [], []
+    node = NetNode(identity=Identity.generate(), config=NodeConfig(), services=[service.service()])
+    async with node:
+        client = NetNode(
+            identity=Identity.generate(), config=NodeConfig(server=None, peers=(node.endpoint,))
+        )
+        async with client:
+            driver = Driver(client.client, replica(local, first=True, last=False), swarm_id=SWARM,
+                            replicas=[[node.endpoint]], boundaries=[acts], ids=ids,
+                            config=DriverConfig(encoding=encoding))  # fmt: skip
+            for rows in text_batches(config, args.batch, args.loss_micro_batches, seed=0):
+                trace = await driver.run(rows[:, :-1], rows[:, 1:])
+                losses.append(trace.loss)
+                sizes.append(trace.bytes_sent + trace.bytes_received)
+    return losses, sizes
+
+
+def activations(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any]:
+    arms = {}
+    for encoding in ("f32", "int8"):
+        losses, sizes = asyncio.run(train_through(args, config, encoding))
+        arms[encoding] = {
+            "bytes_per_micro_batch": statistics.median(sizes),
+            "loss_first": round(statistics.fmean(losses[: args.loss_window]), 5),
+            "loss_last": round(statistics.fmean(losses[-args.loss_window :]), 5),
+        }
+    return {
+        "activations": {"micro_batches": args.loss_micro_batches, **arms},
+        "activation_bytes_ratio": round(
+            arms["int8"]["bytes_per_micro_batch"] / arms["f32"]["bytes_per_micro_batch"], 4
+        ),
+        "activation_loss_ratio": round(arms["int8"]["loss_last"] / arms["f32"]["loss_last"], 5),
+    }
+
+
+def serve_replica(args: argparse.Namespace, config: GPTConfig) -> int:
+    """(A child of the kill part.) Serve stage 1 until killed; print the endpoint."""
+    head = replica(gpt_stages(config, 2, seed=1)[1], first=False, last=True)
+    service = head_service(head, config, "int8")
+
+    async def serve() -> None:
+        node = NetNode(identity=Identity.generate(), config=NodeConfig(),
+                       services=[service.service()])  # fmt: skip
+        async with node:
+            print(node.endpoint, flush=True)
+            await asyncio.Event().wait()
+
+    asyncio.run(serve())
+    return 0
+
+
+def start_replica(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    command = [sys.executable, __file__, "--serve-replica", "--seq-len", str(args.seq_len),
+               "--layers", str(args.layers), "--width", str(args.width)]  # fmt: skip
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    endpoint = child.stdout.readline().strip()
+    if not endpoint:
+        raise SystemExit(f"the replica process exited ({child.wait()}) before serving")
+    return child, endpoint
+
+
+async def kill_trial(
+    args: argparse.Namespace, config: GPTConfig, survivor: str, trial: int
+) -> dict[str, Any]:
+    """One trial: drive micro-batches through the survivor and a fresh victim process;
+    SIGKILL the victim while a forward is on it; drive on until ``--after-kill`` more
+    micro-batches went through."""
+    ids, acts = boundaries(config)
+    victim, endpoint = start_replica(args)
+    killed_at: float | None = None
+    done_after: list[float] = []
+    lost = hangs = 0
+    try:
+        client = NetNode(
+            identity=Identity.generate(), config=NodeConfig(server=None, peers=(survivor,))
+        )
+        async with client:
+            driver = Driver(client.client, replica(gpt_stages(config, 2, seed=1)[0], first=True,
+                            last=False), swarm_id=SWARM, replicas=[[endpoint, survivor]],
+                            boundaries=[acts], ids=ids, rng=random.Random(trial))  # fmt: skip
+
+            async def kill_when_on_it() -> None:
+                nonlocal killed_at
+                while driver.stats.busy[endpoint] == 0 or driver.stats.rate.get(endpoint) is None:
+                    await asyncio.sleep(0.002)  # a bench, not a test: polling is its clock
+                victim.send_signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+
+            killer = asyncio.create_task(kill_when_on_it())
+            batches = text_batches(config, args.batch, 10_000, seed=trial)
+            for rows in batches:
+                if len(done_after) >= args.after_kill:
+                    break
+                try:
+                    await asyncio.wait_for(driver.run(rows[:, :-1], rows[:, 1:]), args.hang_s)
+                except PipelineError:
+                    lost += 1
+                    continue
+                except TimeoutError:
+                    hangs += 1
+                    break
+                if killed_at is not None:
+                    done_after.append(time.monotonic())
+            killer.cancel()
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.wait()
+    retry = done_after[0] - killed_at if killed_at is not None and done_after else None
+    return {
+        "killed": killed_at is not None,
+        "retry_s": None if retry is None else round(retry, 3),
+        "lost": lost,
+        "hangs": hangs,
+    }
+
+
+def kill(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any]:
+    survivor, endpoint = start_replica(args)
+    try:
+        trials = [
+            asyncio.run(kill_trial(args, config, endpoint, t)) for t in range(args.kill_trials)
+        ]
+    finally:
+        survivor.kill()
+        survivor.wait()
+    retries = [t["retry_s"] for t in trials if t["retry_s"] is not None]
+    return {
+        "kill": {"trials": trials},
+        "kill_trials": sum(t["killed"] for t in trials),
+        "kill_hangs": sum(t["hangs"] for t in trials),
+        "kill_lost_micro_batches": sum(t["lost"] for t in trials),
+        "kill_retry_s_median": statistics.median(retries) if retries else None,
+    }
+
+
+def held_bytes(module: torch.nn.Module) -> int:
+    """Parameters, gradients and AdamW's two moments of ``module``, after one step."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    tensors = [t for p in module.parameters() for t in (p, p.grad)]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if v.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def memory(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any]:
+    torch.manual_seed(1)
+    whole = held_bytes(GPT(config))
+    stages = [held_bytes(stage) for stage in gpt_stages(config, 2, seed=1)]
+    return {
+        "memory": {"whole_bytes": whole, "stage_bytes": stages, "stages": 2},
+        "stage_state_bytes_ratio": round(max(stages) / whole, 4),
+    }
+
+
 def summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "micro_batches_per_s_median": statistics.median(r["micro_batches_per_s"] for r in runs),
@@ -181,11 +391,54 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs of each arm, alternating")
     p.add_argument("--layers", type=int, default=8, help="the GPT's blocks (half per stage)")
     p.add_argument("--width", type=int, default=256, help="the GPT's n_embd")
+    p.add_argument(
+        "--parts",
+        default="wiring,activations,kill,memory",
+        help="which parts to run, comma-separated (default: %(default)s)",
+    )
+    p.add_argument(
+        "--loss-micro-batches", type=int, default=120, help="activations: micro-batches trained"
+    )
+    p.add_argument(
+        "--loss-window", type=int, default=20, help="activations: the last micro-batches' loss"
+    )
+    p.add_argument("--kill-trials", type=int, default=5, help="kill: trials")
+    p.add_argument(
+        "--after-kill", type=int, default=5, help="kill: micro-batches driven after the kill"
+    )
+    p.add_argument("--hang-s", type=float, default=60.0, help="kill: a micro-batch's limit")
+    p.add_argument("--serve-replica", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.ERROR)
     config = GPTConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.layers, n_head=4,
                        n_embd=args.width)  # fmt: skip
+    if args.serve_replica:
+        return serve_replica(args, config)
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = set(parts) - {"wiring", "activations", "kill", "memory"}
+    if unknown:
+        p.error(f"no such part: {', '.join(sorted(unknown))}")
+    report: dict[str, Any] = {
+        "bench": "pipeline",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(),
+        "settings": {k: v for k, v in vars(args).items() if k != "serve_replica"},
+    }
+    if "wiring" in parts:
+        report.update(wiring(args, config))
+    if "activations" in parts:
+        report.update(activations(args, config))
+    if "kill" in parts:
+        report.update(kill(args, config))
+    if "memory" in parts:
+        report.update(memory(args, config))
+    report["settings"] = {k: v for k, v in vars(args).items() if k != "serve_replica"}
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def wiring(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any]:
     fast_s = compute_seconds(args, config)
     if args.slow_s is None:  # the slow replica: --slow-factor times the fast one's compute
         args.slow_s = round((args.slow_factor - 1) * fast_s, 4)
@@ -200,19 +453,14 @@ def main() -> int:
     out = {name: summary(runs) for name, runs in arms.items()}
     rate = {name: out[name]["micro_batches_per_s_median"] for name in arms}
     slower = [r["slow_over_fast"] for r in arms["measured"] if r["slow_over_fast"]]
-    report = {
-        "bench": "pipeline",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine(),
-        "settings": vars(args),
+    return {
         **out,
         "fast_compute_s": round(fast_s, 4),
         "slow_over_fast_median": statistics.median(slower) if slower else None,
+        "stochastic_over_fixed": round(rate["measured"] / rate["fixed"], 3),
         "measured_over_fixed": round(rate["measured"] / rate["fixed"], 3),
         "measured_over_uniform": round(rate["measured"] / rate["uniform"], 3),
     }
-    print(json.dumps(report, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
         [
             *(sys.executable, str(SCRIPT), "--micro-batches", "3", "--repeats", "1"),
             *("--layers", "2", "--width", "32", "--seq-len", "16"),
+            *("--loss-micro-batches", "6", "--loss-window", "2", "--kill-trials", "1"),
         ],
         capture_output=True,
         text=True,
@@ -29,3 +30,16 @@ def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
         assert run["micro_batches_per_s"] > 0 and 0 <= run["fast_share"] <= 1, report
     assert report["measured_over_uniform"] > 0 and report["measured_over_fixed"] > 0
     assert report["fast_compute_s"] > 0 and report["settings"]["slow_s"] > 0  # 3x by default
+    assert report["stochastic_over_fixed"] == report["measured_over_fixed"]
+    # int8 against f32: the same micro-batches, a quarter of the bytes (a ratio of sizes:
+    # exact, whatever the machine), and losses that both trained.
+    assert 0.2 < report["activation_bytes_ratio"] < 0.27, report["activations"]
+    for encoding in ("f32", "int8"):
+        assert report["activations"][encoding]["loss_last"] > 0
+    assert report["activation_loss_ratio"] > 0
+    # The replica process was SIGKILLed with a forward on it; the micro-batches went on.
+    (trial,) = report["kill"]["trials"]
+    assert trial["killed"] and report["kill_trials"] == 1 and report["kill_hangs"] == 0, trial
+    assert trial["retry_s"] is not None and trial["retry_s"] > 0, trial
+    # A stage holds about half of the model's parameters, gradients and moments.
+    assert 0.4 < report["stage_state_bytes_ratio"] < 0.8, report["memory"]

@@ -11,9 +11,8 @@ the pipeline, elsewhere it serves, until stopped or until its :class:`Rebalancer
 that the stage limiting the pipeline needs it more: then it lets its micro-batches in
 flight finish, leaves (a checkpoint, its records gone) and serves that stage, starting
 from the state of its replicas (the stage's swarm downloads it as for any newcomer).
-Each peer builds the whole model to cut its stage from it (every peer's weights are the
-seed's): a model too large for one peer's memory needs a cut built stage by stage, not
-done yet.
+A peer builds its stage alone (never the whole model), every peer the same weights: each
+parameter is drawn by a generator seeded by the run's seed and its name.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from swarmloco.pipeline.manifest import (
 )
 from swarmloco.pipeline.peer import StagePeer, StageWork
 from swarmloco.pipeline.rebalance import RebalanceConfig, choose_move, choose_stage
-from swarmloco.pipeline.stages import cut_gpt
+from swarmloco.pipeline.stages import build_gpt_stage
 from swarmloco.pipeline.wire import Boundary
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.daemon import resolve_device
@@ -57,7 +56,6 @@ from swarmloco.train.tasks import (
     RunConfig,
     Task,
     build_manifest,
-    build_task_model,
     run_from_manifest,
 )
 
@@ -67,16 +65,24 @@ NO_REPLICA_PAUSE_S = 2.0  # a stage with no peer yet: how long a driver waits be
 DRIVEN_EVERY_S = 2.0  # how often a driver says how many micro-batches it drove (a `driven` event)
 
 
-def task_stages(
-    task: Task, model: Mapping[str, Any], run: RunConfig, stages: int
-) -> list[nn.Module]:
-    """The task's model (as every peer builds it) cut into ``stages`` stages."""
-    full = build_task_model(task, model, run)
-    if not isinstance(full, GPT):
+def task_stage(
+    task: Task,
+    model: Mapping[str, Any],
+    run: RunConfig,
+    stages: int,
+    stage: int,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """Stage ``stage`` of the task's model cut into ``stages``, built alone on ``device``
+    (:func:`~swarmloco.pipeline.stages.build_gpt_stage`: every peer builds the same, and
+    none builds the whole model)."""
+    with torch.device("meta"):  # the model's shape only: no memory, no draw
+        skeleton = task.build_model(model)
+    if not isinstance(skeleton, GPT):
         raise SwarmlocoError(
             f"task {task.name} cannot be cut into stages yet (the built-in GPT of gpt-bytes can)"
         )
-    return list(cut_gpt(full, stages))
+    return build_gpt_stage(skeleton.config, stages, stage, seed=run.spec.seed, device=device)
 
 
 def build_pipeline_manifest(
@@ -89,11 +95,13 @@ def build_pipeline_manifest(
     **options: Any,
 ) -> SwarmManifest:
     """:func:`~swarmloco.train.tasks.build_manifest`'s manifest (``options`` are its)
-    declaring its model cut into ``stages`` stages."""
+    declaring its model cut into ``stages`` stages (each built in turn, one at a time)."""
     manifest = build_manifest(task, preset, creator=creator, **options)
     t, model, _, run = run_from_manifest(manifest)
-    cut = task_stages(t, model, run, stages)
-    signatures = stage_signatures(run.spec, cut, t.layer_unit)
+    signatures = [
+        stage_signatures(run.spec, [task_stage(t, model, run, stages, k)], t.layer_unit)[0]
+        for k in range(stages)
+    ]
     return declare_pipeline(manifest, run.spec, signatures, encoding)
 
 
@@ -187,7 +195,7 @@ def train_stage(
         if config.handle_signals:
             handle_signals(signals, on_signal)
         while True:
-            module = task_stages(task, model, run, pipeline.stages)[stage].to(where)
+            module = task_stage(task, model, run, pipeline.stages, stage, where)
             if slowdown_s > 0:
                 module.register_forward_pre_hook(_slowed(slowdown_s))
             logger.info("stage %d computes on %s", stage, describe_device(where))

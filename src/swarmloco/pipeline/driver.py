@@ -65,6 +65,9 @@ class Trace:
     path: list[str] = dataclasses.field(default_factory=list)
     retries: int = 0
     bytes_sent: int = 0
+    """Activations and gradients this driver sent (their payload: data and scales)."""
+    bytes_received: int = 0
+    """Activations and gradients it received."""
 
 
 class HopStats:
@@ -169,6 +172,7 @@ class Driver:
             if last:
                 trace.loss = answer.loss
             else:
+                trace.bytes_received += len(answer.output.data) + len(answer.output.scales)
                 try:
                     h = unpack(answer.output, self.boundaries[k], f"stage {k}'s output")
                 except Rejection as exc:  # what a replica answers is checked like a call
@@ -183,10 +187,17 @@ class Driver:
                 grad_output=pack(grad, self.config.encoding) if grad is not None else None,
             )
             endpoint = trace.path[k - 1]
+            if grad is not None:
+                trace.bytes_sent += len(request_b.grad_output.data) + len(
+                    request_b.grad_output.scales
+                )
             try:
                 answer_b = await self._call(endpoint, BACKWARD, request_b)
                 if answer_b.WhichOneof("outcome") != "grad_input":
                     raise Rejection(answer_b.refused.code, answer_b.refused.reason)
+                trace.bytes_received += len(answer_b.grad_input.data) + len(
+                    answer_b.grad_input.scales
+                )
                 grad = unpack(answer_b.grad_input, self.boundaries[k - 1], f"stage {k}'s gradient")
             except (RpcError, Rejection) as exc:
                 # Only the replica that ran the forward holds its input: the micro-batch is

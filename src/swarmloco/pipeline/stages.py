@@ -7,11 +7,20 @@ stages taking one more where they do not divide. The head is the embedding's tra
 the one-process model (tied); cut apart, the last stage holds its own copy, initialised
 from the embedding, and trains it on its own (a pipelined run is its own model, and its
 signature says so).
+
+:func:`cut_gpt` cuts a model already built (one process holds it all: the tests'
+reference). :func:`build_gpt_stage` builds one stage alone, for a model no peer can hold:
+its modules are made on the ``meta`` device (no memory, no draw from any generator), then
+each parameter is drawn from GPT's initial distribution by a generator of its own, seeded
+by the run's seed and the parameter's name in the whole model, so every peer building a
+stage builds the same one, and a creator building each stage in turn the same ones.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -82,3 +91,53 @@ def gpt_stages(config: GPTConfig, stages: int, *, seed: int = 0) -> list[GPTStag
     ``stages`` stages."""
     torch.manual_seed(seed)
     return cut_gpt(GPT(config), stages)
+
+
+def build_gpt_stage(
+    config: GPTConfig,
+    stages: int,
+    stage: int,
+    *,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> GPTStage:
+    """Stage ``stage`` of ``stages`` of the GPT of ``config``, built alone (see the module)
+    on ``device``; its weights depend on ``seed`` and the names alone."""
+    runs = split_evenly(config.n_layer, stages)
+    if not 0 <= stage < stages:
+        raise ValueError(f"no stage {stage} in {stages}")
+    with torch.device("meta"):
+        skeleton = GPT(config)
+        built = GPTStage(skeleton, runs[stage], first=stage == 0, last=stage == stages - 1)
+    built = built.to_empty(device=device)
+    first_block = runs[stage].start
+    with torch.no_grad():
+        for module in built.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()  # ones and zeros: nothing drawn
+        for name, p in built.named_parameters():
+            if ".ln" in f".{name}":
+                continue
+            whole = _name_in_whole_model(name, first_block)
+            std = 0.02
+            if whole.endswith(("proj.weight", "down.weight")):  # GPT-2's scaled residual init
+                std = 0.02 / math.sqrt(2 * config.n_layer)
+            g = torch.Generator().manual_seed(_seed_of(seed, whole))
+            p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
+    return built
+
+
+def _name_in_whole_model(name: str, first_block: int) -> str:
+    """A stage parameter's name in the whole GPT: its blocks are numbered from the stage's
+    first, and the last stage's head starts as the embedding it is cut from."""
+    if name == "head":
+        return "wte.weight"
+    parts = name.split(".")
+    if parts[0] == "blocks":
+        parts[1] = str(int(parts[1]) + first_block)
+    return ".".join(parts)
+
+
+def _seed_of(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # a generator's seed: 63 bits

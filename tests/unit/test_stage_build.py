@@ -1,0 +1,103 @@
+"""A pipeline stage built alone (pipeline/stages.py ``build_gpt_stage``, the daemon's
+``task_stage``): every peer builds the same weights from the seed and the names, they
+follow GPT's initial distribution, the last stage's head starts as stage 0's embedding,
+the creator's signatures are what each peer builds, and a peer of one stage of a model
+far larger than its memory never holds more than its stage."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from swarmloco.pipeline.daemon import build_pipeline_manifest, task_stage
+from swarmloco.pipeline.manifest import pipeline_of, stage_signatures
+from swarmloco.pipeline.stages import build_gpt_stage, split_evenly
+from swarmloco.train.spec import GPTConfig
+from swarmloco.train.tasks import build_manifest, run_from_manifest
+
+CONFIG = GPTConfig(vocab_size=256, seq_len=32, n_layer=6, n_head=4, n_embd=64)
+
+
+def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def test_every_peer_builds_the_same_stage_from_the_seed_and_another_seed_another():
+    for k in range(3):
+        mine, theirs = build_gpt_stage(CONFIG, 3, k, seed=5), build_gpt_stage(CONFIG, 3, k, seed=5)
+        other = build_gpt_stage(CONFIG, 3, k, seed=6)
+        a, b, c = weights(mine), weights(theirs), weights(other)
+        assert a.keys() == b.keys() == c.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+            if ".ln" not in f".{name}":
+                assert not torch.equal(a[name], c[name]), name
+
+
+def test_a_stage_has_the_gpts_initial_distribution_and_the_head_starts_as_the_embedding():
+    stages = [build_gpt_stage(CONFIG, 2, k, seed=1) for k in range(2)]
+    scaled = 0.02 / math.sqrt(2 * CONFIG.n_layer)
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            if ".ln" in f".{name}":
+                assert torch.all(p == (1.0 if name.endswith("weight") else 0.0)), name
+            elif name.endswith(("proj.weight", "down.weight")):
+                assert p.std().item() == pytest.approx(scaled, rel=0.1), name
+            else:
+                assert p.std().item() == pytest.approx(0.02, rel=0.1), name
+    assert torch.equal(stages[1].head, stages[0].wte.weight)
+    # Two blocks of the same stage, and the same block in two runs' cuts, differ: each
+    # parameter is named by its place in the whole model.
+    assert not torch.equal(stages[0].blocks[0].mlp.up.weight, stages[0].blocks[1].mlp.up.weight)
+    assert split_evenly(CONFIG.n_layer, 2)[1].start == 3
+    # Together they are a model: an untrained byte model's loss is about ln 256.
+    x, y = torch.randint(0, 256, (2, 2, CONFIG.seq_len))
+    with torch.no_grad():
+        loss = stages[1](stages[0](x), y)
+    assert float(loss) == pytest.approx(math.log(256), rel=0.02)
+
+
+def test_the_creators_signatures_are_what_each_peer_builds():
+    creator = "ab" * 32
+    _, _, _, run = run_from_manifest(build_manifest("gpt-bytes", "tiny", creator=creator))
+    run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, delay=1))
+    manifest = build_pipeline_manifest("gpt-bytes", "tiny", 2, creator=creator, run=run)
+    pipeline = pipeline_of(manifest)
+    assert pipeline is not None
+    task, model, _, run = run_from_manifest(manifest)
+    for k in range(2):
+        built = task_stage(task, model, run, 2, k)
+        (signature,) = stage_signatures(run.spec, [built], task.layer_unit)
+        assert signature == pipeline.signatures[k]
+
+
+BUILD_THE_LAST_STAGE = """
+import resource, sys, torch
+from swarmloco.pipeline.stages import build_gpt_stage
+from swarmloco.train.spec import GPTConfig
+torch.set_num_threads(1)
+config = GPTConfig(vocab_size=256, seq_len=128, n_layer=24, n_head=16, n_embd=2048)
+stage = build_gpt_stage(config, 24, 23, seed=0)
+params = sum(p.numel() for p in stage.parameters())
+print(params, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_a_stage_of_a_model_bigger_than_the_peers_memory_is_built_within_the_stages():
+    # 24 blocks of 2048: 1.2B parameters, 4.8 GB in fp32. The last stage of 24 is one
+    # block and the head: 51M parameters, 0.2 GB.
+    whole = 24 * 12 * 2048**2 + (256 + 128) * 2048
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD_THE_LAST_STAGE], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    params, peak = (int(x) for x in done.stdout.split())
+    assert params == 12 * 2048**2 + 256 * 2048 + 2 * 2048 + 2 * 2 * 2048
+    # The process's peak: the interpreter and torch, the stage, one parameter's scratch.
+    assert peak < 4 * params + 1.0e9, (peak, params)
+    assert peak < 0.25 * 4 * whole, (peak, whole)
