@@ -122,6 +122,10 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         assert "unknown to this network" in unknown.stderr
         malformed = swarmloco("join", "xyz", "--peer", boot.endpoint, "--dry-run")
         assert malformed.returncode != 0 and "not a swarm id" in malformed.stderr
+        # A stage of a run that has none is refused, not ignored.
+        staged = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--stage", "1", "--dry-run")
+        assert staged.returncode != 0 and "not a pipelined run" in staged.stderr, staged.stderr
+        assert "--stage mean" in staged.stderr
         assert boot.stop() == 0
 
 

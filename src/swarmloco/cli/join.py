@@ -66,7 +66,7 @@ def _dry_run(manifest: Any, *, as_json: bool) -> str:
 
 def _join(args: argparse.Namespace) -> int:
     from swarmloco.core.manifest import SwarmManifest, check_swarm_id
-    from swarmloco.errors import ManifestError
+    from swarmloco.errors import ManifestError, SwarmlocoError
 
     swarm_id = check_swarm_id(args.swarm_id)
     if not args.dry_run:
@@ -94,6 +94,14 @@ def _join(args: argparse.Namespace) -> int:
                 "the network does not hold swarm %s's manifest; using the copy in %s",
                 swarm_id[:12],
                 local,
+            )
+    if manifest.model.get("pipeline") is None:
+        given = (("--stage", args.stage is not None), ("--slowdown", args.slowdown > 0))
+        staged = [flag for flag, was_given in given if was_given]
+        if staged:
+            raise SwarmlocoError(
+                f"swarm {swarm_id} is not a pipelined run (create --stages makes one): every "
+                f"peer trains the whole model, so {' and '.join(staged)} mean nothing here"
             )
     if args.dry_run:
         print(_dry_run(manifest, as_json=args.json), flush=True)
