@@ -1,5 +1,6 @@
-"""A pipelined run through the CLI, as a user starts one: `swarmloco create --stages 2`
-publishes the cut of the built-in GPT, and two `swarmloco join` peers each take the stage
+"""A pipelined run through the CLI, as a user starts one: `swarmloco create --task llama
+--stages 2` publishes the cut of the built-in Llama (tests/e2e/test_pipeline_rebalance.py
+runs the GPT's), and two `swarmloco join` peers each take the stage
 with the fewest peers (the later one first: drivers need it). The stage-0 peer drives
 micro-batches of the task's data through the stage-1 peer. The stage-1 peer is SIGKILLed
 after a checkpoint and restarted with the same command: it takes back its stage and
@@ -16,7 +17,9 @@ pytestmark = pytest.mark.timeout(420)
 
 def test_a_two_stage_pipeline_from_the_cli_trains_through_a_killed_stage_peer(tmp_path):
     with Bootstrap(tmp_path / "boot") as boot:
-        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint, "--stages", "2")
+        swarm = PeerProcess.publish(
+            tmp_path / "creator", boot.endpoint, "--task", "llama", "--stages", "2"
+        )
         rounds = ("--max-rounds", "3")
         served = tmp_path / "served"
         with PeerProcess.join(swarm, boot.endpoint, served, *rounds) as late:

@@ -84,6 +84,16 @@ async def wait_for(condition: Callable[[], bool], *, timeout: float = 10.0) -> N
         await asyncio.sleep(0.01)
 
 
+def wait_until(condition: Callable[[], bool], *, timeout: float, what: str = "") -> None:
+    """:func:`wait_for` for a thread that is not an event loop's."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met before the deadline: {what}")
+        pause.wait(0.05)
+
+
 def run_in_threads(*calls: Callable[[], None], timeout: float) -> None:
     """Run each call on a thread of its own (daemon: one that hangs fails its test, not the
     run) and wait for all, up to ``timeout`` each; what any raised fails the test here."""

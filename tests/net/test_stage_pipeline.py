@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from avgutil import FAST
-from netutil import run_in_threads
+from netutil import run_in_threads, wait_until
 
 from swarmloco.core.runspec import RunSpec
 from swarmloco.net.averaging import MatchmakingConfig
@@ -54,7 +54,9 @@ class Events:
 
 
 @contextlib.contextmanager
-def stage_peer(tmp: Path, name: str, run, stage: int, *peers: str) -> Iterator[StagePeer]:
+def stage_peer(
+    tmp: Path, name: str, run, stage: int, *peers: str, min_group: int = 2
+) -> Iterator[StagePeer]:
     module = gpt_stages(GPT, 2, seed=0)[stage]
     work = StageWork(
         module=module,
@@ -71,7 +73,7 @@ def stage_peer(tmp: Path, name: str, run, stage: int, *peers: str) -> Iterator[S
         node=NodeConfig(peers=peers),
         handle_signals=False,
         progress_interval_s=0.2,
-        matchmaking=MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
+        matchmaking=MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=min_group),
         averaging=FAST,
         codec_backend="eager",
     )
@@ -137,3 +139,33 @@ def test_two_stages_of_two_peers_drive_micro_batches_and_average_each_stage(tmp_
         step = peer.peer.kept.progress.global_step  # type: ignore[union-attr]
         lr = peer.work.optimizer.param_groups[0]["lr"]
         assert step > 0 and lr in {1e-3 / (1 + s) for s in range(step + 1)}, (lr, step)
+
+
+def test_a_stage_whose_drivers_stopped_lands_the_round_it_has_in_flight(tmp_path):
+    # A round overlaps the next step (delay 1): a stage whose micro-batches stop coming
+    # (the drivers paused, or their run ended) must land it without that step.
+    run = pipeline_manifest(
+        SPEC, gpt_stages(GPT, 2, seed=0), creator=Identity.generate().public_key.hex(),
+        task="gpt-bytes", identity_work=0,
+    )  # fmt: skip
+    with stage_peer(tmp_path, "b", run, 1, min_group=1) as b:
+        entry = b.peer.network.node.endpoint  # type: ignore[union-attr]
+        with stage_peer(tmp_path, "a", run, 0, entry, min_group=1) as a:
+            g = torch.Generator().manual_seed(0)
+            hook = b.peer.hook  # type: ignore[union-attr]
+            driven = 0
+            while hook.rounds.inflight is None:  # until stage 1 started a round
+                tokens = torch.randint(0, GPT.vocab_size, (MICRO, GPT.seq_len + 1), generator=g)
+                a.drive(tokens[:, :-1], tokens[:, 1:], timeout=60)
+                driven += 1
+                assert driven < 500, b.events.seen  # type: ignore[attr-defined]
+            pending = hook.rounds.inflight.round
+            served = b.replica.served
+            seen = b.events  # type: ignore[attr-defined]
+            wait_until(
+                lambda: any(e["round"] == pending for e in seen.rounds()),
+                timeout=60,
+                what=f"stage 1 lands round {pending}: {seen.seen}",
+            )
+            assert b.replica.served == served  # no micro-batch came meanwhile
+            assert hook.rounds.inflight is None

@@ -16,8 +16,15 @@ import torch
 
 from swarmloco.pipeline.daemon import build_pipeline_manifest, task_stage
 from swarmloco.pipeline.manifest import pipeline_of, stage_signatures
-from swarmloco.pipeline.stages import build_gpt_stage, split_evenly
-from swarmloco.train.spec import GPTConfig
+from swarmloco.pipeline.stages import (
+    LlamaStage,
+    build_gpt_stage,
+    build_stage,
+    cut_llama,
+    split_evenly,
+)
+from swarmloco.train.llama import Llama, rotary_tables
+from swarmloco.train.spec import GPTConfig, LlamaConfig
 from swarmloco.train.tasks import build_manifest, run_from_manifest
 
 CONFIG = GPTConfig(vocab_size=256, seq_len=32, n_layer=6, n_head=4, n_embd=64)
@@ -62,11 +69,12 @@ def test_a_stage_has_the_gpts_initial_distribution_and_the_head_starts_as_the_em
     assert float(loss) == pytest.approx(math.log(256), rel=0.02)
 
 
-def test_the_creators_signatures_are_what_each_peer_builds():
+@pytest.mark.parametrize("task", ["gpt-bytes", "llama"])
+def test_the_creators_signatures_are_what_each_peer_builds(task):
     creator = "ab" * 32
-    _, _, _, run = run_from_manifest(build_manifest("gpt-bytes", "tiny", creator=creator))
+    _, _, _, run = run_from_manifest(build_manifest(task, "tiny", creator=creator))
     run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, delay=1))
-    manifest = build_pipeline_manifest("gpt-bytes", "tiny", 2, creator=creator, run=run)
+    manifest = build_pipeline_manifest(task, "tiny", 2, creator=creator, run=run)
     pipeline = pipeline_of(manifest)
     assert pipeline is not None
     task, model, _, run = run_from_manifest(manifest)
@@ -74,6 +82,65 @@ def test_the_creators_signatures_are_what_each_peer_builds():
         built = task_stage(task, model, run, 2, k)
         (signature,) = stage_signatures(run.spec, [built], task.layer_unit)
         assert signature == pipeline.signatures[k]
+
+
+LLAMA = LlamaConfig(
+    vocab_size=256, seq_len=32, n_layer=5, n_head=4, n_kv_head=2, n_embd=64, ffn=176
+)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_llama_cut_in_stages_computes_what_the_whole_llama_computes(stages):
+    torch.manual_seed(0)
+    whole = Llama(LLAMA)
+    cut = cut_llama(whole, stages)
+    x, y = torch.randint(0, 256, (2, 3, LLAMA.seq_len))
+    loss = whole(x, y)
+    loss.backward()
+    h = x
+    for stage in cut[:-1]:
+        h = stage(h)
+    cut_loss = cut[-1](h, y)
+    cut_loss.backward()
+    torch.testing.assert_close(cut_loss, loss, rtol=1e-6, atol=1e-6)
+    # Every layer's gradients are the whole model's (the embedding's is split: tied in the
+    # whole model, the head and the embedding are two copies once cut).
+    layers = [layer for stage in cut for layer in stage.model.layers]
+    for mine, ref in zip(layers, whole.model.layers, strict=True):
+        for (name, p), q in zip(mine.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    embedding = cut[0].model.embed_tokens.weight.grad + cut[-1].lm_head.weight.grad
+    torch.testing.assert_close(
+        embedding, whole.model.embed_tokens.weight.grad, rtol=1e-5, atol=1e-7
+    )
+    assert [len(stage.model.layers) for stage in cut] == [len(r) for r in split_evenly(5, stages)]
+
+
+def test_a_llama_stage_built_alone_has_llamas_names_distribution_and_rotary_tables():
+    stages = [build_stage(LLAMA, 2, k, seed=4) for k in range(2)]
+    assert all(isinstance(stage, LlamaStage) for stage in stages)
+    again = build_stage(LLAMA, 2, 1, seed=4)
+    for (name, p), q in zip(stages[1].named_parameters(), again.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    names = [name for stage in stages for name, _ in stage.named_parameters()]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "model.norm.weight" in names
+    scaled = 0.02 / math.sqrt(2 * LLAMA.n_layer)
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            if "norm" in name:
+                assert torch.all(p == 1.0), name
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                assert p.std().item() == pytest.approx(scaled, rel=0.15), name
+            else:
+                assert p.std().item() == pytest.approx(0.02, rel=0.15), name
+        cos, sin = rotary_tables(LLAMA)
+        assert torch.equal(stage.rope_cos, cos) and torch.equal(stage.rope_sin, sin)
+    assert torch.equal(stages[1].lm_head.weight, stages[0].model.embed_tokens.weight)
+    x, y = torch.randint(0, 256, (2, 2, LLAMA.seq_len))
+    with torch.no_grad():
+        loss = stages[1](stages[0](x), y)
+    assert float(loss) == pytest.approx(math.log(256), rel=0.02)
 
 
 BUILD_THE_LAST_STAGE = """

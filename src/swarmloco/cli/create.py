@@ -63,8 +63,8 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         metavar="S",
         help="a pipelined run: the model cut into S stages, each served by its own peers, "
-        "micro-batches driven through one peer of each (gpt-bytes; rounds overlap the steps: "
-        "--delay defaults to 1); default: every peer holds the whole model",
+        "micro-batches driven through one peer of each (gpt-bytes and llama; rounds overlap the "
+        "steps: --delay defaults to 1); default: every peer holds the whole model",
     )
     parser.add_argument(
         "--activations",

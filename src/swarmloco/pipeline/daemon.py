@@ -42,7 +42,7 @@ from swarmloco.pipeline.manifest import (
 )
 from swarmloco.pipeline.peer import StagePeer, StageWork
 from swarmloco.pipeline.rebalance import RebalanceConfig, choose_move, choose_stage
-from swarmloco.pipeline.stages import build_gpt_stage
+from swarmloco.pipeline.stages import build_stage
 from swarmloco.pipeline.wire import Boundary
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.daemon import resolve_device
@@ -50,6 +50,7 @@ from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.session import handle_signals
 from swarmloco.runtime.start import describe_device
 from swarmloco.train.data import BatchStream
+from swarmloco.train.llama import Llama
 from swarmloco.train.model import GPT
 from swarmloco.train.spec import DataSpec
 from swarmloco.train.tasks import (
@@ -73,16 +74,21 @@ def task_stage(
     stage: int,
     device: torch.device | str = "cpu",
 ) -> nn.Module:
-    """Stage ``stage`` of the task's model cut into ``stages``, built alone on ``device``
-    (:func:`~swarmloco.pipeline.stages.build_gpt_stage`: every peer builds the same, and
-    none builds the whole model)."""
+    """Stage ``stage`` of the task's model (the built-in GPT or Llama) cut into ``stages``,
+    built alone on ``device`` (:func:`~swarmloco.pipeline.stages.build_stage`: every peer
+    builds the same, and none builds the whole model)."""
     with torch.device("meta"):  # the model's shape only: no memory, no draw
         skeleton = task.build_model(model)
-    if not isinstance(skeleton, GPT):
+    if not isinstance(skeleton, GPT | Llama):
         raise SwarmlocoError(
-            f"task {task.name} cannot be cut into stages yet (the built-in GPT of gpt-bytes can)"
+            f"task {task.name} cannot be cut into stages (the built-in GPT and Llama can)"
         )
-    return build_gpt_stage(skeleton.config, stages, stage, seed=run.spec.seed, device=device)
+    if skeleton.config.n_layer < stages:
+        raise SwarmlocoError(
+            f"the model has {skeleton.config.n_layer} layer(s): it cannot be cut into {stages} "
+            "stages (each needs one at least)"
+        )
+    return build_stage(skeleton.config, stages, stage, seed=run.spec.seed, device=device)
 
 
 def build_pipeline_manifest(

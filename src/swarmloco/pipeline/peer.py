@@ -55,6 +55,7 @@ from swarmloco.runtime.schedule import SwarmSchedule
 logger = logging.getLogger(__name__)
 
 STEP_POLL_S = 0.5  # how long the stepping thread waits for a due step before looking again
+IDLE_LAND_S = 3.0  # no step for this long and a round's exchange over: land it without them
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -254,18 +255,31 @@ class StagePeer:
 
     def _steps(self) -> None:
         """Take each due step and run the stage's step hook before releasing the replica;
-        end when the peer stops or this object closes."""
+        end when the peer stops or this object closes. When no step came for
+        ``IDLE_LAND_S`` and a round's exchange has ended, take what is accumulated and land
+        the round (the steps it was to overlap may never come: the drivers stopped)."""
         peer = self.peer
         assert peer is not None
+        last_step = time.monotonic()
         try:
             while not self._closing.is_set() and not self.stopped.is_set():
                 samples = self.replica.take_step(timeout=STEP_POLL_S)
+                idle = False
                 if samples is None:
-                    continue
+                    if time.monotonic() - last_step < IDLE_LAND_S or not peer.hook.exchange_over():
+                        continue
+                    samples = self.replica.take_step(timeout=STEP_POLL_S, now=True)
+                    if samples is None:
+                        continue
+                    idle = True
+                last_step = time.monotonic()
                 if self.stage == self.stages - 1:
                     peer.kept.progress.loss = self.replica.loss
                 try:
-                    peer.hook.stepped(samples * self.work.tokens_per_sequence)
+                    if samples:
+                        peer.hook.stepped(samples * self.work.tokens_per_sequence)
+                    if idle:
+                        peer.hook.idle()
                 except Stopped:
                     self.stopped.set()
                 except BaseException:

@@ -266,16 +266,21 @@ class StageReplica:
                 raise RuntimeError(f"{len(self._held)} micro-batch(es) in flight: not stepping")
             return self._step(optimizer)
 
-    def take_step(self, timeout: float) -> int | None:
+    def take_step(self, timeout: float, *, now: bool = False) -> int | None:
         """(An owned replica's owner.) Wait until a step is due and no micro-batch is in
         flight, then take it: the optimizer steps on the mean gradient of the micro-batches
         accumulated. Returns their sequences (None: no step came due within ``timeout``).
         Forwards wait until :meth:`release`: what the owner does meanwhile (a round) lands
-        under no micro-batch."""
+        under no micro-batch. ``now``: do not wait for a due step: step on what is
+        accumulated (fewer sequences than a step, or none: then nothing steps) as soon as
+        no micro-batch is in flight (the owner has a round to land and no step is coming)."""
         if not self.owned:
             raise RuntimeError("this replica takes its own steps")
         deadline = self.clock() + timeout
         with self._lock:
+            was_due = self._due
+            if now:
+                self._due = True  # forwards wait from here on
             while not self._closed:
                 self._expire()
                 if self._due and not self._held:
@@ -285,8 +290,11 @@ class StageReplica:
                     return samples
                 left = deadline - self.clock()
                 if left <= 0:
-                    return None
+                    break
                 self._lock.wait(timeout=min(1.0, left))
+            if now and not was_due:  # nothing taken: the forwards that waited go on
+                self._due = False
+                self._lock.notify_all()
             return None
 
     def release(self) -> None:

@@ -100,6 +100,23 @@ class StepHook:
         self._between_steps()
         p.progress.hook_ended(started, p.now)
 
+    def exchange_over(self) -> bool:
+        """Whether a round is in flight whose exchange has ended (it waits to be landed)."""
+        x = self.rounds.inflight
+        return x is not None and x.future.done()
+
+    def idle(self) -> None:
+        """(A pipeline stage whose micro-batches stopped coming: its drivers paused, or the
+        run ended for them.) Land the round in flight now if its exchange has ended, not
+        after the steps it was to overlap, which may never come; then do what is due
+        between steps. Raises :class:`Stopped` once the peer is asked to stop."""
+        if self.exchange_over():
+            with self.parts.progress.blocking():
+                self._land()
+            self._between_steps()
+        if self.stop.is_set():
+            raise Stopped(self.stop.reason)
+
     def _between_steps(self) -> None:
         p, rounds, follower = self.parts, self.rounds, self.follower
         tau = p.spec.delay
