@@ -138,8 +138,11 @@ async def test_oversized_fields_of_dht_calls_are_refused_counted_and_nothing_of_
                     sender=sign_card(Identity.generate(), "127.0.0.1:9").to_proto(), key="k" * HUGE
                 ),
             )
-            assert alive(pb.PingRequest) == alive(pb.FindNodeRequest) == 0
-            assert alive(pb.FindValueRequest) == 0
+            # The refusal reaches the caller before the node's handler has returned (on a
+            # busy machine, seen: one FindValueRequest still alive at that moment): what
+            # must not happen is that any of them stays.
+            for kind in (pb.PingRequest, pb.FindNodeRequest, pb.FindValueRequest):
+                await wait_for(lambda kind=kind: alive(kind) == 0, timeout=30)
         assert node.dht.rejections.counts["oversize"] == 22
         # Small, but not 64 bytes: refused by its length before any verification or cache.
         for size in (0, 63, 65, 1024):
@@ -237,7 +240,8 @@ async def test_joins_with_huge_certificates_are_refused_and_leave_the_leader_as_
                 refusal = await answer(join(os.urandom(HUGE)))
                 assert refusal.code == "bad-declaration", refusal
                 assert "is 7340" in refusal.reason
-            assert alive(apb.JoinRequest) == alive(apb.MemberDeclaration) == 0
+            for kind in (apb.JoinRequest, apb.MemberDeclaration):  # (see the DHT's test)
+                await wait_for(lambda kind=kind: alive(kind) == 0, timeout=30)
         await released()
         # Nothing of them was cached (the certificate cache is keyed by certificates).
         assert gates[0].cached_bytes == cached
@@ -267,7 +271,7 @@ async def test_health_refuses_service_names_longer_than_any_real_one():
                 assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "at most 200 characters" in (await call.details())
                 del call
-            assert alive(health_pb2.HealthCheckRequest) == 0
+            await wait_for(lambda: alive(health_pb2.HealthCheckRequest) == 0, timeout=30)
         assert server.rejections.counts["malformed"] == 2
         # Real names still work.
         watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
