@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A two-stage pipeline of the built-in GPT over real gRPC on loopback, in four parts
+"""A two-stage pipeline of the built-in GPT over real gRPC on loopback, in five parts
 (``--parts``, all by default). Prints ONE JSON object.
 
 - ``wiring``: stochastic wiring against a heterogeneous stage: micro-batches per second
@@ -19,11 +19,17 @@
   ``kill_hangs``, ``kill_retry_s_median``.
 - ``memory``: the bytes of what a stage peer holds of the model (parameters, gradients,
   AdamW's two moments) against the whole model's (target about 1/S). A stage peer's
-  process does not yet hold 1/S: it builds the whole model to cut its stage.
+  process builds its stage alone (``build_stage``), so it holds only these.
+- ``parity``: 2 stages x 2 replicas (real stage peers, in this process) against DiLoCo
+  data-parallel (two library peers over the whole model) on the same micro-batches of
+  real text, the same spec and the same initial weights (``_pipeline_parity.py``):
+  ``pipeline_over_diloco``, the ratio of their held-out losses (the median of
+  ``--parity-repeats`` runs each), and ``stage_digests_agree``.
 
     python scripts/bench_pipeline.py                   # 2 drivers, the slow replica 3x slower
     python scripts/bench_pipeline.py --parts wiring --slow-factor 2 --micro-batches 40
     python scripts/bench_pipeline.py --parts activations,kill --kill-trials 10
+    python scripts/bench_pipeline.py --parts parity --layers 2 --width 64 --seq-len 64
 
 Wiring, on loopback: each stage-1 replica is served by its own ``NetNode`` (gRPC, the
 ``swarmloco.v1.Stage`` service, int8 activations), and ``--drivers`` stage-0 drivers, each
@@ -60,6 +66,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import machine
+from _pipeline_parity import parity
 
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
@@ -393,7 +400,7 @@ def main() -> int:
     p.add_argument("--width", type=int, default=256, help="the GPT's n_embd")
     p.add_argument(
         "--parts",
-        default="wiring,activations,kill,memory",
+        default="wiring,activations,kill,memory,parity",
         help="which parts to run, comma-separated (default: %(default)s)",
     )
     p.add_argument(
@@ -407,6 +414,11 @@ def main() -> int:
         "--after-kill", type=int, default=5, help="kill: micro-batches driven after the kill"
     )
     p.add_argument("--hang-s", type=float, default=60.0, help="kill: a micro-batch's limit")
+    p.add_argument(
+        "--parity-micro-batches", type=int, default=128, help="parity: micro-batches per driver"
+    )
+    p.add_argument("--parity-sync-every", type=int, default=8, help="parity: H, in steps")
+    p.add_argument("--parity-repeats", type=int, default=3, help="parity: runs of each arm")
     p.add_argument("--serve-replica", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -416,7 +428,7 @@ def main() -> int:
     if args.serve_replica:
         return serve_replica(args, config)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    unknown = set(parts) - {"wiring", "activations", "kill", "memory"}
+    unknown = set(parts) - {"wiring", "activations", "kill", "memory", "parity"}
     if unknown:
         p.error(f"no such part: {', '.join(sorted(unknown))}")
     report: dict[str, Any] = {
@@ -433,6 +445,10 @@ def main() -> int:
         report.update(kill(args, config))
     if "memory" in parts:
         report.update(memory(args, config))
+    if "parity" in parts:
+        report.update(parity(config, sync_every=args.parity_sync_every, micro=args.batch,
+                             micro_batches=args.parity_micro_batches,
+                             repeats=args.parity_repeats, batches=text_batches))  # fmt: skip
     report["settings"] = {k: v for k, v in vars(args).items() if k != "serve_replica"}
     print(json.dumps(report, indent=2))
     return 0

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pipeline.py"
 
 
@@ -43,3 +45,30 @@ def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
     assert trial["retry_s"] is not None and trial["retry_s"] > 0, trial
     # A stage holds about half of the model's parameters, gradients and moments.
     assert 0.4 < report["stage_state_bytes_ratio"] < 0.8, report["memory"]
+
+
+@pytest.mark.timeout(600)
+def test_two_stages_of_two_replicas_train_to_the_loss_of_data_parallel_diloco():
+    # The parity: 2 stages x 2 replicas against two data-parallel DiLoCo peers on
+    # the same micro-batches, spec and initial weights; the tolerance is the bench's.
+    done = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--parts", "parity", "--parity-repeats", "1"),
+            *("--layers", "2", "--width", "64", "--seq-len", "64"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    (run,) = report["parity"]["runs"]
+    untrained = report["parity"]["untrained_loss"]
+    for arm in ("pipeline", "diloco"):  # both trained (ln 256 = 5.55 untrained)
+        assert run[arm]["held_out_loss"] < untrained - 1.5, run
+    assert run["pipeline"]["lost_micro_batches"] == 0, run
+    # Each stage's replicas averaged together, on one digest in every such round.
+    for swarm in (run["pipeline"]["stage0"], run["pipeline"]["stage1"], run["diloco"]["peers"]):
+        assert swarm["rounds_together"] >= 2 and swarm["one_digest"], run
+    assert report["stage_digests_agree"], run
+    assert report["pipeline_over_diloco"] <= report["parity_tolerance"] == 1.05, run

@@ -6,6 +6,7 @@ averaged together; every micro-batch a driver finished was applied once at each 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import threading
@@ -21,7 +22,8 @@ from netutil import run_in_threads, wait_until
 from swarmloco.core.runspec import RunSpec
 from swarmloco.net.averaging import MatchmakingConfig
 from swarmloco.net.identity import Identity
-from swarmloco.net.node import NodeConfig
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.swarm import fetch_manifest
 from swarmloco.pipeline.manifest import pipeline_manifest
 from swarmloco.pipeline.peer import StagePeer, StageWork
 from swarmloco.pipeline.stages import gpt_stages
@@ -169,3 +171,21 @@ def test_a_stage_whose_drivers_stopped_lands_the_round_it_has_in_flight(tmp_path
             )
             assert b.replica.served == served  # no micro-batch came meanwhile
             assert hook.rounds.inflight is None
+
+
+def test_a_stage_peer_publishes_the_runs_manifest_so_that_join_finds_it(tmp_path):
+    # `swarmloco create --stages` that trains (no --no-train) publishes nothing else: the
+    # run's manifest must come from its stage peers, as a data-parallel peer's does.
+    run = pipeline_manifest(
+        SPEC, gpt_stages(GPT, 2, seed=0), creator=Identity.generate().public_key.hex(),
+        task="gpt-bytes", identity_work=0,
+    )  # fmt: skip
+    with stage_peer(tmp_path, "b", run, 1, min_group=1) as b:
+        entry = b.peer.network.node.endpoint  # type: ignore[union-attr]
+
+        async def fetch() -> bytes:
+            config = NodeConfig(server=None, peers=(entry,))
+            async with NetNode(identity=Identity.generate(), config=config) as node:
+                return (await fetch_manifest(node.dht, run.swarm_id)).to_bytes()
+
+        assert asyncio.run(fetch()) == run.to_bytes()

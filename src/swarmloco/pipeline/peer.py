@@ -35,6 +35,7 @@ from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import Stopped, SwarmlocoError
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.swarm import publish_manifest
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError, Trace
 from swarmloco.pipeline.load import (
     StageLoad,
@@ -223,11 +224,17 @@ class StagePeer:
         return self.peer.kept.progress.global_step if self.peer is not None else 0
 
     def _start_loops(self, peer: Peer) -> None:
-        """The stage-load record (every stage's: a joining peer counts them to choose its
-        stage; nobody calls stage 0), and at stage 0 the driver and its reading, on the
-        peer's event loop."""
+        """The run's manifest, the stage-load record (every stage's: a joining peer counts
+        them to choose its stage; nobody calls stage 0), and at stage 0 the driver and its
+        reading, on the peer's event loop."""
         assert peer.network is not None
         dht = peer.network.node.dht
+        # The run's own manifest, which `join RUN_ID` fetches: the peer's network publishes
+        # its stage's, and a training `create --stages` nothing else.
+        try:
+            peer.loop.run(publish_manifest(dht, self.run), timeout=60.0)
+        except SwarmlocoError as exc:  # alone on a new network: our own storage holds it
+            logger.info("the run's manifest: %s", exc)
         interval = self.load_interval_s
         publishing = keep_publishing(
             dht,
