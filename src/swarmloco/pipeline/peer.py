@@ -178,6 +178,14 @@ class StagePeer:
         self.emit("stage-joined", stages=self.stages, swarm=self.manifest.swarm_id)
         return self
 
+    def stop(self, why: str) -> None:
+        """Ask this peer to stop (a signal handler may call it): :meth:`drive` raises
+        :class:`Stopped` from now on, ``stopped`` is set, and leaving the ``with`` block
+        then lands or abandons the round in flight, checkpoints and withdraws the records."""
+        if self.peer is not None:
+            self.peer.kept.stop.stop(why)
+        self.stopped.set()
+
     def read_loads(self, timeout: float = 30.0) -> list[StageLoad]:
         """The run's fresh ``stage-load`` records, as this peer reads them now."""
         if self.peer is None or self.peer.network is None:
