@@ -9,9 +9,9 @@ stage's parameters in DiLoCo rounds of their own. It runs on a CPU in a minute.
 
 Two peers on one machine::
 
-    python examples/pipeline_own_stages.py create --data-dir /tmp/pipe-a --port 47100
+    python examples/pipeline_own_stages.py create --data-dir /tmp/pipe-a --port 47200
     # it prints the swarm id and serves stage 1; then, in another terminal:
-    python examples/pipeline_own_stages.py join SWARM_ID --peer 127.0.0.1:47100 \\
+    python examples/pipeline_own_stages.py join SWARM_ID --peer 127.0.0.1:47200 \\
         --data-dir /tmp/pipe-b --stage 0
 
 Add more peers to either stage with ``join``. ``--events -`` prints one JSON object per
