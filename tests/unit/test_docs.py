@@ -36,14 +36,22 @@ PACKAGE_PATH = re.compile(
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
+def long_options(parser: argparse.ArgumentParser) -> set[str]:
+    """The long options of ``parser``, and of its own subcommands (`data prepare`'s are
+    counted as `data`'s)."""
+    options = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                options |= long_options(command)
+    return options
+
+
 def subcommand_options() -> dict[str, set[str]]:
     """Every subcommand of the CLI and the long options it accepts, from its own parser."""
     parser = build_parser()
     (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {
-        name: {o for a in command._actions for o in a.option_strings if o.startswith("--")}
-        for name, command in sub.choices.items()
-    }
+    return {name: long_options(command) for name, command in sub.choices.items()}
 
 
 OPTIONS = subcommand_options()

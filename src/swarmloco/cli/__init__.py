@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from swarmloco import __version__
-from swarmloco.cli import admit, bootstrap, create, export, join, simulate, view
+from swarmloco.cli import admit, bootstrap, create, data, export, join, simulate, view
 from swarmloco.cli.common import Handler, Register, _setup_logging, run_async
 from swarmloco.errors import SwarmlocoError
 
@@ -26,6 +26,7 @@ COMMANDS: tuple[Register, ...] = (
     join._join_command,
     admit._admit_command,
     export._export_command,
+    data._data_command,
     simulate._add_simulate,
     view._dashboard_command,
     view._status_command,
