@@ -91,6 +91,14 @@ def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "key it shows (default: 8, about a second, for a public run; 0 for a private one)",
     )
     _add_data_options(parser)
+    parser.add_argument(
+        "--dataset-mirror",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="with --dataset: an HTTP(S) server of the dataset's files (URL/index.json, "
+        "URL/shard-00000.bin, ...), where joining peers fetch it; repeat for several",
+    )
     _add_peer_option(parser, required=False)
     _add_data_dir_option(
         parser,
@@ -203,12 +211,16 @@ def _create(args: argparse.Namespace) -> int:
         )
     identity = Identity.load_or_create(args.data_dir)
     run = _run_from(args)
+    data, overrides = _data_spec(args), _model_overrides(args)
+    if args.dataset is not None:
+        data, vocab = _pinned_dataset(args)
+        overrides.setdefault("vocab_size", vocab)
     options = {
         "creator": identity.public_key.hex(),
         "name": args.name,
-        "data": _data_spec(args),
+        "data": data,
         "run": run,
-        "model_overrides": _model_overrides(args) or None,
+        "model_overrides": overrides or None,
         "admission": "certificate" if args.private else "",
         "identity_work": args.identity_work,
     }
@@ -241,6 +253,39 @@ def _create(args: argparse.Namespace) -> int:
         "published the manifest of swarm %s on %d DHT nodes", manifest.swarm_id, stored
     )
     return 0
+
+
+def _pinned_dataset(args: argparse.Namespace) -> tuple[Any, int]:
+    """The data spec pinning ``--dataset`` (a prepared directory, or an id whose index
+    ``--dataset-mirror`` serves), and the dataset's vocabulary size."""
+    import re
+
+    from swarmloco.dataset.fetch import DatasetCache, sources_for
+    from swarmloco.dataset.index import read_index
+    from swarmloco.train.spec import DataSpec
+
+    if args.data:
+        raise ValueError("--data and --dataset are two sources of data: give one")
+    path = Path(args.dataset)
+    if path.is_dir():
+        index = read_index(path)
+    else:
+        dataset_id = args.dataset.strip().lower()
+        if not re.fullmatch(r"[0-9a-f]{40}", dataset_id):
+            raise ValueError(
+                f"--dataset {args.dataset}: neither a directory nor a dataset id (40 hex digits)"
+            )
+        if not args.dataset_mirror:
+            raise ValueError(f"--dataset {dataset_id} needs --dataset-mirror URL to find it")
+        cache = Path(args.data_dir) / "datasets" / dataset_id
+        index = DatasetCache(cache, dataset_id, sources_for(args.dataset_mirror, ())).index()
+    if args.vocab_size is not None and args.vocab_size < index.vocab_size:
+        raise ValueError(
+            f"--vocab-size {args.vocab_size} is smaller than the dataset's vocabulary "
+            f"({index.vocab_size})"
+        )
+    spec = DataSpec(source="dataset", dataset=index.dataset_id, mirrors=tuple(args.dataset_mirror))
+    return spec, index.vocab_size
 
 
 def _run_from(args: argparse.Namespace) -> Any:

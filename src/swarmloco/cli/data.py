@@ -1,4 +1,4 @@
-"""`swarmloco data`: prepare a corpus into token shards, and describe or check one."""
+"""`swarmloco data`: prepare a corpus into token shards, describe or check one, serve one."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 def _data_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "data",
-        help="prepare a corpus into token shards for a run (prepare), or describe one (info)",
+        help="prepare a corpus into token shards for a run (prepare), describe or check one "
+        "(info), serve one over HTTP (serve)",
         description="Datasets for a run: a corpus tokenized once into shards and an index "
         "whose hash is the dataset id (docs/DESIGN.md section 11).",
     )
@@ -76,6 +77,18 @@ def _data_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     info.add_argument("--verify", action="store_true", help="hash every file against the index")
     info.add_argument("--json", action="store_true", help="one JSON object on stdout")
     info.set_defaults(handler=_info)
+    serve = actions.add_parser(
+        "serve",
+        help="serve a prepared dataset over HTTP: a mirror for --dataset-mirror",
+        description="Serve the dataset in DIR over HTTP (its index, tokenizer and shards, "
+        "read-only, nothing else) until Ctrl-C: a mirror that `swarmloco create --dataset "
+        "DIR --dataset-mirror http://HOST:PORT` names and joining peers fetch from. Any "
+        "static file server of DIR does as well.",
+    )
+    serve.add_argument("directory", type=Path, metavar="DIR")
+    serve.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8081, help="port (default: %(default)s)")
+    serve.set_defaults(handler=_serve)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -129,3 +142,22 @@ def _info(args: argparse.Namespace) -> int:
             print("verified: every shard and the tokenizer match the index" if not problems
                   else "\n".join(f"problem: {p}" for p in problems))  # fmt: skip
     return 1 if problems else 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import threading
+
+    from swarmloco.dataset.index import read_index
+    from swarmloco.dataset.serve import serve_dataset
+
+    index = read_index(args.directory)
+    with serve_dataset(args.directory, args.host, args.port) as url:
+        print(url, flush=True)
+        logging.getLogger("swarmloco.data").info(
+            "serving dataset %s (%d shards) at %s until Ctrl-C",
+            index.dataset_id,
+            len(index.shards),
+            url,
+        )
+        threading.Event().wait()
+    return 0

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from swarmloco.cli.box import _box_rank, _init_box, _leave_process_group
@@ -57,6 +58,14 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="in a pipelined run, each forward of this peer's stage waits this long more: a "
         "slower device, for tests and benchmarks (default: none)",
+    )
+    g.add_argument(
+        "--dataset",
+        default=None,
+        metavar="DIR_OR_ID",
+        help="create: the run trains on this prepared dataset (a directory `swarmloco data "
+        "prepare` wrote, or its id with --dataset-mirror), pinned by its id; join: a local "
+        "copy of the run's dataset, read in place before its mirrors",
     )
     _add_network_options(g)
     _add_compute_options(g)
@@ -265,6 +274,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         compile=args.compile,
         precision=args.precision,
         memory_budget_gb=args.memory_budget,
+        dataset_copies=_dataset_copies(args),
     )
     sink = None
     events_file = None
@@ -290,6 +300,21 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
     if summary is not None:  # a rank other than 0 has none: rank 0 reports
         _log_summary(summary)
     return 0
+
+
+def _dataset_copies(args: argparse.Namespace) -> tuple[Path, ...]:
+    """The local copy ``--dataset`` names (none: it names an id, which create pinned)."""
+    if args.dataset is None:
+        return ()
+    path = Path(args.dataset)
+    if path.is_dir():
+        return (path,)
+    if args.command == "join":
+        raise ValueError(
+            f"--dataset {args.dataset}: no such directory (join takes the run's dataset from "
+            "its manifest; --dataset names a local copy of it)"
+        )
+    return ()
 
 
 def _run_stage(

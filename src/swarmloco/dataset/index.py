@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -128,6 +129,16 @@ def read_index(directory: Path) -> DatasetIndex:
     if not isinstance(value, dict):
         raise DataError(f"{path} is not a JSON object")
     return DatasetIndex.from_json(value, str(path))
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """``data`` as ``path``, written under a temporary name and renamed when whole."""
+    partial = path.with_name(f".{path.name}.partial")
+    with partial.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
 
 
 def sha256_of(path: Path) -> str:

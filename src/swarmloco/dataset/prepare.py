@@ -18,7 +18,6 @@ import gzip
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -36,6 +35,7 @@ from swarmloco.dataset.index import (
     Shard,
     read_index,
     shard_name,
+    write_whole,
 )
 from swarmloco.errors import DataError
 from swarmloco.progress import Progress
@@ -228,18 +228,9 @@ class _ShardWriter:
             return
         data = self.buffer[: self.filled].tobytes()
         path = self.directory / shard_name(len(self.shards))
-        _write_whole(path, data)
+        write_whole(path, data)
         self.shards.append(Shard(self.filled, hashlib.sha256(data).hexdigest()))
         self.filled = 0
-
-
-def _write_whole(path: Path, data: bytes) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    with partial.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
 
 
 def _check_out(out: Path) -> None:
@@ -285,7 +276,7 @@ def prepare(
     vocab = int(tok.get_vocab_size(with_added_tokens=True))
     dtype = next(name for name, size in DTYPES.items() if vocab <= 1 << (8 * size))
     out.mkdir(parents=True, exist_ok=True)
-    _write_whole(out / TOKENIZER, tokenizer_bytes)
+    write_whole(out / TOKENIZER, tokenizer_bytes)
     writer = _ShardWriter(out, config.shard_tokens, dtype)
     total = sum(p.stat().st_size for p in files)
     bar = Progress(total, "prepare", enabled=progress)
@@ -331,6 +322,6 @@ def prepare(
         "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(seconds, 3),
     }
-    _write_whole(out / PROVENANCE, json.dumps(provenance, indent=2).encode())
-    _write_whole(out / INDEX, json.dumps(index.to_json(), indent=1).encode())  # last
+    write_whole(out / PROVENANCE, json.dumps(provenance, indent=2).encode())
+    write_whole(out / INDEX, json.dumps(index.to_json(), indent=1).encode())  # last
     return Prepared(out, index, count, read, seconds)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +55,8 @@ class DaemonConfig:
     memory_budget_gb: float | None = None
     """Device memory the inner loop may use, in GB: the micro-batch is fitted to it (on
     CUDA by default: the card's memory, measured; elsewhere only when given)."""
+    dataset_copies: tuple[Path, ...] = ()
+    """Local copies of a pinned dataset (``--dataset DIR``), read before its mirrors."""
 
     def __post_init__(self) -> None:
         if self.compile not in (None, "auto", "on", "off"):
@@ -128,6 +131,12 @@ def train_task(
     if box is None and (device.type == "cuda" or config.memory_budget_gb is not None):
         fit = fit_batch(loop, model_config, device, config.memory_budget_gb)
         inner = loop.config
+    if data_spec.source == "dataset":
+        from swarmloco.dataset.fetch import local_tokens
+
+        cache = config.peer.directory / "datasets"
+        vocab = int(model_config["vocab_size"])
+        data_spec = local_tokens(data_spec, cache, config.dataset_copies, vocab)
     data = task.load_data(model_config, data_spec)
     evalset = eval_windows(data.val, seq_len=seq_len, count=data_spec.eval_sequences)
     ranks = box.size if box is not None else 1

@@ -6,11 +6,12 @@ Torch-free, so that a manifest can be built and checked without loading torch.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal
 
 from swarmloco.core.config import require, require_fraction, require_int
 
-DataSource = Literal["stdlib", "text", "tokens"]
+DataSource = Literal["stdlib", "text", "tokens", "dataset"]
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
 
 
@@ -204,13 +205,15 @@ class DataSpec:
 
     ``stdlib`` is the ``.py`` files of the running interpreter's standard library as bytes;
     ``text`` is the user's own files or directories (all regular files below them), as bytes;
-    ``tokens`` is pre-tokenized ``.npy`` arrays or raw ``.bin`` files of ``token_dtype``.
-    Text sources are split into train and validation *by file*; token files by position
-    (the last ``val_fraction`` of each file).
+    ``tokens`` is pre-tokenized ``.npy`` arrays or raw ``.bin`` files of ``token_dtype``;
+    ``dataset`` is a dataset ``swarmloco data prepare`` made, pinned by its id and fetched
+    from a local copy or the ``mirrors`` (``dataset/fetch.py``).
+    Text sources are split into train and validation *by file*; token files and a
+    dataset's shards by position (the last ``val_fraction`` of each).
     """
 
     source: DataSource = "stdlib"
-    """stdlib, text or tokens."""
+    """stdlib, text, tokens or dataset."""
     paths: tuple[str, ...] = ()
     """Files or directories (text), or token files (tokens); empty for stdlib."""
     suffixes: tuple[str, ...] = ()
@@ -221,15 +224,36 @@ class DataSpec:
     """Share of the data held out for evaluation."""
     eval_sequences: int = 64
     """Size of the fixed evaluation set, in sequences."""
+    dataset: str = ""
+    """The dataset's id (``dataset``: the hash of its index)."""
+    mirrors: tuple[str, ...] = ()
+    """HTTP(S) base URLs that serve the dataset's files (``dataset``)."""
 
     def __post_init__(self) -> None:
         require(
-            self.source in ("stdlib", "text", "tokens"),
-            f"data source must be stdlib, text or tokens, got {self.source!r}",
+            self.source in ("stdlib", "text", "tokens", "dataset"),
+            f"data source must be stdlib, text, tokens or dataset, got {self.source!r}",
         )
         require(isinstance(self.paths, tuple), "paths must be a tuple of strings")
+        require(isinstance(self.mirrors, tuple), "mirrors must be a tuple of URLs")
+        if self.source == "dataset":
+            require(
+                re.fullmatch(r"[0-9a-f]{40}", self.dataset) is not None,
+                f"a dataset id is 40 hex digits, got {self.dataset!r}",
+            )
+            require(not self.paths, "a dataset is pinned by its id: no paths")
+            for url in self.mirrors:
+                require(
+                    isinstance(url, str) and url.startswith(("http://", "https://")),
+                    f"a dataset mirror is an http(s) URL, got {url!r}",
+                )
+        else:
+            require(
+                not self.dataset and not self.mirrors,
+                "dataset and mirrors belong to the dataset source",
+            )
         require(
-            self.source == "stdlib" or bool(self.paths),
+            self.source in ("stdlib", "dataset") or bool(self.paths),
             f"data source {self.source!r} needs at least one path (--data PATH)",
         )
         require(self.token_dtype in TOKEN_DTYPES, f"token_dtype must be one of {TOKEN_DTYPES}")

@@ -358,7 +358,7 @@ def run_from_manifest(manifest: SwarmManifest) -> tuple[Task, dict[str, Any], Da
         if k not in ("preset", "signature", "pipeline", "stage")
     }
     data_values = dict(manifest.data)
-    for key in ("paths", "suffixes"):
+    for key in ("paths", "suffixes", "mirrors"):
         if key in data_values:
             data_values[key] = tuple(data_values[key])
     data = from_mapping(DataSpec, data_values)
