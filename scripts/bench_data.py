@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Datasets for a run: how fast `swarmloco data prepare` tokenizes, and how fast a peer
+fetches a pinned dataset. Prints ONE JSON object.
+
+- ``prepare``: ``--megabytes`` of real text (the Python standard library's source, cycled)
+  as JSONL, tokenized with a byte-level BPE tokenizer of ``--vocab`` tokens trained on it
+  (the training is timed apart); ``prepare_mb_per_s`` (MB of text per second) and
+  ``prepare_mb_per_s_per_core`` (over the cores the process may use), the median of
+  ``--repeats``.
+- ``fetch``: the prepared dataset fetched whole into an empty cache, every shard checked
+  against its hash: from a local HTTP mirror (``swarmloco data serve``) on loopback, and from
+  a local copy read in place (hashing only); ``fetch_http_mb_per_s``, ``fetch_local_mb_per_s``.
+  Peers do not serve shards to each other yet, so there is no figure for that.
+
+Not measured yet: the exactly-once audit over a churn soak (``tokens_duplicated``,
+``tokens_missing``), which needs the leases of DESIGN section 11.
+
+    python scripts/bench_data.py [--megabytes 50] [--vocab 8192] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import machine
+
+from swarmloco.dataset.fetch import DatasetCache, HttpSource, LocalSource
+from swarmloco.dataset.index import read_index
+from swarmloco.dataset.prepare import PrepareConfig, prepare, train_tokenizer
+from swarmloco.dataset.serve import serve_dataset
+
+
+def write_corpus(path: Path, megabytes: float) -> int:
+    """JSONL documents (one standard-library file each, cycled) up to ``megabytes``."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    written = 0
+    with path.open("w", encoding="utf-8") as f:
+        while written < megabytes * 1e6:
+            for source in files:
+                text = source.read_text(encoding="utf-8", errors="replace")
+                line = json.dumps({"text": text}) + "\n"
+                f.write(line)
+                written += len(line.encode())
+                if written >= megabytes * 1e6:
+                    break
+    return written
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--megabytes", type=float, default=50.0, help="text to prepare (MB)")
+    p.add_argument("--vocab", type=int, default=8192, help="the trained tokenizer's vocabulary")
+    p.add_argument("--shard-tokens", type=int, default=1 << 22, help="tokens a shard holds")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each part")
+    p.add_argument("--dir", type=Path, default=None, help="where to work (default: a temp dir)")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="swarmloco-bench-data-", dir=args.dir))
+    try:
+        report = run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    corpus = work / "corpus.jsonl"
+    text_bytes = write_corpus(corpus, args.megabytes)
+    started = time.perf_counter()
+    tokenizer = train_tokenizer([corpus], args.vocab, "text")
+    train_s = time.perf_counter() - started
+    tokenizer.save(str(work / "tokenizer.json"))
+    config = PrepareConfig(shard_tokens=args.shard_tokens)
+    times = []
+    for i in range(args.repeats):
+        out = work / f"prepared-{i}"
+        done = prepare([corpus], out, tokenizer=work / "tokenizer.json", config=config,
+                       progress=False)  # fmt: skip
+        times.append(done.seconds)
+        if i:
+            shutil.rmtree(out)
+    data = work / "prepared-0"
+    index = read_index(data)
+    dataset_bytes = index.tokens * index.token_bytes
+    http, local = [], []
+    with serve_dataset(data) as url:
+        for i in range(args.repeats):
+            cache = DatasetCache(work / f"cache-{i}", index.dataset_id, [HttpSource(url)])
+            started = time.perf_counter()
+            cache.all_shards(cache.index(), progress=False)
+            http.append(time.perf_counter() - started)
+            shutil.rmtree(work / f"cache-{i}")
+    for i in range(args.repeats):
+        cache = DatasetCache(work / f"local-{i}", index.dataset_id, [LocalSource(data)])
+        started = time.perf_counter()
+        cache.all_shards(cache.index(), progress=False)
+        local.append(time.perf_counter() - started)
+    prepare_s = statistics.median(times)
+    return {
+        "bench": "data",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "text_bytes": text_bytes,
+        "tokens": index.tokens,
+        "shards": len(index.shards),
+        "dataset_bytes": dataset_bytes,
+        "tokenizer_train_s": round(train_s, 3),
+        "prepare_s": [round(t, 3) for t in times],
+        "prepare_mb_per_s": round(text_bytes / 1e6 / prepare_s, 2),
+        "prepare_mb_per_s_per_core": round(text_bytes / 1e6 / prepare_s / cores(), 2),
+        "cores": cores(),
+        "fetch_http_s": [round(t, 3) for t in http],
+        "fetch_http_mb_per_s": round(dataset_bytes / 1e6 / statistics.median(http), 1),
+        "fetch_local_s": [round(t, 3) for t in local],
+        "fetch_local_mb_per_s": round(dataset_bytes / 1e6 / statistics.median(local), 1),
+        "fetch_peer_mb_per_s": None,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

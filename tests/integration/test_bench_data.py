@@ -1,0 +1,27 @@
+"""scripts/bench_data.py runs as documented at a toy size and says what it measured (its
+figures are the benchmark's, not a test's: no speed is asserted here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_data.py"
+
+
+def test_the_data_bench_prepares_and_fetches_and_reports_both(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--megabytes", "0.5", "--vocab", "300", "--repeats", "1",
+         "--shard-tokens", "50000", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["bench"] == "data" and report["text_bytes"] >= 500_000
+    assert report["shards"] > 1 and report["tokens"] * 2 == report["dataset_bytes"]
+    for key in ("prepare_mb_per_s", "prepare_mb_per_s_per_core", "fetch_http_mb_per_s",
+                "fetch_local_mb_per_s"):  # fmt: skip
+        assert report[key] > 0, key
+    assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself
