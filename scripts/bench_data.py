@@ -8,9 +8,10 @@ fetches a pinned dataset. Prints ONE JSON object.
   ``prepare_mb_per_s_per_core`` (over the cores the process may use), the median of
   ``--repeats``.
 - ``fetch``: the prepared dataset fetched whole into an empty cache, every shard checked
-  against its hash: from a local HTTP mirror (``swarmloco data serve``) on loopback, and from
-  a local copy read in place (hashing only); ``fetch_http_mb_per_s``, ``fetch_local_mb_per_s``.
-  Peers do not serve shards to each other yet, so there is no figure for that.
+  against its hash: from a local HTTP mirror (``swarmloco data serve``) on loopback, from a
+  peer (its ``swarmloco.v1.DatasetFiles`` service over gRPC with TLS, on loopback), and from
+  a local copy read in place (hashing only); ``fetch_http_mb_per_s``,
+  ``fetch_peer_mb_per_s``, ``fetch_local_mb_per_s``.
 
 Not measured yet: the exactly-once audit over a churn soak (``tokens_duplicated``,
 ``tokens_missing``), which needs the leases of DESIGN section 11.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -35,10 +37,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import machine
 
-from swarmloco.dataset.fetch import DatasetCache, HttpSource, LocalSource
+from swarmloco.dataset.fetch import DatasetCache, HttpSource, LocalSource, Source
 from swarmloco.dataset.index import read_index
+from swarmloco.dataset.peers import FileServer, PeerReader, PeerSource, holdings_in
 from swarmloco.dataset.prepare import PrepareConfig, prepare, train_tokenizer
 from swarmloco.dataset.serve import serve_dataset
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.rejections import RejectionLog
+from swarmloco.runtime.loop_thread import LoopThread
 
 
 def write_corpus(path: Path, megabytes: float) -> int:
@@ -99,19 +106,30 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     data = work / "prepared-0"
     index = read_index(data)
     dataset_bytes = index.tokens * index.token_bytes
-    http, local = [], []
-    with serve_dataset(data) as url:
+
+    def fetch_all(source: Source, name: str) -> list[float]:
+        times = []
         for i in range(args.repeats):
-            cache = DatasetCache(work / f"cache-{i}", index.dataset_id, [HttpSource(url)])
+            cache = DatasetCache(work / f"{name}-{i}", index.dataset_id, [source])
             started = time.perf_counter()
             cache.all_shards(cache.index(), progress=False)
-            http.append(time.perf_counter() - started)
-            shutil.rmtree(work / f"cache-{i}")
-    for i in range(args.repeats):
-        cache = DatasetCache(work / f"local-{i}", index.dataset_id, [LocalSource(data)])
-        started = time.perf_counter()
-        cache.all_shards(cache.index(), progress=False)
-        local.append(time.perf_counter() - started)
+            times.append(time.perf_counter() - started)
+            shutil.rmtree(work / f"{name}-{i}", ignore_errors=True)
+        return times
+
+    with serve_dataset(data) as url:
+        http = fetch_all(HttpSource(url), "http")
+    refusals = RejectionLog(logging.getLogger("bench"))
+    server = FileServer(holdings_in([data], work / "none"), rejections=refusals)
+    node = NetNode(identity=Identity.generate(), config=NodeConfig(), services=[server.service()])
+    with LoopThread(name="bench-peer") as loop:
+        loop.run(node.__aenter__(), timeout=60)
+        try:
+            with PeerReader([node.endpoint]) as reader:
+                peer = fetch_all(PeerSource(node.endpoint, index.dataset_id, reader), "peer")
+        finally:
+            loop.run(node.__aexit__(None, None, None), timeout=60)
+    local = fetch_all(LocalSource(data), "local")
     prepare_s = statistics.median(times)
     return {
         "bench": "data",
@@ -131,7 +149,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "fetch_http_mb_per_s": round(dataset_bytes / 1e6 / statistics.median(http), 1),
         "fetch_local_s": [round(t, 3) for t in local],
         "fetch_local_mb_per_s": round(dataset_bytes / 1e6 / statistics.median(local), 1),
-        "fetch_peer_mb_per_s": None,
+        "fetch_peer_s": [round(t, 3) for t in peer],
+        "fetch_peer_mb_per_s": round(dataset_bytes / 1e6 / statistics.median(peer), 1),
     }
 
 

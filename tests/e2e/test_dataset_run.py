@@ -2,10 +2,13 @@
 prepare` with a tokenizer trained on the spot, `swarmloco create --dataset DIR
 --dataset-mirror URL` (`swarmloco data serve`'s mirror on loopback), and a `swarmloco join`
 with no copy of it, which fetches the index and every shard from the mirror, checks them,
-and trains with the creator: the rounds they average together agree."""
+and trains with the creator; then the mirror goes down and a third peer gets the dataset
+from the two (`swarmloco.v1.DatasetFiles`). The rounds they average together agree."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ from swarmloco.dataset.serve import serve_dataset
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_a_run_on_a_pinned_dataset_fetched_from_its_mirror(tmp_path, capsys):
+def test_a_run_on_a_pinned_dataset_fetched_from_its_mirror_then_from_its_peers(tmp_path, capsys):
     corpus = Path(__file__).resolve().parents[2] / "src" / "swarmloco" / "runtime"
     data = tmp_path / "data"
     assert main(["-q", "data", "prepare", str(corpus), "--train-tokenizer", "400",
@@ -26,25 +29,32 @@ def test_a_run_on_a_pinned_dataset_fetched_from_its_mirror(tmp_path, capsys):
     dataset_id = capsys.readouterr().out.strip()
     index = read_index(data)
     assert len(index.shards) > 1
-    rounds = ("--max-rounds", "2", "--min-group", "2")
-    with serve_dataset(data) as mirror:
-        pinned = ("--dataset", str(data), "--dataset-mirror", mirror)
-        with PeerProcess.create(tmp_path / "a", *pinned, *rounds) as creator:
-            join = (creator.swarm_id, creator.endpoint, tmp_path / "b")
-            with PeerProcess.join(*join, *rounds) as joiner:
-                for peer in (creator, joiner):
-                    assert peer.wait(240) == 0, peer.log_tail()
-    # The joiner had no copy: the mirror's files, checked, are in its cache.
-    cache = tmp_path / "b" / "datasets" / dataset_id
-    assert sorted(p.name for p in cache.glob("shard-*.bin")) == [
-        f"shard-{i:05d}.bin" for i in range(len(index.shards))
-    ]
+    group = ("--min-group", "2")
+    with contextlib.ExitStack() as mirror:
+        url = mirror.enter_context(serve_dataset(data))
+        pinned = ("--dataset", str(data), "--dataset-mirror", url)
+        with PeerProcess.create(tmp_path / "a", *pinned, *group) as creator:
+            swarm_id, endpoint = creator.swarm_id, creator.endpoint
+            with PeerProcess.join(swarm_id, endpoint, tmp_path / "b", *group) as first:
+                first.wait_for("ready", timeout=120)  # it holds every shard: from the mirror
+                mirror.close()  # the mirror goes down: the next joiner asks the peers
+                with PeerProcess.join(swarm_id, endpoint, tmp_path / "c", *group) as late:
+                    late.wait_for("round", lambda e: e["group"] >= 2, timeout=180)
+                    for peer in (late, first, creator):
+                        peer.process.send_signal(signal.SIGINT)
+                    for peer in (late, first, creator):
+                        assert peer.wait(90) == 0, peer.log_tail()
+    # Neither joiner had a copy: the checked files are in their caches, the first's from
+    # the mirror, the late one's from the peers (the mirror was down).
+    for peer in ("b", "c"):
+        cache = tmp_path / peer / "datasets" / dataset_id
+        assert sorted(p.name for p in cache.glob("shard-*.bin")) == [
+            f"shard-{i:05d}.bin" for i in range(len(index.shards))
+        ], peer
     assert not (tmp_path / "a" / "datasets" / dataset_id).exists()  # the creator read in place
-    for peer in (creator, joiner):
+    for peer in (creator, first, late):
         assert "dataset " + dataset_id[:12] in "".join(peer.log), peer.log_tail()
-    together = [
-        {e["round"]: e["digest"] for e in p.of("round") if e["group"] == 2}
-        for p in (creator, joiner)
-    ]
-    common = set(together[0]) & set(together[1])
-    assert common and all(together[0][r] == together[1][r] for r in common), together
+    rounds = [{e["round"]: e["digest"] for e in p.of("round") if e["group"] >= 2}
+              for p in (creator, first, late)]  # fmt: skip
+    for r, digest in rounds[2].items():
+        assert all(other.get(r, digest) == digest for other in rounds[:2]), rounds

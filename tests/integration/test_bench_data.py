@@ -22,6 +22,6 @@ def test_the_data_bench_prepares_and_fetches_and_reports_both(tmp_path):
     assert report["bench"] == "data" and report["text_bytes"] >= 500_000
     assert report["shards"] > 1 and report["tokens"] * 2 == report["dataset_bytes"]
     for key in ("prepare_mb_per_s", "prepare_mb_per_s_per_core", "fetch_http_mb_per_s",
-                "fetch_local_mb_per_s"):  # fmt: skip
+                "fetch_peer_mb_per_s", "fetch_local_mb_per_s"):  # fmt: skip
         assert report[key] > 0, key
     assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself

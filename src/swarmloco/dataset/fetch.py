@@ -14,6 +14,7 @@ shard is hashed again when it is first opened in a process, and one that no long
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -165,6 +166,26 @@ class DatasetCache:
             return path
         raise DataError(self._none(name, problems))
 
+    def complete(self, copies: Sequence[Path]) -> bool:
+        """Whether the index and every shard are on this machine already, in ``copies`` or
+        the cache (by size: the hashes are checked when the shards are opened)."""
+        places = [*copies, self.root]
+        index = None
+        for place in places:
+            with contextlib.suppress(OSError, DataError):
+                found = self._parse_index((place / INDEX).read_bytes(), str(place))
+                if found.dataset_id == self.dataset_id:
+                    index = found
+                    break
+        if index is None:
+            return False
+        for i, shard in enumerate(index.shards):
+            size = shard.tokens * index.token_bytes
+            paths = [place / shard_name(i) for place in places]
+            if not any(p.is_file() and p.stat().st_size == size for p in paths):
+                return False
+        return True
+
     def _matches(self, path: Path, size: int, sha256: str) -> bool:
         """Whether ``path`` holds what the index says (hashed once a process)."""
         if path in self._checked:
@@ -225,12 +246,21 @@ class DatasetCache:
 
 
 def local_tokens(
-    spec: DataSpec, cache: Path, local: Sequence[Path], vocab_size: int, *, progress: bool = True
+    spec: DataSpec,
+    cache: Path,
+    local: Sequence[Path],
+    vocab_size: int,
+    *,
+    peers: Sequence[Source] = (),
+    progress: bool = True,
 ) -> DataSpec:
     """The ``tokens`` spec of the pinned dataset ``spec`` names, its shards in this peer's
-    ``cache`` (fetched from the copies in ``local``, then the mirrors, where missing): what
-    the task reads. Refuses a dataset whose vocabulary the model cannot embed."""
-    cache_of = DatasetCache(cache / spec.dataset, spec.dataset, sources_for(spec.mirrors, local))
+    ``cache`` (fetched where missing from the copies in ``local``, then ``peers``, then the
+    mirrors): what the task reads. Refuses a dataset whose vocabulary the model cannot
+    embed."""
+    sources = sources_for(spec.mirrors, local)
+    sources[len(local) : len(local)] = peers  # peers that hold it before the mirrors
+    cache_of = DatasetCache(cache / spec.dataset, spec.dataset, sources)
     index = cache_of.index()
     if index.vocab_size > vocab_size:
         raise DataError(

@@ -78,6 +78,14 @@ def source_network(host: str, *, limit_private: bool = False) -> str:
     return _prefix(address)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (127.0.0.0/8, ::1)."""
+    try:
+        return ipaddress.ip_address(canonical_host(host)).is_loopback
+    except ValueError:
+        return False
+
+
 def canonical_host(host: str) -> str:
     """``host`` written one way for comparisons: an IP address in its canonical form (an
     IPv4-mapped IPv6 address as IPv4), a name in lower case."""

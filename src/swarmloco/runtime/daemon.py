@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.identity import Identity
+from swarmloco.net.server import Service
 from swarmloco.runtime.box import Box, BoxRank
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.swarm import EventSink, Summary, Swarm
@@ -104,6 +105,30 @@ class _LoopState:
         self.loop.load_loop_state_dict(state)
 
 
+def _pinned_dataset(
+    manifest: SwarmManifest, spec: DataSpec, config: DaemonConfig, model: dict[str, Any]
+) -> tuple[DataSpec, Any]:
+    """The shards of the run's pinned dataset, on this peer (``dataset/fetch.py``: its
+    copies, the swarm's peers, the mirrors), as the task reads them; and the server of
+    this peer's dataset files to the others (``dataset/peers.py``)."""
+    from swarmloco.dataset.fetch import DatasetCache, local_tokens
+    from swarmloco.dataset.peers import FileServer, PeerReader, holdings_in
+    from swarmloco.net.rejections import RejectionLog
+
+    cache = config.peer.directory / "datasets"
+    vocab = int(model["vocab_size"])
+    copies = config.dataset_copies
+    held = DatasetCache(cache / spec.dataset, spec.dataset, [])
+    if held.complete(copies) or not config.peer.node.peers:  # nobody to ask but mirrors
+        tokens = local_tokens(spec, cache, copies, vocab)
+    else:
+        with PeerReader(config.peer.node.peers) as reader:
+            peers = reader.sources(manifest.swarm_id, spec.dataset)
+            tokens = local_tokens(spec, cache, copies, vocab, peers=peers)
+    server = FileServer(holdings_in(copies, cache), rejections=RejectionLog(logger))
+    return tokens, server
+
+
 def train_task(
     manifest: SwarmManifest | None,
     config: DaemonConfig,
@@ -131,12 +156,10 @@ def train_task(
     if box is None and (device.type == "cuda" or config.memory_budget_gb is not None):
         fit = fit_batch(loop, model_config, device, config.memory_budget_gb)
         inner = loop.config
+    services: list[Service] = []  # more the peer's server carries
     if data_spec.source == "dataset":
-        from swarmloco.dataset.fetch import local_tokens
-
-        cache = config.peer.directory / "datasets"
-        vocab = int(model_config["vocab_size"])
-        data_spec = local_tokens(data_spec, cache, config.dataset_copies, vocab)
+        data_spec, server = _pinned_dataset(manifest, data_spec, config, model_config)
+        services.append(server.service())
     data = task.load_data(model_config, data_spec)
     evalset = eval_windows(data.val, seq_len=seq_len, count=data_spec.eval_sequences)
     ranks = box.size if box is not None else 1
@@ -159,6 +182,7 @@ def train_task(
         identity=identity,
         on_event=_telling_ready(on_event, _how_it_trains(loop, inner, device, fit)),
         evaluate=evaluate_global,
+        services=services,
     )
     stream = BatchStream(
         data.train,
@@ -234,6 +258,7 @@ def _peer(
     identity: Identity | None,
     on_event: EventSink,
     evaluate: Callable[[], float],
+    services: Sequence[Service] = (),
 ) -> tuple[Swarm | BoxRank, int]:
     """This rank's side of the peer and the worker id of its data stream: rank 0 (or a
     peer alone) is the :class:`Swarm`, the other ranks of a box follow it; in a box, each
@@ -250,6 +275,7 @@ def _peer(
             on_event=on_event,
             evaluate=evaluate,
             box=box,
+            services=services,
         )
         data_seed = swarm.data_seed
     else:

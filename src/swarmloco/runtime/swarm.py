@@ -41,7 +41,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from swarmloco.core.runspec import RunSpec
 from swarmloco.core.signature import parameters_in_order
 from swarmloco.errors import Stopped, SwarmlocoError
 from swarmloco.net.identity import Identity
+from swarmloco.net.server import Service
 from swarmloco.runtime.box import STOPPED_PREFIX, Box, BoxLead, unwrap
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.network import SwarmNetwork
@@ -102,6 +103,7 @@ class Swarm:
         on_event: EventSink | None = None,
         evaluate: Evaluator | None = None,
         box: Box | None = None,
+        services: Sequence[Service] = (),
     ) -> None:
         self.box = box if box is not None and box.size > 1 else None
         self.model = unwrap(model)
@@ -129,6 +131,7 @@ class Swarm:
             identity=identity,
             network=network,
             on_step=self.step,
+            services=services,
         )
         self._entered = False
         self.lead = BoxLead(self.box)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.core.state import StateSnapshot
 from swarmloco.net.admission import Gate
 from swarmloco.net.averaging.limiter import BandwidthLimiter
-from swarmloco.net.endpoints import canonical_host, host_of_grpc_peer, source_network
+from swarmloco.net.endpoints import host_of_grpc_peer, is_loopback, source_network
 from swarmloco.net.heap import release_after
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection, RejectionLog
@@ -107,13 +106,6 @@ class DonorConfig:
         )
         require_positive("budget_window_s", self.budget_window_s)
         require_positive("max_request_age_s", self.max_request_age_s)
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(canonical_host(host)).is_loopback
-    except ValueError:
-        return False
 
 
 class ByteBudget:
@@ -298,7 +290,7 @@ class StateDonor:
             return None
         host = host_of_grpc_peer(context.peer())
         network = source_network(host)
-        if not self.config.limit_loopback and _is_loopback(host):
+        if not self.config.limit_loopback and is_loopback(host):
             network = ""  # not counted per network
         if network and self._per_network[network] >= self.config.max_downloads_per_network:
             self.stats["busy"] += 1
