@@ -313,7 +313,9 @@ class Attacker:
     async def __aexit__(self, *exc: object) -> None:
         for writer in self._held:
             with contextlib.suppress(Exception):
-                writer.close()
+                closing = writer.close()  # a stream's is plain, a gRPC channel's a coroutine
+                if asyncio.iscoroutine(closing):
+                    await closing
         for listener in self._listeners:
             listener.close()
         await self._stack.aclose()

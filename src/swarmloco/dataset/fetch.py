@@ -268,6 +268,10 @@ def local_tokens(
             f"model {vocab_size:,}: create the run with --vocab-size {index.vocab_size}"
         )
     paths = cache_of.all_shards(index, progress=progress)
+    try:  # not needed to train, but this peer serves the dataset whole to others
+        cache_of.tokenizer(index)
+    except DataError as exc:
+        logger.warning("the dataset's tokenizer: %s", exc)
     logger.info(
         "dataset %s: %d shard(s), %s tokens, in %s",
         spec.dataset[:12],

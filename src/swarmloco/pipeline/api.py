@@ -32,9 +32,8 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.swarm import fetch_manifest
 from swarmloco.pipeline.manifest import pipeline_manifest, pipeline_of
+from swarmloco.runtime.api import CUSTOM_TASK
 from swarmloco.runtime.loop_thread import LoopThread
-
-CUSTOM_TASK = "custom"
 
 
 def create_pipeline(
