@@ -17,6 +17,7 @@ def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
     done = subprocess.run(
         [
             *(sys.executable, str(SCRIPT), "--micro-batches", "3", "--repeats", "1"),
+            *("--parts", "wiring,activations,kill,memory"),  # parity: the test below
             *("--layers", "2", "--width", "32", "--seq-len", "16"),
             *("--loss-micro-batches", "6", "--loss-window", "2", "--kill-trials", "1"),
         ],

@@ -55,6 +55,14 @@ class Events:
             return [e for e in self.seen if e["event"] == "round"]
 
 
+def new_run():
+    """A new pipelined run of the GPT cut in two (a creator of its own)."""
+    return pipeline_manifest(
+        SPEC, gpt_stages(GPT, 2, seed=0), creator=Identity.generate().public_key.hex(),
+        task="gpt-bytes", identity_work=0,
+    )  # fmt: skip
+
+
 @contextlib.contextmanager
 def stage_peer(
     tmp: Path, name: str, run, stage: int, *peers: str, min_group: int = 2
@@ -106,10 +114,7 @@ def drive(peer: StagePeer, seed: int, peers: list[StagePeer], done: list[int]) -
 
 
 def test_two_stages_of_two_peers_drive_micro_batches_and_average_each_stage(tmp_path):
-    run = pipeline_manifest(
-        SPEC, gpt_stages(GPT, 2, seed=0), creator=Identity.generate().public_key.hex(),
-        task="gpt-bytes", identity_work=0,
-    )  # fmt: skip
+    run = new_run()
     with stage_peer(tmp_path, "b1", run, 1) as b1:
         entry = b1.peer.network.node.endpoint  # type: ignore[union-attr]
         with (
@@ -146,10 +151,7 @@ def test_two_stages_of_two_peers_drive_micro_batches_and_average_each_stage(tmp_
 def test_a_stage_whose_drivers_stopped_lands_the_round_it_has_in_flight(tmp_path):
     # A round overlaps the next step (delay 1): a stage whose micro-batches stop coming
     # (the drivers paused, or their run ended) must land it without that step.
-    run = pipeline_manifest(
-        SPEC, gpt_stages(GPT, 2, seed=0), creator=Identity.generate().public_key.hex(),
-        task="gpt-bytes", identity_work=0,
-    )  # fmt: skip
+    run = new_run()
     with stage_peer(tmp_path, "b", run, 1, min_group=1) as b:
         entry = b.peer.network.node.endpoint  # type: ignore[union-attr]
         with stage_peer(tmp_path, "a", run, 0, entry, min_group=1) as a:
@@ -176,10 +178,7 @@ def test_a_stage_whose_drivers_stopped_lands_the_round_it_has_in_flight(tmp_path
 def test_a_stage_peer_publishes_the_runs_manifest_so_that_join_finds_it(tmp_path):
     # `swarmloco create --stages` that trains (no --no-train) publishes nothing else: the
     # run's manifest must come from its stage peers, as a data-parallel peer's does.
-    run = pipeline_manifest(
-        SPEC, gpt_stages(GPT, 2, seed=0), creator=Identity.generate().public_key.hex(),
-        task="gpt-bytes", identity_work=0,
-    )  # fmt: skip
+    run = new_run()
     with stage_peer(tmp_path, "b", run, 1, min_group=1) as b:
         entry = b.peer.network.node.endpoint  # type: ignore[union-attr]
 
