@@ -189,3 +189,42 @@ def test_an_index_that_is_not_ours_is_refused_naming_the_field(tmp_path, change,
     (tmp_path / INDEX).write_text(json.dumps({**good.to_json(), **change}))
     with pytest.raises(DataError, match=field):
         read_index(tmp_path)
+
+
+def test_a_large_text_file_is_read_in_pieces_cut_after_newlines(tmp_path, monkeypatch):
+    import swarmloco.dataset.prepare as prepare_module
+
+    lines = [f"{' '.join(texts(1, seed=i)[0].split()[:8])} é {i}" for i in range(400)]
+    (tmp_path / "big.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "long.txt").write_text("ü" * 3000, encoding="utf-8")  # one line, 6,000 bytes
+    whole = prepare([tmp_path / "big.txt", tmp_path / "long.txt"], tmp_path / "whole",
+                    train_vocab=300, progress=False)  # fmt: skip
+    monkeypatch.setattr(prepare_module, "PIECE_BYTES", 512)  # many pieces, a line cut too
+    pieces = list(prepare_module.documents([tmp_path / "big.txt"], "text"))
+    assert len(pieces) > 10 and [ends for _, _, ends in pieces].count(True) == 1
+    assert "".join(text for text, _, _ in pieces) == (tmp_path / "big.txt").read_text()
+    long = list(prepare_module.documents([tmp_path / "long.txt"], "text"))
+    assert "".join(text for text, _, _ in long) == "ü" * 3000  # never cut inside a character
+    cut = prepare([tmp_path / "big.txt", tmp_path / "long.txt"], tmp_path / "cut",
+                  tokenizer=whole.directory / "tokenizer.json", progress=False)  # fmt: skip
+    assert cut.documents == whole.documents == 2  # the end-of-text after each file only
+    tokens = prepared_tokens(tmp_path / "cut")
+    assert (tokens == cut.index.eos).sum() == 2 and tokens[-1] == cut.index.eos
+    tokenizer = Tokenizer.from_file(str(whole.directory / "tokenizer.json"))
+    first = tokens[: np.flatnonzero(tokens == cut.index.eos)[0]].tolist()
+    assert tokenizer.decode(first) == (tmp_path / "big.txt").read_text()
+
+
+def test_a_full_disk_is_said_and_leaves_no_dataset(tmp_path, small_tmpfs):
+    vocab = {f"w{i}": i for i in range(70_000)} | {"</s>": 70_000, "[UNK]": 70_001}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tok.json"))  # uint32: 4 bytes a word
+    words = " ".join(f"w{i % 1000}" for i in range(1_000_000))  # 4 MB of tokens, a 3 MiB disk
+    (tmp_path / "big.txt").write_text(words)
+    out = small_tmpfs / "data"
+    with pytest.raises(DataError, match=r"No space left on device.*the index is written last"):
+        prepare([tmp_path / "big.txt"], out, tokenizer=tmp_path / "tok.json",
+                config=PrepareConfig(shard_tokens=100_000), progress=False)  # fmt: skip
+    with pytest.raises(DataError, match="holds no dataset"):
+        read_index(out)

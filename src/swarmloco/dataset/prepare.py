@@ -46,6 +46,8 @@ EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 """End-of-text tokens looked for in a given tokenizer, in this order (``--eos`` names
 another)."""
 TRAINED_EOS = "<|endoftext|>"
+PIECE_BYTES = 4 << 20
+"""A text file is read (and tokenized) this much at a time, cut after a newline."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,20 +115,48 @@ def _open(path: Path) -> IO[bytes]:
     return path.open("rb")
 
 
-def documents(files: Iterable[Path], text_field: str) -> Iterator[tuple[str, int]]:
-    """Each document's text, with the input bytes it was read from (for the progress)."""
+def documents(files: Iterable[Path], text_field: str) -> Iterator[tuple[str, int, bool]]:
+    """Each document's text, the input bytes it was read from (for the progress), and
+    whether it ends there: a text file over :data:`PIECE_BYTES` comes in pieces cut after a
+    newline (memory stays bounded whatever the file's size), the last one ending it."""
     for path in files:
         kind = _kind(path)
         if kind == "text":
-            raw = path.read_bytes()
-            text = raw.decode("utf-8", errors="replace")
-            if "\ufffd" in text and b"\xef\xbf\xbd" not in raw:
-                logger.warning("%s is not all UTF-8: undecodable bytes became U+FFFD", path)
-            yield text, path.stat().st_size
+            yield from _text(path)
         elif kind == "jsonl":
-            yield from _jsonl(path, text_field)
+            yield from ((text, size, True) for text, size in _jsonl(path, text_field))
         else:
-            yield from _parquet(path, text_field)
+            yield from ((text, size, True) for text, size in _parquet(path, text_field))
+
+
+def _text(path: Path) -> Iterator[tuple[str, int, bool]]:
+    replaced = False
+    with _open(path) as f:
+        carry = b""
+        while True:
+            block = f.read(PIECE_BYTES)
+            data = carry + block
+            if block:
+                cut = data.rfind(b"\n") + 1  # a newline is one byte in UTF-8: a safe cut
+                if not cut and len(data) >= 4 * PIECE_BYTES:  # one very long line
+                    cut = len(data)
+                    while cut > 0 and 0x80 <= data[cut - 1] < 0xC0:  # not inside a character
+                        cut -= 1
+                    cut = max(cut - 1, 1)
+                if not cut:
+                    carry = data
+                    continue
+                piece, carry = data[:cut], data[cut:]
+            else:
+                piece, carry = data, b""
+            text = piece.decode("utf-8", errors="replace")
+            replaced = replaced or ("\ufffd" in text and b"\xef\xbf\xbd" not in piece)
+            if not block:
+                if replaced:
+                    logger.warning("%s is not all UTF-8: undecodable bytes became U+FFFD", path)
+                yield text, len(piece), True
+                return
+            yield text, len(piece), False
 
 
 def _jsonl(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
@@ -186,7 +216,7 @@ def train_tokenizer(files: Sequence[Path], vocab_size: int, text_field: str) -> 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator((text for text, _ in documents(files, text_field)), trainer)
+    tokenizer.train_from_iterator((text for text, _, _ in documents(files, text_field)), trainer)
     return tokenizer
 
 
@@ -275,41 +305,24 @@ def prepare(
     eos = eos_id(tok, config.eos)
     vocab = int(tok.get_vocab_size(with_added_tokens=True))
     dtype = next(name for name, size in DTYPES.items() if vocab <= 1 << (8 * size))
-    out.mkdir(parents=True, exist_ok=True)
-    write_whole(out / TOKENIZER, tokenizer_bytes)
-    writer = _ShardWriter(out, config.shard_tokens, dtype)
-    total = sum(p.stat().st_size for p in files)
-    bar = Progress(total, "prepare", enabled=progress)
-    count = read = 0
-    batch: list[str] = []
-    batch_bytes = 0
-
-    def encode() -> None:
-        nonlocal batch, batch_bytes
-        for encoding in tok.encode_batch(batch, add_special_tokens=False):
-            writer.add([*encoding.ids, eos])
-        bar.update(batch_bytes)
-        batch, batch_bytes = [], 0
-
-    for text, size in documents(files, config.text_field):
-        batch.append(text)
-        batch_bytes += size
-        count += 1
-        read += size
-        if len(batch) >= config.batch_documents:
-            encode()
-    if batch:
-        encode()
-    writer.flush()
-    bar.close()
-    if not writer.shards:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_whole(out / TOKENIZER, tokenizer_bytes)
+        shards, count, read = _tokenize(files, out, tok, eos, dtype, config, progress)
+    except OSError as exc:
+        where = exc.filename or out
+        raise DataError(
+            f"{where}: {exc.strerror or exc} (nothing in {out} counts as a dataset: the index "
+            "is written last; free some space or give another --out, and prepare again)"
+        ) from None
+    if not shards:
         raise DataError(f"no documents in {', '.join(map(str, inputs))}")
     index = DatasetIndex(
         dtype=dtype,
         vocab_size=vocab,
         eos=eos,
         tokenizer_sha256=hashlib.sha256(tokenizer_bytes).hexdigest(),
-        shards=tuple(writer.shards),
+        shards=tuple(shards),
     )
     seconds = time.monotonic() - started
     provenance = {
@@ -322,6 +335,48 @@ def prepare(
         "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(seconds, 3),
     }
-    write_whole(out / PROVENANCE, json.dumps(provenance, indent=2).encode())
-    write_whole(out / INDEX, json.dumps(index.to_json(), indent=1).encode())  # last
+    try:
+        write_whole(out / PROVENANCE, json.dumps(provenance, indent=2).encode())
+        write_whole(out / INDEX, json.dumps(index.to_json(), indent=1).encode())  # last
+    except OSError as exc:
+        raise DataError(f"{out}: {exc.strerror or exc}: the dataset has no index") from None
     return Prepared(out, index, count, read, seconds)
+
+
+def _tokenize(
+    files: Sequence[Path],
+    out: Path,
+    tok: Any,
+    eos: int,
+    dtype: str,
+    config: PrepareConfig,
+    progress: bool,
+) -> tuple[list[Shard], int, int]:
+    """Every document of ``files`` tokenized into shards in ``out``: the shards, the
+    documents and the input bytes read."""
+    writer = _ShardWriter(out, config.shard_tokens, dtype)
+    bar = Progress(sum(p.stat().st_size for p in files), "prepare", enabled=progress)
+    count = read = 0
+    batch: list[tuple[str, bool]] = []
+    batch_bytes = 0
+
+    def encode() -> None:
+        nonlocal batch, batch_bytes
+        encodings = tok.encode_batch([text for text, _ in batch], add_special_tokens=False)
+        for encoding, (_, ends) in zip(encodings, batch, strict=True):
+            writer.add([*encoding.ids, eos] if ends else encoding.ids)
+        bar.update(batch_bytes)
+        batch, batch_bytes = [], 0
+
+    for text, size, ends in documents(files, config.text_field):
+        batch.append((text, ends))
+        batch_bytes += size
+        count += ends
+        read += size
+        if len(batch) >= config.batch_documents:
+            encode()
+    if batch:
+        encode()
+    writer.flush()
+    bar.close()
+    return writer.shards, count, read
