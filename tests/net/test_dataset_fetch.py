@@ -122,3 +122,19 @@ def test_the_mirror_serves_the_datasets_files_and_nothing_else(dataset, tmp_path
             assert refused.value.code == 404, path
     with pytest.raises(DataError, match="holds no dataset"), serve_dataset(tmp_path):
         pass
+
+
+def test_a_full_cache_disk_is_said(tmp_path, small_tmpfs):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(70_000)} | {"</s>": 70_000, "[UNK]": 70_001}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tok.json"))  # uint32: 4 bytes a word
+    (tmp_path / "a.txt").write_text(" ".join(f"w{i % 999}" for i in range(1_000_000)))
+    big = prepare([tmp_path / "a.txt"], tmp_path / "big", tokenizer=tmp_path / "tok.json",
+                  config=PrepareConfig(shard_tokens=200_000), progress=False).index  # fmt: skip
+    with serve_dataset(tmp_path / "big") as url:
+        cache = DatasetCache(small_tmpfs / "cache", big.dataset_id, [HttpSource(url)])
+        with pytest.raises(DataError, match=r"cannot keep shard-\d+\.bin .*No space left"):
+            cache.all_shards(cache.index(), progress=False)

@@ -128,8 +128,7 @@ class DatasetCache:
                 problems.append(f"{source} serves dataset {index.dataset_id}, not this one")
                 logger.warning("refused the index of %s: %s", source, problems[-1])
                 continue
-            self.root.mkdir(parents=True, exist_ok=True)
-            write_whole(cached, json.dumps(index.to_json(), indent=1).encode())
+            self._keep(cached, json.dumps(index.to_json(), indent=1).encode())
             return index
         raise DataError(self._none(INDEX, problems))
 
@@ -160,8 +159,7 @@ class DatasetCache:
                 problems.append(f"{source}: its {name} does not match the index")
                 logger.warning("refused %s from %s: it does not match the index", name, source)
                 continue
-            self.root.mkdir(parents=True, exist_ok=True)
-            write_whole(path, data)
+            self._keep(path, data)
             self._checked.add(path)
             return path
         raise DataError(self._none(name, problems))
@@ -210,8 +208,7 @@ class DatasetCache:
             if hashlib.sha256(data).hexdigest() != index.tokenizer_sha256:
                 problems.append(f"{source}: its {TOKENIZER} does not match the index")
                 continue
-            self.root.mkdir(parents=True, exist_ok=True)
-            write_whole(path, data)
+            self._keep(path, data)
             return path
         raise DataError(self._none(TOKENIZER, problems))
 
@@ -225,6 +222,17 @@ class DatasetCache:
             bar.update(shard.tokens * index.token_bytes)
         bar.close()
         return paths
+
+    def _keep(self, path: Path, data: bytes) -> None:
+        """``data`` into the cache as ``path``, whole (a full disk: a ``DataError``)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_whole(path, data)
+        except OSError as exc:
+            raise DataError(
+                f"cannot keep {path.name} of dataset {self.dataset_id} in {self.root}: "
+                f"{exc.strerror or exc} (free some space there, or give a copy with --dataset)"
+            ) from None
 
     def _parse_index(self, data: bytes, where: str) -> DatasetIndex:
         try:
