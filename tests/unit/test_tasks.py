@@ -33,6 +33,18 @@ def test_manifest_round_trip_gives_back_the_run():
     assert names == [n for n, _ in built.named_parameters()]
 
 
+def test_a_pinned_dataset_round_trips_and_is_described():
+    from swarmloco.train.spec import DataSpec
+    from swarmloco.train.tasks import describe_manifest
+
+    pinned = DataSpec(source="dataset", dataset="ab" * 20, mirrors=("http://127.0.0.1:9/d",))
+    m = build_manifest("gpt-bytes", "tiny", creator="ab" * 32, data=pinned)
+    again = SwarmManifest.from_bytes(m.to_bytes(), expected_id=m.swarm_id)
+    assert run_from_manifest(again)[2] == pinned
+    assert "data:    dataset abab" in describe_manifest(again, None)
+    assert "from http://127.0.0.1:9/d and the peers" in describe_manifest(again, None)
+
+
 def test_local_choices_stay_out_of_the_manifest():
     m = build_manifest("gpt-bytes", "tiny", creator="")
     assert "precision" not in m.hparams["inner"] and "compile" not in m.hparams["inner"]

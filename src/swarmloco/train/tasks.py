@@ -232,6 +232,10 @@ def describe_manifest(manifest: SwarmManifest, parameters: int | None = None) ->
         "stdlib": "the Python standard library's .py files (every peer has them)",
         "text": "text files: " + ", ".join(map(str, data.get("paths", []))),
         "tokens": "token files: " + ", ".join(map(str, data.get("paths", []))),
+        "dataset": f"dataset {data.get('dataset', '')} (prepared; from "
+        + (", ".join(map(str, data.get("mirrors", []))) or "its peers")
+        + (" and the peers" if data.get("mirrors") else "")
+        + ")",
     }.get(str(source), str(source))
     streaming = (
         f"; {spec.fragments} fragments, each overlapping {spec.delay} steps"
