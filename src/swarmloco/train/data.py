@@ -172,6 +172,11 @@ def _load_token_file(path: Path, token_dtype: str) -> np.ndarray:
 
 def load_tokens(spec: DataSpec, vocab_size: int) -> TokenData:
     """Load (or memory-map) the tokens a :class:`DataSpec` names and split off validation."""
+    if spec.source == "dataset":
+        raise DataError(
+            f"dataset {spec.dataset} is pinned, not local: a peer fetches its shards first "
+            "(swarmloco.dataset.fetch.local_tokens) and reads those"
+        )
     if spec.source == "stdlib":
         root = stdlib_root()
         train, val, desc = _load_text([root], (".py",), spec.val_fraction)
