@@ -49,7 +49,12 @@ def test_kill_9_during_saves_leaves_the_last_complete_checkpoint(tmp_path):
         try:
             first = writer.stdout.readline()
             assert first.strip() == "1", "the writer did not save its first checkpoint"
-            time.sleep(0.05 + 0.07 * trial)
+            # Kill it as soon as a save is under way (its temporary directory is there): a
+            # condition, not a timer, so a loaded machine changes nothing but the odds that
+            # the save ends in the moment between the look and the kill.
+            deadline = time.monotonic() + 30
+            while not any(p.name.startswith(".tmp-") for p in root.iterdir()):
+                assert time.monotonic() < deadline, "the writer began no save in 30 s"
             writer.send_signal(signal.SIGKILL)
             writer.wait(timeout=30)
         finally:
