@@ -27,6 +27,7 @@ def declare(
     round: int = 3,
     numel: int = NUMEL,
     norm: float = 0.0,
+    ranges: tuple[tuple[int, int, int, int], ...] = (),
 ) -> pb.MemberDeclaration:
     return sign_declaration(
         identity,
@@ -39,6 +40,7 @@ def declare(
         block_size=64,
         timestamp_ms=1_000_000,
         norm=norm,
+        ranges=ranges,
     )
 
 
@@ -81,6 +83,44 @@ def test_the_declared_norm_is_signed_and_must_be_a_finite_non_negative_number():
         with pytest.raises(Rejection) as info:
             check(forged)
         assert info.value.code == "bad-norm"
+
+
+def test_the_dataset_ranges_a_member_declares_are_signed_and_bounded():
+    me = Identity.generate()
+    ranges = ((0, 3, 0, 8), (0, 5, 16, 4))
+    member = check(declare(me, ranges=ranges))
+    assert member.ranges == ranges
+    assert check(declare(me)).ranges == ()
+    tampered = declare(me, ranges=ranges)
+    tampered.ranges[0].count = 80  # claiming more sequences than were signed
+    with pytest.raises(Rejection, match="signature"):
+        check(tampered)
+    dropped = declare(me, ranges=ranges)
+    del dropped.ranges[1]
+    with pytest.raises(Rejection, match="signature"):
+        check(dropped)
+    for bad in ((0, 1, 0, 0), (0, 1 << 20, 0, 1), (0, 1, 2**48, 1)):
+        with pytest.raises(Rejection) as info:
+            check(declare(me, ranges=(bad,)))
+        assert info.value.code == "bad-declaration"
+    with pytest.raises(Rejection, match="at most 16"):
+        check(declare(me, ranges=tuple((0, s, 0, 1) for s in range(17))))
+    # Sixteen ranges at their longest with every other field at its longest still fit.
+    longest = sign_declaration(
+        me,
+        endpoint="h" * 255 + ":65535",
+        weight=1.0,
+        bandwidth=1.0,
+        swarm_id=SWARM,
+        round=2**63,
+        numel=NUMEL,
+        block_size=64,
+        timestamp_ms=2**63,
+        norm=1.0,
+        membership=b"m" * 192,
+        ranges=tuple((2**32 - 1, (1 << 20) - 1, 2**47, 2**47 - 1) for _ in range(16)),
+    )
+    assert longest.ByteSize() <= 2560
 
 
 def test_the_norm_bound_is_a_multiple_of_the_lower_median_of_declared_norms():

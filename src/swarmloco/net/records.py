@@ -837,3 +837,65 @@ STAGE_LOAD = register(
 
 def stage_load_key(swarm_id: str) -> str:
     return swarm_key(swarm_id, "stage-load")
+
+
+# -- the kinds of a pinned dataset's leases (dataset/leases.py) ----------------------------------
+
+MAX_LEASES = 4
+"""Shards one peer leases at once at most (a record listing more is refused)."""
+MAX_DATASET_SHARDS = 1 << 20
+"""Shards a pinned dataset has at most."""
+MAX_LANDED_SPANS = 16
+"""Spans of landed sequences one shard entry lists at most."""
+
+LEASES = register(
+    RecordKind(
+        name="leases",
+        pattern="leases",
+        # One signed entry per peer training on the run's pinned dataset: the shards it
+        # reads, in the epoch it reads. Live while the record is (renewed while it trains).
+        schema=owned_value(
+            {
+                "epoch": Int(minimum=0),
+                "shards": ListOf(Int(minimum=0, maximum=MAX_DATASET_SHARDS - 1), MAX_LEASES),
+                "at": Float(minimum=0.0),
+            }
+        ),
+        owned=True,
+        max_ttl=600.0,
+        max_value_bytes=256,
+        max_subkeys=4096,
+    )
+)
+
+
+def leases_key(swarm_id: str) -> str:
+    return swarm_key(swarm_id, "leases")
+
+
+SHARD = register(
+    RecordKind(
+        name="shard/<s>",
+        pattern="shard/(0|[1-9][0-9]{0,6})",
+        # One signed entry per peer that saw sequences of shard s land (in rounds it applied
+        # or as its lessee): the spans [first, end) it knows landed in the epoch. First-hand
+        # for its owner; a reader counts only the entries of peers it trusts.
+        schema=owned_value(
+            {
+                "epoch": Int(minimum=0),
+                "landed": ListOf(ListOf(Int(minimum=0), 2), MAX_LANDED_SPANS),
+                "at": Float(minimum=0.0),
+            }
+        ),
+        owned=True,
+        max_ttl=86400.0,
+        max_value_bytes=512,
+        max_subkeys=4096,
+    )
+)
+
+
+def shard_key(swarm_id: str, shard: int) -> str:
+    if not 0 <= shard < MAX_DATASET_SHARDS:
+        raise ValueError(f"shard {shard} is out of range")
+    return swarm_key(swarm_id, f"shard/{shard}")

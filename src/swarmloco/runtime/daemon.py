@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from swarmloco.core.manifest import SwarmManifest
+from swarmloco.dataset.leases import LeasedData
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.identity import Identity
 from swarmloco.net.server import Service
@@ -38,6 +39,9 @@ from swarmloco.train.tasks import model_config as model_config_of
 
 logger = logging.getLogger(__name__)
 
+IDLE_WAKE_S = 0.5
+"""How often a peer with no batch to train looks again (sooner when a shard is leased)."""
+
 _PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -58,6 +62,10 @@ class DaemonConfig:
     CUDA by default: the card's memory, measured; elsewhere only when given)."""
     dataset_copies: tuple[Path, ...] = ()
     """Local copies of a pinned dataset (``--dataset DIR``), read before its mirrors."""
+    max_epochs: int | None = None
+    """On a pinned dataset: leave once this many epochs landed whole (None: go on)."""
+    lease_s: float = 60.0
+    """On a pinned dataset: how long this peer's leases live unless renewed."""
 
     def __post_init__(self) -> None:
         if self.compile not in (None, "auto", "on", "off"):
@@ -68,6 +76,10 @@ class DaemonConfig:
             raise ValueError(
                 f"memory budget must be a positive number of GB, got {self.memory_budget_gb!r}"
             )
+        if self.max_epochs is not None and self.max_epochs < 1:
+            raise ValueError(f"max epochs must be at least 1, got {self.max_epochs!r}")
+        if not self.lease_s >= 4.0:
+            raise ValueError(f"a lease lives at least 4 s, got {self.lease_s!r}")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -157,7 +169,8 @@ def train_task(
         fit = fit_batch(loop, model_config, device, config.memory_budget_gb)
         inner = loop.config
     services: list[Service] = []  # more the peer's server carries
-    if data_spec.source == "dataset":
+    pinned = data_spec.source == "dataset"
+    if pinned:
         data_spec, server = _pinned_dataset(manifest, data_spec, config, model_config)
         services.append(server.service())
     data = task.load_data(model_config, data_spec)
@@ -174,6 +187,11 @@ def train_task(
         weights = {k: v.to(device) for k, v in swarm.global_parameters().items()}
         return evaluate(_WithWeights(plain_model, weights), evalset, device, loop.amp_dtype)
 
+    leased = None
+    if pinned:
+        leased = _leased_data(
+            data_spec, config, run, seq_len, inner.batch_size, data.vocab_size, box
+        )
     swarm, data_seed = _peer(
         manifest,
         loop,
@@ -183,15 +201,21 @@ def train_task(
         on_event=_telling_ready(on_event, _how_it_trains(loop, inner, device, fit)),
         evaluate=evaluate_global,
         services=services,
+        ranges=leased,
     )
-    stream = BatchStream(
-        data.train,
-        seq_len=seq_len,
-        batch_size=inner.batch_size,
-        vocab_size=data.vocab_size,
-        seed=run.spec.seed,
-        worker=data_seed,
-    )
+    stream: BatchStream | LeasedData
+    if leased is not None:
+        stream = leased
+        leased.stop_peer = swarm.stop
+    else:
+        stream = BatchStream(
+            data.train,
+            seq_len=seq_len,
+            batch_size=inner.batch_size,
+            vocab_size=data.vocab_size,
+            seed=run.spec.seed,
+            worker=data_seed,
+        )
     if isinstance(swarm, Swarm):
         _describe_compute(swarm, model_config_of(task.name, model_config), fit, device, loop)
     swarm.register("inner", _LoopState(loop))
@@ -200,6 +224,40 @@ def train_task(
     swarm.lr_at = inner.lr_at  # and the swarm knows the schedule (to judge downloads)
     _train(swarm, loop, stream, box)
     return swarm.summary if isinstance(swarm, Swarm) else None
+
+
+def _leased_data(
+    spec: DataSpec,
+    config: DaemonConfig,
+    run: RunConfig,
+    seq_len: int,
+    batch_size: int,
+    vocab_size: int,
+    box: Box | None,
+) -> LeasedData | None:
+    """The reader of a pinned dataset's shards (``spec``: as fetched, token files) through
+    leases, every sequence landing once (``dataset/leases.py``). A box of several ranks
+    reads random streams (each rank its own), as before (None): leases are one reader's."""
+    if box is not None:
+        logger.warning(
+            "a box of several ranks reads the pinned dataset at random: every sequence "
+            "landing once needs one rank per peer"
+        )
+        return None
+    from swarmloco.dataset.ledger import Sequences
+    from swarmloco.train.data import load_token_file
+
+    shards = [load_token_file(Path(p), spec.token_dtype) for p in spec.paths]
+    return LeasedData(
+        Sequences(shards, seq_len=seq_len, val_fraction=spec.val_fraction),
+        batch_size=batch_size,
+        vocab_size=vocab_size,
+        seed=run.spec.seed,
+        fragments=run.spec.fragments,
+        audit=config.peer.directory / "audit.jsonl",
+        max_epochs=config.max_epochs,
+        lease_s=config.lease_s,
+    )
 
 
 def _shared_manifest(
@@ -259,6 +317,7 @@ def _peer(
     on_event: EventSink,
     evaluate: Callable[[], float],
     services: Sequence[Service] = (),
+    ranges: LeasedData | None = None,
 ) -> tuple[Swarm | BoxRank, int]:
     """This rank's side of the peer and the worker id of its data stream: rank 0 (or a
     peer alone) is the :class:`Swarm`, the other ranks of a box follow it; in a box, each
@@ -276,6 +335,7 @@ def _peer(
             evaluate=evaluate,
             box=box,
             services=services,
+            ranges=ranges,
         )
         data_seed = swarm.data_seed
     else:
@@ -327,12 +387,22 @@ def _describe_compute(
     )
 
 
-def _train(swarm: Swarm | BoxRank, loop: InnerLoop, stream: BatchStream, box: Box | None) -> None:
+def _train(
+    swarm: Swarm | BoxRank, loop: InnerLoop, stream: BatchStream | LeasedData, box: Box | None
+) -> None:
     """Train until the peer is asked to stop; a step that meets NaN/Inf is discarded (by
-    every rank of a box, or none)."""
+    every rank of a box, or none). On leased shards, while no batch is to be had (every
+    shard left leased by others) the peer idles: the round in flight lands, the swarm's
+    work goes on."""
     batches = iter(stream)
     with swarm:
         while not swarm.stopping:
+            if isinstance(stream, LeasedData) and not stream.ready(loop.config.grad_accum):
+                assert isinstance(swarm, Swarm)
+                swarm.idle()
+                stream.changed.wait(IDLE_WAKE_S)
+                stream.changed.clear()
+                continue
             try:
                 loss = loop.train_step(batches)
                 failed = ""

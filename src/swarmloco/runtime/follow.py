@@ -234,3 +234,5 @@ class Follower:
         with p.params.view(None, read=False, write=True) as whole:
             p.diloco.take_global(whole)
         p.progress.restart()
+        if p.ranges is not None:
+            p.ranges.discard()  # what the dropped steps read is read again

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -356,11 +356,13 @@ class SwarmNetwork:
         expected: int | None,
         strangers: int = 0,
         error_feedback: ErrorFeedback | None = None,
+        ranges: Sequence[tuple[int, int, int, int]] = (),
     ) -> RoundOutcome:
         """The all-reduce result of ``round`` (written to ``out``). ``expected``: how many
         peers known to this one work on this round, this one included (None: unknown);
         ``strangers``: how many others besides are worth a short wait (see
-        ``MatchmakingConfig.stranger_grace_s``)."""
+        ``MatchmakingConfig.stranger_grace_s``); ``ranges``: the pinned dataset's sequences
+        this peer's update completes, declared to the group."""
         deadline = Deadline.after(self.config.round_timeout_s)
         started = time.monotonic()
         group = await self.matchmaker.form_group(
@@ -372,6 +374,7 @@ class SwarmNetwork:
             expected=expected,
             strangers=strangers,
             norm=l2_norm(delta),
+            ranges=ranges,
         )
         if group.size == 1 and (expected or 1) > 1:
             # Peers we know work on this round but none came: they are a round ahead (or
@@ -385,7 +388,8 @@ class SwarmNetwork:
         result = await self.averager.all_reduce(
             group, delta, deadline=deadline, out=out, error_feedback=error_feedback
         )
-        return RoundOutcome(result, matchmaking, float(sum(group.weights)))
+        declared = {m.peer_id: m.ranges for m in group.members if m.ranges}
+        return RoundOutcome(result, matchmaking, float(sum(group.weights)), declared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,6 +402,10 @@ class RoundOutcome:
     group_tokens: float
     """The group's declared weights summed: the tokens the round averaged (the same on
     every member)."""
+    ranges: dict[str, tuple[tuple[int, int, int, int], ...]] = dataclasses.field(
+        default_factory=dict
+    )
+    """Peer id -> the dataset sequences its update completes, as it declared them."""
 
 
 _FRAMING_BYTES = 64 * 1024

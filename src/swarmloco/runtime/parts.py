@@ -10,7 +10,8 @@ its own state; this is only how they reach each other.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from swarmloco.core.adoption import Evidence
 from swarmloco.core.runspec import RunSpec
@@ -24,6 +25,41 @@ from swarmloco.runtime.snapshots import Snapshots
 from swarmloco.runtime.status import StatusSheet
 from swarmloco.runtime.trial import Trial
 from swarmloco.train.diloco import DilocoState
+
+DeclaredRange = tuple[int, int, int, int]
+"""``(epoch, shard, first, count)``: sequences of a pinned dataset (``dataset/ledger.py``)."""
+
+
+class RangeKeeper(Protocol):
+    """What a peer's data reader is told of the rounds, so that every sequence of a
+    pinned dataset lands once (``dataset/leases.py``'s :class:`LeasedData`)."""
+
+    def declare(self, round: int, fragment: int) -> list[DeclaredRange]:
+        """The ranges this round's update completes (its declaration carries them)."""
+
+    def landed(
+        self,
+        round: int,
+        declared: Mapping[str, Sequence[DeclaredRange]],
+        included: Mapping[str, bool],
+        me: str,
+    ) -> None:
+        """The round was applied: what each member declared, whether it counted whole."""
+
+    def failed(self, round: int) -> None:
+        """The round failed: nothing changes."""
+
+    def discard(self) -> None:
+        """The local work was thrown away: what it read is read again."""
+
+    def pending(self) -> bool:
+        """Whether ranges were read (before a restart) that have not landed."""
+
+    async def run(self, dht: Any, swarm_id: str, peer_id: str) -> None:
+        """Keep the reader's leases (on the peer's loop) until closed."""
+
+    async def close(self) -> None:
+        """Stop keeping them (and release them)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +86,8 @@ class PeerParts:
     box: Box | None
     emit: Callable[..., None]
     """``emit(event, **fields)``: one event for the user's sink (the daemon's log)."""
+    ranges: RangeKeeper | None = None
+    """On a pinned dataset with leases: the reader told what became of its ranges."""
 
     @property
     def h(self) -> float:

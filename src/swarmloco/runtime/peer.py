@@ -38,7 +38,7 @@ from swarmloco.runtime.hook import StepHook, StopFlag
 from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.network import SwarmNetwork
 from swarmloco.runtime.pacer import Pacer
-from swarmloco.runtime.parts import PeerParts
+from swarmloco.runtime.parts import PeerParts, RangeKeeper
 from swarmloco.runtime.persist import PeerCheckpoints, PeerState, Stateful
 from swarmloco.runtime.progress import LocalProgress
 from swarmloco.runtime.rounds import RoundDriver
@@ -76,6 +76,8 @@ class Trainee:
     box: Box | None
     evaluate: Callable[[], float] | None
     schedule: SwarmSchedule
+    ranges: RangeKeeper | None = None
+    """The data reader of a pinned dataset's leases (every sequence lands once)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -200,6 +202,7 @@ class Peer:
             for service in self.services:
                 self.network.node.server.add_service(service)
         self._start_network(stack, self.network, spec)
+        self._keep_leases(stack, self.network)
         self.train_started = time.monotonic()
         self.follower.catch_up()
         if not own_initial and self.diloco.round == 0:
@@ -211,6 +214,24 @@ class Peer:
         k.sheet.state = "training"
         k.progress.step_ended = time.monotonic()
         self._ready()
+
+    def _keep_leases(self, stack: contextlib.ExitStack, network: SwarmNetwork) -> None:
+        """On a pinned dataset: keep the reader's leases on the loop while the peer is in
+        the swarm. Ranges read before a restart and not landed are trained into the
+        restored local state, which may also have reached the others before the crash:
+        that work is thrown away and the ranges read again (once, less what landed)."""
+        ranges = self.trainee.ranges
+        if ranges is None:
+            return
+        if ranges.pending():
+            self.follower.restart_from_global()
+        self.loop.submit(ranges.run(network.node.dht, self.swarm_id, self.peer_id))
+
+        def stop() -> None:
+            with contextlib.suppress(Exception):
+                self.loop.run(ranges.close(), timeout=10.0)
+
+        stack.callback(stop)
 
     def _check_model(self) -> None:
         """Refuse a model that is not the swarm's, naming each difference."""
@@ -307,6 +328,7 @@ class Peer:
             sheet=k.sheet,
             box=t.box,
             emit=k.emit,
+            ranges=t.ranges,
         )
         self.pacer = Pacer(
             network=network,

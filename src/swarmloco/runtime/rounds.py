@@ -91,6 +91,7 @@ class RoundDriver:
         p.sheet.state = "averaging"
         feedback = diloco.feedback[f] if diloco.feedback else None
         expected, strangers = self.pacer.expected or (None, 0)
+        ranges = p.ranges.declare(target, f) if p.ranges is not None else []
         future = p.loop.submit(
             p.network.average(
                 target,
@@ -100,6 +101,7 @@ class RoundDriver:
                 expected=expected,
                 strangers=strangers,
                 error_feedback=feedback,
+                ranges=ranges,
             )
         )
         self.inflight = Exchange(target, f, future, p.progress.steps, time.monotonic(), weight)
@@ -151,6 +153,8 @@ class RoundDriver:
         waited = time.monotonic() - landing
         report, matchmaking = outcome.result.report, outcome.matchmaking_s
         self._apply(x, outcome.group_tokens, report.members)
+        if p.ranges is not None:
+            p.ranges.landed(x.round, outcome.ranges, counted_whole(report), p.peer_id)
         applied = time.monotonic() - landing - waited
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
 
@@ -223,6 +227,8 @@ class RoundDriver:
         if not isinstance(exc, ROUND_FAILURES):
             logger.error("round %d failed on an unexpected error", x.round, exc_info=exc)
         x.future.cancel()
+        if p.ranges is not None:
+            p.ranges.failed(x.round)
         p.sheet.state = "training"
         late = isinstance(exc, RoundAborted) and exc.late
         if not late:
@@ -311,3 +317,12 @@ class RoundDriver:
             "rejections": dict(report.rejections),
             "clipped": report.clipped,
         }
+
+
+def counted_whole(report: AllReduceReport) -> dict[str, bool]:
+    """Per member of the round: whether every chunk of every part of the result included
+    its contribution (a member struck or lost in any part landed nothing whole)."""
+    return {
+        m: all(part.included.get(m, 0) >= part.chunks for part in report.parts)
+        for m in report.members
+    }

@@ -55,6 +55,7 @@ from swarmloco.net.server import Service
 from swarmloco.runtime.box import STOPPED_PREFIX, Box, BoxLead, unwrap
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.network import SwarmNetwork
+from swarmloco.runtime.parts import RangeKeeper
 from swarmloco.runtime.peer import Kept, Peer, Summary, Trainee
 from swarmloco.runtime.persist import Stateful
 from swarmloco.runtime.schedule import SwarmSchedule
@@ -87,6 +88,8 @@ class Swarm:
     fault plan). ``evaluate``: returns the loss of the global model (after
     :meth:`load_global_into` of the caller's eval copy), run every ``eval_every`` rounds.
     ``box``: the box's rank 0, when the peer is several ranks (``runtime/box.py``).
+    ``ranges``: the reader of a pinned dataset's leased shards, told what became of the
+    sequences it read (``dataset/leases.py``).
     Entered, it is the :class:`~swarmloco.runtime.peer.Peer` it builds (``runtime/peer.py``)
     that trains with the swarm.
     """
@@ -104,6 +107,7 @@ class Swarm:
         evaluate: Evaluator | None = None,
         box: Box | None = None,
         services: Sequence[Service] = (),
+        ranges: RangeKeeper | None = None,
     ) -> None:
         self.box = box if box is not None and box.size > 1 else None
         self.model = unwrap(model)
@@ -122,6 +126,7 @@ class Swarm:
             box=self.box,
             evaluate=evaluate,
             schedule=self.schedule,
+            ranges=ranges,
         )
         self.peer = Peer(
             source,
@@ -369,6 +374,16 @@ class Swarm:
 
     def _end_step(self, raised: bool) -> None:
         self.lead.end_step(self.global_step, self.round, self._stop.is_set(), raised=raised)
+
+    def idle(self) -> None:
+        """No batch to train on now (a peer of one rank whose data is not to be had yet):
+        do the swarm's work between steps without a step (the round in flight lands once
+        its exchange ended). Raises :class:`Stopped` once the peer is asked to stop."""
+        if self._stack is None:
+            raise SwarmlocoError("idle() inside `with swarm:`")
+        if self.box is not None:
+            raise SwarmlocoError("idle() is for a peer of one rank")
+        self.peer.hook.idle()
 
     def discard_local(self, why: str) -> None:
         """NaN or Inf in training: nothing of it may reach the swarm. Drop the local steps

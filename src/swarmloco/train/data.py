@@ -153,7 +153,7 @@ def _load_text(
     return TokenStore([train], "train"), TokenStore([val], "validation"), desc
 
 
-def _load_token_file(path: Path, token_dtype: str) -> np.ndarray:
+def load_token_file(path: Path, token_dtype: str) -> np.ndarray:
     if not path.is_file():
         raise DataError(f"token file {path} does not exist")
     try:
@@ -188,7 +188,7 @@ def load_tokens(spec: DataSpec, vocab_size: int) -> TokenData:
     else:
         trains, vals = [], []
         for p in spec.paths:
-            arr = _load_token_file(Path(p), spec.token_dtype)
+            arr = load_token_file(Path(p), spec.token_dtype)
             cut = int(len(arr) * (1 - spec.val_fraction))
             trains.append(arr[:cut])
             vals.append(arr[cut:])

@@ -44,9 +44,13 @@ if TYPE_CHECKING:
 DECLARATION_DOMAIN = b"swarmloco/v1/member-declaration\x00"
 GROUP_ID_BYTES = 16
 NONCE_BYTES = 16
-MAX_DECLARATION_BYTES = 2048
+MAX_RANGES = 16
+"""Dataset ranges one declaration carries at most (``dataset/ledger.py``)."""
+MAX_RANGE_SHARD = 1 << 20
+MAX_DECLARATION_BYTES = 2560
 """The largest serialized declaration accepted: every field at its longest (an endpoint
-of 262 characters of up to 4 bytes each, a membership certificate) with room to spare."""
+of 262 characters of up to 4 bytes each, a membership certificate, 16 dataset ranges)
+with room to spare."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,9 @@ class Member:
     bandwidth: float
     norm: float = 0.0
     """The L2 norm it declared for its update (0: not declared)."""
+    ranges: tuple[tuple[int, int, int, int], ...] = ()
+    """On a pinned dataset: ``(epoch, shard, first, count)`` of the sequences its update
+    completes (``dataset/ledger.py``)."""
 
     @property
     def serving(self) -> bool:
@@ -143,6 +150,7 @@ def _declaration_payload(d: pb.MemberDeclaration) -> bytes:
             d.block_size,
             d.timestamp_ms,
             float(d.norm),
+            *([[[r.epoch, r.shard, r.first, r.count] for r in d.ranges]] if d.ranges else []),
         ],
         use_bin_type=True,
     )
@@ -161,9 +169,11 @@ def sign_declaration(
     timestamp_ms: int,
     norm: float = 0.0,
     membership: bytes = b"",
+    ranges: Sequence[tuple[int, int, int, int]] = (),
 ) -> pb.MemberDeclaration:
     """This peer's signed declaration for ``round`` (``norm``: of its update; 0: not
-    declared; ``membership``: its certificate, in a private swarm)."""
+    declared; ``membership``: its certificate, in a private swarm; ``ranges``: the
+    dataset's sequences its update completes)."""
     declaration = pb.MemberDeclaration(
         public_key=identity.public_key,
         endpoint=endpoint,
@@ -176,6 +186,10 @@ def sign_declaration(
         timestamp_ms=timestamp_ms,
         norm=float(norm),
         membership=membership,
+        ranges=[
+            pb.SequenceRange(epoch=e, shard=sh, first=first, count=count)
+            for e, sh, first, count in ranges
+        ],
     )
     declaration.signature = identity.sign(DECLARATION_DOMAIN, _declaration_payload(declaration))
     return declaration
@@ -241,6 +255,15 @@ def check_declaration(
         raise Rejection("bad-norm", f"declared update norm {d.norm} is not a finite number >= 0")
     if d.bandwidth > 0 and not d.endpoint:
         raise Rejection("bad-declaration", "a client-mode member cannot declare bandwidth")
+    if len(d.ranges) > MAX_RANGES or any(
+        r.count == 0 or r.shard >= MAX_RANGE_SHARD or r.first + r.count >= 2**48 or r.epoch >= 2**32
+        for r in d.ranges
+    ):
+        raise Rejection(
+            "bad-declaration",
+            f"declared {len(d.ranges)} dataset ranges; at most {MAX_RANGES}, each of at "
+            "least one sequence within bounds",
+        )
     if now_ms is not None and max_age_ms and abs(now_ms - d.timestamp_ms) > max_age_ms:
         raise Rejection("stale-round", "declaration was signed too long ago (or in the future)")
     if not verify(d.public_key, d.signature, DECLARATION_DOMAIN, _declaration_payload(d)):
@@ -255,6 +278,7 @@ def check_declaration(
         weight=float(d.weight),
         bandwidth=float(d.bandwidth),
         norm=float(d.norm),
+        ranges=tuple((r.epoch, r.shard, r.first, r.count) for r in d.ranges),
     )
 
 

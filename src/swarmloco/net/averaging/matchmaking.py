@@ -41,7 +41,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import grpc
 
@@ -267,6 +267,7 @@ class Matchmaker:
         expected: int | None = None,
         strangers: int = 0,
         norm: float = 0.0,
+        ranges: Sequence[tuple[int, int, int, int]] = (),
     ) -> Group:
         """The group this peer averages ``round`` with.
 
@@ -281,7 +282,8 @@ class Matchmaker:
         RoundAborted when no group forms by ``deadline``, RejectedInput when the leader
         refused this peer (e.g. its weight is above the cap). ``norm``: the L2 norm of the
         update this peer brings (0: not declared); the group bounds every update by a
-        multiple of the median declared norm.
+        multiple of the median declared norm. ``ranges``: the pinned dataset's sequences
+        this peer's update completes (``dataset/ledger.py``), declared to the group.
         """
         check_arguments(weight, expected, strangers, norm)
         cfg = self.config
@@ -298,6 +300,7 @@ class Matchmaker:
             timestamp_ms=int(self.clock() * 1000),
             norm=norm,
             membership=self.admission.own_bytes if self.admission is not None else b"",
+            ranges=ranges,
         )
         announced_at = self.clock()  # shown to others, never trusted (see leader_rank)
         # A round tried again (the last attempt aborted) is not formed: followers asking

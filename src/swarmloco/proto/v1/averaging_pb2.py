@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cswarmloco/v1/averaging.proto\x12\x0cswarmloco.v1\"\xeb\x01\n\x11MemberDeclaration\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x11\n\tbandwidth\x18\x04 \x01(\x01\x12\x10\n\x08swarm_id\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x04\x12\r\n\x05numel\x18\x07 \x01(\x04\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x14\n\x0ctimestamp_ms\x18\t \x01(\x04\x12\x11\n\tsignature\x18\n \x01(\x0c\x12\x0c\n\x04norm\x18\x0b \x01(\x01\x12\x12\n\nmembership\x18\x0c \x01(\x0c\">\n\x0bJoinRequest\x12/\n\x06member\x18\x01 \x01(\x0b\x32\x1f.swarmloco.v1.MemberDeclaration\"\x9c\x01\n\tGroupInfo\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x30\n\x07members\x18\x03 \x03(\x0b\x32\x1f.swarmloco.v1.MemberDeclaration\x12\x18\n\x10part_first_block\x18\x04 \x03(\x04\x12\x13\n\x0bpart_blocks\x18\x05 \x03(\x04\x12\r\n\x05nonce\x18\x06 \x01(\x0c\"\x81\x01\n\x0cJoinResponse\x12(\n\x05group\x18\x01 \x01(\x0b\x32\x17.swarmloco.v1.GroupInfoH\x00\x12(\n\x07refused\x18\x02 \x01(\x0b\x32\x15.swarmloco.v1.RefusalH\x00\x12\x12\n\x08redirect\x18\x03 \x01(\tH\x00\x42\t\n\x07outcome\"b\n\x0bStreamHello\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06sender\x18\x03 \x01(\r\x12\x0f\n\x07reducer\x18\x04 \x01(\r\x12\x11\n\tsignature\x18\x05 \x01(\x0c\"y\n\tPartChunk\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04part\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x04 \x01(\r\x12\r\n\x05index\x18\x05 \x01(\r\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\x0e\n\x06scales\x18\x07 \x01(\x0c\"\x1c\n\nMemberDone\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x0c\"\x0b\n\tHeartbeat\"\xc8\x01\n\x10\x41ggregateRequest\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.StreamHelloH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.swarmloco.v1.PartChunkH\x00\x12(\n\x04\x64one\x18\x03 \x01(\x0b\x32\x18.swarmloco.v1.MemberDoneH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.swarmloco.v1.HeartbeatH\x00\x42\x06\n\x04kind\"p\n\x0bResultChunk\x12\x0c\n\x04part\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x14\n\x0c\x63ontributors\x18\x06 \x01(\x0c\"$\n\x05Rerun\x12\x0c\n\x04part\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\r\"9\n\x07Verdict\x12\x0e\n\x06\x61greed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\'\n\x07Refusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xf0\x01\n\x11\x41ggregateResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.ResultChunkH\x00\x12$\n\x05rerun\x18\x02 \x01(\x0b\x32\x13.swarmloco.v1.RerunH\x00\x12(\n\x07verdict\x18\x03 \x01(\x0b\x32\x15.swarmloco.v1.VerdictH\x00\x12(\n\x07refusal\x18\x04 \x01(\x0b\x32\x15.swarmloco.v1.RefusalH\x00\x12,\n\theartbeat\x18\x05 \x01(\x0b\x32\x17.swarmloco.v1.HeartbeatH\x00\x42\x06\n\x04kind2\x9c\x01\n\tAveraging\x12=\n\x04Join\x12\x19.swarmloco.v1.JoinRequest\x1a\x1a.swarmloco.v1.JoinResponse\x12P\n\tAggregate\x12\x1e.swarmloco.v1.AggregateRequest\x1a\x1f.swarmloco.v1.AggregateResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cswarmloco/v1/averaging.proto\x12\x0cswarmloco.v1\"\x98\x02\n\x11MemberDeclaration\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x11\n\tbandwidth\x18\x04 \x01(\x01\x12\x10\n\x08swarm_id\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x04\x12\r\n\x05numel\x18\x07 \x01(\x04\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x14\n\x0ctimestamp_ms\x18\t \x01(\x04\x12\x11\n\tsignature\x18\n \x01(\x0c\x12\x0c\n\x04norm\x18\x0b \x01(\x01\x12\x12\n\nmembership\x18\x0c \x01(\x0c\x12+\n\x06ranges\x18\r \x03(\x0b\x32\x1b.swarmloco.v1.SequenceRange\"K\n\rSequenceRange\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05shard\x18\x02 \x01(\x04\x12\r\n\x05\x66irst\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\">\n\x0bJoinRequest\x12/\n\x06member\x18\x01 \x01(\x0b\x32\x1f.swarmloco.v1.MemberDeclaration\"\x9c\x01\n\tGroupInfo\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x30\n\x07members\x18\x03 \x03(\x0b\x32\x1f.swarmloco.v1.MemberDeclaration\x12\x18\n\x10part_first_block\x18\x04 \x03(\x04\x12\x13\n\x0bpart_blocks\x18\x05 \x03(\x04\x12\r\n\x05nonce\x18\x06 \x01(\x0c\"\x81\x01\n\x0cJoinResponse\x12(\n\x05group\x18\x01 \x01(\x0b\x32\x17.swarmloco.v1.GroupInfoH\x00\x12(\n\x07refused\x18\x02 \x01(\x0b\x32\x15.swarmloco.v1.RefusalH\x00\x12\x12\n\x08redirect\x18\x03 \x01(\tH\x00\x42\t\n\x07outcome\"b\n\x0bStreamHello\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06sender\x18\x03 \x01(\r\x12\x0f\n\x07reducer\x18\x04 \x01(\r\x12\x11\n\tsignature\x18\x05 \x01(\x0c\"y\n\tPartChunk\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04part\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x04 \x01(\r\x12\r\n\x05index\x18\x05 \x01(\r\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\x0e\n\x06scales\x18\x07 \x01(\x0c\"\x1c\n\nMemberDone\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x0c\"\x0b\n\tHeartbeat\"\xc8\x01\n\x10\x41ggregateRequest\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.StreamHelloH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.swarmloco.v1.PartChunkH\x00\x12(\n\x04\x64one\x18\x03 \x01(\x0b\x32\x18.swarmloco.v1.MemberDoneH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.swarmloco.v1.HeartbeatH\x00\x42\x06\n\x04kind\"p\n\x0bResultChunk\x12\x0c\n\x04part\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x14\n\x0c\x63ontributors\x18\x06 \x01(\x0c\"$\n\x05Rerun\x12\x0c\n\x04part\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\r\"9\n\x07Verdict\x12\x0e\n\x06\x61greed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\'\n\x07Refusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xf0\x01\n\x11\x41ggregateResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.ResultChunkH\x00\x12$\n\x05rerun\x18\x02 \x01(\x0b\x32\x13.swarmloco.v1.RerunH\x00\x12(\n\x07verdict\x18\x03 \x01(\x0b\x32\x15.swarmloco.v1.VerdictH\x00\x12(\n\x07refusal\x18\x04 \x01(\x0b\x32\x15.swarmloco.v1.RefusalH\x00\x12,\n\theartbeat\x18\x05 \x01(\x0b\x32\x17.swarmloco.v1.HeartbeatH\x00\x42\x06\n\x04kind2\x9c\x01\n\tAveraging\x12=\n\x04Join\x12\x19.swarmloco.v1.JoinRequest\x1a\x1a.swarmloco.v1.JoinResponse\x12P\n\tAggregate\x12\x1e.swarmloco.v1.AggregateRequest\x1a\x1f.swarmloco.v1.AggregateResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,33 +32,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmloco.v1.averaging_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MEMBERDECLARATION']._serialized_start=47
-  _globals['_MEMBERDECLARATION']._serialized_end=282
-  _globals['_JOINREQUEST']._serialized_start=284
-  _globals['_JOINREQUEST']._serialized_end=346
-  _globals['_GROUPINFO']._serialized_start=349
-  _globals['_GROUPINFO']._serialized_end=505
-  _globals['_JOINRESPONSE']._serialized_start=508
-  _globals['_JOINRESPONSE']._serialized_end=637
-  _globals['_STREAMHELLO']._serialized_start=639
-  _globals['_STREAMHELLO']._serialized_end=737
-  _globals['_PARTCHUNK']._serialized_start=739
-  _globals['_PARTCHUNK']._serialized_end=860
-  _globals['_MEMBERDONE']._serialized_start=862
-  _globals['_MEMBERDONE']._serialized_end=890
-  _globals['_HEARTBEAT']._serialized_start=892
-  _globals['_HEARTBEAT']._serialized_end=903
-  _globals['_AGGREGATEREQUEST']._serialized_start=906
-  _globals['_AGGREGATEREQUEST']._serialized_end=1106
-  _globals['_RESULTCHUNK']._serialized_start=1108
-  _globals['_RESULTCHUNK']._serialized_end=1220
-  _globals['_RERUN']._serialized_start=1222
-  _globals['_RERUN']._serialized_end=1258
-  _globals['_VERDICT']._serialized_start=1260
-  _globals['_VERDICT']._serialized_end=1317
-  _globals['_REFUSAL']._serialized_start=1319
-  _globals['_REFUSAL']._serialized_end=1358
-  _globals['_AGGREGATERESPONSE']._serialized_start=1361
-  _globals['_AGGREGATERESPONSE']._serialized_end=1601
-  _globals['_AVERAGING']._serialized_start=1604
-  _globals['_AVERAGING']._serialized_end=1760
+  _globals['_MEMBERDECLARATION']._serialized_end=327
+  _globals['_SEQUENCERANGE']._serialized_start=329
+  _globals['_SEQUENCERANGE']._serialized_end=404
+  _globals['_JOINREQUEST']._serialized_start=406
+  _globals['_JOINREQUEST']._serialized_end=468
+  _globals['_GROUPINFO']._serialized_start=471
+  _globals['_GROUPINFO']._serialized_end=627
+  _globals['_JOINRESPONSE']._serialized_start=630
+  _globals['_JOINRESPONSE']._serialized_end=759
+  _globals['_STREAMHELLO']._serialized_start=761
+  _globals['_STREAMHELLO']._serialized_end=859
+  _globals['_PARTCHUNK']._serialized_start=861
+  _globals['_PARTCHUNK']._serialized_end=982
+  _globals['_MEMBERDONE']._serialized_start=984
+  _globals['_MEMBERDONE']._serialized_end=1012
+  _globals['_HEARTBEAT']._serialized_start=1014
+  _globals['_HEARTBEAT']._serialized_end=1025
+  _globals['_AGGREGATEREQUEST']._serialized_start=1028
+  _globals['_AGGREGATEREQUEST']._serialized_end=1228
+  _globals['_RESULTCHUNK']._serialized_start=1230
+  _globals['_RESULTCHUNK']._serialized_end=1342
+  _globals['_RERUN']._serialized_start=1344
+  _globals['_RERUN']._serialized_end=1380
+  _globals['_VERDICT']._serialized_start=1382
+  _globals['_VERDICT']._serialized_end=1439
+  _globals['_REFUSAL']._serialized_start=1441
+  _globals['_REFUSAL']._serialized_end=1480
+  _globals['_AGGREGATERESPONSE']._serialized_start=1483
+  _globals['_AGGREGATERESPONSE']._serialized_end=1723
+  _globals['_AVERAGING']._serialized_start=1726
+  _globals['_AVERAGING']._serialized_end=1882
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MemberDeclaration(_message.Message):
-    __slots__ = ("public_key", "endpoint", "weight", "bandwidth", "swarm_id", "round", "numel", "block_size", "timestamp_ms", "signature", "norm", "membership")
+    __slots__ = ("public_key", "endpoint", "weight", "bandwidth", "swarm_id", "round", "numel", "block_size", "timestamp_ms", "signature", "norm", "membership", "ranges")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class MemberDeclaration(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     NORM_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     endpoint: str
     weight: float
@@ -32,7 +33,20 @@ class MemberDeclaration(_message.Message):
     signature: bytes
     norm: float
     membership: bytes
-    def __init__(self, public_key: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth: _Optional[float] = ..., swarm_id: _Optional[str] = ..., round: _Optional[int] = ..., numel: _Optional[int] = ..., block_size: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., signature: _Optional[bytes] = ..., norm: _Optional[float] = ..., membership: _Optional[bytes] = ...) -> None: ...
+    ranges: _containers.RepeatedCompositeFieldContainer[SequenceRange]
+    def __init__(self, public_key: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., weight: _Optional[float] = ..., bandwidth: _Optional[float] = ..., swarm_id: _Optional[str] = ..., round: _Optional[int] = ..., numel: _Optional[int] = ..., block_size: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., signature: _Optional[bytes] = ..., norm: _Optional[float] = ..., membership: _Optional[bytes] = ..., ranges: _Optional[_Iterable[_Union[SequenceRange, _Mapping]]] = ...) -> None: ...
+
+class SequenceRange(_message.Message):
+    __slots__ = ("epoch", "shard", "first", "count")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    shard: int
+    first: int
+    count: int
+    def __init__(self, epoch: _Optional[int] = ..., shard: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("member",)

@@ -1,0 +1,346 @@
+"""Every sequence of a pinned dataset trained once: the ranges a peer read, which of them
+landed, and the audit of what landed (DESIGN section 11, "Exactly once").
+
+A *sequence* is a window of ``seq_len + 1`` tokens of a shard's training part starting at
+a multiple of ``seq_len`` (:class:`Sequences`); a *range* is ``(epoch, shard, first,
+count)`` of them (:class:`Range`). The :class:`Ledger` of one peer holds what it read and
+what became of it:
+
+- ``read``: ranges read since they last landed are *pending*, each with the fragments
+  whose rounds have still to carry it;
+- ``declare(round, fragment)``: at a round's start, the pending ranges whose last fragment
+  is this one (they complete with the round: its declaration carries them);
+- ``landed(round, included)``: the round was applied; what it completed landed if this
+  peer's contribution was included whole, else it is *given back* (read again, once);
+- ``failed(round)``: nothing changes (the delta keeps the tokens for the next attempt);
+- ``discard()``: the local work is thrown away (NaN, a catch-up, a roll-back): every
+  pending range is given back.
+
+Given-back ranges are read again before anything new. All pure: no I/O but the
+:class:`Audit` file, no clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from swarmloco.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+MAX_DECLARED_RANGES = 16
+"""Ranges one declaration carries at most (merged per shard first)."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Range:
+    """Sequences ``first .. first + count - 1`` of ``shard`` in ``epoch``."""
+
+    epoch: int
+    shard: int
+    first: int
+    count: int
+
+    @property
+    def end(self) -> int:
+        return self.first + self.count
+
+    def to_list(self) -> list[int]:
+        return [self.epoch, self.shard, self.first, self.count]
+
+    @classmethod
+    def from_list(cls, value: Sequence[Any]) -> Range:
+        epoch, shard, first, count = (int(v) for v in value)
+        if min(epoch, shard, first) < 0 or count <= 0:
+            raise ValueError(f"not a range of sequences: {list(value)}")
+        return cls(epoch, shard, first, count)
+
+
+def merged(ranges: Iterable[Range]) -> list[Range]:
+    """``ranges`` sorted, with touching or overlapping ranges of one shard and epoch as one."""
+    out: list[Range] = []
+    for r in sorted(ranges):
+        last = out[-1] if out else None
+        if last and (last.epoch, last.shard) == (r.epoch, r.shard) and r.first <= last.end:
+            out[-1] = Range(r.epoch, r.shard, last.first, max(last.end, r.end) - last.first)
+        else:
+            out.append(r)
+    return out
+
+
+def sequences_in(train_tokens: int, seq_len: int) -> int:
+    """Sequences of ``seq_len + 1`` tokens at multiples of ``seq_len`` in ``train_tokens``."""
+    return max(0, (train_tokens - 1) // seq_len)
+
+
+def epoch_order(seed: int, epoch: int, shards: int) -> list[int]:
+    """The order epoch ``epoch`` visits ``shards`` shards in: drawn from the run's seed."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0x5EED, epoch])))
+    return [int(s) for s in rng.permutation(shards)]
+
+
+class Sequences:
+    """The training sequences of a dataset's shards (token files, as the task reads them):
+    shard ``s`` has ``counts[s]`` sequences, read as ``(count, seq_len + 1)`` windows."""
+
+    def __init__(self, shards: Sequence[np.ndarray], *, seq_len: int, val_fraction: float) -> None:
+        self.seq_len = seq_len
+        self.train = [s[: int(len(s) * (1 - val_fraction))] for s in shards]
+        self.counts = [sequences_in(len(t), seq_len) for t in self.train]
+        if not any(self.counts):
+            raise DataError(
+                f"no shard of the dataset has a training sequence of {seq_len + 1} tokens"
+            )
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def read(self, r: Range) -> np.ndarray:
+        if r.end > self.counts[r.shard]:
+            raise DataError(f"{r} is past the {self.counts[r.shard]} sequences of its shard")
+        tokens = self.train[r.shard]
+        out = np.empty((r.count, self.seq_len + 1), dtype=np.int64)
+        for row in range(r.count):
+            at = (r.first + row) * self.seq_len
+            out[row] = tokens[at : at + self.seq_len + 1]
+        return out
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    range: Range
+    fragments: set[int]
+    """The fragments whose rounds have still to carry it."""
+
+
+class Ledger:
+    """What one peer read and what became of it (see the module)."""
+
+    def __init__(self, fragments: int = 1) -> None:
+        self.fragments = fragments
+        self.pending: list[_Pending] = []
+        self.redo: list[Range] = []
+        """Given back: read these again before anything new."""
+        self._declared: dict[int, tuple[int, list[_Pending]]] = {}
+        """Round -> its fragment and the pending ranges it carries a share of."""
+        self.landed_total = 0
+        self.given_back_total = 0
+
+    def read(self, ranges: Iterable[Range]) -> None:
+        for r in ranges:
+            self.pending.append(_Pending(r, set(range(self.fragments))))
+
+    def take_redo(self, limit: int) -> list[Range]:
+        """Up to ``limit`` sequences of the given-back ranges, first come first."""
+        out: list[Range] = []
+        while self.redo and limit > 0:
+            r = self.redo[0]
+            if r.count <= limit:
+                out.append(self.redo.pop(0))
+                limit -= r.count
+            else:
+                out.append(Range(r.epoch, r.shard, r.first, limit))
+                self.redo[0] = Range(r.epoch, r.shard, r.first + limit, r.count - limit)
+                limit = 0
+        return out
+
+    def declare(self, round: int, fragment: int) -> list[Range]:
+        """The ranges this round completes (merged; at most :data:`MAX_DECLARED_RANGES`,
+        the rest wait for the fragment's next round)."""
+        carried = [e for e in self.pending if fragment in e.fragments]
+        completing = [e for e in carried if e.fragments == {fragment}]
+        ranges = merged(e.range for e in completing)
+        if len(ranges) > MAX_DECLARED_RANGES:
+            keep = set(ranges[:MAX_DECLARED_RANGES])
+            ranges = ranges[:MAX_DECLARED_RANGES]
+            covered = [e for e in completing if any(_within(e.range, k) for k in keep)]
+            carried = [e for e in carried if e not in completing or e in covered]
+        self._declared[round] = (fragment, carried)
+        return ranges
+
+    def landed(self, round: int, *, included: bool) -> list[Range]:
+        """Round ``round`` was applied: its share of each carried range is spent; the ranges
+        it completed landed (returned) if this peer was ``included`` whole, else they and
+        every range it carried are given back."""
+        fragment, carried = self._declared.pop(round, (None, []))
+        if fragment is None:
+            return []
+        done: list[Range] = []
+        for e in carried:
+            if e not in self.pending:
+                continue  # given back meanwhile
+            if not included:
+                self._give_back([e])
+                continue
+            e.fragments.discard(fragment)
+            if not e.fragments:
+                self.pending.remove(e)
+                done.append(e.range)
+        self.landed_total += sum(r.count for r in done)
+        return merged(done)
+
+    def failed(self, round: int) -> None:
+        """Round ``round`` failed: nothing changes (the next attempt carries its tokens)."""
+        self._declared.pop(round, None)
+
+    def discard(self) -> list[Range]:
+        """The local work is thrown away: every pending range is given back."""
+        given = [e.range for e in self.pending]
+        self._give_back(list(self.pending))
+        self._declared.clear()
+        return merged(given)
+
+    def _give_back(self, entries: list[_Pending]) -> None:
+        for e in entries:
+            if e in self.pending:
+                self.pending.remove(e)
+            self.given_back_total += e.range.count
+        self.redo = merged([*self.redo, *(e.range for e in entries)])
+
+    def held_shards(self) -> set[tuple[int, int]]:
+        """(epoch, shard) of every range not landed: their leases are kept."""
+        return {(e.range.epoch, e.range.shard) for e in self.pending} | {
+            (r.epoch, r.shard) for r in self.redo
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the pending ranges (trained into the checkpoint's local
+        state) with the fragments still to carry them, and those given back."""
+        return {
+            "pending": [[*e.range.to_list(), sorted(e.fragments)] for e in self.pending],
+            "redo": [r.to_list() for r in self.redo],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            pending = [
+                _Pending(Range.from_list(v[:4]), {int(f) for f in v[4]}) for v in state["pending"]
+            ]
+            redo = merged(Range.from_list(v) for v in state["redo"])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise DataError(f"the data ledger's state is malformed: {exc}") from exc
+        if any(not e.fragments or max(e.fragments) >= self.fragments for e in pending):
+            raise DataError("the data ledger's state names fragments this run does not have")
+        self.pending, self.redo, self._declared = pending, redo, {}
+
+    def drop(self, shard_of: Callable[[Range], bool]) -> list[Range]:
+        """Forget the ranges (pending or given back) ``shard_of`` says are no longer this
+        peer's to read (their shard is leased by another now); returns them."""
+        gone = [e.range for e in self.pending if shard_of(e.range)]
+        gone += [r for r in self.redo if shard_of(r)]
+        self.pending = [e for e in self.pending if not shard_of(e.range)]
+        self.redo = [r for r in self.redo if not shard_of(r)]
+        return merged(gone)
+
+
+def _within(inner: Range, outer: Range) -> bool:
+    return (inner.epoch, inner.shard) == (outer.epoch, outer.shard) and (
+        outer.first <= inner.first and inner.end <= outer.end
+    )
+
+
+# -- the audit ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Landing:
+    """One contribution's ranges that landed in a round this peer applied."""
+
+    round: int
+    contributor: str
+    ranges: tuple[Range, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "peer": self.contributor,
+            "ranges": [r.to_list() for r in self.ranges],
+        }
+
+
+class Audit:
+    """The ranges that landed in the rounds this peer applied, one JSON line per
+    contribution, appended and fsynced (a torn last line, from a crash, is ignored)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def append(self, landings: Sequence[Landing]) -> None:
+        if not landings:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps(x.to_json(), separators=(",", ":")) + "\n" for x in landings)
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def __iter__(self) -> Iterator[Landing]:
+        return iter(read_audit(self.path))
+
+
+def read_audit(path: Path) -> list[Landing]:
+    """The landings an audit file holds (a line that does not parse is skipped, with a
+    warning unless it is the last: a crash mid-write tears only the last)."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    out: list[Landing] = []
+    for i, line in enumerate(lines):
+        try:
+            value = json.loads(line)
+            out.append(
+                Landing(
+                    int(value["round"]),
+                    str(value["peer"]),
+                    tuple(Range.from_list(r) for r in value["ranges"]),
+                )
+            )
+        except (ValueError, KeyError, TypeError):
+            if i != len(lines) - 1:
+                logger.warning("%s line %d is not a landing; skipped", path, i + 1)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """What the union of audits says of one epoch: each contribution counted once."""
+
+    sequences: int
+    """The epoch's sequences (every shard's)."""
+    landed: int
+    """Distinct sequences that landed."""
+    duplicated: int
+    """Sequences that landed in more than one contribution (counted once per extra)."""
+    missing: int
+
+    def to_json(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def coverage(audits: Iterable[Iterable[Landing]], counts: Sequence[int], epoch: int) -> Coverage:
+    """The union of ``audits`` (several peers saw the same contribution land: one landing)
+    against epoch ``epoch`` of shards of ``counts`` sequences."""
+    contributions: dict[tuple[int, str], set[Range]] = {}
+    for audit in audits:
+        for landing in audit:
+            rs = contributions.setdefault((landing.round, landing.contributor), set())
+            rs.update(r for r in landing.ranges if r.epoch == epoch)
+    hits = [np.zeros(n, dtype=np.int32) for n in counts]
+    for ranges in contributions.values():
+        for r in merged(ranges):
+            if r.shard < len(hits):
+                hits[r.shard][r.first : r.end] += 1
+    landed = sum(int((h > 0).sum()) for h in hits)
+    duplicated = sum(int(np.maximum(h - 1, 0).sum()) for h in hits)
+    total = sum(counts)
+    return Coverage(total, landed, duplicated, total - landed)
