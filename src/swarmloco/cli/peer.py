@@ -67,6 +67,23 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "prepare` wrote, or its id with --dataset-mirror), pinned by its id; join: a local "
         "copy of the run's dataset, read in place before its mirrors",
     )
+    g.add_argument(
+        "--max-epochs",
+        type=int,
+        default=None,
+        metavar="E",
+        help="on a pinned dataset: leave once E epochs of it landed whole, every sequence "
+        "once (default: train until stopped)",
+    )
+    g.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="on a pinned dataset: how long this peer's lease of a shard lives unless renewed "
+        "(renewed every quarter of it while it trains); a shard of a peer that died is "
+        "another's after this long (default: %(default)s)",
+    )
     _add_network_options(g)
     _add_compute_options(g)
     _add_round_options(g)
@@ -275,6 +292,8 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         precision=args.precision,
         memory_budget_gb=args.memory_budget,
         dataset_copies=_dataset_copies(args),
+        max_epochs=args.max_epochs,
+        lease_s=args.lease_seconds,
     )
     sink = None
     events_file = None

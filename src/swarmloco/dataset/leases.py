@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +76,18 @@ def spans_minus(whole: Span, taken: Sequence[Span]) -> list[Span]:
     return [s for s in out if s[0] < s[1]]
 
 
+Lease = tuple[int, int]
+"""``(epoch, shard)``."""
+
+
 class LeasedData:
     """The batches of one peer on a pinned dataset (see the module).
 
     ``sequences``: the dataset's training sequences; ``seed``: the run's (it orders each
     epoch's shards); ``fragments``: the run's F; ``audit``: where the landings this peer
-    saw are appended; ``max_epochs``: stop the peer once this many epochs are done (None:
-    go on)."""
+    saw are appended; ``max_epochs``: leave once nothing of the first ``max_epochs`` epochs
+    is left for this peer (every shard landed or leased by another, its own ranges landed;
+    None: go on)."""
 
     def __init__(
         self,
@@ -105,23 +110,26 @@ class LeasedData:
         self.ledger = Ledger(fragments)
         self.audit = Audit(audit)
         self.epoch = 0
+        """The epoch this peer claims shards of (it may still hold the previous one's)."""
         self.trusted: set[str] = set()
-        """Peers whose word on landed spans counts: those this peer averaged with."""
-        self.known: dict[tuple[int, int], list[Span]] = {}
+        """Peers whose word on landed spans counts: those this peer averaged with in rounds
+        it applied, and those whose state it adopted."""
+        self.known: dict[Lease, list[Span]] = {}
         """(epoch, shard) -> the spans this peer knows landed (first-hand or trusted)."""
-        self.reading: dict[int, list[Span]] = {}
-        """Shard this peer leases (this epoch) -> the spans it has still to read."""
-        self.done: set[int] = set()
-        """Shards of this epoch known to have landed whole."""
+        self.reading: dict[Lease, list[Span]] = {}
+        """(epoch, shard) this peer leases -> the spans it has still to read."""
         self.waiting = ""
         """Why no batch is to be had ("" when batches are)."""
-        self.epochs_done = 0
+        self.last_epoch = False
+        """Nothing of the last epoch ``max_epochs`` allows is left to claim: the last
+        sequences make a short batch, and the peer leaves once its own landed."""
         self.stop_peer: Callable[[str], None] = lambda why: None
         self.changed = threading.Event()
         """Set when batches may have become available (a shard leased, an epoch ended)."""
         self._lock = threading.Lock()
         self._short = asyncio.Event()  # set from the reader (through the loop) when short
-        self._dirty: set[tuple[int, int]] = set()
+        self._dirty: set[Lease] = set()
+        self._relearn = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         for landing in read_audit(audit):  # what this peer saw land before a restart
@@ -131,14 +139,20 @@ class LeasedData:
 
     def ready(self, batches: int = 1) -> bool:
         """Whether ``batches`` batches can be read now (else the lease task is asked for a
-        shard, and the caller idles). The last sequences of an epoch make a short batch."""
+        shard, and the caller idles). The last sequences of the last epoch make a short
+        batch."""
         with self._lock:
             have = self._available()
-            want = batches * self.batch_size
-            if have >= want:
+            if have >= batches * self.batch_size:
                 return True
             self._ask()
-            return have > 0 and self._epoch_ending()
+            return have > 0 and self.last_epoch
+
+    @property
+    def exhausted(self) -> bool:
+        """No shard is free to claim (the last epoch's are all read or leased, or those
+        left are leased by others): no batch is coming for a while."""
+        return self.last_epoch or bool(self.waiting)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
@@ -158,31 +172,33 @@ class LeasedData:
             yield self.next_batch()
 
     def _available(self) -> int:
-        redo = sum(r.count for r in self.ledger.redo if r.shard in self.reading)
+        self._prune_redo()
+        redo = sum(r.count for r in self.ledger.redo if (r.epoch, r.shard) in self.reading)
         return redo + sum(end - first for spans in self.reading.values() for first, end in spans)
 
-    def _epoch_ending(self) -> bool:
-        """Whether no shard is left to claim in this epoch (the reader's last sequences may
-        then make a short batch)."""
-        return len(self.done) + len(self.reading) >= len(self.sequences.counts) or (
-            self.waiting.startswith("every shard")
-        )
+    def _prune_redo(self) -> None:
+        """Forget the given-back sequences known to have landed meanwhile."""
+        kept = []
+        for r in self.ledger.redo:
+            for first, end in spans_minus((r.first, r.end), self.known.get((r.epoch, r.shard), [])):
+                kept.append(Range(r.epoch, r.shard, first, end - first))
+        self.ledger.redo = kept
 
     def _take(self, limit: int) -> list[Range]:
-        out: list[Range] = []
-        # Given back first (only of shards this peer still leases), then the leased spans.
-        keep = [r for r in self.ledger.redo if r.shard not in self.reading]
-        self.ledger.redo = [r for r in self.ledger.redo if r.shard in self.reading]
-        for r in self.ledger.take_redo(limit):
-            for first, end in spans_minus((r.first, r.end), self.known.get((r.epoch, r.shard), [])):
-                out.append(Range(r.epoch, r.shard, first, end - first))
-        self.ledger.redo = merged([*self.ledger.redo, *keep])
+        """Up to ``limit`` sequences: those given back first (of the shards this peer still
+        leases), then the leased spans, the oldest epoch first."""
+        self._prune_redo()
+        ours = [r for r in self.ledger.redo if (r.epoch, r.shard) in self.reading]
+        others = [r for r in self.ledger.redo if (r.epoch, r.shard) not in self.reading]
+        self.ledger.redo = ours
+        out = self.ledger.take_redo(limit)
+        self.ledger.redo = merged([*self.ledger.redo, *others])
         limit -= sum(r.count for r in out)
-        for shard, spans in self.reading.items():
+        for (epoch, shard), spans in sorted(self.reading.items()):
             while spans and limit > 0:
                 first, end = spans[0]
                 n = min(limit, end - first)
-                out.append(Range(self.epoch, shard, first, n))
+                out.append(Range(epoch, shard, first, n))
                 limit -= n
                 spans[0] = (first + n, end)
                 if first + n == end:
@@ -200,9 +216,8 @@ class LeasedData:
 
     def declare(self, round: int, fragment: int) -> list[tuple[int, int, int, int]]:
         with self._lock:
-            return [
-                (r.epoch, r.shard, r.first, r.count) for r in self.ledger.declare(round, fragment)
-            ]
+            ranges = self.ledger.declare(round, fragment)
+        return [(r.epoch, r.shard, r.first, r.count) for r in ranges]
 
     def landed(
         self,
@@ -235,22 +250,30 @@ class LeasedData:
         have landed meanwhile is not)."""
         with self._lock:
             given = self.ledger.discard()
+            self._relearn = True
         if given:
             logger.info("%d sequence(s) given back to be read again", sum(r.count for r in given))
+
+    def adopted(self, peers: Collection[str]) -> None:
+        """This peer took a state those ``peers`` gave and vouched for: their word on what
+        landed in it counts as much as the state itself."""
+        with self._lock:
+            self.trusted.update(peers)
+            self._relearn = True
+
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self.ledger.pending)
 
     def _know(self, ranges: Sequence[Range]) -> None:
         for r in ranges:
             key = (r.epoch, r.shard)
             self.known[key] = spans_union([*self.known.get(key, []), (r.first, r.end)])
             self._dirty.add(key)
-            if r.epoch == self.epoch and self._landed_whole(r.shard):
-                self.done.add(r.shard)
 
-    def _landed_whole(self, shard: int) -> bool:
-        return (
-            spans_minus((0, self.sequences.counts[shard]), self.known.get((self.epoch, shard), []))
-            == []
-        )
+    def _todo(self, epoch: int, shard: int) -> list[Span]:
+        """What of a shard is not known to have landed."""
+        return spans_minus((0, self.sequences.counts[shard]), self.known.get((epoch, shard), []))
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -271,13 +294,8 @@ class LeasedData:
         with self._lock:
             self.ledger.load_state_dict(state["ledger"])
             self.epoch, self.trusted = epoch, trusted
-            self.done = {s for s in range(len(self.sequences.counts)) if self._landed_whole(s)}
 
     # -- the leases (the peer's event loop) --------------------------------------------------
-
-    def pending(self) -> bool:
-        with self._lock:
-            return bool(self.ledger.pending)
 
     async def run(self, dht: Any, swarm_id: str, peer_id: str) -> None:
         """Keep this peer's leases until :meth:`close` (then release them)."""
@@ -297,7 +315,7 @@ class LeasedData:
                     await asyncio.wait_for(self._short.wait(), timeout=self.lease_s / 4)
         finally:
             with contextlib.suppress(Exception):
-                await self._store_leases(dht, swarm_id, [], ttl=self.lease_s)
+                await self._store_leases(dht, swarm_id, [])
 
     async def close(self) -> None:
         task, self._task = self._task, None
@@ -310,19 +328,17 @@ class LeasedData:
         """After a restart: claim again the shards of the ranges not landed; those another
         peer leases now are its to read (they are forgotten here)."""
         with self._lock:
-            mine = sorted(
-                {r.shard for r in self.ledger.redo} | {e.range.shard for e in self.ledger.pending}
-            )
+            mine = sorted(self.ledger.held_shards())
         if not mine:
             return
         held = await self._held_by_others(dht, swarm_id, peer_id)
         free = [s for s in mine if s not in held][:MAX_LEASES]
         if free:
-            await self._store_leases(dht, swarm_id, free, ttl=self.lease_s)
+            await self._store_leases(dht, swarm_id, free)
         with self._lock:
-            for s in free:
-                self.reading.setdefault(s, [])
-            gone = self.ledger.drop(lambda r: r.shard not in free or r.epoch != self.epoch)
+            for lease in free:
+                self.reading.setdefault(lease, [])
+            gone = self.ledger.drop(lambda r: (r.epoch, r.shard) not in free)
         if gone:
             logger.info(
                 "%d sequence(s) not landed are another peer's to read now",
@@ -332,52 +348,65 @@ class LeasedData:
     async def _tend(self, dht: Any, swarm_id: str, peer_id: str) -> None:
         await self._publish_landed(dht, swarm_id)
         with self._lock:
+            relearn, self._relearn = self._relearn, False
+            held = sorted(self.reading)
+        if relearn:
+            for epoch, shard in held:
+                await self._learn(dht, swarm_id, epoch, shard)
+        with self._lock:
             self._release_done()
             short = self._available() < 2 * self.batch_size and len(self.reading) < MAX_LEASES
-        if short:
+        if short and not self.last_epoch:
             await self._claim(dht, swarm_id, peer_id)
         with self._lock:
-            shards = sorted(self.reading)
-        await self._store_leases(dht, swarm_id, shards, ttl=self.lease_s)
+            leases = sorted(self.reading)
+            leaving = self.last_epoch and not leases and not self.ledger.held_shards()
+        await self._store_leases(dht, swarm_id, leases)
+        if leaving:
+            self.waiting = (
+                f"nothing of the dataset's {self.max_epochs} epoch(s) is left for this peer"
+            )
+            self.stop_peer(self.waiting)
 
     def _release_done(self) -> None:
         """Give up the shards read to the end whose every range landed."""
         held = self.ledger.held_shards()
-        for shard in [s for s, spans in self.reading.items() if not spans]:
-            if (self.epoch, shard) not in held:
-                del self.reading[shard]
-                logger.info("shard %d of epoch %d read and landed: released", shard, self.epoch)
+        for lease in [k for k, spans in self.reading.items() if not spans]:
+            if lease not in held:
+                del self.reading[lease]
+                logger.info("shard %d of epoch %d read and landed: released", lease[1], lease[0])
 
     async def _claim(self, dht: Any, swarm_id: str, peer_id: str) -> None:
+        """Lease the next shard of this epoch nobody reads and not known to have landed;
+        none left: the next epoch (its first shard), or, past ``max_epochs``, no more."""
         count = len(self.sequences.counts)
         held = await self._held_by_others(dht, swarm_id, peer_id)
         order = epoch_order(self.seed, self.epoch, count)
         start = int(peer_id[:8], 16) % count
-        leased_elsewhere = 0
+        others = unknown = 0
         for shard in order[start:] + order[:start]:
-            with self._lock:
-                if shard in self.reading or shard in self.done:
-                    continue
-            if shard in held:
-                leased_elsewhere += 1
+            lease = (self.epoch, shard)
+            if lease in self.reading or not self._todo(*lease):
                 continue
-            await self._learn(dht, swarm_id, shard)
+            if lease in held:
+                others += 1
+                continue
+            if not await self._learn(dht, swarm_id, *lease):
+                unknown += 1  # strangers' word on it only: left to peers that know them
+                continue
             with self._lock:
-                todo = spans_minus(
-                    (0, self.sequences.counts[shard]), self.known.get((self.epoch, shard), [])
-                )
-                if not todo:
-                    self.done.add(shard)
-                    continue
+                todo = self._todo(*lease)
                 mine = sorted(self.reading)
-            await self._store_leases(dht, swarm_id, [*mine, shard], ttl=self.lease_s)
+            if not todo:
+                continue
+            await self._store_leases(dht, swarm_id, [*mine, lease])
             rivals = await self._held_by_others(dht, swarm_id, peer_id)
-            if shard in rivals:  # claimed at the same time: both withdraw, try another
-                await self._store_leases(dht, swarm_id, mine, ttl=self.lease_s)
-                leased_elsewhere += 1
+            if lease in rivals:  # claimed at the same time: both withdraw, try another
+                await self._store_leases(dht, swarm_id, mine)
+                others += 1
                 continue
             with self._lock:
-                self.reading[shard] = todo
+                self.reading[lease] = todo
                 self.waiting = ""
             self.changed.set()
             logger.info(
@@ -387,47 +416,53 @@ class LeasedData:
                 sum(e - f for f, e in todo),
             )
             return
-        with self._lock:
-            if leased_elsewhere or self.reading or self.ledger.held_shards():
-                self.waiting = (
-                    f"waiting for data: the {leased_elsewhere} shard(s) left are leased by others"
-                    if leased_elsewhere and not self.reading
-                    else ""
-                )
-                return
-            self._next_epoch()
-        self.changed.set()
-
-    def _next_epoch(self) -> None:
-        self.epochs_done = self.epoch + 1
-        logger.info("epoch %d of the dataset is done: every shard landed", self.epoch)
-        if self.max_epochs is not None and self.epochs_done >= self.max_epochs:
-            self.waiting = f"every shard of the dataset's {self.max_epochs} epoch(s) landed"
-            self.stop_peer(self.waiting)
+        # Nothing of this epoch is free: every shard landed, or is another's to read.
+        if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
+            with self._lock:
+                self.last_epoch = True
+            self.changed.set()
             return
-        self.epoch += 1
-        self.done = {s for s in range(len(self.sequences.counts)) if self._landed_whole(s)}
+        if unknown and not others:
+            self.waiting = f"waiting for data: {unknown} shard(s) only strangers vouch for"
+            return
         self.waiting = ""
+        with self._lock:
+            logger.info(
+                "no shard of epoch %d is free (%d read by others): on to epoch %d",
+                self.epoch,
+                others,
+                self.epoch + 1,
+            )
+            self.epoch += 1
+        self.changed.set()
+        self._short.set()  # claim in the new epoch at once
 
-    async def _held_by_others(self, dht: Any, swarm_id: str, peer_id: str) -> set[int]:
-        """Shards of this epoch other peers' live ``leases`` records list."""
+    async def _held_by_others(self, dht: Any, swarm_id: str, peer_id: str) -> set[Lease]:
+        """(epoch, shard) of every lease other peers' live ``leases`` records list."""
         result = await dht.get(leases_key(swarm_id))
-        held: set[int] = set()
+        held: set[Lease] = set()
         for entry in result.entries.values():
-            if entry.subkey != peer_id and entry.value["epoch"] == self.epoch:
-                held.update(int(s) for s in entry.value["shards"])
+            if entry.subkey != peer_id:
+                held.update((int(x[0]), int(x[1])) for x in entry.value["shards"] if len(x) == 2)
         return held
 
-    async def _learn(self, dht: Any, swarm_id: str, shard: int) -> None:
-        """What the peers this one trusts say landed of ``shard`` (this epoch)."""
+    async def _learn(self, dht: Any, swarm_id: str, epoch: int, shard: int) -> bool:
+        """What the peers this one trusts say landed of ``shard`` in ``epoch``; False when
+        only peers it does not trust said anything of it (nothing is taken from them)."""
         result = await dht.get(shard_key(swarm_id, shard))
         spans: list[Span] = []
+        strangers = False
         with self._lock:
             for entry in result.entries.values():
-                if entry.subkey in self.trusted and entry.value["epoch"] == self.epoch:
+                if entry.value["epoch"] != epoch:
+                    continue
+                if entry.subkey in self.trusted:
                     spans += [(int(a), int(b)) for a, b in entry.value["landed"] if a < b]
+                else:
+                    strangers = True
             if spans:
-                self._know([Range(self.epoch, shard, a, b - a) for a, b in spans_union(spans)])
+                self._know([Range(epoch, shard, a, b - a) for a, b in spans_union(spans)])
+            return bool(spans) or not strangers or (epoch, shard) in self.known
 
     async def _publish_landed(self, dht: Any, swarm_id: str) -> None:
         with self._lock:
@@ -442,26 +477,27 @@ class LeasedData:
                     self._dirty.add((epoch, shard))
                 raise
 
-    async def _store_leases(
-        self, dht: Any, swarm_id: str, shards: Sequence[int], *, ttl: float
-    ) -> None:
-        value = {"epoch": self.epoch, "shards": list(shards), "at": dht.clock()}
-        await dht.store(leases_key(swarm_id), value, ttl=ttl)
+    async def _store_leases(self, dht: Any, swarm_id: str, leases: Sequence[Lease]) -> None:
+        value = {"shards": [list(x) for x in leases], "at": dht.clock()}
+        await dht.store(leases_key(swarm_id), value, ttl=self.lease_s)
 
     # -- what the dashboard shows --------------------------------------------------------------
 
     def progress(self) -> dict[str, Any]:
-        """This epoch's progress as this peer knows it."""
+        """The epoch's progress as this peer knows it."""
         with self._lock:
+            epoch = self.epoch
             landed = sum(
-                e - f for (ep, _), spans in self.known.items() if ep == self.epoch for f, e in spans
+                e - f for (ep, _), spans in self.known.items() if ep == epoch for f, e in spans
             )
             return {
-                "epoch": self.epoch,
+                "epoch": epoch,
                 "sequences": self.sequences.total,
                 "landed": landed,
                 "shards": len(self.sequences.counts),
-                "leased": sorted(self.reading),
-                "done": len(self.done),
+                "leased": len(self.reading),
+                "done": sum(
+                    1 for s in range(len(self.sequences.counts)) if not self._todo(epoch, s)
+                ),
                 "waiting": self.waiting,
             }

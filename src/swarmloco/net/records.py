@@ -853,11 +853,13 @@ LEASES = register(
         name="leases",
         pattern="leases",
         # One signed entry per peer training on the run's pinned dataset: the shards it
-        # reads, in the epoch it reads. Live while the record is (renewed while it trains).
+        # reads, each [epoch, shard] (the tail of one epoch and the start of the next).
+        # Live while the record is (renewed while it trains).
         schema=owned_value(
             {
-                "epoch": Int(minimum=0),
-                "shards": ListOf(Int(minimum=0, maximum=MAX_DATASET_SHARDS - 1), MAX_LEASES),
+                "shards": ListOf(
+                    ListOf(Int(minimum=0, maximum=MAX_DATASET_SHARDS - 1), 2), MAX_LEASES
+                ),
                 "at": Float(minimum=0.0),
             }
         ),

@@ -399,7 +399,7 @@ def _train(
         while not swarm.stopping:
             if isinstance(stream, LeasedData) and not stream.ready(loop.config.grad_accum):
                 assert isinstance(swarm, Swarm)
-                swarm.idle()
+                swarm.idle(flush=stream.exhausted)
                 stream.changed.wait(IDLE_WAKE_S)
                 stream.changed.clear()
                 continue

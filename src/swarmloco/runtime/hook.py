@@ -117,6 +117,34 @@ class StepHook:
         if self.stop.is_set():
             raise Stopped(self.stop.reason)
 
+    def wait(self, *, flush: bool = False) -> None:
+        """(A peer with no batch to train now: its data's shards are all leased by others,
+        or read.) Land the round in flight once its exchange has ended, then do what is due
+        between steps: a round the others start still carries this peer's steps not
+        averaged yet. ``flush``: no more batches are coming for a while, so the steps not
+        averaged yet are averaged now (a round started at once, not when the swarm's
+        tokens come to H steps: this peer adds none). Raises :class:`Stopped` once the
+        peer is asked to stop."""
+        p = self.parts
+        if self.exchange_over():
+            with p.progress.blocking():
+                self._land()
+        if flush and self.rounds.inflight is None and self._unaveraged() and not self._ends():
+            # (Not the pacer's DUE: its count of steps restarts when a round starts, also
+            # one that aborts, and this peer adds no steps now.)
+            with p.progress.blocking():
+                self.follower.catch_up()
+                self.pacer.look(p.diloco.round)  # those who left are not waited for
+                if self._unaveraged() and not self.rounds.start():
+                    self.discard("the local model holds NaN/Inf")
+        self._between_steps()
+        if self.stop.is_set():
+            raise Stopped(self.stop.reason)
+
+    def _unaveraged(self) -> bool:
+        """Whether this peer trained on tokens no applied round has averaged yet."""
+        return any(t > 0 for t in self.parts.diloco.fragment_tokens)
+
     def _between_steps(self) -> None:
         p, rounds, follower = self.parts, self.rounds, self.follower
         tau = p.spec.delay

@@ -10,7 +10,7 @@ its own state; this is only how they reach each other.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from swarmloco.core.adoption import Evidence
@@ -51,6 +51,9 @@ class RangeKeeper(Protocol):
 
     def discard(self) -> None:
         """The local work was thrown away: what it read is read again."""
+
+    def adopted(self, peers: Collection[str]) -> None:
+        """This peer took a state these peers gave and vouched for."""
 
     def pending(self) -> bool:
         """Whether ranges were read (before a restart) that have not landed."""

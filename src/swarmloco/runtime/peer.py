@@ -202,11 +202,11 @@ class Peer:
             for service in self.services:
                 self.network.node.server.add_service(service)
         self._start_network(stack, self.network, spec)
-        self._keep_leases(stack, self.network)
         self.train_started = time.monotonic()
         self.follower.catch_up()
         if not own_initial and self.diloco.round == 0:
             self.follower.fetch_initial(self.signature.init_digest, spec.seed)
+        self._keep_leases(stack, self.network)  # after the catch-up: it trusts its donor
         t.schedule.follow()
         if cfg.hook:
             self.optimizer_hook = t.optimizer.register_step_post_hook(lambda *_: self.on_step())

@@ -375,15 +375,17 @@ class Swarm:
     def _end_step(self, raised: bool) -> None:
         self.lead.end_step(self.global_step, self.round, self._stop.is_set(), raised=raised)
 
-    def idle(self) -> None:
+    def idle(self, *, flush: bool = False) -> None:
         """No batch to train on now (a peer of one rank whose data is not to be had yet):
         do the swarm's work between steps without a step (the round in flight lands once
-        its exchange ended). Raises :class:`Stopped` once the peer is asked to stop."""
+        its exchange ended). ``flush``: none is coming for a while (the data is read to
+        its end): average the steps not averaged yet now. Raises :class:`Stopped` once the
+        peer is asked to stop."""
         if self._stack is None:
             raise SwarmlocoError("idle() inside `with swarm:`")
         if self.box is not None:
             raise SwarmlocoError("idle() is for a peer of one rank")
-        self.peer.hook.idle()
+        self.peer.hook.wait(flush=flush)
 
     def discard_local(self, why: str) -> None:
         """NaN or Inf in training: nothing of it may reach the swarm. Drop the local steps
