@@ -110,7 +110,9 @@ class LeasedData:
         self.ledger = Ledger(fragments)
         self.audit = Audit(audit)
         self.epoch = 0
-        """The epoch this peer claims shards of (it may still hold the previous one's)."""
+        """The newest epoch this peer claims shards of."""
+        self.open_epoch = 0
+        """The oldest epoch with a shard not known to have landed (claimed first)."""
         self.trusted: set[str] = set()
         """Peers whose word on landed spans counts: those this peer averaged with in rounds
         it applied, and those whose state it adopted."""
@@ -150,9 +152,9 @@ class LeasedData:
 
     @property
     def exhausted(self) -> bool:
-        """No shard is free to claim (the last epoch's are all read or leased, or those
-        left are leased by others): no batch is coming for a while."""
-        return self.last_epoch or bool(self.waiting)
+        """Nothing of the last epoch ``max_epochs`` allows is left to claim (every shard
+        landed, or leased): no batch is coming."""
+        return self.last_epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
@@ -281,6 +283,7 @@ class LeasedData:
         with self._lock:
             return {
                 "epoch": self.epoch,
+                "open_epoch": self.open_epoch,
                 "ledger": self.ledger.state_dict(),
                 "trusted": sorted(self.trusted),
             }
@@ -288,12 +291,13 @@ class LeasedData:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
             epoch = int(state["epoch"])
+            open_epoch = min(epoch, int(state.get("open_epoch", 0)))
             trusted = {str(p) for p in state["trusted"]}
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"the leased data's state is malformed: {exc}") from exc
         with self._lock:
             self.ledger.load_state_dict(state["ledger"])
-            self.epoch, self.trusted = epoch, trusted
+            self.epoch, self.open_epoch, self.trusted = epoch, open_epoch, trusted
 
     # -- the leases (the peer's event loop) --------------------------------------------------
 
@@ -356,11 +360,16 @@ class LeasedData:
         with self._lock:
             self._release_done()
             short = self._available() < 2 * self.batch_size and len(self.reading) < MAX_LEASES
-        if short and not self.last_epoch:
+        if short:
             await self._claim(dht, swarm_id, peer_id)
         with self._lock:
             leases = sorted(self.reading)
-            leaving = self.last_epoch and not leases and not self.ledger.held_shards()
+            leaving = (
+                self.last_epoch
+                and not leases
+                and not self.ledger.held_shards()
+                and self._all_landed(self.max_epochs or 0)
+            )
         await self._store_leases(dht, swarm_id, leases)
         if leaving:
             self.waiting = (
@@ -377,65 +386,77 @@ class LeasedData:
                 logger.info("shard %d of epoch %d read and landed: released", lease[1], lease[0])
 
     async def _claim(self, dht: Any, swarm_id: str, peer_id: str) -> None:
-        """Lease the next shard of this epoch nobody reads and not known to have landed;
-        none left: the next epoch (its first shard), or, past ``max_epochs``, no more."""
+        """Lease the next shard nobody reads and not known to have landed, of the oldest
+        epoch that has one (a dead reader's shard of an earlier epoch comes back once its
+        lease expired); none left: on to the next epoch, or, past ``max_epochs``, no more
+        (what others still read is watched until it landed)."""
         count = len(self.sequences.counts)
         held = await self._held_by_others(dht, swarm_id, peer_id)
-        order = epoch_order(self.seed, self.epoch, count)
         start = int(peer_id[:8], 16) % count
-        others = unknown = 0
-        for shard in order[start:] + order[:start]:
-            lease = (self.epoch, shard)
-            if lease in self.reading or not self._todo(*lease):
-                continue
-            if lease in held:
-                others += 1
-                continue
-            if not await self._learn(dht, swarm_id, *lease):
-                unknown += 1  # strangers' word on it only: left to peers that know them
-                continue
-            with self._lock:
-                todo = self._todo(*lease)
-                mine = sorted(self.reading)
-            if not todo:
-                continue
-            await self._store_leases(dht, swarm_id, [*mine, lease])
-            rivals = await self._held_by_others(dht, swarm_id, peer_id)
-            if lease in rivals:  # claimed at the same time: both withdraw, try another
-                await self._store_leases(dht, swarm_id, mine)
-                others += 1
-                continue
-            with self._lock:
-                self.reading[lease] = todo
-                self.waiting = ""
-            self.changed.set()
-            logger.info(
-                "leased shard %d of epoch %d: %d sequence(s) to read",
-                shard,
-                self.epoch,
-                sum(e - f for f, e in todo),
-            )
-            return
-        # Nothing of this epoch is free: every shard landed, or is another's to read.
+        others: list[Lease] = []
+        for epoch in range(self.open_epoch, self.epoch + 1):
+            order = epoch_order(self.seed, epoch, count)
+            for shard in order[start:] + order[:start]:
+                lease = (epoch, shard)
+                if lease in self.reading or not self._todo(*lease):
+                    continue
+                if lease in held:
+                    others.append(lease)
+                    continue
+                if await self._take_lease(dht, swarm_id, peer_id, lease):
+                    return
+                others.append(lease)
+        while self.open_epoch < self.epoch and self._all_landed(self.open_epoch + 1):
+            self.open_epoch += 1
+        # Nothing is free: every shard landed, or is another's to read.
         if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
+            for lease in others:  # has what they read landed?
+                await self._learn(dht, swarm_id, *lease)
             with self._lock:
                 self.last_epoch = True
             self.changed.set()
             return
-        if unknown and not others:
-            self.waiting = f"waiting for data: {unknown} shard(s) only strangers vouch for"
-            return
-        self.waiting = ""
         with self._lock:
             logger.info(
                 "no shard of epoch %d is free (%d read by others): on to epoch %d",
                 self.epoch,
-                others,
+                len(others),
                 self.epoch + 1,
             )
             self.epoch += 1
         self.changed.set()
         self._short.set()  # claim in the new epoch at once
+
+    async def _take_lease(self, dht: Any, swarm_id: str, peer_id: str, lease: Lease) -> bool:
+        """Claim ``lease`` (stored, then read back: of two claimants, one that finds the
+        other's claim withdraws); False when it is not to be had."""
+        await self._learn(dht, swarm_id, *lease)
+        with self._lock:
+            todo = self._todo(*lease)
+            mine = sorted(self.reading)
+        if not todo:
+            return False
+        await self._store_leases(dht, swarm_id, [*mine, lease])
+        rivals = await self._held_by_others(dht, swarm_id, peer_id)
+        if lease in rivals:  # claimed at the same time: both withdraw, try another
+            await self._store_leases(dht, swarm_id, mine)
+            return False
+        with self._lock:
+            self.reading[lease] = todo
+            self.waiting = ""
+        self.changed.set()
+        logger.info(
+            "leased shard %d of epoch %d: %d sequence(s) to read",
+            lease[1],
+            lease[0],
+            sum(e - f for f, e in todo),
+        )
+        return True
+
+    def _all_landed(self, epochs: int) -> bool:
+        """Whether every shard of the epochs before ``epochs`` is known to have landed."""
+        count = len(self.sequences.counts)
+        return all(not self._todo(e, s) for e in range(epochs) for s in range(count))
 
     async def _held_by_others(self, dht: Any, swarm_id: str, peer_id: str) -> set[Lease]:
         """(epoch, shard) of every lease other peers' live ``leases`` records list."""
@@ -446,23 +467,17 @@ class LeasedData:
                 held.update((int(x[0]), int(x[1])) for x in entry.value["shards"] if len(x) == 2)
         return held
 
-    async def _learn(self, dht: Any, swarm_id: str, epoch: int, shard: int) -> bool:
-        """What the peers this one trusts say landed of ``shard`` in ``epoch``; False when
-        only peers it does not trust said anything of it (nothing is taken from them)."""
+    async def _learn(self, dht: Any, swarm_id: str, epoch: int, shard: int) -> None:
+        """What the peers this one trusts say landed of ``shard`` in ``epoch`` (the others'
+        entries are not read: a stranger saying a shard landed moves nothing)."""
         result = await dht.get(shard_key(swarm_id, shard))
         spans: list[Span] = []
-        strangers = False
         with self._lock:
             for entry in result.entries.values():
-                if entry.value["epoch"] != epoch:
-                    continue
-                if entry.subkey in self.trusted:
+                if entry.subkey in self.trusted and entry.value["epoch"] == epoch:
                     spans += [(int(a), int(b)) for a, b in entry.value["landed"] if a < b]
-                else:
-                    strangers = True
             if spans:
                 self._know([Range(epoch, shard, a, b - a) for a, b in spans_union(spans)])
-            return bool(spans) or not strangers or (epoch, shard) in self.known
 
     async def _publish_landed(self, dht: Any, swarm_id: str) -> None:
         with self._lock:

@@ -134,7 +134,9 @@ class StepHook:
             # one that aborts, and this peer adds no steps now.)
             with p.progress.blocking():
                 self.follower.catch_up()
-                self.pacer.look(p.diloco.round)  # those who left are not waited for
+                # With whoever comes, alone if nobody does: the others may be out of data
+                # too, with nothing to average (they catch up once they train again).
+                self.pacer.expected = None
                 if self._unaveraged() and not self.rounds.start():
                     self.discard("the local model holds NaN/Inf")
         self._between_steps()

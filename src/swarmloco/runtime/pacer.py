@@ -88,20 +88,6 @@ class Pacer:
             and not (r.round > target + 1 and self.unbacked.get(r.peer, 0.0) > clock)
         ]
 
-    def _reports(self, current: int) -> tuple[list[ProgressReport], list[ProgressReport]]:
-        """The reports that decide (the partners' when any is heard, else everyone's) and
-        every fresh one; :attr:`expected` is set from them."""
-        everyone = self.fresh_reports(current)
-        partners = self.evidence.witnesses
-        heard = [r for r in everyone if r.peer in partners]
-        self.expected = self._expect(everyone, partners if heard else None, current)
-        return (heard if heard else everyone), everyone
-
-    def look(self, current: int) -> None:
-        """Count again whom the next round expects (:attr:`expected`), from the records
-        read now (a round started without :meth:`verdict`: a peer out of data)."""
-        self._reports(current)
-
     def verdict(self, current: int) -> Verdict:
         """Whether to average the round after ``current`` (this peer's round) now, wait, or
         catch up first."""
@@ -123,8 +109,12 @@ class Pacer:
             tokens_per_s=p.rate.value,
             at=now,
         )
-        reports, _ = self._reports(current)
+        everyone = self.fresh_reports(current)
+        partners = self.evidence.witnesses
+        heard = [r for r in everyone if r.peer in partners]
+        reports = heard if heard else everyone
         working = 1 + len({r.peer for r in reports if r.round == target})
+        self.expected = self._expect(everyone, partners if heard else None, current)
         if any(r.round > target + 1 for r in reports):
             return Verdict.BEHIND  # others applied rounds this peer has not
         if self.late is not None and self._still_late(target):

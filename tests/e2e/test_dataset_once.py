@@ -1,0 +1,77 @@
+"""Every sequence of a pinned dataset lands once, through a SIGKILL: three `swarmloco join`
+peers lease the shards of a dataset prepared on the spot (a tokenizer trained on it), one
+is killed after its first round with the others and started again from its data
+directory; all leave once nothing of the epoch is left for them (`--max-epochs 1`). The
+union of their audits covers every sequence of the epoch exactly once."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+from swarmutil import Bootstrap, PeerProcess
+
+from swarmloco.cli import main
+from swarmloco.dataset.index import read_index
+from swarmloco.dataset.ledger import Sequences, coverage, read_audit
+
+pytestmark = pytest.mark.timeout(420)
+
+SEQ_LEN = 64
+
+
+def prepared(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """About 30,000 tokens of this project's own source in shards of 3,000."""
+    runtime = Path(__file__).resolve().parents[2] / "src" / "swarmloco" / "runtime"
+    files = [str(runtime / name) for name in ("swarm.py", "hook.py", "rounds.py", "peer.py")]
+    data = tmp_path / "data"
+    assert main(["-q", "data", "prepare", *files, "--train-tokenizer", "400", "--out", str(data),
+                 "--shard-tokens", "3000", "--no-progress"]) == 0  # fmt: skip
+    capsys.readouterr()
+    return data
+
+
+def epoch_sequences(data: Path) -> list[int]:
+    index = read_index(data)
+    shards = [
+        np.fromfile(data / f"shard-{i:05d}.bin", dtype=np.dtype(index.dtype))
+        for i in range(len(index.shards))
+    ]
+    return Sequences(shards, seq_len=SEQ_LEN, val_fraction=0.05).counts
+
+
+def test_three_peers_and_a_sigkill_land_every_sequence_of_the_epoch_once(tmp_path, capsys):
+    data = prepared(tmp_path, capsys)
+    counts = epoch_sequences(data)
+    assert len(counts) >= 8 and sum(counts) >= 300
+    peer = ("--dataset", str(data), "--max-epochs", "1", "--lease-seconds", "4")
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(
+            tmp_path / "creator", boot.endpoint, "--dataset", str(data), "--seq-len", str(SEQ_LEN)
+        )
+        peers = {n: PeerProcess.join(swarm, boot.endpoint, tmp_path / n, *peer) for n in "abc"}
+        try:
+            peers["c"].wait_for("round", lambda e: e["group"] >= 2, timeout=180)
+            peers["c"].process.send_signal(signal.SIGKILL)
+            peers["c"].wait(30)
+            peers["c"] = PeerProcess.join(swarm, boot.endpoint, tmp_path / "c", *peer)
+            for name, p in peers.items():
+                assert p.wait(240) == 0, (name, p.log_tail())
+        finally:
+            for p in peers.values():
+                if p.process.poll() is None:
+                    p.kill()
+    for p in peers.values():
+        assert "nothing of the dataset's 1 epoch(s) is left" in "".join(p.log), p.log_tail()
+    audits = {n: read_audit(tmp_path / n / "audit.jsonl") for n in "abc"}
+    cover = coverage(audits.values(), counts, epoch=0)
+    assert (cover.duplicated, cover.missing) == (0, 0), cover
+    assert cover.landed == sum(counts)
+    # What two peers saw land in one round is the same (a contribution is one landing).
+    seen: dict[tuple[int, str], object] = {}
+    for audit in audits.values():
+        for landing in audit:
+            key = (landing.round, landing.contributor)
+            assert seen.setdefault(key, landing.ranges) == landing.ranges, key

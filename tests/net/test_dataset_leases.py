@@ -1,0 +1,142 @@
+"""Leases of a pinned dataset's shards over real DHT nodes on loopback: readers share an
+epoch without reading a sequence twice, a dead reader's shard goes to another from where it
+landed, and what strangers publish moves nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from netutil import SWARM, loopback_network, wait_for
+
+from swarmloco.dataset.leases import LeasedData
+from swarmloco.dataset.ledger import Landing, Range, Sequences, coverage
+from swarmloco.net.records import MAX_LEASES, leases_key, shard_key
+
+pytestmark = pytest.mark.timeout(120)
+
+SEQ = 8
+COUNTS = [10, 10, 10, 10, 10, 6]
+
+
+def sequences() -> Sequences:
+    shards = [np.arange(n * SEQ + 1, dtype=np.uint16) % 50 for n in COUNTS]
+    return Sequences(shards, seq_len=SEQ, val_fraction=0.0)
+
+
+def reader(tmp_path: Path, name: str, **kw: object) -> LeasedData:
+    data = LeasedData(
+        sequences(),
+        batch_size=4,
+        vocab_size=64,
+        seed=5,
+        fragments=1,
+        audit=tmp_path / name / "audit.jsonl",
+        max_epochs=1,
+        **kw,  # type: ignore[arg-type]
+    )
+    return data
+
+
+class Trainer:
+    """A reader's training thread: reads batches and lands each as its own round (a peer
+    alone), until the reader says nothing is left."""
+
+    def __init__(self, data: LeasedData, me: str, *, steps: int | None = None) -> None:
+        self.data, self.me, self.steps = data, me, steps
+        self.stopped = threading.Event()
+        self.read: list[Range] = []
+        data.stop_peer = lambda why: self.stopped.set()
+        self.round = 0
+
+    def __call__(self) -> None:
+        done = 0
+        while not self.stopped.is_set() and (self.steps is None or done < self.steps):
+            if not self.data.ready():
+                self.data.changed.wait(0.2)
+                self.data.changed.clear()
+                continue
+            self.data.next_batch()
+            self.round += 1
+            declared = self.data.declare(self.round, 0)
+            self.read += [Range(*r) for r in declared]
+            self.data.landed(self.round, {self.me: declared}, {self.me: True}, self.me)
+            done += 1
+
+
+async def test_two_readers_share_an_epoch_and_land_every_sequence_once(tmp_path):
+    async with loopback_network(3) as nodes:
+        a, b = reader(tmp_path, "a", lease_s=4.0), reader(tmp_path, "b", lease_s=4.0)
+        ids = [nodes[0].identity.peer_id_hex, nodes[1].identity.peer_id_hex]
+        # Peers of one swarm average together (or one took the other's state), and each
+        # counts the other's word on what landed; here each lands its rounds alone.
+        a.adopted({ids[1]})
+        b.adopted({ids[0]})
+        tasks = [
+            asyncio.create_task(a.run(nodes[0].dht, SWARM, ids[0])),
+            asyncio.create_task(b.run(nodes[1].dht, SWARM, ids[1])),
+        ]
+        ta, tb = Trainer(a, ids[0]), Trainer(b, ids[1])
+        await asyncio.gather(asyncio.to_thread(ta), asyncio.to_thread(tb))
+        await a.close()
+        await b.close()
+        assert all(t.done() for t in tasks)
+        assert ta.read and tb.read  # both read
+        landings = [Landing(1, "a", tuple(ta.read)), Landing(1, "b", tuple(tb.read))]
+        cover = coverage([landings], COUNTS, epoch=0)
+        assert (cover.duplicated, cover.missing) == (0, 0), cover
+        # Each one's audit says what it saw land; the leases were released on leaving.
+        result = await nodes[2].dht.get(leases_key(SWARM))
+        assert all(e.value["shards"] == [] for e in result.entries.values())
+
+
+async def test_a_dead_readers_shard_goes_to_another_from_where_it_landed(tmp_path):
+    async with loopback_network(3) as nodes:
+        ids = [n.identity.peer_id_hex for n in nodes]
+        a = reader(tmp_path, "a", lease_s=4.0)
+        task = asyncio.create_task(a.run(nodes[0].dht, SWARM, ids[0]))
+        ta = Trainer(a, ids[0], steps=1)  # one batch of its first shard lands, then it dies
+        await asyncio.to_thread(ta)
+        (first,) = {r.shard for r in ta.read}
+        await wait_for(lambda: not a._dirty, timeout=10)  # its landed spans are published
+        await asyncio.sleep(0)
+        task.cancel()  # killed: its lease is not released, it expires
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await nodes[0].dht.store(leases_key(SWARM), {"shards": [[0, first]], "at": 0.0}, ttl=4)
+        b = reader(tmp_path, "b", lease_s=4.0)
+        b.adopted({ids[0]})  # b took the state a gave: a's word on what landed counts
+        tb = Trainer(b, ids[1])
+        run_b = asyncio.create_task(b.run(nodes[1].dht, SWARM, ids[1]))
+        await asyncio.to_thread(tb)
+        await b.close()
+        assert run_b.done()
+        cover = coverage([[Landing(1, "a", tuple(ta.read)), Landing(1, "b", tuple(tb.read))]],
+                         COUNTS, epoch=0)  # fmt: skip
+        assert (cover.duplicated, cover.missing) == (0, 0), cover
+        assert any(r.shard == first for r in tb.read)  # it finished the dead one's shard
+
+
+async def test_strangers_cannot_finish_shards_nor_hold_more_than_the_cap(tmp_path):
+    async with loopback_network(3) as nodes:
+        stranger = nodes[2]
+        # A stranger says every shard landed whole: nobody who does not trust it believes it.
+        for shard, n in enumerate(COUNTS):
+            value = {"epoch": 0, "landed": [[0, n]], "at": 0.0}
+            await stranger.dht.store(shard_key(SWARM, shard), value, ttl=600)
+        # And it cannot lease more than the cap in its record (every node refuses one).
+        with pytest.raises(ValueError, match="at most"):
+            value = {"shards": [[0, s] for s in range(MAX_LEASES + 1)], "at": 0.0}
+            await stranger.dht.store(leases_key(SWARM), value, ttl=60)
+        me = nodes[0].identity.peer_id_hex
+        a = reader(tmp_path, "a", lease_s=4.0)
+        task = asyncio.create_task(a.run(nodes[0].dht, SWARM, me))
+        ta = Trainer(a, me)
+        await asyncio.to_thread(ta)
+        await a.close()
+        assert task.done()
+        cover = coverage([[Landing(1, "a", tuple(ta.read))]], COUNTS, epoch=0)
+        assert (cover.duplicated, cover.missing) == (0, 0), cover
