@@ -284,6 +284,29 @@ def test_how_a_peer_fits_its_device_and_its_mfu_are_shown():
         status(mfu=1.5)  # no peer can publish a utilisation above 1
 
 
+def test_a_pinned_datasets_epoch_is_what_the_best_informed_reader_knows():
+    def data(epoch: int, landed: int, leased: int, done: int) -> dict[str, int]:
+        return {"epoch": epoch, "landed": landed, "sequences": 462, "leased": leased,
+                "done": done, "shards": 11}  # fmt: skip
+
+    readers = {
+        A: status(data=data(0, 300, 2, 6)),
+        B: status(data=data(0, 312, 1, 7)),
+        C: status(data=data(0, 999, 4, 11), at=NOW - 31.0),  # offline: not counted
+    }
+    view = view_of(status=readers, trust=(A, B, C))
+    assert view["dataset"] == {"epoch": 0, "sequences": 462, "landed": 312, "shards": 11,
+                               "done": 7, "leased": 3, "readers": 2}  # fmt: skip
+    assert ("dataset: epoch 0, 312 of 462 sequences landed (68%), 7 of 11 shards done, 3 "
+            "leased by 2 reader(s)") in text.render(view)  # fmt: skip
+    # A reader in the next epoch: that epoch is shown.
+    readers[B] = status(data=data(1, 20, 1, 0))
+    assert view_of(status=readers, trust=(A, B))["dataset"]["epoch"] == 1
+    assert view_of()["dataset"] is None  # no pinned dataset
+    with pytest.raises(ValueError):
+        status(data={**data(0, 1, 1, 1), "leased": 5})  # more than a peer may lease
+
+
 def test_the_swarm_loss_is_the_median_of_the_online_peers():
     view = view_of(
         status={

@@ -98,6 +98,20 @@ def progress_line(progress: Any) -> str:
     return "; ".join(parts)
 
 
+def dataset_line(dataset: Any) -> str:
+    """``dataset: epoch 0, 312 of 462 sequences landed (68%), 7 of 11 shards done, 2
+    leased by 3 readers``, from the view's ``dataset`` ("" without one)."""
+    if not isinstance(dataset, dict):
+        return ""
+    total = dataset["sequences"]
+    share = f" ({100 * dataset['landed'] / total:.0f}%)" if total else ""
+    return (
+        f"dataset: epoch {dataset['epoch']}, {dataset['landed']:,} of {total:,} sequences "
+        f"landed{share}, {dataset['done']} of {dataset['shards']} shards done, "
+        f"{dataset['leased']} leased by {dataset['readers']} reader(s)"
+    )
+
+
 def render(view: Mapping[str, Any]) -> str:
     """The view as a few lines of summary, the per-peer table and the latest rounds."""
     lines = [_swarm_line(view["swarm"])]
@@ -113,6 +127,8 @@ def render(view: Mapping[str, Any]) -> str:
             f"round {upcoming['round']}: {human(upcoming['tokens'])} tokens so far from "
             f"{upcoming['peers']} peer(s)"
         )
+    if line := dataset_line(view.get("dataset")):
+        lines.append(line)
     pipeline = view.get("pipeline")
     if pipeline:
         lines.append("")

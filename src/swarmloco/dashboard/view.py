@@ -465,7 +465,34 @@ def build_view(
         ),
         "history": _curves(history),
         "pipeline": _pipeline(reading, history, fresh_s=fresh_s, warnings=warnings),
+        "dataset": _dataset(counted.only(reading.status), now=now, fresh_s=fresh_s),
         "warnings": warnings[:MAX_WARNINGS],
+    }
+
+
+def _dataset(
+    status: Mapping[str, Mapping[str, Any]], *, now: float, fresh_s: float
+) -> dict[str, Any] | None:
+    """A pinned dataset's epoch as the counted online peers know it: the newest epoch any
+    reads, the most sequences and shards any knows landed in it (each knows a part: the
+    best-informed is the closest), the shards they lease together. None: no dataset."""
+    reports = [
+        value["data"]
+        for value in status.values()
+        if isinstance(value.get("data"), Mapping) and is_online(value, now, fresh_s)
+    ]
+    if not reports:
+        return None
+    epoch = max(_count(r.get("epoch")) for r in reports)
+    newest = [r for r in reports if _count(r.get("epoch")) == epoch]
+    return {
+        "epoch": epoch,
+        "sequences": max(_count(r.get("sequences")) for r in newest),
+        "landed": max(_count(r.get("landed")) for r in newest),
+        "shards": max(_count(r.get("shards")) for r in newest),
+        "done": max(_count(r.get("done")) for r in newest),
+        "leased": sum(_count(r.get("leased")) for r in reports),
+        "readers": len(reports),
     }
 
 

@@ -498,8 +498,8 @@ class LeasedData:
 
     # -- what the dashboard shows --------------------------------------------------------------
 
-    def progress(self) -> dict[str, Any]:
-        """The epoch's progress as this peer knows it."""
+    def progress(self) -> dict[str, int]:
+        """The epoch's progress as this peer knows it (its ``status`` record's ``data``)."""
         with self._lock:
             epoch = self.epoch
             landed = sum(
@@ -514,5 +514,4 @@ class LeasedData:
                 "done": sum(
                     1 for s in range(len(self.sequences.counts)) if not self._todo(epoch, s)
                 ),
-                "waiting": self.waiting,
             }

@@ -722,6 +722,9 @@ ROUND_SUMMARY = Struct(
     optional=frozenset({"matchmaking_s"}),
 )
 
+MAX_LEASES = 4
+"""Shards one peer leases at once at most (a record listing more is refused)."""
+
 STATUS = register(
     RecordKind(
         name="status",
@@ -756,12 +759,25 @@ STATUS = register(
                 # Its last rounds, oldest first.
                 "rounds": ListOf(ROUND_SUMMARY, max_items=8),
                 "at": Float(minimum=0.0),
+                # On a pinned dataset: the epoch it reads and what it knows of it (the
+                # sequences known to have landed of the dataset's, the shards it leases,
+                # those known done, of how many).
+                "data": Struct(
+                    {
+                        "epoch": Int(minimum=0),
+                        "landed": Int(minimum=0),
+                        "sequences": Int(minimum=0),
+                        "leased": Int(minimum=0, maximum=MAX_LEASES),
+                        "done": Int(minimum=0),
+                        "shards": Int(minimum=0),
+                    }
+                ),
             },
-            optional=frozenset({"loss", "eval_loss", "fit", "mfu"}),
+            optional=frozenset({"loss", "eval_loss", "fit", "mfu", "data"}),
         ),
         owned=True,
         max_ttl=600.0,
-        max_value_bytes=2432,
+        max_value_bytes=2560,
         max_subkeys=4096,
     )
 )
@@ -841,8 +857,6 @@ def stage_load_key(swarm_id: str) -> str:
 
 # -- the kinds of a pinned dataset's leases (dataset/leases.py) ----------------------------------
 
-MAX_LEASES = 4
-"""Shards one peer leases at once at most (a record listing more is refused)."""
 MAX_DATASET_SHARDS = 1 << 20
 """Shards a pinned dataset has at most."""
 MAX_LANDED_SPANS = 16

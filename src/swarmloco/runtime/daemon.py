@@ -207,6 +207,8 @@ def train_task(
     if leased is not None:
         stream = leased
         leased.stop_peer = swarm.stop
+        if isinstance(swarm, Swarm):
+            swarm.sheet.data = leased.progress
     else:
         stream = BatchStream(
             data.train,

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from swarmloco import __version__
@@ -52,6 +53,8 @@ class StatusSheet:
         """What last went wrong, until it is set right (a checkpoint written again, ...)."""
         self.timeline: collections.deque[dict[str, Any]] = collections.deque(maxlen=TIMELINE_ROUNDS)
         self._fit = ""
+        self.data: Callable[[], dict[str, int]] | None = None
+        """On a pinned dataset: its reader's progress through the epoch."""
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
 
@@ -120,6 +123,8 @@ class StatusSheet:
         }
         if self._fit:
             value["fit"] = self._fit[:64]
+        if self.data is not None:
+            value["data"] = self.data()
         if self._flops_per_token and self._peak_flops and c.tokens_per_s > 0:
             value["mfu"] = min(1.0, c.tokens_per_s * self._flops_per_token / self._peak_flops)
         if math.isfinite(c.loss):
