@@ -13,18 +13,30 @@ fetches a pinned dataset. Prints ONE JSON object.
   a local copy read in place (hashing only); ``fetch_http_mb_per_s``,
   ``fetch_peer_mb_per_s``, ``fetch_local_mb_per_s``.
 
-Not measured yet: the exactly-once audit over a churn soak (``tokens_duplicated``,
-``tokens_missing``), which needs the leases of DESIGN section 11.
+- ``churn``: every sequence of an epoch landing once through churn (DESIGN section 11): a
+  dataset of about ``--churn-tokens`` tokens of the same text in shards of 3,000, three
+  ``swarmloco join`` peers of the tiny preset (sequences of 64 tokens) around a bootstrap
+  node, up to ``--churn-kills`` SIGKILLs of a peer at random moments (seeded: after 0 to
+  2 more of its rounds and up to 1.5 s; each killed peer started again from its data
+  directory; a peer that already left is not killed), leases of 4 s, ``--max-epochs 1``; then the
+  union of the peers' audits against the epoch: ``tokens_duplicated`` and
+  ``tokens_missing`` (targets 0 and 0; a sequence of 64 targets counts 64 tokens), with
+  ``tokens_given_back`` (read again after a download, a discard or a left-out
+  contribution, as the peers logged it; what a killed run read after its last landing is
+  not in it) and the seconds the epoch took.
 
     python scripts/bench_data.py [--megabytes 50] [--vocab 8192] [--repeats 3]
+    python scripts/bench_data.py --parts churn [--churn-tokens 150000] [--churn-kills 6]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -77,10 +89,28 @@ def main() -> int:
     p.add_argument("--shard-tokens", type=int, default=1 << 22, help="tokens a shard holds")
     p.add_argument("--repeats", type=int, default=3, help="runs of each part")
     p.add_argument("--dir", type=Path, default=None, help="where to work (default: a temp dir)")
+    p.add_argument(
+        "--parts", default="prepare,fetch,churn", help="comma-separated: prepare, fetch, churn"
+    )
+    p.add_argument("--churn-tokens", type=int, default=150_000, help="the churn soak's dataset")
+    p.add_argument("--churn-kills", type=int, default=6, help="SIGKILLs during the churn soak")
+    p.add_argument("--seed", type=int, default=0, help="when the churn soak's kills fall")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - {"prepare", "fetch", "churn"} or not parts:
+        p.error(f"--parts: unknown {sorted(parts - {'prepare', 'fetch', 'churn'})}")
     work = Path(tempfile.mkdtemp(prefix="swarmloco-bench-data-", dir=args.dir))
     try:
-        report = run(args, work)
+        report = {
+            "bench": "data",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": machine(),
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        }
+        if parts & {"prepare", "fetch"}:
+            report.update(run(args, work))
+        if "churn" in parts:
+            report.update(churn(args, work / "churn"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(report, indent=2))
@@ -132,10 +162,6 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     local = fetch_all(LocalSource(data), "local")
     prepare_s = statistics.median(times)
     return {
-        "bench": "data",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine(),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "text_bytes": text_bytes,
         "tokens": index.tokens,
         "shards": len(index.shards),
@@ -151,6 +177,87 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "fetch_local_mb_per_s": round(dataset_bytes / 1e6 / statistics.median(local), 1),
         "fetch_peer_s": [round(t, 3) for t in peer],
         "fetch_peer_mb_per_s": round(dataset_bytes / 1e6 / statistics.median(peer), 1),
+    }
+
+
+def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The churn soak (see the module)."""
+    import random
+    import signal
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+    from swarmutil import Bootstrap, PeerProcess
+
+    from swarmloco.dataset.ledger import Sequences, coverage, read_audit
+
+    work.mkdir(parents=True)
+    corpus = work / "corpus.jsonl"
+    write_corpus(corpus, args.churn_tokens * 2.2 / 1e6)  # about 2.2 bytes of text a token
+    tokenizer = train_tokenizer([corpus], 400, "text")
+    tokenizer.save(str(work / "tokenizer.json"))
+    data = work / "data"
+    prepare([corpus], data, tokenizer=work / "tokenizer.json",
+            config=PrepareConfig(shard_tokens=3000), progress=False)  # fmt: skip
+    index = read_index(data)
+    seq_len = 64
+    shards = [np.fromfile(data / f"shard-{i:05d}.bin", dtype=np.dtype(index.dtype))
+              for i in range(len(index.shards))]  # fmt: skip
+    counts = Sequences(shards, seq_len=seq_len, val_fraction=0.05).counts
+    rng = random.Random(args.seed)
+    peer = ("--dataset", str(data), "--max-epochs", "1", "--lease-seconds", "4")
+    started = time.monotonic()
+    runs: list[Any] = []
+    with Bootstrap(work / "boot") as boot:
+        swarm = PeerProcess.publish(work / "creator", boot.endpoint, "--dataset", str(data),
+                                    "--seq-len", str(seq_len))  # fmt: skip
+        peers = {n: PeerProcess.join(swarm, boot.endpoint, work / n, *peer) for n in "abc"}
+        runs += peers.values()
+        try:
+            for _ in range(args.churn_kills):
+                name = rng.choice("abc")
+                victim = peers[name]
+                if victim.process.poll() is not None:
+                    continue  # it left: the epoch is near its end
+                # After a random number of its rounds (0 to 2 more than it had).
+                have = len(victim.of("round"))
+                more = rng.randint(0, 2)
+                with contextlib.suppress(AssertionError):
+                    victim.wait_for(
+                        "round",
+                        lambda e, v=victim, n=have + more: len(v.of("round")) > n,
+                        timeout=60,
+                    )
+                time.sleep(rng.uniform(0.0, 1.5))  # a random moment of the round after
+                if victim.process.poll() is None:
+                    victim.process.send_signal(signal.SIGKILL)
+                    victim.wait(30)
+                peers[name] = PeerProcess.join(swarm, boot.endpoint, work / name, *peer)
+                runs.append(peers[name])
+            codes = {n: p.wait(600) for n, p in peers.items()}
+        finally:
+            for p in runs:
+                if p.process.poll() is None:
+                    p.kill()
+    seconds = time.monotonic() - started
+    cover = coverage([read_audit(work / n / "audit.jsonl") for n in "abc"], counts, epoch=0)
+    given = sum(
+        int(m.group(1))
+        for p in runs
+        for line in p.log
+        if (m := re.search(r"(\d+) sequence\(s\) given back", line))
+    )
+    return {
+        "churn_sequences": cover.sequences,
+        "churn_seq_len": seq_len,
+        "churn_kills": len(runs) - 3,
+        "churn_exit_codes": codes,
+        "churn_seconds": round(seconds, 1),
+        "tokens_landed": cover.landed * seq_len,
+        "tokens_duplicated": cover.duplicated * seq_len,
+        "tokens_missing": cover.missing * seq_len,
+        "tokens_given_back": given * seq_len,
     }
 
 

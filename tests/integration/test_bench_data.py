@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_data.py"
 def test_the_data_bench_prepares_and_fetches_and_reports_both(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--megabytes", "0.5", "--vocab", "300", "--repeats", "1",
-         "--shard-tokens", "50000", "--dir", str(tmp_path)],
+         "--shard-tokens", "50000", "--dir", str(tmp_path), "--parts", "prepare,fetch"],
         capture_output=True, text=True, timeout=110,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
