@@ -250,6 +250,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     )
     return {
         "churn_sequences": cover.sequences,
+        "churn_shards": len(counts),
         "churn_seq_len": seq_len,
         "churn_kills": len(runs) - 3,
         "churn_exit_codes": codes,
