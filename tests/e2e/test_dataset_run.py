@@ -1,13 +1,15 @@
 """A run on a prepared dataset through the CLI, as an organizer starts one: `swarmloco data
 prepare` with a tokenizer trained on the spot, `swarmloco create --dataset DIR
 --dataset-mirror URL` (`swarmloco data serve`'s mirror on loopback), and a `swarmloco join`
-with no copy of it, which fetches the index and every shard from the mirror, checks them,
-and trains with the creator; then the mirror goes down and a third peer gets the dataset
-from the two (`swarmloco.v1.DatasetFiles`). The rounds they average together agree."""
+with no copy of it, which fetches the index and the shards it needs from the mirror
+(the evaluation's at once, the others as it leases them), checks them, and trains with the
+creator; then the mirror goes down and a third peer gets its shards from the two
+(`swarmloco.v1.DatasetFiles`). The rounds they average together agree."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 from pathlib import Path
 
@@ -15,7 +17,8 @@ import pytest
 from swarmutil import PeerProcess
 
 from swarmloco.cli import main
-from swarmloco.dataset.index import read_index
+from swarmloco.dataset.fetch import EVAL_SHARDS
+from swarmloco.dataset.index import read_index, sha256_of
 from swarmloco.dataset.serve import serve_dataset
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,12 +48,17 @@ def test_a_run_on_a_pinned_dataset_fetched_from_its_mirror_then_from_its_peers(t
                     for peer in (late, first, creator):
                         assert peer.wait(90) == 0, peer.log_tail()
     # Neither joiner had a copy: the checked files are in their caches, the first's from
-    # the mirror, the late one's from the peers (the mirror was down).
-    for peer in ("b", "c"):
+    # the mirror, the late one's from the peers (the mirror was down): the evaluation's
+    # shards at once, and each shard it leased when it leased it, none other.
+    for peer, process in (("b", first), ("c", late)):
         cache = tmp_path / peer / "datasets" / dataset_id
+        leased = {int(m) for m in re.findall(r"leased shard (\d+) of epoch", "".join(process.log))}
+        expected = set(range(min(EVAL_SHARDS, len(index.shards)))) | leased
         assert sorted(p.name for p in cache.glob("shard-*.bin")) == [
-            f"shard-{i:05d}.bin" for i in range(len(index.shards))
+            f"shard-{i:05d}.bin" for i in sorted(expected)
         ], peer
+        for i in expected:
+            assert sha256_of(cache / f"shard-{i:05d}.bin") == index.shards[i].sha256, (peer, i)
     creator_cache = tmp_path / "a" / "datasets" / dataset_id
     assert not list(creator_cache.glob("shard-*.bin"))  # the creator read its copy in place
     for peer in (creator, first, late):

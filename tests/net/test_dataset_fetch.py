@@ -15,7 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from swarmloco.dataset.fetch import DatasetCache, HttpSource, LocalSource, local_tokens
+from swarmloco.dataset.fetch import (
+    EVAL_SHARDS,
+    DatasetCache,
+    HttpSource,
+    LazyDataset,
+    LocalSource,
+    local_tokens,
+)
 from swarmloco.dataset.index import read_index, shard_name
 from swarmloco.dataset.prepare import PrepareConfig, prepare
 from swarmloco.dataset.serve import serve_dataset
@@ -138,3 +145,29 @@ def test_a_full_cache_disk_is_said(tmp_path, small_tmpfs):
         cache = DatasetCache(small_tmpfs / "cache", big.dataset_id, [HttpSource(url)])
         with pytest.raises(DataError, match=r"cannot keep shard-\d+\.bin .*No space left"):
             cache.all_shards(cache.index(), progress=False)
+
+
+def test_a_leasing_peer_fetches_the_evaluations_shards_first_and_the_others_when_read(
+    dataset, tmp_path
+):
+    index = read_index(dataset)
+    assert len(index.shards) > EVAL_SHARDS + 1
+    with serve_dataset(dataset) as url:
+        spec = DataSpec(source="dataset", dataset=index.dataset_id, mirrors=(url,))
+        with LazyDataset(spec, tmp_path, [], peers=(), swarm_id="ab" * 20, vocab_size=300) as lazy:
+            tokens, _ = lazy.start()
+            cache = tmp_path / index.dataset_id
+            at_hand = sorted(p.name for p in cache.glob("shard-*.bin"))
+            assert at_hand == [shard_name(i) for i in range(EVAL_SHARDS)]
+            assert len(tokens.paths) == EVAL_SHARDS  # the task's evaluation set: those
+            last = len(index.shards) - 1
+            read = lazy.shard_tokens(last)  # leased: fetched now, checked, mapped
+            assert len(read) == index.shards[last].tokens
+            assert (cache / shard_name(last)).is_file()
+            assert np.array_equal(read, np.fromfile(dataset / shard_name(last), dtype=np.uint16))
+    # The mirror is gone: what is cached is read, what is not is a clear error.
+    with LazyDataset(spec, tmp_path, [], peers=(), swarm_id="ab" * 20, vocab_size=300) as lazy:
+        lazy.start()
+        assert len(lazy.shard_tokens(len(index.shards) - 1)) > 0
+        with pytest.raises(DataError, match=shard_name(EVAL_SHARDS)):
+            lazy.shard_tokens(EVAL_SHARDS)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from netutil import SWARM, loopback_network, wait_for
+from netutil import SWARM, loopback_network
 
 from swarmloco.dataset.leases import LeasedData
 from swarmloco.dataset.ledger import Landing, Range, Sequences, coverage
@@ -67,6 +67,18 @@ class Trainer:
             done += 1
 
 
+async def published(node, shard: int, peer: str, landed: list[list[int]]) -> None:
+    """Until ``peer``'s entry for ``shard`` says ``landed`` (read through ``node``)."""
+    deadline = asyncio.get_running_loop().time() + 10.0
+    while True:
+        result = await node.dht.get(shard_key(SWARM, shard))
+        entry = result.entries.get(peer)
+        if entry is not None and entry.value["landed"] == landed:
+            return
+        assert asyncio.get_running_loop().time() < deadline, "never published"
+        await asyncio.sleep(0.05)
+
+
 async def test_two_readers_share_an_epoch_and_land_every_sequence_once(tmp_path):
     async with loopback_network(3) as nodes:
         a, b = reader(tmp_path, "a", lease_s=4.0), reader(tmp_path, "b", lease_s=4.0)
@@ -101,8 +113,8 @@ async def test_a_dead_readers_shard_goes_to_another_from_where_it_landed(tmp_pat
         ta = Trainer(a, ids[0], steps=1)  # one batch of its first shard lands, then it dies
         await asyncio.to_thread(ta)
         (first,) = {r.shard for r in ta.read}
-        await wait_for(lambda: not a._dirty, timeout=10)  # its landed spans are published
-        await asyncio.sleep(0)
+        landed = [[r.first, r.end] for r in ta.read]
+        await published(nodes[2], first, ids[0], landed)  # what landed is in the DHT
         task.cancel()  # killed: its lease is not released, it expires
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from swarmloco.dataset.index import (
     INDEX,
@@ -295,3 +295,105 @@ def local_tokens(
         dataset="",
         mirrors=(),
     )
+
+
+EVAL_SHARDS = 4
+"""A peer that fetches shards as it leases them fetches the first few at once: the run's
+evaluation set is drawn from their held-out tails (the same on every peer)."""
+
+
+class LazyDataset:
+    """A pinned dataset on a peer that fetches each shard when it first leases it: the
+    index, the tokenizer and the first :data:`EVAL_SHARDS` shards at once, the others from
+    the sources of the moment (its copies, the swarm's serving peers, the mirrors) through
+    :meth:`shard_tokens`. ``with`` keeps a client-only node to the swarm's peers open."""
+
+    def __init__(
+        self,
+        spec: DataSpec,
+        cache: Path,
+        local: Sequence[Path],
+        *,
+        peers: Sequence[str],
+        swarm_id: str,
+        vocab_size: int,
+    ) -> None:
+        self.spec = spec
+        self.local = list(local)
+        self.swarm_id = swarm_id
+        self.peers = tuple(peers)
+        self.vocab_size = vocab_size
+        self.cache = DatasetCache(cache / spec.dataset, spec.dataset, [])
+        self._reader: object | None = None
+        self._stack = contextlib.ExitStack()
+        self._index: DatasetIndex | None = None
+
+    def __enter__(self) -> LazyDataset:
+        from swarmloco.dataset.peers import PeerReader
+
+        if self.peers and not self.cache.complete(self.local):
+            self._reader = self._stack.enter_context(PeerReader(self.peers))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _sources(self) -> list[Source]:
+        sources = sources_for(self.spec.mirrors, self.local)
+        if self._reader is not None:
+            from swarmloco.dataset.peers import PeerReader
+
+            assert isinstance(self._reader, PeerReader)
+            try:
+                peers = self._reader.sources(self.swarm_id, self.spec.dataset)
+            except Exception as exc:  # the mirrors may still serve it
+                logger.warning("could not list the swarm's peers for dataset files: %s", exc)
+                peers = []
+            sources[len(self.local) : len(self.local)] = peers
+        return sources
+
+    def start(self) -> tuple[DataSpec, DatasetIndex]:
+        """The index (checked against the id), the tokenizer, and the evaluation shards:
+        the ``tokens`` spec of those shards (the task reads its evaluation set from them),
+        and the index."""
+        self.cache.sources = self._sources()
+        index = self.cache.index()
+        if index.vocab_size > self.vocab_size:
+            raise DataError(
+                f"dataset {self.spec.dataset} has a vocabulary of {index.vocab_size:,} tokens, "
+                f"the model {self.vocab_size:,}: create the run with --vocab-size "
+                f"{index.vocab_size}"
+            )
+        try:  # not needed to train, but this peer serves it to others
+            self.cache.tokenizer(index)
+        except DataError as exc:
+            logger.warning("the dataset's tokenizer: %s", exc)
+        paths = [self.cache.shard(index, i) for i in range(min(EVAL_SHARDS, len(index.shards)))]
+        logger.info(
+            "dataset %s: %d shard(s), %s tokens; %d at hand, the others fetched as leased",
+            self.spec.dataset[:12],
+            len(index.shards),
+            f"{index.tokens:,}",
+            len(paths),
+        )
+        self._index = index
+        spec = dataclasses.replace(
+            self.spec,
+            source="tokens",
+            paths=tuple(str(p) for p in paths),
+            token_dtype=index.dtype,
+            dataset="",
+            mirrors=(),
+        )
+        return spec, index
+
+    def shard_tokens(self, i: int) -> Any:
+        """Shard ``i``'s tokens (memory-mapped), fetched and checked first if need be."""
+        from swarmloco.train.data import load_token_file
+
+        path = self.cache.root / shard_name(i)
+        if not any((d / shard_name(i)).is_file() for d in self.local) and not path.is_file():
+            self.cache.sources = self._sources()
+            logger.info("fetching shard %d of dataset %s", i, self.spec.dataset[:12])
+        assert self._index is not None, "start() first"
+        return load_token_file(self.cache.shard(self._index, i), self._index.dtype)

@@ -132,6 +132,7 @@ class LeasedData:
         self._short = asyncio.Event()  # set from the reader (through the loop) when short
         self._dirty: set[Lease] = set()
         self._relearn = False
+        self._unavailable: set[int] = set()  # shards no source served (tried again later)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         for landing in read_audit(audit):  # what this peer saw land before a restart
@@ -337,6 +338,8 @@ class LeasedData:
             return
         held = await self._held_by_others(dht, swarm_id, peer_id)
         free = [s for s in mine if s not in held][:MAX_LEASES]
+        for _, shard in free:  # read before the restart: in the cache, checked again
+            await asyncio.to_thread(self.sequences.open, shard)
         if free:
             await self._store_leases(dht, swarm_id, free)
         with self._lock:
@@ -359,7 +362,13 @@ class LeasedData:
                 await self._learn(dht, swarm_id, epoch, shard)
         with self._lock:
             self._release_done()
-            short = self._available() < 2 * self.batch_size and len(self.reading) < MAX_LEASES
+            # The next shard is leased (and fetched) while half a shard is left to read.
+            ahead = max(
+                2 * self.batch_size, self.sequences.total // len(self.sequences.counts) // 2
+            )
+            short = self._available() < ahead and len(self.reading) < MAX_LEASES
+        if not short:
+            self._unavailable.clear()  # (what could not be had is tried again later)
         if short:
             await self._claim(dht, swarm_id, peer_id)
         with self._lock:
@@ -378,10 +387,11 @@ class LeasedData:
             self.stop_peer(self.waiting)
 
     def _release_done(self) -> None:
-        """Give up the shards read to the end whose every range landed."""
+        """Give up the shards read to the end whose every range landed, once what landed of
+        them is published (the next reader must not find it free and not landed)."""
         held = self.ledger.held_shards()
         for lease in [k for k, spans in self.reading.items() if not spans]:
-            if lease not in held:
+            if lease not in held and lease not in self._dirty:
                 del self.reading[lease]
                 logger.info("shard %d of epoch %d read and landed: released", lease[1], lease[0])
 
@@ -398,7 +408,7 @@ class LeasedData:
             order = epoch_order(self.seed, epoch, count)
             for shard in order[start:] + order[:start]:
                 lease = (epoch, shard)
-                if lease in self.reading or not self._todo(*lease):
+                if lease in self.reading or not self._todo(*lease) or shard in self._unavailable:
                     continue
                 if lease in held:
                     others.append(lease)
@@ -439,6 +449,13 @@ class LeasedData:
         await self._store_leases(dht, swarm_id, [*mine, lease])
         rivals = await self._held_by_others(dht, swarm_id, peer_id)
         if lease in rivals:  # claimed at the same time: both withdraw, try another
+            await self._store_leases(dht, swarm_id, mine)
+            return False
+        try:  # fetched (from the peers that hold it, the mirrors) and checked, if need be
+            await asyncio.to_thread(self.sequences.open, lease[1])
+        except DataError as exc:
+            logger.error("shard %d could not be had: %s", lease[1], exc)
+            self._unavailable.add(lease[1])
             await self._store_leases(dht, swarm_id, mine)
             return False
         with self._lock:

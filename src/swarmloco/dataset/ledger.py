@@ -89,12 +89,30 @@ def epoch_order(seed: int, epoch: int, shards: int) -> list[int]:
 
 class Sequences:
     """The training sequences of a dataset's shards (token files, as the task reads them):
-    shard ``s`` has ``counts[s]`` sequences, read as ``(count, seq_len + 1)`` windows."""
+    shard ``s`` has ``counts[s]`` sequences, read as ``(count, seq_len + 1)`` windows.
 
-    def __init__(self, shards: Sequence[np.ndarray], *, seq_len: int, val_fraction: float) -> None:
+    ``shards``: the shards' tokens; or, to open each shard only when it is first read (a
+    peer fetches the shards it leases), ``tokens`` (each shard's length) and ``opener`` (a
+    shard's tokens, fetched if need be)."""
+
+    def __init__(
+        self,
+        shards: Sequence[np.ndarray] = (),
+        *,
+        seq_len: int,
+        val_fraction: float,
+        tokens: Sequence[int] | None = None,
+        opener: Callable[[int], np.ndarray] | None = None,
+    ) -> None:
         self.seq_len = seq_len
-        self.train = [s[: int(len(s) * (1 - val_fraction))] for s in shards]
-        self.counts = [sequences_in(len(t), seq_len) for t in self.train]
+        self.val_fraction = val_fraction
+        lengths = [len(s) for s in shards] if tokens is None else list(tokens)
+        self._cut = [int(n * (1 - val_fraction)) for n in lengths]
+        self._train: dict[int, np.ndarray] = {
+            i: s[: self._cut[i]] for i, s in enumerate(shards) if tokens is None
+        }
+        self._opener = opener
+        self.counts = [sequences_in(n, seq_len) for n in self._cut]
         if not any(self.counts):
             raise DataError(
                 f"no shard of the dataset has a training sequence of {seq_len + 1} tokens"
@@ -104,10 +122,21 @@ class Sequences:
     def total(self) -> int:
         return sum(self.counts)
 
+    def open(self, shard: int) -> None:
+        """Have ``shard`` at hand (fetched, checked and mapped) before it is read."""
+        if shard not in self._train:
+            if self._opener is None:
+                raise DataError(f"shard {shard} is not at hand")
+            tokens = self._opener(shard)
+            if len(tokens) < self._cut[shard]:
+                raise DataError(f"shard {shard} holds {len(tokens)} tokens, fewer than its index")
+            self._train[shard] = tokens[: self._cut[shard]]
+
     def read(self, r: Range) -> np.ndarray:
         if r.end > self.counts[r.shard]:
             raise DataError(f"{r} is past the {self.counts[r.shard]} sequences of its shard")
-        tokens = self.train[r.shard]
+        self.open(r.shard)
+        tokens = self._train[r.shard]
         out = np.empty((r.count, self.seq_len + 1), dtype=np.int64)
         for row in range(r.count):
             at = (r.first + row) * self.seq_len

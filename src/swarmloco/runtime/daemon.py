@@ -8,6 +8,7 @@ the learning rate on the swarm's global step, and train until the peer is asked 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from swarmloco.core.manifest import SwarmManifest
+from swarmloco.dataset.fetch import LazyDataset
 from swarmloco.dataset.leases import LeasedData
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.identity import Identity
@@ -119,26 +121,21 @@ class _LoopState:
 
 def _pinned_dataset(
     manifest: SwarmManifest, spec: DataSpec, config: DaemonConfig, model: dict[str, Any]
-) -> tuple[DataSpec, Any]:
-    """The shards of the run's pinned dataset, on this peer (``dataset/fetch.py``: its
-    copies, the swarm's peers, the mirrors), as the task reads them; and the server of
-    this peer's dataset files to the others (``dataset/peers.py``)."""
+) -> DataSpec:
+    """Every shard of the run's pinned dataset on this peer (``dataset/fetch.py``: its
+    copies, the swarm's peers, the mirrors), as the task reads them."""
     from swarmloco.dataset.fetch import DatasetCache, local_tokens
-    from swarmloco.dataset.peers import FileServer, PeerReader, holdings_in
-    from swarmloco.net.rejections import RejectionLog
+    from swarmloco.dataset.peers import PeerReader
 
     cache = config.peer.directory / "datasets"
     vocab = int(model["vocab_size"])
     copies = config.dataset_copies
     held = DatasetCache(cache / spec.dataset, spec.dataset, [])
     if held.complete(copies) or not config.peer.node.peers:  # nobody to ask but mirrors
-        tokens = local_tokens(spec, cache, copies, vocab)
-    else:
-        with PeerReader(config.peer.node.peers) as reader:
-            peers = reader.sources(manifest.swarm_id, spec.dataset)
-            tokens = local_tokens(spec, cache, copies, vocab, peers=peers)
-    server = FileServer(holdings_in(copies, cache), rejections=RejectionLog(logger))
-    return tokens, server
+        return local_tokens(spec, cache, copies, vocab)
+    with PeerReader(config.peer.node.peers) as reader:
+        peers = reader.sources(manifest.swarm_id, spec.dataset)
+        return local_tokens(spec, cache, copies, vocab, peers=peers)
 
 
 def train_task(
@@ -169,91 +166,116 @@ def train_task(
         fit = fit_batch(loop, model_config, device, config.memory_budget_gb)
         inner = loop.config
     services: list[Service] = []  # more the peer's server carries
-    pinned = data_spec.source == "dataset"
-    if pinned:
-        data_spec, server = _pinned_dataset(manifest, data_spec, config, model_config)
-        services.append(server.service())
-    data = task.load_data(model_config, data_spec)
-    evalset = eval_windows(data.val, seq_len=seq_len, count=data_spec.eval_sequences)
-    ranks = box.size if box is not None else 1
-    peer = dataclasses.replace(
-        config.peer, tokens_per_step=ranks * inner.batch_size * inner.grad_accum * seq_len
-    )
-
-    def evaluate_global() -> float:
-        # The training model's modules with the global weights in place of its own: no
-        # eval copy of the model (on a GPU, the weights visit it for the evaluation).
-        assert isinstance(swarm, Swarm)
-        weights = {k: v.to(device) for k, v in swarm.global_parameters().items()}
-        return evaluate(_WithWeights(plain_model, weights), evalset, device, loop.amp_dtype)
-
-    leased = None
-    if pinned:
-        leased = _leased_data(
-            data_spec, config, run, seq_len, inner.batch_size, data.vocab_size, box
+    with contextlib.ExitStack() as stack:
+        leased = None
+        if data_spec.source == "dataset":
+            data_spec, server, lazy = _pinned(stack, manifest, data_spec, config, model_config, box)
+            services.append(server.service())
+            if lazy is not None:
+                leased = _leased_data(lazy, config, run, seq_len, inner.batch_size)
+        data = task.load_data(model_config, data_spec)
+        evalset = eval_windows(data.val, seq_len=seq_len, count=data_spec.eval_sequences)
+        ranks = box.size if box is not None else 1
+        peer = dataclasses.replace(
+            config.peer, tokens_per_step=ranks * inner.batch_size * inner.grad_accum * seq_len
         )
-    swarm, data_seed = _peer(
-        manifest,
-        loop,
-        peer,
-        box,
-        identity=identity,
-        on_event=_telling_ready(on_event, _how_it_trains(loop, inner, device, fit)),
-        evaluate=evaluate_global,
-        services=services,
-        ranges=leased,
-    )
-    stream: BatchStream | LeasedData
-    if leased is not None:
-        stream = leased
-        leased.stop_peer = swarm.stop
+
+        def evaluate_global() -> float:
+            # The training model's modules with the global weights in place of its own: no
+            # eval copy of the model (on a GPU, the weights visit it for the evaluation).
+            assert isinstance(swarm, Swarm)
+            weights = {k: v.to(device) for k, v in swarm.global_parameters().items()}
+            return evaluate(_WithWeights(plain_model, weights), evalset, device, loop.amp_dtype)
+
+        swarm, data_seed = _peer(
+            manifest,
+            loop,
+            peer,
+            box,
+            identity=identity,
+            on_event=_telling_ready(on_event, _how_it_trains(loop, inner, device, fit)),
+            evaluate=evaluate_global,
+            services=services,
+            ranges=leased,
+        )
+        stream: BatchStream | LeasedData
+        if leased is not None:
+            stream = leased
+            leased.stop_peer = swarm.stop
+            if isinstance(swarm, Swarm):
+                swarm.sheet.data = leased.progress
+        else:
+            stream = BatchStream(
+                data.train,
+                seq_len=seq_len,
+                batch_size=inner.batch_size,
+                vocab_size=data.vocab_size,
+                seed=run.spec.seed,
+                worker=data_seed,
+            )
         if isinstance(swarm, Swarm):
-            swarm.sheet.data = leased.progress
-    else:
-        stream = BatchStream(
-            data.train,
-            seq_len=seq_len,
-            batch_size=inner.batch_size,
-            vocab_size=data.vocab_size,
-            seed=run.spec.seed,
-            worker=data_seed,
+            _describe_compute(swarm, model_config_of(task.name, model_config), fit, device, loop)
+        swarm.register("inner", _LoopState(loop))
+        swarm.register("data", stream)
+        loop.lr_step = lambda: swarm.global_step  # the learning rate follows the swarm
+        swarm.lr_at = inner.lr_at  # and the swarm knows the schedule (to judge downloads)
+        _train(swarm, loop, stream, box)
+        return swarm.summary if isinstance(swarm, Swarm) else None
+
+
+def _pinned(
+    stack: contextlib.ExitStack,
+    manifest: SwarmManifest,
+    spec: DataSpec,
+    config: DaemonConfig,
+    model: dict[str, Any],
+    box: Box | None,
+) -> tuple[DataSpec, Any, LazyDataset | None]:
+    """The run's pinned dataset on this peer, as the task reads it (``dataset/fetch.py``:
+    from its copies, the swarm's peers, the mirrors); the server of this peer's dataset
+    files to the others (``dataset/peers.py``); and, for a peer of one rank, the dataset
+    whose shards it fetches as it leases them (the first few at once: the evaluation
+    set's; ``dataset/leases.py``). A box's ranks read every shard at random: it fetches
+    them all first."""
+    from swarmloco.dataset.peers import FileServer, holdings_in
+    from swarmloco.net.rejections import RejectionLog
+
+    cache = config.peer.directory / "datasets"
+    server = FileServer(holdings_in(config.dataset_copies, cache), rejections=RejectionLog(logger))
+    if box is not None:
+        return _pinned_dataset(manifest, spec, config, model), server, None
+    lazy = stack.enter_context(
+        LazyDataset(
+            spec,
+            cache,
+            config.dataset_copies,
+            peers=config.peer.node.peers,
+            swarm_id=manifest.swarm_id,
+            vocab_size=int(model["vocab_size"]),
         )
-    if isinstance(swarm, Swarm):
-        _describe_compute(swarm, model_config_of(task.name, model_config), fit, device, loop)
-    swarm.register("inner", _LoopState(loop))
-    swarm.register("data", stream)
-    loop.lr_step = lambda: swarm.global_step  # the learning rate follows the swarm
-    swarm.lr_at = inner.lr_at  # and the swarm knows the schedule (to judge downloads)
-    _train(swarm, loop, stream, box)
-    return swarm.summary if isinstance(swarm, Swarm) else None
+    )
+    tokens, _ = lazy.start()
+    return tokens, server, lazy
 
 
 def _leased_data(
-    spec: DataSpec,
-    config: DaemonConfig,
-    run: RunConfig,
-    seq_len: int,
-    batch_size: int,
-    vocab_size: int,
-    box: Box | None,
-) -> LeasedData | None:
-    """The reader of a pinned dataset's shards (``spec``: as fetched, token files) through
-    leases, every sequence landing once (``dataset/leases.py``). A box of several ranks
-    reads random streams (each rank its own), as before (None): leases are one reader's."""
-    if box is not None:
-        logger.warning(
-            "a box of several ranks reads the pinned dataset at random: every sequence "
-            "landing once needs one rank per peer"
-        )
-        return None
+    lazy: LazyDataset, config: DaemonConfig, run: RunConfig, seq_len: int, batch_size: int
+) -> LeasedData:
+    """The reader of a pinned dataset's shards through leases, every sequence landing once
+    (``dataset/leases.py``); each shard fetched when first leased."""
     from swarmloco.dataset.ledger import Sequences
-    from swarmloco.train.data import load_token_file
 
-    shards = [load_token_file(Path(p), spec.token_dtype) for p in spec.paths]
+    index = lazy.cache.index()
+    sequences = Sequences(
+        seq_len=seq_len,
+        val_fraction=lazy.spec.val_fraction,
+        tokens=[s.tokens for s in index.shards],
+        opener=lazy.shard_tokens,
+    )
     return LeasedData(
-        Sequences(shards, seq_len=seq_len, val_fraction=spec.val_fraction),
+        sequences,
         batch_size=batch_size,
-        vocab_size=vocab_size,
+        vocab_size=lazy.vocab_size,
         seed=run.spec.seed,
         fragments=run.spec.fragments,
         audit=config.peer.directory / "audit.jsonl",
