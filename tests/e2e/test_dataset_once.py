@@ -64,7 +64,7 @@ def test_three_peers_and_a_sigkill_land_every_sequence_of_the_epoch_once(tmp_pat
                 if p.process.poll() is None:
                     p.kill()
     for p in peers.values():
-        assert "nothing of the dataset's 1 epoch(s) is left" in "".join(p.log), p.log_tail()
+        assert "every shard of the dataset's 1 epoch(s) landed" in "".join(p.log), p.log_tail()
     audits = {n: read_audit(tmp_path / n / "audit.jsonl") for n in "abc"}
     cover = coverage(audits.values(), counts, epoch=0)
     assert (cover.duplicated, cover.missing) == (0, 0), cover

@@ -4,15 +4,16 @@ sequence landing once (DESIGN section 11, "Exactly once"): :class:`LeasedData`.
 The training thread reads batches (:meth:`LeasedData.ready`, :meth:`LeasedData.next_batch`)
 and the round driver tells it what became of them (:meth:`declare`, :meth:`landed`,
 :meth:`failed`, :meth:`discard`); a task on the peer's event loop (:meth:`run`) keeps the
-leases: it claims a shard when the reader runs short, renews the peer's ``leases`` record,
-releases a shard once all of it landed, publishes what this peer saw land (``shard/<s>``)
-and moves to the next epoch when every shard is done.
+leases: it claims (and fetches) a shard when the reader runs short, renews the peer's
+``leases`` record, releases a shard once all of it landed and that is published, publishes
+what this peer saw land (``shard/<s>``) and moves to the next epoch when nothing of the
+current one is free.
 
 Whom it believes: a shard's landed spans count when this peer saw them land itself (its
-audit) or a peer it averaged with in a round it applied says so; a stranger's entry moves
-nothing. A peer holds at most :data:`MAX_LEASES` shards (the ``leases`` record holds no
-more); a claim is stored, then the record read again: a claimant that finds another peer
-listing the same shard withdraws.
+audit), or a peer it averaged with in a round it applied, or whose state it adopted, says
+so; a stranger's entry is not read. A peer holds at most :data:`MAX_LEASES` shards (the
+``leases`` record holds no more); a claim is stored, then the record read again: a
+claimant that finds another peer listing the same shard withdraws.
 """
 
 from __future__ import annotations
@@ -85,9 +86,8 @@ class LeasedData:
 
     ``sequences``: the dataset's training sequences; ``seed``: the run's (it orders each
     epoch's shards); ``fragments``: the run's F; ``audit``: where the landings this peer
-    saw are appended; ``max_epochs``: leave once nothing of the first ``max_epochs`` epochs
-    is left for this peer (every shard landed or leased by another, its own ranges landed;
-    None: go on)."""
+    saw are appended; ``max_epochs``: leave once every shard of the first ``max_epochs``
+    epochs is known to have landed (None: go on)."""
 
     def __init__(
         self,
@@ -120,8 +120,8 @@ class LeasedData:
         """(epoch, shard) -> the spans this peer knows landed (first-hand or trusted)."""
         self.reading: dict[Lease, list[Span]] = {}
         """(epoch, shard) this peer leases -> the spans it has still to read."""
-        self.waiting = ""
-        """Why no batch is to be had ("" when batches are)."""
+        self.ended = ""
+        """Why the peer leaves ("" while it reads)."""
         self.last_epoch = False
         """Nothing of the last epoch ``max_epochs`` allows is left to claim: the last
         sequences make a short batch, and the peer leaves once its own landed."""
@@ -381,10 +381,8 @@ class LeasedData:
             )
         await self._store_leases(dht, swarm_id, leases)
         if leaving:
-            self.waiting = (
-                f"nothing of the dataset's {self.max_epochs} epoch(s) is left for this peer"
-            )
-            self.stop_peer(self.waiting)
+            self.ended = f"every shard of the dataset's {self.max_epochs} epoch(s) landed"
+            self.stop_peer(self.ended)
 
     def _release_done(self) -> None:
         """Give up the shards read to the end whose every range landed, once what landed of
@@ -460,7 +458,7 @@ class LeasedData:
             return False
         with self._lock:
             self.reading[lease] = todo
-            self.waiting = ""
+            self.ended = ""
         self.changed.set()
         logger.info(
             "leased shard %d of epoch %d: %d sequence(s) to read",

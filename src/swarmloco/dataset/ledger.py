@@ -33,11 +33,12 @@ from typing import Any
 import numpy as np
 
 from swarmloco.errors import DataError
+from swarmloco.net.averaging.group import MAX_RANGES
 
 logger = logging.getLogger(__name__)
 
-MAX_DECLARED_RANGES = 16
-"""Ranges one declaration carries at most (merged per shard first)."""
+MAX_DECLARED_RANGES = MAX_RANGES
+"""Ranges one declaration carries at most (merged per shard first): the protocol's bound."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
