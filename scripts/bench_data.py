@@ -21,9 +21,10 @@ fetches a pinned dataset. Prints ONE JSON object.
   directory; a peer that already left is not killed), leases of 4 s, ``--max-epochs 1``; then the
   union of the peers' audits against the epoch: ``tokens_duplicated`` and
   ``tokens_missing`` (targets 0 and 0; a sequence of 64 targets counts 64 tokens), with
-  ``tokens_given_back`` (read again after a download, a discard or a left-out
-  contribution, as the peers logged it; what a killed run read after its last landing is
-  not in it) and the seconds the epoch took.
+  ``tokens_wasted`` (trained and never landed: what the peers' ``--read-log`` files say
+  they read, killed runs included, less what landed), ``tokens_given_back`` (read again
+  after a download, a discard or a left-out contribution, as the peers logged it) and the
+  seconds the epoch took.
 
     python scripts/bench_data.py [--megabytes 50] [--vocab 8192] [--repeats 3]
     python scripts/bench_data.py --parts churn [--churn-tokens 150000] [--churn-kills 6]
@@ -212,7 +213,12 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     with Bootstrap(work / "boot") as boot:
         swarm = PeerProcess.publish(work / "creator", boot.endpoint, "--dataset", str(data),
                                     "--seq-len", str(seq_len))  # fmt: skip
-        peers = {n: PeerProcess.join(swarm, boot.endpoint, work / n, *peer) for n in "abc"}
+
+        def join(n: str) -> PeerProcess:
+            return PeerProcess.join(swarm, boot.endpoint, work / n, *peer,
+                                    "--read-log", str(work / f"{n}.reads"))  # fmt: skip
+
+        peers = {n: join(n) for n in "abc"}
         runs += peers.values()
         try:
             for _ in range(args.churn_kills):
@@ -233,7 +239,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 if victim.process.poll() is None:
                     victim.process.send_signal(signal.SIGKILL)
                     victim.wait(30)
-                peers[name] = PeerProcess.join(swarm, boot.endpoint, work / name, *peer)
+                peers[name] = join(name)
                 runs.append(peers[name])
             codes = {n: p.wait(600) for n, p in peers.items()}
         finally:
@@ -242,6 +248,13 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     p.kill()
     seconds = time.monotonic() - started
     cover = coverage([read_audit(work / n / "audit.jsonl") for n in "abc"], counts, epoch=0)
+    read = sum(
+        count
+        for n in "abc"
+        if (work / f"{n}.reads").exists()
+        for line in (work / f"{n}.reads").read_text().splitlines()
+        for _, _, _, count in json.loads(line)
+    )
     given = sum(
         int(m.group(1))
         for p in runs
@@ -259,6 +272,8 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "tokens_duplicated": cover.duplicated * seq_len,
         "tokens_missing": cover.missing * seq_len,
         "tokens_given_back": given * seq_len,
+        "tokens_read": read * seq_len,
+        "tokens_wasted": (read - cover.landed - cover.duplicated) * seq_len,
     }
 
 

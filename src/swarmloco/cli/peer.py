@@ -84,6 +84,15 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "(renewed every quarter of it while it trains); a shard of a peer that died is "
         "another's after this long (default: %(default)s)",
     )
+    g.add_argument(
+        "--read-log",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="on a pinned dataset: append the sequences each batch reads to FILE, one JSON "
+        "line a batch (with the peers' audits, what was trained and never landed; "
+        "default: none)",
+    )
     _add_network_options(g)
     _add_compute_options(g)
     _add_round_options(g)
@@ -294,6 +303,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         dataset_copies=_dataset_copies(args),
         max_epochs=args.max_epochs,
         lease_s=args.lease_seconds,
+        read_log=args.read_log,
     )
     sink = None
     events_file = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -87,7 +88,8 @@ class LeasedData:
     ``sequences``: the dataset's training sequences; ``seed``: the run's (it orders each
     epoch's shards); ``fragments``: the run's F; ``audit``: where the landings this peer
     saw are appended; ``max_epochs``: leave once every shard of the first ``max_epochs``
-    epochs is known to have landed (None: go on)."""
+    epochs is known to have landed (None: go on); ``read_log``: a file the ranges of each
+    batch are appended to."""
 
     def __init__(
         self,
@@ -100,8 +102,10 @@ class LeasedData:
         audit: Path,
         max_epochs: int | None = None,
         lease_s: float = LEASE_S,
+        read_log: Path | None = None,
     ) -> None:
         self.sequences = sequences
+        self.read_log = read_log
         self.batch_size = batch_size
         self.vocab_size = vocab_size
         self.seed = seed
@@ -163,6 +167,9 @@ class LeasedData:
             if not ranges:
                 raise DataError("no sequence is to be read: call ready() first")
             self.ledger.read(ranges)
+        if self.read_log is not None:  # flushed, not synced: it outlives a SIGKILL
+            with self.read_log.open("a", encoding="utf-8") as fh:
+                fh.write(json.dumps([r.to_list() for r in ranges]) + "\n")
         windows = np.concatenate([self.sequences.read(r) for r in ranges])
         batch = torch.from_numpy(windows)
         top = int(batch.max())

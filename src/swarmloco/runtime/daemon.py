@@ -68,6 +68,9 @@ class DaemonConfig:
     """On a pinned dataset: leave once this many epochs landed whole (None: go on)."""
     lease_s: float = 60.0
     """On a pinned dataset: how long this peer's leases live unless renewed."""
+    read_log: Path | None = None
+    """On a pinned dataset: append the ranges each batch reads to this file (audits and
+    benchmarks: what was trained and never landed)."""
 
     def __post_init__(self) -> None:
         if self.compile not in (None, "auto", "on", "off"):
@@ -281,6 +284,7 @@ def _leased_data(
         audit=config.peer.directory / "audit.jsonl",
         max_epochs=config.max_epochs,
         lease_s=config.lease_s,
+        read_log=config.read_log,
     )
 
 
