@@ -297,8 +297,8 @@ def test_a_pinned_datasets_epoch_is_what_the_best_informed_reader_knows():
     view = view_of(status=readers, trust=(A, B, C))
     assert view["dataset"] == {"epoch": 0, "sequences": 462, "landed": 312, "shards": 11,
                                "done": 7, "leased": 3, "readers": 2}  # fmt: skip
-    assert ("dataset: epoch 0, 312 of 462 sequences landed (68%), 7 of 11 shards done, 3 "
-            "leased by 2 reader(s)") in text.render(view)  # fmt: skip
+    assert ("dataset: epoch 0, 312 of 462 sequences landed (68%); of 11 shards 7 done, 3 "
+            "leased by 2 reader(s), 1 free") in text.render(view)  # fmt: skip
     # A reader in the next epoch: that epoch is shown.
     readers[B] = status(data=data(1, 20, 1, 0))
     assert view_of(status=readers, trust=(A, B))["dataset"]["epoch"] == 1

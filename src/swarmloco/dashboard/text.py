@@ -99,16 +99,17 @@ def progress_line(progress: Any) -> str:
 
 
 def dataset_line(dataset: Any) -> str:
-    """``dataset: epoch 0, 312 of 462 sequences landed (68%), 7 of 11 shards done, 2
-    leased by 3 readers``, from the view's ``dataset`` ("" without one)."""
+    """``dataset: epoch 0, 312 of 462 sequences landed (68%); of 11 shards 7 done, 3
+    leased by 2 reader(s), 1 free``, from the view's ``dataset`` ("" without one)."""
     if not isinstance(dataset, dict):
         return ""
     total = dataset["sequences"]
     share = f" ({100 * dataset['landed'] / total:.0f}%)" if total else ""
+    free = max(0, dataset["shards"] - dataset["done"] - dataset["leased"])
     return (
         f"dataset: epoch {dataset['epoch']}, {dataset['landed']:,} of {total:,} sequences "
-        f"landed{share}, {dataset['done']} of {dataset['shards']} shards done, "
-        f"{dataset['leased']} leased by {dataset['readers']} reader(s)"
+        f"landed{share}; of {dataset['shards']} shards {dataset['done']} done, "
+        f"{dataset['leased']} leased by {dataset['readers']} reader(s), {free} free"
     )
 
 

@@ -368,7 +368,13 @@ class LazyDataset:
             self.cache.tokenizer(index)
         except DataError as exc:
             logger.warning("the dataset's tokenizer: %s", exc)
-        paths = [self.cache.shard(index, i) for i in range(min(EVAL_SHARDS, len(index.shards)))]
+        first = index.shards[: min(EVAL_SHARDS, len(index.shards))]
+        bar = Progress(sum(s.tokens for s in first) * index.token_bytes, "dataset")
+        paths = []
+        for i, shard in enumerate(first):
+            paths.append(self.cache.shard(index, i))
+            bar.update(shard.tokens * index.token_bytes)
+        bar.close()
         logger.info(
             "dataset %s: %d shard(s), %s tokens; %d at hand, the others fetched as leased",
             self.spec.dataset[:12],
