@@ -152,3 +152,27 @@ async def test_strangers_cannot_finish_shards_nor_hold_more_than_the_cap(tmp_pat
         assert task.done()
         cover = coverage([[Landing(1, "a", tuple(ta.read))]], COUNTS, epoch=0)
         assert (cover.duplicated, cover.missing) == (0, 0), cover
+
+
+async def test_a_reader_whose_leases_cannot_be_renewed_stops_reading_them(tmp_path):
+    async with loopback_network(2) as nodes:
+        me = nodes[0].identity.peer_id_hex
+        a = reader(tmp_path, "a", lease_s=4.0)
+        task = asyncio.create_task(a.run(nodes[0].dht, SWARM, me))
+        await asyncio.to_thread(a.changed.wait, 10.0)  # a shard is leased
+        assert a.reading and a.ready()
+        broken = RuntimeError("the network is away")
+
+        async def fail(*args: object, **kwargs: object) -> int:
+            raise broken
+
+        nodes[0].dht.store = fail  # type: ignore[method-assign]  # every store fails from now
+        # Within three quarters of the lease's life, nothing more is read of it: another
+        # peer may take it once it expires.
+        deadline = asyncio.get_running_loop().time() + 10.0
+        while a.ready():
+            assert asyncio.get_running_loop().time() < deadline, "still reading"
+            await asyncio.sleep(0.05)
+        assert a.reading  # still its own, not read until renewed
+        await a.close()
+        assert task.done()

@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 LEASE_S = 60.0
 """How long a lease lives unless renewed (renewed every quarter of it)."""
+STALE_LEASE = 0.75
+"""Past this share of its life without a renewal, a lease is not read from any more."""
 SHARD_ENTRY_TTL_S = 86400.0
 """How long a peer's word on a shard's landed spans lives in the DHT."""
 
@@ -139,6 +142,7 @@ class LeasedData:
         self._unavailable: set[int] = set()  # shards no source served (tried again later)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        self._renewed = time.monotonic()  # when this peer's leases record was last stored
         for landing in read_audit(audit):  # what this peer saw land before a restart
             self._know(landing.ranges)
 
@@ -149,6 +153,11 @@ class LeasedData:
         shard, and the caller idles). The last sequences of the last epoch make a short
         batch."""
         with self._lock:
+            if self.reading and time.monotonic() - self._renewed > STALE_LEASE * self.lease_s:
+                # Its leases could not be renewed (the network is away): another peer may
+                # take them soon; nothing more is read of them until they are renewed.
+                self._ask()
+                return False
             have = self._available()
             if have >= batches * self.batch_size:
                 return True
@@ -516,7 +525,8 @@ class LeasedData:
 
     async def _store_leases(self, dht: Any, swarm_id: str, leases: Sequence[Lease]) -> None:
         value = {"shards": [list(x) for x in leases], "at": dht.clock()}
-        await dht.store(leases_key(swarm_id), value, ttl=self.lease_s)
+        if await dht.store(leases_key(swarm_id), value, ttl=self.lease_s) > 0:
+            self._renewed = time.monotonic()
 
     # -- what the dashboard shows --------------------------------------------------------------
 
