@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import random
+import sys
 import time
 
 import grpc
@@ -293,3 +294,20 @@ def test_the_reserve_remembers_a_bounded_number_of_hosts():
     slots.reserve([f"10.0.0.{i}" for i in range(5)], until=10.0)
     slots.reserve(["10.0.1.1"], until=20.0)
     assert len(slots._reserved) == 3 and slots.reserved("10.0.1.1")
+
+
+def test_a_call_cancelled_as_a_peer_leaves_is_not_logged_as_an_error(caplog):
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    try:
+        raise asyncio.CancelledError
+    except asyncio.CancelledError:
+        cancelled = sys.exc_info()
+    try:
+        raise ValueError("a handler bug")
+    except ValueError:
+        failed = sys.exc_info()
+    with caplog.at_level(logging.ERROR, logger="grpc._cython.cygrpc"):
+        message = "Exception not handled by _handle_exceptions in servicer method [/x/Store]"
+        grpc_log.error(message, exc_info=cancelled)
+        grpc_log.error(message, exc_info=failed)  # a real error still is
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [ValueError]

@@ -28,6 +28,7 @@ the log (which a stream of garbage would turn into a flood).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import enum
@@ -56,6 +57,19 @@ from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.tls import TlsCredentials
 
 logger = logging.getLogger(__name__)
+
+
+class _CancelledCalls(logging.Filter):
+    """grpc logs a call whose handler was cancelled as an unhandled exception, with its
+    traceback; a peer leaving cancels what is still running on its loop, a call that came
+    in at that moment among it. Nothing went wrong: that record is dropped, no other."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        cancelled = record.exc_info is not None and record.exc_info[0] is asyncio.CancelledError
+        return not (cancelled and record.getMessage().startswith("Exception not handled"))
+
+
+logging.getLogger("grpc._cython.cygrpc").addFilter(_CancelledCalls())
 
 
 @dataclasses.dataclass(frozen=True)
