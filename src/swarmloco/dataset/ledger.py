@@ -162,7 +162,6 @@ class Ledger:
         """Given back: read these again before anything new."""
         self._declared: dict[int, tuple[int, list[_Pending]]] = {}
         """Round -> its fragment and the pending ranges it carries a share of."""
-        self.landed_total = 0
         self.given_back_total = 0
 
     def read(self, ranges: Iterable[Range]) -> None:
@@ -215,7 +214,6 @@ class Ledger:
             if not e.fragments:
                 self.pending.remove(e)
                 done.append(e.range)
-        self.landed_total += sum(r.count for r in done)
         return merged(done)
 
     def failed(self, round: int) -> None:
