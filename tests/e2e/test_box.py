@@ -76,7 +76,8 @@ def test_a_1_rank_a_ddp_and_an_fsdp_peer_average_in_one_swarm_and_agree_on_every
 def test_a_box_computes_what_one_process_computes_on_the_same_data(tmp_path):
     """Alone, a peer averages every H steps: a 1-rank, a 2-rank DDP and a 2-rank FSDP peer
     trained on the same batches end their rounds on the same global model (the ranks split
-    each batch; float sums in another order are all that differs)."""
+    each batch; float sums in another order, and where they tip the codec's rounding, are
+    all that differs)."""
     rounds = 3
     args = ("create", "--identity-work", "0", "--max-rounds", str(rounds), "--sync-every", "10")
     args += ("--data-seed", "7")
@@ -93,9 +94,14 @@ def test_a_box_computes_what_one_process_computes_on_the_same_data(tmp_path):
         for p in runs:
             assert p.wait(300) == 0, p.log_tail()
     one, ddp, fsdp, other = (theta_g(p, rounds) for p in runs)
+    # A round applies the update as the codec encodes it, alone too (as any group's mean):
+    # a sum in another order moves a value across a rounding boundary now and then, by one
+    # step of its block's scale. Training on other data moves every value, by far more.
+    apart = (other - one).abs()
     for got in (ddp, fsdp):
-        assert torch.allclose(got, one, rtol=1e-5, atol=1e-6), (got - one).abs().max()
-    assert not torch.allclose(other, one, rtol=1e-5, atol=1e-6)
+        diff = (got - one).abs()
+        assert diff.mean() < 1e-3 * apart.mean(), (diff.mean(), apart.mean())
+        assert diff.max() < 0.05 * apart.max(), (diff.max(), apart.max())
 
 
 def rank_pid(launcher: PeerProcess, rank: int) -> int:

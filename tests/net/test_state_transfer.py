@@ -41,6 +41,7 @@ from swarmloco.net.state import (
     state_service,
     wire,
 )
+from swarmloco.net.state.files import FileSource, write_state
 from swarmloco.proto.v1 import state_pb2 as pb
 
 SWARM = "5a" * 20
@@ -126,7 +127,7 @@ def honest_messages(
     header = wire.sign_header(
         signer or identity, snapshot, nonce=nonce, chunk_bytes=CHUNK, timestamp_ms=1
     )
-    chunks = [bytes(c) for c in wire.state_chunks(snapshot.tensors, CHUNK)]
+    chunks = [bytes(c) for c in snapshot.chunks(CHUNK)]
     return header, chunks
 
 
@@ -309,6 +310,30 @@ async def test_a_clean_download_is_bit_identical(numel, momentum):
     assert donor.donor is not None and donor.donor.stats["served"] == 1
     assert donor.donor.stats["bytes"] == snapshot.nbytes
     assert got.snapshot.digest == state_digest(snapshot.tensors)
+
+
+async def test_a_state_served_from_a_file_downloads_into_a_file_bit_identical(tmp_path):
+    """A peer's states live in unnamed files (DESIGN section 6, "Host memory"): the donor
+    reads its chunks off the file, the requester writes them into one; neither holds it
+    in memory, and neither leaves a file behind."""
+    state = make_snapshot(1_000_003, momentum=-1, seed=3)
+    served, spool = tmp_path / "served", tmp_path / "spool"
+    on_disk = write_state(served, swarm_id=SWARM, round=state.round, tensors=state.tensors)
+    assert isinstance(on_disk.source, FileSource)
+    async with honest(on_disk) as donor, RpcClient() as client:
+        got = await fetch(client, [donor], spool=spool)
+    assert isinstance(got.snapshot.source, FileSource)
+    assert_same_state(got.snapshot, state)
+    assert list(served.iterdir()) == [] and list(spool.iterdir()) == []
+
+
+async def test_a_spool_on_a_full_disk_fails_the_attempt_not_the_requester(small_tmpfs):
+    state = make_snapshot(1_000_003, momentum=-1, seed=4)  # 8 MB: more than the disk holds
+    async with honest(state) as donor, RpcClient() as client:
+        with pytest.raises(StateTransferError) as caught:
+            await fetch(client, [donor], spool=small_tmpfs)
+    assert [f.code for f in caught.value.failures] == ["no-room"]
+    assert list(small_tmpfs.iterdir()) == []
 
 
 async def test_other_dtypes_and_the_schema_of_a_diloco_state():

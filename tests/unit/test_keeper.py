@@ -98,13 +98,13 @@ def test_a_checkpoint_that_finds_the_writer_busy_is_skipped_or_owed_if_urgent(tm
     clock = Clock()
     keeper = keeper_at(tmp_path, Events(), clock)
     release = threading.Event()
-    original = keeper.writer._write
+    original = keeper.writer._commit
 
     def slow(*args: Any) -> Any:
         release.wait(30)
         return original(*args)
 
-    keeper.writer._write = slow  # type: ignore[method-assign]
+    keeper.writer._commit = slow  # type: ignore[method-assign]
     captured: list[int] = []
 
     def capture(round: int) -> Any:
@@ -115,7 +115,7 @@ def test_a_checkpoint_that_finds_the_writer_busy_is_skipped_or_owed_if_urgent(tm
     assert keeper.due is None and not keeper.owed()
     assert not keeper.save(capture(3), round=3, step=3, urgent=True)  # owed
     assert keeper.due == clock.now and not keeper.owed()  # the writer is still busy
-    assert captured == [1]  # nothing was copied for the ones not written
+    assert captured == [1]  # nothing was captured for the ones not written
     release.set()
     assert keeper.collect(wait=True).round == 1
     assert keeper.owed()

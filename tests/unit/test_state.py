@@ -16,6 +16,7 @@ from swarmloco.core.state import (
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection
 from swarmloco.net.state import wire
+from swarmloco.net.state.files import FileSink, write_state
 
 SWARM = "5a" * 20
 LIMITS = wire.ReceiveLimits(min_chunk_bytes=16)
@@ -109,8 +110,9 @@ def test_a_header_is_bound_to_its_donor_its_request_and_its_contents():
     assert code() == "bad-signature"
 
 
+@pytest.mark.parametrize("into", ["memory", "file"])
 @pytest.mark.parametrize("chunk", [16, 100, 4004, 4005, 8008, 100_000])
-def test_chunks_reassemble_into_the_same_tensors(chunk):
+def test_chunks_reassemble_into_the_same_tensors(chunk, into, tmp_path):
     identity = Identity.generate()
     snapshot = StateSnapshot.of(swarm_id=SWARM, round=3, tensors=tensors())
     checked = wire.check_header(
@@ -120,14 +122,17 @@ def test_chunks_reassemble_into_the_same_tensors(chunk):
         swarm_id=SWARM,
         limits=LIMITS,
     )
-    chunks = list(wire.state_chunks(snapshot.tensors, chunk))
+    chunks = list(snapshot.chunks(chunk))
     assert len(chunks) == checked.chunks and all(len(c) == chunk for c in chunks[:-1])
-    assembler = wire.StateAssembler(checked)
+    sink = FileSink(tmp_path, checked.specs) if into == "file" else None
+    assembler = wire.StateAssembler(checked, sink)
     for index, data in enumerate(chunks):
         assert not assembler.complete
         assembler.accept(index, data)
     got = assembler.finish()
-    assert all(torch.equal(got[name], t) for name, t in snapshot.tensors.items())
+    assert got.digest == snapshot.digest and got.round == 3
+    assert all(torch.equal(got.tensors[name], t) for name, t in snapshot.tensors.items())
+    assert list(tmp_path.iterdir()) == []  # the file has no name: nothing to clean up
     with pytest.raises(Rejection, match="after the last chunk"):
         assembler.accept(len(chunks), b"")
 
@@ -139,7 +144,7 @@ def test_the_assembler_refuses_wrong_chunks_and_a_wrong_digest():
     checked = wire.check_header(
         header, peer_id=identity.peer_id_hex, nonce=bytes(16), swarm_id=SWARM, limits=LIMITS
     )
-    chunks = [bytes(c) for c in wire.state_chunks(snapshot.tensors, 1000)]
+    chunks = [bytes(c) for c in snapshot.chunks(1000)]
     assembler = wire.StateAssembler(checked)
     with pytest.raises(Rejection, match="chunk 1 arrived where chunk 0"):
         assembler.accept(1, chunks[1])
@@ -165,3 +170,31 @@ def test_requests_are_checked():
     for bad in (b"\xff", wire.encode_request(swarm_id=SWARM, nonce=bytes(8)), bytes(2000)):
         with pytest.raises(Rejection, match="request"):
             wire.decode_request(bad)
+
+
+def test_a_state_in_a_file_reads_back_in_every_way_and_hashes_as_in_memory(tmp_path):
+    state = tensors(1) | {"tokens": torch.tensor([7], dtype=torch.int64)}
+    in_memory = StateSnapshot.of(swarm_id=SWARM, round=5, tensors=state)
+    on_disk = write_state(tmp_path, swarm_id=SWARM, round=5, tensors=state)
+    assert on_disk.digest == in_memory.digest == state_digest(state)
+    assert on_disk.specs == in_memory.specs and on_disk.nbytes == in_memory.nbytes
+    for cut in (16, 1000, 100_000):
+        assert b"".join(on_disk.chunks(cut)) == b"".join(bytes(c) for c in in_memory.chunks(cut))
+    out = torch.empty(1001)
+    on_disk.read_into(MOMENTUM, out)
+    assert torch.equal(out, state[MOMENTUM])
+    pieces = [p.clone() for p in on_disk.pieces(THETA_G, values=300)]
+    assert [p.numel() for p in pieces] == [300, 300, 300, 101]
+    assert torch.equal(torch.cat(pieces), state[THETA_G])
+    assert int(on_disk.tensor("tokens")[0]) == 7
+    with pytest.raises(ValueError, match="float32"):
+        on_disk.read_into(THETA_G, torch.empty(1001, dtype=torch.float64))
+    assert list(tmp_path.iterdir()) == []  # unnamed: gone with its last reader, or a crash
+
+
+def test_a_state_file_given_its_digest_trusts_it(tmp_path):
+    state = tensors(2)
+    digest = state_digest(state)
+    snapshot = write_state(tmp_path, swarm_id=SWARM, round=1, tensors=state, digest=digest)
+    assert snapshot.digest == digest
+    assert state_digest(dict(snapshot.tensors)) == digest

@@ -45,12 +45,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from swarmloco.core.config import require_int, require_positive
+from swarmloco.core.state import StateSnapshot
 
 _HISTORY = 16  # recent rounds whose movement, update and interval are kept
 _LOSSES = 8  # training losses kept as a probation's reference
@@ -397,8 +398,23 @@ class Reference:
     """The most members a group may have (a round adds at most that many weights)."""
 
 
+def _squares(x: torch.Tensor) -> float:
+    """The sum of ``x``'s squares, in float64 (no overflow below 1e154)."""
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+
+
+def _walk(
+    state: Mapping[str, torch.Tensor] | StateSnapshot,
+) -> tuple[list[str], Callable[[str], Iterator[torch.Tensor]]]:
+    """The tensors' names, and each tensor a piece at a time (a snapshot in a file is
+    never read whole)."""
+    if isinstance(state, StateSnapshot):
+        return [spec.name for spec in state.specs], state.pieces
+    return list(state), lambda name: iter((state[name].reshape(-1),))
+
+
 def check_state(
-    tensors: Mapping[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor] | StateSnapshot,
     *,
     ahead: int,
     reference: Reference,
@@ -409,17 +425,30 @@ def check_state(
     momentum: str = "momentum",
     tokens: str = "tokens",
 ) -> StateCheck:
-    """Whether a downloaded state (``tensors``, ``ahead`` rounds past this peer's) is a
-    plausible successor of this peer's own (``reference``), whole: every tensor finite,
-    the weights within :func:`distance_bound`, the momentum within :func:`momentum_bound`
-    (for a fresh peer: an outer step of it goes no further than the state moved from this
-    peer's), the token count within what the rounds between add. ``lr``: the highest inner
-    learning rate over those rounds, when known."""
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return StateCheck(f"its {name} holds NaN or Inf")
-    theta = tensors[theta_g]
-    distance = float(torch.linalg.vector_norm(theta - reference.theta_g))
+    """Whether a downloaded state (named tensors or a snapshot, ``ahead`` rounds past this
+    peer's) is a plausible successor of this peer's own (``reference``), whole: every
+    tensor finite, the weights within :func:`distance_bound`, the momentum within
+    :func:`momentum_bound` (for a fresh peer: an outer step of it goes no further than the
+    state moved from this peer's), the token count within what the rounds between add.
+    ``lr``: the highest inner learning rate over those rounds, when known. Read a piece
+    at a time: nothing of the state's size is allocated."""
+    names, pieces = _walk(state)
+    squares = {theta_g: 0.0, momentum: 0.0}  # of the distance, and of the momentum's length
+    count = None
+    for name in names:
+        at = 0
+        for piece in pieces(name):
+            if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+                return StateCheck(f"its {name} holds NaN or Inf")
+            if name == theta_g:
+                mine = reference.theta_g[at : at + piece.numel()]
+                squares[name] += _squares(piece - mine)
+            elif name == momentum:
+                squares[name] += _squares(piece)
+            elif name == tokens:
+                count = piece.clone()
+            at += piece.numel()
+    distance = math.sqrt(squares[theta_g])
     bound = distance_bound(ahead, evidence, config, lr=lr)
     if bound is not None and not distance <= bound:
         return StateCheck(
@@ -428,8 +457,7 @@ def check_state(
             distance,
             bound,
         )
-    buffer = tensors.get(momentum)
-    length = float(torch.linalg.vector_norm(buffer)) if buffer is not None else 0.0
+    length = math.sqrt(squares[momentum])
     limit = momentum_bound(
         evidence,
         config,
@@ -453,7 +481,6 @@ def check_state(
             length,
             limit,
         )
-    count = tensors.get(tokens)
     if count is not None:
         value = int(count.reshape(-1)[0]) if count.numel() else -1
         if value < 0:

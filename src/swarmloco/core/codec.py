@@ -436,6 +436,57 @@ class Encoded:
         return self.payload.numel() + self.scales.numel() * self.scales.element_size()
 
 
+def encoded_zeros(numel: int, config: CodecConfig) -> Encoded:
+    """A block-aligned flat vector of ``numel`` zeros, encoded (a buffer to encode or
+    receive into: about 1 byte a value instead of fp32's 4)."""
+    blocks = num_blocks(numel, config.block_size)
+    return Encoded(
+        torch.zeros(blocks * config.block_size, dtype=torch.int8),
+        torch.zeros(blocks, dtype=config.scale_torch_dtype),
+        (blocks * config.block_size,),
+        config.block_size,
+    )
+
+
+def encoded_slice(encoded: Encoded, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values and scales of ``[start, stop)`` of a flat encoded vector (views; whole
+    blocks)."""
+    b = encoded.block_size
+    if start % b or stop % b or not 0 <= start <= stop <= encoded.payload.numel():
+        raise CodecError(f"values {start}..{stop} are not whole blocks of {b} of the vector")
+    return encoded.payload[start:stop], encoded.scales[start // b : stop // b]
+
+
+def decode_slice_into(out: torch.Tensor, encoded: Encoded, start: int) -> None:
+    """``out = decode(encoded)[start : start + len(out)]`` (whole blocks), in place: the
+    same bits as decoding the whole vector."""
+    q, scale = encoded_slice(encoded, start, start + out.numel())
+    dequantize_into_(out, q, scale, CodecConfig(block_size=encoded.block_size))
+
+
+def store_encoded_(encoded: Encoded, start: int, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Keep received values and scales at ``start`` of a flat encoded vector, as they
+    came (CodecError, and nothing kept, for scales the decoder would refuse)."""
+    into_q, into_scale = encoded_slice(encoded, start, start + q.numel())
+    _check_decode_args(q.view(-1, encoded.block_size), scale)
+    if scale.dtype != into_scale.dtype:
+        raise CodecError(f"scales are {scale.dtype}, this vector's {into_scale.dtype}")
+    into_q.copy_(q)
+    into_scale.copy_(scale)
+
+
+def encoded_norm(encoded: Encoded) -> float:
+    """The L2 norm of what ``encoded`` decodes to, a slab at a time (nothing of its size
+    is decoded)."""
+    b = encoded.block_size
+    squares = 0.0
+    for i in _slices(encoded.payload.view(-1, b)):
+        q = encoded.payload.view(-1, b)[i]
+        per_block = torch.linalg.vector_norm(q.to(torch.float32), dim=1).double()
+        squares += float(torch.dot(per_block.square(), encoded.scales[i].double().square()))
+    return math.sqrt(squares)
+
+
 def _padded_flat(x: torch.Tensor, block_size: int) -> torch.Tensor:
     flat = x.detach().reshape(-1).to(torch.float32)
     extra = padded_numel(flat.numel(), block_size) - flat.numel()
@@ -509,6 +560,28 @@ class ErrorFeedback:
         _KERNELS.run("subtract", _subtract_kernel, self.config.backend, rb, qb, scale)
         self._can_rollback = True
         return q, scale
+
+    def begin(self) -> None:
+        """Start a message encoded a slab at a time (:meth:`encode_slab`): what
+        :meth:`rollback` returns to."""
+        self._backup.copy_(self.residual)
+        self._can_rollback = True
+
+    def encode_slab(
+        self, start: int, x: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """:meth:`encode` of ``x``, the values ``[start, start + len(x))`` of the message
+        (whole blocks), into ``out`` (values, scales); after :meth:`begin`."""
+        residual = self.residual[start : start + x.numel()]
+        residual.add_(x)
+        q, scale = quantize(residual, self.config, out=out)
+        rb, qb = _decode_target(residual, q, scale, 1.0, self.config, "residual")
+        _KERNELS.run("subtract", _subtract_kernel, self.config.backend, rb, qb, scale)
+
+    def scale(self, factor: float) -> None:
+        """The message was scaled by ``factor`` (a norm bound): what it left out shrinks
+        alike (what the bound cut off is dropped, as :meth:`encode` drops it)."""
+        self.residual.mul_(factor)
 
     def rollback(self) -> None:
         """Undo the last :meth:`encode` (its round was aborted, nothing was applied)."""

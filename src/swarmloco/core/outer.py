@@ -17,10 +17,16 @@ The update, with ``g`` the averaged pseudo-gradient ``theta_g - theta`` (DiLoCo,
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
+from swarmloco.core.codec import Encoded, decode_slice_into
 from swarmloco.core.config import require, require_fraction, require_positive
+
+
+def _squares(x: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,11 +46,18 @@ class OuterConfig:
         require(isinstance(self.nesterov, bool), "outer nesterov must be true or false")
 
 
+SLAB_VALUES = 1 << 20
+"""Values the outer step works on at once: its scratch is two slabs (8 MB), not a vector's
+worth, and a slab stays in the CPU's caches through the step's lines."""
+
+
 class OuterOptimizer:
     """Nesterov SGD on a flat fp32 CPU vector of global parameters.
 
     The optimizer owns its momentum buffer; the caller owns ``theta_g``. ``state_dict`` /
-    ``load_state_dict`` carry the momentum for checkpoints and state transfer.
+    ``load_state_dict`` carry the momentum for checkpoints and state transfer. The step
+    runs a slab at a time: every line is elementwise, so the slabs give the bits the whole
+    vector would.
     """
 
     def __init__(
@@ -61,15 +74,50 @@ class OuterOptimizer:
         )
         self.momentum_buffer = buffer
         self.steps = 0
-        self._scratch = torch.empty(numel, dtype=torch.float32)
+        self.last_norm = 0.0
+        """The L2 norm of what the last :meth:`step` subtracted from ``theta_g``."""
+        self.last_grad_norm = 0.0
+        """The L2 norm of the pseudo-gradient of the last :meth:`step`."""
 
     @torch.no_grad()
-    def step(self, theta_g: torch.Tensor, grad: torch.Tensor) -> None:
-        """Apply one outer step to ``theta_g`` in place, with pseudo-gradient ``grad``."""
+    def step(self, theta_g: torch.Tensor, grad: torch.Tensor | Encoded) -> float:
+        """Apply one outer step to ``theta_g`` in place, with pseudo-gradient ``grad``
+        (fp32, or as the codec encodes it: decoded a slab at a time, one IEEE
+        multiplication a value, the same bits on every member). Returns the update's norm.
+        """
         self._check(theta_g, "global parameters")
-        self._check(grad, "pseudo-gradient")
+        n = theta_g.numel()
+        if isinstance(grad, Encoded):
+            require(grad.numel == n, f"pseudo-gradient has {grad.numel} elements, expected {n}")
+            slab = max(1, SLAB_VALUES // grad.block_size) * grad.block_size
+        else:
+            self._check(grad, "pseudo-gradient")
+            slab = SLAB_VALUES
+        step = torch.empty(min(slab, n), dtype=torch.float32)
+        decoded = torch.empty_like(step) if isinstance(grad, Encoded) else None
+        update_sq = grad_sq = 0.0
+        for start in range(0, n, slab):
+            stop = min(start + slab, n)
+            if decoded is not None:
+                assert isinstance(grad, Encoded)
+                g = decoded[: stop - start]
+                decode_slice_into(g, grad, start)
+            else:
+                assert isinstance(grad, torch.Tensor)
+                g = grad[start:stop]
+            out = step[: stop - start]
+            self._step(theta_g[start:stop], self.momentum_buffer[start:stop], g, out)
+            update_sq += _squares(out)
+            grad_sq += _squares(g)
+        self.steps += 1
+        self.last_norm, self.last_grad_norm = math.sqrt(update_sq), math.sqrt(grad_sq)
+        return self.last_norm
+
+    def _step(
+        self, theta_g: torch.Tensor, buf: torch.Tensor, grad: torch.Tensor, step: torch.Tensor
+    ) -> None:
+        """One slab of the step (``step``: scratch; it ends holding ``lr * step``)."""
         m, lr = self.config.momentum, self.config.lr
-        buf, step = self.momentum_buffer, self._scratch
         if m == 0.0:
             step.copy_(grad)
         else:
@@ -85,13 +133,6 @@ class OuterOptimizer:
                 step.copy_(buf)
         step.mul_(lr)
         theta_g.sub_(step)
-        self.steps += 1
-
-    @property
-    def last_update(self) -> torch.Tensor:
-        """What the last :meth:`step` subtracted from ``theta_g`` (``lr * step``; valid
-        until the next step)."""
-        return self._scratch
 
     def _check(self, t: torch.Tensor, what: str) -> None:
         require(

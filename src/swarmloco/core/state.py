@@ -14,13 +14,16 @@ On the wire and in the digest a tensor is its raw little-endian buffer, never a 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
+import itertools
 import re
 import struct
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
+from typing import Protocol
 
 import torch
 
@@ -141,18 +144,69 @@ def state_digest(tensors: Mapping[str, torch.Tensor]) -> bytes:
     return hasher.digest()
 
 
+class StateSource(Protocol):
+    """Where a snapshot's bytes are: its tensors' raw buffers concatenated in its order."""
+
+    def read(self, offset: int, size: int) -> bytes | memoryview:
+        """``size`` bytes from ``offset`` (a view where no copy is needed)."""
+        ...
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """``len(out)`` bytes from ``offset`` into ``out``."""
+        ...
+
+
+class MemorySource:
+    """A snapshot's bytes in tensors held in memory (views of them: no copy)."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        self._raws = [raw_bytes(t) for t in tensors]
+        self._starts = list(itertools.accumulate((len(r) for r in self._raws), initial=0))
+
+    def read(self, offset: int, size: int) -> bytes | memoryview:
+        pieces = list(self._pieces(offset, size))
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        pos = 0
+        for piece in self._pieces(offset, len(out)):
+            out[pos : pos + len(piece)] = piece
+            pos += len(piece)
+
+    def _pieces(self, offset: int, size: int) -> Iterator[memoryview]:
+        if offset < 0 or size < 0 or offset + size > self._starts[-1]:
+            raise ValueError(f"bytes {offset}..{offset + size} of a {self._starts[-1]}-byte state")
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while size > 0:
+            raw, at = self._raws[i], offset - self._starts[i]
+            take = min(size, len(raw) - at)
+            if take > 0:
+                yield raw[at : at + take]
+                offset, size = offset + take, size - take
+            i += 1
+
+
+PIECE_VALUES = 1 << 20
+"""Values of a tensor read at once when a state is walked piece by piece (4 MB of fp32)."""
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StateSnapshot:
-    """The global state of one round, as served and received. Build it with :meth:`of`.
+    """The global state of one round, as served and received. Build it with :meth:`of`
+    (tensors in memory) or :meth:`from_source` (bytes elsewhere, e.g. a file).
 
-    ``tensors`` are in the canonical order (sorted by name). Whoever serves a snapshot
+    The tensors are in the canonical order (sorted by name). Whoever serves a snapshot
     must not modify its tensors while it is served: hand out a copy per round instead.
+    Read it with :meth:`chunks` (the wire's bytes), :meth:`read_into` (one tensor into a
+    buffer) or :meth:`pieces` (one tensor a piece at a time): none of these holds a
+    file-backed state in memory whole.
     """
 
     swarm_id: str
     round: int
-    tensors: Mapping[str, torch.Tensor]
+    specs: tuple[TensorSpec, ...]
     digest: bytes
+    source: StateSource
 
     @classmethod
     def of(
@@ -165,24 +219,91 @@ class StateSnapshot:
     ) -> StateSnapshot:
         """A snapshot of ``tensors`` (flat, contiguous, CPU); its digest is computed unless
         given (a peer that already published it need not hash the state again)."""
-        if not isinstance(round, int) or isinstance(round, bool) or round < 0:
-            raise ValueError(f"round must be an integer >= 0, got {round!r}")
         ordered = {name: tensors[name] for name in sorted(tensors)}
-        for name, tensor in ordered.items():
-            spec_of(name, tensor)
+        specs = tuple(spec_of(name, tensor) for name, tensor in ordered.items())
         if digest is None:
             digest = state_digest(ordered)
-        elif len(digest) != DIGEST_BYTES:
-            raise ValueError(f"a state digest has {DIGEST_BYTES} bytes, got {len(digest)}")
-        return cls(check_swarm_id(swarm_id), round, MappingProxyType(ordered), bytes(digest))
+        return cls.from_source(
+            swarm_id=swarm_id,
+            round=round,
+            specs=specs,
+            digest=digest,
+            source=MemorySource(ordered.values()),
+        )
 
-    @property
-    def specs(self) -> tuple[TensorSpec, ...]:
-        return tuple(spec_of(name, tensor) for name, tensor in self.tensors.items())
+    @classmethod
+    def from_source(
+        cls,
+        *,
+        swarm_id: str,
+        round: int,
+        specs: Iterable[TensorSpec],
+        digest: bytes,
+        source: StateSource,
+    ) -> StateSnapshot:
+        """A snapshot of the tensors ``specs`` name, whose bytes ``source`` holds."""
+        if not isinstance(round, int) or isinstance(round, bool) or round < 0:
+            raise ValueError(f"round must be an integer >= 0, got {round!r}")
+        specs = tuple(specs)
+        if [s.name for s in specs] != sorted({s.name for s in specs}):
+            raise ValueError("a state's tensors are named once each, in sorted order")
+        if len(digest) != DIGEST_BYTES:
+            raise ValueError(f"a state digest has {DIGEST_BYTES} bytes, got {len(digest)}")
+        return cls(check_swarm_id(swarm_id), round, specs, bytes(digest), source)
 
     @property
     def nbytes(self) -> int:
         return sum(spec.nbytes for spec in self.specs)
+
+    def spec(self, name: str) -> TensorSpec | None:
+        return next((s for s in self.specs if s.name == name), None)
+
+    def _offset(self, name: str) -> tuple[int, TensorSpec]:
+        offset = 0
+        for spec in self.specs:
+            if spec.name == name:
+                return offset, spec
+            offset += spec.nbytes
+        raise KeyError(name)
+
+    def chunks(self, chunk_bytes: int) -> Iterator[bytes | memoryview]:
+        """The tensors' bytes, concatenated in order and cut every ``chunk_bytes``."""
+        total = self.nbytes
+        for offset in range(0, total, chunk_bytes):
+            yield self.source.read(offset, min(chunk_bytes, total - offset))
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Tensor ``name`` into ``out`` (contiguous, of its dtype and length)."""
+        offset, spec = self._offset(name)
+        if out.dtype != DTYPES[spec.dtype] or out.numel() != spec.numel:
+            raise ValueError(
+                f"{name} is {spec.dtype}[{spec.numel}], not {out.dtype}[{out.numel()}]"
+            )
+        self.source.read_into(offset, raw_bytes(out.reshape(-1)))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, whole, in a new buffer (for small tensors, and tests)."""
+        spec = self._offset(name)[1]
+        out = spec.empty()
+        self.read_into(name, out)
+        return out
+
+    def pieces(self, name: str, values: int = PIECE_VALUES) -> Iterator[torch.Tensor]:
+        """Tensor ``name`` in order, at most ``values`` values at a time. Each piece may
+        be a buffer the next one overwrites: use it before asking for the next."""
+        offset, spec = self._offset(name)
+        buffer = torch.empty(min(values, spec.numel), dtype=DTYPES[spec.dtype])
+        raw = raw_bytes(buffer)
+        for start in range(0, spec.numel, values):
+            n = min(values, spec.numel - start)
+            self.source.read_into(offset + start * spec.itemsize, raw[: n * spec.itemsize])
+            yield buffer[:n]
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Every tensor, whole, by name: read into memory (small states and tests; a peer
+        reads a large state with :meth:`pieces` or :meth:`read_into`)."""
+        return MappingProxyType({spec.name: self.tensor(spec.name) for spec in self.specs})
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{s.name}: {s.dtype}[{s.numel}]" for s in self.specs)

@@ -281,6 +281,8 @@ class StagePeer:
                 samples = self.replica.take_step(timeout=STEP_POLL_S)
                 idle = False
                 if samples is None:
+                    if peer.hook.settling:  # a round landed: its digest, without a step
+                        peer.hook.settle()
                     if time.monotonic() - last_step < IDLE_LAND_S or not peer.hook.exchange_over():
                         continue
                     samples = self.replica.take_step(timeout=STEP_POLL_S, now=True)

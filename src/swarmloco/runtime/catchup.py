@@ -36,6 +36,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from swarmloco.core.adoption import (
@@ -178,8 +179,12 @@ class CatchUp:
         rejections: RejectionLog | None = None,
         clock: Callable[[], float] = time.time,
         requester: Requester | None = None,
+        spool: Path | None = None,
     ) -> None:
+        """``spool``: where downloaded states are received, in unnamed files (None: in
+        memory)."""
         self.me = me
+        self.spool = spool
         self.requester = requester
         """Who signs download requests (a private swarm's member; None: unsigned)."""
         self.swarm_id = swarm_id
@@ -348,6 +353,7 @@ class CatchUp:
                 config=self.config.download,
                 rejections=self.rejections,
                 requester=self.requester,
+                spool=self.spool,
             )
         except StateTransferError as exc:
             logger.info("no peer serves the initial state: %s", exc)
@@ -427,7 +433,7 @@ class CatchUp:
                 continue
             lr = peak_lr(max(ahead, 0) + 2) if peak_lr is not None else None
             checked = check_state(
-                got.snapshot.tensors,
+                got.snapshot,
                 ahead=ahead,
                 reference=search.reference,
                 evidence=self.evidence,
@@ -480,6 +486,7 @@ class CatchUp:
                 config=self.config.download,
                 rejections=self.rejections,
                 requester=self.requester,
+                spool=self.spool,
             )
         except StateTransferError as exc:
             logger.warning("%s", exc)

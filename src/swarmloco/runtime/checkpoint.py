@@ -37,9 +37,10 @@ its files' inode, size and modification time: a checkpoint this process wrote wa
 it was written, one already on disk is hashed once, and saving does not read every kept
 checkpoint back. Loading always hashes what it loads.
 
-A :class:`BackgroundWriter` writes on a thread of its own: the caller waits only for a copy
-of the state in memory, not for the seconds that writing, hashing and fsyncing a large
-model's state take.
+A :class:`BackgroundWriter` splits a save: the caller's thread writes the files straight
+from the state's tensors into the page cache (no copy of the state in memory), and a thread
+of its own hashes them, fsyncs them, writes the manifest and renames the directory, the
+seconds that a large model's state takes.
 
 Nested state (an optimizer's ``state_dict``, a data loader's state, RNG states) goes through
 :func:`flatten` / :func:`unflatten`: tensors go to the safetensors file, the rest to msgpack.
@@ -85,7 +86,8 @@ _HASH_BLOCK = 1 << 20
 
 
 def flatten(obj: Any, tensors: dict[str, torch.Tensor], prefix: str = "t") -> Any:
-    """A msgpack-able copy of ``obj`` with every tensor moved into ``tensors``.
+    """A msgpack-able copy of ``obj`` with every tensor moved into ``tensors`` (the tensors
+    themselves: a checkpoint writes them before training changes them).
 
     Tensors become ``{"__tensor__": name}``, tuples ``{"__tuple__": [...]}``, dicts with
     non-string keys ``{"__items__": [[k, v], ...]}`` and integers beyond 64 bits
@@ -94,7 +96,7 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor], prefix: str = "t") -> An
     """
     if isinstance(obj, torch.Tensor):
         name = f"{prefix}.{len(tensors)}"
-        tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
+        tensors[name] = obj.detach()  # the tensor itself: written where it is, not copied
         return {"__tensor__": name}
     if isinstance(obj, Mapping):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
@@ -132,23 +134,19 @@ def unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class StateCopy:
-    """A nested state flattened into private CPU tensors and a msgpack-able skeleton."""
+class Staged:
+    """A checkpoint whose files are written (not yet hashed, fsynced or in place): the first
+    half of :meth:`CheckpointStore.save`, taken on the training thread."""
 
-    skeleton: Any
-    tensors: dict[str, torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-def copy_state(state: Mapping[str, Any]) -> StateCopy:
-    """A copy of ``state`` that training may no longer change (every tensor copied to the
-    CPU): what a checkpoint writes, taken at one instant."""
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = flatten(dict(state), tensors)
-    return StateCopy(skeleton, tensors)
+    tmp: Path
+    final: Path
+    sequence: int
+    round: int
+    step: int
+    verified: bool
+    nbytes: int
+    seconds: float
+    """What writing the files took the caller's thread (all that training waited for)."""
 
 
 # --- the store ------------------------------------------------------------------------------
@@ -235,31 +233,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-class _HashingWriter:
-    """A file written once, hashed as it is written, fsynced on close."""
-
-    def __init__(self, path: Path) -> None:
-        self._file = open(path, "wb")  # noqa: SIM115 (closed in close())
-        self._hash = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes | memoryview) -> None:
-        self._file.write(data)
-        self._hash.update(data)
-        self.size += len(data)
-
-    def close(self) -> dict[str, Any]:
-        try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        finally:
-            self._file.close()
-        return {"bytes": self.size, "sha256": self._hash.hexdigest()}
+def _settle(path: Path) -> dict[str, Any]:
+    """A staged file's size and hash (read back, from the page cache), fsynced."""
+    digest = _sha256(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"bytes": path.stat().st_size, "sha256": digest}
 
 
-def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> int:
     """Write ``tensors`` in the safetensors format straight from their buffers (no
-    serialized copy in memory); returns the file's size and hash."""
+    serialized copy in memory; a tensor off the CPU copied over alone); returns the bytes
+    of tensor data."""
     header: dict[str, Any] = {}
     offset = 0
     for name, t in tensors.items():
@@ -274,27 +262,22 @@ def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
-    out = _HashingWriter(path)
-    try:
+    with open(path, "wb") as out:
         out.write(len(encoded).to_bytes(8, "little"))
         out.write(encoded)
         for t in tensors.values():
             if t.numel():
-                out.write(t.reshape(-1).view(torch.uint8).numpy().data)
-    except BaseException:
-        out.close()
-        raise
-    return out.close()
+                flat = t.reshape(-1).to("cpu").contiguous()
+                out.write(flat.view(torch.uint8).numpy().data)
+    return offset
 
 
 def _write_bytes(path: Path, data: bytes) -> dict[str, Any]:
-    out = _HashingWriter(path)
-    try:
+    with open(path, "wb") as out:
         out.write(data)
-    except BaseException:
-        out.close()
-        raise
-    return out.close()
+        out.flush()
+        os.fsync(out.fileno())
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 class CheckpointStore:
@@ -379,32 +362,55 @@ class CheckpointStore:
         state in it was adopted from other peers and is still on probation. Raises
         :class:`CheckpointError` when the disk is full or not writable; earlier checkpoints
         are left as they were."""
-        return self.write(round=round, step=step, copy=copy_state(state), verified=verified)
+        return self.commit(self.stage(round=round, step=step, state=state, verified=verified))
 
-    def write(self, *, round: int, step: int, copy: StateCopy, verified: bool = True) -> Path:
-        """:meth:`save` of a state copied before (by :func:`copy_state`): the part that
-        may run on another thread while training changes the original state."""
+    def stage(
+        self, *, round: int, step: int, state: Mapping[str, Any], verified: bool = True
+    ) -> Staged:
+        """The first half of :meth:`save`, on the thread that owns ``state``: its files
+        written into a hidden temporary directory straight from its tensors (no copy of the
+        state in memory; a tensor on a GPU comes to the CPU alone, one at a time), into the
+        page cache. :meth:`commit` (any thread) does the rest: once this returns, the state
+        may change."""
         self._require_open(writing=True)
+        started = time.monotonic()
         try:
             sequence = self._next_sequence()
         except OSError as e:
             raise CheckpointError(f"cannot write a checkpoint in {self.root}: {e}") from e
         final = self.root / checkpoint_name(sequence, round, step)
         tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
+        tensors: dict[str, torch.Tensor] = {}
+        try:
+            skeleton = flatten(dict(state), tensors)
+            tmp.mkdir()
+            nbytes = _write_safetensors(tmp / TENSORS, tensors)
+            (tmp / STATE).write_bytes(msgpack.packb(skeleton, use_bin_type=True))
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise self._failed(final, e) from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return Staged(
+            tmp, final, sequence, round, step, verified, nbytes, time.monotonic() - started
+        )
+
+    def commit(self, staged: Staged) -> Path:
+        """The second half of :meth:`save`: hash and fsync the staged files, write the
+        manifest last, rename the directory into place, drop what is no longer kept."""
+        self._require_open(writing=True)
+        tmp, final = staged.tmp, staged.final
         started = time.monotonic()
         try:
-            tmp.mkdir()
-            files = {
-                TENSORS: _write_safetensors(tmp / TENSORS, copy.tensors),
-                STATE: _write_bytes(tmp / STATE, msgpack.packb(copy.skeleton, use_bin_type=True)),
-            }
+            files = {name: _settle(tmp / name) for name in (TENSORS, STATE)}
             manifest = {
                 "format": FORMAT,
                 "swarm_id": self.swarm_id,
-                "sequence": sequence,
-                "round": round,
-                "step": step,
-                "verified": bool(verified),
+                "sequence": staged.sequence,
+                "round": staged.round,
+                "step": staged.step,
+                "verified": bool(staged.verified),
                 "created_at": time.time(),
                 "files": files,
             }
@@ -414,31 +420,36 @@ class CheckpointStore:
             _fsync_dir(self.root)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise CheckpointError(
-                    f"no space to write checkpoint {final.name} in {self.root} "
-                    f"({os.strerror(e.errno or 0)}); free some space. "
-                    f"Earlier checkpoints are intact: {self._names() or 'none'}"
-                ) from e
-            raise CheckpointError(
-                f"cannot write checkpoint {final.name} in {self.root}: {e}"
-            ) from e
+            raise self._failed(final, e) from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._sequence = sequence
-        # Hashed as it was written: no need to read it back to count it as valid.
+        self._sequence = staged.sequence
+        # Hashed as it was settled: no need to read it back to count it as valid.
         self._verdicts[final.name] = _Verdict(_stamp(final), manifest, "")
         total = sum(int(f["bytes"]) for f in files.values())
         logger.info(
             "checkpoint %s saved%s: %.1f MB in %.2f s",
             final.name,
-            "" if verified else " (adopted state, on probation)",
+            "" if staged.verified else " (adopted state, on probation)",
             total / 1e6,
-            time.monotonic() - started,
+            staged.seconds + time.monotonic() - started,
         )
         self._prune()
         return final
+
+    def discard(self, staged: Staged) -> None:
+        """Drop a staged checkpoint that will not be committed."""
+        shutil.rmtree(staged.tmp, ignore_errors=True)
+
+    def _failed(self, final: Path, e: OSError) -> CheckpointError:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return CheckpointError(
+                f"no space to write checkpoint {final.name} in {self.root} "
+                f"({os.strerror(e.errno or 0)}); free some space. "
+                f"Earlier checkpoints are intact: {self._names() or 'none'}"
+            )
+        return CheckpointError(f"cannot write checkpoint {final.name} in {self.root}: {e}")
 
     def _next_sequence(self) -> int:
         """One more than the highest sequence number on disk (valid or not) or written by
@@ -649,20 +660,24 @@ class Saved:
     step: int
     nbytes: int
     copy_seconds: float
-    """What the caller's thread spent copying the state (all that training waited for)."""
+    """What the caller's thread spent writing the state's files into the page cache (all
+    that training waited for)."""
     write_seconds: float
+    """What the writer's thread spent hashing, fsyncing and putting it in place."""
     verified: bool = True
 
 
 class BackgroundWriter:
     """Writes a store's checkpoints on a thread of its own while training goes on.
 
-    :meth:`submit` copies the state on the caller's thread (the copy is all training waits
-    for: a memory copy, where writing, hashing and fsyncing take seconds for a large model)
-    and hands the write to the writer thread. At most one write is in flight. :meth:`poll`
-    reports a finished write, or raises its :class:`CheckpointError`; :meth:`wait` blocks
-    for it. :meth:`close` waits for the write in flight, so that none is cut short by the
-    process leaving (a kill -9 still leaves the earlier checkpoints intact).
+    :meth:`submit` writes the state's files on the caller's thread, straight from its
+    tensors into the page cache (all training waits for: no copy of the state is made,
+    DESIGN section 6, "Host memory"), and hands the hashing, fsyncing and renaming, which
+    take seconds for a large model, to the writer thread. At most one write is in flight.
+    :meth:`poll` reports a finished write, or raises its :class:`CheckpointError`;
+    :meth:`wait` blocks for it. :meth:`close` waits for the write in flight, so that none is
+    cut short by the process leaving (a kill -9 still leaves the earlier checkpoints
+    intact).
     """
 
     def __init__(self, store: CheckpointStore) -> None:
@@ -677,30 +692,41 @@ class BackgroundWriter:
     def submit(
         self, *, round: int, step: int, state: Mapping[str, Any], verified: bool = True
     ) -> None:
-        """Copy ``state`` (the caller may change it as soon as this returns) and start
-        writing the copy (``verified``: as :meth:`CheckpointStore.save`). Raises if a
-        write is still in flight (check :attr:`busy`) or the last one was not collected
-        (:meth:`poll` or :meth:`wait` first)."""
+        """Write ``state``'s files now (the caller may change it as soon as this returns)
+        and finish the checkpoint on the writer's thread (``verified``: as
+        :meth:`CheckpointStore.save`). Raises if a write is still in flight (check
+        :attr:`busy`) or the last one was not collected (:meth:`poll` or :meth:`wait`
+        first); a failure to write is reported by them, as a failure to finish is."""
         if self._inflight is not None:
             if not self._inflight.done():
                 raise RuntimeError("a checkpoint is still being written")
             raise RuntimeError("the previous checkpoint was not collected (call poll or wait)")
-        started = time.monotonic()
-        copy = copy_state(state)
-        copied = time.monotonic() - started
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="swarmloco-checkpoint"
             )
-        self._inflight = self._pool.submit(self._write, round, step, copy, copied, verified)
+        try:
+            staged = self.store.stage(round=round, step=step, state=state, verified=verified)
+        except CheckpointError as exc:
+            failed: concurrent.futures.Future[Saved] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            self._inflight = failed
+            return
+        self._inflight = self._pool.submit(self._commit, staged)
 
-    def _write(
-        self, round: int, step: int, copy: StateCopy, copied: float, verified: bool
-    ) -> Saved:
+    def _commit(self, staged: Staged) -> Saved:
         started = time.monotonic()
-        path = self.store.write(round=round, step=step, copy=copy, verified=verified)
+        path = self.store.commit(staged)
         seconds = time.monotonic() - started
-        return Saved(path, round, step, copy.nbytes, copied, seconds, verified)
+        return Saved(
+            path,
+            staged.round,
+            staged.step,
+            staged.nbytes,
+            staged.seconds,
+            seconds,
+            staged.verified,
+        )
 
     def poll(self) -> Saved | None:
         """The write in flight if it has finished (its error raised if it failed), else

@@ -110,6 +110,11 @@ class PeerConfig:
             raise ValueError("give data_dir (where the peer keeps its key and checkpoints)")
         return self.data_dir
 
+    def swarm_directory(self, swarm_id: str) -> Path:
+        """Where this peer keeps what is its own in swarm ``swarm_id``: the manifest's copy,
+        the checkpoints, the unnamed files of the states it serves and downloads."""
+        return self.directory / "swarms" / swarm_id
+
     def __post_init__(self) -> None:
         require(
             self.data_dir is None or isinstance(self.data_dir, Path),

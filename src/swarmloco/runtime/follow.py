@@ -172,7 +172,7 @@ class Follower:
             p.ranges.adopted({got.donor.peer_id, *(holders or ())})
         self.restart_from_global()
         p.progress.global_step = max(p.progress.global_step, int(p.diloco.round * p.h))
-        p.snapshots.publish(p.diloco.round, p.diloco.committed(), snap.digest)
+        p.snapshots.publish(snap)  # served from where it was received
         p.evidence.adopted(time.time())
         self.downloads += 1
         p.keeper.dirty = True
@@ -216,7 +216,7 @@ class Follower:
         p.diloco.adopt(verified)
         p.progress.global_step = int(p.diloco.round * p.h)
         self.restart_from_global()
-        p.snapshots.publish(p.diloco.round, p.diloco.committed(), verified.digest)
+        p.snapshots.publish(verified)
         p.sheet.last_error = f"rolled back an adopted state of round {probation.round}: {why}"
         p.keeper.dirty = True
         p.emit(

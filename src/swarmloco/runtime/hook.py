@@ -117,6 +117,17 @@ class StepHook:
         if self.stop.is_set():
             raise Stopped(self.stop.reason)
 
+    @property
+    def settling(self) -> bool:
+        """Whether a landed round's digest is still being computed."""
+        return self.parts.snapshots.pending
+
+    def settle(self) -> None:
+        """Take a landed round's digest once it is ready (the round's event, its digest
+        record), without a step: a pipeline stage whose micro-batches stopped coming calls
+        this between its polls. Touches no parameter."""
+        self.parts.snapshots.finish()
+
     def wait(self, *, flush: bool = False) -> None:
         """(A peer with no batch to train now: its data's shards are all leased by others,
         or read.) Land the round in flight once its exchange has ended, then do what is due

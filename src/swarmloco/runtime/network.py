@@ -22,10 +22,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from swarmloco.core.adoption import Evidence
-from swarmloco.core.codec import CodecConfig, ErrorFeedback, l2_norm, settle_backend
+from swarmloco.core.codec import (
+    CodecConfig,
+    Encoded,
+    ErrorFeedback,
+    encoded_norm,
+    settle_backend,
+)
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.pacing import ProgressReport
 from swarmloco.core.state import StateSchema, StateSnapshot
@@ -183,6 +187,7 @@ class SwarmNetwork:
             requester=Requester(self.identity, admission.own_bytes)
             if admission is not None
             else None,
+            spool=self.config.swarm_directory(self.swarm_id),
         )
 
     @property
@@ -349,8 +354,8 @@ class SwarmNetwork:
     async def average(
         self,
         round: int,
-        delta: torch.Tensor,
-        out: torch.Tensor,
+        message: Encoded,
+        out: Encoded,
         *,
         weight: float,
         expected: int | None,
@@ -358,7 +363,8 @@ class SwarmNetwork:
         error_feedback: ErrorFeedback | None = None,
         ranges: Sequence[tuple[int, int, int, int]] = (),
     ) -> RoundOutcome:
-        """The all-reduce result of ``round`` (written to ``out``). ``expected``: how many
+        """The all-reduce of this peer's encoded update ``message`` in ``round``: the
+        group's mean, kept encoded in ``out``. ``expected``: how many
         peers known to this one work on this round, this one included (None: unknown);
         ``strangers``: how many others besides are worth a short wait (see
         ``MatchmakingConfig.stranger_grace_s``); ``ranges``: the pinned dataset's sequences
@@ -368,12 +374,12 @@ class SwarmNetwork:
         group = await self.matchmaker.form_group(
             round,
             weight=weight,
-            numel=delta.numel(),
+            numel=message.numel,
             block_size=self.averager.config.codec.block_size,
             deadline=deadline,
             expected=expected,
             strangers=strangers,
-            norm=l2_norm(delta),
+            norm=encoded_norm(message),
             ranges=ranges,
         )
         if group.size == 1 and (expected or 1) > 1:
@@ -386,7 +392,7 @@ class SwarmNetwork:
             )
         matchmaking = time.monotonic() - started
         result = await self.averager.all_reduce(
-            group, delta, deadline=deadline, out=out, error_feedback=error_feedback
+            group, message, deadline=deadline, out=out, error_feedback=error_feedback
         )
         declared = {m.peer_id: m.ranges for m in group.members if m.ranges}
         return RoundOutcome(result, matchmaking, float(sum(group.weights)), declared)

@@ -182,11 +182,13 @@ class Peer:
         self.diloco, self.params, codec = diloco_around(t.model, self.signature, spec, cfg, t.box)
         k.sheet.device = describe_device(self.params.device)
         self.keeper = open_keeper(stack, cfg, manifest, k.emit)
-        self.snapshots = stack.enter_context(Snapshots(self.swarm_id))
+        self.snapshots = stack.enter_context(
+            Snapshots(self.swarm_id, cfg.swarm_directory(self.swarm_id))
+        )
         own_initial = self._restore() or take_own_initial(
             self.diloco, self.params, self.signature.init_digest
         )
-        self.snapshots.publish(self.diloco.round, self.diloco.committed())
+        self.snapshots.store(self.diloco)
         if self.network is None:
             self.network = build_network(
                 config=cfg,

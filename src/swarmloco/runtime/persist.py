@@ -21,7 +21,6 @@ from typing import Any, Protocol
 import torch
 
 from swarmloco.core.adoption import Evidence
-from swarmloco.core.state import StateSnapshot
 from swarmloco.runtime.box import (
     Box,
     BoxParams,
@@ -171,10 +170,8 @@ class PeerCheckpoints:
         for candidate in self.keeper.store.valid(verified=True):
             try:
                 state = candidate.state["diloco"]
-                fallback = StateSnapshot.of(
-                    swarm_id=self.swarm_id,
-                    round=int(state["round"]),
-                    tensors=DilocoState.snapshot_tensors(state),
+                fallback = self.snapshots.keep(
+                    int(state["round"]), DilocoState.snapshot_tensors(state)
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 logger.warning("checkpoint %s holds no usable state: %s", candidate.path, exc)

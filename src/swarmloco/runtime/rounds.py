@@ -84,9 +84,8 @@ class RoundDriver:
         target = diloco.round + 1
         f = fragment_of_round(target, diloco.fragments)
         with p.params.view(f, read=True) as whole:
-            delta = diloco.delta(f, whole)
-        if not bool(torch.isfinite(delta).all()):
-            return False
+            if not diloco.encode(f, whole):
+                return False
         weight = float(diloco.fragment_tokens[f])
         p.sheet.state = "averaging"
         feedback = diloco.feedback[f] if diloco.feedback else None
@@ -95,7 +94,7 @@ class RoundDriver:
         future = p.loop.submit(
             p.network.average(
                 target,
-                delta,
+                diloco.messages[f],
                 diloco.means[f],
                 weight=weight,
                 expected=expected,
@@ -144,7 +143,7 @@ class RoundDriver:
                 # Without overlap nobody of the group trained meanwhile: their tokens count
                 # again from when the loop resumes (after the outer step and evaluation).
                 p.progress.resume_pending = p.spec.delay == 0
-            if not bool(torch.isfinite(p.diloco.means[x.fragment]).all()):
+            if not bool(torch.isfinite(p.diloco.means[x.fragment].scales).all()):
                 raise RoundAborted(f"round {x.round}: the group's mean is not finite")
         except Exception as exc:  # whatever the others sent: the round fails, never the peer
             self._aborted(x, exc)
@@ -162,7 +161,7 @@ class RoundDriver:
             p.loop.submit(p.network.publish_digest(event["round"], digest))
             p.emit("round", **event, digest=digest.hex())
 
-        p.snapshots.hash_later(p.diloco.round, p.diloco.committed(), hashed)
+        p.snapshots.hash_later(p.diloco, hashed)
         self.applied += 1
         self.pacer.last_group = (x.round, frozenset(report.members) - {p.peer_id})
         p.wake()
@@ -173,7 +172,7 @@ class RoundDriver:
             round=x.round,
             group=len(report.members),
             seconds=seconds,
-            payload_bytes=4 * p.diloco.deltas[x.fragment].numel(),
+            payload_bytes=4 * p.diloco.means[x.fragment].numel,
             bytes_sent=report.bytes_sent,
             bytes_received=report.bytes_received,
             ok=True,
@@ -239,7 +238,7 @@ class RoundDriver:
             round=x.round,
             group=0,
             seconds=time.monotonic() - x.started,
-            payload_bytes=4 * p.diloco.deltas[x.fragment].numel(),
+            payload_bytes=4 * p.diloco.means[x.fragment].numel,
             ok=False,
         )
         self.aborted += 1
@@ -250,7 +249,7 @@ class RoundDriver:
             # and the exchange, twice over), then try the round again as usual.
             wait = 2 * (p.config.matchmaking.gather_s + self._round_s)
             until = time.monotonic() + min(wait, p.config.round_timeout_s)
-            self.pacer.wait_for_late_group(x.round, until, p.diloco.means[x.fragment].numel())
+            self.pacer.wait_for_late_group(x.round, until, p.diloco.means[x.fragment].numel)
         logger.warning("round %d aborted: %s", x.round, exc)
         p.emit(
             "aborted",
@@ -273,7 +272,7 @@ class RoundDriver:
             time.time(),
             alone=not grouped,
             lr=p.progress.mean_lr(),
-            update=float(torch.linalg.vector_norm(p.diloco.means[x.fragment])),
+            update=p.diloco.outers[x.fragment].last_grad_norm,
             tokens=group_tokens,
         )
         p.evidence.grouped(x.round, members, p.peer_id, adoption)

@@ -63,7 +63,7 @@ class Session:
 
     @property
     def swarm_dir(self) -> Path:
-        return self.config.directory / "swarms" / self.swarm_id
+        return self.config.swarm_directory(self.swarm_id)
 
     # -- the manifest and admission ---------------------------------------------------------
 
@@ -99,7 +99,7 @@ class Session:
         one in the config, then kept in the data directory for restarts, or the one kept;
         AdmissionError, saying what to do, before anything else happens, when the peer
         holds none), or a public run's proof of work for this key (solved once, kept)."""
-        swarm_dir = self.config.directory / "swarms" / manifest.swarm_id
+        swarm_dir = self.config.swarm_directory(manifest.swarm_id)
         kept = swarm_dir / "membership"
         given = self.config.membership.strip()
         text = given

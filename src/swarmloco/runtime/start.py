@@ -74,12 +74,12 @@ def diloco_around(
 def take_own_initial(diloco: DilocoState, params: BoxParams, init_digest: bytes) -> bool:
     """Whether the model's weights are the run's initial ones (the manifest's digest);
     they then become the global state of round 0. False: round 0's must be fetched."""
-    layout = diloco.layout
     with params.view(None, read=True) as whole:
-        theta = layout.gather(whole, layout.zeros())
-    if state_digest({THETA_G: theta}) != init_digest:
+        diloco.set_global(whole)  # gathered in place: no copy of the model besides
+    if state_digest({THETA_G: diloco.theta_g}) != init_digest:
+        with diloco.lock:
+            diloco.theta_g.zero_()
         return False
-    diloco.theta_g.copy_(theta)
     return True
 
 
@@ -92,7 +92,7 @@ def open_keeper(
     """The swarm's directory (with a copy of its manifest), its checkpoint store, the
     writer thread and the keeper of its checkpoints, closed with ``stack``."""
     swarm_id = manifest.swarm_id
-    swarm_dir = config.directory / "swarms" / swarm_id
+    swarm_dir = config.swarm_directory(swarm_id)
     swarm_dir.mkdir(parents=True, exist_ok=True)
     write_manifest_copy(swarm_dir / "manifest.json", manifest)
     store = stack.enter_context(

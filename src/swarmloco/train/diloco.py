@@ -3,8 +3,9 @@
 :class:`DilocoState` owns ``theta_g`` (the committed global parameters, flat fp32 on the
 CPU in the layout of the model signature) and the outer Nesterov momentum, one outer
 optimizer per Streaming DiLoCo fragment, and the buffers of a round: the pseudo-gradient
-``delta = theta_g - theta`` of a fragment and the group's mean of it. It does no I/O: the
-peer (``runtime/swarm.py``) averages the delta with its group and hands the mean back;
+``delta = theta_g - theta`` of a fragment, encoded as the wire carries it, and the group's
+mean of it, as received (about 1 byte a value each). It does no I/O: the peer
+(``runtime/rounds.py``) averages the delta with its group and hands the mean back;
 the simulation (``train/simulate.py``) computes the mean in-process. Both therefore run
 the same arithmetic and the same fragment schedule: round r syncs fragment ``(r - 1) % F``
 (DESIGN section 3).
@@ -12,14 +13,22 @@ the same arithmetic and the same fragment schedule: round r syncs fragment ``(r 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from swarmloco.core.codec import CodecConfig, ErrorFeedback
+from swarmloco.core.codec import (
+    CodecConfig,
+    Encoded,
+    ErrorFeedback,
+    encoded_slice,
+    encoded_zeros,
+    quantize,
+)
 from swarmloco.core.flat import FlatLayout
-from swarmloco.core.outer import OuterConfig, OuterOptimizer
+from swarmloco.core.outer import SLAB_VALUES, OuterConfig, OuterOptimizer
 from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema, StateSnapshot
 
 
@@ -47,8 +56,13 @@ class DilocoState:
             for a, b in layout.fragment_ranges
         ]
         sizes = [b - a for a, b in layout.fragment_ranges]
-        self.deltas = [torch.zeros(n) for n in sizes]
-        self.means = [torch.zeros(n) for n in sizes]
+        self.codec = codec
+        # The round's two buffers stay as the wire has them, about 1 byte a value each
+        # (DESIGN section 6, "Host memory"): what this peer sends, what the group sent back.
+        self.messages = [encoded_zeros(n, codec) for n in sizes]
+        """Each fragment's pseudo-gradient, encoded (:meth:`encode`), as its round sends it."""
+        self.means = [encoded_zeros(n, codec) for n in sizes]
+        """Each fragment's group mean, as the round received it (:meth:`apply` decodes it)."""
         self.feedback = [ErrorFeedback(n, codec) for n in sizes] if codec.error_feedback else None
         self.round = 0
         """Outer steps applied to ``theta_g``: the state's round."""
@@ -58,12 +72,16 @@ class DilocoState:
         """Tokens the swarm trained on: the summed weights of every round's group (part of
         the state, so that every member of a group holds the same count)."""
         self.schema = StateSchema.diloco(layout.numel)
+        self.lock = threading.Lock()
+        """Held while another thread reads the committed state in place (the state file
+        of a round being written: ``runtime/snapshots.py``); whatever changes ``theta_g`` or
+        the momentum takes it first, so that no reader sees half a change."""
 
     # -- local progress ---------------------------------------------------------------------
 
     def set_global(self, params: Sequence[torch.Tensor]) -> None:
         """``theta_g <- theta`` (a fresh run: the initial weights are round 0's state)."""
-        with torch.no_grad():
+        with torch.no_grad(), self.lock:
             self.layout.gather(params, self.theta_g)
 
     def trained(self, tokens: int) -> None:
@@ -79,50 +97,94 @@ class DilocoState:
 
     # -- one round --------------------------------------------------------------------------
 
-    def delta(
-        self, fragment: int, params: Sequence[torch.Tensor], out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The pseudo-gradient ``theta_g - theta`` of ``fragment`` (into ``out``, by default
-        the fragment's own buffer, which the round sends)."""
-        out = self.deltas[fragment] if out is None else out
-        start, _ = self.layout.fragment_ranges[fragment]
-        filled = 0  # a fragment's parameters lie end to end from its start, padding after
+    def _delta_slabs(
+        self, fragment: int, params: Sequence[torch.Tensor]
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """``theta_g - theta`` of ``fragment`` a slab at a time: (its offset in the
+        fragment, the slab; one buffer, overwritten by the next slab). A slab is whole codec
+        blocks, so each one quantizes on its own; nothing of the fragment's size is made."""
+        first, stop = self.layout.fragment_ranges[fragment]
+        numel = stop - first
+        # The fragment's parameters, in flat order: they lie end to end, padding after.
+        pieces = sorted(
+            (
+                (slot.start - first, slot.numel, p)
+                for slot, p in zip(self.layout.slots, params, strict=True)
+                if slot.fragment == fragment
+            ),
+            key=lambda piece: piece[0],
+        )
+        block = self.layout.block_size
+        size = max(1, SLAB_VALUES // block) * block
+        buffer = torch.empty(min(size, numel))
         with torch.no_grad():
-            for slot, p in zip(self.layout.slots, params, strict=True):
-                if slot.fragment != fragment:
-                    continue
-                # Each parameter into its place, then theta_g minus it there: no full-size
-                # copy of the model besides the delta itself.
-                here = out[slot.start - start : slot.start - start + slot.numel]
-                here.copy_(p.detach().reshape(-1))
-                theta = self.theta_g[slot.start : slot.start + slot.numel]
-                torch.sub(theta, here, out=here)
-                filled = max(filled, slot.start - start + slot.numel)
-            out[filled:].zero_()
+            for start in range(0, numel, size):
+                end = min(start + size, numel)
+                out = buffer[: end - start]
+                filled = start
+                for at, n, p in pieces:
+                    lo, hi = max(at, start), min(at + n, end)
+                    if lo < hi:
+                        flat = p.detach().reshape(-1)
+                        out[lo - start : hi - start].copy_(flat[lo - at : hi - at])
+                        filled = max(filled, hi)
+                out[filled - start :].zero_()
+                torch.sub(self.theta_g[first + start : first + end], out, out=out)
+                yield start, out
+
+    def delta(
+        self, fragment: int, params: Sequence[torch.Tensor], out: torch.Tensor
+    ) -> torch.Tensor:
+        """The pseudo-gradient ``theta_g - theta`` of ``fragment``, in fp32 into ``out``
+        (the simulation's exchange takes it whole; a peer sends :meth:`encode`'s)."""
+        for start, slab in self._delta_slabs(fragment, params):
+            out[start : start + slab.numel()].copy_(slab)
         return out
+
+    def encode(self, fragment: int, params: Sequence[torch.Tensor]) -> bool:
+        """The pseudo-gradient ``theta_g - theta`` of ``fragment``, quantized a slab at a
+        time into the fragment's message (with error feedback, plus the residual the last
+        messages left out). False, with nothing changed, when it holds NaN or Inf."""
+        message = self.messages[fragment]
+        feedback = self.feedback[fragment] if self.feedback else None
+        if feedback is not None:
+            feedback.begin()
+        for start, slab in self._delta_slabs(fragment, params):
+            if not bool(torch.isfinite(slab).all()):
+                if feedback is not None:
+                    feedback.rollback()
+                return False
+            q, scales = encoded_slice(message, start, start + slab.numel())
+            if feedback is not None:
+                feedback.encode_slab(start, slab, out=(q, scales))
+            else:
+                quantize(slab, self.codec, out=(q, scales))
+        return True
 
     def apply(
         self,
         fragment: int,
         round: int,
-        mean: torch.Tensor | None = None,
+        mean: torch.Tensor | Encoded | None = None,
         *,
         weight: float = 0.0,
         group_tokens: float = 0.0,
     ) -> float:
-        """The outer step of ``round`` on ``fragment`` with the group's ``mean`` (by default
-        the fragment's mean buffer); this peer's tokens counted in ``weight`` are spent and
-        the group's (``group_tokens``, the sum of its weights) added to the swarm's count.
-        Returns the norm of the step (what the round moved ``theta_g``)."""
+        """The outer step of ``round`` on ``fragment`` with the group's ``mean`` (fp32, or
+        encoded; by default the fragment's mean as received); this peer's tokens counted in
+        ``weight`` are spent and the group's (``group_tokens``, the sum of its weights)
+        added to the swarm's count. Returns the norm of the step (what the round moved
+        ``theta_g``)."""
         outer = self.outers[fragment]
-        outer.step(
-            self.layout.fragment(self.theta_g, fragment),
-            self.means[fragment] if mean is None else mean,
-        )
-        self.round = round
-        self.tokens += int(group_tokens)
+        with self.lock:
+            outer.step(
+                self.layout.fragment(self.theta_g, fragment),
+                self.means[fragment] if mean is None else mean,
+            )
+            self.round = round
+            self.tokens += int(group_tokens)
         self.fragment_tokens[fragment] = max(0, self.fragment_tokens[fragment] - int(weight))
-        return float(torch.linalg.vector_norm(outer.last_update))
+        return outer.last_norm
 
     def land(self, fragment: int, params: Sequence[torch.Tensor], alpha: float) -> None:
         """The fragment's local copy after its round: ``lerp(theta_g, theta, alpha)``."""
@@ -144,11 +206,12 @@ class DilocoState:
         }
 
     def committed(self) -> dict[str, torch.Tensor]:
-        """A copy of the committed global state (a donor serves it while the original
-        changes); the momentum only once a round was applied."""
-        tensors = {THETA_G: self.theta_g.clone()}
+        """The committed global state as a snapshot holds it: ``theta_g`` and, once a round
+        was applied, the momentum (views, no copy: read them under :attr:`lock`, or on the
+        training thread) and the token count."""
+        tensors = {THETA_G: self.theta_g}
         if self.round > 0:
-            tensors[MOMENTUM] = self.momentum.clone()
+            tensors[MOMENTUM] = self.momentum
             tensors[TOKENS] = torch.tensor([self.tokens], dtype=torch.int64)
         return tensors
 
@@ -163,18 +226,18 @@ class DilocoState:
 
     def adopt(self, snapshot: StateSnapshot) -> None:
         """Take a downloaded global state: ``theta_g``, the momentum, the round, and each
-        fragment's outer step count as if this peer had applied rounds 1..r itself."""
-        self.theta_g.copy_(snapshot.tensors[THETA_G])
-        momentum = snapshot.tensors.get(MOMENTUM)
-        if momentum is None:
-            self.momentum.zero_()
-        else:
-            self.momentum.copy_(momentum)
-        for f, outer in enumerate(self.outers):
-            outer.steps = rounds_of_fragment(snapshot.round, f, self.fragments)
-        self.round = snapshot.round
-        tokens = snapshot.tensors.get(TOKENS)
-        self.tokens = int(tokens[0]) if tokens is not None else 0
+        fragment's outer step count as if this peer had applied rounds 1..r itself. Read
+        straight into place (a snapshot in a file is never held whole besides)."""
+        with self.lock:
+            snapshot.read_into(THETA_G, self.theta_g)
+            if snapshot.spec(MOMENTUM) is None:
+                self.momentum.zero_()
+            else:
+                snapshot.read_into(MOMENTUM, self.momentum)
+            for f, outer in enumerate(self.outers):
+                outer.steps = rounds_of_fragment(snapshot.round, f, self.fragments)
+            self.round = snapshot.round
+            self.tokens = int(snapshot.tensor(TOKENS)[0]) if snapshot.spec(TOKENS) else 0
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -211,10 +274,11 @@ class DilocoState:
         round_, tokens = int(state["round"]), int(state.get("tokens", 0))
         if round_ < 0 or tokens < 0 or min(steps + fragment_tokens) < 0:
             raise ValueError("a negative round, step or token count")
-        self.theta_g.copy_(tensors["theta_g"])
-        self.momentum.copy_(tensors["momentum"])
-        for outer, n in zip(self.outers, steps, strict=True):
-            outer.steps = n
-        self.fragment_tokens = fragment_tokens
-        self.round = round_
-        self.tokens = tokens
+        with self.lock:
+            self.theta_g.copy_(tensors["theta_g"])
+            self.momentum.copy_(tensors["momentum"])
+            for outer, n in zip(self.outers, steps, strict=True):
+                outer.steps = n
+            self.fragment_tokens = fragment_tokens
+            self.round = round_
+            self.tokens = tokens

@@ -8,14 +8,15 @@ How a round runs, for member i (the pure pieces live in ``reduction.py``, ``view
 ``verdicts.py`` and ``liveness.py``, the driver in ``round.py``, the stream ends in
 ``streams.py``):
 
-1. Quantize the whole vector once (the compiled codec amortizes best on big inputs); the
-   chunks sent later are views of it.
+1. Quantize the whole vector once (the compiled codec amortizes best on big inputs), or
+   take it as the peer encoded it; the chunks sent later are views of it.
 2. Open one ``Aggregate`` stream to every other *serving* member j and stream it the slice
    of part j, chunk by chunk. Member j reduces part j from all members' streams (a
    :class:`~swarmloco.net.averaging.reduction.PartReduction`): it checks and accumulates
    each chunk as it arrives and, when a chunk has every live contribution, quantizes the
    mean once and sends the same bytes back on every stream. Everybody, j included,
-   decodes those bytes into its result, so every member holds the same bits.
+   decodes those bytes into its result (or keeps them, for a result kept encoded), so
+   every member holds the same bits.
 3. Failures (``view.py``): a member that goes silent, breaks its stream, stops making
    progress or refuses us is *failed* in our view; the parts it reduced move to the next
    serving member, which announces the rerun to everyone; senders that miss a chunk
@@ -49,7 +50,7 @@ import grpc
 import torch
 
 from swarmloco.core.aggregate import AggregatorConfig
-from swarmloco.core.codec import CodecConfig, ErrorFeedback
+from swarmloco.core.codec import CodecConfig, Encoded, ErrorFeedback
 from swarmloco.core.config import require, require_positive
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import FaultPlan
@@ -148,31 +149,25 @@ class Averager:
     async def all_reduce(
         self,
         group: Group,
-        vector: torch.Tensor,
+        vector: torch.Tensor | Encoded,
         *,
         deadline: Deadline,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | Encoded | None = None,
         error_feedback: ErrorFeedback | None = None,
     ) -> AllReduceResult:
         """Average ``vector`` with ``group``; RoundAborted if that fails by ``deadline``.
 
         ``vector``: flat, contiguous fp32 on CPU, padded to ``group.numel`` (whole codec
-        blocks). It is not modified. ``out``: where to put the mean (a buffer of the same
-        shape, reused across rounds to spare the allocation; its contents are unspecified
-        if the round aborts); a new tensor by default. ``error_feedback``: send
-        ``q(vector + residual)`` and keep the new residual; rolled back if the round
-        aborts, committed when it returns a result.
+        blocks), quantized here; or already encoded by this peer's codec (a peer's update:
+        see ``DilocoState.encode``), sent as it is. It is not modified. ``out``: where to
+        put the mean, of the same kind (fp32: decoded into it; encoded: kept as the wire
+        carried it, about a quarter of the memory), reused across rounds to spare the
+        allocation (its contents are unspecified if the round aborts); a new fp32 tensor
+        by default. ``error_feedback``: for an fp32 vector, send ``q(vector + residual)``
+        and keep the new residual (an encoded vector was encoded with it); rolled back if
+        the round aborts, committed when it returns a result.
         """
-        for name, tensor in (("vector", vector), ("out", vector if out is None else out)):
-            if tensor.dtype != torch.float32 or tensor.dim() != 1 or tensor.numel() != group.numel:
-                raise ValueError(
-                    f"{name} must be a flat float32 vector of {group.numel} values, got "
-                    f"{tensor.dtype} {tuple(tensor.shape)}"
-                )
-        if group.block_size != self.config.codec.block_size:
-            raise ValueError(
-                f"group uses blocks of {group.block_size}, codec of {self.config.codec.block_size}"
-            )
+        self._check_vectors(group, vector, out)
         me = group.index_of(self.identity.peer_id_hex)
         if self.slots is not None:
             # Before any await: the other members open their streams as soon as they hold
@@ -180,7 +175,7 @@ class Averager:
             until = deadline.at + self.config.close_grace_s
             self.slots.reserve(_member_hosts(group, me), until=until)
         result = torch.empty(group.numel) if out is None else out
-        rnd = RoundRun(self, group, me, vector.contiguous().cpu(), result, deadline, error_feedback)
+        rnd = RoundRun(self, group, me, vector, result, deadline, error_feedback)
         try:
             outcome = await rnd.run()
         except BaseException:
@@ -196,6 +191,40 @@ class Averager:
             self._finished.append(group.group_id)
             for buffer in rnd.buffers:
                 self.scratch.give(buffer)
+
+    def _check_vectors(
+        self, group: Group, vector: torch.Tensor | Encoded, out: torch.Tensor | Encoded | None
+    ) -> None:
+        codec = self.config.codec
+        if group.block_size != codec.block_size:
+            raise ValueError(
+                f"group uses blocks of {group.block_size}, codec of {codec.block_size}"
+            )
+        for name, given in (("vector", vector), ("out", vector if out is None else out)):
+            if isinstance(given, Encoded):
+                if (
+                    not isinstance(vector, Encoded)
+                    or given.numel != group.numel
+                    or given.block_size != codec.block_size
+                    or given.scales.dtype != codec.scale_torch_dtype
+                ):
+                    raise ValueError(
+                        f"{name} must be a vector of {group.numel} values encoded in blocks "
+                        f"of {codec.block_size} with {codec.scale_dtype} scales, as the "
+                        "vector is"
+                    )
+            elif (
+                isinstance(vector, Encoded)
+                or given.dtype != torch.float32
+                or given.dim() != 1
+                or given.numel() != group.numel
+                or not given.is_contiguous()
+                or given.device.type != "cpu"
+            ):
+                raise ValueError(
+                    f"{name} must be a flat, contiguous float32 CPU vector of {group.numel} "
+                    f"values, as the vector is, got {given.dtype} {tuple(given.shape)}"
+                )
 
     async def handle_aggregate(
         self, request_iterator: Any, context: grpc.aio.ServicerContext

@@ -1,5 +1,6 @@
 """A member's own update as the sender side of a round sends it: bounded to the group's
-norm, quantized once, and cut into the chunks of every part.
+norm, quantized once (or taken as the peer encoded it), and cut into the chunks of every
+part.
 
 Quantized once and kept: every reducer of a part (and a backup reducer after a failure)
 gets the same bytes, sliced out of one int8 tensor and its scales without a copy. With
@@ -15,7 +16,14 @@ from collections.abc import Callable
 
 import torch
 
-from swarmloco.core.codec import CodecConfig, ErrorFeedback, l2_norm, quantize
+from swarmloco.core.codec import (
+    CodecConfig,
+    Encoded,
+    ErrorFeedback,
+    encoded_norm,
+    l2_norm,
+    quantize,
+)
 from swarmloco.net.averaging.group import Group
 from swarmloco.net.averaging.view import RoundView
 
@@ -48,8 +56,23 @@ class Contribution:
         self.q = torch.empty(0, dtype=torch.int8)
         self.scales = torch.empty(0)
 
-    def encode(self, vector: torch.Tensor, error_feedback: ErrorFeedback | None) -> None:
-        """Bound and quantize ``vector`` (the caller's stays as it is)."""
+    def encode(self, vector: torch.Tensor | Encoded, error_feedback: ErrorFeedback | None) -> None:
+        """Bound and quantize ``vector``, or take it as encoded and bound it by its scales
+        (the caller's stays as it is)."""
+        if isinstance(vector, Encoded):
+            self.q, self.scales = vector.payload, vector.scales
+            norm = encoded_norm(vector)
+            if math.isfinite(self.norm_bound) and norm > self.norm_bound:
+                # Scaling the scales scales every value it decodes to: the same message as
+                # quantizing the scaled vector, to rounding. What error feedback left out
+                # shrinks alike (a rolled-back round restores it).
+                self._clip(norm)
+                scales = self._take(vector.scales.numel(), vector.scales.dtype)
+                torch.mul(vector.scales, self.clipped, out=scales)
+                self.scales = scales
+                if error_feedback is not None:
+                    error_feedback.scale(self.clipped)
+            return
         if error_feedback is not None:
             self.q, self.scales = error_feedback.encode(vector, max_norm=self.norm_bound)
             return
@@ -67,10 +90,14 @@ class Contribution:
         norm = l2_norm(vector)
         if norm <= self.norm_bound:
             return vector
-        # A hair below the bound, so that float rounding cannot take it past.
-        self.clipped = self.norm_bound / norm * (1 - 1e-6)
+        self._clip(norm)
         clipped = self._take(vector.numel(), torch.float32)
         torch.mul(vector, self.clipped, out=clipped)
+        return clipped
+
+    def _clip(self, norm: float) -> None:
+        # A hair below the bound, so that float rounding cannot take it past.
+        self.clipped = self.norm_bound / norm * (1 - 1e-6)
         logger.info(
             "round %d: our update's norm %.3g is above the group's bound %.3g: scaled by %.3g",
             self._group.round,
@@ -78,7 +105,6 @@ class Contribution:
             self.norm_bound,
             self.clipped,
         )
-        return clipped
 
     def slice_of(self, part: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Our quantized contribution to chunk ``index`` of ``part`` (views, no copy)."""

@@ -1,5 +1,6 @@
 """The round's result as it arrives: every result chunk checked and decoded into the output
-tensor, whoever reduced it (a remote reducer or this member). No I/O.
+tensor (or kept as it came, for an output kept encoded), whoever reduced it (a remote
+reducer or this member). No I/O.
 
 Decoding is one multiply per element (q * s), the same on every member for the same bytes:
 identical bits everywhere, so that every member's digest of its result is the same.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from swarmloco.core.codec import CodecConfig, dequantize_into_
+from swarmloco.core.codec import CodecConfig, Encoded, dequantize_into_, store_encoded_
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.group import Group
@@ -31,8 +32,15 @@ class Output:
     """The output tensor of one round and the view that records what it holds."""
 
     def __init__(
-        self, *, result: torch.Tensor, group: Group, view: RoundView, codec: CodecConfig
+        self,
+        *,
+        result: torch.Tensor | Encoded,
+        group: Group,
+        view: RoundView,
+        codec: CodecConfig,
     ) -> None:
+        """``result``: fp32 (each chunk decoded into it) or encoded (each chunk kept as it
+        came, its scales checked as the decoder checks them)."""
         self.result = result
         self._group = group
         self._view = view
@@ -83,6 +91,9 @@ class Output:
         # scales) must leave its part incomplete, so that failing its reducer moves the
         # part on (a complete part would stay, its slice of the result whatever the reused
         # buffer held, different on every member).
-        dequantize_into_(self.result[start : start + span.numel], payload, scales, self._codec)
+        if isinstance(self.result, Encoded):
+            store_encoded_(self.result, start, payload, scales)
+        else:
+            dequantize_into_(self.result[start : start + span.numel], payload, scales, self._codec)
         view.on_result(part, index, bits)
         return True

@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+from swarmloco.core.codec import Encoded
+
 
 @dataclasses.dataclass(frozen=True)
 class PartReport:
@@ -61,6 +63,7 @@ class AllReduceReport:
 
 @dataclasses.dataclass(frozen=True)
 class AllReduceResult:
-    mean: torch.Tensor
-    """The weighted mean, padded like the input; identical on every member that returns."""
+    mean: torch.Tensor | Encoded
+    """The weighted mean, padded like the input (fp32, or encoded as received, as the
+    caller asked); identical on every member that returns."""
     report: AllReduceReport

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from swarmloco.core.codec import ErrorFeedback
+from swarmloco.core.codec import Encoded, ErrorFeedback
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.contribution import Contribution
@@ -82,7 +82,9 @@ def check_chunk(chunk: wire.ChunkMessage, group: Group) -> None:
         raise Rejection("bad-group", "chunk of another group")
 
 
-def alone(group: Group, me: int, vector: torch.Tensor, result: torch.Tensor) -> AllReduceResult:
+def alone(
+    group: Group, me: int, vector: torch.Tensor | Encoded, result: torch.Tensor | Encoded
+) -> AllReduceResult:
     """A group of one: its own vector is the mean, and nothing was exchanged."""
     peer_ids = tuple(m.peer_id for m in group.members)
     report = AllReduceReport(
@@ -99,7 +101,12 @@ def alone(group: Group, me: int, vector: torch.Tensor, result: torch.Tensor) -> 
         agreed=1,
         digest="",
     )
-    result.copy_(vector)
+    if isinstance(vector, Encoded) and isinstance(result, Encoded):
+        result.payload.copy_(vector.payload)
+        result.scales.copy_(vector.scales)
+    else:
+        assert isinstance(vector, torch.Tensor) and isinstance(result, torch.Tensor)
+        result.copy_(vector)
     return AllReduceResult(result, report)
 
 
@@ -111,8 +118,8 @@ class RoundRun:
         averager: Averager,
         group: Group,
         me: int,
-        vector: torch.Tensor,
-        result: torch.Tensor,
+        vector: torch.Tensor | Encoded,
+        result: torch.Tensor | Encoded,
         deadline: Deadline,
         error_feedback: ErrorFeedback | None = None,
     ) -> None:

@@ -372,7 +372,16 @@ class StateDonor:
             self.stats["declined"] += 1
             return  # the signed header says what we hold; the requester moves on
         capacity = self.config.budget_states * snapshot.nbytes
-        for index, data in enumerate(wire.state_chunks(snapshot.tensors, chunk_bytes)):
+        chunks = enumerate(snapshot.chunks(chunk_bytes))
+        while True:
+            try:  # a state in a file is read as it is sent (see net/state/files.py)
+                index, data = next(chunks)
+            except StopIteration:
+                break
+            except OSError as exc:
+                logger.warning("could not read the state of round %d: %s", snapshot.round, exc)
+                self.stats["unreadable"] += 1
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the donor cannot read its state")
             message = wire.chunk_response(index, data)
             if self.limiter is not None:
                 await self.limiter.upload(len(message))

@@ -6,7 +6,8 @@ fresh nonce, then every chunk in order, each within ``chunk_timeout_s`` of the m
 before it, the header within ``header_timeout_s`` and the whole state at no less than
 ``min_rate_bytes_s`` on average (a donor that stalls, or drips a chunk now and then, holds
 the requester for a bounded time whatever the overall deadline). Chunks are checked
-and written into preallocated tensors as they arrive and hashed on the way; the state is
+and written as they arrive (into new tensors, or with ``spool`` into an unnamed file that
+keeps a large state out of the peer's memory) and hashed on the way; the state is
 returned only if the digest matches the signed header (and ``expected_digest``, when the
 caller knows the majority digest of the round).
 
@@ -25,6 +26,7 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -37,6 +39,7 @@ from swarmloco.net.client import RpcClient, RpcError
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.state import wire
+from swarmloco.net.state.files import FileSink
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,7 @@ async def download_state(
     config: DownloadConfig | None = None,
     rejections: RejectionLog | None = None,
     requester: wire.Requester | None = None,
+    spool: Path | None = None,
 ) -> DownloadedState:
     """Download the state of ``swarm_id`` from the first of ``donors`` that delivers it.
 
@@ -134,6 +138,8 @@ async def download_state(
     ``schema``: the tensors the state must hold (e.g. ``StateSchema.diloco(numel)``).
     ``rejections``: where to count and log invalid input from donors. ``requester``: who
     signs the requests (a member of a private swarm; its donors serve nobody else).
+    ``spool``: receive the state into an unnamed file in this directory (``files.py``)
+    rather than memory; a disk that cannot hold it fails that donor's attempt.
 
     Raises StateTransferError naming every donor and why it failed, when none delivered
     by ``deadline``.
@@ -170,6 +176,7 @@ async def download_state(
             schema=schema,
             config=config,
             requester=requester,
+            spool=spool,
         )
         try:
             snapshot = await attempt.run()
@@ -247,8 +254,10 @@ class _Attempt:
         schema: StateSchema | None,
         config: DownloadConfig,
         requester: wire.Requester | None = None,
+        spool: Path | None = None,
     ) -> None:
         self.client = client
+        self.spool = spool
         self.requester = requester
         self.donor = donor
         self.swarm_id = swarm_id
@@ -308,7 +317,20 @@ class _Attempt:
             schema=self.schema,
             limits=limits,
         )
-        assembler = wire.StateAssembler(header)
+        try:
+            sink = None if self.spool is None else FileSink(self.spool, header.specs)
+        except OSError as exc:
+            raise _Failed("no-room", f"cannot make a file for the state: {exc}") from None
+        assembler = wire.StateAssembler(header, sink)
+        try:
+            return await self._assemble(call, header, assembler)
+        except BaseException:
+            assembler.sink.discard()
+            raise
+
+    async def _assemble(
+        self, call: Any, header: wire.CheckedHeader, assembler: wire.StateAssembler
+    ) -> StateSnapshot:
         self.expected = header.chunks
         config = self.config
         self.budget = self._capped(
@@ -327,15 +349,15 @@ class _Attempt:
             message = wire.decode_response(data)
             if message.WhichOneof("kind") != "chunk":
                 raise Rejection("malformed", "a header or nothing arrived where a chunk was due")
-            assembler.accept(message.chunk.index, message.chunk.data)
+            try:
+                assembler.accept(message.chunk.index, message.chunk.data)
+            except OSError as exc:  # the spool's disk is full
+                raise _Failed("no-room", f"cannot write the state: {exc}") from None
             self.received += 1
         else:
             if await self._next(call, "the end of the stream") is not None:
                 raise Rejection("malformed", "the donor sent more after the last chunk")
-        tensors = assembler.finish()
-        return StateSnapshot.of(
-            swarm_id=header.swarm_id, round=header.round, tensors=tensors, digest=header.digest
-        )
+        return assembler.finish()
 
     async def _next(self, call: Any, what: str) -> bytes | None:
         """The next message (None at the end of the stream), within the chunk timeout."""

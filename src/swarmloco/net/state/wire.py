@@ -3,32 +3,34 @@
 A ``Download`` stream (``proto/swarmloco/v1/state.proto``) is a :class:`StateHeader`
 signed by the donor, then the concatenated raw bytes of the state's tensors in the
 header's order, cut into chunks of ``header.chunk_bytes`` (the last one shorter). The donor
-builds the header with :func:`sign_header` and the chunks with :func:`state_chunks`; the
-requester checks the header with :func:`check_header` and feeds the chunks to a
-:class:`StateAssembler`, which checks each chunk's index and size as it arrives, writes it
-into preallocated tensors and hashes it, and at the end compares the digest.
+builds the header with :func:`sign_header` and reads the chunks off its snapshot
+(``StateSnapshot.chunks``); the requester checks the header with :func:`check_header` and
+feeds the chunks to a :class:`StateAssembler`, which checks each chunk's index and size as
+it arrives, writes it into a sink (new tensors, or a file: ``files.py``) and hashes it, and
+at the end compares the digest.
 
 Everything here raises :class:`~swarmloco.net.rejections.Rejection` with a short code on
-bad input; nothing does I/O.
+bad input; nothing does I/O but the sink it is given.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import msgpack
-import torch
 
 from swarmloco.core.config import require_int
 from swarmloco.core.state import (
     DIGEST_BYTES,
     DTYPES,
+    MemorySource,
     StateHasher,
     StateSchema,
     StateSnapshot,
+    StateSource,
     TensorSpec,
     check_name,
     raw_bytes,
@@ -352,43 +354,55 @@ def chunk_count(total_bytes: int, chunk_bytes: int) -> int:
     return -(-total_bytes // chunk_bytes)
 
 
-def state_chunks(
-    tensors: Mapping[str, torch.Tensor], chunk_bytes: int
-) -> Iterator[bytes | memoryview]:
-    """The tensors' bytes, concatenated in order and cut every ``chunk_bytes``.
+class StateSink(Protocol):
+    """Where an assembler writes a state's bytes: in memory, or a file (``files.py``)."""
 
-    A chunk within one tensor is a view of it (no copy); one that straddles tensors is
-    joined from its pieces.
-    """
-    pending: list[memoryview] = []
-    size = 0
-    for tensor in tensors.values():
-        raw = raw_bytes(tensor)
-        pos = 0
-        while pos < len(raw):
-            take = min(chunk_bytes - size, len(raw) - pos)
-            pending.append(raw[pos : pos + take])
-            size += take
-            pos += take
-            if size == chunk_bytes:
-                yield pending[0] if len(pending) == 1 else b"".join(pending)
-                pending, size = [], 0
-    if size:
-        yield pending[0] if len(pending) == 1 else b"".join(pending)
+    def write(self, offset: int, data: bytes | memoryview) -> None: ...
+
+    def source(self) -> StateSource: ...
+
+    def discard(self) -> None: ...
+
+
+class MemorySink:
+    """New tensors of the header's specs, filled in place."""
+
+    def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
+        self.tensors = [spec.empty() for spec in specs]
+        self._source = MemorySource(self.tensors)
+        self._raws = [raw_bytes(t) for t in self.tensors]
+        self._starts = [0]
+        for raw in self._raws:
+            self._starts.append(self._starts[-1] + len(raw))
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        i = 0
+        while view:
+            while self._starts[i + 1] <= offset:
+                i += 1
+            at = offset - self._starts[i]
+            take = min(len(view), len(self._raws[i]) - at)
+            self._raws[i][at : at + take] = view[:take]
+            view, offset = view[take:], offset + take
+
+    def source(self) -> StateSource:
+        return self._source
+
+    def discard(self) -> None:
+        self.tensors = []
 
 
 class StateAssembler:
-    """Writes the chunks of a checked header into new tensors, checking and hashing them."""
+    """Writes the chunks of a checked header into a sink (new tensors by default),
+    checking and hashing them."""
 
-    def __init__(self, header: CheckedHeader) -> None:
+    def __init__(self, header: CheckedHeader, sink: StateSink | None = None) -> None:
         self.header = header
-        self.tensors = {spec.name: spec.empty() for spec in header.specs}
-        self._raws = [raw_bytes(t) for t in self.tensors.values()]
+        self.sink = sink if sink is not None else MemorySink(header.specs)
         self._hasher = StateHasher(header.specs)
         self.received_bytes = 0
         self.next_index = 0
-        self._tensor = 0
-        self._pos = 0
 
     @property
     def complete(self) -> bool:
@@ -407,24 +421,12 @@ class StateAssembler:
         if len(data) != want:
             raise Rejection("bad-chunk", f"chunk {index} has {len(data)} bytes, {want} were due")
         self._hasher.update(data)
-        view = memoryview(data)
-        pos = 0
-        while pos < len(view):
-            raw = self._raws[self._tensor]
-            room = len(raw) - self._pos
-            if room == 0:
-                self._tensor += 1
-                self._pos = 0
-                continue
-            take = min(room, len(view) - pos)
-            raw[self._pos : self._pos + take] = view[pos : pos + take]
-            self._pos += take
-            pos += take
-        self.received_bytes += len(view)
+        self.sink.write(self.received_bytes, data)
+        self.received_bytes += len(data)
         self.next_index += 1
 
-    def finish(self) -> dict[str, torch.Tensor]:
-        """The tensors, once every chunk arrived and the digest matches the header's."""
+    def finish(self) -> StateSnapshot:
+        """The state, once every chunk arrived and the digest matches the header's."""
         if not self.complete:
             raise Rejection(
                 "truncated",
@@ -437,4 +439,11 @@ class StateAssembler:
                 f"the state hashes to {digest.hex()[:16]}, the donor's header promised "
                 f"{self.header.digest.hex()[:16]} (corrupted in transit or by the donor)",
             )
-        return self.tensors
+        header = self.header
+        return StateSnapshot.from_source(
+            swarm_id=header.swarm_id,
+            round=header.round,
+            specs=header.specs,
+            digest=header.digest,
+            source=self.sink.source(),
+        )
