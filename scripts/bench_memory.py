@@ -15,11 +15,17 @@ every round; each peer's resident memory sampled every 0.1 s and read against it
 ``between_rounds_mb`` (the median while it trains between rounds, once a round was applied
 and its checkpoint written), ``peak_mb`` (the highest sample), and the peak in each phase
 (``round``: from a round's start to its event; ``checkpoint``: to the checkpoint's event;
-``download``: from start to the ``downloaded`` event). ``host_bytes_per_param_overhead``
+``download``: from start to the ``downloaded`` event), and the peak between rounds (a
+step's own temporaries come and go: the median does not see them).
+``host_bytes_per_param_overhead``
 is (between rounds - plain) / parameters and ``peak_bytes_per_param_overhead`` (peak -
-plain peak) / parameters, over the peers. ``held``: the buffers the peer's DiLoCo state
-allocates for this model, by name, in bytes per parameter (read off a ``DilocoState`` and
-its donor copy, built here for the manifest's layout).
+plain peak) / parameters, over the peers; ``phase_peak_over_between_bytes_per_param``: for
+each phase, how far its peak rose above the same peer's peak between rounds, per
+parameter (the highest over the peers; 0 or less: no higher). ``held``: the buffers the
+peer's DiLoCo state allocates for this model, by name, in bytes per parameter (read off a
+``DilocoState`` built here for the manifest's layout; the states a peer serves, its
+fallback and its downloads are unnamed files, in the page cache rather than the peer's
+memory).
 """
 
 from __future__ import annotations
@@ -80,7 +86,8 @@ def plain(preset: str, seq_len: int, steps: int) -> None:
 
 
 def held(preset: str, seq_len: int) -> dict[str, float]:
-    """Bytes per parameter of each buffer a peer's DiLoCo state allocates for the model."""
+    """Bytes per parameter of each buffer a peer's DiLoCo state allocates for the model
+    (the states it serves, its fallback and its downloads are files: none here)."""
     import torch
 
     from swarmloco.core.flat import FlatLayout
@@ -94,22 +101,25 @@ def held(preset: str, seq_len: int) -> dict[str, float]:
     names = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     layout = FlatLayout(names, [0] * len(names), spec.codec.block_size)
     state = DilocoState(layout, spec.outer, spec.codec)
-    state.round = 1  # a round applied: the donor's copy holds the momentum too
     n = sum(p.numel() for p in model.parameters())
-    out: dict[str, float] = {}
-    for name in ("theta_g", "momentum", "scratch"):  # scratch: gone since 2026-11-27
-        if isinstance(getattr(state, name, None), torch.Tensor):
-            out[name] = getattr(state, name).nbytes / n
-    for name in ("deltas", "means"):
-        out[name] = sum(t.nbytes for t in getattr(state, name)) / n
-    feedback = state.feedback or []
-    out["error_feedback"] = (
-        sum(
-            sum(t.nbytes for t in vars(f).values() if isinstance(t, torch.Tensor)) for f in feedback
-        )
-        / n
-    )
-    out["donor_copy"] = sum(t.nbytes for t in state.committed().values()) / n
+
+    def nbytes(*tensors: torch.Tensor) -> float:
+        return sum(t.nbytes for t in tensors) / n
+
+    out = {
+        "theta_g": nbytes(state.theta_g),
+        "momentum": nbytes(state.momentum),
+        "message": nbytes(*(t for m in state.messages for t in (m.payload, m.scales))),
+        "mean": nbytes(*(t for m in state.means for t in (m.payload, m.scales))),
+        "error_feedback": nbytes(
+            *(
+                t
+                for f in state.feedback or []
+                for t in vars(f).values()
+                if isinstance(t, torch.Tensor)
+            )
+        ),
+    }
     return {k: round(v, 3) for k, v in out.items()}
 
 
@@ -176,6 +186,7 @@ def phases(samples: list[tuple[float, float]], events: list[dict[str, Any]]) -> 
     return {
         "rounds_applied": len(rounds),
         "between_rounds_mb": round(statistics.median(steady), 1) if steady else None,
+        "peak_between_rounds_mb": round(max(steady), 1) if steady else None,
         "peak_mb": round(max(r for _, r in samples), 1) if samples else None,
         "peak_in_round_mb": peak(in_round),
         "peak_in_checkpoint_mb": peak(in_checkpoint),
@@ -300,6 +311,18 @@ def main() -> int:
         report["peak_bytes_per_param_overhead"] = round(
             (max(peaks) - base["peak_mb"]) * 2**20 / params, 2
         )
+    # Whether a round, a checkpoint or a download costs more than training between rounds:
+    # each phase's peak over the same peer's resident memory between rounds.
+    over: dict[str, float] = {}
+    for phase in ("round", "checkpoint", "download"):
+        rises = [
+            p[f"peak_in_{phase}_mb"] - p["peak_between_rounds_mb"]
+            for p in report["peers"]
+            if p[f"peak_in_{phase}_mb"] is not None and p["peak_between_rounds_mb"] is not None
+        ]
+        if rises:
+            over[phase] = round(max(rises) * 2**20 / params, 2)
+    report["phase_peak_over_between_bytes_per_param"] = over
     print(json.dumps(report, indent=2))
     return 0
 

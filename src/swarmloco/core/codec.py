@@ -403,6 +403,11 @@ def _blocks_like(
     return tb
 
 
+def check_encoded(q: torch.Tensor, scale: torch.Tensor, config: CodecConfig) -> None:
+    """CodecError for int8 values and scales the decoders would refuse (decoding nothing)."""
+    _check_decode_args(_blocks(q, config.block_size, "payload"), scale)
+
+
 def _check_decode_args(qb: torch.Tensor, scale: torch.Tensor) -> None:
     if qb.dtype != torch.int8:
         raise CodecError(f"payload must be int8, got {qb.dtype}")

@@ -1,4 +1,4 @@
-"""Handing freed memory back to the system after large input was refused.
+"""Handing freed memory back to the system: after large input was refused, and once a round.
 
 A message of several megabytes passes through gRPC's buffers, the protobuf parser and
 Python's bytes. Once freed, that memory stays with the C allocator: glibc serves large
@@ -122,6 +122,15 @@ async def release_when_grown(
             floor = resident() or now
         else:
             floor = min(floor, now)
+
+
+def release_now() -> None:
+    """Hand what is free back to the system now. A peer calls it once a round, between
+    two steps: the round's messages, its temporaries and the evaluation's batches
+    otherwise stay with the allocator, about 1.5 bytes a parameter of a 135M model
+    (measured with ``scripts/bench_memory.py``; DESIGN section 6, "Host memory")."""
+    if RELEASER._trim is not None:
+        RELEASER._trim()
 
 
 def release_after(nbytes: int) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from swarmloco.errors import RoundAborted, SwarmlocoError
 from swarmloco.net.averaging.report import AllReduceReport
+from swarmloco.net.heap import release_now
 from swarmloco.runtime.pacer import Pacer
 from swarmloco.runtime.parts import PeerParts
 from swarmloco.train.diloco import fragment_of_round
@@ -189,6 +190,7 @@ class RoundDriver:
         # And what the loop spent on the round itself: starting it, applying it.
         event["start_seconds"] = round(x.start_seconds, 3)
         event["apply_seconds"] = round(applied, 3)
+        release_now()  # what the round and the evaluation freed, back to the system
         logger.info(
             "round %d (fragment %d) applied with %d peer(s) in %.2fs: train loss %.3f%s",
             p.diloco.round,

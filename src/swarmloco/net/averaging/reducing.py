@@ -79,7 +79,6 @@ class Reductions:
         notice to send every member when we take it over from a failed one. Raises
         RoundAborted when our own update cannot be averaged."""
         cfg = self._config
-        buffer_numel = self._group.parts[part][1] * self._group.block_size
         reduction = PartReduction(
             part=part,
             epoch=epoch,
@@ -91,7 +90,6 @@ class Reductions:
             timeout=cfg.sender_timeout_s,
             now=self._clock(),
             norm_bound=self._contribution.norm_bound,
-            buffer=self._take(buffer_numel) if cfg.aggregator.streaming else None,
             take=self._take,
         )
         self.active[part] = reduction

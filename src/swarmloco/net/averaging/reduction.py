@@ -55,6 +55,7 @@ from swarmloco.core.aggregate import AggregatorConfig, TrimmedAccumulator, aggre
 from swarmloco.core.codec import (
     ChunkSpan,
     CodecConfig,
+    check_encoded,
     dequantize_accumulate_,
     dequantize_into_,
     quantize,
@@ -81,7 +82,6 @@ class PartReduction:
         aggregator: AggregatorConfig,
         timeout: float,
         now: float,
-        buffer: torch.Tensor | None = None,
         norm_bound: float = math.inf,
         take: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
@@ -93,31 +93,31 @@ class PartReduction:
         self.aggregator = aggregator
         self.timeout = timeout
         self.start = now
-        numel = self.spans[-1].stop if self.spans else 0
-        # Not zero-filled: each chunk's first contribution is written, the others added.
-        if buffer is not None and buffer.numel() < numel:
-            raise ValueError(f"buffer of {buffer.numel()} values for a part of {numel}")
-        self._acc: torch.Tensor | None = None
-        if aggregator.streaming:
-            self._acc = torch.empty(numel) if buffer is None else buffer[:numel]
         self._buffered: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self._trimmed: dict[int, TrimmedAccumulator] | None = None
         if aggregator.method == "trimmed_mean":
             self._trimmed = {}
-        # Robust modes keep a few rows per chunk until it completes: each chunk's rows live
+        # Every mode keeps a few rows per chunk until it completes: each chunk's rows live
         # in one block of memory, recycled when the chunk is done (``take``: fresh memory,
-        # e.g. a pool kept across rounds; fresh memory costs a page fault per 4 KiB).
+        # e.g. a pool kept across rounds; fresh memory costs a page fault per 4 KiB). So
+        # the reducer holds the chunks in flight, not its part (DESIGN section 6, "Host
+        # memory"), as long as its own contribution is not decoded ahead of the others':
+        # it waits as sent (views of the caller's message) until a chunk's first other
+        # contribution arrives, or the chunk completes without one.
         self._take = take or (lambda numel: torch.empty(numel))
         self._storage: dict[int, torch.Tensor] = {}
         self._spare: list[torch.Tensor] = []
+        self._waiting: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._weight_sum = [0.0] * len(self.spans)
         self.next_index: dict[int, int] = {s: 0 for s in senders}
         self.live: set[int] = set(self.next_index)
-        # Rows of storage per chunk: the largest, smallest and middle sum of a trimmed mean
-        # that drops one value at each end; every sender's decoded chunk for CenteredClip.
-        self._rows = 0
-        if self._trimmed is not None and aggregator.trim == 1:
-            self._rows = 3
+        # Rows of storage per chunk: the running sum of a mean (not zero-filled: a chunk's
+        # first contribution is written, the others added); the largest, smallest and
+        # middle sum of a trimmed mean that drops one value at each end; every sender's
+        # decoded chunk for CenteredClip.
+        self._rows = 1
+        if self._trimmed is not None:
+            self._rows = 3 if aggregator.trim == 1 else 0  # (other trims keep their own)
         elif aggregator.method == "centered_clip":
             self._rows = len(self.next_index)
         self._row_len = max((span.numel for span in self.spans), default=0)
@@ -170,7 +170,6 @@ class PartReduction:
             raise Rejection(code, f"chunk {index} of part {self.part}, expected {expected}")
         if index >= len(self.spans):
             raise Rejection("bad-index", f"part {self.part} has only {len(self.spans)} chunks")
-        span = self.spans[index]
         weight = self.weights[sender]
         if scales.numel():
             largest = weight * _MAX_QUANT * float(scales.max())
@@ -182,35 +181,53 @@ class PartReduction:
                 )
         if math.isfinite(self.norm_bound) and scales.numel():
             self._check_norm(sender, index, payload, scales)
-        try:
-            if self._acc is not None:
-                acc = self._acc[span.start : span.stop]
-                if self._weight_sum[index] == 0.0:
-                    dequantize_into_(acc, payload, scales, self.codec, weight)
-                else:
-                    dequantize_accumulate_(acc, payload, scales, weight, self.codec)
-            elif self._trimmed is not None:
-                trimmer = self._trimmed.get(index)
-                if trimmer is None:
-                    trimmer = self._trimmed[index] = TrimmedAccumulator(
-                        self.aggregator.trim, self._storage_of(index)
-                    )
-                trimmer.add_quantized(payload, scales, self.codec)
-            else:
-                received = self._buffered.setdefault(index, [])
-                storage = self._storage_of(index)
-                assert storage is not None  # CenteredClip keeps every sender's row
-                row = storage[len(received), : span.numel]
-                dequantize_into_(row, payload, scales, self.codec)
-                received.append((sender, row))
-        except CodecError as exc:
-            raise Rejection("bad-chunk", f"chunk {index} of part {self.part}: {exc}") from None
+        if remote:
+            waiting = self._waiting.pop(index, None)
+            if waiting is not None:  # the first other contribution: ours goes in first
+                self._absorb(index, *waiting)
+            self._absorb(index, sender, payload, scales)
+        else:
+            try:  # refused now as the decoder would refuse it, not when it is decoded
+                check_encoded(payload, scales, self.codec)
+            except CodecError as exc:
+                raise Rejection("bad-chunk", f"chunk {index} of part {self.part}: {exc}") from None
+            self._waiting[index] = (sender, payload, scales)
         self._weight_sum[index] += weight
         self.next_index[sender] = index + 1
         self._last_progress[sender] = now
         if remote:
             self._first_remote.setdefault(index, now)
         return True
+
+    def _absorb(self, index: int, sender: int, payload: torch.Tensor, scales: torch.Tensor) -> None:
+        """Decode ``sender``'s chunk ``index`` into the chunk's rows."""
+        span = self.spans[index]
+        weight = self.weights[sender]
+        storage = self._storage_of(index)
+        try:
+            if self._trimmed is not None:
+                trimmer = self._trimmed.get(index)
+                if trimmer is None:
+                    trimmer = self._trimmed[index] = TrimmedAccumulator(
+                        self.aggregator.trim, storage
+                    )
+                trimmer.add_quantized(payload, scales, self.codec)
+                return
+            assert storage is not None  # a mean's sum, CenteredClip's rows
+            if self.aggregator.streaming:
+                acc = storage[0, : span.numel]
+                if index not in self._buffered:
+                    self._buffered[index] = []
+                    dequantize_into_(acc, payload, scales, self.codec, weight)
+                else:
+                    dequantize_accumulate_(acc, payload, scales, weight, self.codec)
+            else:
+                received = self._buffered.setdefault(index, [])
+                row = storage[len(received), : span.numel]
+                dequantize_into_(row, payload, scales, self.codec)
+                received.append((sender, row))
+        except CodecError as exc:
+            raise Rejection("bad-chunk", f"chunk {index} of part {self.part}: {exc}") from None
 
     def _storage_of(self, index: int) -> torch.Tensor | None:
         """Chunk ``index``'s rows of memory (``_rows`` x the longest chunk), reused."""
@@ -302,11 +319,20 @@ class PartReduction:
             raise RoundAborted(
                 f"chunk {k} of part {self.part} has no sender or weights summing to {total}"
             )
-        if self._acc is not None:
-            mean = self._acc[span.start : span.stop]
-            mean.mul_(1.0 / total)
-        elif self._trimmed is not None:
+        waiting = self._waiting.pop(k, None)
+        if waiting is not None:  # no other contribution came: ours alone
+            try:
+                self._absorb(k, *waiting)
+            except Rejection as rejection:  # (checked as it was accepted: never so far)
+                raise RoundAborted(
+                    f"this peer's own chunk {k} of part {self.part}: {rejection.reason}"
+                ) from None
+        if self._trimmed is not None:
             mean = self._trimmed.pop(k).result()
+        elif self.aggregator.streaming:
+            self._buffered.pop(k)
+            mean = self._storage[k][0, : span.numel]
+            mean.mul_(1.0 / total)
         else:
             received = self._buffered.pop(k)
             rows = self._storage[k][: len(received), : span.numel]  # in the order received
