@@ -4,11 +4,13 @@ preset (18.5M parameters), the second downloading the state from the first, each
 resident set sampled against its events (DESIGN section 6, "Host memory").
 
 The budget is issue 34's, 12 bytes a parameter beyond the model and its inner optimizer,
-plus a fixed margin: a peer process carries the gRPC runtime, its threads and the codec's
-compiled kernels besides, about 170 MB whatever the model (9 bytes a parameter at this
-size). The state before the memory work held 38 bytes a parameter (the donor's two copies,
-fp32 round buffers, the checkpoint's copy of the whole state); a regression to any of those
-fails here. Nothing is timed.
+plus a fixed margin: a peer process carries the gRPC runtime, its threads, the codec's
+compiled kernels and a round's messages besides, 170 to 230 MB whatever the model (9 to 12
+bytes a parameter at this size; at 135M the same peers hold 12.1 in all). The state before
+the memory work held 38 bytes a parameter more than the loop (the donor's two copies, fp32
+round buffers, the checkpoint's copy of the whole state: 50 at this size); a regression to
+those fails here. What the DiLoCo state allocates is held to 10 bytes a parameter exactly
+in ``tests/unit/test_diloco_memory.py``. Nothing is timed.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_memory.py"
 PARAMS = 18_485_504
-FIXED_MB = 220
-"""What a peer process holds beyond the model's state whatever its size, with room (170 MB
-measured at 20m and 135m, 2026-12-05)."""
+FIXED_MB = 300
+"""What a peer process holds beyond the model's state whatever its size, with room (170 to
+230 MB measured at 20m and 135m, 2026-12-05)."""
 BUDGET = 12 + FIXED_MB * 2**20 / PARAMS
-"""Bytes a parameter beyond the plain loop (about 24.5 at this size)."""
+"""Bytes a parameter beyond the plain loop (29 at this size; 22.9 measured)."""
 PHASE_RISE = 3.0
 """How far a round, a checkpoint or a download may take a peer above its own peak between
 rounds, in bytes a parameter (a chunk, a slab, a tensor in flight; a copy of the state is

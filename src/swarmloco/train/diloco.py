@@ -144,7 +144,8 @@ class DilocoState:
     def encode(self, fragment: int, params: Sequence[torch.Tensor]) -> bool:
         """The pseudo-gradient ``theta_g - theta`` of ``fragment``, quantized a slab at a
         time into the fragment's message (with error feedback, plus the residual the last
-        messages left out). False, with nothing changed, when it holds NaN or Inf."""
+        messages left out). False when it holds NaN or Inf: nothing is to be sent, and
+        the residual is as it was."""
         message = self.messages[fragment]
         feedback = self.feedback[fragment] if self.feedback else None
         if feedback is not None:
