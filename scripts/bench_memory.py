@@ -4,6 +4,7 @@ swarm. Prints ONE JSON object.
 
     python scripts/bench_memory.py                          # llama 135m, two peers
     python scripts/bench_memory.py --preset 360m --peers 1  # one peer alone at 362M
+    python scripts/bench_memory.py --peers 1 --baseline-src OLD/src  # and an older checkout's
 
 ``plain``: a process that builds the ``llama`` preset's model and its AdamW (fp32, the CPU
 loop of the daemon), loads the run's data and takes ``--sync-every`` steps: its resident
@@ -16,7 +17,10 @@ every round; each peer's resident memory sampled every 0.1 s and read against it
 and its checkpoint written), ``peak_mb`` (the highest sample), and the peak in each phase
 (``round``: from a round's start to its event; ``checkpoint``: to the checkpoint's event;
 ``download``: from start to the ``downloaded`` event), and the peak between rounds (a
-step's own temporaries come and go: the median does not see them).
+step's own temporaries come and go: the median does not see them); and from the events,
+what the training loop waited for a round (``round_stall_s``: start and apply;
+``round_wait_s``: the exchange at the landing; ``checkpoint_stall_s``: a checkpoint's
+files written; ``eval_s``), medians.
 ``host_bytes_per_param_overhead``
 is (between rounds - plain) / parameters and ``peak_bytes_per_param_overhead`` (peak -
 plain peak) / parameters, over the peers; ``phase_peak_over_between_bytes_per_param``: for
@@ -32,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -192,52 +198,50 @@ def phases(samples: list[tuple[float, float]], events: list[dict[str, Any]]) -> 
         "peak_in_checkpoint_mb": peak(in_checkpoint),
         "peak_in_download_mb": peak([(start, downloaded[0])]) if downloaded else None,
         "ready_s": round(ready - start, 1) if ready and samples else None,
+        **stalls(events),
     }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--preset", default="135m", help="llama preset (default: 135m)")
-    p.add_argument("--seq-len", type=int, default=16, help="context (default 16: CPU steps)")
-    p.add_argument("--peers", type=int, default=2, help="1 or 2 (default 2)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds each peer applies (default 4)")
-    p.add_argument("--sync-every", type=int, default=4, help="H (default 4)")
-    p.add_argument("--dir", type=Path, default=None, help="keep logs and events here")
-    p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.plain:
-        plain(args.preset, args.seq_len, args.sync_every)
-        return 0
-    if args.peers not in (1, 2):
-        p.error("--peers is 1 or 2")
-    reference = subprocess.run(
-        [sys.executable, __file__, "--plain", "--preset", args.preset,
-         "--seq-len", str(args.seq_len), "--sync-every", str(args.sync_every)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    base = json.loads(reference.stdout.strip().splitlines()[-1])
-    params = int(base["params"])
-    report: dict[str, Any] = {
-        "bench": "memory",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine(),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "params": params,
-        "plain_rss_mb": base["rss_mb"],
-        "plain_peak_mb": base["peak_mb"],
-        "held_bytes_per_param": held(args.preset, args.seq_len),
+def stalls(events: list[dict[str, Any]]) -> dict[str, float | None]:
+    """What the training loop waited for, per round (medians, seconds): starting and
+    applying the round (the update encoded, the outer step, the weights back) and the
+    exchange it waited for at the landing; writing a checkpoint's files (the page cache;
+    the rest is on the writer's thread); the evaluation."""
+
+    def median(values: list[float]) -> float | None:
+        return round(statistics.median(values), 3) if values else None
+
+    rounds = [e for e in events if e["event"] == "round"]
+    return {
+        "round_stall_s": median(
+            [e.get("start_seconds", 0) + e.get("apply_seconds", 0) for e in rounds]
+        ),
+        "round_wait_s": median([e.get("wait_seconds", 0) for e in rounds]),
+        "checkpoint_stall_s": median(
+            [e["copy_seconds"] for e in events if e["event"] == "checkpoint"]
+        ),
+        "eval_s": median([e.get("eval_seconds", 0) for e in rounds]),
     }
+
+
+def swarm(
+    args: argparse.Namespace, base: dict[str, Any], name: str, src: str | None
+) -> dict[str, Any]:
+    """The peers' part of the benchmark (see the module), run from ``src`` (a checkout's
+    ``src/``; None: this one), its files under ``name``."""
+    env = os.environ.copy()
+    if src is not None:
+        env["PYTHONPATH"] = src
+    report: dict[str, Any] = {}
     children: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory() as tmp, Sampler() as sampler:
-        run = args.dir or Path(tmp)
+        run = (args.dir or Path(tmp)) / name
         run.mkdir(parents=True, exist_ok=True)
         try:
             boot = subprocess.Popen(
                 [*COMMAND, "bootstrap", "--host", "127.0.0.1", "--port", "0",
                  "--data-dir", str(run / "boot")],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
             )  # fmt: skip
             children.append(boot)
             assert boot.stdout is not None
@@ -249,7 +253,7 @@ def main() -> int:
                  "--seq-len", str(args.seq_len), "--batch-size", "1",
                  "--sync-every", str(args.sync_every), "--identity-work", "0", "--no-train",
                  "--peer", endpoint.group(1), "--data-dir", str(run / "peer0")],
-                capture_output=True, text=True, check=True, timeout=600,
+                capture_output=True, text=True, check=True, timeout=600, env=env,
             )  # fmt: skip
             swarm = created.stdout.split()[0]
 
@@ -260,6 +264,7 @@ def main() -> int:
                      "--data-dir", str(run / f"peer{i}"), "--max-rounds", str(rounds),
                      "--events", str(run / f"peer{i}.events")],
                     stdout=subprocess.DEVNULL, stderr=(run / f"peer{i}.log").open("w"), text=True,
+                    env=env,
                 )  # fmt: skip
                 children.append(child)
                 sampler.watch(child.pid)
@@ -301,6 +306,9 @@ def main() -> int:
                 report["log_tail"] = (run / "peer0.log").read_text()[-2000:]
         finally:
             stop_processes(children)
+            for i in range(args.peers):  # the checkpoints: 20 bytes a parameter each
+                shutil.rmtree(run / f"peer{i}" / "swarms", ignore_errors=True)
+    params = base["params"]
     steady = [p["between_rounds_mb"] for p in report["peers"] if p["between_rounds_mb"]]
     peaks = [p["peak_mb"] for p in report["peers"] if p["peak_mb"]]
     if steady:
@@ -323,6 +331,53 @@ def main() -> int:
         if rises:
             over[phase] = round(max(rises) * 2**20 / params, 2)
     report["phase_peak_over_between_bytes_per_param"] = over
+    return report
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="135m", help="llama preset (default: 135m)")
+    p.add_argument("--seq-len", type=int, default=16, help="context (default 16: CPU steps)")
+    p.add_argument("--peers", type=int, default=2, help="1 or 2 (default 2)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds each peer applies (default 4)")
+    p.add_argument("--sync-every", type=int, default=4, help="H (default 4)")
+    p.add_argument(
+        "--dir", type=Path, default=None, help="keep logs and events here (not checkpoints)"
+    )
+    p.add_argument(
+        "--baseline-src",
+        default=None,
+        help="an older checkout's src/: its peers measured the same way, after this one's",
+    )
+    p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.plain:
+        plain(args.preset, args.seq_len, args.sync_every)
+        return 0
+    if args.peers not in (1, 2):
+        p.error("--peers is 1 or 2")
+    reference = subprocess.run(
+        [sys.executable, __file__, "--plain", "--preset", args.preset,
+         "--seq-len", str(args.seq_len), "--sync-every", str(args.sync_every)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    base = json.loads(reference.stdout.strip().splitlines()[-1])
+    params = int(base["params"])
+    report: dict[str, Any] = {
+        "bench": "memory",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "params": params,
+        "plain_rss_mb": base["rss_mb"],
+        "plain_peak_mb": base["peak_mb"],
+        "held_bytes_per_param": held(args.preset, args.seq_len),
+    }
+    report |= swarm(args, base, "swarm", None)
+    if args.baseline_src:
+        report["baseline"] = swarm(args, base, "baseline", args.baseline_src)
     print(json.dumps(report, indent=2))
     return 0
 

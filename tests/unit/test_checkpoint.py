@@ -2,6 +2,7 @@
 checkpoint can be broken."""
 
 import copy
+import gc
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from swarmloco.errors import CheckpointError
 from swarmloco.runtime import checkpoint
+from swarmloco.runtime.box import load_optimizer_state
 from swarmloco.runtime.checkpoint import (
     MANIFEST,
     STATE,
@@ -114,6 +116,32 @@ def test_optimizer_state_resumes_to_the_identical_next_step(tmp_path):
     assert resumed.train_step(iter([batch])) == expected
     for a, b in zip(resumed.model.parameters(), loop.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_loaded_checkpoint_is_mapped_from_its_file_and_lets_it_go_once_loaded(tmp_path):
+    """Resuming holds no second copy of the state: the tensors are mapped from the file and
+    copied into place; the optimizer keeps copies, so the (later pruned) file is let go."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    with CheckpointStore(tmp_path, swarm_id=SWARM) as store:
+        path = store.save(round=1, step=1, state={"optimizer": opt.state_dict()})
+        loaded = store.latest()
+    assert loaded is not None
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as maps:
+            return any(str(path / TENSORS) in line for line in maps)
+
+    assert mapped()
+    fresh = torch.optim.AdamW(model.parameters())
+    load_optimizer_state(fresh, loaded.state["optimizer"])
+    del loaded
+    gc.collect()
+    assert not mapped()
+    for p in model.parameters():
+        assert torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"])
 
 
 def test_only_the_newest_k_are_kept(tmp_path):

@@ -260,8 +260,9 @@ def _add_round_options(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=_peer_default("checkpoint_every"),
         metavar="ROUNDS",
-        help="rounds between checkpoints, written in the background (one is skipped while "
-        "the last is still being written); 0: only when stopping (default: %(default)s)",
+        help="rounds between checkpoints, their files written between two steps and finished "
+        "in the background (one is skipped while the last is still being finished); 0: only "
+        "when stopping (default: %(default)s)",
     )
     g.add_argument(
         "--eval-every",

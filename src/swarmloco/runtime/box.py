@@ -375,11 +375,17 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
                     f"the parameter {tuple(p.shape)}"
                 )
     restored = dict(state)
+    # Copied: torch's optimizers keep a tensor of the right type and device as it is, and a
+    # checkpoint's tensors are mapped from its file (which must not outlive its pruning).
     restored["state"] = {
-        k: {name: _as_param(v, params[int(k)]) for name, v in per.items()}
+        k: {name: _as_param(_own(v), params[int(k)]) for name, v in per.items()}
         for k, per in state.get("state", {}).items()
     }
     optimizer.load_state_dict(restored)
+
+
+def _own(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def ignore_stop_signals() -> Callable[[], None]:

@@ -56,17 +56,19 @@ import hashlib
 import itertools
 import json
 import logging
+import math
+import mmap
 import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import msgpack
 import torch
-from safetensors.torch import load_file
 
 from swarmloco.errors import CheckpointError
 
@@ -616,7 +618,7 @@ class CheckpointStore:
                 on_skip(path, why)
 
     def _load(self, path: Path, manifest: Mapping[str, Any]) -> Checkpoint:
-        tensors = load_file(str(path / TENSORS))
+        tensors = _mapped_tensors(path / TENSORS)
         skeleton = msgpack.unpackb((path / STATE).read_bytes(), raw=False, strict_map_key=False)
         state = unflatten(skeleton, tensors)
         if not isinstance(state, dict):
@@ -631,6 +633,43 @@ class CheckpointStore:
             sequence=int(manifest.get("sequence", 0)),
             verified=bool(manifest.get("verified", True)),
         )
+
+
+def _mapped_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, mapped from it rather than read: loading them
+    into a model copies them page by page from the page cache, so resuming holds no second
+    copy of the state in the peer's memory (private mappings: writing to one changes
+    nothing on disk). A tensor whose offset does not suit its type is copied out."""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size < 8:
+            raise CheckpointError(f"{path} is too short for a safetensors file")
+        header_len = int.from_bytes(file.read(8), "little")
+        if header_len > min(size - 8, 100 << 20):
+            raise CheckpointError(f"{path} has a header of {header_len} bytes")
+        header = json.loads(file.read(header_len))
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+    by_name = {v: k for k, v in _DTYPES.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape = by_name[info["dtype"]], tuple(info["shape"])
+        start, stop = info["data_offsets"]
+        offset = 8 + header_len + start
+        count = (stop - start) // dtype.itemsize
+        if count == 0 or mapped is None:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        if stop + 8 + header_len > size or count != math.prod(shape):
+            raise CheckpointError(f"tensor {name!r} of {path} does not fit the file")
+        with warnings.catch_warnings():  # (a private mapping is writable; torch cannot tell)
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=offset)
+        if offset % dtype.itemsize:
+            flat = flat.clone()
+        tensors[name] = flat.view(shape)
+    return tensors
 
 
 def _stamp(path: Path) -> _Stamp:
