@@ -188,7 +188,15 @@ def train_task(
             # eval copy of the model (on a GPU, the weights visit it for the evaluation).
             assert isinstance(swarm, Swarm)
             weights = {k: v.to(device) for k, v in swarm.global_parameters().items()}
-            return evaluate(_WithWeights(plain_model, weights), evalset, device, loop.amp_dtype)
+            # In micro-batches of training's size: what fits the device's memory for a step
+            # fits an evaluation (a batch of 32 at 2,048 tokens is 13 GB of logits at 135M).
+            return evaluate(
+                _WithWeights(plain_model, weights),
+                evalset,
+                device,
+                loop.amp_dtype,
+                batch_size=loop.config.batch_size,
+            )
 
         swarm, data_seed = _peer(
             manifest,
