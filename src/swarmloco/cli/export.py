@@ -19,7 +19,9 @@ def _export_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "The weights come from the newest checkpoint in --data-dir (safe while that "
             "peer runs), or with --peer from the swarm itself: the state of its latest "
             "round held from the most networks, downloaded and checked against its digest "
-            "and whole (finite, its momentum no longer than its weights went)."
+            "and whole (finite, its momentum no longer than its weights went). A pipelined "
+            "run (create --stages) exports every stage's latest weights: the built-in llama "
+            "as one model (its head untied), any other model as stage-<k>.safetensors."
         ),
         epilog=(
             "examples:\n"
@@ -59,11 +61,11 @@ def _export_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _export(args: argparse.Namespace) -> int:
-    from swarmloco.runtime.export import export
+    from swarmloco.pipeline.export import ExportedStages, export_run
 
     if args.data_dir is None and not args.peers:
         raise ValueError("say where the weights come from: --data-dir DIR or --peer HOST:PORT")
-    done = export(
+    done = export_run(
         args.swarm_id,
         args.out,
         data_dir=args.data_dir,
@@ -71,6 +73,17 @@ def _export(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         membership=_membership_text(args.membership),
     )
+    if isinstance(done, ExportedStages):
+        stages = ", ".join(
+            f"stage {k} round {r} (digest {d[:16]})"
+            for k, (r, d) in enumerate(zip(done.rounds, done.digests, strict=True))
+        )
+        print(
+            f"exported the {len(done.rounds)} stages of run {done.swarm_id} to "
+            f"{done.directory} ({', '.join(done.files)}): {stages}",
+            flush=True,
+        )
+        return 0
     print(
         f"exported round {done.round} of swarm {done.swarm_id} to {done.directory} "
         f"(digest {done.digest[:16]}, from {done.source})",

@@ -52,6 +52,7 @@ from swarmloco.pipeline.wire import Boundary
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.peer import Kept, Peer, Trainee
 from swarmloco.runtime.schedule import SwarmSchedule
+from swarmloco.runtime.start import write_manifest_copy
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,11 @@ class StagePeer:
         stack = contextlib.ExitStack()
         try:
             peer.enter(stack)
+            # The run's manifest beside the stage's: an export from this data directory
+            # finds the run's stages from it.
+            run_dir = self.config.swarm_directory(self.run.swarm_id)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_manifest_copy(run_dir / "manifest.json", self.run)
             self.peer, self._stack = peer, stack
             self._start_loops(peer)
         except BaseException:

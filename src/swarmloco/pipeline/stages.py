@@ -74,7 +74,7 @@ class GPTStage(nn.Module):
         the last stage's head starts as the embedding it is cut from."""
         if name == "head":
             return "wte.weight"
-        return _renumbered(name, "blocks", self.first_block)
+        return renumbered(name, "blocks", self.first_block)
 
     def reset_buffers(self) -> None:
         """(Nothing: the GPT has no buffers.)"""
@@ -151,7 +151,7 @@ class LlamaStage(nn.Module):
     def name_in_whole_model(self, name: str) -> str:
         if name == "lm_head.weight" and self.config.tie_embeddings:
             return "model.embed_tokens.weight"
-        return _renumbered(name, "model.layers", self.first_block)
+        return renumbered(name, "model.layers", self.first_block)
 
     def reset_buffers(self) -> None:
         """The rotary tables, computed again (a stage made on ``meta`` has none)."""
@@ -243,7 +243,7 @@ def build_gpt_stage(
     return built
 
 
-def _renumbered(name: str, prefix: str, first: int) -> str:
+def renumbered(name: str, prefix: str, first: int) -> str:
     """``name`` (of a stage's parameter) with the layer index after ``prefix`` counted from
     ``first``, the stage's first layer in the whole model."""
     if not name.startswith(prefix + "."):

@@ -65,6 +65,18 @@ class Exported:
     """Where the weights came from (a checkpoint's path, or the donor)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Latest:
+    """One swarm's latest global weights, as found."""
+
+    theta: torch.Tensor
+    """``theta_g``: flat, in the layout of the swarm's model signature."""
+    round: int
+    digest: str
+    source: str
+    """Where they came from (a checkpoint's path, or the donor)."""
+
+
 def export(
     swarm_id: str,
     out_dir: str | Path,
@@ -82,33 +94,72 @@ def export(
     in ``data_dir`` and its certificate (``membership``, or the one a peer kept there), and
     AdmissionError says what to do when there is none."""
     swarm_id = check_swarm_id(swarm_id)
-    local = Path(data_dir) / "swarms" / swarm_id if data_dir is not None else None
+    local = local_swarm_dir(data_dir, swarm_id)
     if peers:
-        identity = _reader_identity(data_dir)
-        manifest, theta, round, digest, source = _from_swarm(
-            swarm_id, local, peers, timeout_s, identity, membership
+        manifest, [latest] = from_swarm(
+            swarm_id,
+            lambda manifest: [manifest],
+            local=local,
+            data_dir=data_dir,
+            peers=peers,
+            timeout_s=timeout_s,
+            membership=membership,
         )
     elif local is not None:
-        manifest, theta, round, digest, source = _from_checkpoint(swarm_id, local)
+        kept = local_manifest(swarm_id, local)
+        if kept is None:
+            raise SwarmlocoError(f"no copy of swarm {swarm_id}'s manifest in {local}")
+        manifest, latest = kept, from_checkpoint(kept, local)
     else:
         raise ValueError("give data_dir (a peer's data directory) or peers (HOST:PORT)")
     signature = manifest_signature(manifest)
     spec = manifest_spec(manifest)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = weights_of(signature, theta, spec.codec.block_size)
-    metadata = {"format": "pt", "swarm_id": swarm_id, "round": str(round), "digest": digest}
-    _atomic(out / WEIGHTS, lambda path: save_file(tensors, str(path), metadata=metadata))
-    _atomic(out / MANIFEST, lambda path: path.write_bytes(manifest.to_bytes()))
-    config = manifest.model.get("config") or _task_config(manifest)
+    tensors = weights_of(signature, latest.theta, spec.codec.block_size)
+    metadata = {"swarm_id": swarm_id, "round": str(latest.round), "digest": latest.digest}
+    write_export(out, manifest, tensors, metadata, task_config(manifest))
+    logger.info(
+        "exported round %d of swarm %s to %s (from %s)",
+        latest.round,
+        swarm_id[:12],
+        out,
+        latest.source,
+    )
+    return Exported(out, swarm_id, latest.round, latest.digest, latest.source)
+
+
+def write_export(
+    out: Path,
+    manifest: SwarmManifest,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+    derived: dict[str, Any] | None,
+) -> None:
+    """``tensors`` into ``out/model.safetensors`` (with ``metadata``), the manifest, and the
+    model's ``config.json`` (a Hugging Face model's own, else ``derived``), each written
+    whole or not at all."""
+    metadata = {"format": "pt", **metadata}
+    write_atomic(out / WEIGHTS, lambda path: save_file(tensors, str(path), metadata=metadata))
+    write_manifest(out, manifest, derived)
+
+
+def write_manifest(out: Path, manifest: SwarmManifest, derived: dict[str, Any] | None) -> None:
+    """The run's manifest into ``out``, and the model's ``config.json`` (a Hugging Face
+    model's own, else ``derived``, when there is one)."""
+    write_atomic(out / MANIFEST, lambda path: path.write_bytes(manifest.to_bytes()))
+    config = manifest.model.get("config") or derived
     if isinstance(config, dict):
         text = json.dumps(config, indent=2, sort_keys=True)
-        _atomic(out / CONFIG, lambda path: path.write_text(text + "\n"))
-    logger.info("exported round %d of swarm %s to %s (from %s)", round, swarm_id[:12], out, source)
-    return Exported(out, swarm_id, round, digest, source)
+        write_atomic(out / CONFIG, lambda path: path.write_text(text + "\n"))
 
 
-def _task_config(manifest: SwarmManifest) -> dict[str, Any] | None:
+def local_swarm_dir(data_dir: str | Path | None, swarm_id: str) -> Path | None:
+    """Where a peer whose data directory is ``data_dir`` keeps swarm ``swarm_id``."""
+    return Path(data_dir) / "swarms" / swarm_id if data_dir is not None else None
+
+
+def task_config(manifest: SwarmManifest) -> dict[str, Any] | None:
     """The Hugging Face config a built-in task derives from the manifest's model (the
     ``llama`` task's), or None."""
     from swarmloco.train.tasks import get_task
@@ -144,12 +195,10 @@ def weights_of(
     }
 
 
-def _from_checkpoint(
-    swarm_id: str, local: Path
-) -> tuple[SwarmManifest, torch.Tensor, int, str, str]:
-    manifest = _local_manifest(swarm_id, local)
-    if manifest is None:
-        raise SwarmlocoError(f"no copy of swarm {swarm_id}'s manifest in {local}")
+def from_checkpoint(manifest: SwarmManifest, local: Path) -> Latest:
+    """The weights of the newest valid checkpoint of ``manifest``'s swarm under ``local``
+    (read without a lock: safe beside a running peer)."""
+    swarm_id = manifest.swarm_id
     numel = manifest_signature(manifest).layout(manifest_spec(manifest).codec.block_size).numel
     with CheckpointStore(local / "checkpoints", swarm_id=swarm_id, readonly=True) as store:
         for found in store.valid():
@@ -158,7 +207,7 @@ def _from_checkpoint(
             except (KeyError, TypeError, ValueError) as exc:
                 logger.warning("skipping checkpoint %s: no global state (%s)", found.path, exc)
                 continue
-            return manifest, theta, found.round, digest, str(found.path)
+            return Latest(theta.clone(), found.round, digest, str(found.path))
     raise SwarmlocoError(f"no valid checkpoint of swarm {swarm_id} in {local / 'checkpoints'}")
 
 
@@ -181,7 +230,7 @@ def _committed_digest(state: dict[str, Any], round: int, numel: int) -> tuple[to
     return theta, state_digest(tensors).hex()
 
 
-def _local_manifest(swarm_id: str, local: Path | None) -> SwarmManifest | None:
+def local_manifest(swarm_id: str, local: Path | None) -> SwarmManifest | None:
     if local is None or not (local / "manifest.json").is_file():
         return None
     return SwarmManifest.from_bytes((local / "manifest.json").read_bytes(), expected_id=swarm_id)
@@ -221,58 +270,81 @@ def _reader_admission(
         ) from None
 
 
-def _from_swarm(
+def from_swarm(
     swarm_id: str,
+    swarms: Callable[[SwarmManifest], Sequence[SwarmManifest]],
+    *,
     local: Path | None,
+    data_dir: str | Path | None,
     peers: Sequence[str],
     timeout_s: float,
-    identity: Identity,
     membership: str,
-) -> tuple[SwarmManifest, torch.Tensor, int, str, str]:
+) -> tuple[SwarmManifest, list[Latest]]:
+    """The manifest of ``swarm_id`` (the copy in ``local``, or fetched through ``peers``),
+    and the latest weights of each of the swarms ``swarms(manifest)`` names (the run's
+    own; a pipelined run's stages), each the most held digest of its latest round,
+    downloaded and checked as a joining peer checks it. Through one client-only node, the
+    key in ``data_dir`` or a throwaway one."""
     from swarmloco.net.node import NetNode, NodeConfig
-    from swarmloco.net.state.wire import Requester
     from swarmloco.net.swarm import fetch_manifest
 
-    async def fetch() -> tuple[SwarmManifest, torch.Tensor, int, str, str]:
+    identity = _reader_identity(data_dir)
+
+    async def fetch() -> tuple[SwarmManifest, list[Latest]]:
         config = NodeConfig(server=None, peers=tuple(peers))
         async with NetNode(identity=identity, config=config) as node:
-            manifest = _local_manifest(swarm_id, local) or await fetch_manifest(node.dht, swarm_id)
-            admission = _reader_admission(manifest, identity, local, membership)
-            if admission is not None:
-                node.dht.admit(admission)
-            spec = manifest_spec(manifest)
-            layout = manifest_signature(manifest).layout(spec.codec.block_size)
-            finder = CatchUp(
-                me=identity.peer_id_hex,
-                swarm_id=swarm_id,
-                dht=node.dht,
-                client=node.client,
-                schema=StateSchema.diloco(layout.numel),
-                evidence=Evidence(),  # a reader has nothing to check claims against
-                config=CatchUpConfig(state_timeout_s=timeout_s),
-                requester=Requester(identity, admission.own_bytes) if admission else None,
-            )
-            # Nothing of its own to hold a state against: a reader checks that the state is
-            # finite and that its momentum is no longer than its weights went.
-            reference = Reference(
-                theta_g=layout.zeros(),
-                momentum=None,
-                tokens=0,
-                outer_lr=spec.outer_lr,
-                outer_momentum=spec.outer_momentum,
-            )
-            found = await finder.find(round=0, digest=None, reference=reference, distrusted=set())
-            if found.adopted is None:
-                failed = "; ".join(found.failed) or "no peer published the state of a round"
-                raise SwarmlocoError(f"cannot download swarm {swarm_id}'s state: {failed}")
-            snap = found.adopted.snapshot
-            donor = str(found.adopted.donor)
-            return manifest, snap.tensors[THETA_G], snap.round, snap.digest.hex(), donor
+            manifest = local_manifest(swarm_id, local) or await fetch_manifest(node.dht, swarm_id)
+            found = []
+            for each in swarms(manifest):
+                admission = _reader_admission(each, identity, local, membership)
+                if admission is not None:
+                    node.dht.admit(admission)
+                found.append(await _download_latest(node, each, identity, admission, timeout_s))
+            return manifest, found
 
     return asyncio.run(fetch())
 
 
-def _atomic(path: Path, write: Callable[[Path], object]) -> None:
+async def _download_latest(
+    node: Any,
+    manifest: SwarmManifest,
+    identity: Identity,
+    admission: Gate | None,
+    timeout_s: float,
+) -> Latest:
+    from swarmloco.net.state.wire import Requester
+
+    swarm_id = manifest.swarm_id
+    spec = manifest_spec(manifest)
+    layout = manifest_signature(manifest).layout(spec.codec.block_size)
+    finder = CatchUp(
+        me=identity.peer_id_hex,
+        swarm_id=swarm_id,
+        dht=node.dht,
+        client=node.client,
+        schema=StateSchema.diloco(layout.numel),
+        evidence=Evidence(),  # a reader has nothing to check claims against
+        config=CatchUpConfig(state_timeout_s=timeout_s),
+        requester=Requester(identity, admission.own_bytes) if admission else None,
+    )
+    # Nothing of its own to hold a state against: a reader checks that the state is finite
+    # and that its momentum is no longer than its weights went.
+    reference = Reference(
+        theta_g=layout.zeros(),
+        momentum=None,
+        tokens=0,
+        outer_lr=spec.outer_lr,
+        outer_momentum=spec.outer_momentum,
+    )
+    found = await finder.find(round=0, digest=None, reference=reference, distrusted=set())
+    if found.adopted is None:
+        failed = "; ".join(found.failed) or "no peer published the state of a round"
+        raise SwarmlocoError(f"cannot download swarm {swarm_id}'s state: {failed}")
+    snap = found.adopted.snapshot
+    return Latest(snap.tensor(THETA_G), snap.round, snap.digest.hex(), str(found.adopted.donor))
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` through a temporary file renamed into place."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
