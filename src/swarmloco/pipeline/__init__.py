@@ -13,7 +13,8 @@ driven through one replica of each stage (SWARM parallelism; ``docs/DESIGN.md`` 
 - ``load.py``: the ``stage-load`` records, where each replica serves and how fast;
 - ``peer.py``: one peer serving one stage, all of the above around a ``Peer``;
 - ``rebalance.py`` and ``daemon.py``: moving peers to the stage that limits the pipeline,
-  and a built-in task's stage peer as ``swarmloco join`` runs it.
+  and a built-in task's stage peer as ``swarmloco join`` runs it;
+- ``export.py``: the stages' latest weights back into one model (``export_run``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _EXPORTS = {
     "StagePeer": "swarmloco.pipeline.peer",
     "StageWork": "swarmloco.pipeline.peer",
     "create_pipeline": "swarmloco.pipeline.api",
+    "export_run": "swarmloco.pipeline.export",
     "fetch_pipeline": "swarmloco.pipeline.api",
 }
 __all__ = [
@@ -35,12 +37,14 @@ __all__ = [
     "StagePeer",
     "StageWork",
     "create_pipeline",
+    "export_run",
     "fetch_pipeline",
 ]
 
 if TYPE_CHECKING:
     from swarmloco.pipeline.api import create_pipeline, fetch_pipeline
     from swarmloco.pipeline.driver import PipelineError
+    from swarmloco.pipeline.export import export_run
     from swarmloco.pipeline.peer import StagePeer, StageWork
     from swarmloco.pipeline.wire import Boundary
 

@@ -49,6 +49,7 @@ Nested state (an optimizer's ``state_dict``, a data loader's state, RNG states) 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -383,17 +384,11 @@ class CheckpointStore:
         final = self.root / checkpoint_name(sequence, round, step)
         tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
         tensors: dict[str, torch.Tensor] = {}
-        try:
+        with self._undone_on_failure(tmp, final):
             skeleton = flatten(dict(state), tensors)
             tmp.mkdir()
             nbytes = _write_safetensors(tmp / TENSORS, tensors)
             (tmp / STATE).write_bytes(msgpack.packb(skeleton, use_bin_type=True))
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise self._failed(final, e) from e
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return Staged(
             tmp, final, sequence, round, step, verified, nbytes, time.monotonic() - started
         )
@@ -404,7 +399,7 @@ class CheckpointStore:
         self._require_open(writing=True)
         tmp, final = staged.tmp, staged.final
         started = time.monotonic()
-        try:
+        with self._undone_on_failure(tmp, final):
             files = {name: _settle(tmp / name) for name in (TENSORS, STATE)}
             manifest = {
                 "format": FORMAT,
@@ -420,12 +415,6 @@ class CheckpointStore:
             _fsync_dir(tmp)
             os.rename(tmp, final)
             _fsync_dir(self.root)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise self._failed(final, e) from e
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         self._sequence = staged.sequence
         # Hashed as it was settled: no need to read it back to count it as valid.
         self._verdicts[final.name] = _Verdict(_stamp(final), manifest, "")
@@ -440,9 +429,18 @@ class CheckpointStore:
         self._prune()
         return final
 
-    def discard(self, staged: Staged) -> None:
-        """Drop a staged checkpoint that will not be committed."""
-        shutil.rmtree(staged.tmp, ignore_errors=True)
+    @contextlib.contextmanager
+    def _undone_on_failure(self, tmp: Path, final: Path) -> Iterator[None]:
+        """Whatever fails inside removes the temporary directory; an OSError becomes the
+        CheckpointError that says what to do."""
+        try:
+            yield
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise self._failed(final, e) from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def _failed(self, final: Path, e: OSError) -> CheckpointError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
