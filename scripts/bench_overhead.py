@@ -1,8 +1,8 @@
 """What the swarm costs a user's training loop, beside the same loop without it. Prints one
 JSON object.
 
-Per preset of the built-in GPT (a user's own loop: AdamW, clipping, the task's batches),
-one peer alone, in this process:
+Per preset of the built-in GPT or another built-in task (``llama:360m``; a user's own
+loop: AdamW, clipping, the task's batches), one peer alone, in this process:
 
   plain       the loop without a swarm: median seconds per step
   hooked      the same loop inside ``with swarm`` (the optimizer's step hooked), between
@@ -18,6 +18,7 @@ e.g. one from before the library API) the daemon of both is run alone for the sa
 wall time not spent in inner steps, per round.
 
     python scripts/bench_overhead.py [--presets tiny,small] [--steps 60] [--baseline-src DIR]
+    python scripts/bench_overhead.py --presets llama:135m,llama:360m --seq-len 64 --steps 20
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ from swarmloco.train.tasks import get_task, resolve_model
 REPO = Path(__file__).resolve().parents[1]
 
 
-def user_loop(preset: str, batch_size: int) -> tuple[Any, Any, Any]:
-    task = get_task("gpt-bytes")
-    config = resolve_model(task, preset)
+def user_loop(preset: str, batch_size: int, seq_len: int | None) -> tuple[Any, Any, Any]:
+    """A user's model, AdamW and step: ``preset`` is the built-in GPT's, or ``TASK:PRESET``
+    (``llama:360m``); ``seq_len`` overrides the preset's context (None: the preset's)."""
+    task_name, _, name = preset.rpartition(":")
+    task = get_task(task_name or "gpt-bytes")
+    config = resolve_model(task, name, {"seq_len": seq_len} if seq_len else None)
     torch.manual_seed(0)
     model = task.build_model(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -97,9 +101,11 @@ def peer(tmp: Path, name: str, sync_every: int, model: Any, opt: Any) -> swarmlo
     return swarmloco.create(swarmloco.RunSpec(sync_every=sync_every), model, opt, config=config)
 
 
-def bench_preset(preset: str, steps: int, batch_size: int, tmp: Path) -> dict[str, Any]:
-    _, _, plain_step = user_loop(preset, batch_size)
-    model, opt, hooked_step = user_loop(preset, batch_size)
+def bench_preset(
+    preset: str, steps: int, batch_size: int, seq_len: int | None, tmp: Path
+) -> dict[str, Any]:
+    _, _, plain_step = user_loop(preset, batch_size, seq_len)
+    model, opt, hooked_step = user_loop(preset, batch_size, seq_len)
     with peer(tmp, f"{preset}-hooked", 100_000, model, opt):
         timed(plain_step, 3)
         timed(hooked_step, 3)
@@ -109,7 +115,7 @@ def bench_preset(preset: str, steps: int, batch_size: int, tmp: Path) -> dict[st
             plain += timed(plain_step, 1)
             hooked += timed(hooked_step, 1)
     h = 10
-    model, opt, round_step = user_loop(preset, batch_size)
+    model, opt, round_step = user_loop(preset, batch_size, seq_len)
     swarm = peer(tmp, f"{preset}-rounds", h, model, opt)
     with swarm:
         times, rounds = [], []
@@ -139,9 +145,11 @@ def daemon_stall(src: Path | None, tmp: Path, rounds: int, preset: str) -> float
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = f"{src}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    task, _, name = preset.rpartition(":")
     done = subprocess.run(
         [
-            sys.executable, "-m", "swarmloco.cli", "create", "--preset", preset,
+            sys.executable, "-m", "swarmloco.cli", "create", "--task", task or "gpt-bytes",
+            "--preset", name,
             "--sync-every", "10", "--batch-size", "8", "--max-rounds", str(rounds),
             "--host", "127.0.0.1", "--threads", "1", "--codec", "eager", "--gather", "0.5",
             "--data-dir", str(tmp), "--events", "-",
@@ -157,7 +165,12 @@ def daemon_stall(src: Path | None, tmp: Path, rounds: int, preset: str) -> float
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--presets", default="tiny,small")
+    p.add_argument(
+        "--presets",
+        default="tiny,small",
+        help="the built-in GPT's presets, or TASK:PRESET (llama:135m,llama:360m)",
+    )
+    p.add_argument("--seq-len", type=int, default=None, help="context (default: the preset's)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the same per arm)")
@@ -169,7 +182,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as scratch:
         tmp = Path(scratch)
         for preset in args.presets.split(","):
-            results[preset] = bench_preset(preset, args.steps, args.batch_size, tmp)
+            results[preset] = bench_preset(preset, args.steps, args.batch_size, args.seq_len, tmp)
             if args.baseline_src is not None:
                 ours = daemon_stall(None, tmp / f"{preset}-daemon", args.daemon_rounds, preset)
                 base = daemon_stall(
@@ -185,6 +198,7 @@ def main() -> None:
                     "presets": args.presets.split(","),
                     "steps": args.steps,
                     "batch_size": args.batch_size,
+                    "seq_len": args.seq_len,
                     "threads": args.threads,
                     "baseline_src": str(args.baseline_src) if args.baseline_src else None,
                 },
