@@ -24,6 +24,7 @@ wall time not spent in inner steps, per round.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -114,6 +115,10 @@ def bench_preset(
         for _ in range(steps):
             plain += timed(plain_step, 1)
             hooked += timed(hooked_step, 1)
+    # The two arms' models go before the third is built: at 362M, three models and their
+    # AdamW do not fit in 23 GB beside a swarm's state.
+    del plain_step, hooked_step, model, opt
+    gc.collect()
     h = 10
     model, opt, round_step = user_loop(preset, batch_size, seq_len)
     swarm = peer(tmp, f"{preset}-rounds", h, model, opt)
