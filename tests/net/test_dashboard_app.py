@@ -144,11 +144,13 @@ PIPELINED = SwarmManifest(
 @asynccontextmanager
 async def pipelined_swarm():
     """A pipelined run's stage peers as their ``stage-load`` records say (pipeline/load.py):
-    two at stage 0 (100 and 110 sequences a second), one at stage 1 (30)."""
+    two at stage 0 (100 and 110 sequences a second, at rounds 3 and 4), one at stage 1 (30,
+    round 5: each stage averages in rounds of its own)."""
     async with loopback_network(3) as nodes:
         await publish_manifest(nodes[0].dht, PIPELINED)
-        for node, stage, rate in zip(nodes, (0, 0, 1), (100.0, 110.0, 30.0), strict=True):
-            load = {"rate": rate, "queue": 2, "free": 6}
+        said = zip(nodes, (0, 0, 1), (100.0, 110.0, 30.0), (3, 4, 5), strict=True)
+        for node, stage, rate, round_ in said:
+            load = {"rate": rate, "queue": 2, "free": 6, "round": round_}
             await publish_load(
                 node.dht, PIPELINED.swarm_id, stage=stage, endpoint=node.endpoint, load=load
             )
@@ -169,6 +171,7 @@ async def test_a_pipelined_runs_state_shows_its_stages():
         (1, 30.0, 2),
     ]
     assert pipeline["limiting"] == 1 and pipeline["throughput"] == 30.0
+    assert [r["round"] for r in pipeline["stages"]] == [4, 5]
     assert pipeline["moves"] == 0 and view["warnings"] == []
 
 

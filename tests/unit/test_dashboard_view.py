@@ -471,9 +471,9 @@ def stage_load(stage: int, endpoint: str = "127.0.0.1:5000", rate: float = 50.0)
 def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_moves():
     E, F, G = ("e" * 40, "f" * 40, "0" * 40)
     loads = {
-        A: stage_load(0, rate=100.0),
-        B: stage_load(0, rate=120.0),
-        C: stage_load(1, rate=40.0),
+        A: {**stage_load(0, rate=100.0), "round": 7},
+        B: {**stage_load(0, rate=120.0), "round": 6},  # a round behind: the stage is at 7
+        C: stage_load(1, rate=40.0),  # (a peer that says no round)
         D: stage_load(1, endpoint=""),  # moving in: counted apart, its rate not yet
         E: stage_load(2, rate=1e30),  # an absurd claim counts as nothing
         F: {**stage_load(2, rate=30.0), "at": NOW - 3600},  # stale
@@ -490,6 +490,7 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
         (1, 0, 0.0),
     ]
     assert pipeline["stages"][0]["queue"] == 2 and pipeline["stages"][0]["free"] == 6
+    assert [r["round"] for r in pipeline["stages"]] == [7, None, None]
     assert pipeline["limiting"] == 2 and pipeline["throughput"] == 0.0
     assert pipeline["moves"] == 0
     # Peer B moves to stage 2: the next reading sees it there, once.
@@ -504,6 +505,8 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     assert pipeline["stages"][2]["moving_in"] == 1 and pipeline["limiting"] == 2
     said = text.render(view)
     assert "limits the pipeline" in said and "moves between stages: 1" in said, said
+    # Stage 0's peers say rounds 7 and 6 (B moved away since): the stage is at round 7.
+    assert ["0", "1", "100", "1", "3", "7"] in [line.split() for line in said.splitlines()], said
     assert "+1 moving in" in said
     # A stage nobody serves stalls the pipeline, and the view says so.
     alone = {A: stage_load(0), C: stage_load(1)}

@@ -48,7 +48,11 @@ def test_a_replicas_record_is_checked_against_its_kind_and_signature():
     good = make_record(key, value(), expiration=time.time() + 60, owner=owner)
     decoded = validate(good, now=time.time())
     assert stage_load(good.subkey, decoded).rate == 50.0
+    assert stage_load(good.subkey, decoded).round is None  # a peer that said none
+    rounded = make_record(key, value(round=7), expiration=time.time() + 60, owner=owner)
+    assert stage_load(rounded.subkey, validate(rounded, now=time.time())).round == 7
     for bad in (
+        value(round=-1),
         value(stage=256),
         value(rate=math.nan),
         value(rate=-1.0),

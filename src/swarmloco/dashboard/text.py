@@ -163,8 +163,11 @@ def stages_lines(pipeline: Mapping[str, Any]) -> list[str]:
         )
         limits = "limits the pipeline" if row["stage"] == pipeline["limiting"] else ""
         rate = human(row["throughput"]) if row["peers"] else "-"
-        rows.append([str(row["stage"]), peers, rate, str(row["queue"]), str(row["free"]), limits])
-    lines = table(["STAGE", "PEERS", "SEQ/S", "QUEUE", "FREE", ""], rows)
+        round_ = "-" if row.get("round") is None else str(row["round"])
+        rows.append(
+            [str(row["stage"]), peers, rate, str(row["queue"]), str(row["free"]), round_, limits]
+        )
+    lines = table(["STAGE", "PEERS", "SEQ/S", "QUEUE", "FREE", "ROUND", ""], rows)
     moves = pipeline.get("recent_moves") or []
     said = "; ".join(f"{m['peer']} {m['from']} -> {m['to']}" for m in moves)
     lines.append(

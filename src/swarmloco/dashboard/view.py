@@ -616,6 +616,7 @@ def _fresh_loads(reading: Reading, fresh_s: float) -> dict[str, dict[str, Any]]:
             "rate": _number(value.get("rate"), low=0.0, high=MAX_SEQUENCES_PER_S) or 0.0,
             "queue": _count(value.get("queue")),
             "free": _count(value.get("free")),
+            "round": _count(value["round"]) if "round" in value else None,
         }
     return loads
 
@@ -625,8 +626,8 @@ def _pipeline(
 ) -> dict[str, Any] | None:
     """A pipelined run's stages as a row of pools (None: not a pipelined run): each
     stage's peers (serving, and moving in), throughput (sequences per second, the sum of
-    its replicas' rates), queue and free slots, which stage limits the pipeline, and the
-    moves seen. All of it is what the stage peers' records claim."""
+    its replicas' rates), queue and free slots, its round, which stage limits the
+    pipeline, and the moves seen. All of it is what the stage peers' records claim."""
     stages = stage_count(reading.manifest)
     if stages is None:
         return None
@@ -644,6 +645,8 @@ def _pipeline(
                 "throughput": _round_to(math.fsum(x["rate"] for x in serving), 3),
                 "queue": sum(x["queue"] for x in serving),
                 "free": sum(x["free"] for x in serving),
+                # Each stage averages in rounds of its own: the latest its peers say.
+                "round": max((x["round"] for x in pool if x["round"] is not None), default=None),
             }
         )
     empty = [row["stage"] for row in rows if not row["peers"]]

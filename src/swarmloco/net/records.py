@@ -840,8 +840,12 @@ STAGE_LOAD = register(
                 "queue": Int(minimum=0),
                 # More micro-batches it takes before it refuses as busy.
                 "free": Int(minimum=0),
+                # The round its stage's state is at (the stage averages in rounds of its
+                # own); optional: peers before it said none.
+                "round": Int(minimum=0),
                 "at": Float(minimum=0.0),
-            }
+            },
+            optional=frozenset({"round"}),
         ),
         owned=True,
         max_ttl=600.0,

@@ -43,6 +43,8 @@ class StageLoad:
     """More micro-batches it takes before it refuses as busy."""
     at: float
     """Swarm time (unix seconds) when it said so."""
+    round: int | None = None
+    """The round its stage's state is at (None: not said)."""
 
 
 def stage_load(peer: str, value: Mapping[str, Any]) -> StageLoad:
@@ -55,13 +57,15 @@ def stage_load(peer: str, value: Mapping[str, Any]) -> StageLoad:
         queue=int(value["queue"]),
         free=int(value["free"]),
         at=float(value["at"]),
+        round=int(value["round"]) if "round" in value else None,
     )
 
 
 async def publish_load(
     dht: DHTNode, swarm_id: str, *, stage: int, endpoint: str, load: Mapping[str, Any]
 ) -> None:
-    """Store this replica's record (``load``: its rate, queue and free slots)."""
+    """Store this replica's record (``load``: its rate, queue and free slots, and its
+    stage's round when it has one)."""
     value = {
         "stage": stage,
         "endpoint": endpoint,
@@ -70,6 +74,8 @@ async def publish_load(
         "free": int(load["free"]),
         "at": float(dht.clock()),
     }
+    if load.get("round") is not None:
+        value["round"] = int(load["round"])
     await dht.store(stage_load_key(swarm_id), value, ttl=LOAD_TTL_S)
 
 

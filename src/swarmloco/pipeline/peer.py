@@ -255,7 +255,7 @@ class StagePeer:
             self.run.swarm_id,
             stage=self.stage,
             endpoint=peer.network.node.endpoint,
-            load=self.replica.load,
+            load=lambda: {**self.replica.load(), "round": peer.diloco.round},
             interval_s=interval,
         )
         self._publishing = peer.loop.submit(publishing)
