@@ -6,13 +6,18 @@ writes, for the built-in ``llama`` task, one ``model.safetensors`` under
 ``LlamaForCausalLM``'s names with a ``config.json`` (its head untied: the last stage
 trained its own), so that ``from_pretrained`` loads the model the stages trained; for any
 other model, one ``stage-<k>.safetensors`` a stage under the stage module's own names.
-A run that is not pipelined is exported as :func:`swarmloco.runtime.export.export` does.
+Each stage's weights are written as they come (:class:`StagesWriter`): the exporting
+machine holds one stage's at a time, never the whole model's. A run that is not
+pipelined is exported as :func:`swarmloco.runtime.export.export` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,10 +27,12 @@ from safetensors.torch import save_file
 
 from swarmloco.core.config import from_mapping
 from swarmloco.core.manifest import SwarmManifest, check_swarm_id
+from swarmloco.core.state import DTYPES
 from swarmloco.errors import SwarmlocoError
 from swarmloco.pipeline.manifest import pipeline_of, stage_manifest
 from swarmloco.pipeline.stages import renumbered, split_evenly
 from swarmloco.runtime.export import (
+    WEIGHTS,
     Exported,
     Latest,
     export,
@@ -74,6 +81,15 @@ def export_run(
     in ``data_dir`` is read, and a stage it lacks is named."""
     swarm_id = check_swarm_id(swarm_id)
     local = local_swarm_dir(data_dir, swarm_id)
+    out = Path(out_dir)
+    writers: list[StagesWriter] = []
+
+    def each(manifest: SwarmManifest) -> Callable[[int, Latest], None] | None:
+        if pipeline_of(manifest) is None:
+            return None
+        writers.append(StagesWriter(manifest, out))
+        return writers[0].add
+
     if peers:
         manifest, latest = from_swarm(
             swarm_id,
@@ -83,15 +99,21 @@ def export_run(
             peers=peers,
             timeout_s=timeout_s,
             membership=membership,
+            each=each,
         )
-    else:
-        kept = local_manifest(swarm_id, local)
-        if kept is None or pipeline_of(kept) is None:  # a run of one stage: as ever
-            return export(swarm_id, out_dir, data_dir=data_dir, membership=membership)
-        manifest, latest = kept, [_from_local(kept, stage, data_dir) for stage in _swarms_of(kept)]
-    if pipeline_of(manifest) is None:
-        return _single(swarm_id, out_dir, manifest, latest[0])
-    return _stages(manifest, latest, Path(out_dir))
+        if not writers:
+            return _single(swarm_id, out, manifest, latest[0])
+        return writers[0].finish()
+    kept = local_manifest(swarm_id, local)
+    if kept is None or pipeline_of(kept) is None:  # a run of one stage: as ever
+        return export(swarm_id, out, data_dir=data_dir, membership=membership)
+    stages = _swarms_of(kept)
+    for k, stage in enumerate(stages):  # every stage is there before anything is written
+        _stage_dir(kept, k, stage, data_dir)
+    writer = StagesWriter(kept, out)
+    for k, stage in enumerate(stages):
+        writer.add(k, from_checkpoint(stage, _stage_dir(kept, k, stage, data_dir)))
+    return writer.finish()
 
 
 def _swarms_of(manifest: SwarmManifest) -> list[SwarmManifest]:
@@ -102,17 +124,20 @@ def _swarms_of(manifest: SwarmManifest) -> list[SwarmManifest]:
     return [stage_manifest(manifest, k) for k in range(pipeline.stages)]
 
 
-def _from_local(run: SwarmManifest, stage: SwarmManifest, data_dir: str | Path | None) -> Latest:
+def _stage_dir(
+    run: SwarmManifest, k: int, stage: SwarmManifest, data_dir: str | Path | None
+) -> Path:
+    """Where ``data_dir`` keeps stage ``k``'s checkpoints; SwarmlocoError naming the stage
+    when it holds none."""
     local = local_swarm_dir(data_dir, stage.swarm_id)
     assert local is not None
     if not (local / "checkpoints").is_dir():
-        k = _swarms_of(run).index(stage)
         raise SwarmlocoError(
             f"{data_dir} holds no checkpoint of stage {k} of run {run.swarm_id} (its peer "
             "served another stage): export with --peer HOST:PORT to take every stage from "
             "the run"
         )
-    return from_checkpoint(stage, local)
+    return local
 
 
 def _single(
@@ -127,52 +152,159 @@ def _single(
     return Exported(out, swarm_id, latest.round, latest.digest, latest.source)
 
 
-def _stages(manifest: SwarmManifest, latest: list[Latest], out: Path) -> ExportedStages:
-    pipeline = pipeline_of(manifest)
-    assert pipeline is not None
-    block = manifest_spec(manifest).codec.block_size
-    per_stage = [
-        weights_of(signature, found.theta, block)
-        for signature, found in zip(pipeline.signatures, latest, strict=True)
-    ]
-    metadata = {
-        "swarm_id": manifest.swarm_id,
-        "stage_rounds": ",".join(str(found.round) for found in latest),
-        "stage_digests": ",".join(found.digest for found in latest),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    if manifest.task == "llama":
-        model = _llama_model(manifest)
-        tensors = _llama_whole(per_stage, model["n_layer"])
-        write_export(out, manifest, tensors, metadata, _llama_config(model))
-        files: tuple[str, ...] = ("model.safetensors",)
-    else:
-        files = tuple(f"stage-{k:02d}.safetensors" for k in range(pipeline.stages))
-        for k, (name, tensors) in enumerate(zip(files, per_stage, strict=True)):
-            stage_metadata = {
-                "format": "pt",
-                "swarm_id": manifest.swarm_id,
-                "stage": str(k),
-                "round": str(latest[k].round),
-                "digest": latest[k].digest,
+class StagesWriter:
+    """Writes a pipelined run's export a stage at a time, as each stage's weights come:
+    only one stage's are in memory at once (see the module)."""
+
+    def __init__(self, manifest: SwarmManifest, out: Path) -> None:
+        pipeline = pipeline_of(manifest)
+        assert pipeline is not None
+        self.manifest = manifest
+        self.pipeline = pipeline
+        self.out = out
+        self.block = manifest_spec(manifest).codec.block_size
+        self.found: dict[int, Latest] = {}
+        out.mkdir(parents=True, exist_ok=True)
+        self.whole: WholeFile | None = None
+        if manifest.task == "llama":
+            model = _llama_model(manifest)
+            runs = split_evenly(int(model["n_layer"]), pipeline.stages)
+            self.first_layers = [layers.start for layers in runs]
+            self.whole = WholeFile(out / WEIGHTS, self._whole_specs(), pipeline.stages)
+            self.config = _llama_config(model)
+
+    def _whole_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        specs, seen = [], set()
+        for k, signature in enumerate(self.pipeline.signatures):
+            for p in signature.params:
+                name = renumbered(p.name, "model.layers", self.first_layers[k])
+                if name in seen:
+                    raise SwarmlocoError(f"two stages hold {name}: not a cut of one Llama")
+                seen.add(name)
+                specs.append((name, p.dtype, tuple(p.shape)))
+        return specs
+
+    def add(self, k: int, latest: Latest) -> None:
+        """Stage ``k``'s weights: written now."""
+        tensors = weights_of(self.pipeline.signatures[k], latest.theta, self.block)
+        self.found[k] = dataclasses.replace(latest, theta=torch.empty(0))
+        if self.whole is not None:
+            for name, tensor in tensors.items():
+                self.whole.write(renumbered(name, "model.layers", self.first_layers[k]), tensor)
+            return
+        metadata = {
+            "format": "pt",
+            "swarm_id": self.manifest.swarm_id,
+            "stage": str(k),
+            "round": str(latest.round),
+            "digest": latest.digest,
+        }
+        write_atomic(self.out / _stage_file(k), _saver(tensors, metadata))
+
+    def finish(self) -> ExportedStages:
+        """Every stage's weights written: the file(s) completed, the manifest and config."""
+        stages = self.pipeline.stages
+        if sorted(self.found) != list(range(stages)):
+            missing = sorted(set(range(stages)) - set(self.found))
+            raise SwarmlocoError(f"stages {missing} of run {self.manifest.swarm_id} are missing")
+        found = [self.found[k] for k in range(stages)]
+        rounds = ",".join(str(f.round) for f in found)
+        if self.whole is not None:
+            digests = ",".join(f.digest for f in found)
+            self.whole.finish(
+                {
+                    "swarm_id": self.manifest.swarm_id,
+                    "stage_rounds": rounds,
+                    "stage_digests": digests,
+                }
+            )
+            write_manifest(self.out, self.manifest, self.config)
+            files: tuple[str, ...] = (WEIGHTS,)
+        else:
+            write_manifest(self.out, self.manifest, None)
+            files = tuple(_stage_file(k) for k in range(stages))
+        logger.info(
+            "exported run %s's %d stages (rounds %s) to %s",
+            self.manifest.swarm_id[:12],
+            stages,
+            rounds,
+            self.out,
+        )
+        return ExportedStages(
+            self.out,
+            self.manifest.swarm_id,
+            tuple(f.round for f in found),
+            tuple(f.digest for f in found),
+            tuple(f.source for f in found),
+            files,
+        )
+
+
+def _stage_file(k: int) -> str:
+    return f"stage-{k:02d}.safetensors"
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+
+
+class WholeFile:
+    """One safetensors file written a tensor at a time, in any order: the layout is fixed
+    first (every tensor's place, from the stages' signatures), the header last (its
+    metadata, each stage's round and digest, known only then: room for it is kept at the
+    front), then the file is renamed into place."""
+
+    def __init__(
+        self, path: Path, specs: Sequence[tuple[str, str, tuple[int, ...]]], stages: int
+    ) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.header: dict[str, Any] = {}
+        offset = 0
+        for name, dtype, shape in specs:
+            nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+            self.header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
             }
-            write_atomic(out / name, _saver(tensors, stage_metadata))
-        write_manifest(out, manifest, None)
-    logger.info(
-        "exported run %s's %d stages (rounds %s) to %s",
-        manifest.swarm_id[:12],
-        pipeline.stages,
-        metadata["stage_rounds"],
-        out,
-    )
-    return ExportedStages(
-        out,
-        manifest.swarm_id,
-        tuple(found.round for found in latest),
-        tuple(found.digest for found in latest),
-        tuple(found.source for found in latest),
-        files,
-    )
+            offset += nbytes
+        # Room for the header with its metadata at their longest (a round of 20 digits, a
+        # digest of 64 hex digits a stage).
+        widest = {
+            "swarm_id": "f" * 40,
+            "stage_rounds": ",".join(["9" * 20] * stages),
+            "stage_digests": ",".join(["f" * 64] * stages),
+        }
+        self.room = len(self._header_bytes(widest)) + 8
+        self.room += -self.room % 8
+        self.written: set[str] = set()
+        self._file = open(self.tmp, "wb")  # noqa: SIM115 (closed in finish)
+
+    def _header_bytes(self, metadata: dict[str, str]) -> bytes:
+        return json.dumps(
+            {"__metadata__": {"format": "pt", **metadata}, **self.header}, separators=(",", ":")
+        ).encode()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        start, stop = self.header[name]["data_offsets"]
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+        if len(data) != stop - start:
+            raise SwarmlocoError(f"{name} has {len(data)} bytes, the layout {stop - start}")
+        at, view = 8 + self.room + start, memoryview(data)
+        while view:  # (one write call stops short of 2 GB on Linux)
+            done = os.pwrite(self._file.fileno(), view, at)
+            view, at = view[done:], at + done
+        self.written.add(name)
+
+    def finish(self, metadata: dict[str, str]) -> None:
+        missing = sorted(set(self.header) - self.written)
+        if missing:
+            raise SwarmlocoError(f"{len(missing)} tensors were not written: {missing[:3]}...")
+        header = self._header_bytes(metadata)
+        header += b" " * (self.room - len(header))
+        os.pwrite(self._file.fileno(), len(header).to_bytes(8, "little") + header, 0)
+        self._file.close()
+        os.replace(self.tmp, self.path)
 
 
 def _saver(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Callable[[Path], None]:
@@ -184,20 +316,6 @@ def _llama_model(manifest: SwarmManifest) -> dict[str, Any]:
     fields = {f.name for f in dataclasses.fields(LlamaConfig)}
     model = {k: v for k, v in manifest.model.items() if k in fields}
     return dataclasses.asdict(from_mapping(LlamaConfig, model))
-
-
-def _llama_whole(per_stage: list[dict[str, torch.Tensor]], n_layer: int) -> dict[str, torch.Tensor]:
-    """Each stage's Llama parameters under the whole model's names (its layers numbered
-    from the stage's first, the last stage's own head as ``lm_head.weight``)."""
-    runs = split_evenly(n_layer, len(per_stage))
-    whole: dict[str, torch.Tensor] = {}
-    for tensors, layers in zip(per_stage, runs, strict=True):
-        for name, tensor in tensors.items():
-            named = renumbered(name, "model.layers", layers.start)
-            if named in whole:
-                raise SwarmlocoError(f"two stages hold {named}: not a cut of one Llama")
-            whole[named] = tensor
-    return whole
 
 
 def _llama_config(model: dict[str, Any]) -> dict[str, Any]:

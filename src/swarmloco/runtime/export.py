@@ -279,12 +279,15 @@ def from_swarm(
     peers: Sequence[str],
     timeout_s: float,
     membership: str,
+    each: Callable[[SwarmManifest], Callable[[int, Latest], None] | None] | None = None,
 ) -> tuple[SwarmManifest, list[Latest]]:
     """The manifest of ``swarm_id`` (the copy in ``local``, or fetched through ``peers``),
     and the latest weights of each of the swarms ``swarms(manifest)`` names (the run's
     own; a pipelined run's stages), each the most held digest of its latest round,
     downloaded and checked as a joining peer checks it. Through one client-only node, the
-    key in ``data_dir`` or a throwaway one."""
+    key in ``data_dir`` or a throwaway one. ``each(manifest)``: what takes each swarm's
+    weights as they arrive (index, weights), or None; the weights it took are not kept
+    (their ``theta`` is empty): one swarm's at a time is in memory."""
     from swarmloco.net.node import NetNode, NodeConfig
     from swarmloco.net.swarm import fetch_manifest
 
@@ -294,12 +297,17 @@ def from_swarm(
         config = NodeConfig(server=None, peers=tuple(peers))
         async with NetNode(identity=identity, config=config) as node:
             manifest = local_manifest(swarm_id, local) or await fetch_manifest(node.dht, swarm_id)
+            take = each(manifest) if each is not None else None
             found = []
-            for each in swarms(manifest):
-                admission = _reader_admission(each, identity, local, membership)
+            for index, one in enumerate(swarms(manifest)):
+                admission = _reader_admission(one, identity, local, membership)
                 if admission is not None:
                     node.dht.admit(admission)
-                found.append(await _download_latest(node, each, identity, admission, timeout_s))
+                latest = await _download_latest(node, one, identity, admission, timeout_s)
+                if take is not None:
+                    take(index, latest)
+                    latest = dataclasses.replace(latest, theta=torch.empty(0))
+                found.append(latest)
             return manifest, found
 
     return asyncio.run(fetch())
