@@ -104,7 +104,14 @@ def test_a_header_is_bound_to_its_donor_its_request_and_its_contents():
     assert code(round=4) == "wrong-round"
     assert code(digest=bytes(32)) == "wrong-digest"
     assert code(schema=StateSchema.diloco(1000)) == "bad-layout"
-    assert code(limits=wire.ReceiveLimits(max_state_bytes=8000, min_chunk_bytes=16)) == "too-large"
+    small = wire.ReceiveLimits(max_state_bytes=8000, min_chunk_bytes=16)
+    assert code(limits=small) == "too-large"
+    # A state of the schema's layout is as large as the requester's own: no cap on it (a
+    # data-parallel run past 2B parameters hands its state on), and a layout claim that
+    # does not fit the schema is refused before its size counts.
+    fits = wire.check_header(header, **{**check, "limits": small}, schema=StateSchema.diloco(1001))
+    assert fits.total_bytes == 8008
+    assert code(limits=small, schema=StateSchema.diloco(1000)) == "bad-layout"
     assert code(limits=wire.ReceiveLimits(min_chunk_bytes=4096)) == "bad-layout"
     header.round = 4  # any change to a signed field breaks the signature
     assert code() == "bad-signature"

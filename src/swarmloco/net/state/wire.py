@@ -64,7 +64,8 @@ class ReceiveLimits:
     """What a requester accepts from a donor before it knows the donor is honest."""
 
     max_state_bytes: int = 16 * 1024**3
-    """Largest state (sum of the tensors' bytes) to allocate memory for."""
+    """Largest state (sum of the tensors' bytes) accepted without a schema: a state of the
+    schema's layout is as large as the requester's own, and is taken whatever its size."""
     max_tensors: int = 64
     """Most tensors a state may hold."""
     min_chunk_bytes: int = 4096
@@ -281,6 +282,13 @@ def check_header(
         problem = schema.mismatch(specs)
         if problem:
             raise Rejection("bad-layout", f"the donor's state does not fit: {problem}")
+    elif header.total_bytes > limits.max_state_bytes:
+        # (A state of the schema's layout is the requester's own size, whatever the cap:
+        # a run of any size downloads; the cap bounds what a layout nobody asked for costs.)
+        raise Rejection(
+            "too-large",
+            f"the state has {header.total_bytes} bytes, > {limits.max_state_bytes} accepted",
+        )
     return CheckedHeader(
         swarm_id=header.swarm_id,
         round=header.round,
@@ -313,10 +321,6 @@ def _check_layout(header: pb.StateHeader, limits: ReceiveLimits) -> tuple[Tensor
         raise Rejection(
             "bad-layout",
             f"the header says {header.total_bytes} bytes, its tensors make {total}",
-        )
-    if total > limits.max_state_bytes:
-        raise Rejection(
-            "too-large", f"the state has {total} bytes, > {limits.max_state_bytes} accepted"
         )
     if not limits.min_chunk_bytes <= header.chunk_bytes <= limits.max_chunk_bytes:
         raise Rejection(
