@@ -252,40 +252,57 @@ def scratch() -> Iterator[Path]:
 
 def parity(
     config: GPTConfig, *, sync_every: int, micro: int, micro_batches: int, repeats: int,
-    batches: Any,
+    batches: Any, arms: Sequence[str] = ("pipeline", "diloco"),
 ) -> dict[str, Any]:  # fmt: skip
-    """Both arms ``repeats`` times each, in turn (each repeat a stream pair of its own)."""
+    """Both arms (or those of ``arms``) ``repeats`` times each, in turn (each repeat a
+    stream pair of its own). The pipeline arm alone, repeated, measures how often the
+    replicas of each stage average together."""
     spec = RunSpec(sync_every=sync_every, delay=1)
     held = batches(config, 16, 4, seed=999)
     untrained = held_out_loss([Whole(gpt_stages(config, 2, seed=1))], held)
+    order = [a for a in (("pipeline", pipeline_arm), ("diloco", diloco_arm)) if a[0] in arms]
     runs: list[dict[str, Any]] = []
     for r in range(repeats):
         streams = streams_of(batches, config, micro, micro_batches, seed=r)
         run: dict[str, Any] = {}
-        for arm, fn in (("pipeline", pipeline_arm), ("diloco", diloco_arm))[:: 1 - 2 * (r % 2)]:
+        for arm, fn in order[:: 1 - 2 * (r % 2)]:
             with scratch() as tmp:
                 models, report = fn(spec, config, streams, tmp)
             run[arm] = {"held_out_loss": round(held_out_loss(models, held), 5), **report}
         runs.append(run)
-    pipe = statistics.median(r["pipeline"]["held_out_loss"] for r in runs)
-    dp = statistics.median(r["diloco"]["held_out_loss"] for r in runs)
     settings = {"sync_every": sync_every, "micro_batch": micro, "micro_batches": micro_batches}
+    out: dict[str, Any] = {
+        "parity": {**settings, "arms": list(arms), "untrained_loss": round(untrained, 5),
+                   "runs": runs},
+    }  # fmt: skip
+    if "diloco" in arms:
+        out["parity"]["diloco_loss_median"] = statistics.median(
+            r["diloco"]["held_out_loss"] for r in runs
+        )
+    if "pipeline" not in arms:
+        return out
+    pipe = statistics.median(r["pipeline"]["held_out_loss"] for r in runs)
+    out["parity"]["pipeline_loss_median"] = pipe
+    if "diloco" in arms:
+        out["pipeline_over_diloco"] = round(pipe / out["parity"]["diloco_loss_median"], 4)
+        out["parity_tolerance"] = TOLERANCE if repeats >= 3 else ONE_RUN_TOLERANCE
+    together = {
+        s: [r["pipeline"][s]["rounds_together"] for r in runs] for s in ("stage0", "stage1")
+    }
     return {
-        "parity": {
-            **settings,
-            "untrained_loss": round(untrained, 5),
-            "runs": runs,
-            "pipeline_loss_median": pipe,
-            "diloco_loss_median": dp,
-        },
-        "pipeline_over_diloco": round(pipe / dp, 4),
-        "parity_tolerance": TOLERANCE if repeats >= 3 else ONE_RUN_TOLERANCE,
+        **out,
         "stage_digests_agree": all(
             r["pipeline"][s]["one_digest"] or not r["pipeline"][s]["rounds_together"]
             for r in runs
             for s in ("stage0", "stage1")
         ),
-        "stages_averaged_together": all(
-            r["pipeline"][s]["rounds_together"] > 0 for r in runs for s in ("stage0", "stage1")
+        "stages_averaged_together": all(n > 0 for counts in together.values() for n in counts),
+        "stage_rounds_together": together,
+        "aborted_attempts_per_run": round(
+            statistics.fmean(
+                sum(len(a) for s in ("stage0", "stage1") for a in r["pipeline"][s]["aborted"])
+                for r in runs
+            ),
+            2,
         ),
     }

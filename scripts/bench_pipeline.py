@@ -24,12 +24,17 @@
   data-parallel (two library peers over the whole model) on the same micro-batches of
   real text, the same spec and the same initial weights (``_pipeline_parity.py``):
   ``pipeline_over_diloco``, the ratio of their held-out losses (the median of
-  ``--parity-repeats`` runs each), and ``stage_digests_agree``.
+  ``--parity-repeats`` runs each), ``stage_digests_agree``, and how many rounds the
+  replicas of each stage averaged together in each run (``stage_rounds_together``;
+  ``--parity-arms pipeline`` repeats the pipeline alone, to count runs where they never
+  did).
 
     python scripts/bench_pipeline.py                   # 2 drivers, the slow replica 3x slower
     python scripts/bench_pipeline.py --parts wiring --slow-factor 2 --micro-batches 40
     python scripts/bench_pipeline.py --parts activations,kill --kill-trials 10
     python scripts/bench_pipeline.py --parts parity --layers 2 --width 64 --seq-len 64
+    python scripts/bench_pipeline.py --parts parity --parity-arms pipeline --parity-repeats 30 \
+        --layers 2 --width 64 --seq-len 64
 
 Wiring, on loopback: each stage-1 replica is served by its own ``NetNode`` (gRPC, the
 ``swarmloco.v1.Stage`` service, int8 activations), and ``--drivers`` stage-0 drivers, each
@@ -419,6 +424,12 @@ def main() -> int:
     )
     p.add_argument("--parity-sync-every", type=int, default=8, help="parity: H, in steps")
     p.add_argument("--parity-repeats", type=int, default=3, help="parity: runs of each arm")
+    p.add_argument(
+        "--parity-arms",
+        default="pipeline,diloco",
+        help="parity: the arms to run (pipeline alone, repeated: how often each stage's "
+        "replicas average together)",
+    )
     p.add_argument("--serve-replica", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -446,9 +457,13 @@ def main() -> int:
     if "memory" in parts:
         report.update(memory(args, config))
     if "parity" in parts:
+        arms = [a.strip() for a in args.parity_arms.split(",") if a.strip()]
+        if not arms or set(arms) - {"pipeline", "diloco"}:
+            p.error("--parity-arms takes pipeline, diloco or both")
         report.update(parity(config, sync_every=args.parity_sync_every, micro=args.batch,
                              micro_batches=args.parity_micro_batches,
-                             repeats=args.parity_repeats, batches=text_batches))  # fmt: skip
+                             repeats=args.parity_repeats, batches=text_batches,
+                             arms=arms))  # fmt: skip
     report["settings"] = {k: v for k, v in vars(args).items() if k != "serve_replica"}
     print(json.dumps(report, indent=2))
     return 0

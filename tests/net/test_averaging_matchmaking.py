@@ -516,3 +516,28 @@ async def test_thirty_fake_leaders_that_never_answer_cost_a_round_seconds(partne
     assert probed == (announced and not partners), len(held)
     # Within the first-contact deadline (once, all fakes together) of the clean round.
     assert elapsed < clean_s + config.first_contact_s + 2 * config.gather_s, (elapsed, clean_s)
+
+
+async def test_a_leader_whose_attempt_gathered_too_few_does_not_say_the_round_formed():
+    """Peer 0, first in the order of leadership, leads round r alone and aborts it (fewer
+    than ``min_group_size``). Peer 1 comes next and asks it to lead: peer 0 must not
+    answer that the round's group formed (none did), or peer 1 would wait, as late, for a
+    result nobody publishes; each peer doing so to the other stalled a stage's rounds. Peer
+    1 instead tries for itself (here it gathers too few as well: not late), and the two,
+    trying again, average together."""
+    config = MatchmakingConfig(max_group_size=2, min_group_size=2, gather_s=1.0, poll_s=0.05)
+    async with averaging_peers(2, matchmaking=config) as peers:
+        round = first_round_led_by(peers, 0)
+        deadline = Deadline.after(30.0)
+
+        async def join(p):
+            return await p.matchmaker.form_group(
+                round, weight=1.0, numel=64 * 8, block_size=64, deadline=deadline, expected=2
+            )
+
+        for p in peers:  # each alone in turn: too few, and nobody late
+            with pytest.raises(RoundAborted, match="at least 2 needed") as aborted:
+                await join(p)
+            assert not aborted.value.late
+        again = await asyncio.gather(join(peers[0]), join(peers[1]))
+        assert {g.size for g in again} == {2} and again[0].group_id == again[1].group_id

@@ -247,7 +247,8 @@ class Matchmaker:
         self.leaders = Leaders(client=client, rejections=self.rejections, faults=faults, config=cfg)
         self._leading: dict[int, Gathering] = {}
         self._following: dict[int, str] = {}
-        self._finished: collections.deque[int] = collections.deque(maxlen=64)
+        self._formed: collections.deque[int] = collections.deque(maxlen=64)
+        """Rounds whose last attempt here ended in a group of more than this peer."""
         self._came_late: collections.deque[int] = collections.deque(maxlen=64)
         self._lonely: collections.deque[int] = collections.deque(maxlen=64)
         """Rounds this peer led and gathered too few in (it follows anyone then)."""
@@ -305,9 +306,9 @@ class Matchmaker:
         announced_at = self.clock()  # shown to others, never trusted (see leader_rank)
         # A round tried again (the last attempt aborted) is not formed: followers asking
         # now should wait for this attempt's gathering, not give up on us.
-        if round in self._finished:
-            self._finished = collections.deque(
-                (r for r in self._finished if r != round), maxlen=self._finished.maxlen
+        if round in self._formed:
+            self._formed = collections.deque(
+                (r for r in self._formed if r != round), maxlen=self._formed.maxlen
             )
         try:
             await self.entries.announce(me, announced_at, deadline)
@@ -315,7 +316,8 @@ class Matchmaker:
         finally:
             self.entries.forget(round)
             self._following.pop(round, None)
-            self._finished.append(round)
+        if group.size > 1:
+            self._formed.append(round)
         self._grouped[round] = frozenset(m.peer_id for m in group.members)
         while len(self._grouped) > 64:
             self._grouped.popitem(last=False)
@@ -540,7 +542,7 @@ class Matchmaker:
         finally:
             gathering.closed = True
             self._leading.pop(round, None)
-            gathering.answer_all(refused("formed", "the leader stopped gathering"))
+            gathering.answer_all(self._not_gathering(round))
         if group.size > 1:
             self.entries.mark_formed(round, group.size)
         return group
@@ -557,6 +559,17 @@ class Matchmaker:
             gathering.hand_over(ahead[0].endpoint)
             raise _Handover(ahead[0].endpoint)
 
+    def _not_gathering(self, round: int) -> pb.JoinResponse:
+        """The answer to a follower of ``round`` while this peer gathers no group for it:
+        "formed" only when a group of more than this peer formed (the follower came late
+        and takes that group's result); otherwise it has not led yet, or its attempt ended
+        alone or aborted and it will try again: "not-leading", and the follower asks again
+        or leads. (A "formed" for an attempt that aborted sent two peers, each refused by
+        the other, to wait for a result neither would publish.)"""
+        if round in self._formed:
+            return refused("formed", "the group of that round is already formed")
+        return refused("not-leading", "this peer leads no group for that round now")
+
     async def handle_join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
     ) -> pb.JoinResponse:
@@ -567,9 +580,7 @@ class Matchmaker:
             following = self._following.get(declaration.round)
             if following:
                 return pb.JoinResponse(redirect=following)
-            if gathering is None and declaration.round not in self._finished:
-                return refused("not-leading", "this peer leads no group for that round (yet)")
-            return refused("formed", "the group of that round is already formed")
+            return self._not_gathering(declaration.round)
         try:
             member = gathering.check(declaration, now_ms=int(self.clock() * 1000))
         except Rejection as rejection:
@@ -584,7 +595,7 @@ class Matchmaker:
                 self.rejections.record(unknown, context.peer())
                 return refused(unknown.code, unknown.reason)
         if gathering.closed:  # while the peer list was read
-            return refused("formed", "the group of that round is already formed")
+            return self._not_gathering(declaration.round)
         host = host_of_grpc_peer(context.peer())
         waiter = gathering.admit(declaration, member.peer_id, self._subnet(host), host)
         if isinstance(waiter, pb.JoinResponse):
