@@ -137,7 +137,9 @@ class PeerProcess:
     def _read_stderr(self) -> None:
         assert self.process.stderr is not None
         for line in self.process.stderr:
-            self.log.append(line)
+            with self._changed:
+                self.log.append(line)
+                self._changed.notify_all()
 
     def wait_for(
         self, event: str, where: Callable[[Event], bool] = lambda e: True, timeout: float = 120
@@ -206,8 +208,27 @@ class PeerProcess:
     def __enter__(self) -> PeerProcess:
         return self
 
+    def dump_stacks(self, timeout: float = 10.0) -> None:
+        """Have a running peer write every thread's stack into its log (SIGUSR1, the
+        command's faulthandler), for whoever debugs a hang: returns once the dump began to
+        arrive (the rest is in the pipe), the peer exited, or ``timeout`` passed."""
+        if self.process.poll() is not None:
+            return
+        with self._changed:
+            start = len(self.log)
+        self.process.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not any("most recent call first" in line for line in self.log[start:]):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.process.poll() is not None:
+                    return
+                self._changed.wait(min(left, 0.5))
+
     def __exit__(self, *exc: object) -> None:
         if self.process.poll() is None:
+            if exc[0] is not None:  # a test failed with the peer still running: where was it?
+                self.dump_stacks()
             self.kill()
         else:
             self.wait()

@@ -34,6 +34,15 @@ def test_bootstrap_serves_keeps_its_identity_and_stops_gracefully(tmp_path):
         assert again.stop(signal.SIGINT) == 0
 
 
+def test_a_process_sent_sigusr1_writes_every_threads_stack_and_goes_on(tmp_path):
+    # (How a peer that seems stuck says where; the e2e helper asks a peer still running
+    # when its test failed.)
+    with Bootstrap(tmp_path / "boot") as boot:
+        boot.process.send_signal(signal.SIGUSR1)
+        boot.wait_for_log(r"most recent call first", timeout=30)
+        assert boot.stop(signal.SIGTERM) == 0  # it went on, and stops as usual
+
+
 async def test_bootstrap_logs_peers_joining_and_leaving(tmp_path):
     with Bootstrap(tmp_path / "boot", "--liveness-interval", "0.3") as boot:
         identity = Identity.generate()

@@ -185,3 +185,19 @@ def test_the_owner_sees_the_mean_gradient_before_each_step():
     assert r.steps == 1 and len(seen) == 1
     torch.testing.assert_close(seen[0], torch.ones(2, 4).T @ x)  # the mean of two equal ones
     assert torch.equal(module.weight.detach(), before_weights)
+
+
+def test_a_slow_call_is_logged_with_where_its_time_went(monkeypatch, caplog):
+    """A driver's deadline is tens of seconds; a call that comes near it says whether it
+    waited for the replica, for a due step, or computed (here every call counts as slow)."""
+    from swarmloco.pipeline import replica as replica_module
+
+    monkeypatch.setattr(replica_module, "SLOW_CALL_S", 0.0)
+    r, _, _ = replica()
+    with caplog.at_level("WARNING", logger="swarmloco.pipeline.replica"):
+        r.forward(b"a" * 16, torch.randn(2, 4))
+        r.backward(b"a" * 16, torch.ones(2, 4))
+    forward, backward = (rec.getMessage() for rec in caplog.records)
+    assert forward.startswith(f"a forward of micro-batch {(b'a' * 16).hex()[:12]} took")
+    assert "on cpu (replica " in forward and ", step " in forward and ", compute " in forward
+    assert backward.startswith("a backward of micro-batch") and ", compute " in backward

@@ -10,6 +10,9 @@ and small.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -59,6 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     _setup_logging(-1 if args.quiet else args.verbose)
+    if hasattr(signal, "SIGUSR1"):
+        # `kill -USR1 PID`: every thread's stack on stderr, the process goes on (a peer
+        # that seems stuck says where). A stderr with no file descriptor (captured) has
+        # nowhere to take it.
+        with contextlib.suppress(ValueError, OSError):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     handler: Handler = args.handler
     try:
         return handler(args)

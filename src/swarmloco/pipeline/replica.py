@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,12 @@ from torch import nn
 from swarmloco.core.config import require_int, require_positive
 from swarmloco.net.rejections import Rejection
 from swarmloco.runtime.progress import Rate
+
+logger = logging.getLogger(__name__)
+
+SLOW_CALL_S = 5.0
+"""A forward or backward that took longer than this here (waiting for the replica, and
+computing) is logged with where its time went: a driver's deadline is tens of seconds."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,11 +173,14 @@ class StageReplica:
         """The stage's output for ``x`` (the loss, at the last stage, with ``targets``)."""
         if self.last and targets is None:
             raise Rejection("malformed", "the last stage needs the targets")
+        arrived = time.perf_counter()
         with self._lock:
+            locked = time.perf_counter()
             self._check_open()
             if self._draining:
                 raise Rejection("busy", "this replica is moving to another stage")
             self._wait_for_a_due_step()
+            stepped = time.perf_counter()
             if micro_batch in self._held or micro_batch in self._results:
                 raise Rejection("malformed", "a micro-batch of that name came before")
             if len(self._held) >= self.config.max_inflight:
@@ -186,7 +196,23 @@ class StageReplica:
             self._held[micro_batch] = _Held(x, targets, rng, self.clock(), seconds)
             if self.last:
                 self.loss = float(out)
+        self._note_slow(
+            "forward", micro_batch, arrived,
+            replica=locked - arrived, step=stepped - locked, compute=seconds,
+        )  # fmt: skip
         return out
+
+    def _note_slow(self, call: str, micro_batch: bytes, arrived: float, **parts: float) -> None:
+        """Log a call that took longer than :data:`SLOW_CALL_S`, with where its time went
+        (``replica``: waiting for another call's compute or a step; ``step``: for a due
+        step; ``compute``: its own, input and output copies included)."""
+        total = time.perf_counter() - arrived
+        if total > SLOW_CALL_S:
+            spent = ", ".join(f"{name} {value:.2f} s" for name, value in parts.items())
+            logger.warning(
+                "a %s of micro-batch %s took %.1f s on %s (%s)",
+                call, micro_batch.hex()[:12], total, self.device, spent,
+            )  # fmt: skip
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The generators a forward draws from (dropout): the CPU's and, on a GPU, its."""
@@ -207,7 +233,9 @@ class StageReplica:
     def backward(self, micro_batch: bytes, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Add the gradients of ``micro_batch`` to the accumulator and return the gradient
         with respect to its input (None at stage 0: its input is token ids)."""
+        arrived = time.perf_counter()
         with self._lock:
+            locked = time.perf_counter()
             if micro_batch in self._results:
                 return self._results[micro_batch]  # a retried call: answered again
             self._check_open()
@@ -232,7 +260,8 @@ class StageReplica:
                             raise Rejection("bad-shape", "the gradient is not the output's shape")
                         out.backward(grad_output.to(self.device))
             grad_input = None if self.first or x.grad is None else x.grad.cpu()
-            self.rate.add(int(held.input.shape[0]), held.seconds + time.perf_counter() - started)
+            computed = time.perf_counter() - started
+            self.rate.add(int(held.input.shape[0]), held.seconds + computed)
             self.micro_batches += 1
             self.served += 1
             self.samples += int(held.input.shape[0])
@@ -249,6 +278,9 @@ class StageReplica:
                     self._lock.notify_all()  # the owner takes it
                 else:
                     self._step()
+        self._note_slow(
+            "backward", micro_batch, arrived, replica=locked - arrived, compute=computed
+        )
         return grad_input
 
     def abandon(self, micro_batch: bytes) -> None:

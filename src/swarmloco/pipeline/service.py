@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 
 from swarmloco.net.client import Method
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.server import Service, unary_service
+from swarmloco.pipeline import replica as replica_module
 from swarmloco.pipeline.replica import StageReplica
 from swarmloco.pipeline.wire import Boundary, pack, unpack
 from swarmloco.proto.v1 import stage_pb2 as pb
@@ -23,6 +27,9 @@ SERVICE_NAME = "swarmloco.v1.Stage"
 FORWARD = Method(f"/{SERVICE_NAME}/Forward", pb.ForwardRequest, pb.ForwardResponse)
 BACKWARD = Method(f"/{SERVICE_NAME}/Backward", pb.BackwardRequest, pb.BackwardResponse)
 MICRO_BATCH_BYTES = 16
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StageService:
@@ -75,7 +82,8 @@ class StageService:
                 targets = unpack(request.targets, self.targets, "targets")
                 if targets.shape != x.shape[:2]:
                     raise Rejection("bad-shape", "the targets are not the input's shape")
-            out = await asyncio.to_thread(self.replica.forward, request.micro_batch, x, targets)
+            forward = self.replica.forward
+            out = await self._compute("forward", forward, request.micro_batch, x, targets)
         except Rejection as rejection:
             return pb.ForwardResponse(refused=self._refuse(rejection, context))
         if self.replica.last:
@@ -88,12 +96,28 @@ class StageService:
             grad = None
             if self.outputs is not None:
                 grad = unpack(request.grad_output, self.outputs, "grad_output")
-            grad_input = await asyncio.to_thread(self.replica.backward, request.micro_batch, grad)
+            grad_input = await self._compute(
+                "backward", self.replica.backward, request.micro_batch, grad
+            )
         except Rejection as rejection:
             return pb.BackwardResponse(refused=self._refuse(rejection, context))
         if grad_input is None:
             return pb.BackwardResponse(grad_input=pb.StageTensor())
         return pb.BackwardResponse(grad_input=pack(grad_input, self.encoding))
+
+    async def _compute(self, call: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker thread; a call that waited long for one is logged (the
+        replica logs the rest of a slow call's time)."""
+        queued = time.perf_counter()
+
+        def run() -> T:
+            waited = time.perf_counter() - queued
+            if waited > replica_module.SLOW_CALL_S:
+                logger.warning("stage %d: a %s waited %.1f s for a worker thread", self.stage,
+                               call, waited)  # fmt: skip
+            return fn(*args)
+
+        return await asyncio.to_thread(run)
 
     def _refuse(self, rejection: Rejection, context: Any) -> pb.StageRefusal:
         self.refused[rejection.code] += 1
