@@ -177,6 +177,10 @@ class _Search:
     """Client mode: since when no leader is in sight."""
     failed_leaders: set[str] = dataclasses.field(default_factory=set)
     """Candidates that did not answer our Join."""
+    ids: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The peer id of each candidate asked, by endpoint."""
+    lead_now: bool = False
+    """A candidate behind us in the order follows us: lead without asking anyone else."""
 
 
 def targets(expected: int | None, strangers: int, max_size: int) -> tuple[int, int]:
@@ -403,11 +407,14 @@ class Matchmaker:
         untried = [c for c in candidates if c.endpoint not in tried]
         if len(search.failed_leaders) >= self.config.stranger_leaders and not self.partners():
             untried = []  # enough strangers failed us: lead (or wait) instead
+        if search.lead_now and me.endpoint:
+            untried = []
         tried |= await self.leaders.unreachable(untried, deadline)
         untried = [c for c in untried if c.endpoint not in tried]
         if untried:
             search.unserved_since = None
             search.next_endpoint = untried[0].endpoint
+            search.ids[untried[0].endpoint] = untried[0].peer_id
             return None
         if search.formed_without_us and round not in self._came_late:
             # A peer ahead of us already formed this round's group: leading another with
@@ -425,6 +432,7 @@ class Matchmaker:
                 return await self._lead(search)
             except _Handover as handover:
                 search.next_endpoint = handover.endpoint
+                search.lead_now = False
                 return None
             except TooFew as lonely:
                 self._lonely.append(round)
@@ -454,6 +462,16 @@ class Matchmaker:
                     f"round {round}: the leader at {endpoint} sent an invalid group "
                     f"({rejection.reason})"
                 ) from None
+        if outcome == "redirect" and me.endpoint and response.redirect == me.endpoint:
+            # The peer we asked follows us: two peers with nobody else to follow (each of
+            # them led the round and gathered too few, say) asked each other. The one ahead
+            # in the order of leadership leads; the other asks it again until it does.
+            asked = search.ids.get(endpoint)
+            if asked is not None and self._ahead_of(round, asked):
+                search.lead_now = True
+                return None
+            await self._wait_for_leader(search, endpoint)
+            return None
         if outcome == "redirect" and search.redirects < _MAX_REDIRECTS:
             search.redirects += 1
             self._following[round] = response.redirect
@@ -469,10 +487,7 @@ class Matchmaker:
             # cannot lead, also waits out a leader that formed a group of this round
             # without it: the leader may try the round again (its last attempt
             # aborted) and would then take it.
-            since = search.not_leading.setdefault(endpoint, time.monotonic())
-            if time.monotonic() - since > self.config.gather_s:
-                search.tried.add(endpoint)
-            await asyncio.sleep(min(self.config.poll_s, search.deadline.remaining()))
+            await self._wait_for_leader(search, endpoint)
             return None
         if outcome == "refused" and refusal.code not in _TRANSIENT:
             raise RejectedInput(
@@ -481,6 +496,19 @@ class Matchmaker:
         search.formed_without_us |= outcome == "refused" and refusal.code == "formed"
         search.tried.add(endpoint)
         return None
+
+    async def _wait_for_leader(self, search: _Search, endpoint: str) -> None:
+        """``endpoint`` does not lead us yet: ask again after a poll, for a gathering
+        window at most (then it counts as tried)."""
+        since = search.not_leading.setdefault(endpoint, time.monotonic())
+        if time.monotonic() - since > self.config.gather_s:
+            search.tried.add(endpoint)
+        await asyncio.sleep(min(self.config.poll_s, search.deadline.remaining()))
+
+    def _ahead_of(self, round: int, peer_id: str) -> bool:
+        """Whether this peer stands before ``peer_id`` in ``round``'s order of leadership."""
+        mine = leader_rank(self.swarm_id, round, self.identity.peer_id_hex)
+        return mine < leader_rank(self.swarm_id, round, peer_id)
 
     def _alone(self, round: int, me: pb.MemberDeclaration) -> Group:
         cfg = self.config
@@ -554,7 +582,14 @@ class Matchmaker:
         """Hand the gathering over (raising _Handover) to a serving peer of the round ahead
         of us in the order of leadership and not tried yet; return if there is none."""
         candidates, _ = await self._candidates(gathering.round, search.me, search.deadline)
-        ahead = [c for c in candidates if c.endpoint not in search.tried]
+        own = leader_rank(self.swarm_id, gathering.round, self.identity.peer_id_hex)
+        # Ahead in the order, or gathering now: never one behind us that we would follow
+        # only because we are lonely (it may be following us).
+        ahead = [
+            c
+            for c in candidates
+            if c.endpoint not in search.tried and (c.rank < own or c.gathering)
+        ]
         if ahead:
             gathering.hand_over(ahead[0].endpoint)
             raise _Handover(ahead[0].endpoint)
