@@ -29,10 +29,23 @@
   ``--parity-arms pipeline`` repeats the pipeline alone, to count runs where they never
   did).
 
+- ``scaling``: why a pipeline over slow links works (the SWARM paper's square-cube law), at
+  one middle stage of the built-in Llama (``--scaling-layers`` blocks; per width of
+  ``--scaling-widths``: 64-wide heads, a quarter as many key-value heads, SwiGLU of 8/3 the
+  width) on ``--device``: its compute per micro-batch (a forward, then the backward with
+  the forward recomputed, as a replica runs them, in fp32; the median of 5 after 2) against
+  what it sends and receives for it (int8 activations in and out, int8 gradients back and
+  on: the serialized tensors), and ``compute_over_transfer``, the compute's seconds over the
+  larger direction's at ``--link-mbps`` (a full-duplex link; 100 Mb/s by default). Compute
+  grows with the width's square per token, traffic with the width: the ratio grows with it.
+
     python scripts/bench_pipeline.py                   # 2 drivers, the slow replica 3x slower
     python scripts/bench_pipeline.py --parts wiring --slow-factor 2 --micro-batches 40
     python scripts/bench_pipeline.py --parts activations,kill --kill-trials 10
     python scripts/bench_pipeline.py --parts parity --layers 2 --width 64 --seq-len 64
+    python scripts/bench_pipeline.py --parts scaling --scaling-widths 256,512,1024,2048
+    python scripts/bench_pipeline.py --parts scaling --device cuda --batch 8 --seq-len 1024 \
+        --scaling-widths 1024,2048,4096,8192 --scaling-layers 4     # a GPU
     python scripts/bench_pipeline.py --parts parity --parity-arms pipeline --parity-repeats 30 \
         --layers 2 --width 64 --seq-len 64
 
@@ -79,10 +92,10 @@ from swarmloco.net.rejections import RejectionLog
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
 from swarmloco.pipeline.service import StageService
-from swarmloco.pipeline.stages import GPTStage, gpt_stages
-from swarmloco.pipeline.wire import Boundary
+from swarmloco.pipeline.stages import GPTStage, build_stage, gpt_stages
+from swarmloco.pipeline.wire import Boundary, pack
 from swarmloco.train.model import GPT
-from swarmloco.train.spec import GPTConfig
+from swarmloco.train.spec import GPTConfig, LlamaConfig
 
 SWARM = "be" * 20
 
@@ -375,6 +388,69 @@ def memory(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any]:
     }
 
 
+def scaling(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``scaling`` part (see the module)."""
+    device = torch.device(
+        args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    widths = [int(w) for w in args.scaling_widths.split(",") if w.strip()]
+    link = args.link_mbps * 1e6 / 8  # bytes a second, each way
+    rows = []
+    for width in widths:
+        if width % 64:
+            raise SystemExit(f"--scaling-widths: {width} is not a multiple of 64")
+        heads = width // 64
+        config = LlamaConfig(
+            vocab_size=256, seq_len=args.seq_len, n_layer=3 * args.scaling_layers,
+            n_head=heads, n_kv_head=max(1, heads // 4), n_embd=width,
+            ffn=64 * round(8 * width / 3 / 64), tie_embeddings=False,
+        )  # fmt: skip
+        stage = build_stage(config, 3, 1, seed=1, device=device)  # a middle stage, alone
+        middle = StageReplica(stage, first=False, last=False)
+        g = torch.Generator().manual_seed(0)
+        times, sent, received = [], 0, 0
+        for i in range(7):
+            x = torch.randn(args.batch, args.seq_len, width, generator=g)
+            grad = torch.randn(args.batch, args.seq_len, width, generator=g)
+            name = i.to_bytes(16, "big")
+            started = time.perf_counter()
+            out = middle.forward(name, x)
+            grad_input = middle.backward(name, grad)
+            times.append(time.perf_counter() - started)
+            assert grad_input is not None
+            received = len(pack(x, "int8").SerializeToString())
+            received += len(pack(grad, "int8").SerializeToString())
+            sent = len(pack(out, "int8").SerializeToString())
+            sent += len(pack(grad_input, "int8").SerializeToString())
+        compute_s = statistics.median(times[2:])
+        transfer_s = max(sent, received) / link
+        rows.append({
+            "width": width,
+            "stage_params": sum(p.numel() for p in stage.parameters()),
+            "compute_s": round(compute_s, 5),
+            "bytes_in": received,
+            "bytes_out": sent,
+            "transfer_s": round(transfer_s, 5),
+            "compute_over_transfer": round(compute_s / transfer_s, 4),
+        })  # fmt: skip
+        del stage, middle
+    first, last = rows[0], rows[-1]
+    return {
+        "scaling": {
+            "device": str(device),
+            "link_mbps": args.link_mbps,
+            "layers": args.scaling_layers,
+            "micro_batch": [args.batch, args.seq_len],
+            "precision": "fp32 (as a stage replica computes)",
+            "widths": rows,
+        },
+        "compute_over_transfer_growth": round(
+            last["compute_over_transfer"] / first["compute_over_transfer"], 3
+        ),
+        "scaling_width_ratio": round(last["width"] / first["width"], 3),
+    }
+
+
 def summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "micro_batches_per_s_median": statistics.median(r["micro_batches_per_s"] for r in runs),
@@ -405,7 +481,7 @@ def main() -> int:
     p.add_argument("--width", type=int, default=256, help="the GPT's n_embd")
     p.add_argument(
         "--parts",
-        default="wiring,activations,kill,memory,parity",
+        default="wiring,activations,kill,memory,scaling,parity",
         help="which parts to run, comma-separated (default: %(default)s)",
     )
     p.add_argument(
@@ -430,6 +506,18 @@ def main() -> int:
         help="parity: the arms to run (pipeline alone, repeated: how often each stage's "
         "replicas average together)",
     )
+    p.add_argument(
+        "--scaling-widths",
+        default="256,512,1024",
+        help="scaling: the Llama widths (multiples of 64; default: %(default)s)",
+    )
+    p.add_argument("--scaling-layers", type=int, default=2, help="scaling: blocks in the stage")
+    p.add_argument(
+        "--link-mbps", type=float, default=100.0, help="scaling: the link's Mb/s each way"
+    )
+    p.add_argument(
+        "--device", default="auto", help="scaling: where the stage computes (auto, cpu, cuda)"
+    )
     p.add_argument("--serve-replica", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -439,7 +527,7 @@ def main() -> int:
     if args.serve_replica:
         return serve_replica(args, config)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    unknown = set(parts) - {"wiring", "activations", "kill", "memory", "parity"}
+    unknown = set(parts) - {"wiring", "activations", "kill", "memory", "parity", "scaling"}
     if unknown:
         p.error(f"no such part: {', '.join(sorted(unknown))}")
     report: dict[str, Any] = {
@@ -456,6 +544,8 @@ def main() -> int:
         report.update(kill(args, config))
     if "memory" in parts:
         report.update(memory(args, config))
+    if "scaling" in parts:
+        report.update(scaling(args))
     if "parity" in parts:
         arms = [a.strip() for a in args.parity_arms.split(",") if a.strip()]
         if not arms or set(arms) - {"pipeline", "diloco"}:

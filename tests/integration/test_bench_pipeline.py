@@ -17,8 +17,9 @@ def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
     done = subprocess.run(
         [
             *(sys.executable, str(SCRIPT), "--micro-batches", "3", "--repeats", "1"),
-            *("--parts", "wiring,activations,kill,memory"),  # parity: the test below
+            *("--parts", "wiring,activations,kill,memory,scaling"),  # parity: the test below
             *("--layers", "2", "--width", "32", "--seq-len", "16"),
+            *("--scaling-widths", "64,128", "--scaling-layers", "1"),
             *("--loss-micro-batches", "6", "--loss-window", "2", "--kill-trials", "1"),
         ],
         capture_output=True,
@@ -46,6 +47,15 @@ def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
     assert trial["retry_s"] is not None and trial["retry_s"] > 0, trial
     # A stage holds about half of the model's parameters, gradients and moments.
     assert 0.4 < report["stage_state_bytes_ratio"] < 0.8, report["memory"]
+    # The square-cube law's two sides at one middle stage: traffic in proportion to the
+    # width (int8 tensors: exact up to their headers), parameters with about its square;
+    # the compute is timed (its growth is the bench's figure at real widths, not a test's).
+    narrow, wide = report["scaling"]["widths"]
+    assert report["scaling_width_ratio"] == 2.0
+    for side in ("bytes_in", "bytes_out"):
+        assert 1.98 < wide[side] / narrow[side] < 2.02, report["scaling"]
+    assert 3.0 < wide["stage_params"] / narrow["stage_params"] < 4.0, report["scaling"]
+    assert all(w["compute_s"] > 0 and w["compute_over_transfer"] > 0 for w in (narrow, wide))
 
 
 @pytest.mark.timeout(600)
