@@ -8,6 +8,7 @@ round, checkpoint, downloaded, aborted, stopped, ...), collected as they come; i
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import signal
 import subprocess
@@ -17,6 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from cliutil import Bootstrap, swarmloco  # re-exported for the e2e tests
@@ -232,3 +235,20 @@ class PeerProcess:
             self.kill()
         else:
             self.wait()
+
+
+def load_export_in_transformers(probe: str, out: Path) -> dict[str, Any]:
+    """Run ``probe`` (a script given the export's directory; its last line of output is a
+    JSON object with ``gap``, ``missing`` and ``unexpected``) in a fresh interpreter; the
+    export must load with no key missing or unexpected and give our logits (to 1e-4).
+    Skips the test without the hf extra. Returns what the probe printed."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("the hf extra is not installed: the export is not loaded")
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not found["missing"] and not found["unexpected"], found
+    assert found["gap"] < 1e-4, found
+    return found
