@@ -33,10 +33,12 @@
   one middle stage of the built-in Llama (``--scaling-layers`` blocks; per width of
   ``--scaling-widths``: 64-wide heads, a quarter as many key-value heads, SwiGLU of 8/3 the
   width) on ``--device``: its compute per micro-batch (a forward, then the backward with
-  the forward recomputed, as a replica runs them, in fp32; the median of 5 after 2) against
-  what it sends and receives for it (int8 activations in and out, int8 gradients back and
-  on: the serialized tensors), and ``compute_over_transfer``, the compute's seconds over the
-  larger direction's at ``--link-mbps`` (a full-duplex link; 100 Mb/s by default). Compute
+  the forward recomputed, as a replica runs them, in ``--precision``: by default bf16
+  autocast on a GPU and fp32 on the CPU, as a stage peer chooses; the median of 5 after 2)
+  against what it sends and receives for it (int8 activations in and out, int8 gradients
+  back and on: the serialized tensors), and ``compute_over_transfer``, the compute's
+  seconds over the larger direction's at ``--link-mbps`` (a full-duplex link; 100 Mb/s by
+  default). Compute
   grows with the width's square per token, traffic with the width: the ratio grows with it.
 
     python scripts/bench_pipeline.py                   # 2 drivers, the slow replica 3x slower
@@ -394,6 +396,8 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     )
     widths = [int(w) for w in args.scaling_widths.split(",") if w.strip()]
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
+    autocast = torch.bfloat16 if bf16 else None  # what a stage peer chooses by default
     link = args.link_mbps * 1e6 / 8  # bytes a second, each way
     rows = []
     for width in widths:
@@ -406,7 +410,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             ffn=64 * round(8 * width / 3 / 64), tie_embeddings=False,
         )  # fmt: skip
         stage = build_stage(config, 3, 1, seed=1, device=device)  # a middle stage, alone
-        middle = StageReplica(stage, first=False, last=False)
+        middle = StageReplica(stage, first=False, last=False, autocast=autocast)
         g = torch.Generator().manual_seed(0)
         times, sent, received = [], 0, 0
         for i in range(7):
@@ -441,7 +445,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             "link_mbps": args.link_mbps,
             "layers": args.scaling_layers,
             "micro_batch": [args.batch, args.seq_len],
-            "precision": "fp32 (as a stage replica computes)",
+            "precision": "bf16 autocast" if bf16 else "fp32",
             "widths": rows,
         },
         "compute_over_transfer_growth": round(
@@ -517,6 +521,12 @@ def main() -> int:
     )
     p.add_argument(
         "--device", default="auto", help="scaling: where the stage computes (auto, cpu, cuda)"
+    )
+    p.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="scaling: the stage's arithmetic (auto: bf16 autocast on a GPU, fp32 on the CPU)",
     )
     p.add_argument("--serve-replica", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -21,8 +21,9 @@ def test_a_two_stage_pipeline_from_the_cli_trains_through_a_killed_stage_peer(tm
             tmp_path / "creator", boot.endpoint, "--task", "llama", "--stages", "2"
         )
         rounds = ("--max-rounds", "3")
+        bf16 = (*rounds, "--precision", "bf16")  # stage 1 under bf16 autocast, as on a GPU
         served = tmp_path / "served"
-        with PeerProcess.join(swarm, boot.endpoint, served, *rounds) as late:
+        with PeerProcess.join(swarm, boot.endpoint, served, *bf16) as late:
             # Its record is what tells the next peer that stage 1 is served.
             late.wait_for("ready", timeout=120)
             with PeerProcess.join(swarm, boot.endpoint, tmp_path / "first", *rounds) as first:
@@ -30,13 +31,15 @@ def test_a_two_stage_pipeline_from_the_cli_trains_through_a_killed_stage_peer(tm
                 late.kill()  # SIGKILL: no chance to save or say goodbye
                 killed_at = max(e["round"] for e in late.of("checkpoint"))
                 # The same command again: the data directory says which stage it served.
-                with PeerProcess.join(swarm, boot.endpoint, served, *rounds) as again:
+                with PeerProcess.join(swarm, boot.endpoint, served, *bf16) as again:
                     resumed = again.wait_for("resumed", timeout=120)
                     assert resumed["round"] == killed_at, again.events
                     for p in (first, again):
                         assert p.wait(240) == 0, p.log_tail()
     assert [p.of("ready")[0]["stage"] for p in (late, first, again)] == [1, 0, 1]
     assert "serving stage 1 of 2 again" in "".join(again.log), again.log_tail()
+    assert "stage 1 computes on" in "".join(again.log) and "in bf16 autocast" in "".join(again.log)
+    assert "stage 0 computes on" in "".join(first.log) and " in fp32" in "".join(first.log)
     assert [e["round"] for e in again.of("round")] == list(range(killed_at + 1, 4)), again.events
     for p in (first, again):
         assert p.of("round")[-1]["round"] == 3, p.events

@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from swarmloco.pipeline.daemon import build_pipeline_manifest, task_stage
+from swarmloco.errors import SwarmlocoError
+from swarmloco.pipeline.daemon import _work, build_pipeline_manifest, task_stage
 from swarmloco.pipeline.manifest import pipeline_of, stage_signatures
 from swarmloco.pipeline.stages import (
     LlamaStage,
@@ -178,3 +179,19 @@ def test_a_stage_of_a_model_bigger_than_the_peers_memory_is_built_within_the_sta
     # (one loaded run saw 1.44 GB): the whole model is never built.
     assert peak < 4 * params + 1.5e9, (peak, params)
     assert peak < 0.5 * 4 * whole, (peak, whole)
+
+
+def test_a_stage_computes_as_the_peer_chooses_bf16_or_fp32_never_fp16():
+    """The run's precision (auto: bf16 autocast on a GPU, fp32 on the CPU), or the peer's
+    --precision; fp16 would need a loss scale across the stages and is refused."""
+    creator = "ab" * 32
+    _, _, _, run = run_from_manifest(build_manifest("llama", "tiny", creator=creator))
+    run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, delay=1))
+    manifest = build_pipeline_manifest("llama", "tiny", 2, creator=creator, run=run)
+    task, model, _, run = run_from_manifest(manifest)
+    stage = task_stage(task, model, run, 2, 0)
+    assert _work(stage, model, run, "auto").autocast is None  # on the CPU
+    assert _work(stage, model, run, "fp32").autocast is None
+    assert _work(stage, model, run, "bf16").autocast is torch.bfloat16
+    with pytest.raises(SwarmlocoError, match="fp16"):
+        _work(stage, model, run, "fp16")

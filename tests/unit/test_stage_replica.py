@@ -201,3 +201,30 @@ def test_a_slow_call_is_logged_with_where_its_time_went(monkeypatch, caplog):
     assert forward.startswith(f"a forward of micro-batch {(b'a' * 16).hex()[:12]} took")
     assert "on cpu (replica " in forward and ", step " in forward and ", compute " in forward
     assert backward.startswith("a backward of micro-batch") and ", compute " in backward
+
+
+def test_under_bf16_autocast_a_backward_recomputes_what_its_forward_sent():
+    """A GPU stage computes under bf16 autocast: the output crosses the wire as fp32, the
+    backward's recompute runs under the same autocast (its gradients are those of the
+    output that was sent), and parameters and gradients stay fp32."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    r = StageReplica(module, first=False, last=False, autocast=torch.bfloat16)
+    x, dy = torch.randn(3, 8), torch.randn(3, 8)
+    out = r.forward(b"a" * 16, x)
+    assert out.dtype == torch.float32
+    grad_input = r.backward(b"a" * 16, dy)
+    want_x = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = module(want_x)
+    assert torch.equal(out, want.detach().float())  # what was sent is what was recomputed
+    grads = torch.autograd.grad(want, [want_x, *module.parameters()], dy.to(want.dtype))
+    assert grad_input is not None and grad_input.dtype == torch.float32
+    torch.testing.assert_close(grad_input, grads[0].float())
+    for p, g in zip(module.parameters(), grads[1:], strict=True):
+        assert p.dtype == p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, g.float())
+    plain = module(x)  # fp32: close to the bf16 compute, not equal
+    assert 0 < (plain - out).abs().max() < 0.1
+    with pytest.raises(ValueError, match="fp16"):
+        StageReplica(module, first=False, last=False, autocast=torch.float16)

@@ -171,7 +171,7 @@ def _add_compute_options(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="inner-loop arithmetic: auto (bf16 autocast on CUDA, fp16 with loss scaling on "
         "GPUs without bf16, fp32 on CPU; the default), or one of them; the global state is "
-        "fp32 either way",
+        "fp32 either way (a pipeline stage: bf16 autocast or fp32, never fp16)",
     )
     g.add_argument(
         "--memory-budget",
@@ -369,6 +369,7 @@ def _run_stage(
         on_event=sink,
         rebalance=RebalanceConfig(every_s=args.rebalance_every, hold_s=args.rebalance_hold),
         slowdown_s=args.slowdown,
+        precision=args.precision,
     )
     logging.getLogger("swarmloco.peer").info(
         "left stage %d at round %d after %d steps (%d micro-batches driven, %d moves): %s",

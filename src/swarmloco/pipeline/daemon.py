@@ -50,6 +50,7 @@ from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.session import handle_signals
 from swarmloco.runtime.start import describe_device
 from swarmloco.train.data import BatchStream
+from swarmloco.train.inner import Precision, resolve_precision
 from swarmloco.train.llama import Llama
 from swarmloco.train.model import GPT
 from swarmloco.train.spec import DataSpec
@@ -155,13 +156,16 @@ def train_stage(
     on_event: Callable[[dict[str, Any]], None] | None = None,
     rebalance: RebalanceConfig | None = None,
     slowdown_s: float = 0.0,
+    precision: Precision | None = None,
 ) -> StageSummary:
     """Serve ``stage`` of the pipelined run ``manifest`` (None: :func:`served_before`, else
     :func:`~swarmloco.pipeline.rebalance.choose_stage`) on ``device`` (``auto``: a GPU if
     torch sees one) until stopped (a signal, max rounds, the run's end), moving to the
     stage that limits the pipeline when :class:`Rebalancer` says so. ``slowdown_s``: each
     forward of this peer's stage waits that long more (a slower device, for tests and
-    benchmarks: the wait uses no CPU)."""
+    benchmarks: the wait uses no CPU). ``precision``: this peer's choice over the run's
+    (auto: bf16 autocast on a GPU that has it, fp32 elsewhere; fp16 is not offered to a
+    stage, which would need a loss scale across the pipeline)."""
     if slowdown_s < 0:
         raise ValueError(f"slowdown_s must be >= 0, got {slowdown_s}")
     where = resolve_device(device)
@@ -204,8 +208,11 @@ def train_stage(
             module = task_stage(task, model, run, pipeline.stages, stage, where)
             if slowdown_s > 0:
                 module.register_forward_pre_hook(_slowed(slowdown_s))
-            logger.info("stage %d computes on %s", stage, describe_device(where))
-            work = _work(module, model, run)
+            work = _work(module, model, run, precision or run.inner.precision)
+            logger.info(
+                "stage %d computes on %s in %s", stage, describe_device(where),
+                "bf16 autocast" if work.autocast else "fp32",
+            )  # fmt: skip
             peer = StagePeer(
                 manifest, stage, work, config=config, identity=identity, on_event=on_event
             )
@@ -326,8 +333,19 @@ def _slowed(seconds: float) -> Callable[..., None]:
     return wait
 
 
-def _work(module: nn.Module, model: Mapping[str, Any], run: RunConfig) -> StageWork:
+def _work(
+    module: nn.Module, model: Mapping[str, Any], run: RunConfig, precision: Precision
+) -> StageWork:
     inner = run.inner
+    device = next(module.parameters()).device
+    autocast = resolve_precision(precision, device)
+    if autocast == torch.float16:
+        if precision == "fp16":
+            raise SwarmlocoError(
+                "a pipeline stage computes in fp32 or bf16 (fp16 would need a loss scale "
+                "across the stages): use --precision bf16 or fp32"
+            )
+        autocast = None  # auto on a GPU without bf16: fp32
     sequences = inner.batch_size * inner.grad_accum
     micro = max(1, min(sequences, 8))
     seq_len, width, vocab = int(model["seq_len"]), int(model["n_embd"]), int(model["vocab_size"])
@@ -347,6 +365,7 @@ def _work(module: nn.Module, model: Mapping[str, Any], run: RunConfig) -> StageW
         tokens_per_sequence=seq_len,
         lr_at=inner.lr_at,
         grad_clip=inner.grad_clip,
+        autocast=autocast,
     )
 
 

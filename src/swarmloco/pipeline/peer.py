@@ -76,6 +76,8 @@ class StageWork:
     grad_clip: float = 0.0
     """Clip this stage's gradient norm to this before each step (0: no clipping). Each
     stage clips its own part: no peer sees the whole model's norm."""
+    autocast: torch.dtype | None = None
+    """bf16: the stage computes under bf16 autocast (a GPU's choice); None: fp32."""
 
 
 class StagePeer:
@@ -114,6 +116,7 @@ class StagePeer:
             config=dataclasses.replace(replica or ReplicaConfig(), step_samples=work.step_samples),
             optimizer=work.optimizer,
             owned=True,
+            autocast=work.autocast,
         )
         self.replica.before_step = self._before_step
         self.service = StageService(

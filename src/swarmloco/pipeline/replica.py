@@ -23,11 +23,13 @@ time (the accumulator is shared).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,7 +92,16 @@ class StageReplica:
         optimizer: torch.optim.Optimizer | None = None,
         owned: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        autocast: torch.dtype | None = None,
     ) -> None:
+        if autocast not in (None, torch.bfloat16):
+            raise ValueError(
+                f"a stage computes in fp32 or under bf16 autocast, not {autocast} (fp16 "
+                "would need a loss scale across the stages)"
+            )
+        self.autocast = autocast
+        """The dtype the stage's compute runs under autocast (None: fp32); parameters,
+        gradients and what crosses the wire stay fp32."""
         self.module = module
         self.first, self.last = first, last
         self.config = config or ReplicaConfig()
@@ -189,9 +200,9 @@ class StageReplica:
             targets = None if targets is None else targets.to(self.device)
             rng = self._rng_state()
             started = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 out = self.module(x, targets) if self.last else self.module(x)
-            out = out.detach().cpu()  # on a GPU: waits for the compute, so timed with it
+            out = out.detach().float().cpu()  # on a GPU: waits for the compute (timed with it)
             seconds = time.perf_counter() - started
             self._held[micro_batch] = _Held(x, targets, rng, self.clock(), seconds)
             if self.last:
@@ -213,6 +224,11 @@ class StageReplica:
                 "a %s of micro-batch %s took %.1f s on %s (%s)",
                 call, micro_batch.hex()[:12], total, self.device, spent,
             )  # fmt: skip
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The generators a forward draws from (dropout): the CPU's and, on a GPU, its."""
@@ -251,14 +267,15 @@ class StageReplica:
                 if gpu_rng is not None:
                     torch.cuda.set_rng_state(gpu_rng, self.device)
                 with torch.enable_grad():
-                    out = self.module(x, held.targets) if self.last else self.module(x)
+                    with self._autocast():
+                        out = self.module(x, held.targets) if self.last else self.module(x)
                     if self.last:
                         out.backward()
                     else:
                         if grad_output is None or grad_output.shape != out.shape:
                             self._held[micro_batch] = held  # the caller may send it again
                             raise Rejection("bad-shape", "the gradient is not the output's shape")
-                        out.backward(grad_output.to(self.device))
+                        out.backward(grad_output.to(self.device, out.dtype))
             grad_input = None if self.first or x.grad is None else x.grad.cpu()
             computed = time.perf_counter() - started
             self.rate.add(int(held.input.shape[0]), held.seconds + computed)
