@@ -234,6 +234,36 @@ def test_pipeline_stages_on_cuda_compute_what_the_cpu_computes():
     torch.testing.assert_close(grad, mine.grad.cpu(), rtol=1e-4, atol=1e-6)
 
 
+def test_a_stage_under_bf16_autocast_on_cuda_trains_as_fp32_does_within_bf16s_precision():
+    """What a stage peer on a GPU computes by default: the llama's two stages under bf16
+    autocast give a loss and input gradient close to fp32's on the same GPU, and the
+    recompute of the backward sees the activations that were sent (fp32 on the CPU)."""
+    from swarmloco.pipeline.replica import StageReplica
+    from swarmloco.pipeline.stages import build_stage
+    from swarmloco.train.spec import LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_kv_head=2,
+                         n_embd=128, ffn=352)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, config.vocab_size, (4, config.seq_len + 1), generator=g)
+    x, y = rows[:, :-1], rows[:, 1:]
+    found = {}
+    for autocast in (None, torch.bfloat16):
+        zero, one = (build_stage(config, 2, k, seed=7, device=CUDA) for k in (0, 1))
+        first = StageReplica(zero, first=True, last=False, autocast=autocast)
+        last = StageReplica(one, first=False, last=True, autocast=autocast)
+        acts = first.forward(b"m", x)
+        assert acts.dtype == torch.float32 and acts.device == CPU
+        loss = last.forward(b"m", acts, y)
+        grad = last.backward(b"m", None)
+        assert first.backward(b"m", grad) is None
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in zero.parameters())
+        found[autocast] = (float(loss), grad)
+    (loss32, grad32), (loss16, grad16) = found[None], found[torch.bfloat16]
+    assert loss16 == pytest.approx(loss32, rel=2e-2)
+    assert float((grad16 - grad32).norm() / grad32.norm()) < 0.05  # bf16: 8 bits of mantissa
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.xfail(
     strict=True,
