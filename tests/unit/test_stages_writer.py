@@ -90,3 +90,17 @@ def test_any_other_model_is_written_a_file_a_stage(tmp_path):
         with safe_open(tmp_path / done.files[k], "pt") as f:
             assert f.metadata()["round"] == str(10 + k)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_an_export_that_fails_halfway_leaves_no_partial_file(tmp_path):
+    torch.manual_seed(0)
+    stages = cut_llama(Llama(LLAMA), 2)
+    model = dataclasses.asdict(LLAMA)
+    manifest = pipeline_manifest(SPEC, stages, creator=CREATOR, task="llama", model=model)
+    writer = StagesWriter(manifest, tmp_path)
+    writer.add(0, weights(manifest, stages)[0])  # ... and stage 1 never comes
+    assert [p.name for p in tmp_path.iterdir()] != []  # the file in the making
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SwarmlocoError, match="aborted"):
+        writer.whole.finish({})  # type: ignore[union-attr]

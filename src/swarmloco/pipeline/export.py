@@ -36,17 +36,16 @@ from swarmloco.runtime.export import (
     Exported,
     Latest,
     export,
+    export_latest,
     from_checkpoint,
     from_swarm,
     local_manifest,
     local_swarm_dir,
-    task_config,
     weights_of,
     write_atomic,
-    write_export,
     write_manifest,
 )
-from swarmloco.runtime.swarm import manifest_signature, manifest_spec
+from swarmloco.runtime.swarm import manifest_spec
 from swarmloco.train.spec import LlamaConfig
 
 logger = logging.getLogger(__name__)
@@ -90,30 +89,35 @@ def export_run(
         writers.append(StagesWriter(manifest, out))
         return writers[0].add
 
-    if peers:
-        manifest, latest = from_swarm(
-            swarm_id,
-            _swarms_of,
-            local=local,
-            data_dir=data_dir,
-            peers=peers,
-            timeout_s=timeout_s,
-            membership=membership,
-            each=each,
-        )
-        if not writers:
-            return _single(swarm_id, out, manifest, latest[0])
+    try:
+        if peers:
+            manifest, latest = from_swarm(
+                swarm_id,
+                _swarms_of,
+                local=local,
+                data_dir=data_dir,
+                peers=peers,
+                timeout_s=timeout_s,
+                membership=membership,
+                each=each,
+            )
+            if not writers:
+                return export_latest(swarm_id, out, manifest, latest[0])
+            return writers[0].finish()
+        kept = local_manifest(swarm_id, local)
+        if kept is None or pipeline_of(kept) is None:  # a run of one stage: as ever
+            return export(swarm_id, out, data_dir=data_dir, membership=membership)
+        stages = _swarms_of(kept)
+        for k, stage in enumerate(stages):  # every stage is there before anything is written
+            _stage_dir(kept, k, stage, data_dir)
+        writers.append(StagesWriter(kept, out))
+        for k, stage in enumerate(stages):
+            writers[0].add(k, from_checkpoint(stage, _stage_dir(kept, k, stage, data_dir)))
         return writers[0].finish()
-    kept = local_manifest(swarm_id, local)
-    if kept is None or pipeline_of(kept) is None:  # a run of one stage: as ever
-        return export(swarm_id, out, data_dir=data_dir, membership=membership)
-    stages = _swarms_of(kept)
-    for k, stage in enumerate(stages):  # every stage is there before anything is written
-        _stage_dir(kept, k, stage, data_dir)
-    writer = StagesWriter(kept, out)
-    for k, stage in enumerate(stages):
-        writer.add(k, from_checkpoint(stage, _stage_dir(kept, k, stage, data_dir)))
-    return writer.finish()
+    except BaseException:
+        for writer in writers:  # a stage that failed to come: no half-written file left
+            writer.abort()
+        raise
 
 
 def _swarms_of(manifest: SwarmManifest) -> list[SwarmManifest]:
@@ -138,18 +142,6 @@ def _stage_dir(
             "the run"
         )
     return local
-
-
-def _single(
-    swarm_id: str, out_dir: str | Path, manifest: SwarmManifest, latest: Latest
-) -> Exported:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    block = manifest_spec(manifest).codec.block_size
-    tensors = weights_of(manifest_signature(manifest), latest.theta, block)
-    metadata = {"swarm_id": swarm_id, "round": str(latest.round), "digest": latest.digest}
-    write_export(out, manifest, tensors, metadata, task_config(manifest))
-    return Exported(out, swarm_id, latest.round, latest.digest, latest.source)
 
 
 class StagesWriter:
@@ -200,6 +192,11 @@ class StagesWriter:
             "digest": latest.digest,
         }
         write_atomic(self.out / _stage_file(k), _saver(tensors, metadata))
+
+    def abort(self) -> None:
+        """Drop what was written of the whole file (the stage files are written whole)."""
+        if self.whole is not None:
+            self.whole.abort()
 
     def finish(self) -> ExportedStages:
         """Every stage's weights written: the file(s) completed, the manifest and config."""
@@ -297,6 +294,8 @@ class WholeFile:
         self.written.add(name)
 
     def finish(self, metadata: dict[str, str]) -> None:
+        if self._file.closed:
+            raise SwarmlocoError(f"{self.path} was aborted")
         missing = sorted(set(self.header) - self.written)
         if missing:
             raise SwarmlocoError(f"{len(missing)} tensors were not written: {missing[:3]}...")
@@ -305,6 +304,13 @@ class WholeFile:
         os.pwrite(self._file.fileno(), len(header).to_bytes(8, "little") + header, 0)
         self._file.close()
         os.replace(self.tmp, self.path)
+
+
+    def abort(self) -> None:
+        """Close and remove the temporary file (the export failed)."""
+        if not self._file.closed:
+            self._file.close()
+            self.tmp.unlink(missing_ok=True)
 
 
 def _saver(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Callable[[Path], None]:

@@ -112,11 +112,18 @@ def export(
         manifest, latest = kept, from_checkpoint(kept, local)
     else:
         raise ValueError("give data_dir (a peer's data directory) or peers (HOST:PORT)")
-    signature = manifest_signature(manifest)
-    spec = manifest_spec(manifest)
+    return export_latest(swarm_id, out_dir, manifest, latest)
+
+
+def export_latest(
+    swarm_id: str, out_dir: str | Path, manifest: SwarmManifest, latest: Latest
+) -> Exported:
+    """Write ``latest`` (the weights of ``manifest``'s swarm) into ``out_dir``: see
+    :func:`export`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = weights_of(signature, latest.theta, spec.codec.block_size)
+    block = manifest_spec(manifest).codec.block_size
+    tensors = weights_of(manifest_signature(manifest), latest.theta, block)
     metadata = {"swarm_id": swarm_id, "round": str(latest.round), "digest": latest.digest}
     write_export(out, manifest, tensors, metadata, task_config(manifest))
     logger.info(
