@@ -42,11 +42,16 @@ def weights(manifest, stages):
     return out
 
 
-def test_a_pipelined_llama_is_written_as_one_model_a_stage_at_a_time_in_any_order(tmp_path):
+def llama_run():
+    """The small Llama cut in two, and its pipelined run's manifest."""
     torch.manual_seed(0)
     stages = cut_llama(Llama(LLAMA), 2)
     model = dataclasses.asdict(LLAMA)
-    manifest = pipeline_manifest(SPEC, stages, creator=CREATOR, task="llama", model=model)
+    return stages, pipeline_manifest(SPEC, stages, creator=CREATOR, task="llama", model=model)
+
+
+def test_a_pipelined_llama_is_written_as_one_model_a_stage_at_a_time_in_any_order(tmp_path):
+    stages, manifest = llama_run()
     writer = StagesWriter(manifest, tmp_path)
     latest = weights(manifest, stages)
     writer.add(1, latest[1])  # the last stage's first: it came first
@@ -93,10 +98,7 @@ def test_any_other_model_is_written_a_file_a_stage(tmp_path):
 
 
 def test_an_export_that_fails_halfway_leaves_no_partial_file(tmp_path):
-    torch.manual_seed(0)
-    stages = cut_llama(Llama(LLAMA), 2)
-    model = dataclasses.asdict(LLAMA)
-    manifest = pipeline_manifest(SPEC, stages, creator=CREATOR, task="llama", model=model)
+    stages, manifest = llama_run()
     writer = StagesWriter(manifest, tmp_path)
     writer.add(0, weights(manifest, stages)[0])  # ... and stage 1 never comes
     assert [p.name for p in tmp_path.iterdir()] != []  # the file in the making
