@@ -37,6 +37,9 @@ from swarmloco.net.server import ServerConfig, Service
 SWARM = "cd" * 20
 # Small chunks so that small test vectors still have several chunks per part.
 CODEC = CodecConfig(block_size=64, chunk_bytes=4 * (64 + 4), backend="eager")
+PATIENT = AveragingConfig(codec=CODEC)
+"""The production timeouts (a member fails after seconds of silence): for rounds in which
+no member is meant to fail on a timer, so that a busy machine fails no honest member."""
 FAST = AveragingConfig(
     codec=CODEC,
     sender_timeout_s=1.0,
@@ -46,6 +49,8 @@ FAST = AveragingConfig(
     open_timeout_s=2.0,
     close_grace_s=1.0,
 )
+"""Timeouts of a second or two: only for tests in which a member must fail on a timer (a
+silent or stuck member); any other round runs with PATIENT."""
 
 
 @dataclasses.dataclass
@@ -64,7 +69,7 @@ async def averaging_peers(
     size: int,
     *,
     clients: Sequence[int] = (),
-    config: AveragingConfig = FAST,
+    config: AveragingConfig = PATIENT,
     matchmaking: MatchmakingConfig | None = None,
     faults: dict[int, FaultPlan] | None = None,
     limiters: dict[int, BandwidthLimiter] | None = None,

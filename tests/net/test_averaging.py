@@ -321,7 +321,7 @@ async def test_a_stall_of_our_own_event_loop_is_not_the_members_silence():
     plan = FaultPlan([Fault(action="spin", phase="chunk", skip=2, times=1, seconds=1.5)])
     weights = [1.0 + i for i in range(size)]
     vectors = random_vectors(size, 64 * 40, seed=21)
-    async with averaging_peers(size, faults={1: plan}) as peers:
+    async with averaging_peers(size, faults={1: plan}, config=FAST) as peers:
         results = ok(await run_round(peers, 1, vectors, weights, timeout=15))
         ids = [p.peer_id for p in peers]
     assert plan.fired[0] == 1

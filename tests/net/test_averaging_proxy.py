@@ -13,6 +13,7 @@ import time
 
 import pytest
 from avgutil import (
+    FAST,
     Leftovers,
     assert_exact,
     assert_identical,
@@ -56,7 +57,10 @@ def _check(results, ids, vectors, weights) -> list[AllReduceResult]:
 async def test_a_link_cut_blackholed_or_delayed_mid_round_ends_the_round_in_time(mode):
     weights = [1.0, 2.0, 3.0]
     vectors = random_vectors(3, 64 * 600, seed=11)
-    async with TcpProxy() as proxy, averaging_peers(3, proxies={BEHIND: proxy}) as peers:
+    async with (
+        TcpProxy() as proxy,
+        averaging_peers(3, proxies={BEHIND: proxy}, config=FAST) as peers,
+    ):
         ids = [p.peer_id for p in peers]
         assert peers[BEHIND].node.endpoint == f"127.0.0.1:{proxy.port}"
         # Through the healthy proxy: a full round (it also opens the channels).

@@ -66,6 +66,21 @@ def test_claims_converge_on_the_highest_epoch_then_the_closest_backup():
         view.notice(3, Claim(1, 0))  # the client has no part
 
 
+def test_a_claim_by_a_member_we_failed_moves_nothing():
+    # Member 2 went bad: we failed it, and its notice that it reruns part 0 (at a higher
+    # epoch than ours) arrives after. Moving there would wait forever on a member we no
+    # longer send to or watch: the claim is ignored, and part 0 stays with member 0.
+    view = RoundView(group(), me=1, codec=CODEC)
+    view.fail(2, "struck")
+    assert view.owner[2] == Claim(1, 0)
+    assert not view.notice(0, Claim(1, 2))
+    assert not view.notice(0, Claim(5, 2))
+    assert view.owner[0] == Claim(0, 0)
+    # A live backup's claim still beats ours.
+    assert view.notice(0, Claim(1, 1)) and view.owner[0] == Claim(1, 1)
+    assert all(claim.reducer not in view.failed for claim in view.owner.values())
+
+
 def test_a_move_forgets_what_was_received_of_the_part():
     view = RoundView(group(), me=0, codec=CODEC)
     fill(view, 1)

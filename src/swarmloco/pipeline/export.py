@@ -305,7 +305,6 @@ class WholeFile:
         self._file.close()
         os.replace(self.tmp, self.path)
 
-
     def abort(self) -> None:
         """Close and remove the temporary file (the export failed)."""
         if not self._file.closed:

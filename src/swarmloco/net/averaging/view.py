@@ -9,7 +9,8 @@ part, and sends its slice there. That backup announces the rerun to every member
 (``Rerun``), and a member that hears of a claim that *beats* its own moves too, even if it
 had the whole part already: the backup's result supersedes the old one everywhere. Claims
 are ordered by epoch, then by how soon after the part's own reducer the backup comes, so
-members that chose different backups converge on one.
+members that chose different backups converge on one. A claim by a member we saw fail
+is ignored: every part we lack is always claimed by a member we still wait on.
 
 :meth:`RoundView.digest` summarizes what a member holds (the final claim of every part and
 the contributors of every chunk); members compare digests before anyone applies the
@@ -103,10 +104,15 @@ class RoundView:
         return moved
 
     def notice(self, part: int, claim: Claim) -> bool:
-        """Another member claims ``part``; True if the claim beats ours (we move)."""
+        """Another member claims ``part``; True if the claim beats ours (we move).
+
+        The claim of a member we saw fail is ignored, however high its epoch: we send it
+        nothing more and wait on it for nothing, so a part moved to it would never come.
+        (Its notice may well arrive after we failed it: it rerun a part when *it* failed
+        someone, and we failed it for what it sent us meanwhile.)"""
         if part not in self.owner:
             raise Rejection("bad-part", f"part {part} does not exist in this group")
-        if not self.beats(part, claim, self.owner[part]):
+        if claim.reducer in self.failed or not self.beats(part, claim, self.owner[part]):
             return False
         self._move(part, claim)
         return True
