@@ -28,6 +28,14 @@ def driven_per_second(events: list[Event], start: float, end: float) -> float:
     return (inside[-1]["driven"] - inside[0]["driven"]) / (inside[-1]["time"] - inside[0]["time"])
 
 
+def print_checks(drivers: list[PeerProcess]) -> None:
+    """Every check of every driver: what it read, its verdict and why."""
+    for i, d in enumerate(drivers):
+        for e in d.of("stages"):
+            print(f"driver {i} at stage {e['stage']}: {e['throughput']} {e['replicas']}", end=" ")
+            print(f"move {e['move']}: {e['reason']}")
+
+
 def test_a_stage_0_peer_moves_to_the_slow_stage_and_the_pipeline_speeds_up(tmp_path):
     rebalance = ("--stage", "0", "--rebalance-every", str(EVERY))
     with Bootstrap(tmp_path / "boot") as boot:
@@ -38,7 +46,9 @@ def test_a_stage_0_peer_moves_to_the_slow_stage_and_the_pipeline_speeds_up(tmp_p
             contextlib.ExitStack() as stack,
         ):
             slow.wait_for("ready", timeout=120)
-            drivers = [
+            drivers: list[PeerProcess] = []
+            stack.callback(print_checks, drivers)  # shown if the test fails
+            drivers += [
                 stack.enter_context(
                     PeerProcess.join(swarm, boot.endpoint, tmp_path / f"d{i}", *rebalance)
                 )

@@ -59,6 +59,25 @@ def test_the_rate_counts_the_hooks_own_time_but_not_the_rounds_it_waited_for():
     assert p.train_seconds == pytest.approx(50 * 0.010)  # the user's steps alone
 
 
+def test_a_rate_leaves_out_its_warm_up_and_says_nothing_until_it_settled():
+    from swarmloco.runtime.progress import Rate
+
+    rate = Rate(warmup=2, settle=3)
+    for _ in range(2):
+        rate.add(10, 5.0)  # warming up: 2 tokens/s, not counted
+    for seconds in (0.1, 0.3):
+        rate.add(10, seconds)
+        assert rate.value == 0.0  # not measured yet
+    rate.add(10, 0.2)
+    assert rate.value == pytest.approx(30 / 0.6) and rate.steps == 5
+    rate.add(10, 0.2)  # then an exponential average, seeded with the settled mean
+    assert rate.value == pytest.approx(50.0)
+    rate.add(10, float("nan"))  # an untimed step is skipped
+    assert rate.steps == 6
+    with pytest.raises(ValueError):
+        Rate(settle=0)
+
+
 def test_a_round_landed_without_overlap_resumes_the_count_when_the_hook_ends():
     clock = Clock()
     p = LocalProgress(clock=clock)

@@ -19,7 +19,7 @@ from swarmloco.net.records import Record, make_record, sign, stage_load_key, val
 from swarmloco.net.rejections import Rejection
 from swarmloco.pipeline.driver import Driver, HopStats
 from swarmloco.pipeline.load import StageLoad, fresh, stage_load
-from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
+from swarmloco.pipeline.replica import RATE_SETTLE, RATE_WARMUP, ReplicaConfig, StageReplica
 from swarmloco.pipeline.wire import Boundary
 
 SWARM = "cd" * 20
@@ -121,7 +121,17 @@ def test_a_replica_measures_its_own_rate_and_says_what_it_holds():
     assert replica.load()["queue"] == 2 and replica.load()["free"] == 1
     replica.backward(b"a" * 16, torch.ones(2, 4))
     said = replica.load()
-    assert said["rate"] > 0 and said["queue"] == 1 and said["free"] == 2
+    assert said["rate"] == 0.0 and said["queue"] == 1 and said["free"] == 2
+    # Its warm-up is not in its rate, and it says none until it measured enough.
+    replica.backward(b"b" * 16, torch.ones(2, 4))
+    for k in range(RATE_WARMUP + RATE_SETTLE - 3):
+        key = bytes([k]) * 16
+        replica.forward(key, torch.randn(2, 4))
+        replica.backward(key, torch.ones(2, 4))
+        assert replica.load()["rate"] == 0.0
+    replica.forward(b"c" * 16, torch.randn(2, 4))
+    replica.backward(b"c" * 16, torch.ones(2, 4))
+    assert replica.load()["rate"] > 0 and replica.rate.steps == RATE_WARMUP + RATE_SETTLE
 
 
 def test_a_joining_peer_takes_the_stage_with_the_fewest_peers_the_later_on_a_tie():

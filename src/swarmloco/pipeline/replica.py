@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 SLOW_CALL_S = 5.0
 """A forward or backward that took longer than this here (waiting for the replica, and
 computing) is logged with where its time went: a driver's deadline is tens of seconds."""
+RATE_WARMUP = 4
+"""A replica's first micro-batches are not in its rate: a peer that just joined or moved
+warms up (allocations, caches) slower than it will run."""
+RATE_SETTLE = 8
+"""Micro-batches counted before a replica's rate is said at all (0 until then)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,9 +139,10 @@ class StageReplica:
         rate and clipping)."""
         self.loss = float("nan")
         """The last loss this replica computed (the last stage's forward)."""
-        self.rate = Rate()
+        self.rate = Rate(warmup=RATE_WARMUP, settle=RATE_SETTLE)
         """Sequences per second of this replica's compute (a micro-batch's forward and
-        backward), recently: what it claims in its ``stage-load`` record."""
+        backward), recently: what it claims in its ``stage-load`` record (0, "not
+        measured", until its warm-up is over: rebalancing judges no stage on it before)."""
         first_param = next(module.parameters(), None)
         self.device = first_param.device if first_param is not None else torch.device("cpu")
         """Where the stage computes: its parameters' device."""

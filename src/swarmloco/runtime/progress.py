@@ -23,20 +23,39 @@ CHECKPOINTED = ("steps", "steps_since_round", "tokens_since_round", "global_step
 class Rate:
     """Tokens per second over the recent steps: exponential averages of the tokens and of
     the seconds, divided (an average of each step's rate would be biased up when step times
-    vary: one step of 1 ms and one of 9 ms make 2 steps in 10 ms, not 5.6 ms a step)."""
+    vary: one step of 1 ms and one of 9 ms make 2 steps in 10 ms, not 5.6 ms a step).
 
-    def __init__(self) -> None:
+    ``warmup``: the first steps are not counted (allocations, caches, a first round: they
+    say nothing of the speed to come); ``settle``: the value stays 0 ("not measured") until
+    this many steps were counted, their plain totals then seeding the averages (so that no
+    single early step weighs on it for long)."""
+
+    def __init__(self, *, warmup: int = 0, settle: int = 1) -> None:
+        if warmup < 0 or settle < 1:
+            raise ValueError(f"warmup must be >= 0 and settle >= 1, got {warmup}, {settle}")
         self.value = 0.0
+        self.steps = 0
+        """Steps added (warm-up ones included)."""
+        self._warmup, self._settle = warmup, settle
         self._tokens = self._seconds = 0.0
 
     def add(self, tokens: int, seconds: float) -> None:
         if seconds <= 0 or not math.isfinite(seconds):
             return
-        if self._seconds == 0.0:
-            self._tokens, self._seconds = float(tokens), seconds
-        else:
-            self._tokens = 0.9 * self._tokens + 0.1 * tokens
-            self._seconds = 0.9 * self._seconds + 0.1 * seconds
+        self.steps += 1
+        counted = self.steps - self._warmup
+        if counted <= 0:
+            return
+        if counted <= self._settle:
+            self._tokens += tokens
+            self._seconds += seconds
+            if counted == self._settle:
+                self._tokens /= self._settle
+                self._seconds /= self._settle
+                self.value = self._tokens / self._seconds
+            return
+        self._tokens = 0.9 * self._tokens + 0.1 * tokens
+        self._seconds = 0.9 * self._seconds + 0.1 * seconds
         self.value = self._tokens / self._seconds
 
 
