@@ -470,15 +470,16 @@ def test_a_background_write_carries_the_verified_flag(tmp_path):
 
 
 class GatedStore(CheckpointStore):
-    """A real store whose writes wait until the test lets them go."""
+    """A real store whose writes, once staged, are finished (hashed, fsynced, put in
+    place: the writer thread's half) only when the test lets them go."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.gate = threading.Event()
 
-    def write(self, **kwargs):
+    def commit(self, staged):
         assert self.gate.wait(30)
-        return super().write(**kwargs)
+        return super().commit(staged)
 
 
 def test_a_background_write_saves_the_state_as_it_was_when_submitted(tmp_path):

@@ -327,6 +327,7 @@ class RpcClient:
         attempts = self.config.attempts if attempts is None else attempts
         started = time.monotonic()
         attempt = 0
+        rechecked = False  # a pin the server no longer has was dropped (once a call)
         while True:
             attempt += 1
             left = deadline.remaining()
@@ -355,8 +356,16 @@ class RpcClient:
                 details = (exc.details() or "").strip()
                 if self.config.tls and "handshake" in details.lower():
                     # The server no longer has the certificate we pinned (a restart with
-                    # another key): check its new one on the next attempt.
+                    # another key): check its new one now. That check is no attempt of
+                    # ours (once a call): an earlier attempt may have spent itself on the
+                    # old connection's error, and the new key must be judged (refused
+                    # when its address confirmed another), not reported as a failure to
+                    # connect.
                     self.certs.forget(endpoint)
+                    if not rechecked:
+                        rechecked = True
+                        attempt -= 1
+                        continue
                 retry = code == grpc.StatusCode.UNAVAILABLE and attempt < attempts
                 if not retry:
                     raise RpcError(
