@@ -507,6 +507,7 @@ async def test_a_donor_with_another_digest_is_skipped_without_its_payload():
         assert odd.donor is not None and good.donor is not None
         assert odd.donor.stats["declined"] == 1
         assert odd.donor.stats["chunks"] == 0 and odd.donor.stats["bytes"] == 0
+        await wait_for(lambda: good.donor.active == 0)  # its handler counts after the last chunk
         assert good.donor.stats["served"] == 1
     assert_same_state(got.snapshot, majority)
     assert [f.code for f in got.failures] == ["wrong-digest"]
@@ -776,6 +777,7 @@ async def test_the_donors_own_upload_cap_is_not_taken_for_a_slow_reader():
         got = await fetch(client, [donor], config=DownloadConfig(min_rate_bytes_s=64 * 1024))
         assert_same_state(got.snapshot, snapshot)
         assert got.seconds > snapshot.nbytes / (256 * 1024) / 2  # the cap did slow it
+        await wait_for(lambda: donor.donor.active == 0)  # its handler counts after the last chunk
         assert donor.donor.stats["too-slow"] == 0 and donor.donor.stats["served"] == 1
 
 

@@ -367,9 +367,11 @@ class StateDonor:
             chunk_bytes=chunk_bytes,
             timestamp_ms=int(self._wall_clock() * 1000),
         )
-        await self._write(context, wire.header_response(header), pace)
-        if _declined(request, snapshot):
+        declined = _declined(request, snapshot)
+        if declined:  # counted first: once the requester has the header, it is counted
             self.stats["declined"] += 1
+        await self._write(context, wire.header_response(header), pace)
+        if declined:
             return  # the signed header says what we hold; the requester moves on
         capacity = self.config.budget_states * snapshot.nbytes
         chunks = enumerate(snapshot.chunks(chunk_bytes))
