@@ -88,6 +88,7 @@ def test_a_stage_0_peer_moves_to_the_slow_stage_and_the_pipeline_speeds_up(tmp_p
         driven_per_second(d.events, d.of("driven")[1]["time"], moved["time"]) for d in drivers
     ]
     after = [driven_per_second(d.events, settled["time"], float("inf")) for d in stayed]
+    print(f"micro-batches a second, all drivers: {sum(before):.2f} before, {sum(after):.2f} after")
     assert sum(after) > 1.5 * sum(before), (before, after)
     assert settled["replicas"] == [2, 2] and settled["move"] is None, settled
     # Nobody moved back, or again; the stage-1 peer (--rebalance-every 0) never judged.
