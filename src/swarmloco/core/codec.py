@@ -213,16 +213,22 @@ class _Kernels:
 
     def run(self, name: str, eager: Callable[..., R], backend: Backend, *args: object) -> R:
         fn = self.get(name, eager, backend)
-        if fn is eager:
-            return eager(*args)
-        try:
-            return fn(*args)
-        except Exception as exc:  # compilation needs a C compiler and a supported platform
-            if backend == "compiled":
-                raise CodecError(f"the compiled codec failed: {exc}") from exc
-            self._compile_failed = f"{type(exc).__name__}: {exc}"
-            log.warning("torch.compile is unavailable (%s); using the eager codec", exc)
-            return eager(*args)
+        # Always without autograd, and on tensors that are nobody's view (``detach``: the
+        # same memory): a compiled kernel guards on the grad mode and on the layout of
+        # its inputs' bases, and one warmed up on fresh tensors with autograd on would
+        # compile again for a round's slices under no_grad (seconds to a minute).
+        with torch.no_grad():
+            if fn is eager:
+                return eager(*args)
+            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            try:
+                return fn(*args)
+            except Exception as exc:  # compilation needs a C compiler and a supported platform
+                if backend == "compiled":
+                    raise CodecError(f"the compiled codec failed: {exc}") from exc
+                self._compile_failed = f"{type(exc).__name__}: {exc}"
+                log.warning("torch.compile is unavailable (%s); using the eager codec", exc)
+                return eager(*args)
 
     @property
     def compile_failure(self) -> str | None:

@@ -3,7 +3,8 @@ section 10, "A micro-batch's path").
 
 :meth:`Driver.run` computes stage 0 locally, calls ``Forward`` on one replica of each
 later stage in turn (the last returns the loss), then ``Backward`` from the last stage down
-to stage 1, and ends with stage 0's own backward. A forward hop that fails, is refused or
+to stage 1, and ends with stage 0's own backward (computing, packing and unpacking on
+worker threads, never on the event loop). A forward hop that fails, is refused or
 misses its deadline goes to another replica of the same stage (nothing was applied
 anywhere yet); a backward hop that fails abandons the micro-batch below it (the stages
 above keep the gradients they added: true gradients of its loss). A replica that failed is
@@ -166,7 +167,7 @@ class Driver:
                 swarm_id=self.swarm_id,
                 stage=k,
                 micro_batch=name,
-                input=pack(h, self.config.encoding),
+                input=await asyncio.to_thread(pack, h, self.config.encoding),
                 targets=pack(targets, "i64") if last else None,
             )
             trace.bytes_sent += len(request.input.data) + len(request.input.scales)
@@ -177,7 +178,9 @@ class Driver:
             else:
                 trace.bytes_received += len(answer.output.data) + len(answer.output.scales)
                 try:
-                    h = unpack(answer.output, self.boundaries[k], f"stage {k}'s output")
+                    h = await asyncio.to_thread(
+                        unpack, answer.output, self.boundaries[k], f"stage {k}'s output"
+                    )
                 except Rejection as exc:  # what a replica answers is checked like a call
                     self.shunned[endpoint] = time.monotonic() + self.config.shun_s
                     raise PipelineError(f"stage {k} on {endpoint} answered badly: {exc}") from exc
@@ -187,8 +190,11 @@ class Driver:
                 swarm_id=self.swarm_id,
                 stage=k,
                 micro_batch=name,
-                grad_output=pack(grad, self.config.encoding) if grad is not None else None,
-            )
+                grad_output=(
+                    None if grad is None
+                    else await asyncio.to_thread(pack, grad, self.config.encoding)
+                ),
+            )  # fmt: skip
             endpoint = trace.path[k - 1]
             if grad is not None:
                 trace.bytes_sent += len(request_b.grad_output.data) + len(
@@ -201,7 +207,9 @@ class Driver:
                 trace.bytes_received += len(answer_b.grad_input.data) + len(
                     answer_b.grad_input.scales
                 )
-                grad = unpack(answer_b.grad_input, self.boundaries[k - 1], f"stage {k}'s gradient")
+                grad = await asyncio.to_thread(
+                    unpack, answer_b.grad_input, self.boundaries[k - 1], f"stage {k}'s gradient"
+                )
             except (RpcError, Rejection) as exc:
                 # Only the replica that ran the forward holds its input: the micro-batch is
                 # lost (the replicas before it drop theirs at their deadline), never the peer.

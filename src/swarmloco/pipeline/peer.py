@@ -48,7 +48,7 @@ from swarmloco.pipeline.load import (
 from swarmloco.pipeline.manifest import pipeline_of, stage_manifest
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
 from swarmloco.pipeline.service import StageService
-from swarmloco.pipeline.wire import Boundary
+from swarmloco.pipeline.wire import Boundary, prepare
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.peer import Kept, Peer, Trainee
 from swarmloco.runtime.schedule import SwarmSchedule
@@ -149,6 +149,10 @@ class StagePeer:
 
     def __enter__(self) -> StagePeer:
         w = self.work
+        # Compiled now, if at all, not on the first call under a deadline (wire.py).
+        seconds = prepare(w.activations, self.service.encoding)
+        if seconds:
+            logger.info("the activations' int8 encoder compiled in %.1f s", seconds)
         trainee = Trainee(
             model=w.module,
             optimizer=w.optimizer,

@@ -1,6 +1,6 @@
 """A stage replica behind the ``swarmloco.v1.Stage`` gRPC service (``proto/swarmloco/v1/
-stage.proto``): each call decoded and checked (``wire.py``), the compute run on a worker
-thread (never on the event loop), the answer packed in the run's encoding. Whatever a
+stage.proto``): each call decoded and checked (``wire.py``), computed and its answer
+packed in the run's encoding on a worker thread (never on the event loop). Whatever a
 caller sends becomes a counted refusal, never an exception in the peer.
 """
 
@@ -76,16 +76,18 @@ class StageService:
     async def forward(self, request: pb.ForwardRequest, context: Any) -> pb.ForwardResponse:
         try:
             self._check_call(request.swarm_id, request.stage, request.micro_batch)
-            x = unpack(request.input, self.inputs, "input")
-            targets = None
-            if self.targets is not None:
-                targets = unpack(request.targets, self.targets, "targets")
-                if targets.shape != x.shape[:2]:
-                    raise Rejection("bad-shape", "the targets are not the input's shape")
-            forward = self.replica.forward
-            out = await self._compute("forward", forward, request.micro_batch, x, targets)
+            return await self._compute("forward", self._forward, request)
         except Rejection as rejection:
             return pb.ForwardResponse(refused=self._refuse(rejection, context))
+
+    def _forward(self, request: pb.ForwardRequest) -> pb.ForwardResponse:
+        x = unpack(request.input, self.inputs, "input")
+        targets = None
+        if self.targets is not None:
+            targets = unpack(request.targets, self.targets, "targets")
+            if targets.shape != x.shape[:2]:
+                raise Rejection("bad-shape", "the targets are not the input's shape")
+        out = self.replica.forward(request.micro_batch, x, targets)
         if self.replica.last:
             return pb.ForwardResponse(loss=float(out))
         return pb.ForwardResponse(output=pack(out, self.encoding))
@@ -93,21 +95,23 @@ class StageService:
     async def backward(self, request: pb.BackwardRequest, context: Any) -> pb.BackwardResponse:
         try:
             self._check_call(request.swarm_id, request.stage, request.micro_batch)
-            grad = None
-            if self.outputs is not None:
-                grad = unpack(request.grad_output, self.outputs, "grad_output")
-            grad_input = await self._compute(
-                "backward", self.replica.backward, request.micro_batch, grad
-            )
+            return await self._compute("backward", self._backward, request)
         except Rejection as rejection:
             return pb.BackwardResponse(refused=self._refuse(rejection, context))
+
+    def _backward(self, request: pb.BackwardRequest) -> pb.BackwardResponse:
+        grad = None
+        if self.outputs is not None:
+            grad = unpack(request.grad_output, self.outputs, "grad_output")
+        grad_input = self.replica.backward(request.micro_batch, grad)
         if grad_input is None:
             return pb.BackwardResponse(grad_input=pb.StageTensor())
         return pb.BackwardResponse(grad_input=pack(grad_input, self.encoding))
 
     async def _compute(self, call: str, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on a worker thread; a call that waited long for one is logged (the
-        replica logs the rest of a slow call's time)."""
+        """``fn(*args)`` on a worker thread (decoding, the compute and encoding: never on
+        the event loop); a call that waited long for one is logged (the replica logs the
+        rest of a slow call's time)."""
         queued = time.perf_counter()
 
         def run() -> T:

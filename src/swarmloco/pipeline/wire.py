@@ -7,16 +7,30 @@ anything that is not what the receiving side expects at that boundary (:class:`B
 the wrong encoding, a shape other than ``(batch, tokens[, width])`` within the bounds, a
 buffer of the wrong length, NaN or Inf, values over the bound, token ids outside the
 vocabulary. Nothing is decoded before its size is checked.
+
+The int8 encoder's kernel is compiled only for a tensor that repays the compile (the
+data-parallel rule, :func:`~swarmloco.core.codec.settle_backend`), and :func:`prepare`
+compiles it before a peer serves: a compile takes seconds to a minute on a fresh machine,
+too long for a call under a deadline.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import torch
 
-from swarmloco.core.codec import CodecConfig, CodecError, Encoded, decode, encode, padded_numel
+from swarmloco.core.codec import (
+    CodecConfig,
+    CodecError,
+    Encoded,
+    decode,
+    encode,
+    padded_numel,
+    settle_backend,
+)
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import stage_pb2 as pb
 
@@ -25,6 +39,8 @@ ENCODINGS = (*RAW, "int8")
 ACTIVATION_BOUND = 1e4
 """The largest magnitude an activation or its gradient may hold (a transformer block's
 output, or its gradient, stays far below it; 1e30 is an attack or a diverged peer)."""
+BLOCK_SIZE = 1024
+"""Values per scale of an int8 tensor this side packs."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +59,11 @@ class Boundary:
     def ids(self) -> bool:
         return self.width == 0
 
+    @property
+    def max_numel(self) -> int:
+        """The values of the largest tensor that may cross."""
+        return self.max_batch * self.max_tokens * max(self.width, 1)
+
     def check_shape(self, shape: tuple[int, ...], what: str) -> None:
         rank = 2 if self.ids else 3
         if len(shape) != rank or (rank == 3 and shape[2] != self.width):
@@ -56,11 +77,31 @@ class Boundary:
             )
 
 
-def pack(x: torch.Tensor, encoding: str, *, block_size: int = 1024) -> pb.StageTensor:
+def wire_codec(numel: int, block_size: int = BLOCK_SIZE) -> CodecConfig:
+    """The codec an int8 tensor of ``numel`` values is packed with: compiled kernels where
+    they repay their compile, eager below (the same bits either way)."""
+    return settle_backend(CodecConfig(block_size=block_size), numel)
+
+
+def prepare(boundary: Boundary, encoding: str) -> float:
+    """Compile now what packing the largest tensor ``boundary`` admits in ``encoding``
+    compiles on its first use (nothing, for a tensor the eager kernel packs); returns the
+    seconds it took."""
+    if encoding != "int8" or boundary.ids:
+        return 0.0
+    codec = wire_codec(boundary.max_numel)
+    if codec.backend == "eager":
+        return 0.0
+    started = time.monotonic()
+    encode(torch.linspace(-1.0, 1.0, 4 * codec.block_size), codec)
+    return time.monotonic() - started
+
+
+def pack(x: torch.Tensor, encoding: str, *, block_size: int = BLOCK_SIZE) -> pb.StageTensor:
     """``x`` on the wire (``encoding``: f32, bf16, i64 or int8)."""
     shape = [int(d) for d in x.shape]
     if encoding == "int8":
-        enc = encode(x.detach().float().cpu(), CodecConfig(block_size=block_size))
+        enc = encode(x.detach().float().cpu(), wire_codec(x.numel(), block_size))
         return pb.StageTensor(
             shape=shape,
             encoding="int8",
