@@ -228,3 +228,23 @@ def test_under_bf16_autocast_a_backward_recomputes_what_its_forward_sent():
     assert 0 < (plain - out).abs().max() < 0.1
     with pytest.raises(ValueError, match="fp16"):
         StageReplica(module, first=False, last=False, autocast=torch.float16)
+
+
+def test_a_step_whose_gradient_is_not_finite_is_not_taken():
+    """One micro-batch whose gradient overflowed (what the wire's checks let through can
+    still overflow a layer) costs its step, not the replica's weights."""
+    r, module, _ = replica()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    weights = module.weight.detach().clone()
+    r.forward(b"a" * 16, torch.randn(2, 4))
+    r.forward(b"b" * 16, torch.randn(2, 4))
+    r.backward(b"a" * 16, torch.ones(2, 4))
+    r.backward(b"b" * 16, torch.full((2, 4), float("inf")))
+    assert r.step(optimizer) == 2
+    assert torch.equal(module.weight, weights) and r.skipped == 1 and r.steps == 0
+    assert module.weight.grad is None and r.micro_batches == 0
+    r.forward(b"c" * 16, torch.randn(2, 4))
+    r.backward(b"c" * 16, torch.ones(2, 4))
+    r.step(optimizer)  # the next one steps
+    assert r.steps == 1 and bool(torch.isfinite(module.weight).all())
+    assert not torch.equal(module.weight, weights)

@@ -130,6 +130,8 @@ class StageReplica:
         """Micro-batches dropped at their deadline (their backward never came)."""
         self.steps = 0
         """Optimizer steps this replica took on its own."""
+        self.skipped = 0
+        """Steps not taken: their mean gradient held NaN or Inf (dropped instead)."""
         self.served = 0
         """Micro-batches whose backward it ran, since it started."""
         self.waiting = 0
@@ -368,14 +370,23 @@ class StageReplica:
         assert optimizer is not None and not self._held
         n = self.micro_batches
         if n:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.div_(n)
-            if self.before_step is not None:
-                self.before_step()
-            optimizer.step()
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            for grad in grads:
+                grad.div_(n)
+            if grads and not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))):
+                # What passed the wire's checks still made a gradient that is not finite:
+                # this step's micro-batches are lost, not the replica's weights.
+                self.skipped += 1
+                logger.warning(
+                    "the mean gradient of %d micro-batch(es) holds NaN or Inf: step not "
+                    "taken (%d so far)", n, self.skipped,
+                )  # fmt: skip
+            else:
+                if self.before_step is not None:
+                    self.before_step()
+                optimizer.step()
+                self.steps += 1
             optimizer.zero_grad(set_to_none=True)
-            self.steps += 1
         self.micro_batches = self.samples = 0
         return n
 
