@@ -29,49 +29,66 @@ def graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-@pytest.fixture
-def compiled() -> CodecConfig:
-    torch._dynamo.reset()  # what an earlier test compiled would hide a compile here
-    config = CodecConfig(block_size=BLOCK, backend="auto", error_feedback=True)
-    warm_up(config)
-    warm_up(CodecConfig(block_size=BLOCK, backend="auto"))
+def fresh_warm_up(config: CodecConfig, *, trimmed: bool) -> int:
+    """The graphs a warm-up compiles from nothing (what an earlier test compiled would
+    hide a compile here)."""
+    torch._dynamo.reset()
+    before = graphs()
+    warm_up(config, trimmed=trimmed)
     if codec_module.compile_failure() is not None:
         pytest.skip(f"torch.compile is unavailable here: {codec_module.compile_failure()}")
-    return config
+    return graphs() - before
 
 
-@pytest.mark.timeout(300)
-async def test_a_warmed_up_codec_compiles_nothing_in_a_round(compiled):
-    built = graphs()
-    assert built > 0  # the warm-up compiled
-    # An outer round's encoding: slabs of the pseudo-gradient into slices of the message,
-    # under no_grad, with error feedback and without.
+async def encode_and_average(config: CodecConfig, aggregator: AggregatorConfig) -> None:
+    """An outer round's encoding (slabs of the pseudo-gradient into slices of the message,
+    under no_grad), then an all-reduce of four members on loopback."""
     shapes = [("a", (700, 1000)), ("b", (90_000,)), ("c", (3000, 1024))]
-    for config in (compiled, CodecConfig(block_size=BLOCK, backend="auto")):
-        layout = FlatLayout(shapes, [0] * len(shapes), BLOCK)
-        state = DilocoState(layout, OuterConfig(), config)
-        params = [torch.randn(shape) for _, shape in shapes]
-        state.set_global(params)
-        for p in params:
-            p.add_(0.01)
-        assert all(state.encode(f, params) for f in range(state.fragments))
-    # A round of four members reducing by the trimmed mean (a public run's).
-    averaging = AveragingConfig(
-        codec=CodecConfig(block_size=BLOCK, backend="auto"),
-        aggregator=AggregatorConfig(method="trimmed_mean", trim=1),
-    )
+    layout = FlatLayout(shapes, [0] * len(shapes), BLOCK)
+    state = DilocoState(layout, OuterConfig(), config)
+    params = [torch.randn(shape) for _, shape in shapes]
+    state.set_global(params)
+    for p in params:
+        p.add_(0.01)
+    assert all(state.encode(f, params) for f in range(state.fragments))
+    averaging = AveragingConfig(codec=config, aggregator=aggregator)
     async with averaging_peers(4, config=averaging) as peers:
         vectors = random_vectors(4, BLOCK * 40, seed=1, block=BLOCK)
         results = await run_round(peers, 1, vectors, [1.0] * 4, timeout=120)
     assert not [r for r in results if isinstance(r, BaseException)], results
-    assert graphs() == built
 
 
-def test_a_stage_compiles_its_encoder_before_it_serves(compiled):
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("feedback", "method"), [(True, "trimmed_mean"), (False, "mean")], ids=["public", "private"]
+)
+async def test_a_warmed_up_codec_compiles_nothing_in_a_round(feedback, method):
+    """A public run's (error feedback, the trimmed mean) and a private run's (neither):
+    the warm-up compiles what their rounds run, and only that."""
+    config = CodecConfig(block_size=BLOCK, backend="auto", error_feedback=feedback)
+    trimmed = method == "trimmed_mean"
+    built = fresh_warm_up(config, trimmed=trimmed)
+    assert built > 0
+    if not trimmed:  # the trimmed mean's and error feedback's kernels left out
+        everything = CodecConfig(block_size=BLOCK, backend="auto", error_feedback=True)
+        assert built < fresh_warm_up(everything, trimmed=True)
+        torch._dynamo.reset()
+        warm_up(config, trimmed=False)
+    before = graphs()
+    await encode_and_average(config, AggregatorConfig(method=method, trim=1))
+    assert graphs() == before
+
+
+def test_a_stage_compiles_its_encoder_before_it_serves():
+    torch._dynamo.reset()
+    before = graphs()
     boundary = Boundary(width=2048, max_batch=2, max_tokens=2048)
     assert wire_codec(boundary.max_numel).backend == "auto"  # compiled at this size
     prepare(boundary, "int8")
+    if codec_module.compile_failure() is not None:
+        pytest.skip(f"torch.compile is unavailable here: {codec_module.compile_failure()}")
     built = graphs()
+    assert built > before
     for batch, tokens in ((1, 2048), (2, 2048), (1, 1000)):  # a batch of one, a padded one
         pack(torch.randn(batch, tokens, 2048), "int8")
     assert graphs() == built

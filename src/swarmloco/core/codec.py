@@ -621,12 +621,14 @@ def settle_backend(config: CodecConfig, numel: int) -> CodecConfig:
     return config
 
 
-def warm_up(config: CodecConfig) -> float:
-    """Compile every kernel of ``config``'s backend now; return the seconds it took.
+def warm_up(config: CodecConfig, *, trimmed: bool = True) -> float:
+    """Compile the kernels a round runs with ``config`` now (its error feedback's if it
+    has it, and the trimmed mean's if ``trimmed``); return the seconds it took.
 
-    The compiled kernels are built on first use, which takes seconds. A peer calls this
-    before it joins a swarm, so that its first round does not stall its event loop (and
-    the other members, who would take the silence for a failure).
+    The compiled kernels are built on first use, which takes seconds (a minute on a fresh
+    GPU box). A peer calls this before it joins a swarm, so that its first round does not
+    stall its event loop (and the other members, who would take the silence for a
+    failure); a kernel a round does not run is not compiled.
     """
     started = time.monotonic()
     x = torch.linspace(-1.0, 1.0, 4 * config.block_size)
@@ -635,11 +637,13 @@ def warm_up(config: CodecConfig) -> float:
     dequantize(q, scale, config.block_size, config.backend)
     acc = torch.zeros_like(x)
     dequantize_accumulate_(acc, q, scale, 0.5, config)
-    ErrorFeedback(x.numel(), config).encode(x)
+    if config.error_feedback:
+        ErrorFeedback(x.numel(), config).encode(x)
     dequantize_into_(acc, q, scale, config, 2.0)
-    hi, lo = torch.empty_like(x), torch.empty_like(x)
-    for taken in range(3):  # a public run's trimmed mean
-        dequantize_trim_one_(hi, lo, acc, q, scale, config, taken=taken)
+    if trimmed:
+        hi, lo = torch.empty_like(x), torch.empty_like(x)
+        for taken in range(3):
+            dequantize_trim_one_(hi, lo, acc, q, scale, config, taken=taken)
     return time.monotonic() - started
 
 

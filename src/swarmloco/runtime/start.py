@@ -65,7 +65,7 @@ def diloco_around(
     during a round would stall the event loop)."""
     layout = signature.layout(spec.codec.block_size)
     codec = peer_codec(config, spec.codec, layout.numel)
-    seconds = warm_up(codec)
+    seconds = warm_up(codec, trimmed=spec.averaging_aggregator.method == "trimmed_mean")
     logger.info("codec (%s) ready in %.1fs", codec.backend, seconds)
     diloco = DilocoState(layout, spec.outer, codec)
     return diloco, BoxParams(parameters_in_order(model, signature.params), layout, box), codec
