@@ -226,6 +226,25 @@ async def test_a_backward_past_its_deadline_loses_the_micro_batch_not_the_peer()
     assert good.replica.micro_batches == 1 and first.micro_batches == 1
 
 
+async def test_a_stage_that_computes_nan_refuses_to_send_it():
+    """A replica whose weights went bad answers its gradient's NaN with a counted refusal,
+    not an error, and the driver loses that micro-batch only."""
+    local, remote = gpt_stages(CONFIG, 2, seed=4)
+    with torch.no_grad():
+        next(remote.parameters()).fill_(float("nan"))
+    service = service_of(remote, 1, 2, "int8")
+    first = StageReplica(local, first=True, last=False)
+    async with pipeline([[service]], first) as (drv, _):
+        with pytest.raises(PipelineError, match="computed NaN or Inf"):
+            await drv.run(*batch(0))
+        assert dict(service.refused) == {"not-finite": 1}
+        with torch.no_grad():
+            next(local.parameters()).fill_(float("nan"))  # the driver's own stage now
+        with pytest.raises(PipelineError, match="stage 0's output cannot be sent"):
+            await drv.run(*batch(1))
+    assert dict(service.refused) == {"not-finite": 1}  # nothing was sent
+
+
 async def test_hostile_activations_and_calls_are_refused_and_counted():
     local, remote = gpt_stages(CONFIG, 2, seed=4)
     service = service_of(remote, 1, 2, "int8")
@@ -254,7 +273,9 @@ async def test_hostile_activations_and_calls_are_refused_and_counted():
         huge = good.clone()
         huge[1, 2, 3] = 1e30
         wide = torch.randn(4, CONFIG.seq_len, CONFIG.n_embd + 1)
-        assert await forward(pack(nan, "f32")) == "not-finite"
+        # (Packed by hand: our own pack refuses to send NaN.)
+        raw_nan = pb.StageTensor(shape=list(nan.shape), encoding="f32", data=nan.numpy().tobytes())
+        assert await forward(raw_nan) == "not-finite"
         assert await forward(pack(huge, "f32")) == "out-of-bounds"
         assert await forward(pack(huge, "int8")) == "out-of-bounds"
         assert await forward(pack(wide, "f32")) == "bad-shape"

@@ -167,7 +167,7 @@ class Driver:
                 swarm_id=self.swarm_id,
                 stage=k,
                 micro_batch=name,
-                input=await asyncio.to_thread(pack, h, self.config.encoding),
+                input=await self._pack(h, f"stage {k - 1}'s output"),
                 targets=pack(targets, "i64") if last else None,
             )
             trace.bytes_sent += len(request.input.data) + len(request.input.scales)
@@ -190,11 +190,8 @@ class Driver:
                 swarm_id=self.swarm_id,
                 stage=k,
                 micro_batch=name,
-                grad_output=(
-                    None if grad is None
-                    else await asyncio.to_thread(pack, grad, self.config.encoding)
-                ),
-            )  # fmt: skip
+                grad_output=None if grad is None else await self._pack(grad, "a gradient"),
+            )
             endpoint = trace.path[k - 1]
             if grad is not None:
                 trace.bytes_sent += len(request_b.grad_output.data) + len(
@@ -219,6 +216,12 @@ class Driver:
                 ) from exc
         await asyncio.to_thread(self.first.backward, name, grad)
         return trace
+
+    async def _pack(self, x: torch.Tensor, what: str) -> pb.StageTensor:
+        try:
+            return await asyncio.to_thread(pack, x, self.config.encoding)
+        except Rejection as exc:  # NaN or Inf: nobody would take it
+            raise PipelineError(f"{what} cannot be sent: {exc}") from exc
 
     async def _forward(
         self, stage: int, request: pb.ForwardRequest, trace: Trace

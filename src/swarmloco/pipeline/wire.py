@@ -98,8 +98,12 @@ def prepare(boundary: Boundary, encoding: str) -> float:
 
 
 def pack(x: torch.Tensor, encoding: str, *, block_size: int = BLOCK_SIZE) -> pb.StageTensor:
-    """``x`` on the wire (``encoding``: f32, bf16, i64 or int8)."""
+    """``x`` on the wire (``encoding``: f32, bf16, i64 or int8). A floating tensor that
+    holds NaN or Inf is not sent: :class:`Rejection` ``not-finite`` (the other side would
+    refuse it)."""
     shape = [int(d) for d in x.shape]
+    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        raise Rejection("not-finite", f"this stage computed NaN or Inf (shape {tuple(shape)})")
     if encoding == "int8":
         enc = encode(x.detach().float().cpu(), wire_codec(x.numel(), block_size))
         return pb.StageTensor(
