@@ -8,9 +8,11 @@ layout of its inputs' bases), so this checks that what the warm-up built is what
 an outer round's encoding and a pipeline's packing run, by counting dynamo's graphs.
 """
 
+import dataclasses
+
 import pytest
 import torch
-from avgutil import averaging_peers, random_vectors, run_round
+from avgutil import assert_identical, averaging_peers, random_vectors, run_round
 from torch._dynamo.utils import counters
 
 from swarmloco.core import codec as codec_module
@@ -40,22 +42,26 @@ def fresh_warm_up(config: CodecConfig, *, trimmed: bool) -> int:
     return graphs() - before
 
 
-async def encode_and_average(config: CodecConfig, aggregator: AggregatorConfig) -> None:
+async def encode_and_average(config: CodecConfig, aggregator: AggregatorConfig) -> list:
     """An outer round's encoding (slabs of the pseudo-gradient into slices of the message,
-    under no_grad), then an all-reduce of four members on loopback."""
+    under no_grad), then an all-reduce of four members on loopback: the messages' bytes,
+    then the round's mean."""
     shapes = [("a", (700, 1000)), ("b", (90_000,)), ("c", (3000, 1024))]
     layout = FlatLayout(shapes, [0] * len(shapes), BLOCK)
     state = DilocoState(layout, OuterConfig(), config)
-    params = [torch.randn(shape) for _, shape in shapes]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(shape, generator=g) for _, shape in shapes]
     state.set_global(params)
     for p in params:
-        p.add_(0.01)
+        p.add_(torch.randn(p.shape, generator=g) * 0.01)
     assert all(state.encode(f, params) for f in range(state.fragments))
     averaging = AveragingConfig(codec=config, aggregator=aggregator)
     async with averaging_peers(4, config=averaging) as peers:
         vectors = random_vectors(4, BLOCK * 40, seed=1, block=BLOCK)
         results = await run_round(peers, 1, vectors, [1.0] * 4, timeout=120)
     assert not [r for r in results if isinstance(r, BaseException)], results
+    assert_identical(results)
+    return [m.payload.clone() for m in state.messages] + [results[0].mean]
 
 
 @pytest.mark.timeout(300)
@@ -75,8 +81,15 @@ async def test_a_warmed_up_codec_compiles_nothing_in_a_round(feedback, method):
         torch._dynamo.reset()
         warm_up(config, trimmed=False)
     before = graphs()
-    await encode_and_average(config, AggregatorConfig(method=method, trim=1))
+    aggregator = AggregatorConfig(method=method, trim=1)
+    compiled = await encode_and_average(config, aggregator)
     assert graphs() == before
+    eager = await encode_and_average(dataclasses.replace(config, backend="eager"), aggregator)
+    *messages, mean = compiled
+    *eager_messages, eager_mean = eager
+    assert all(torch.equal(a, b) for a, b in zip(messages, eager_messages, strict=True))
+    # (The streamed mean adds the chunks as they arrive: the last bits follow that order.)
+    torch.testing.assert_close(mean, eager_mean, rtol=0, atol=1e-6)
 
 
 def test_a_stage_compiles_its_encoder_before_it_serves():
