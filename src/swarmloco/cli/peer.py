@@ -163,7 +163,8 @@ def _add_compute_options(g: argparse._ArgumentGroup) -> None:
         "--compile",
         choices=("auto", "on", "off"),
         default=None,
-        help="torch.compile the model (default: the swarm's choice: on CUDA only)",
+        help="torch.compile the model (default: the swarm's choice: on CUDA only, where a "
+        "C compiler is found; see docs/operating.md, Compilers)",
     )
     g.add_argument(
         "--precision",

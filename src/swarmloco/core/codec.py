@@ -38,6 +38,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from swarmloco.core.config import require, require_int
+from swarmloco.core.toolchain import missing_compiler
 from swarmloco.errors import CodecError
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,12 @@ class _Kernels:
 
     def get(self, name: str, eager: Callable[..., R], backend: Backend) -> Callable[..., R]:
         if backend == "eager" or (backend == "auto" and self._compile_failed is not None):
+            return eager
+        if (missing := missing_compiler("cpu")) is not None:
+            if backend == "compiled":
+                raise CodecError(f"the compiled codec cannot be built here: {missing}")
+            self._compile_failed = missing
+            log.warning("the codec runs eager (slower on large models): %s", missing)
             return eager
         with self._lock:
             fn = self._compiled.get(name)

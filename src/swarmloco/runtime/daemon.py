@@ -385,11 +385,12 @@ def _peer(
 def _how_it_trains(
     loop: InnerLoop, inner: InnerConfig, device: torch.device, fit: Fit | None
 ) -> dict[str, Any]:
-    """What the ``ready`` event tells of this peer's training: precision, device, the
-    micro-batch and accumulation, activation checkpointing."""
+    """What the ``ready`` event tells of this peer's training: precision, device, whether
+    it runs compiled, the micro-batch and accumulation, activation checkpointing."""
     return {
         "precision": _PRECISION_NAMES[loop.amp_dtype],
         "device": str(device),
+        "compiled": loop.compiled,
         "micro_batch": inner.batch_size,
         "grad_accum": inner.grad_accum,
         "checkpointing": bool(fit and fit.checkpointing),

@@ -24,6 +24,8 @@ from swarmloco.core.config import (
     require_positive,
 )
 from swarmloco.core.schedules import warmup_cosine
+from swarmloco.core.toolchain import missing_compiler
+from swarmloco.errors import SwarmlocoError
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,13 @@ class InnerLoop:
         want_compile = config.compile == "on" or (
             config.compile == "auto" and device.type == "cuda"
         )
+        if want_compile and (missing := missing_compiler(device.type)) is not None:
+            if config.compile == "on":
+                raise SwarmlocoError(f"torch.compile cannot build kernels here: {missing}")
+            log.warning("training without torch.compile (slower): %s", missing)
+            want_compile = False
+        self.compiled = want_compile
+        """Whether the model runs through ``torch.compile``."""
         self._forward: Callable[..., torch.Tensor] = (
             torch.compile(self.model) if want_compile else self.model  # type: ignore[assignment]
         )
