@@ -195,3 +195,22 @@ def test_a_stage_computes_as_the_peer_chooses_bf16_or_fp32_never_fp16():
     assert _work(stage, model, run, "bf16").autocast is torch.bfloat16
     with pytest.raises(SwarmlocoError, match="fp16"):
         _work(stage, model, run, "fp16")
+
+
+def test_a_stage_steps_with_the_data_parallel_inner_optimizer():
+    """The same AdamW as a data-parallel peer's over the stage's parameters: weight decay
+    on matrices only (before, a stage decayed its norms' gains too), the run's betas."""
+    creator = "ab" * 32
+    _, _, _, run = run_from_manifest(build_manifest("llama", "tiny", creator=creator))
+    run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, delay=1))
+    manifest = build_pipeline_manifest("llama", "tiny", 2, creator=creator, run=run)
+    task, model, _, run = run_from_manifest(manifest)
+    assert run.inner.weight_decay > 0
+    for k in (0, 1):
+        stage = task_stage(task, model, run, 2, k)
+        groups = _work(stage, model, run, "auto").optimizer.param_groups
+        decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+        assert [g["weight_decay"] for g in groups] == [run.inner.weight_decay, 0.0]
+        for name, p in stage.named_parameters():
+            assert (id(p) in decayed) == (p.dim() >= 2), name
+        assert all(g["betas"] == (run.inner.beta1, run.inner.beta2) for g in groups)

@@ -50,7 +50,7 @@ from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.session import handle_signals
 from swarmloco.runtime.start import describe_device
 from swarmloco.train.data import BatchStream
-from swarmloco.train.inner import Precision, resolve_precision
+from swarmloco.train.inner import Precision, inner_adamw, resolve_precision
 from swarmloco.train.llama import Llama
 from swarmloco.train.model import GPT
 from swarmloco.train.spec import DataSpec
@@ -349,16 +349,9 @@ def _work(
     sequences = inner.batch_size * inner.grad_accum
     micro = max(1, min(sequences, 8))
     seq_len, width, vocab = int(model["seq_len"]), int(model["n_embd"]), int(model["vocab_size"])
-    optimizer = torch.optim.AdamW(
-        module.parameters(),
-        lr=inner.lr,
-        betas=(inner.beta1, inner.beta2),
-        weight_decay=inner.weight_decay,
-        fused=next(module.parameters()).is_cuda,
-    )
     return StageWork(
         module=module,
-        optimizer=optimizer,
+        optimizer=inner_adamw(module, inner),  # the data-parallel inner loop's
         activations=Boundary(width=width, max_batch=micro, max_tokens=seq_len),
         ids=Boundary(width=0, max_batch=micro, max_tokens=seq_len, vocab=vocab),
         step_samples=sequences,

@@ -104,6 +104,22 @@ def resolve_precision(precision: Precision, device: torch.device) -> torch.dtype
     return torch.bfloat16
 
 
+def inner_adamw(module: nn.Module, config: InnerConfig) -> torch.optim.AdamW:
+    """The inner optimizer of ``module`` (on its device): AdamW with the weight decay on its
+    matrices only (not on norms' gains or biases), fused on CUDA. A pipeline stage's is the
+    same, over the stage's parameters."""
+    params = list(module.parameters())
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=config.lr_at(0),
+        betas=(config.beta1, config.beta2),
+        fused=bool(params) and params[0].is_cuda,
+    )
+
+
 class InnerLoop:
     """Owns a worker's model on its device, its AdamW and its step counter."""
 
@@ -111,17 +127,7 @@ class InnerLoop:
         self.config = config
         self.device = device
         self.model = model.to(device)
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": config.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=config.lr_at(0),
-            betas=(config.beta1, config.beta2),
-            fused=device.type == "cuda",
-        )
+        self.optimizer = inner_adamw(self.model, config)
         self.amp_dtype = resolve_precision(config.precision, device)
         # fp16 gradients underflow without loss scaling; on the model's own device (a scaler
         # made for "cuda" silently disables itself anywhere else).
