@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -247,6 +248,13 @@ def train_stage(
             if on_event is not None:
                 on_event({"event": "moved", "time": time.time(), "from": stage, "to": move})
             stage, moves = move, moves + 1
+            # This stage's weights, AdamW and state let go before the next is built: a card
+            # (or host) that holds one stage need not hold two.
+            current.clear()
+            del peer, work, module, k
+            gc.collect()  # the stage peer's parts refer to each other
+            if where.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 class Rebalancer:
