@@ -75,6 +75,7 @@ async def pipeline(
         for replicas in services:
             endpoints.append([])
             for service in replicas:
+                stack.callback(service.close)
                 node = NetNode(
                     identity=Identity.generate(),
                     config=NodeConfig(peers=entry),
@@ -224,6 +225,52 @@ async def test_a_backward_past_its_deadline_loses_the_micro_batch_not_the_peer()
     finally:
         gate.set()
     assert good.replica.micro_batches == 1 and first.micro_batches == 1
+
+
+async def test_backwards_are_answered_however_many_forwards_wait_for_a_step():
+    """A step is due and a micro-batch is still between its forward and backward: the
+    forwards of many drivers wait for the step, and the backward that brings it must not
+    queue behind them (it did: they held every thread of one shared pool, 120 s)."""
+    local, remote = gpt_stages(CONFIG, 2, seed=4)
+    replica = StageReplica(
+        remote,
+        first=False,
+        last=True,
+        config=ReplicaConfig(step_samples=4),
+        optimizer=torch.optim.AdamW(remote.parameters(), lr=1e-3),
+    )
+    service = service_of(remote, 1, 2, "f32", replica)
+    first = StageReplica(local, first=True, last=False)
+    async with pipeline([[service]], first) as (drv, endpoints):
+        endpoint = endpoints[0][0]
+        x, y = batch(0)
+        h = first.forward(b"h" * 16, x)
+
+        async def forward(name: bytes) -> str:
+            request = pb.ForwardRequest(
+                swarm_id=SWARM, stage=1, micro_batch=name, input=pack(h, "f32"),
+                targets=pack(y, "i64"),
+            )  # fmt: skip
+            answer = await drv.client.call(endpoint, FORWARD, request, timeout=60.0, attempts=1)
+            return answer.WhichOneof("outcome")
+
+        async def backward(name: bytes) -> str:
+            request = pb.BackwardRequest(swarm_id=SWARM, stage=1, micro_batch=name)
+            answer = await drv.client.call(endpoint, BACKWARD, request, timeout=60.0, attempts=1)
+            return answer.WhichOneof("outcome")
+
+        assert await forward(b"a" * 16) == await forward(b"b" * 16) == "loss"
+        assert await backward(b"a" * 16) == "grad_input"  # a step is due; b is in flight
+        # More waiting forwards than asyncio's default pool has threads, on any machine.
+        many = min(32, (os.cpu_count() or 1) + 4) + 2
+        waiting = [
+            asyncio.create_task(forward(bytes([i]) * 16)) for i in range(ord("c"), ord("c") + many)
+        ]
+        while replica.waiting < many:  # every one of them waits for the step
+            await asyncio.sleep(0.05)
+        assert await backward(b"b" * 16) == "grad_input"
+        assert await asyncio.gather(*waiting) == ["loss"] * many  # the step taken, they go on
+    assert replica.steps == 1
 
 
 async def test_a_stage_that_computes_nan_refuses_to_send_it():

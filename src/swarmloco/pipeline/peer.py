@@ -348,6 +348,7 @@ class StagePeer:
     def __exit__(self, *exc: object) -> None:
         self._closing.set()
         self.replica.close()
+        self.service.close()
         if self._stepping is not None:
             self._stepping.join()
         for loop in self._loops:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,10 @@ SERVICE_NAME = "swarmloco.v1.Stage"
 FORWARD = Method(f"/{SERVICE_NAME}/Forward", pb.ForwardRequest, pb.ForwardResponse)
 BACKWARD = Method(f"/{SERVICE_NAME}/Backward", pb.BackwardRequest, pb.BackwardResponse)
 MICRO_BATCH_BYTES = 16
+FORWARD_THREADS = 32
+"""Forwards computed or waiting for a due step at once; more wait for a thread."""
+BACKWARD_THREADS = 2
+"""Backwards at once (the replica computes one at a time, under its lock)."""
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,6 +61,22 @@ class StageService:
         self.rejections = rejections
         self.refused: collections.Counter[str] = collections.Counter()
         """Refusals by code."""
+        # Forwards may wait for a due step, holding their thread; backwards bring that
+        # step, so they never queue behind them (docs/DESIGN.md section 10).
+        self._pools = {
+            "forward": concurrent.futures.ThreadPoolExecutor(
+                FORWARD_THREADS, thread_name_prefix=f"swarmloco-stage{stage}-forward"
+            ),
+            "backward": concurrent.futures.ThreadPoolExecutor(
+                BACKWARD_THREADS, thread_name_prefix=f"swarmloco-stage{stage}-backward"
+            ),
+        }
+
+    def close(self) -> None:
+        """Stop the worker threads (the peer leaves; a call still running ends first, one
+        not started yet is dropped)."""
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def service(self) -> Service:
         return unary_service(
@@ -109,9 +130,9 @@ class StageService:
         return pb.BackwardResponse(grad_input=pack(grad_input, self.encoding))
 
     async def _compute(self, call: str, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on a worker thread (decoding, the compute and encoding: never on
-        the event loop); a call that waited long for one is logged (the replica logs the
-        rest of a slow call's time)."""
+        """``fn(*args)`` on a worker thread of the call's pool (decoding, the compute and
+        encoding: never on the event loop); a call that waited long for one is logged (the
+        replica logs the rest of a slow call's time)."""
         queued = time.perf_counter()
 
         def run() -> T:
@@ -121,7 +142,11 @@ class StageService:
                                call, waited)  # fmt: skip
             return fn(*args)
 
-        return await asyncio.to_thread(run)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._pools[call], run)
+        except RuntimeError:  # closed: the peer is leaving
+            raise Rejection("busy", "this replica is leaving") from None
+        return await future
 
     def _refuse(self, rejection: Rejection, context: Any) -> pb.StageRefusal:
         self.refused[rejection.code] += 1
