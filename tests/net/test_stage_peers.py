@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from avgutil import FAST
+from avgutil import PATIENT
 from netutil import run_in_threads
 
 from swarmloco.core.runspec import RunSpec
@@ -34,7 +34,7 @@ from swarmloco.train.spec import GPTConfig
 pytestmark = pytest.mark.timeout(180)
 
 GPT = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
-SPEC = RunSpec(sync_every=4, delay=1, codec=dataclasses.replace(FAST.codec))
+SPEC = RunSpec(sync_every=4, delay=1, codec=dataclasses.replace(PATIENT.codec))
 
 
 def stage_manifest(creator: Identity):
@@ -56,7 +56,7 @@ def stage_peer(tmp: Path, name: str, manifest, *peers: str, **changes) -> Iterat
         "hook": False,
         "progress_interval_s": 0.2,
         "matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
-        "averaging": FAST,
+        "averaging": PATIENT,
         "codec_backend": "eager",
     }
     config = PeerConfig(data_dir=tmp / name, node=NodeConfig(peers=peers), **(settings | changes))

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from avgutil import FAST
+from avgutil import PATIENT
 from netutil import run_in_threads, wait_until
 
 from swarmloco.core.runspec import RunSpec
@@ -34,7 +34,7 @@ from swarmloco.train.spec import GPTConfig
 pytestmark = pytest.mark.timeout(240)
 
 GPT = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
-SPEC = RunSpec(sync_every=4, delay=1, codec=dataclasses.replace(FAST.codec))
+SPEC = RunSpec(sync_every=4, delay=1, codec=dataclasses.replace(PATIENT.codec))
 MICRO = 2  # sequences a micro-batch
 IDS = Boundary(width=0, max_batch=MICRO, max_tokens=GPT.seq_len, vocab=GPT.vocab_size)
 ACTS = Boundary(width=GPT.n_embd, max_batch=MICRO, max_tokens=GPT.seq_len)
@@ -84,7 +84,7 @@ def stage_peer(
         handle_signals=False,
         progress_interval_s=0.2,
         matchmaking=MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=min_group),
-        averaging=FAST,
+        averaging=PATIENT,
         codec_backend="eager",
     )
     events = Events()

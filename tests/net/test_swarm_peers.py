@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from avgutil import FAST
+from avgutil import PATIENT
 from torch import nn
 
 import swarmloco
@@ -48,7 +48,7 @@ from swarmloco.runtime.swarm import Swarm, manifest_signature, manifest_spec
 
 pytestmark = pytest.mark.timeout(180)
 
-SPEC = RunSpec(sync_every=4, codec=dataclasses.replace(FAST.codec))
+SPEC = RunSpec(sync_every=4, codec=dataclasses.replace(PATIENT.codec))
 
 
 def mlp(width: int = 16, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -73,7 +73,7 @@ def config(tmp: Path, name: str, *peers: str, **changes: Any) -> PeerConfig:
         "handle_signals": False,
         "progress_interval_s": 0.2,
         "matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05),
-        "averaging": FAST,
+        "averaging": PATIENT,
         "codec_backend": "eager",
     }
     return PeerConfig(data_dir=tmp / name, **{**values, **changes})
@@ -963,10 +963,10 @@ def test_a_training_peer_receives_no_message_larger_than_its_averaging_chunks(tm
     from swarmloco.net.dht.transport import PING
     from swarmloco.proto.v1 import dht_pb2
 
-    codec = dataclasses.replace(FAST.codec, chunk_bytes=3 << 19)  # 1.5 MiB
+    codec = dataclasses.replace(PATIENT.codec, chunk_bytes=3 << 19)  # 1.5 MiB
     spec = dataclasses.replace(SPEC, codec=codec)
     changes = {
-        "averaging": dataclasses.replace(FAST, codec=codec),
+        "averaging": dataclasses.replace(PATIENT, codec=codec),
         "matchmaking": MatchmakingConfig(gather_s=2.0, poll_s=0.05, min_group_size=2),
         "max_rounds": 3,
     }
