@@ -286,3 +286,42 @@ def test_a_pipelined_run_trains_its_stages_on_the_gpu(tmp_path):
         assert ready["stage"] == stage and ready["device"].startswith("cuda"), ready
         assert [e["round"] for e in p.of("round")] == [1, 2], p.events
     assert first.of("round")[-1]["loss"] < 5.0  # ln 256 = 5.55 untrained
+
+
+def test_a_checkpoint_clones_the_cards_tensors_and_the_writer_writes_them(tmp_path):
+    """The model's and AdamW's tensors on the card are cloned there and written by the
+    writer's thread (the training thread leaves holes for them), as they were when the
+    checkpoint was asked for, whatever training does to them next."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from swarmloco.runtime.checkpoint import TENSORS, BackgroundWriter, CheckpointStore
+
+    gate = threading.Event()
+
+    class Gated(CheckpointStore):
+        def commit(self, staged):
+            assert gate.wait(60)
+            return super().commit(staged)
+
+    state = {
+        "model": torch.randn(1 << 22, device=CUDA),
+        "adam": torch.randn(1 << 22, device=CUDA, dtype=torch.bfloat16),
+        "theta_g": torch.randn(1 << 20),  # the host's: written by the training thread
+    }
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    with Gated(tmp_path, swarm_id="ab" * 20) as store, BackgroundWriter(store) as writer:
+        writer.submit(round=1, step=1, state=state)
+        [staged] = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+        written = load_file(staged / TENSORS)
+        assert not written["t.0"].any() and not written["t.1"].any()  # holes, for now
+        assert torch.equal(written["t.2"], expected["theta_g"])
+        state["model"].mul_(2.0)  # the next steps, in place
+        state["adam"].zero_()
+        state["theta_g"].zero_()
+        gate.set()
+        assert writer.wait() is not None
+        got = store.latest().state
+    for name, tensor in expected.items():
+        assert torch.equal(got[name].cpu(), tensor), name

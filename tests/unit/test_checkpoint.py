@@ -500,6 +500,44 @@ def test_a_background_write_saves_the_state_as_it_was_when_submitted(tmp_path):
         assert_same(store.latest().state, expected)
 
 
+def test_cloned_tensors_are_written_by_the_writer_as_they_were_when_submitted(tmp_path):
+    """A GPU's tensors, cloned on the card where it has the room, are written by the
+    writer's thread into holes the caller's thread left: here the fp32 tensors are cloned
+    (on the CPU: the same path, the card's clone aside)."""
+    state = sample_state()
+    expected = copy.deepcopy(state)
+
+    def fp32(tensors):
+        return {n: t.clone() for n, t in tensors.items() if t.dtype == torch.float32}
+
+    with (
+        GatedStore(tmp_path, swarm_id=SWARM) as store,
+        BackgroundWriter(store, clone=fp32) as writer,
+    ):
+        writer.submit(round=1, step=10, state=state)
+        # What the caller's thread wrote: a whole file, with holes where the clones go.
+        [staged] = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+        written = load_file(staged / TENSORS)
+        assert all(not t.any() for t in written.values() if t.dtype == torch.float32)
+        assert any(torch.equal(t, expected["local"]["w"]) for t in written.values())
+        state["theta_g"].add_(1.0)  # training goes on, in place
+        state["momentum"].zero_()
+        state["local"]["w"].zero_()
+        store.gate.set()
+        assert writer.wait() is not None
+        assert_same(store.latest().state, expected)
+
+
+def test_without_a_gpu_nothing_is_cloned():
+    assert checkpoint.clone_on_device(flatten_tensors(sample_state())) == {}
+
+
+def flatten_tensors(state: dict) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    flatten(state, tensors)
+    return tensors
+
+
 def test_one_write_at_a_time_and_each_is_collected(tmp_path):
     with GatedStore(tmp_path, swarm_id=SWARM) as store, BackgroundWriter(store) as writer:
         writer.submit(round=1, step=10, state=sample_state())

@@ -40,7 +40,9 @@ checkpoint back. Loading always hashes what it loads.
 A :class:`BackgroundWriter` splits a save: the caller's thread writes the files straight
 from the state's tensors into the page cache (no copy of the state in memory), and a thread
 of its own hashes them, fsyncs them, writes the manifest and renames the directory, the
-seconds that a large model's state takes.
+seconds that a large model's state takes. A GPU's tensors are cloned on their card where it
+has the room (:func:`clone_on_device`): the caller's thread leaves their places in the file
+as holes, and the writer's thread fills them from the clones before it hashes.
 
 Nested state (an optimizer's ``state_dict``, a data loader's state, RNG states) goes through
 :func:`flatten` / :func:`unflatten`: tensors go to the safetensors file, the rest to msgpack.
@@ -64,7 +66,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -136,6 +138,10 @@ def unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return obj
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclasses.dataclass(frozen=True)
 class Staged:
     """A checkpoint whose files are written (not yet hashed, fsynced or in place): the first
@@ -150,6 +156,11 @@ class Staged:
     nbytes: int
     seconds: float
     """What writing the files took the caller's thread (all that training waited for)."""
+    holes: tuple[tuple[int, torch.Tensor], ...] = ()
+    """Where in the tensors' file a clone's bytes go, and the clone: written by
+    :meth:`CheckpointStore.commit` (the writer's thread) once ``ready`` returns."""
+    ready: Callable[[], None] = _nothing
+    """Waits until the clones are made (a GPU computes them after the call that asked)."""
 
 
 # --- the store ------------------------------------------------------------------------------
@@ -247,10 +258,17 @@ def _settle(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": digest}
 
 
-def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> int:
+def _write_safetensors(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    later: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[int, list[tuple[int, torch.Tensor]]]:
     """Write ``tensors`` in the safetensors format straight from their buffers (no
     serialized copy in memory; a tensor off the CPU copied over alone); returns the bytes
-    of tensor data."""
+    of tensor data, and the holes left for the tensors named in ``later``: the file
+    offset of each and the tensor (``later``'s, of the same shape and dtype) to write there
+    (:func:`_fill`)."""
     header: dict[str, Any] = {}
     offset = 0
     for name, t in tensors.items():
@@ -265,14 +283,76 @@ def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> int:
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
+    later = later or {}
+    holes: list[tuple[int, torch.Tensor]] = []
     with open(path, "wb") as out:
         out.write(len(encoded).to_bytes(8, "little"))
         out.write(encoded)
-        for t in tensors.values():
-            if t.numel():
-                flat = t.reshape(-1).to("cpu").contiguous()
-                out.write(flat.view(torch.uint8).numpy().data)
-    return offset
+        for name, t in tensors.items():
+            if not t.numel():
+                continue
+            if name in later:
+                holes.append((out.tell(), later[name]))
+                out.seek(t.numel() * t.element_size(), os.SEEK_CUR)
+                continue
+            flat = t.reshape(-1).to("cpu").contiguous()
+            out.write(flat.view(torch.uint8).numpy().data)
+        out.truncate(8 + len(encoded) + offset)  # a hole at the end is in the file too
+    return offset, holes
+
+
+def _fill(path: Path, holes: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Write each tensor of ``holes`` at its offset of ``path`` (a tensor on a GPU through
+    one host copy of itself)."""
+    with open(path, "r+b") as out:
+        for position, t in holes:
+            out.seek(position)
+            out.write(t.reshape(-1).to("cpu").contiguous().view(torch.uint8).numpy().data)
+
+
+DEVICE_SPARE = 0.1
+"""The share of a card's free memory its checkpoint's clones leave free."""
+
+
+def clone_on_device(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Clones, on their card, of the tensors of ``tensors`` that live on a GPU, where every
+    card's free memory (what no process holds: the next steps' activations find what the
+    clones took) holds them with :data:`DEVICE_SPARE` of it to spare; none otherwise. A
+    clone is a copy at the card's speed, and the card computes it after this returns
+    (:func:`clones_ready`)."""
+    on_gpu = {name: t for name, t in tensors.items() if t.is_cuda and t.numel()}
+    need: dict[torch.device, int] = {}
+    for t in on_gpu.values():
+        need[t.device] = need.get(t.device, 0) + t.numel() * t.element_size()
+    for device, nbytes in need.items():
+        free, _ = torch.cuda.mem_get_info(device)
+        if nbytes > free * (1 - DEVICE_SPARE):
+            logger.info(
+                "checkpoint: %.1f GB of %s's tensors written from the training thread (the "
+                "card has %.1f GB free: too little to clone them)",
+                nbytes / 1e9, device, free / 1e9,
+            )  # fmt: skip
+            return {}
+    try:
+        return {name: t.detach().clone() for name, t in on_gpu.items()}
+    except torch.cuda.OutOfMemoryError:
+        logger.info("checkpoint: the clones did not fit the card; written from the training thread")
+        return {}
+
+
+def clones_ready(clones: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+    """What waits, on another thread, until the card has made ``clones``."""
+    events = []
+    for device in {t.device for t in clones.values() if t.is_cuda}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+
+    def ready() -> None:
+        for event in events:
+            event.synchronize()
+
+    return ready
 
 
 def _write_bytes(path: Path, data: bytes) -> dict[str, Any]:
@@ -368,12 +448,20 @@ class CheckpointStore:
         return self.commit(self.stage(round=round, step=step, state=state, verified=verified))
 
     def stage(
-        self, *, round: int, step: int, state: Mapping[str, Any], verified: bool = True
+        self,
+        *,
+        round: int,
+        step: int,
+        state: Mapping[str, Any],
+        verified: bool = True,
+        clone: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ) -> Staged:
         """The first half of :meth:`save`, on the thread that owns ``state``: its files
         written into a hidden temporary directory straight from its tensors (no copy of the
         state in memory; a tensor on a GPU comes to the CPU alone, one at a time), into the
-        page cache. :meth:`commit` (any thread) does the rest: once this returns, the state
+        page cache, but for the tensors ``clone`` (given the state's tensors by name)
+        returns clones of: their places are left as holes, which :meth:`commit` fills from
+        the clones. :meth:`commit` (any thread) does the rest: once this returns, the state
         may change."""
         self._require_open(writing=True)
         started = time.monotonic()
@@ -386,12 +474,14 @@ class CheckpointStore:
         tensors: dict[str, torch.Tensor] = {}
         with self._undone_on_failure(tmp, final):
             skeleton = flatten(dict(state), tensors)
+            clones = clone(tensors) if clone is not None else {}
             tmp.mkdir()
-            nbytes = _write_safetensors(tmp / TENSORS, tensors)
+            nbytes, holes = _write_safetensors(tmp / TENSORS, tensors, later=clones)
             (tmp / STATE).write_bytes(msgpack.packb(skeleton, use_bin_type=True))
         return Staged(
-            tmp, final, sequence, round, step, verified, nbytes, time.monotonic() - started
-        )
+            tmp, final, sequence, round, step, verified, nbytes, time.monotonic() - started,
+            tuple(holes), clones_ready(clones),
+        )  # fmt: skip
 
     def commit(self, staged: Staged) -> Path:
         """The second half of :meth:`save`: hash and fsync the staged files, write the
@@ -400,6 +490,9 @@ class CheckpointStore:
         tmp, final = staged.tmp, staged.final
         started = time.monotonic()
         with self._undone_on_failure(tmp, final):
+            if staged.holes:
+                staged.ready()
+                _fill(tmp / TENSORS, staged.holes)
             files = {name: _settle(tmp / name) for name in (TENSORS, STATE)}
             manifest = {
                 "format": FORMAT,
@@ -717,8 +810,16 @@ class BackgroundWriter:
     intact).
     """
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        *,
+        clone: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] = clone_on_device,
+    ) -> None:
         self.store = store
+        self.clone = clone
+        """Which tensors are cloned and written on the writer's thread (see
+        :meth:`CheckpointStore.stage`): a GPU's, where the card has the room."""
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: concurrent.futures.Future[Saved] | None = None
 
@@ -743,7 +844,9 @@ class BackgroundWriter:
                 max_workers=1, thread_name_prefix="swarmloco-checkpoint"
             )
         try:
-            staged = self.store.stage(round=round, step=step, state=state, verified=verified)
+            staged = self.store.stage(
+                round=round, step=step, state=state, verified=verified, clone=self.clone
+            )
         except CheckpointError as exc:
             failed: concurrent.futures.Future[Saved] = concurrent.futures.Future()
             failed.set_exception(exc)
