@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +45,7 @@ from swarmloco.proto.v1 import stage_pb2 as pb
 BUSY_PAUSE_S = 0.1
 """The first pause before a stage whose every replica was busy is tried again."""
 MAX_BUSY_PAUSE_S = 1.0
+T = TypeVar("T")
 EXPLORE = 0.1
 """The least weight a replica is drawn with, as a share of the best replica's."""
 
@@ -129,6 +132,21 @@ class Driver:
         self.rng = rng or random.Random()
         self.shunned: dict[str, float] = {}
         self.stats = HopStats()
+        # Its own stage's forwards may wait for a due step, holding their thread; the
+        # backwards that bring it have threads of their own (as a replica's service does).
+        self._pools = {
+            call: concurrent.futures.ThreadPoolExecutor(2, f"swarmloco-driver-{call}")
+            for call in ("forward", "backward")
+        }
+
+    def close(self) -> None:
+        """Stop its worker threads (its peer leaves)."""
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _own(self, call: str, fn: Callable[..., T], *args: Any) -> T:
+        """This peer's own stage's ``call``, on its pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._pools[call], fn, *args)
 
     def update(self, loads: Sequence[StageLoad]) -> None:
         """Draw from the replicas of these (fresh) records from now on: each later stage's,
@@ -159,7 +177,7 @@ class Driver:
 
     async def _run(self, name: bytes, x: torch.Tensor, targets: torch.Tensor) -> Trace:
         trace = Trace()
-        h = await asyncio.to_thread(self.first.forward, name, x)
+        h = await self._own("forward", self.first.forward, name, x)
         stages = len(self.replicas) + 1
         for k in range(1, stages):
             last = k == stages - 1
@@ -214,7 +232,7 @@ class Driver:
                 raise PipelineError(
                     f"stage {k}'s backward on {endpoint} failed ({exc}): the micro-batch is lost"
                 ) from exc
-        await asyncio.to_thread(self.first.backward, name, grad)
+        await self._own("backward", self.first.backward, name, grad)
         return trace
 
     async def _pack(self, x: torch.Tensor, what: str) -> pb.StageTensor:

@@ -19,6 +19,7 @@ Every stage of the built-in transformers takes and gives activations of one shap
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -58,6 +59,10 @@ logger = logging.getLogger(__name__)
 
 STEP_POLL_S = 0.5  # how long the stepping thread waits for a due step before looking again
 IDLE_LAND_S = 3.0  # no step for this long and a round's exchange over: land it without them
+LEAVE_DRAIN_S = 10.0
+"""A leaving peer waits this long at most for the backwards of the micro-batches it holds:
+the stages before it apply them too (without, a stage that ends its run first would leave
+the ones before it short of the micro-batches it had taken, and they never end theirs)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -319,7 +324,9 @@ class StagePeer:
                 finally:
                     self.replica.release()
         finally:
-            self.replica.close()  # nobody takes its steps any more: refuse, never hang
+            # Nobody takes its steps any more: what is in flight ends here, then refuse.
+            self.replica.drain(LEAVE_DRAIN_S)
+            self.replica.close()
 
     def drive(self, x: torch.Tensor, targets: torch.Tensor, *, timeout: float = 300.0) -> Trace:
         """(Stage 0.) One micro-batch through the pipeline: its loss and path. Raises
@@ -329,12 +336,23 @@ class StagePeer:
             raise SwarmlocoError("only an entered peer of stage 0 drives micro-batches")
         if self.stopped.is_set():
             raise Stopped(self.peer.kept.stop.reason or "this stage's peer stopped")
+        return self.peer.loop.run(self._drive(self.driver, x, targets, timeout), timeout=None)
+
+    async def _drive(
+        self, driver: Driver, x: torch.Tensor, targets: torch.Tensor, timeout: float
+    ) -> Trace:
+        assert self.peer is not None
         deadline = time.monotonic() + timeout
         while True:
             try:
-                left = max(0.0, deadline - time.monotonic())
-                trace = self.peer.loop.run(self.driver.run(x, targets), timeout=left)
+                trace = await asyncio.wait_for(
+                    driver.run(x, targets), max(0.0, deadline - time.monotonic())
+                )
                 break
+            except TimeoutError as exc:
+                raise PipelineError(
+                    f"the micro-batch did not get through in {timeout:.0f} s"
+                ) from exc
             except Rejection as exc:  # this peer's own replica refused the micro-batch
                 if self.replica.closed or self.stopped.is_set():  # it is leaving
                     raise Stopped(self.peer.kept.stop.reason or str(exc)) from exc
@@ -347,8 +365,11 @@ class StagePeer:
 
     def __exit__(self, *exc: object) -> None:
         self._closing.set()
+        self.replica.drain(LEAVE_DRAIN_S)
         self.replica.close()
         self.service.close()
+        if self.driver is not None:
+            self.driver.close()
         if self._stepping is not None:
             self._stepping.join()
         for loop in self._loops:

@@ -150,7 +150,7 @@ class StageReplica:
         """Where the stage computes: its parameters' device."""
         self._due = False  # a step is due: forwards wait until it is taken
         self._closed = False
-        self._draining = False  # moving to another stage: no new forwards, backwards go on
+        self._draining = False  # moving or leaving: no new forwards, backwards go on
         self._holding = False  # the owner took the step and has not released it yet
 
     @property
@@ -171,8 +171,9 @@ class StageReplica:
 
     def drain(self, timeout: float) -> int:
         """Take no new micro-batch, and wait up to ``timeout`` seconds for the backwards
-        of those in flight (the peer moves to another stage: what its drivers started here
-        ends here). Returns how many were still in flight at the end (they expire)."""
+        of those in flight (the peer moves to another stage or leaves: what its drivers
+        started here ends here). Returns how many were still in flight at the end (they
+        expire)."""
         deadline = self.clock() + timeout
         with self._lock:
             self._draining = True
@@ -197,7 +198,7 @@ class StageReplica:
             locked = time.perf_counter()
             self._check_open()
             if self._draining:
-                raise Rejection("busy", "this replica is moving to another stage")
+                raise Rejection("busy", "this replica is moving to another stage or leaving")
             self._wait_for_a_due_step()
             stepped = time.perf_counter()
             if micro_batch in self._held or micro_batch in self._results:
