@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
 import torch
 
@@ -38,14 +36,13 @@ from swarmloco.net.client import Method, Req, Resp, RpcClient, RpcError
 from swarmloco.net.rejections import Rejection
 from swarmloco.pipeline.load import StageLoad
 from swarmloco.pipeline.replica import StageReplica
-from swarmloco.pipeline.service import BACKWARD, FORWARD, MICRO_BATCH_BYTES
+from swarmloco.pipeline.service import BACKWARD, FORWARD, MICRO_BATCH_BYTES, CallPools
 from swarmloco.pipeline.wire import Boundary, pack, unpack
 from swarmloco.proto.v1 import stage_pb2 as pb
 
 BUSY_PAUSE_S = 0.1
 """The first pause before a stage whose every replica was busy is tried again."""
 MAX_BUSY_PAUSE_S = 1.0
-T = TypeVar("T")
 EXPLORE = 0.1
 """The least weight a replica is drawn with, as a share of the best replica's."""
 
@@ -132,21 +129,12 @@ class Driver:
         self.rng = rng or random.Random()
         self.shunned: dict[str, float] = {}
         self.stats = HopStats()
-        # Its own stage's forwards may wait for a due step, holding their thread; the
-        # backwards that bring it have threads of their own (as a replica's service does).
-        self._pools = {
-            call: concurrent.futures.ThreadPoolExecutor(2, f"swarmloco-driver-{call}")
-            for call in ("forward", "backward")
-        }
+        self._own = CallPools("driver", forwards=2, backwards=2)
+        """Where this peer's own stage computes (as a replica's service does)."""
 
     def close(self) -> None:
         """Stop its worker threads (its peer leaves)."""
-        for pool in self._pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _own(self, call: str, fn: Callable[..., T], *args: Any) -> T:
-        """This peer's own stage's ``call``, on its pool."""
-        return await asyncio.get_running_loop().run_in_executor(self._pools[call], fn, *args)
+        self._own.close()
 
     def update(self, loads: Sequence[StageLoad]) -> None:
         """Draw from the replicas of these (fresh) records from now on: each later stage's,
@@ -177,7 +165,7 @@ class Driver:
 
     async def _run(self, name: bytes, x: torch.Tensor, targets: torch.Tensor) -> Trace:
         trace = Trace()
-        h = await self._own("forward", self.first.forward, name, x)
+        h = await self._own.run("forward", self.first.forward, name, x)
         stages = len(self.replicas) + 1
         for k in range(1, stages):
             last = k == stages - 1
@@ -232,7 +220,7 @@ class Driver:
                 raise PipelineError(
                     f"stage {k}'s backward on {endpoint} failed ({exc}): the micro-batch is lost"
                 ) from exc
-        await self._own("backward", self.first.backward, name, grad)
+        await self._own.run("backward", self.first.backward, name, grad)
         return trace
 
     async def _pack(self, x: torch.Tensor, what: str) -> pb.StageTensor:

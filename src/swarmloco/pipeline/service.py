@@ -37,6 +37,32 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class CallPools:
+    """The worker threads of a stage replica's calls, forwards and backwards apart: a
+    forward may wait for a due step, holding its thread, and the backwards that bring the
+    step must never queue behind such forwards (docs/DESIGN.md section 10)."""
+
+    def __init__(self, name: str, *, forwards: int, backwards: int) -> None:
+        self._pools = {
+            call: concurrent.futures.ThreadPoolExecutor(threads, f"swarmloco-{name}-{call}")
+            for call, threads in (("forward", forwards), ("backward", backwards))
+        }
+
+    async def run(self, call: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a thread of ``call``'s pool ("forward" or "backward");
+        :class:`Rejection` ``busy`` once closed (the peer is leaving)."""
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._pools[call], fn, *args)
+        except RuntimeError:  # shut down
+            raise Rejection("busy", "this replica is leaving") from None
+        return await future
+
+    def close(self) -> None:
+        """Stop the threads (a call still running ends first, one not started is dropped)."""
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
 class StageService:
     """See the module. ``inputs``/``outputs``: what may cross the stage's two boundaries
     (``targets``: the last stage's targets); ``encoding``: how answers travel."""
@@ -61,22 +87,13 @@ class StageService:
         self.rejections = rejections
         self.refused: collections.Counter[str] = collections.Counter()
         """Refusals by code."""
-        # Forwards may wait for a due step, holding their thread; backwards bring that
-        # step, so they never queue behind them (docs/DESIGN.md section 10).
-        self._pools = {
-            "forward": concurrent.futures.ThreadPoolExecutor(
-                FORWARD_THREADS, thread_name_prefix=f"swarmloco-stage{stage}-forward"
-            ),
-            "backward": concurrent.futures.ThreadPoolExecutor(
-                BACKWARD_THREADS, thread_name_prefix=f"swarmloco-stage{stage}-backward"
-            ),
-        }
+        self._pools = CallPools(
+            f"stage{stage}", forwards=FORWARD_THREADS, backwards=BACKWARD_THREADS
+        )
 
     def close(self) -> None:
-        """Stop the worker threads (the peer leaves; a call still running ends first, one
-        not started yet is dropped)."""
-        for pool in self._pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker threads (the peer leaves)."""
+        self._pools.close()
 
     def service(self) -> Service:
         return unary_service(
@@ -142,11 +159,7 @@ class StageService:
                                call, waited)  # fmt: skip
             return fn(*args)
 
-        try:
-            future = asyncio.get_running_loop().run_in_executor(self._pools[call], run)
-        except RuntimeError:  # closed: the peer is leaving
-            raise Rejection("busy", "this replica is leaving") from None
-        return await future
+        return await self._pools.run(call, run)
 
     def _refuse(self, rejection: Rejection, context: Any) -> pb.StageRefusal:
         self.refused[rejection.code] += 1

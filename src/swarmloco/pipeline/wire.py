@@ -102,10 +102,12 @@ def pack(x: torch.Tensor, encoding: str, *, block_size: int = BLOCK_SIZE) -> pb.
     holds NaN or Inf is not sent: :class:`Rejection` ``not-finite`` (the other side would
     refuse it)."""
     shape = [int(d) for d in x.shape]
-    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
-        raise Rejection("not-finite", f"this stage computed NaN or Inf (shape {tuple(shape)})")
+    not_finite = Rejection("not-finite", f"this stage computed NaN or Inf (shape {tuple(shape)})")
     if encoding == "int8":
-        enc = encode(x.detach().float().cpu(), wire_codec(x.numel(), block_size))
+        try:  # the encoder checks its scales: one pass finds NaN or Inf
+            enc = encode(x.detach().float().cpu(), wire_codec(x.numel(), block_size))
+        except CodecError:
+            raise not_finite from None
         return pb.StageTensor(
             shape=shape,
             encoding="int8",
@@ -115,6 +117,8 @@ def pack(x: torch.Tensor, encoding: str, *, block_size: int = BLOCK_SIZE) -> pb.
         )
     if encoding not in RAW:
         raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
+    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        raise not_finite
     raw = x.detach().to(RAW[encoding]).cpu().contiguous()
     data = raw.view(torch.int16) if encoding == "bf16" else raw  # numpy has no bfloat16
     return pb.StageTensor(shape=shape, encoding=encoding, data=data.numpy().tobytes())
