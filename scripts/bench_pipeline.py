@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A two-stage pipeline of the built-in GPT over real gRPC on loopback, in five parts
+"""A two-stage pipeline of the built-in GPT over real gRPC on loopback, in seven parts
 (``--parts``, all by default). Prints ONE JSON object.
 
 - ``wiring``: stochastic wiring against a heterogeneous stage: micro-batches per second
@@ -28,6 +28,15 @@
   replicas of each stage averaged together in each run (``stage_rounds_together``;
   ``--parity-arms pipeline`` repeats the pipeline alone, to count runs where they never
   did).
+
+- ``inflight``: one driver keeping 1, 2, 4 ... micro-batches in the pipeline at once
+  (``--in-flight-counts``), through one stage-1 replica over gRPC, both stages stepping
+  every ``--inflight-step-samples`` sequences (replicas admit no more than a step's: a
+  step is on the run's batch, and the micro-batches of one step are all that can be in
+  flight at a stage): micro-batches per second at each count (the median of
+  ``--repeats`` runs, in turn), ``inflight_speedup`` (the best count's rate over one's),
+  and the most sequences any step was on (``inflight_step_samples_max``: the step's,
+  however many are in flight).
 
 - ``scaling``: why a pipeline over slow links works (the SWARM paper's square-cube law), at
   one middle stage of the built-in Llama (``--scaling-layers`` blocks; per width of
@@ -119,13 +128,15 @@ class Slowed(torch.nn.Module):
         return self.stage(x, targets)
 
 
-def replica(module: torch.nn.Module, *, first: bool, last: bool) -> StageReplica:
+def replica(
+    module: torch.nn.Module, *, first: bool, last: bool, step_samples: int = 8
+) -> StageReplica:
     return StageReplica(
         module,
         first=first,
         last=last,
         optimizer=torch.optim.AdamW(module.parameters(), lr=1e-3),
-        config=ReplicaConfig(step_samples=8),
+        config=ReplicaConfig(step_samples=step_samples),
     )
 
 
@@ -455,6 +466,74 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def run_inflight(args: argparse.Namespace, config: GPTConfig, count: int) -> dict[str, Any]:
+    """One driver, ``count`` micro-batches at once, ``args.micro_batches`` in all."""
+    ids, acts = boundaries(config)
+    local, remote = gpt_stages(config, 2, seed=1)
+    step = args.inflight_step_samples
+    head = replica(remote, first=False, last=True, step_samples=step)
+    first = replica(local, first=True, last=False, step_samples=step)
+    stepped_on: list[int] = []
+    for r in (head, first):
+        r.before_step = lambda r=r: stepped_on.append(r.samples)  # type: ignore[misc]
+    async with contextlib.AsyncExitStack() as stack:
+        service = head_service(head, config, "int8")
+        stack.callback(service.close)
+        node = await stack.enter_async_context(
+            NetNode(identity=Identity.generate(), config=NodeConfig(), services=[service.service()])
+        )
+        client = await stack.enter_async_context(
+            NetNode(
+                identity=Identity.generate(), config=NodeConfig(server=None, peers=(node.endpoint,))
+            )
+        )
+        driver = Driver(client.client, first, swarm_id=SWARM, replicas=[[node.endpoint]],
+                        boundaries=[acts], ids=ids, rng=random.Random(0))  # fmt: skip
+        stack.callback(driver.close)
+        g = torch.Generator().manual_seed(count)
+        rows = [torch.randint(0, config.vocab_size, (args.batch, config.seq_len + 1),
+                              generator=g) for _ in range(args.micro_batches)]  # fmt: skip
+        queue = list(reversed(rows))
+
+        async def worker() -> None:
+            while queue:
+                batch = queue.pop()
+                await driver.run(batch[:, :-1], batch[:, 1:])
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(count)))
+        seconds = time.perf_counter() - started
+    return {
+        "seconds": round(seconds, 3),
+        "micro_batches_per_s": round(args.micro_batches / seconds, 3),
+        "steps": len(stepped_on),
+        "step_samples_max": max(stepped_on, default=0),
+    }
+
+
+def inflight(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any]:
+    counts = [int(c) for c in args.in_flight_counts.split(",") if c.strip()]
+    if not counts or min(counts) < 1:
+        raise SystemExit("--in-flight-counts takes counts >= 1, comma-separated")
+    short = argparse.Namespace(**{**vars(args), "micro_batches": 4})
+    runs: dict[int, list[dict[str, Any]]] = {c: [] for c in counts}
+    for c in counts:  # warm-up, not counted
+        asyncio.run(run_inflight(short, config, c))
+    for i in range(args.repeats):
+        for c in counts[i % len(counts) :] + counts[: i % len(counts)]:
+            runs[c].append(asyncio.run(run_inflight(args, config, c)))
+    rate = {c: statistics.median(r["micro_batches_per_s"] for r in runs[c]) for c in counts}
+    best = max(counts, key=lambda c: rate[c])
+    return {
+        "inflight": {
+            str(c): {"micro_batches_per_s_median": rate[c], "runs": runs[c]} for c in counts
+        },
+        "inflight_speedup": round(rate[best] / rate[counts[0]], 3),
+        "inflight_best_count": best,
+        "inflight_step_samples_max": max(r["step_samples_max"] for c in counts for r in runs[c]),
+    }
+
+
 def summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "micro_batches_per_s_median": statistics.median(r["micro_batches_per_s"] for r in runs),
@@ -485,7 +564,7 @@ def main() -> int:
     p.add_argument("--width", type=int, default=256, help="the GPT's n_embd")
     p.add_argument(
         "--parts",
-        default="wiring,activations,kill,memory,scaling,parity",
+        default="wiring,inflight,activations,kill,memory,scaling,parity",
         help="which parts to run, comma-separated (default: %(default)s)",
     )
     p.add_argument(
@@ -515,6 +594,18 @@ def main() -> int:
         default="256,512,1024",
         help="scaling: the Llama widths (multiples of 64; default: %(default)s)",
     )
+    p.add_argument(
+        "--in-flight-counts",
+        default="1,2,4",
+        help="inflight: the micro-batches one driver keeps in flight, per arm (the first is "
+        "the baseline; default: %(default)s)",
+    )
+    p.add_argument(
+        "--inflight-step-samples",
+        type=int,
+        default=32,
+        help="inflight: the sequences of a replica's step (default: %(default)s)",
+    )
     p.add_argument("--scaling-layers", type=int, default=2, help="scaling: blocks in the stage")
     p.add_argument(
         "--link-mbps", type=float, default=100.0, help="scaling: the link's Mb/s each way"
@@ -537,7 +628,8 @@ def main() -> int:
     if args.serve_replica:
         return serve_replica(args, config)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    unknown = set(parts) - {"wiring", "activations", "kill", "memory", "parity", "scaling"}
+    known = {"wiring", "inflight", "activations", "kill", "memory", "parity", "scaling"}
+    unknown = set(parts) - known
     if unknown:
         p.error(f"no such part: {', '.join(sorted(unknown))}")
     report: dict[str, Any] = {
@@ -548,6 +640,8 @@ def main() -> int:
     }
     if "wiring" in parts:
         report.update(wiring(args, config))
+    if "inflight" in parts:
+        report.update(inflight(args, config))
     if "activations" in parts:
         report.update(activations(args, config))
     if "kill" in parts:

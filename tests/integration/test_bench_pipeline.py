@@ -17,7 +17,8 @@ def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
     done = subprocess.run(
         [
             *(sys.executable, str(SCRIPT), "--micro-batches", "3", "--repeats", "1"),
-            *("--parts", "wiring,activations,kill,memory,scaling"),  # parity: the test below
+            *("--parts", "wiring,inflight,activations,kill,memory,scaling"),  # parity: below
+            *("--in-flight-counts", "1,3", "--inflight-step-samples", "8"),
             *("--layers", "2", "--width", "32", "--seq-len", "16"),
             *("--scaling-widths", "64,128", "--scaling-layers", "1"),
             *("--loss-micro-batches", "6", "--loss-window", "2", "--kill-trials", "1"),
@@ -35,6 +36,12 @@ def test_the_pipeline_bench_prints_each_arm_and_the_ratios():
     assert report["measured_over_uniform"] > 0 and report["measured_over_fixed"] > 0
     assert report["fast_compute_s"] > 0 and report["settings"]["slow_s"] > 0  # 3x by default
     assert report["stochastic_over_fixed"] == report["measured_over_fixed"]
+    # Three micro-batches of 4 sequences at once: each replica admits a step's 8, so its
+    # one step is on 8 sequences, not 12.
+    for count in ("1", "3"):
+        (run,) = report["inflight"][count]["runs"]
+        assert run["micro_batches_per_s"] > 0 and run["steps"] == 2, report["inflight"]
+    assert report["inflight_step_samples_max"] == 8 and report["inflight_speedup"] > 0
     # int8 against f32: the same micro-batches, a quarter of the bytes (a ratio of sizes:
     # exact, whatever the machine), and losses that both trained.
     assert 0.2 < report["activation_bytes_ratio"] < 0.27, report["activations"]

@@ -24,7 +24,7 @@ from swarmloco.net.rejections import RejectionLog
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
 from swarmloco.pipeline.load import fresh, publish_load, read_loads
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
-from swarmloco.pipeline.service import BACKWARD, FORWARD, StageService
+from swarmloco.pipeline.service import ABANDON, BACKWARD, FORWARD, StageService
 from swarmloco.pipeline.stages import GPTStage, gpt_stages, split_evenly
 from swarmloco.pipeline.wire import Boundary, pack
 from swarmloco.proto.v1 import stage_pb2 as pb
@@ -228,15 +228,16 @@ async def test_a_backward_past_its_deadline_loses_the_micro_batch_not_the_peer()
 
 
 async def test_backwards_are_answered_however_many_forwards_wait_for_a_step():
-    """A step is due and a micro-batch is still between its forward and backward: the
-    forwards of many drivers wait for the step, and the backward that brings it must not
-    queue behind them (it did: they held every thread of one shared pool, 120 s)."""
+    """A step's sequences are admitted and a micro-batch is still between its forward and
+    backward: the forwards of many drivers wait for the step, and the backward that
+    brings it must not queue behind them (it did: they held every thread of one shared
+    pool, 120 s)."""
     local, remote = gpt_stages(CONFIG, 2, seed=4)
     replica = StageReplica(
         remote,
         first=False,
         last=True,
-        config=ReplicaConfig(step_samples=4),
+        config=ReplicaConfig(step_samples=8),
         optimizer=torch.optim.AdamW(remote.parameters(), lr=1e-3),
     )
     service = service_of(remote, 1, 2, "f32", replica)
@@ -259,18 +260,23 @@ async def test_backwards_are_answered_however_many_forwards_wait_for_a_step():
             answer = await drv.client.call(endpoint, BACKWARD, request, timeout=60.0, attempts=1)
             return answer.WhichOneof("outcome")
 
+        async def through(name: bytes) -> tuple[str, str]:
+            return await forward(name), await backward(name)
+
+        # a and b: a step's sequences admitted; a's backward in, b in flight.
         assert await forward(b"a" * 16) == await forward(b"b" * 16) == "loss"
-        assert await backward(b"a" * 16) == "grad_input"  # a step is due; b is in flight
+        assert await backward(b"a" * 16) == "grad_input"
         # More waiting forwards than asyncio's default pool has threads, on any machine.
-        many = min(32, (os.cpu_count() or 1) + 4) + 2
+        many = 2 * (min(32, (os.cpu_count() or 1) + 4) // 2) + 2
         waiting = [
-            asyncio.create_task(forward(bytes([i]) * 16)) for i in range(ord("c"), ord("c") + many)
+            asyncio.create_task(through(bytes([i]) * 16)) for i in range(ord("c"), ord("c") + many)
         ]
         while replica.waiting < many:  # every one of them waits for the step
             await asyncio.sleep(0.05)
         assert await backward(b"b" * 16) == "grad_input"
-        assert await asyncio.gather(*waiting) == ["loss"] * many  # the step taken, they go on
-    assert replica.steps == 1
+        # The step taken, they go on, two at a time (a step's sequences).
+        assert await asyncio.gather(*waiting) == [("loss", "grad_input")] * many
+    assert replica.steps == 1 + many // 2
 
 
 async def test_a_stage_that_computes_nan_refuses_to_send_it():
@@ -290,6 +296,37 @@ async def test_a_stage_that_computes_nan_refuses_to_send_it():
         with pytest.raises(PipelineError, match="stage 0's output cannot be sent"):
             await drv.run(*batch(1))
     assert dict(service.refused) == {"not-finite": 1}  # nothing was sent
+
+
+async def test_a_micro_batch_that_fails_later_on_is_dropped_at_once_where_it_was_held():
+    """Stage 2 refuses its backward (its weights went bad): the replica of stage 1 that holds the
+    micro-batch's input is told to drop it (Abandon), so its step need not wait for the
+    input's deadline; and only the micro-batch's driver can name it."""
+    stages = gpt_stages(CONFIG, 3, seed=5)
+    with torch.no_grad():
+        next(stages[2].parameters()).fill_(float("nan"))
+    first = StageReplica(stages[0], first=True, last=False)
+    config = ReplicaConfig(inflight_s=600.0)
+    middle = StageReplica(stages[1], first=False, last=False, config=config)
+    services = [
+        [service_of(stages[1], 1, 3, "int8", middle)],
+        [service_of(stages[2], 2, 3, "int8")],
+    ]
+    async with pipeline(services, first) as (drv, endpoints):
+        stranger = pb.AbandonRequest(swarm_id=SWARM, stage=1, micro_batch=os.urandom(16))
+        answer = await drv.client.call(endpoints[0][0], ABANDON, stranger, timeout=10.0)
+        assert not answer.dropped and not answer.HasField("refused")
+        wrong = pb.AbandonRequest(swarm_id=SWARM, stage=2, micro_batch=os.urandom(16))
+        answer = await drv.client.call(endpoints[0][0], ABANDON, wrong, timeout=10.0)
+        assert answer.refused.code == "wrong-stage"
+        with pytest.raises(PipelineError, match=r"stage 2's backward .* is lost"):
+            await drv.run(*batch(0))
+        deadline = time.monotonic() + 60
+        while middle.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # the Abandon call is not waited for by run()
+        assert middle.inflight == 0 and middle.dropped == 0  # dropped at once, not expired
+        assert first.inflight == 0
+    assert services[1][0].refused["not-finite"] == 1
 
 
 async def test_hostile_activations_and_calls_are_refused_and_counted():

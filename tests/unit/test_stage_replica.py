@@ -75,31 +75,96 @@ def test_no_step_while_a_micro_batch_is_between_its_forward_and_backward():
     assert module.weight.grad is None and r.micro_batches == 0
 
 
-def test_a_due_step_waits_for_the_micro_batches_in_flight_and_holds_new_forwards():
+def park(
+    r: StageReplica, name: bytes, x: torch.Tensor, seen: list[torch.Tensor]
+) -> threading.Thread:
+    """A forward on a thread of its own, returned once it waits for a step."""
+    call = threading.Thread(target=lambda: seen.append(r.forward(name, x)))
+    call.start()
+    deadline = time.monotonic() + 30
+    while r.waiting == 0 and call.is_alive() and time.monotonic() < deadline:
+        call.join(timeout=0.01)
+    assert r.waiting == 1 and not seen
+    return call
+
+
+def test_a_replica_admits_a_steps_sequences_and_holds_the_next_forward_until_the_step():
+    """Admission by step samples: a forward past the step's sequences (accumulated plus
+    in flight) waits for the step, which is on exactly the run's batch, and then runs
+    against the new weights."""
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     r = StageReplica(module, first=False, last=False, optimizer=opt,
                      config=ReplicaConfig(step_samples=4, inflight_s=30.0))  # fmt: skip
+    stepped_on: list[int] = []
+    r.before_step = lambda: stepped_on.append(r.samples)
     x = torch.randn(2, 4)
-    for name in (b"a" * 16, b"b" * 16, b"c" * 16):
+    for name in (b"a" * 16, b"b" * 16):
         r.forward(name, x)
-    r.backward(b"a" * 16, torch.ones(2, 4))
-    r.backward(b"b" * 16, torch.ones(2, 4))  # 4 sequences: due, but c is in flight
-    assert r.steps == 0 and r.micro_batches == 2
-    before = module.weight.detach().clone()
     seen: list[torch.Tensor] = []
-    late = threading.Thread(target=lambda: seen.append(r.forward(b"d" * 16, x)))
-    late.start()
-    deadline = time.monotonic() + 30
-    while r.waiting == 0 and late.is_alive() and time.monotonic() < deadline:
-        late.join(timeout=0.01)  # until the forward is parked on the due step
-    assert r.waiting == 1 and not seen  # held until the step is taken
-    r.backward(b"c" * 16, torch.ones(2, 4))  # the last one back: the step happens
+    late = park(r, b"c" * 16, x, seen)  # 4 sequences in flight: a step's worth
+    r.backward(b"a" * 16, torch.ones(2, 4))
+    late.join(timeout=0.2)
+    assert late.is_alive() and r.steps == 0 and not seen  # b is still in flight
+    before = module.weight.detach().clone()
+    r.backward(b"b" * 16, torch.ones(2, 4))  # the step's last one back: it steps
     late.join(timeout=30)
-    assert not late.is_alive() and r.steps == 1 and r.micro_batches == 0
+    assert not late.is_alive() and r.steps == 1 and stepped_on == [4]
     assert not torch.equal(module.weight, before)
     torch.testing.assert_close(seen[0], module(x).detach())  # the new weights
+    assert r.inflight == 1 and r.samples == 0
+
+
+def test_an_abandoned_micro_batch_lets_the_step_and_the_waiting_forward_go_on():
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    r = StageReplica(module, first=False, last=False, optimizer=opt,
+                     config=ReplicaConfig(step_samples=4, inflight_s=600.0))  # fmt: skip
+    x = torch.randn(2, 4)
+    r.forward(b"a" * 16, x)
+    r.forward(b"b" * 16, x)
+    r.backward(b"a" * 16, torch.ones(2, 4))
+    seen: list[torch.Tensor] = []
+    late = park(r, b"c" * 16, x, seen)
+    assert r.abandon(b"b" * 16) and not r.abandon(b"b" * 16)  # its path broke later on
+    late.join(timeout=30)  # room for it now: 2 accumulated, 2 in flight
+    assert not late.is_alive() and len(seen) == 1 and r.steps == 0
+    r.backward(b"c" * 16, torch.ones(2, 4))
+    assert r.steps == 1 and r.inflight == 0
+
+
+def test_however_many_callers_push_at_once_no_step_is_on_more_than_a_micro_batch_over():
+    """Eight callers, micro-batches of 1 to 3 sequences, a step of 6: each step is on 6
+    to 8 sequences (admitted while fewer than 6 were), never one caller's worth more."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    r = StageReplica(module, first=False, last=False, optimizer=opt,
+                     config=ReplicaConfig(step_samples=6, inflight_s=600.0))  # fmt: skip
+    stepped_on: list[int] = []
+    r.before_step = lambda: stepped_on.append(r.samples)
+    failures: list[BaseException] = []
+
+    def caller(k: int) -> None:
+        try:
+            for i in range(12):
+                n = 1 + (k + i) % 3
+                name = bytes([k, i]) * 8
+                r.forward(name, torch.randn(n, 4))
+                r.backward(name, torch.ones(n, 4))
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    callers = [threading.Thread(target=caller, args=(k,)) for k in range(8)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(timeout=120)
+    assert not failures and not any(c.is_alive() for c in callers)
+    assert stepped_on and all(6 <= n <= 8 for n in stepped_on), stepped_on
+    assert sum(stepped_on) + r.samples == sum(1 + (k + i) % 3 for k in range(8) for i in range(12))
 
 
 def test_an_owned_replicas_owner_takes_its_steps_while_new_forwards_wait():

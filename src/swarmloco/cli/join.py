@@ -96,7 +96,11 @@ def _join(args: argparse.Namespace) -> int:
                 local,
             )
     if manifest.model.get("pipeline") is None:
-        given = (("--stage", args.stage is not None), ("--slowdown", args.slowdown > 0))
+        given = (
+            ("--stage", args.stage is not None),
+            ("--slowdown", args.slowdown > 0),
+            ("--in-flight", args.in_flight is not None),
+        )
         staged = [flag for flag, was_given in given if was_given]
         if staged:
             raise SwarmlocoError(

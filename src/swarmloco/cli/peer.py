@@ -52,6 +52,15 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         help="a peer that moved stays at least this long (default: %(default)s)",
     )
     g.add_argument(
+        "--in-flight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="in a pipelined run, a stage-0 peer keeps up to N micro-batches in the pipeline "
+        "at once, so that the stages compute side by side (each replica still steps on the "
+        "run's batch); default: the run's stage count",
+    )
+    g.add_argument(
         "--slowdown",
         type=float,
         default=0.0,
@@ -371,6 +380,7 @@ def _run_stage(
         rebalance=RebalanceConfig(every_s=args.rebalance_every, hold_s=args.rebalance_hold),
         slowdown_s=args.slowdown,
         precision=args.precision,
+        in_flight=args.in_flight,
     )
     logging.getLogger("swarmloco.peer").info(
         "left stage %d at round %d after %d steps (%d micro-batches driven, %d moves): %s",

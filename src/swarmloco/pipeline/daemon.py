@@ -17,6 +17,7 @@ parameter is drawn by a generator seeded by the run's seed and its name.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -33,7 +34,7 @@ from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import Stopped, SwarmlocoError
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
-from swarmloco.pipeline.driver import PipelineError
+from swarmloco.pipeline.driver import PipelineError, Trace
 from swarmloco.pipeline.load import StageLoad, fresh, read_loads
 from swarmloco.pipeline.manifest import (
     declare_pipeline,
@@ -158,6 +159,7 @@ def train_stage(
     rebalance: RebalanceConfig | None = None,
     slowdown_s: float = 0.0,
     precision: Precision | None = None,
+    in_flight: int | None = None,
 ) -> StageSummary:
     """Serve ``stage`` of the pipelined run ``manifest`` (None: :func:`served_before`, else
     :func:`~swarmloco.pipeline.rebalance.choose_stage`) on ``device`` (``auto``: a GPU if
@@ -166,9 +168,13 @@ def train_stage(
     forward of this peer's stage waits that long more (a slower device, for tests and
     benchmarks: the wait uses no CPU). ``precision``: this peer's choice over the run's
     (auto: bf16 autocast on a GPU that has it, fp32 elsewhere; fp16 is not offered to a
-    stage, which would need a loss scale across the pipeline)."""
+    stage, which would need a loss scale across the pipeline). ``in_flight``: the
+    micro-batches a stage-0 peer keeps in the pipeline at once (None: the run's stage
+    count)."""
     if slowdown_s < 0:
         raise ValueError(f"slowdown_s must be >= 0, got {slowdown_s}")
+    if in_flight is not None and in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
     where = resolve_device(device)
     pipeline = pipeline_of(manifest)
     if pipeline is None:
@@ -189,6 +195,7 @@ def train_stage(
         )
     if not 0 <= stage < pipeline.stages:
         raise SwarmlocoError(f"swarm {manifest.swarm_id} has stages 0 to {pipeline.stages - 1}")
+    in_flight = in_flight or pipeline.stages
     rebalancer = Rebalancer(
         rebalance or RebalanceConfig(), pipeline.stages, identity.peer_id_hex, on_event
     )
@@ -224,7 +231,7 @@ def train_stage(
                     _stop(peer, asked[0])
                 rebalancer.arrived()
                 if stage == 0:
-                    n, move = _drive(peer, task, model, data, run, work, rebalancer)
+                    n, move = _drive(peer, task, model, data, run, work, rebalancer, in_flight)
                     driven += n
                 else:
                     while not peer.stopped.wait(0.5) and not _asked_to_stop(peer):
@@ -387,9 +394,11 @@ def _drive(
     run: RunConfig,
     work: StageWork,
     rebalancer: Rebalancer,
+    in_flight: int,
 ) -> tuple[int, int | None]:
-    """Stage 0: micro-batches of the task's data through the pipeline until stopped or
-    the rebalancer moves this peer; returns how many went through, and where it moves."""
+    """Stage 0: micro-batches of the task's data through the pipeline, up to ``in_flight``
+    at once, until stopped or the rebalancer moves this peer; returns how many went
+    through, and where it moves (the ones in flight are collected first)."""
     data = task.load_data(model, data_spec)
     stream = BatchStream(
         data.train,
@@ -401,24 +410,48 @@ def _drive(
     )
     driven = 0
     said_at, loss = time.monotonic(), float("nan")
-    while not _asked_to_stop(peer):
+    pending: set[concurrent.futures.Future[Trace]] = set()
+    move: int | None = None
+    stopped = pause = False
+    while True:
+        # Collect what came back; a failed micro-batch pauses the driving a while.
+        done = {f for f in pending if f.done()}
+        pending -= done
+        for future in done:
+            try:
+                trace = future.result()
+            except Stopped:
+                stopped = True
+                continue
+            except PipelineError as exc:  # a stage without a peer yet, or all of its gone
+                if not pause:
+                    logger.warning("%s; trying again in %.0f s", exc, NO_REPLICA_PAUSE_S)
+                pause = True
+                continue
+            driven, loss = driven + 1, trace.loss
+            if trace.retries:
+                peer.emit("hop-retried", retries=trace.retries, path=trace.path)
         if time.monotonic() - said_at >= DRIVEN_EVERY_S:
             peer.emit("driven", driven=driven, loss=loss)
             said_at = time.monotonic()
-        move = rebalancer.check(peer, driven)
-        if move is not None:
-            return driven, move
-        x, y = stream.next_batch()
-        try:
-            trace = peer.drive(x, y)
-        except Stopped:
-            break
-        except PipelineError as exc:  # a stage without a peer yet, or all of its gone
-            logger.warning("%s; trying again in %.0f s", exc, NO_REPLICA_PAUSE_S)
-            if peer.stopped.wait(NO_REPLICA_PAUSE_S):
-                break
+        if move is None and not stopped:
+            stopped = _asked_to_stop(peer)
+        if move is None and not stopped:
+            move = rebalancer.check(peer, driven)
+        if stopped or move is not None:
+            if not pending:
+                return driven, move
+        elif pause:
+            if not pending:
+                pause = False
+                if peer.stopped.wait(NO_REPLICA_PAUSE_S):
+                    stopped = True
+                continue
+        elif len(pending) < in_flight:
+            x, y = stream.next_batch()
+            try:
+                pending.add(peer.submit(x, y))
+            except Stopped:
+                stopped = True
             continue
-        driven, loss = driven + 1, trace.loss
-        if trace.retries:
-            peer.emit("hop-retried", retries=trace.retries, path=trace.path)
-    return driven, None
+        concurrent.futures.wait(pending, timeout=1.0, return_when="FIRST_COMPLETED")

@@ -7,7 +7,10 @@ to stage 1, and ends with stage 0's own backward (computing, packing and unpacki
 worker threads, never on the event loop). A forward hop that fails, is refused or
 misses its deadline goes to another replica of the same stage (nothing was applied
 anywhere yet); a backward hop that fails abandons the micro-batch below it (the stages
-above keep the gradients they added: true gradients of its loss). A replica that failed is
+above keep the gradients they added: true gradients of its loss). A micro-batch that
+fails is dropped at once by the replicas holding its input (``Abandon``, best effort), so
+they need not wait for it to take their steps. Several micro-batches may run at once,
+each its own :meth:`Driver.run`. A replica that failed is
 not drawn again for ``shun_s``. Which replica takes a hop is drawn with probability
 proportional to ``rate / (1 + queue)``: the rate is what this driver measured of the
 replica (sequences per second of its forward calls, an exponential average) where it has
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import os
 import random
@@ -36,7 +40,7 @@ from swarmloco.net.client import Method, Req, Resp, RpcClient, RpcError
 from swarmloco.net.rejections import Rejection
 from swarmloco.pipeline.load import StageLoad
 from swarmloco.pipeline.replica import StageReplica
-from swarmloco.pipeline.service import BACKWARD, FORWARD, MICRO_BATCH_BYTES, CallPools
+from swarmloco.pipeline.service import ABANDON, BACKWARD, FORWARD, MICRO_BATCH_BYTES, CallPools
 from swarmloco.pipeline.wire import Boundary, pack, unpack
 from swarmloco.proto.v1 import stage_pb2 as pb
 
@@ -72,6 +76,8 @@ class Trace:
     """Activations and gradients this driver sent (their payload: data and scales)."""
     bytes_received: int = 0
     """Activations and gradients it received."""
+    holding: dict[int, str] = dataclasses.field(default_factory=dict)
+    """The replicas that hold its input now (by stage): forward done, backward not yet."""
 
 
 class HopStats:
@@ -131,6 +137,8 @@ class Driver:
         self.stats = HopStats()
         self._own = CallPools("driver", forwards=2, backwards=2)
         """Where this peer's own stage computes (as a replica's service does)."""
+        self._abandoning: set[asyncio.Task[None]] = set()
+        """Abandon calls under way (kept: a task nobody refers to may be collected)."""
 
     def close(self) -> None:
         """Stop its worker threads (its peer leaves)."""
@@ -157,14 +165,35 @@ class Driver:
     async def run(self, x: torch.Tensor, targets: torch.Tensor) -> Trace:
         """One micro-batch, forward and backward: its loss and path."""
         name = os.urandom(MICRO_BATCH_BYTES)
+        trace = Trace()
         try:
-            return await self._run(name, x, targets)
+            return await self._run(name, x, targets, trace)
         except BaseException:
-            self.first.abandon(name)
+            self._abandon(name, trace)
             raise
 
-    async def _run(self, name: bytes, x: torch.Tensor, targets: torch.Tensor) -> Trace:
-        trace = Trace()
+    def _abandon(self, name: bytes, trace: Trace) -> None:
+        """Have every replica that holds the micro-batch's input drop it, this peer's own
+        too (on its threads: a compute may hold the replica), without waiting."""
+        self._own.submit("backward", self.first.abandon, name)
+        for stage, endpoint in trace.holding.items():
+            self._abandon_at(endpoint, stage, name)
+        trace.holding.clear()
+
+    def _abandon_at(self, endpoint: str, stage: int, name: bytes) -> None:
+        """Ask one replica to drop the micro-batch's input, without waiting."""
+        request = pb.AbandonRequest(swarm_id=self.swarm_id, stage=stage, micro_batch=name)
+        task = asyncio.get_running_loop().create_task(self._call_abandon(endpoint, request))
+        self._abandoning.add(task)
+        task.add_done_callback(self._abandoning.discard)
+
+    async def _call_abandon(self, endpoint: str, request: pb.AbandonRequest) -> None:
+        with contextlib.suppress(RpcError):  # it expires there at its deadline anyway
+            await self.client.call(endpoint, ABANDON, request, timeout=10.0, attempts=1)
+
+    async def _run(
+        self, name: bytes, x: torch.Tensor, targets: torch.Tensor, trace: Trace
+    ) -> Trace:
         h = await self._own.run("forward", self.first.forward, name, x)
         stages = len(self.replicas) + 1
         for k in range(1, stages):
@@ -179,6 +208,7 @@ class Driver:
             trace.bytes_sent += len(request.input.data) + len(request.input.scales)
             endpoint, answer = await self._forward(k, request, trace)
             trace.path.append(endpoint)
+            trace.holding[k] = endpoint
             if last:
                 trace.loss = answer.loss
             else:
@@ -210,6 +240,7 @@ class Driver:
                 trace.bytes_received += len(answer_b.grad_input.data) + len(
                     answer_b.grad_input.scales
                 )
+                del trace.holding[k]  # its backward ran there: nothing is held any more
                 grad = await asyncio.to_thread(
                     unpack, answer_b.grad_input, self.boundaries[k - 1], f"stage {k}'s gradient"
                 )
@@ -273,6 +304,8 @@ class Driver:
                     busy += 1
                 else:
                     self.shunned[endpoint] = time.monotonic() + self.config.shun_s
+                if isinstance(exc, RpcError):  # past its deadline, it may hold it still
+                    self._abandon_at(endpoint, stage, request.micro_batch)
                 trace.retries += 1
             finally:
                 self.stats.busy[endpoint] -= 1

@@ -11,7 +11,8 @@ build:
 - past stage 0, the replica's **service** on the peer's own gRPC server; at every stage
   its ``stage-load`` record, published every few seconds (``load.py``);
 - at stage 0, a **driver** (``driver.py``) that draws each later stage's replicas from the
-  records it reads; :meth:`StagePeer.drive` runs one micro-batch through the pipeline.
+  records it reads; :meth:`StagePeer.drive` runs one micro-batch through the pipeline,
+  :meth:`StagePeer.submit` starts one (several may be in flight).
 
 Every stage of the built-in transformers takes and gives activations of one shape
 (``activations``); token ids enter stage 0 and the targets the last (``ids``).
@@ -332,11 +333,20 @@ class StagePeer:
         """(Stage 0.) One micro-batch through the pipeline: its loss and path. Raises
         :class:`Stopped` once this peer stopped (as a data-parallel peer's step does),
         :class:`PipelineError` when no replica of a stage took it."""
+        return self.submit(x, targets, timeout=timeout).result()
+
+    def submit(
+        self, x: torch.Tensor, targets: torch.Tensor, *, timeout: float = 300.0
+    ) -> concurrent.futures.Future[Trace]:
+        """(Stage 0.) Start one micro-batch through the pipeline and return at once: the
+        future's result is what :meth:`drive` returns or raises. Several may be in flight
+        at once (their replicas admit no more than a step's sequences: none of them is
+        applied twice, and no step is on more than the run's batch)."""
         if self.driver is None or self.peer is None:
             raise SwarmlocoError("only an entered peer of stage 0 drives micro-batches")
         if self.stopped.is_set():
             raise Stopped(self.peer.kept.stop.reason or "this stage's peer stopped")
-        return self.peer.loop.run(self._drive(self.driver, x, targets, timeout), timeout=None)
+        return self.peer.loop.submit(self._drive(self.driver, x, targets, timeout))
 
     async def _drive(
         self, driver: Driver, x: torch.Tensor, targets: torch.Tensor, timeout: float

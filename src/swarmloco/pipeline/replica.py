@@ -10,14 +10,16 @@ against the weights its forward used. The stage computes on its parameters' devi
 GPU, say): inputs go there, outputs and input gradients come back to the CPU for the
 wire. A replica given an optimizer and ``step_samples``
 steps once it has accumulated that many sequences, at the backward that leaves no
-micro-batch in flight; forwards that come while the step is due wait for it (at most
-``inflight_s``, the time in-flight micro-batches take to come back or expire), so the
-weights never change under a micro-batch. An *owned* replica leaves the due step to its
-owner's thread instead (:meth:`StageReplica.take_step`, then :meth:`StageReplica.release`):
-a stage peer runs its DiLoCo rounds between the two while forwards wait, so a round's
-outer step never lands under a micro-batch either. A retried backward (its reply was lost)
-is answered again from the last results kept, never added twice. One compute runs at a
-time (the accumulator is shared).
+micro-batch in flight; it admits a forward only while the sequences accumulated and in
+flight are fewer than that (so a step is on the run's batch, however many micro-batches
+its drivers push at once), and forwards past it, or that come while the step is due,
+wait for the step (at most ``inflight_s``, the time in-flight micro-batches take to come
+back or expire), so the weights never change under a micro-batch. An *owned* replica
+leaves the due step to its owner's thread instead (:meth:`StageReplica.take_step`, then
+:meth:`StageReplica.release`): a stage peer runs its DiLoCo rounds between the two while
+forwards wait, so a round's outer step never lands under a micro-batch either. A retried
+backward (its reply was lost) is answered again from the last results kept, never added
+twice. One compute runs at a time (the accumulator is shared).
 """
 
 from __future__ import annotations
@@ -309,10 +311,15 @@ class StageReplica:
         )
         return grad_input
 
-    def abandon(self, micro_batch: bytes) -> None:
-        """The micro-batch will not come back (its path broke): drop its input now."""
+    def abandon(self, micro_batch: bytes) -> bool:
+        """The micro-batch will not come back (its path broke): drop its input now (a
+        step it held back may be taken, a forward waiting for room may come in). Returns
+        whether it was held here."""
         with self._lock:
-            self._held.pop(micro_batch, None)
+            held = self._held.pop(micro_batch, None) is not None
+            if held:
+                self._lock.notify_all()
+            return held
 
     def step(self, optimizer: torch.optim.Optimizer) -> int:
         """One optimizer step on the mean gradient of the micro-batches accumulated;
@@ -391,28 +398,39 @@ class StageReplica:
         self.micro_batches = self.samples = 0
         return n
 
+    def _full(self) -> bool:
+        """Whether the micro-batches accumulated and in flight make a step already: a
+        forward more waits for that step (no step is on more than the run's batch)."""
+        step = self.config.step_samples
+        if not step:
+            return False
+        held = sum(int(h.input.shape[0]) for h in self._held.values())
+        return self.samples + held >= step
+
     def _wait_for_a_due_step(self) -> None:
-        """While a step is due, wait for the micro-batches in flight to come back (or
-        expire) and the step to be taken; refuse as busy past ``inflight_s``."""
+        """While a step is due, or the step's sequences are all admitted already, wait for
+        the micro-batches in flight to come back (or expire) and the step to be taken;
+        refuse as busy past ``inflight_s``."""
         deadline = self.clock() + self.config.inflight_s
         held_until = self.clock() + self.config.hold_wait_s
         self._expire()
         self.waiting += 1
         try:
-            while self._due and (self._held or self.owned):
+            while self._due or self._full():
                 self._check_open()
                 if self._holding and self.clock() >= held_until:
                     raise Rejection("busy", "this replica is between two steps (a round)")
                 if self.clock() >= deadline:
                     raise Rejection("busy", "a step is due and micro-batches are still in flight")
-                if self.owned and not self._held:
-                    self._lock.notify_all()  # the last ones expired: the owner takes it
+                if self._due and not self._held:
+                    if not self.owned:  # the last ones in flight expired: take it here
+                        self._step()
+                        continue
+                    self._lock.notify_all()  # the owner takes it
                 self._lock.wait(timeout=min(0.1, self.config.hold_wait_s))
                 self._expire()
         finally:
             self.waiting -= 1
-        if self._due:  # the last ones in flight expired: nobody else will take the step
-            self._step()
 
     def _expire(self) -> None:
         limit = self.clock() - self.config.inflight_s

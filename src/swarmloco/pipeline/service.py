@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from swarmloco.proto.v1 import stage_pb2 as pb
 SERVICE_NAME = "swarmloco.v1.Stage"
 FORWARD = Method(f"/{SERVICE_NAME}/Forward", pb.ForwardRequest, pb.ForwardResponse)
 BACKWARD = Method(f"/{SERVICE_NAME}/Backward", pb.BackwardRequest, pb.BackwardResponse)
+ABANDON = Method(f"/{SERVICE_NAME}/Abandon", pb.AbandonRequest, pb.AbandonResponse)
 MICRO_BATCH_BYTES = 16
 FORWARD_THREADS = 32
 """Forwards computed or waiting for a due step at once; more wait for a thread."""
@@ -56,6 +58,12 @@ class CallPools:
         except RuntimeError:  # shut down
             raise Rejection("busy", "this replica is leaving") from None
         return await future
+
+    def submit(self, call: str, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` on a thread of ``call``'s pool, not waited for (nothing once
+        closed)."""
+        with contextlib.suppress(RuntimeError):  # shut down
+            self._pools[call].submit(fn, *args)
 
     def close(self) -> None:
         """Stop the threads (a call still running ends first, one not started is dropped)."""
@@ -101,6 +109,7 @@ class StageService:
             {
                 "Forward": (pb.ForwardRequest, self.forward),
                 "Backward": (pb.BackwardRequest, self.backward),
+                "Abandon": (pb.AbandonRequest, self.abandon),
             },
             rejections=self.rejections,
         )
@@ -145,6 +154,17 @@ class StageService:
         if grad_input is None:
             return pb.BackwardResponse(grad_input=pb.StageTensor())
         return pb.BackwardResponse(grad_input=pack(grad_input, self.encoding))
+
+    async def abandon(self, request: pb.AbandonRequest, context: Any) -> pb.AbandonResponse:
+        """Drop a micro-batch's input (its path broke after this stage). Only its driver
+        knows its name: nobody else can drop another's micro-batch."""
+        try:
+            self._check_call(request.swarm_id, request.stage, request.micro_batch)
+            # The replica's lock may be held by a compute: on a thread, as a backward.
+            dropped = await self._compute("backward", self.replica.abandon, request.micro_batch)
+            return pb.AbandonResponse(dropped=dropped)
+        except Rejection as rejection:
+            return pb.AbandonResponse(refused=self._refuse(rejection, context))
 
     async def _compute(self, call: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread of the call's pool (decoding, the compute and

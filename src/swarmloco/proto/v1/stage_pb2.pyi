@@ -71,3 +71,21 @@ class BackwardResponse(_message.Message):
     grad_input: StageTensor
     refused: StageRefusal
     def __init__(self, grad_input: _Optional[_Union[StageTensor, _Mapping]] = ..., refused: _Optional[_Union[StageRefusal, _Mapping]] = ...) -> None: ...
+
+class AbandonRequest(_message.Message):
+    __slots__ = ("swarm_id", "stage", "micro_batch")
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    swarm_id: str
+    stage: int
+    micro_batch: bytes
+    def __init__(self, swarm_id: _Optional[str] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[bytes] = ...) -> None: ...
+
+class AbandonResponse(_message.Message):
+    __slots__ = ("dropped", "refused")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    dropped: bool
+    refused: StageRefusal
+    def __init__(self, dropped: _Optional[bool] = ..., refused: _Optional[_Union[StageRefusal, _Mapping]] = ...) -> None: ...
