@@ -190,11 +190,27 @@ def test_a_stage_computes_as_the_peer_chooses_bf16_or_fp32_never_fp16():
     manifest = build_pipeline_manifest("llama", "tiny", 2, creator=creator, run=run)
     task, model, _, run = run_from_manifest(manifest)
     stage = task_stage(task, model, run, 2, 0)
-    assert _work(stage, model, run, "auto").autocast is None  # on the CPU
-    assert _work(stage, model, run, "fp32").autocast is None
-    assert _work(stage, model, run, "bf16").autocast is torch.bfloat16
+    assert _work(stage, model, run, "auto", 2).autocast is None  # on the CPU
+    assert _work(stage, model, run, "fp32", 2).autocast is None
+    assert _work(stage, model, run, "bf16", 2).autocast is torch.bfloat16
     with pytest.raises(SwarmlocoError, match="fp16"):
-        _work(stage, model, run, "fp16")
+        _work(stage, model, run, "fp16", 2)
+
+
+def test_a_step_holds_a_micro_batch_a_stage_where_its_batch_allows():
+    """Micro-batches of up to 8 sequences, at least as many to a step as there are
+    stages: the micro-batches of one step are all a stage admits at once."""
+    creator = "ab" * 32
+    _, _, _, run = run_from_manifest(build_manifest("llama", "tiny", creator=creator))
+    run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, delay=1))
+    manifest = build_pipeline_manifest("llama", "tiny", 2, creator=creator, run=run)
+    task, model, _, run = run_from_manifest(manifest)
+    stage = task_stage(task, model, run, 2, 0)
+    for batch, stages, micro in ((16, 2, 8), (16, 4, 4), (64, 4, 8), (3, 4, 1), (6, 4, 2)):
+        inner = dataclasses.replace(run.inner, batch_size=batch, grad_accum=1)
+        work = _work(stage, model, dataclasses.replace(run, inner=inner), "auto", stages)
+        assert (work.step_samples, work.ids.max_batch) == (batch, micro), (batch, stages)
+        assert work.activations.max_batch == micro
 
 
 def test_a_stage_steps_with_the_data_parallel_inner_optimizer():
@@ -208,7 +224,7 @@ def test_a_stage_steps_with_the_data_parallel_inner_optimizer():
     assert run.inner.weight_decay > 0
     for k in (0, 1):
         stage = task_stage(task, model, run, 2, k)
-        groups = _work(stage, model, run, "auto").optimizer.param_groups
+        groups = _work(stage, model, run, "auto", 2).optimizer.param_groups
         decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
         assert [g["weight_decay"] for g in groups] == [run.inner.weight_decay, 0.0]
         for name, p in stage.named_parameters():

@@ -216,7 +216,7 @@ def train_stage(
             module = task_stage(task, model, run, pipeline.stages, stage, where)
             if slowdown_s > 0:
                 module.register_forward_pre_hook(_slowed(slowdown_s))
-            work = _work(module, model, run, precision or run.inner.precision)
+            work = _work(module, model, run, precision or run.inner.precision, pipeline.stages)
             logger.info(
                 "stage %d computes on %s in %s", stage, describe_device(where),
                 "bf16 autocast" if work.autocast else "fp32",
@@ -349,7 +349,11 @@ def _slowed(seconds: float) -> Callable[..., None]:
 
 
 def _work(
-    module: nn.Module, model: Mapping[str, Any], run: RunConfig, precision: Precision
+    module: nn.Module,
+    model: Mapping[str, Any],
+    run: RunConfig,
+    precision: Precision,
+    stages: int,
 ) -> StageWork:
     inner = run.inner
     device = next(module.parameters()).device
@@ -362,7 +366,10 @@ def _work(
             )
         autocast = None  # auto on a GPU without bf16: fp32
     sequences = inner.batch_size * inner.grad_accum
-    micro = max(1, min(sequences, 8))
+    # A step holds at least a micro-batch a stage where its batch allows (up to 8
+    # sequences each): the micro-batches of one step are all a stage admits at once, and
+    # the stages compute side by side only with that many in flight.
+    micro = max(1, min(8, -(-sequences // stages)))
     seq_len, width, vocab = int(model["seq_len"]), int(model["n_embd"]), int(model["vocab_size"])
     return StageWork(
         module=module,
