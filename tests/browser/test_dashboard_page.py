@@ -109,4 +109,6 @@ async def test_the_page_shows_a_pipelined_runs_stages_as_a_row_of_pools(tmp_path
     assert "1 peer<" in slow.group(1) and "30 seq/s" in slow.group(1), slow.group(1)
     assert "round 4" in first.group(1) and "round 5" in slow.group(1)
     assert "limits the pipeline" in slow.group(1)
+    assert "2 call(s) refused" in slow.group(1) and "1 step(s) skipped" in slow.group(1)
+    assert "refused" not in first.group(1) and "skipped" not in first.group(1)
     assert "0 move(s) between stages seen" in dom

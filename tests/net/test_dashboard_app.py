@@ -145,12 +145,15 @@ PIPELINED = SwarmManifest(
 async def pipelined_swarm():
     """A pipelined run's stage peers as their ``stage-load`` records say (pipeline/load.py):
     two at stage 0 (100 and 110 sequences a second, at rounds 3 and 4), one at stage 1 (30,
-    round 5: each stage averages in rounds of its own)."""
+    round 5: each stage averages in rounds of its own; it refused 2 calls and skipped a
+    step)."""
     async with loopback_network(3) as nodes:
         await publish_manifest(nodes[0].dht, PIPELINED)
         said = zip(nodes, (0, 0, 1), (100.0, 110.0, 30.0), (3, 4, 5), strict=True)
         for node, stage, rate, round_ in said:
             load = {"rate": rate, "queue": 2, "free": 6, "round": round_}
+            if stage == 1:
+                load |= {"refused": 2, "skipped": 1}
             await publish_load(
                 node.dht, PIPELINED.swarm_id, stage=stage, endpoint=node.endpoint, load=load
             )
@@ -172,6 +175,7 @@ async def test_a_pipelined_runs_state_shows_its_stages():
     ]
     assert pipeline["limiting"] == 1 and pipeline["throughput"] == 30.0
     assert [r["round"] for r in pipeline["stages"]] == [4, 5]
+    assert [(r["refused"], r["skipped"]) for r in pipeline["stages"]] == [(0, 0), (2, 1)]
     assert pipeline["moves"] == 0 and view["warnings"] == []
 
 

@@ -7,6 +7,7 @@ averaged together; every micro-batch a driver finished was applied once at each 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import threading
@@ -26,8 +27,10 @@ from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.swarm import fetch_manifest
 from swarmloco.pipeline.manifest import pipeline_manifest
 from swarmloco.pipeline.peer import StagePeer, StageWork
+from swarmloco.pipeline.service import FORWARD
 from swarmloco.pipeline.stages import gpt_stages
 from swarmloco.pipeline.wire import Boundary
+from swarmloco.proto.v1 import stage_pb2 as pb
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.train.spec import GPTConfig
 
@@ -91,6 +94,16 @@ def stage_peer(
     peer = StagePeer(run, stage, work, config=config, on_event=events, load_interval_s=0.2)
     peer.events = events  # type: ignore[attr-defined]
     with peer:
+        sizes: list[int] = []  # the sequences of each step it takes
+        hook = peer.replica.before_step
+        assert hook is not None
+
+        def before_step() -> None:
+            sizes.append(peer.replica.samples)
+            hook()
+
+        peer.replica.before_step = before_step
+        peer.step_sizes = sizes  # type: ignore[attr-defined]
         yield peer
 
 
@@ -104,12 +117,16 @@ def averaged(peers: list[StagePeer]) -> bool:
 
 
 def drive(peer: StagePeer, seed: int, peers: list[StagePeer], done: list[int]) -> None:
-    """Micro-batches until every peer of both stages has averaged (a condition, not a
+    """Micro-batches, two in flight at once (a step's: ``step_samples`` is two
+    micro-batches), until every peer of both stages has averaged (a condition, not a
     count: how the two stages' rounds fall depends on the machine's load)."""
     g = torch.Generator().manual_seed(seed)
-    while not averaged(peers):
-        tokens = torch.randint(0, GPT.vocab_size, (MICRO, GPT.seq_len + 1), generator=g)
-        peer.drive(tokens[:, :-1], tokens[:, 1:], timeout=60)
+    pending: list[concurrent.futures.Future[Any]] = []
+    while pending or not averaged(peers):
+        while len(pending) < 2 and not averaged(peers):
+            tokens = torch.randint(0, GPT.vocab_size, (MICRO, GPT.seq_len + 1), generator=g)
+            pending.append(peer.submit(tokens[:, :-1], tokens[:, 1:], timeout=60))
+        pending.pop(0).result()
         done.append(1)
 
 
@@ -133,6 +150,11 @@ def test_two_stages_of_two_peers_drive_micro_batches_and_average_each_stage(tmp_
             # are the drivers' finished ones (a broken one may have reached stage 1 only).
             assert b1.replica.served + b2.replica.served >= len(done)
             assert a1.replica.served + a2.replica.served == len(done)
+            # No step on more than the run's batch, two micro-batches in flight or not
+            # (fewer: a round landed while no micro-batch came).
+            for p in peers:
+                sizes = p.step_sizes  # type: ignore[attr-defined]
+                assert sizes and max(sizes) <= 2 * MICRO, (p.stage, sizes)
     for stage in ((a1, a2), (b1, b2)):
         together = {}
         for peer in stage:
@@ -173,6 +195,30 @@ def test_a_stage_whose_drivers_stopped_lands_the_round_it_has_in_flight(tmp_path
             )
             assert b.replica.served == served  # no micro-batch came meanwhile
             assert hook.rounds.inflight is None
+
+
+def test_a_stage_peers_record_says_the_calls_it_refused(tmp_path):
+    """What a caller sent that the stage refused (not as busy) is counted in the peer's
+    stage-load record, which the dashboard shows."""
+    run = new_run()
+    with stage_peer(tmp_path, "b", run, 1, min_group=1) as b:
+        entry = b.peer.network.node.endpoint  # type: ignore[union-attr]
+        bad = pb.ForwardRequest(
+            swarm_id=run.swarm_id, stage=0, micro_batch=b"x" * 16, input=pb.StageTensor()
+        )
+
+        async def call() -> str:
+            config = NodeConfig(server=None, peers=(entry,))
+            async with NetNode(identity=Identity.generate(), config=config) as node:
+                answer = await node.client.call(entry, FORWARD, bad, timeout=10.0)
+                return answer.refused.code
+
+        assert asyncio.run(call()) == "wrong-stage"
+        wait_until(
+            lambda: [(x.refused, x.skipped) for x in b.read_loads()] == [(1, 0)],
+            timeout=60,
+            what="the record says one refused call",
+        )
 
 
 def test_a_stage_peer_publishes_the_runs_manifest_so_that_join_finds_it(tmp_path):

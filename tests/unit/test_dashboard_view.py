@@ -473,7 +473,7 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     loads = {
         A: {**stage_load(0, rate=100.0), "round": 7},
         B: {**stage_load(0, rate=120.0), "round": 6},  # a round behind: the stage is at 7
-        C: stage_load(1, rate=40.0),  # (a peer that says no round)
+        C: {**stage_load(1, rate=40.0), "refused": 3, "skipped": 1},  # (says no round)
         D: stage_load(1, endpoint=""),  # moving in: counted apart, its rate not yet
         E: stage_load(2, rate=1e30),  # an absurd claim counts as nothing
         F: {**stage_load(2, rate=30.0), "at": NOW - 3600},  # stale
@@ -491,6 +491,8 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     ]
     assert pipeline["stages"][0]["queue"] == 2 and pipeline["stages"][0]["free"] == 6
     assert [r["round"] for r in pipeline["stages"]] == [7, None, None]
+    # Bad input refused and NaN steps skipped, as stage 1's replica says; older peers say none.
+    assert [(r["refused"], r["skipped"]) for r in pipeline["stages"]] == [(0, 0), (3, 1), (0, 0)]
     assert pipeline["limiting"] == 2 and pipeline["throughput"] == 0.0
     assert pipeline["moves"] == 0
     # Peer B moves to stage 2: the next reading sees it there, once.
@@ -506,7 +508,9 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     said = text.render(view)
     assert "limits the pipeline" in said and "moves between stages: 1" in said, said
     # Stage 0's peers say rounds 7 and 6 (B moved away since): the stage is at round 7.
-    assert ["0", "1", "100", "1", "3", "7"] in [line.split() for line in said.splitlines()], said
+    lines = [line.split() for line in said.splitlines()]
+    assert ["0", "1", "100", "1", "3", "7", "0", "0"] in lines, said
+    assert ["1", "1", "(+1", "moving", "in)", "40", "1", "3", "-", "3", "1"] in lines, said
     assert "+1 moving in" in said
     # A stage nobody serves stalls the pipeline, and the view says so.
     alone = {A: stage_load(0), C: stage_load(1)}

@@ -51,8 +51,18 @@ def test_a_replicas_record_is_checked_against_its_kind_and_signature():
     assert stage_load(good.subkey, decoded).round is None  # a peer that said none
     rounded = make_record(key, value(round=7), expiration=time.time() + 60, owner=owner)
     assert stage_load(rounded.subkey, validate(rounded, now=time.time())).round == 7
+    counted = make_record(key, value(refused=3, skipped=1), expiration=time.time() + 60,
+                          owner=owner)  # fmt: skip
+    said = stage_load(counted.subkey, validate(counted, now=time.time()))
+    assert (said.refused, said.skipped) == (3, 1)
+    assert (stage_load(good.subkey, decoded).refused, stage_load(good.subkey, decoded).skipped) == (
+        0,
+        0,
+    )
     for bad in (
         value(round=-1),
+        value(refused=-1),
+        value(skipped=1.5),
         value(stage=256),
         value(rate=math.nan),
         value(rate=-1.0),

@@ -164,10 +164,11 @@ def stages_lines(pipeline: Mapping[str, Any]) -> list[str]:
         limits = "limits the pipeline" if row["stage"] == pipeline["limiting"] else ""
         rate = human(row["throughput"]) if row["peers"] else "-"
         round_ = "-" if row.get("round") is None else str(row["round"])
-        rows.append(
-            [str(row["stage"]), peers, rate, str(row["queue"]), str(row["free"]), round_, limits]
-        )
-    lines = table(["STAGE", "PEERS", "SEQ/S", "QUEUE", "FREE", "ROUND", ""], rows)
+        queue, free = str(row["queue"]), str(row["free"])
+        refused, skipped = str(row.get("refused", 0)), str(row.get("skipped", 0))
+        rows.append([str(row["stage"]), peers, rate, queue, free, round_, refused, skipped, limits])
+    header = ["STAGE", "PEERS", "SEQ/S", "QUEUE", "FREE", "ROUND", "REFUSED", "SKIPPED", ""]
+    lines = table(header, rows)
     moves = pipeline.get("recent_moves") or []
     said = "; ".join(f"{m['peer']} {m['from']} -> {m['to']}" for m in moves)
     lines.append(

@@ -617,6 +617,8 @@ def _fresh_loads(reading: Reading, fresh_s: float) -> dict[str, dict[str, Any]]:
             "queue": _count(value.get("queue")),
             "free": _count(value.get("free")),
             "round": _count(value["round"]) if "round" in value else None,
+            "skipped": _count(value.get("skipped")),
+            "refused": _count(value.get("refused")),
         }
     return loads
 
@@ -626,8 +628,9 @@ def _pipeline(
 ) -> dict[str, Any] | None:
     """A pipelined run's stages as a row of pools (None: not a pipelined run): each
     stage's peers (serving, and moving in), throughput (sequences per second, the sum of
-    its replicas' rates), queue and free slots, its round, which stage limits the
-    pipeline, and the moves seen. All of it is what the stage peers' records claim."""
+    its replicas' rates), queue and free slots, its round, the calls its replicas refused
+    and the steps they skipped, which stage limits the pipeline, and the moves seen. All
+    of it is what the stage peers' records claim."""
     stages = stage_count(reading.manifest)
     if stages is None:
         return None
@@ -647,6 +650,9 @@ def _pipeline(
                 "free": sum(x["free"] for x in serving),
                 # Each stage averages in rounds of its own: the latest its peers say.
                 "round": max((x["round"] for x in pool if x["round"] is not None), default=None),
+                # Bad input its replicas refused, steps they skipped (NaN): since each began.
+                "refused": sum(x["refused"] for x in serving),
+                "skipped": sum(x["skipped"] for x in serving),
             }
         )
     empty = [row["stage"] for row in rows if not row["peers"]]

@@ -843,9 +843,14 @@ STAGE_LOAD = register(
                 # The round its stage's state is at (the stage averages in rounds of its
                 # own); optional: peers before it said none.
                 "round": Int(minimum=0),
+                # Since it began serving the stage: steps not taken (their gradient held
+                # NaN or Inf) and calls refused other than as busy (bad shapes, NaN,
+                # absurd values, wrong stage); optional, as "round" is.
+                "skipped": Int(minimum=0),
+                "refused": Int(minimum=0),
                 "at": Float(minimum=0.0),
             },
-            optional=frozenset({"round"}),
+            optional=frozenset({"round", "skipped", "refused"}),
         ),
         owned=True,
         max_ttl=600.0,

@@ -45,6 +45,10 @@ class StageLoad:
     """Swarm time (unix seconds) when it said so."""
     round: int | None = None
     """The round its stage's state is at (None: not said)."""
+    skipped: int = 0
+    """Steps it did not take since it began serving (their gradient was not finite)."""
+    refused: int = 0
+    """Calls it refused since then, other than as busy (what a caller sent was bad)."""
 
 
 def stage_load(peer: str, value: Mapping[str, Any]) -> StageLoad:
@@ -58,14 +62,16 @@ def stage_load(peer: str, value: Mapping[str, Any]) -> StageLoad:
         free=int(value["free"]),
         at=float(value["at"]),
         round=int(value["round"]) if "round" in value else None,
+        skipped=int(value.get("skipped", 0)),
+        refused=int(value.get("refused", 0)),
     )
 
 
 async def publish_load(
     dht: DHTNode, swarm_id: str, *, stage: int, endpoint: str, load: Mapping[str, Any]
 ) -> None:
-    """Store this replica's record (``load``: its rate, queue and free slots, and its
-    stage's round when it has one)."""
+    """Store this replica's record (``load``: its rate, queue and free slots, its stage's
+    round when it has one, its skipped steps and refused calls when it says them)."""
     value = {
         "stage": stage,
         "endpoint": endpoint,
@@ -74,8 +80,9 @@ async def publish_load(
         "free": int(load["free"]),
         "at": float(dht.clock()),
     }
-    if load.get("round") is not None:
-        value["round"] = int(load["round"])
+    for optional in ("round", "skipped", "refused"):
+        if load.get(optional) is not None:
+            value[optional] = int(load[optional])
     await dht.store(stage_load_key(swarm_id), value, ttl=LOAD_TTL_S)
 
 

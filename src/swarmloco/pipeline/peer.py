@@ -268,7 +268,12 @@ class StagePeer:
             self.run.swarm_id,
             stage=self.stage,
             endpoint=peer.network.node.endpoint,
-            load=lambda: {**self.replica.load(), "round": peer.diloco.round},
+            load=lambda: {
+                **self.replica.load(),
+                "round": peer.diloco.round,
+                "skipped": self.replica.skipped,
+                "refused": self.service.refusals(),
+            },
             interval_s=interval,
         )
         self._publishing = peer.loop.submit(publishing)

@@ -103,6 +103,10 @@ class StageService:
         """Stop the worker threads (the peer leaves)."""
         self._pools.close()
 
+    def refusals(self) -> int:
+        """Calls refused so far other than as busy (busy is back-pressure, not bad input)."""
+        return sum(n for code, n in list(self.refused.items()) if code != "busy")
+
     def service(self) -> Service:
         return unary_service(
             SERVICE_NAME,
