@@ -17,7 +17,7 @@ import torch
 from swarmloco.net.identity import Identity
 from swarmloco.net.records import Record, make_record, sign, stage_load_key, validate
 from swarmloco.net.rejections import Rejection
-from swarmloco.pipeline.driver import Driver, HopStats
+from swarmloco.pipeline.driver import Driver, DriverConfig, HopStats
 from swarmloco.pipeline.load import StageLoad, fresh, stage_load
 from swarmloco.pipeline.replica import RATE_SETTLE, RATE_WARMUP, ReplicaConfig, StageReplica
 from swarmloco.pipeline.wire import Boundary
@@ -119,6 +119,34 @@ def test_fresh_records_become_the_replicas_a_driver_draws_from():
     assert driver.replicas == [["a:1", "b:1"], ["old:2"]]  # stage 2: none fresh, kept
     assert set(driver.stats.claims) == {"a:1", "b:1"}
     assert fresh([load("future:1", at=NOW + 60)], NOW) == []
+
+
+def test_many_keys_on_one_network_cannot_crowd_out_a_stages_other_replicas():
+    """Forty records of one /24 (one machine's many keys and ports) and two honest
+    replicas elsewhere: the driver draws from at most four of that network, the ones it
+    measured first, and from every honest one; loopback addresses count one by one."""
+    acts = Boundary(width=4, max_batch=2, max_tokens=4)
+    first = StageReplica(torch.nn.Linear(4, 4), first=True, last=False)
+    driver = Driver(
+        None,  # type: ignore[arg-type]  (no call is made here)
+        first,
+        swarm_id=SWARM,
+        replicas=[[]],
+        boundaries=[acts],
+        ids=acts,
+    )
+    sybils = [f"93.184.216.{i % 250}:{4000 + i}" for i in range(40)]
+    honest = ["151.101.1.7:31337", "[2a00:1450::1]:31337"]
+    driver.stats.measured(sybils[30], 8, 1.0)  # the driver called this one: it is kept
+    driver.update(fresh([load(e) for e in [*sybils, *honest]], NOW))
+    (drawn,) = driver.replicas
+    assert [e for e in drawn if e.startswith("93.184.216.")] == [*sybils[:3], sybils[30]]
+    assert drawn[-2:] == honest
+    local = [f"127.0.0.{i}:5000" for i in range(1, 9)]
+    driver.update(fresh([load(e) for e in local], NOW))
+    assert driver.replicas == [local]
+    with pytest.raises(ValueError, match="replicas_per_network"):
+        DriverConfig(replicas_per_network=0)
 
 
 def test_a_replica_measures_its_own_rate_and_says_what_it_holds():

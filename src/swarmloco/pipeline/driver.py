@@ -35,8 +35,10 @@ from collections.abc import Sequence
 
 import torch
 
+from swarmloco.core.config import require_int, require_positive
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.client import Method, Req, Resp, RpcClient, RpcError
+from swarmloco.net.endpoints import parse_endpoint, source_network
 from swarmloco.net.rejections import Rejection
 from swarmloco.pipeline.load import StageLoad
 from swarmloco.pipeline.replica import StageReplica
@@ -51,6 +53,14 @@ EXPLORE = 0.1
 """The least weight a replica is drawn with, as a share of the best replica's."""
 
 
+def _network_of(endpoint: str) -> str:
+    """The source network of an endpoint's host (an endpoint that does not parse: itself)."""
+    try:
+        return source_network(parse_endpoint(endpoint)[0])
+    except ValueError:
+        return f"endpoint:{endpoint}"
+
+
 class PipelineError(SwarmlocoError):
     """A micro-batch could not be run through the pipeline."""
 
@@ -63,6 +73,15 @@ class DriverConfig:
     """Deadline of one call to one replica."""
     shun_s: float = 30.0
     """How long a replica that failed is not drawn again."""
+    replicas_per_network: int = 4
+    """A stage's replicas drawn from at most, per source network (the /24 of a public
+    IPv4 address, the /64 of IPv6; a loopback or private address each its own): many
+    keys on one network cannot crowd out the stage's other replicas."""
+
+    def __post_init__(self) -> None:
+        require_positive("hop_timeout_s", self.hop_timeout_s)
+        require_positive("shun_s", self.shun_s)
+        require_int("replicas_per_network", self.replicas_per_network, minimum=1)
 
 
 @dataclasses.dataclass
@@ -146,21 +165,44 @@ class Driver:
 
     def update(self, loads: Sequence[StageLoad]) -> None:
         """Draw from the replicas of these (fresh) records from now on: each later stage's,
-        in the order given, with what each claims. A stage none of them serves keeps the
-        replicas it had (a pipeline does not stall on one empty read)."""
+        at most ``replicas_per_network`` of one network (those this driver measured
+        first, the fastest first, then those it drew from before, then the records'
+        order), with what each claims. A stage none of them serves keeps the replicas it
+        had (a pipeline does not stall on one empty read)."""
         stages = len(self.replicas) + 1
-        served: list[list[str]] = [[] for _ in self.replicas]
+        said: list[list[str]] = [[] for _ in self.replicas]
         for load in loads:
             if (
                 1 <= load.stage < stages
                 and load.endpoint
-                and load.endpoint not in served[load.stage - 1]
+                and load.endpoint not in said[load.stage - 1]
             ):
-                served[load.stage - 1].append(load.endpoint)
+                said[load.stage - 1].append(load.endpoint)
                 self.stats.claims[load.endpoint] = load
-        for k, endpoints in enumerate(served):
+        for k, endpoints in enumerate(said):
             if endpoints:
-                self.replicas[k] = endpoints
+                self.replicas[k] = self._capped(endpoints, self.replicas[k])
+
+    def _capped(self, endpoints: list[str], before: list[str]) -> list[str]:
+        """``endpoints``, at most ``replicas_per_network`` of each network, in order of
+        what this driver knows of them (see :meth:`update`)."""
+        measured = self.stats.rate
+
+        def known(i: int) -> tuple[int, float, int]:
+            endpoint = endpoints[i]
+            if endpoint in measured:
+                return (0, -measured[endpoint], i)
+            return (1 if endpoint in before else 2, 0.0, i)
+
+        order = sorted(range(len(endpoints)), key=known)
+        taken: collections.Counter[str] = collections.Counter()
+        kept: list[int] = []
+        for i in order:
+            network = _network_of(endpoints[i])
+            if taken[network] < self.config.replicas_per_network:
+                taken[network] += 1
+                kept.append(i)
+        return [endpoints[i] for i in sorted(kept)]
 
     async def run(self, x: torch.Tensor, targets: torch.Tensor) -> Trace:
         """One micro-batch, forward and backward: its loss and path."""
