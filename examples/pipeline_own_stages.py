@@ -21,6 +21,7 @@ event on stdout; ``--max-rounds N`` leaves at a stage's round N.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import signal
@@ -171,13 +172,20 @@ def main() -> None:
             signal.signal(number, lambda *_: peer.stop("asked to stop"))
         print(f"serving stage {stage} of swarm {run.swarm_id[:12]}", file=sys.stderr)
         if stage == 0:
+            # Two micro-batches in flight (a step's worth): while one is at stage 1, the
+            # next computes here. peer.drive(x, y) runs one and waits for it.
+            in_flight: collections.deque = collections.deque()
             for rows in windows(seed=int(peer.identity.peer_id_hex[:8], 16)):
                 try:
-                    peer.drive(rows[:, :-1], rows[:, 1:])  # forward and backward, both stages
+                    in_flight.append(peer.submit(rows[:, :-1], rows[:, 1:]))
+                    if len(in_flight) == 2:
+                        in_flight.popleft().result()  # forward and backward, both stages
                 except swarmloco.Stopped:
                     break
                 except PipelineError as exc:  # no replica of stage 1 took it: the next one
                     logging.warning("%s", exc)
+            for micro_batch in in_flight:  # let the last ones finish
+                micro_batch.exception()
         else:
             peer.stopped.wait()  # serving stage 1 until max rounds or a signal
     print(f"left stage {stage}", file=sys.stderr)

@@ -9,6 +9,7 @@
     work = StageWork(module=stages[k], optimizer=AdamW(stages[k].parameters()), ...)
     with StagePeer(run, k, work, config=PeerConfig(data_dir="peer0")) as peer:
         peer.drive(x, targets)            # at stage 0, one micro-batch through the pipeline
+        future = peer.submit(x, targets)  # or several at once: each step still on the run's batch
 
 What a stage module must do: stage 0 takes token ids ``(batch, tokens)``; every stage but
 the last returns activations ``(batch, tokens, width)`` (one ``width`` for every boundary,
