@@ -521,6 +521,19 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     assert view["pipeline"]["limiting"] == 2 and view["pipeline"]["throughput"] is None
     assert any("stage 2 has no peer" in w for w in view["warnings"]), view["warnings"]
     json.dumps(view, allow_nan=False)
+    # Forty keys on one network claim stage 1: four are counted, as a driver draws four.
+    sybils = {
+        f"{i:040x}": stage_load(1, endpoint=f"93.184.216.9:{4000 + i}", rate=1000.0)
+        for i in range(1, 41)
+    }
+    crowded = {A: stage_load(0), C: stage_load(1, endpoint="151.101.1.7:31337"), **sybils}
+    view = build_view(
+        Reading(swarm_id=PIPELINED.swarm_id, at=NOW, manifest=PIPELINED, stage_loads=crowded),
+        now=NOW,
+    )
+    stage1 = view["pipeline"]["stages"][1]
+    assert stage1["peers"] == 5 and stage1["throughput"] == 4050.0, stage1
+    assert any("36 stage-load record(s) not counted" in w for w in view["warnings"])
     # A run that is not pipelined has no stages.
     plain = build_view(Reading(swarm_id=SWARM, at=NOW, manifest=MANIFEST), now=NOW)
     assert plain["pipeline"] is None

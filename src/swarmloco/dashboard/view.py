@@ -31,6 +31,7 @@ from typing import Any
 
 from swarmloco.core.agreement import majority
 from swarmloco.core.manifest import SwarmManifest
+from swarmloco.net.endpoints import parse_endpoint, source_network
 from swarmloco.net.identity import peer_id_of
 
 VIEW_VERSION = 1
@@ -63,6 +64,9 @@ MAX_REMEMBERED = 4096
 MAX_SEQUENCES_PER_S = 1e7
 """No stage replica computes more sequences a second than this; a claim above it is not
 counted."""
+STAGE_RECORDS_PER_NETWORK = 4
+"""A stage's replicas counted per source network (a driver draws from as many: its
+``replicas_per_network``)."""
 MAX_MOVES_SHOWN = 20
 """Moves between stages a :class:`History` keeps (the newest)."""
 
@@ -610,9 +614,11 @@ def _fresh_loads(reading: Reading, fresh_s: float) -> dict[str, dict[str, Any]]:
         stage = _count(value.get("stage"))
         if not 0 <= stage < stages or not is_fresh(value, reading.at, fresh_s):
             continue
+        endpoint = clean_text(value.get("endpoint"), 262)
         loads[peer_id] = {
             "stage": stage,
-            "serving": bool(clean_text(value.get("endpoint"), 262)),
+            "serving": bool(endpoint),
+            "network": _network_of(endpoint) if endpoint else None,
             "rate": _number(value.get("rate"), low=0.0, high=MAX_SEQUENCES_PER_S) or 0.0,
             "queue": _count(value.get("queue")),
             "free": _count(value.get("free")),
@@ -621,6 +627,26 @@ def _fresh_loads(reading: Reading, fresh_s: float) -> dict[str, dict[str, Any]]:
             "refused": _count(value.get("refused")),
         }
     return loads
+
+
+def _network_of(endpoint: str) -> str:
+    try:
+        return source_network(parse_endpoint(endpoint)[0])
+    except ValueError:
+        return f"endpoint:{endpoint}"
+
+
+def _counted_per_network(serving: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """At most :data:`STAGE_RECORDS_PER_NETWORK` of a stage's serving records per source
+    network (as a driver draws from them), the first by peer id: many keys on one machine
+    do not fill a pool."""
+    taken: collections.Counter[str] = collections.Counter()
+    kept = []
+    for load in serving:
+        if taken[load["network"]] < STAGE_RECORDS_PER_NETWORK:
+            taken[load["network"]] += 1
+            kept.append(load)
+    return kept
 
 
 def _pipeline(
@@ -635,11 +661,14 @@ def _pipeline(
     if stages is None:
         return None
     pools: list[list[dict[str, Any]]] = [[] for _ in range(stages)]
-    for load in _fresh_loads(reading, fresh_s).values():
+    for _, load in sorted(_fresh_loads(reading, fresh_s).items()):
         pools[load["stage"]].append(load)
     rows = []
+    uncounted = 0
     for k, pool in enumerate(pools):
-        serving = [x for x in pool if x["serving"]]
+        said = [x for x in pool if x["serving"]]
+        serving = _counted_per_network(said)
+        uncounted += len(said) - len(serving)
         rows.append(
             {
                 "stage": k,
@@ -654,6 +683,11 @@ def _pipeline(
                 "refused": sum(x["refused"] for x in serving),
                 "skipped": sum(x["skipped"] for x in serving),
             }
+        )
+    if uncounted:
+        warnings.append(
+            f"{uncounted} stage-load record(s) not counted: more than "
+            f"{STAGE_RECORDS_PER_NETWORK} of one network at one stage"
         )
     empty = [row["stage"] for row in rows if not row["peers"]]
     for k in empty:
