@@ -142,9 +142,10 @@ def test_many_keys_on_one_network_cannot_crowd_out_a_stages_other_replicas():
     (drawn,) = driver.replicas
     assert [e for e in drawn if e.startswith("93.184.216.")] == [*sybils[:3], sybils[30]]
     assert drawn[-2:] == honest
+    assert set(driver.stats.claims) == set(drawn)  # the rest are not kept at all
     local = [f"127.0.0.{i}:5000" for i in range(1, 9)]
     driver.update(fresh([load(e) for e in local], NOW))
-    assert driver.replicas == [local]
+    assert driver.replicas == [local] and set(driver.stats.claims) == set(local)
     with pytest.raises(ValueError, match="replicas_per_network"):
         DriverConfig(replicas_per_network=0)
 

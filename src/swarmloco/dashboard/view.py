@@ -31,7 +31,7 @@ from typing import Any
 
 from swarmloco.core.agreement import majority
 from swarmloco.core.manifest import SwarmManifest
-from swarmloco.net.endpoints import parse_endpoint, source_network
+from swarmloco.net.endpoints import endpoint_network
 from swarmloco.net.identity import peer_id_of
 
 VIEW_VERSION = 1
@@ -618,7 +618,7 @@ def _fresh_loads(reading: Reading, fresh_s: float) -> dict[str, dict[str, Any]]:
         loads[peer_id] = {
             "stage": stage,
             "serving": bool(endpoint),
-            "network": _network_of(endpoint) if endpoint else None,
+            "network": endpoint_network(endpoint) if endpoint else None,
             "rate": _number(value.get("rate"), low=0.0, high=MAX_SEQUENCES_PER_S) or 0.0,
             "queue": _count(value.get("queue")),
             "free": _count(value.get("free")),
@@ -627,13 +627,6 @@ def _fresh_loads(reading: Reading, fresh_s: float) -> dict[str, dict[str, Any]]:
             "refused": _count(value.get("refused")),
         }
     return loads
-
-
-def _network_of(endpoint: str) -> str:
-    try:
-        return source_network(parse_endpoint(endpoint)[0])
-    except ValueError:
-        return f"endpoint:{endpoint}"
 
 
 def _counted_per_network(serving: list[dict[str, Any]]) -> list[dict[str, Any]]:

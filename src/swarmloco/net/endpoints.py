@@ -78,6 +78,15 @@ def source_network(host: str, *, limit_private: bool = False) -> str:
     return _prefix(address)
 
 
+def endpoint_network(endpoint: str) -> str:
+    """The :func:`source_network` of a ``HOST:PORT`` endpoint's host (one that does not
+    parse counts as a network of its own)."""
+    try:
+        return source_network(parse_endpoint(endpoint)[0])
+    except ValueError:
+        return f"endpoint:{endpoint[:300]}"
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is a loopback address (127.0.0.0/8, ::1)."""
     try:

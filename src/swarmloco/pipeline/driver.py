@@ -38,7 +38,7 @@ import torch
 from swarmloco.core.config import require_int, require_positive
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.client import Method, Req, Resp, RpcClient, RpcError
-from swarmloco.net.endpoints import parse_endpoint, source_network
+from swarmloco.net.endpoints import endpoint_network
 from swarmloco.net.rejections import Rejection
 from swarmloco.pipeline.load import StageLoad
 from swarmloco.pipeline.replica import StageReplica
@@ -51,14 +51,6 @@ BUSY_PAUSE_S = 0.1
 MAX_BUSY_PAUSE_S = 1.0
 EXPLORE = 0.1
 """The least weight a replica is drawn with, as a share of the best replica's."""
-
-
-def _network_of(endpoint: str) -> str:
-    """The source network of an endpoint's host (an endpoint that does not parse: itself)."""
-    try:
-        return source_network(parse_endpoint(endpoint)[0])
-    except ValueError:
-        return f"endpoint:{endpoint}"
 
 
 class PipelineError(SwarmlocoError):
@@ -171,6 +163,7 @@ class Driver:
         had (a pipeline does not stall on one empty read)."""
         stages = len(self.replicas) + 1
         said: list[list[str]] = [[] for _ in self.replicas]
+        claims: dict[str, StageLoad] = {}
         for load in loads:
             if (
                 1 <= load.stage < stages
@@ -178,10 +171,17 @@ class Driver:
                 and load.endpoint not in said[load.stage - 1]
             ):
                 said[load.stage - 1].append(load.endpoint)
-                self.stats.claims[load.endpoint] = load
+                claims[load.endpoint] = load
         for k, endpoints in enumerate(said):
             if endpoints:
                 self.replicas[k] = self._capped(endpoints, self.replicas[k])
+        # The claims of the replicas drawn from, no others (records come and go).
+        self.stats.claims = {
+            e: claims.get(e) or self.stats.claims[e]
+            for replicas in self.replicas
+            for e in replicas
+            if e in claims or e in self.stats.claims
+        }
 
     def _capped(self, endpoints: list[str], before: list[str]) -> list[str]:
         """``endpoints``, at most ``replicas_per_network`` of each network, in order of
@@ -198,7 +198,7 @@ class Driver:
         taken: collections.Counter[str] = collections.Counter()
         kept: list[int] = []
         for i in order:
-            network = _network_of(endpoints[i])
+            network = endpoint_network(endpoints[i])
             if taken[network] < self.config.replicas_per_network:
                 taken[network] += 1
                 kept.append(i)
