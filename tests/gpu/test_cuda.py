@@ -188,10 +188,11 @@ def test_the_memory_probe_measures_what_a_step_needs():
 
 
 def test_pipeline_stages_on_cuda_compute_what_the_cpu_computes():
-    """Two stages on the GPU, driven by hand (forward 0, forward 1, backward 1, backward 0):
-    the loss, the gradient that crosses the boundary (back on the CPU, for the wire) and
-    every parameter's gradient are the CPU's, and dropout replays in the recomputed
-    backward (the GPU's generator is kept with each micro-batch)."""
+    """Two stages on the GPU, driven by hand (forward 0, forward 1, backward 1, backward 0),
+    holding their inputs in host memory between the two calls: the loss, the gradient that
+    crosses the boundary (back on the CPU, for the wire) and every parameter's gradient are
+    the CPU's, and dropout replays in the recomputed backward (the GPU's generator is kept
+    with each micro-batch)."""
     from swarmloco.pipeline.replica import StageReplica
     from swarmloco.pipeline.stages import gpt_stages
 
@@ -209,6 +210,9 @@ def test_pipeline_stages_on_cuda_compute_what_the_cpu_computes():
         assert first.device.type == last.device.type == device.type
         acts = first.forward(b"m", x)
         loss = last.forward(b"m", acts, y)
+        held = last._held[b"m"]  # the input kept for the backward: in host memory
+        assert held.input.device == CPU and held.targets is not None
+        assert held.targets.device == CPU
         grad = last.backward(b"m", None)
         assert acts.device == grad.device == CPU and first.backward(b"m", grad) is None
         grads = [torch.cat([p.grad.reshape(-1).cpu() for p in s.parameters()]) for s in (zero, one)]
@@ -255,6 +259,9 @@ def test_a_stage_under_bf16_autocast_on_cuda_trains_as_fp32_does_within_bf16s_pr
         acts = first.forward(b"m", x)
         assert acts.dtype == torch.float32 and acts.device == CPU
         loss = last.forward(b"m", acts, y)
+        held = last._held[b"m"]  # the input kept for the backward: in host memory
+        assert held.input.device == CPU and held.targets is not None
+        assert held.targets.device == CPU
         grad = last.backward(b"m", None)
         assert first.backward(b"m", grad) is None
         assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in zero.parameters())

@@ -58,6 +58,25 @@ def test_inputs_are_held_within_the_bound_and_expire():
     assert refused.value.code == "unknown"
 
 
+def test_inputs_held_are_bounded_in_bytes_too_and_one_is_always_taken():
+    r, _, clock = replica(max_held_bytes=64, inflight_s=10.0)  # two inputs of 2 x 4 fp32
+    r.forward(b"a" * 16, torch.randn(2, 4))
+    r.forward(b"b" * 16, torch.randn(2, 4))
+    with pytest.raises(Rejection) as refused:
+        r.forward(b"c" * 16, torch.randn(2, 4))
+    assert refused.value.code == "busy" and "64 bytes" in refused.value.reason
+    r.backward(b"a" * 16, torch.ones(2, 4))
+    r.forward(b"c" * 16, torch.randn(2, 4))  # room again
+    assert r.abandon(b"b" * 16)
+    clock.now = 11.0
+    r.forward(b"d" * 16, torch.randn(16, 4))  # c expired: nothing held, a big one is taken
+    assert r.inflight == 1 and r.dropped == 1
+    with pytest.raises(Rejection, match="bytes of inputs held"):
+        r.forward(b"e" * 16, torch.randn(1, 4))
+    r.backward(b"d" * 16, torch.ones(16, 4))
+    r.forward(b"e" * 16, torch.randn(1, 4))
+
+
 def test_no_step_while_a_micro_batch_is_between_its_forward_and_backward():
     r, module, _ = replica()
     opt = torch.optim.SGD(module.parameters(), lr=0.1)

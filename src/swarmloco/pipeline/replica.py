@@ -56,6 +56,9 @@ RATE_SETTLE = 8
 class ReplicaConfig:
     max_inflight: int = 64
     """Micro-batches whose inputs a replica holds at most; more are refused as busy."""
+    max_held_bytes: int = 4 << 30
+    """Bytes of those inputs (in host memory) a replica holds at most; a micro-batch more
+    is refused as busy (one is always taken when none is held)."""
     inflight_s: float = 120.0
     """A micro-batch whose backward has not come by then is dropped (its driver gave up)."""
     kept_results: int = 64
@@ -70,6 +73,7 @@ class ReplicaConfig:
 
     def __post_init__(self) -> None:
         require_int("max_inflight", self.max_inflight, minimum=1)
+        require_int("max_held_bytes", self.max_held_bytes, minimum=1)
         require_positive("inflight_s", self.inflight_s)
         require_positive("hold_wait_s", self.hold_wait_s)
         require_int("kept_results", self.kept_results, minimum=1)
@@ -78,7 +82,7 @@ class ReplicaConfig:
 
 @dataclasses.dataclass
 class _Held:
-    input: torch.Tensor
+    input: torch.Tensor  # as it came (off the wire: in host memory), never the card's copy
     targets: torch.Tensor | None
     rng: tuple[torch.Tensor, torch.Tensor | None]  # the CPU's generator, the GPU's
     at: float
@@ -150,6 +154,7 @@ class StageReplica:
         first_param = next(module.parameters(), None)
         self.device = first_param.device if first_param is not None else torch.device("cpu")
         """Where the stage computes: its parameters' device."""
+        self._held_bytes = 0  # of the inputs (and targets) held
         self._due = False  # a step is due: forwards wait until it is taken
         self._closed = False
         self._draining = False  # moving or leaving: no new forwards, backwards go on
@@ -207,15 +212,21 @@ class StageReplica:
                 raise Rejection("malformed", "a micro-batch of that name came before")
             if len(self._held) >= self.config.max_inflight:
                 raise Rejection("busy", f"{len(self._held)} micro-batches in flight here")
-            x = x.to(self.device)
-            targets = None if targets is None else targets.to(self.device)
+            size = x.nbytes + (0 if targets is None else targets.nbytes)
+            if self._held and self._held_bytes + size > self.config.max_held_bytes:
+                raise Rejection("busy", f"{self._held_bytes} bytes of inputs held here")
             rng = self._rng_state()
             started = time.perf_counter()
+            on_device = x.to(self.device)
             with torch.no_grad(), self._autocast():
-                out = self.module(x, targets) if self.last else self.module(x)
+                if self.last:
+                    out = self.module(on_device, _to(targets, self.device))
+                else:
+                    out = self.module(on_device)
             out = out.detach().float().cpu()  # on a GPU: waits for the compute (timed with it)
+            del on_device  # the card keeps nothing of a micro-batch between its two calls
             seconds = time.perf_counter() - started
-            self._held[micro_batch] = _Held(x, targets, rng, self.clock(), seconds)
+            self._hold(micro_batch, _Held(x, targets, rng, self.clock(), seconds))
             if self.last:
                 self.loss = float(out)
         self._note_slow(
@@ -266,10 +277,13 @@ class StageReplica:
             if micro_batch in self._results:
                 return self._results[micro_batch]  # a retried call: answered again
             self._check_open()
-            held = self._held.pop(micro_batch, None)
+            held = self._pop(micro_batch)
             if held is None:
                 raise Rejection("unknown", "no forward of that micro-batch is held here")
-            x = held.input if self.first else held.input.detach().requires_grad_(True)
+            x = held.input.to(self.device)
+            if not self.first:
+                x = x.detach().requires_grad_(True)
+            targets = _to(held.targets, self.device)
             started = time.perf_counter()
             cpu_rng, gpu_rng = held.rng
             gpus = [self.device] if gpu_rng is not None else []
@@ -279,12 +293,12 @@ class StageReplica:
                     torch.cuda.set_rng_state(gpu_rng, self.device)
                 with torch.enable_grad():
                     with self._autocast():
-                        out = self.module(x, held.targets) if self.last else self.module(x)
+                        out = self.module(x, targets) if self.last else self.module(x)
                     if self.last:
                         out.backward()
                     else:
                         if grad_output is None or grad_output.shape != out.shape:
-                            self._held[micro_batch] = held  # the caller may send it again
+                            self._hold(micro_batch, held)  # the caller may send it again
                             raise Rejection("bad-shape", "the gradient is not the output's shape")
                         out.backward(grad_output.to(self.device, out.dtype))
             grad_input = None if self.first or x.grad is None else x.grad.cpu()
@@ -316,7 +330,7 @@ class StageReplica:
         step it held back may be taken, a forward waiting for room may come in). Returns
         whether it was held here."""
         with self._lock:
-            held = self._held.pop(micro_batch, None) is not None
+            held = self._pop(micro_batch) is not None
             if held:
                 self._lock.notify_all()
             return held
@@ -398,6 +412,16 @@ class StageReplica:
         self.micro_batches = self.samples = 0
         return n
 
+    def _hold(self, micro_batch: bytes, held: _Held) -> None:
+        self._held[micro_batch] = held
+        self._held_bytes += _nbytes(held)
+
+    def _pop(self, micro_batch: bytes) -> _Held | None:
+        held = self._held.pop(micro_batch, None)
+        if held is not None:
+            self._held_bytes -= _nbytes(held)
+        return held
+
     def _full(self) -> bool:
         """Whether the micro-batches accumulated and in flight make a step already: a
         forward more waits for that step (no step is on more than the run's batch)."""
@@ -438,5 +462,13 @@ class StageReplica:
             name, held = next(iter(self._held.items()))
             if held.at > limit:
                 break
-            del self._held[name]
+            self._pop(name)
             self.dropped += 1
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
+def _nbytes(held: _Held) -> int:
+    return held.input.nbytes + (0 if held.targets is None else held.targets.nbytes)
