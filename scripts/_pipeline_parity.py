@@ -197,9 +197,11 @@ def diloco_arm(
         config=peer_config(tmp, "p1", ()), on_event=events[0],
     )  # fmt: skip
     with first:
+        # tokens_per_step on both: pacing counts each peer's steps by it (a joiner left
+        # at the default, 1 token a step, made a round due every two steps of 0.5 s).
         second = swarmloco.join(
             first.swarm_id, models[1], optimizers[1], peers=[first.endpoint],
-            config=peer_config(tmp, "p2", ()), on_event=events[1],
+            tokens_per_step=tokens, config=peer_config(tmp, "p2", ()), on_event=events[1],
         )  # fmt: skip
         with second:
             swarms = [first, second]
