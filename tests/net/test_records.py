@@ -186,11 +186,23 @@ def test_progress_record_becomes_a_pacing_report():
     report = progress_report(record.subkey, validate(record, now=NOW))
     assert (report.peer, report.round, report.tokens) == (owner.peer_id_hex, 3, 40_960)
     assert (report.tokens_per_s, report.at) == (812.5, NOW)
+    assert report.step_tokens is None  # a peer that does not say it
+    said = value | {"step_tokens": 4096}
+    record = make_record(progress_key(SWARM), said, expiration=NOW + 30, owner=owner)
+    assert progress_report(record.subkey, validate(record, now=NOW)).step_tokens == 4096
 
 
 @pytest.mark.parametrize(
     "change",
-    [{"tokens": 1.5}, {"tokens": -1}, {"tokens_per_s": -2.0}, {"tokens_per_s": 3}, {"round": -1}],
+    [
+        {"tokens": 1.5},
+        {"tokens": -1},
+        {"tokens_per_s": -2.0},
+        {"tokens_per_s": 3},
+        {"round": -1},
+        {"step_tokens": 0},
+        {"step_tokens": 2.5},
+    ],
 )
 def test_progress_values_that_cannot_be_true_are_rejected(change):
     owner = Identity.generate()

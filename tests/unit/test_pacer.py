@@ -14,7 +14,7 @@ from swarmloco.core.pacing import ProgressReport, Verdict
 from swarmloco.net.records import FAREWELL_AT
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.loop_thread import LoopThread
-from swarmloco.runtime.pacer import EXPECTED_STRANGERS, Pacer
+from swarmloco.runtime.pacer import EXPECTED_STRANGERS, MAX_WAIT_ROUNDS, STEP_SPREAD, Pacer
 from swarmloco.runtime.progress import LocalProgress
 
 H = 10
@@ -78,6 +78,38 @@ def test_a_partner_with_the_other_half_of_the_tokens_makes_the_round_due_early(t
         board = Board(reports=[report("b", 5, tokens=half + TOKENS, rate=1.0)])
         assert pacer(loop, board, tmp_path, steps=H // 2).verdict(4) is Verdict.WAIT
         assert pacer(loop, board, tmp_path, steps=H).verdict(4) is Verdict.DUE
+
+
+def test_each_peer_does_h_of_its_own_steps_whatever_a_step_trains_on(tmp_path):
+    """A partner whose step trains on ten times this peer's tokens: the round wants H steps
+    of each (H x 11 steps' worth of this peer's tokens), not 2 H of this peer's, which its
+    partner's tokens alone would reach after two of its steps. A partner that says none
+    counts as this peer's own; a claim is bounded to STEP_SPREAD of it."""
+    with LoopThread() as loop:
+        big = 10 * TOKENS
+
+        def partner(steps: int, step_tokens: int | None = big) -> Board:
+            said = dataclasses.replace(report("b", 5, tokens=steps * big, rate=1.0),
+                                       step_tokens=step_tokens)  # fmt: skip
+            return Board(reports=[said])
+
+        assert pacer(loop, partner(5), tmp_path, steps=5).verdict(4) is Verdict.WAIT
+        assert pacer(loop, partner(H - 1), tmp_path, steps=H - 1).verdict(4) is Verdict.WAIT
+        assert pacer(loop, partner(H), tmp_path, steps=H).verdict(4) is Verdict.DUE
+        # Said as this peer's own (a peer before the field): 2 H of this peer's steps.
+        assert pacer(loop, partner(2, None), tmp_path, steps=1).verdict(4) is Verdict.DUE
+        # A claim of a billion tokens a step counts as STEP_SPREAD of this peer's: the round
+        # is due once the claimant did H such steps and this peer H of its own.
+        spread = int(STEP_SPREAD) * TOKENS
+        said = report("b", 5, tokens=H * spread - TOKENS, rate=1.0)
+        liar = Board(reports=[dataclasses.replace(said, step_tokens=10**9)])
+        assert pacer(loop, liar, tmp_path, steps=H - 1).verdict(4) is Verdict.WAIT
+        liar.reports = [dataclasses.replace(said, tokens=H * spread, step_tokens=10**9)]
+        assert pacer(loop, liar, tmp_path, steps=H).verdict(4) is Verdict.DUE
+        # And whatever anyone claims, a peer waits no longer than MAX_WAIT_ROUNDS x H steps.
+        idle = Board(reports=[dataclasses.replace(said, tokens=0, step_tokens=10**9)])
+        assert pacer(loop, idle, tmp_path, steps=MAX_WAIT_ROUNDS * H - 1).verdict(4) is Verdict.WAIT
+        assert pacer(loop, idle, tmp_path, steps=MAX_WAIT_ROUNDS * H).verdict(4) is Verdict.DUE
 
 
 def test_a_later_round_claimed_makes_a_peer_behind_unless_its_claimant_is_unbacked(tmp_path):

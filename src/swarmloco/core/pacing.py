@@ -33,6 +33,8 @@ class ProgressReport:
     """Its recent training rate."""
     at: float
     """Unix seconds when the report was made."""
+    step_tokens: int | None = None
+    """The tokens one of its steps trains on (None: not said)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

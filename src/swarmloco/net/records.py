@@ -585,9 +585,13 @@ PROGRESS = register(
                 "tokens": Int(minimum=0),
                 # Its recent training rate.
                 "tokens_per_s": Float(minimum=0.0),
+                # The tokens one of its steps trains on (pacing sums H steps of each
+                # peer); optional: peers before it said none.
+                "step_tokens": Int(minimum=1),
                 # Unix seconds when the report was made.
                 "at": Float(minimum=0.0),
-            }
+            },
+            optional=frozenset({"step_tokens"}),
         ),
         owned=True,
         max_ttl=600.0,
@@ -619,6 +623,7 @@ def progress_report(peer: str, value: Mapping[str, Any]) -> ProgressReport:
         tokens=int(value["tokens"]),
         tokens_per_s=float(value["tokens_per_s"]),
         at=float(value["at"]),
+        step_tokens=int(value["step_tokens"]) if "step_tokens" in value else None,
     )
 
 

@@ -16,7 +16,8 @@
             optimizer.zero_grad()
 
 and on another machine, ``swarmloco.join(SWARM_ID, model, optimizer, data_dir="peer1",
-peers=["HOST:PORT"], tokens_per_step=512)`` with the same model. Both return a :class:`~.swarm.Swarm`.
+peers=["HOST:PORT"], tokens_per_step=512)`` with the same model. Both return a
+:class:`~.swarm.Swarm`.
 """
 
 from __future__ import annotations
@@ -185,11 +186,11 @@ def create(
     ``data_dir``: the peer's key and checkpoints (or ``config.data_dir``). ``peers``:
     HOST:PORT of peers or bootstrap nodes to join through (none: start a network; others
     join through this peer's address, ``swarm.endpoint`` once entered). ``tokens_per_step``:
-    what one optimizer step trains on (the averaging weight; pacing counts H steps of the
-    swarm by it, so give every peer of a swarm about the same: a peer left at the default,
-    1, beside peers that say 1,024 makes rounds due every two of its steps). ``layer_unit``: the layer of
-    a parameter, for Streaming DiLoCo fragments. ``model_info``: kept in the manifest beside
-    the signature (``swarmloco export`` writes a ``config`` entry as ``config.json``).
+    what one optimizer step trains on (the weight of this peer's update in a round, and
+    the step a round is H of: peers may differ, each does about H of its own).
+    ``layer_unit``: the layer of a parameter, for Streaming DiLoCo fragments.
+    ``model_info``: kept in the manifest beside the signature (``swarmloco export`` writes
+    a ``config`` entry as ``config.json``).
     ``host``/``port``: where to serve (default 127.0.0.1, any free port). ``config``: every
     other choice of the peer (:class:`PeerConfig`). ``evaluate``: the global model's loss,
     run every ``config.eval_every`` rounds (see :meth:`Swarm.load_global_into`).

@@ -2,7 +2,8 @@
 matchmaking waits for.
 
 The round is due when the peers working on it have together processed as many tokens as
-each doing H / F steps: a fast peer trains on past its steps while slower ones catch up
+each doing H / F steps (each of its own: their records say their steps' tokens): a fast
+peer trains on past its steps while slower ones catch up
 (and so contributes more tokens, and weight), a slow one joins early, and they arrive at
 matchmaking together. Alone, a peer averages (with itself) every H / F steps. It never
 waits past ``4 H / F`` steps for peers whose reports promise more.
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 FRESH_REPORTS = 5  # a report older than this many publishing intervals: the peer left
 FRESH_MIN_S = 10.0
 MAX_WAIT_ROUNDS = 4
+STEP_SPREAD = 64.0
+"""Another peer's step counts as at most this many times this peer's, and at least its
+share (a swarm's cards differ in batch by less): a claim of its step's tokens holds a
+round off as much as 63 phantom peers would, and never past ``MAX_WAIT_ROUNDS`` H."""
 EXPECTED_STRANGERS = 2  # newcomers a round waits for (a short grace) besides partners
 
 
@@ -125,7 +130,10 @@ class Pacer:
             # the round's steps: a liar cannot make rounds much more frequent).
             return Verdict.DUE
         tokens_per_step = max(1, p.tokens_since_round // max(1, p.steps_since_round))
-        config = PacingConfig(tokens_per_round=max(1, round(working * h * tokens_per_step)))
+        # H steps of each working peer, each at its own step's tokens (bounded claims).
+        steps_of = {r.peer: _step_tokens(r, tokens_per_step) for r in reports if r.round == target}
+        per_round = h * (tokens_per_step + sum(steps_of.values()))
+        config = PacingConfig(tokens_per_round=max(1, round(per_round)))
         found = estimate(
             [mine, *reports],
             round=target,
@@ -212,3 +220,11 @@ class Pacer:
     def _end_late_wait(self) -> None:
         self.late = None
         self.network.late = None
+
+
+def _step_tokens(report: ProgressReport, mine: int) -> float:
+    """The tokens of one step of ``report``'s peer, as it says, within :data:`STEP_SPREAD`
+    of ``mine`` (this peer's own when it says none)."""
+    if report.step_tokens is None:
+        return float(mine)
+    return min(max(float(report.step_tokens), mine / STEP_SPREAD), mine * STEP_SPREAD)

@@ -478,6 +478,9 @@ class Peer:
             "round": self.diloco.round + 1 + self.rounds.started,
             "tokens": p.tokens_since_round,
             "tokens_per_s": p.rate.value,
+            "step_tokens": max(1, p.tokens_since_round // p.steps_since_round)
+            if p.steps_since_round
+            else self.config.tokens_per_step,
             "at": self.parts.now(),
         }
 
