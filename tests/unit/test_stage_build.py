@@ -11,6 +11,8 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -181,15 +183,20 @@ def test_a_stage_of_a_model_bigger_than_the_peers_memory_is_built_within_the_sta
     assert peak < 0.5 * 4 * whole, (peak, whole)
 
 
-def test_a_stage_computes_as_the_peer_chooses_bf16_or_fp32_never_fp16():
-    """The run's precision (auto: bf16 autocast on a GPU, fp32 on the CPU), or the peer's
-    --precision; fp16 would need a loss scale across the stages and is refused."""
+def first_llama_stage() -> tuple[torch.nn.Module, Mapping[str, Any], Any]:
+    """Stage 0 of a two-stage tiny Llama run: the module, the model's config, the run."""
     creator = "ab" * 32
     _, _, _, run = run_from_manifest(build_manifest("llama", "tiny", creator=creator))
     run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, delay=1))
     manifest = build_pipeline_manifest("llama", "tiny", 2, creator=creator, run=run)
     task, model, _, run = run_from_manifest(manifest)
-    stage = task_stage(task, model, run, 2, 0)
+    return task_stage(task, model, run, 2, 0), model, run
+
+
+def test_a_stage_computes_as_the_peer_chooses_bf16_or_fp32_never_fp16():
+    """The run's precision (auto: bf16 autocast on a GPU, fp32 on the CPU), or the peer's
+    --precision; fp16 would need a loss scale across the stages and is refused."""
+    stage, model, run = first_llama_stage()
     assert _work(stage, model, run, "auto", 2).autocast is None  # on the CPU
     assert _work(stage, model, run, "fp32", 2).autocast is None
     assert _work(stage, model, run, "bf16", 2).autocast is torch.bfloat16
@@ -200,12 +207,7 @@ def test_a_stage_computes_as_the_peer_chooses_bf16_or_fp32_never_fp16():
 def test_a_step_holds_a_micro_batch_a_stage_where_its_batch_allows():
     """Micro-batches of up to 8 sequences, at least as many to a step as there are
     stages: the micro-batches of one step are all a stage admits at once."""
-    creator = "ab" * 32
-    _, _, _, run = run_from_manifest(build_manifest("llama", "tiny", creator=creator))
-    run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, delay=1))
-    manifest = build_pipeline_manifest("llama", "tiny", 2, creator=creator, run=run)
-    task, model, _, run = run_from_manifest(manifest)
-    stage = task_stage(task, model, run, 2, 0)
+    stage, model, run = first_llama_stage()
     for batch, stages, micro in ((16, 2, 8), (16, 4, 4), (64, 4, 8), (3, 4, 1), (6, 4, 2)):
         inner = dataclasses.replace(run.inner, batch_size=batch, grad_accum=1)
         work = _work(stage, model, dataclasses.replace(run, inner=inner), "auto", stages)

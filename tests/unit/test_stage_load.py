@@ -95,17 +95,22 @@ def test_a_claimed_rate_counts_at_most_as_the_best_measured_and_a_queue_lowers_a
     assert stats.weight("honest") == 4.0
 
 
-def test_fresh_records_become_the_replicas_a_driver_draws_from():
+def driver_of(replicas: list[list[str]]) -> Driver:
+    """A driver that makes no call (what it draws from is all that is tested)."""
     acts = Boundary(width=4, max_batch=2, max_tokens=4)
     first = StageReplica(torch.nn.Linear(4, 4), first=True, last=False)
-    driver = Driver(
-        None,  # type: ignore[arg-type]  (no call is made here)
+    return Driver(
+        None,  # type: ignore[arg-type]
         first,
         swarm_id=SWARM,
-        replicas=[["old:1"], ["old:2"]],
-        boundaries=[acts, acts],
+        replicas=replicas,
+        boundaries=[acts] * len(replicas),
         ids=acts,
     )
+
+
+def test_fresh_records_become_the_replicas_a_driver_draws_from():
+    driver = driver_of([["old:1"], ["old:2"]])
     loads = [
         load("a:1", stage=1),
         load("b:1", stage=1),
@@ -125,16 +130,7 @@ def test_many_keys_on_one_network_cannot_crowd_out_a_stages_other_replicas():
     """Forty records of one /24 (one machine's many keys and ports) and two honest
     replicas elsewhere: the driver draws from at most four of that network, the ones it
     measured first, and from every honest one; loopback addresses count one by one."""
-    acts = Boundary(width=4, max_batch=2, max_tokens=4)
-    first = StageReplica(torch.nn.Linear(4, 4), first=True, last=False)
-    driver = Driver(
-        None,  # type: ignore[arg-type]  (no call is made here)
-        first,
-        swarm_id=SWARM,
-        replicas=[[]],
-        boundaries=[acts],
-        ids=acts,
-    )
+    driver = driver_of([[]])
     sybils = [f"93.184.216.{i % 250}:{4000 + i}" for i in range(40)]
     honest = ["151.101.1.7:31337", "[2a00:1450::1]:31337"]
     driver.stats.measured(sybils[30], 8, 1.0)  # the driver called this one: it is kept

@@ -94,6 +94,15 @@ def test_no_step_while_a_micro_batch_is_between_its_forward_and_backward():
     assert module.weight.grad is None and r.micro_batches == 0
 
 
+def stepping(lr: float = 0.1, **config: object) -> tuple[StageReplica, torch.nn.Linear]:
+    """A replica that steps SGD itself every ``step_samples`` (in ``config``)."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
+    config = ReplicaConfig(**config)  # type: ignore[arg-type]
+    return StageReplica(module, first=False, last=False, optimizer=opt, config=config), module
+
+
 def park(
     r: StageReplica, name: bytes, x: torch.Tensor, seen: list[torch.Tensor]
 ) -> threading.Thread:
@@ -111,11 +120,7 @@ def test_a_replica_admits_a_steps_sequences_and_holds_the_next_forward_until_the
     """Admission by step samples: a forward past the step's sequences (accumulated plus
     in flight) waits for the step, which is on exactly the run's batch, and then runs
     against the new weights."""
-    torch.manual_seed(0)
-    module = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    r = StageReplica(module, first=False, last=False, optimizer=opt,
-                     config=ReplicaConfig(step_samples=4, inflight_s=30.0))  # fmt: skip
+    r, module = stepping(step_samples=4, inflight_s=30.0)
     stepped_on: list[int] = []
     r.before_step = lambda: stepped_on.append(r.samples)
     x = torch.randn(2, 4)
@@ -136,11 +141,7 @@ def test_a_replica_admits_a_steps_sequences_and_holds_the_next_forward_until_the
 
 
 def test_an_abandoned_micro_batch_lets_the_step_and_the_waiting_forward_go_on():
-    torch.manual_seed(0)
-    module = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    r = StageReplica(module, first=False, last=False, optimizer=opt,
-                     config=ReplicaConfig(step_samples=4, inflight_s=600.0))  # fmt: skip
+    r, _ = stepping(step_samples=4, inflight_s=600.0)
     x = torch.randn(2, 4)
     r.forward(b"a" * 16, x)
     r.forward(b"b" * 16, x)
@@ -157,11 +158,7 @@ def test_an_abandoned_micro_batch_lets_the_step_and_the_waiting_forward_go_on():
 def test_however_many_callers_push_at_once_no_step_is_on_more_than_a_micro_batch_over():
     """Eight callers, micro-batches of 1 to 3 sequences, a step of 6: each step is on 6
     to 8 sequences (admitted while fewer than 6 were), never one caller's worth more."""
-    torch.manual_seed(0)
-    module = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(module.parameters(), lr=0.01)
-    r = StageReplica(module, first=False, last=False, optimizer=opt,
-                     config=ReplicaConfig(step_samples=6, inflight_s=600.0))  # fmt: skip
+    r, _ = stepping(lr=0.01, step_samples=6, inflight_s=600.0)
     stepped_on: list[int] = []
     r.before_step = lambda: stepped_on.append(r.samples)
     failures: list[BaseException] = []
