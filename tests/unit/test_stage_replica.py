@@ -77,6 +77,18 @@ def test_inputs_held_are_bounded_in_bytes_too_and_one_is_always_taken():
     r.forward(b"e" * 16, torch.randn(1, 4))
 
 
+def test_try_abandon_drops_at_once_or_says_a_compute_holds_the_replica():
+    r, _, _ = replica()
+    r.forward(b"a" * 16, torch.randn(2, 4))
+    looked: list[bool] = []
+    with r._lock:  # a compute holds the replica: the event loop must not wait for it
+        other = threading.Thread(target=lambda: looked.append(r.try_abandon(b"a" * 16)))
+        other.start()
+        other.join(timeout=30)
+    assert looked == [False] and r.inflight == 1
+    assert r.try_abandon(b"a" * 16) and r.inflight == 0
+
+
 def test_no_step_while_a_micro_batch_is_between_its_forward_and_backward():
     r, module, _ = replica()
     opt = torch.optim.SGD(module.parameters(), lr=0.1)

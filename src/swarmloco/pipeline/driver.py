@@ -216,8 +216,9 @@ class Driver:
 
     def _abandon(self, name: bytes, trace: Trace) -> None:
         """Have every replica that holds the micro-batch's input drop it, this peer's own
-        too (on its threads: a compute may hold the replica), without waiting."""
-        self._own.submit("backward", self.first.abandon, name)
+        too (at once if no compute holds it, else on its threads), without waiting."""
+        if not self.first.try_abandon(name):
+            self._own.submit("backward", self.first.abandon, name)
         for stage, endpoint in trace.holding.items():
             self._abandon_at(endpoint, stage, name)
         trace.holding.clear()

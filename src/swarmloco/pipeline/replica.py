@@ -330,10 +330,24 @@ class StageReplica:
         step it held back may be taken, a forward waiting for room may come in). Returns
         whether it was held here."""
         with self._lock:
-            held = self._pop(micro_batch) is not None
-            if held:
-                self._lock.notify_all()
-            return held
+            return self._abandon(micro_batch)
+
+    def try_abandon(self, micro_batch: bytes) -> bool:
+        """:meth:`abandon` if no compute holds the replica now (the event loop must not
+        wait for one); returns whether it could look."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._abandon(micro_batch)
+            return True
+        finally:
+            self._lock.release()
+
+    def _abandon(self, micro_batch: bytes) -> bool:
+        held = self._pop(micro_batch) is not None
+        if held:
+            self._lock.notify_all()
+        return held
 
     def step(self, optimizer: torch.optim.Optimizer) -> int:
         """One optimizer step on the mean gradient of the micro-batches accumulated;
