@@ -205,10 +205,12 @@ def test_a_stage_computes_as_the_peer_chooses_bf16_or_fp32_never_fp16():
 
 
 def test_a_step_holds_a_micro_batch_a_stage_where_its_batch_allows():
-    """Micro-batches of up to 8 sequences, at least as many to a step as there are
-    stages: the micro-batches of one step are all a stage admits at once."""
+    """Micro-batches of 4 to 8 sequences (fewer only when the batch is), at least as many
+    to a step as there are stages where the batch allows: the micro-batches of one step
+    are all a stage admits at once."""
     stage, model, run = first_llama_stage()
-    for batch, stages, micro in ((16, 2, 8), (16, 4, 4), (64, 4, 8), (3, 4, 1), (6, 4, 2)):
+    cases = ((16, 2, 8), (16, 4, 4), (64, 4, 8), (32, 8, 4), (4, 2, 4), (6, 4, 4), (3, 4, 3))
+    for batch, stages, micro in cases:
         inner = dataclasses.replace(run.inner, batch_size=batch, grad_accum=1)
         work = _work(stage, model, dataclasses.replace(run, inner=inner), "auto", stages)
         assert (work.step_samples, work.ids.max_batch) == (batch, micro), (batch, stages)

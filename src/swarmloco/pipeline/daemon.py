@@ -366,10 +366,11 @@ def _work(
             )
         autocast = None  # auto on a GPU without bf16: fp32
     sequences = inner.batch_size * inner.grad_accum
-    # A step holds at least a micro-batch a stage where its batch allows (up to 8
-    # sequences each): the micro-batches of one step are all a stage admits at once, and
-    # the stages compute side by side only with that many in flight.
-    micro = max(1, min(8, -(-sequences // stages)))
+    # A step holds at least a micro-batch a stage where its batch allows (4 to 8 sequences
+    # each): the micro-batches of one step are all a stage admits at once, and the stages
+    # compute side by side only with that many in flight. Below 4 sequences a call's own
+    # cost (packing, the hop) outweighs the overlap.
+    micro = max(1, min(8, sequences, max(4, -(-sequences // stages))))
     seq_len, width, vocab = int(model["seq_len"]), int(model["n_embd"]), int(model["vocab_size"])
     return StageWork(
         module=module,
