@@ -24,7 +24,7 @@ from swarmloco.net.rejections import RejectionLog
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
 from swarmloco.pipeline.load import fresh, publish_load, read_loads
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
-from swarmloco.pipeline.service import ABANDON, BACKWARD, FORWARD, StageService
+from swarmloco.pipeline.service import ABANDON, AUDIT, BACKWARD, FORWARD, StageService
 from swarmloco.pipeline.stages import GPTStage, gpt_stages, split_evenly
 from swarmloco.pipeline.wire import Boundary, pack
 from swarmloco.proto.v1 import stage_pb2 as pb
@@ -496,3 +496,130 @@ async def test_replicas_say_where_they_serve_in_the_dht_and_a_driver_draws_among
     assert [s.replica.micro_batches for s in services] == [4, 4]
     # Each backward was timed (its rate is said once its warm-up is over: test_stage_load).
     assert all(s.replica.rate.steps == 4 for s in services)
+
+
+class _Flip(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return -grad
+
+
+class FlippedGradient(torch.nn.Module):
+    """A liar's stage: honest outputs and parameter gradients, and the input gradient it
+    returns sign-flipped (the stages before it would climb the loss). Every value is in
+    bounds and finite."""
+
+    def __init__(self, stage: GPTStage) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return self.stage(_Flip.apply(x), targets)
+
+
+class LyingAuditor(StageReplica):
+    """A liar that serves its micro-batches honestly and answers audits of the others'
+    with the input gradient scaled by 3 (to frame the replica audited)."""
+
+    def audit(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out, grad = super().audit(*args, **kwargs)
+        return out, 3 * grad
+
+
+def nudged(stage: GPTStage, seed: int) -> GPTStage:
+    """A copy of ``stage`` whose weights moved a little, as an honest replica's own steps
+    since its stage's round move them."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.add_(0.02 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    return stage
+
+
+@pytest.mark.parametrize("liar", ["on-its-path", "in-audits"])
+async def test_a_replica_that_answers_wrong_in_bounds_is_found_out_and_no_longer_drawn(liar):
+    local, remote = gpt_stages(CONFIG, 2, seed=5)
+    first = StageReplica(local, first=True, last=False)
+    honest = [service_of(nudged(gpt_stages(CONFIG, 2, seed=5)[1], s), 1, 2, "int8")
+              for s in (1, 2)]  # fmt: skip
+    if liar == "on-its-path":
+        lying = service_of(
+            remote, 1, 2, "int8", StageReplica(FlippedGradient(remote), first=False, last=True)
+        )
+    else:
+        lying = service_of(remote, 1, 2, "int8", LyingAuditor(remote, first=False, last=True))
+    config = DriverConfig(audit_share=1.0, max_audits=1)
+    async with pipeline([[*honest, lying]], first, config=config) as (drv, endpoints):
+        drv.rng = random.Random(7)
+        events: list[dict[str, object]] = []
+        drv.on_event = lambda event, **fields: events.append({"event": event, **fields})
+        liar_at = endpoints[0][2]
+        for seed in range(60):
+            await drv.run(*batch(seed))
+            await drv.finish_audits()
+            if drv.audits["found-out"]:
+                break
+        assert list(drv.distrusted) == [liar_at], (drv.audits, events)
+        assert events[0]["event"] == "replica-distrusted" and events[0]["endpoint"] == liar_at
+        assert drv.audits["agreed"] > 0 and drv.audits["found-out"] == 1
+        # From now on it is drawn neither for a hop nor for an audit.
+        audited_at = lying.replica.served
+        for seed in range(100, 110):
+            trace = await drv.run(*batch(seed))
+            assert liar_at not in trace.path
+        await drv.finish_audits()
+        assert lying.replica.served == audited_at and drv.audits["found-out"] == 1
+
+
+async def test_two_replicas_that_do_not_agree_are_a_dispute_and_nobody_is_distrusted():
+    """With one honest replica and one liar a driver cannot tell which lied: it counts the
+    dispute and draws both as before."""
+    local, remote = gpt_stages(CONFIG, 2, seed=6)
+    first = StageReplica(local, first=True, last=False)
+    honest = service_of(gpt_stages(CONFIG, 2, seed=6)[1], 1, 2, "int8")
+    lying = service_of(remote, 1, 2, "int8", StageReplica(FlippedGradient(remote),
+                                                          first=False, last=True))  # fmt: skip
+    config = DriverConfig(audit_share=1.0, max_audits=1)
+    async with pipeline([[honest, lying]], first, config=config) as (drv, _):
+        drv.rng = random.Random(3)
+        for seed in range(8):
+            await drv.run(*batch(seed))
+            await drv.finish_audits()
+    assert drv.audits["disputed"] == 8 and not drv.distrusted
+    assert drv.audits["found-out"] == 0
+
+
+async def test_hostile_audit_calls_are_refused_and_counted():
+    local, remote = gpt_stages(CONFIG, 3, seed=7)[:2]
+    service = service_of(remote, 1, 3, "int8")
+    first = StageReplica(local, first=True, last=False)
+    async with pipeline([[service]], first) as (drv, endpoints):
+        good = torch.randn(4, CONFIG.seq_len, CONFIG.n_embd)
+
+        async def audit(**fields: object) -> str:
+            request = pb.AuditRequest(swarm_id=SWARM, **{"stage": 1, **fields})  # type: ignore[arg-type]
+            answer = await drv.client.call(endpoints[0][0], AUDIT, request, timeout=10.0)
+            assert answer.WhichOneof("outcome") == "refused", answer
+            return answer.refused.code
+
+        assert await audit(input=pack(good, "f32")) == "bad-shape"  # no output gradient
+        assert await audit(input=pack(good, "f32"), stage=0) == "wrong-stage"
+        wrong = pack(torch.randn(4, CONFIG.seq_len, CONFIG.n_embd + 1), "f32")
+        assert await audit(input=pack(good, "f32"), grad_output=wrong) == "bad-shape"
+        huge = good.clone()
+        huge[0, 0, 0] = 1e30
+        assert await audit(input=pack(good, "f32"), grad_output=pack(huge, "f32")) == (
+            "out-of-bounds"
+        )
+        request = pb.AuditRequest(swarm_id=SWARM, stage=1, input=pack(good, "int8"),
+                                  grad_output=pack(good, "int8"))  # fmt: skip
+        answer = await drv.client.call(endpoints[0][0], AUDIT, request, timeout=10.0)
+        assert answer.WhichOneof("outcome") == "answer"
+        assert tuple(answer.answer.grad_input.shape) == tuple(good.shape)
+    assert service.replica.inflight == 0 and service.replica.micro_batches == 0
+    assert all(p.grad is None for p in remote.parameters())
+    assert dict(service.refused) == {"wrong-stage": 1, "bad-shape": 2, "out-of-bounds": 1}

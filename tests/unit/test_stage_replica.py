@@ -341,3 +341,64 @@ def test_a_step_whose_gradient_is_not_finite_is_not_taken():
     r.step(optimizer)  # the next one steps
     assert r.steps == 1 and bool(torch.isfinite(module.weight).all())
     assert not torch.equal(module.weight, weights)
+
+
+class Dropped(torch.nn.Module):
+    """A stage with dropout: its answers depend on the generator its forward draws from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.linear(x))
+
+
+def test_an_audit_computes_what_forward_and_backward_gave_and_keeps_nothing():
+    """A second replica with the same weights, audited with the micro-batch's seed, answers
+    exactly what the first did (dropout included), holds no input, adds no gradient, and
+    leaves the process's generator where it was; the seed, not the generator, decides."""
+    torch.manual_seed(0)
+    used, auditor = Dropped(), Dropped()
+    auditor.load_state_dict(used.state_dict())
+    a = StageReplica(used, first=False, last=False)
+    b = StageReplica(auditor, first=False, last=False)
+    x, dy = torch.randn(3, 4), torch.randn(3, 4)
+    out = a.forward(b"a" * 16, x, seed=1234)
+    grad = a.backward(b"a" * 16, dy)
+    generator = torch.get_rng_state()
+    again, grad_again = b.audit(x, None, dy, seed=1234)
+    assert torch.equal(torch.get_rng_state(), generator)
+    torch.testing.assert_close(again, out)
+    torch.testing.assert_close(grad_again, grad)
+    assert b.inflight == 0 and b.micro_batches == 0
+    assert all(p.grad is None for p in auditor.parameters())
+    other, _ = b.audit(x, None, dy, seed=99)  # another seed: other units dropped
+    assert not torch.equal(other, out)
+    with pytest.raises(Rejection) as refused:
+        b.audit(x, None, torch.randn(3, 5), seed=1)
+    assert refused.value.code == "bad-shape"
+    with pytest.raises(Rejection) as refused:
+        b.audit(x, None, None)
+    assert refused.value.code == "malformed"
+
+
+def test_an_audit_is_refused_while_the_owner_holds_the_replica():
+    """Between a step and its release the owner's round may change the weights: an audit
+    then would compare answers of weights that never served a micro-batch."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    r = StageReplica(module, first=False, last=False, optimizer=opt, owned=True,
+                     config=ReplicaConfig(step_samples=2))  # fmt: skip
+    x = torch.randn(2, 4)
+    r.forward(b"a" * 16, x)
+    r.backward(b"a" * 16, torch.ones(2, 4))
+    assert r.take_step(timeout=30.0) == 2
+    with pytest.raises(Rejection) as refused:
+        r.audit(x, None, torch.ones(2, 4))
+    assert refused.value.code == "busy"
+    r.release()
+    out, _ = r.audit(x, None, torch.ones(2, 4))
+    torch.testing.assert_close(out, module(x).detach())

@@ -100,6 +100,7 @@ def _join(args: argparse.Namespace) -> int:
             ("--stage", args.stage is not None),
             ("--slowdown", args.slowdown > 0),
             ("--in-flight", args.in_flight is not None),
+            ("--audit-share", args.audit_share is not None),
         )
         staged = [flag for flag, was_given in given if was_given]
         if staged:

@@ -61,6 +61,16 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "run's batch); default: the run's stage count",
     )
     g.add_argument(
+        "--audit-share",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="in a pipelined run, a stage-0 peer has this share of each later stage's answers "
+        "computed again by another replica of the stage and compared; a replica found "
+        "answering wrong (by three answers) is not drawn for an hour (default: 0.05; 0: no "
+        "audits)",
+    )
+    g.add_argument(
         "--slowdown",
         type=float,
         default=0.0,
@@ -381,6 +391,7 @@ def _run_stage(
         slowdown_s=args.slowdown,
         precision=args.precision,
         in_flight=args.in_flight,
+        audit_share=args.audit_share,
     )
     logging.getLogger("swarmloco.peer").info(
         "left stage %d at round %d after %d steps (%d micro-batches driven, %d moves): %s",

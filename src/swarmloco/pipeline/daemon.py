@@ -34,7 +34,7 @@ from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import Stopped, SwarmlocoError
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
-from swarmloco.pipeline.driver import PipelineError, Trace
+from swarmloco.pipeline.driver import DriverConfig, PipelineError, Trace
 from swarmloco.pipeline.load import StageLoad, fresh, read_loads
 from swarmloco.pipeline.manifest import (
     declare_pipeline,
@@ -160,6 +160,7 @@ def train_stage(
     slowdown_s: float = 0.0,
     precision: Precision | None = None,
     in_flight: int | None = None,
+    audit_share: float | None = None,
 ) -> StageSummary:
     """Serve ``stage`` of the pipelined run ``manifest`` (None: :func:`served_before`, else
     :func:`~swarmloco.pipeline.rebalance.choose_stage`) on ``device`` (``auto``: a GPU if
@@ -170,7 +171,8 @@ def train_stage(
     (auto: bf16 autocast on a GPU that has it, fp32 elsewhere; fp16 is not offered to a
     stage, which would need a loss scale across the pipeline). ``in_flight``: the
     micro-batches a stage-0 peer keeps in the pipeline at once (None: the run's stage
-    count)."""
+    count). ``audit_share``: the share of each later stage's answers a stage-0 peer has
+    computed again by another replica and compared (None: ``DriverConfig``'s)."""
     if slowdown_s < 0:
         raise ValueError(f"slowdown_s must be >= 0, got {slowdown_s}")
     if in_flight is not None and in_flight < 1:
@@ -196,6 +198,7 @@ def train_stage(
     if not 0 <= stage < pipeline.stages:
         raise SwarmlocoError(f"swarm {manifest.swarm_id} has stages 0 to {pipeline.stages - 1}")
     in_flight = in_flight or pipeline.stages
+    driver = DriverConfig() if audit_share is None else DriverConfig(audit_share=audit_share)
     rebalancer = Rebalancer(
         rebalance or RebalanceConfig(), pipeline.stages, identity.peer_id_hex, on_event
     )
@@ -222,7 +225,13 @@ def train_stage(
                 "bf16 autocast" if work.autocast else "fp32",
             )  # fmt: skip
             peer = StagePeer(
-                manifest, stage, work, config=config, identity=identity, on_event=on_event
+                manifest,
+                stage,
+                work,
+                config=config,
+                identity=identity,
+                on_event=on_event,
+                driver=driver,
             )
             move: int | None = None
             current[:] = [peer]

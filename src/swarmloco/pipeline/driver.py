@@ -28,23 +28,34 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import logging
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from swarmloco.core.config import require_int, require_positive
+from swarmloco.core.config import require_fraction, require_int, require_positive
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.client import Method, Req, Resp, RpcClient, RpcError
 from swarmloco.net.endpoints import endpoint_network
 from swarmloco.net.rejections import Rejection
+from swarmloco.pipeline.audit import Answer, Used, distance, judge
 from swarmloco.pipeline.load import StageLoad
 from swarmloco.pipeline.replica import StageReplica
-from swarmloco.pipeline.service import ABANDON, BACKWARD, FORWARD, MICRO_BATCH_BYTES, CallPools
+from swarmloco.pipeline.service import (
+    ABANDON,
+    AUDIT,
+    BACKWARD,
+    FORWARD,
+    MICRO_BATCH_BYTES,
+    CallPools,
+)
 from swarmloco.pipeline.wire import Boundary, pack, unpack
 from swarmloco.proto.v1 import stage_pb2 as pb
+
+logger = logging.getLogger(__name__)
 
 BUSY_PAUSE_S = 0.1
 """The first pause before a stage whose every replica was busy is tried again."""
@@ -69,11 +80,25 @@ class DriverConfig:
     """A stage's replicas drawn from at most, per source network (the /24 of a public
     IPv4 address, the /64 of IPv6; a loopback or private address each its own): many
     keys on one network cannot crowd out the stage's other replicas."""
+    audit_share: float = 0.05
+    """The chance that a stage's answer to a micro-batch is computed again by another
+    replica and compared (each stage of each micro-batch drawn apart; 0: no audits)."""
+    audit_tolerance: float = 0.5
+    """Two answers to one micro-batch agree within this relative distance (honest replicas
+    of a stage differ by their own steps since the stage's last round)."""
+    distrust_s: float = 3600.0
+    """How long a replica found out answering wrong is not drawn again."""
+    max_audits: int = 2
+    """Audits under way at once; one more due then is not made."""
 
     def __post_init__(self) -> None:
         require_positive("hop_timeout_s", self.hop_timeout_s)
         require_positive("shun_s", self.shun_s)
         require_int("replicas_per_network", self.replicas_per_network, minimum=1)
+        require_fraction("audit_share", self.audit_share)
+        require_positive("audit_tolerance", self.audit_tolerance)
+        require_positive("distrust_s", self.distrust_s)
+        require_int("max_audits", self.max_audits, minimum=1)
 
 
 @dataclasses.dataclass
@@ -135,6 +160,7 @@ class Driver:
         ids: Boundary,
         config: DriverConfig | None = None,
         rng: random.Random | None = None,
+        on_event: Callable[..., None] | None = None,
     ) -> None:
         self.client = client
         self.first = first
@@ -150,10 +176,21 @@ class Driver:
         """Where this peer's own stage computes (as a replica's service does)."""
         self._abandoning: set[asyncio.Task[None]] = set()
         """Abandon calls under way (kept: a task nobody refers to may be collected)."""
+        self.on_event = on_event
+        """Called as ``on_event(name, **fields)`` for ``replica-distrusted``."""
+        self.distrusted: dict[str, float] = {}
+        """Replicas found out answering wrong, until when they are not drawn."""
+        self.audits: collections.Counter[str] = collections.Counter()
+        """Audits by outcome: ``agreed``, ``found-out``, ``disputed``, ``unchecked`` (no
+        other replica answered), ``not-made`` (too many under way)."""
+        self._auditing: set[asyncio.Task[None]] = set()
 
     def close(self) -> None:
-        """Stop its worker threads (its peer leaves)."""
+        """Stop its worker threads and its audits (its peer leaves; any thread)."""
         self._own.close()
+        for task in list(self._auditing):
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs
+                task.get_loop().call_soon_threadsafe(task.cancel)
 
     def update(self, loads: Sequence[StageLoad]) -> None:
         """Draw from the replicas of these (fresh) records from now on: each later stage's,
@@ -205,14 +242,24 @@ class Driver:
         return [endpoints[i] for i in sorted(kept)]
 
     async def run(self, x: torch.Tensor, targets: torch.Tensor) -> Trace:
-        """One micro-batch, forward and backward: its loss and path."""
+        """One micro-batch, forward and backward: its loss and path. The answers drawn for
+        an audit are audited once it is through, without waiting."""
         name = os.urandom(MICRO_BATCH_BYTES)
         trace = Trace()
+        stages = len(self.replicas) + 1
+        audited = {
+            k: Used(stage=k, endpoint="", forward=pb.ForwardRequest())
+            for k in range(1, stages)
+            if self.rng.random() < self.config.audit_share
+        }
         try:
-            return await self._run(name, x, targets, trace)
+            await self._run(name, x, targets, trace, audited)
         except BaseException:
             self._abandon(name, trace)
             raise
+        for used in audited.values():
+            self._start_audit(used)
+        return trace
 
     def _abandon(self, name: bytes, trace: Trace) -> None:
         """Have every replica that holds the micro-batch's input drop it, this peer's own
@@ -235,8 +282,13 @@ class Driver:
             await self.client.call(endpoint, ABANDON, request, timeout=10.0, attempts=1)
 
     async def _run(
-        self, name: bytes, x: torch.Tensor, targets: torch.Tensor, trace: Trace
-    ) -> Trace:
+        self,
+        name: bytes,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        trace: Trace,
+        audited: dict[int, Used],
+    ) -> None:
         h = await self._own.run("forward", self.first.forward, name, x)
         stages = len(self.replicas) + 1
         for k in range(1, stages):
@@ -247,13 +299,19 @@ class Driver:
                 micro_batch=name,
                 input=await self._pack(h, f"stage {k - 1}'s output"),
                 targets=pack(targets, "i64") if last else None,
+                seed=self.rng.getrandbits(63) | 1,
             )
             trace.bytes_sent += len(request.input.data) + len(request.input.scales)
             endpoint, answer = await self._forward(k, request, trace)
             trace.path.append(endpoint)
             trace.holding[k] = endpoint
+            used = audited.get(k)
+            if used is not None:
+                used.endpoint, used.forward = endpoint, request
             if last:
                 trace.loss = answer.loss
+                if used is not None:
+                    used.output = answer.loss
             else:
                 trace.bytes_received += len(answer.output.data) + len(answer.output.scales)
                 try:
@@ -263,6 +321,8 @@ class Driver:
                 except Rejection as exc:  # what a replica answers is checked like a call
                     self.shunned[endpoint] = time.monotonic() + self.config.shun_s
                     raise PipelineError(f"stage {k} on {endpoint} answered badly: {exc}") from exc
+                if used is not None:
+                    used.output = h
         grad: torch.Tensor | None = None
         for k in range(stages - 1, 0, -1):
             request_b = pb.BackwardRequest(
@@ -287,6 +347,9 @@ class Driver:
                 grad = await asyncio.to_thread(
                     unpack, answer_b.grad_input, self.boundaries[k - 1], f"stage {k}'s gradient"
                 )
+                used = audited.get(k)
+                if used is not None:
+                    used.grad_output, used.grad_input = request_b.grad_output, grad
             except (RpcError, Rejection) as exc:
                 # Only the replica that ran the forward holds its input: the micro-batch is
                 # lost (the replicas before it drop theirs at their deadline), never the peer.
@@ -295,7 +358,6 @@ class Driver:
                     f"stage {k}'s backward on {endpoint} failed ({exc}): the micro-batch is lost"
                 ) from exc
         await self._own.run("backward", self.first.backward, name, grad)
-        return trace
 
     async def _pack(self, x: torch.Tensor, what: str) -> pb.StageTensor:
         try:
@@ -358,7 +420,9 @@ class Driver:
         fresh = [
             e
             for e in self.replicas[stage - 1]
-            if e not in tried and self.shunned.get(e, 0.0) <= now
+            if e not in tried
+            and self.shunned.get(e, 0.0) <= now
+            and self.distrusted.get(e, 0.0) <= now
         ]
         if not fresh:
             return None
@@ -374,3 +438,97 @@ class Driver:
         return await self.client.call(
             endpoint, method, request, timeout=self.config.hop_timeout_s, attempts=1
         )
+
+    async def finish_audits(self) -> None:
+        """Wait for the audits under way to end."""
+        while self._auditing:
+            await asyncio.gather(*list(self._auditing), return_exceptions=True)
+
+    def _start_audit(self, used: Used) -> None:
+        """Audit ``used`` in the background, if fewer than ``max_audits`` are under way."""
+        if len(self._auditing) >= self.config.max_audits:
+            self.audits["not-made"] += 1
+            return
+        task = asyncio.get_running_loop().create_task(self._audit(used))
+        self._auditing.add(task)
+        task.add_done_callback(self._auditing.discard)
+
+    async def _audit(self, used: Used) -> None:
+        """Have another replica of the stage compute ``used``'s answer again and compare;
+        a third when the two do not agree, and judge by the three (``audit.judge``)."""
+        stage, tolerance = used.stage, self.config.audit_tolerance
+        tried = {used.endpoint}
+        answers: dict[str, Answer] = {used.endpoint: used.answer()}
+        while len(answers) < 3:
+            auditor = await self._audit_at(used, tried)
+            if auditor is None:
+                break
+            answers[auditor[0]] = auditor[1]
+            if len(answers) == 2 and distance(*answers.values()) <= tolerance:
+                self.audits["agreed"] += 1
+                return
+        endpoints = list(answers)
+        distances = {
+            (i, j): distance(answers[endpoints[i]], answers[endpoints[j]])
+            for i in range(len(endpoints))
+            for j in range(i + 1, len(endpoints))
+        }
+        said = ", ".join(
+            f"{endpoints[i]}-{endpoints[j]} {d:.3g}" for (i, j), d in distances.items()
+        )
+        if len(answers) == 1:
+            self.audits["unchecked"] += 1
+            return
+        suspect = judge(distances, tolerance) if len(answers) == 3 else None
+        if suspect is None:
+            self.audits["disputed"] += 1
+            logger.warning(
+                "stage %d's answers to a micro-batch do not agree, and do not say who is "
+                "wrong (relative distances: %s; the tolerance %.3g)", stage, said, tolerance
+            )  # fmt: skip
+            return
+        liar = endpoints[suspect]
+        self.audits["found-out"] += 1
+        self.distrusted[liar] = time.monotonic() + self.config.distrust_s
+        logger.warning(
+            "stage %d's replica at %s answered a micro-batch wrong (relative distances: %s; "
+            "the tolerance %.3g): not drawn for %.0f s", stage, liar, said, tolerance,
+            self.config.distrust_s,
+        )  # fmt: skip
+        if self.on_event is not None:
+            self.on_event("replica-distrusted", endpoint=liar, at_stage=stage, distances=said)
+
+    async def _audit_at(self, used: Used, tried: set[str]) -> tuple[str, Answer] | None:
+        """``used``'s answer from a replica of its stage not in ``tried`` (each tried is
+        added; one that refuses or fails makes way for the next): None when none answers."""
+        k = used.stage
+        request = pb.AuditRequest(
+            swarm_id=self.swarm_id,
+            stage=k,
+            input=used.forward.input,
+            targets=used.forward.targets if used.forward.HasField("targets") else None,
+            seed=used.forward.seed,
+            grad_output=used.grad_output,
+        )
+        last = k == len(self.replicas)
+        while (endpoint := self._draw(k, tried)) is not None:
+            tried.add(endpoint)
+            try:
+                reply = await self._call(endpoint, AUDIT, request)
+                if reply.WhichOneof("outcome") != "answer":
+                    continue  # busy (a round), or leaving: the next one
+                output: torch.Tensor | float = reply.answer.loss
+                if not last:
+                    output = await asyncio.to_thread(
+                        unpack, reply.answer.output, self.boundaries[k], "an audit's output"
+                    )
+                grad = await asyncio.to_thread(
+                    unpack, reply.answer.grad_input, self.boundaries[k - 1], "an audit's gradient"
+                )
+            except RpcError:
+                continue
+            except Rejection:  # what it answered is checked like any answer
+                self.shunned[endpoint] = time.monotonic() + self.config.shun_s
+                continue
+            return endpoint, Answer(output, grad)
+        return None

@@ -288,6 +288,7 @@ class StagePeer:
             boundaries=[self.work.activations] * (self.stages - 1),
             ids=self.work.ids,
             config=self.driver_config,
+            on_event=self.emit,
         )
         reading = keep_reading(dht, self.run.swarm_id, self.driver.update, interval_s=interval)
         self._loops.append(peer.loop.submit(reading))

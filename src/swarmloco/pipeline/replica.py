@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -195,9 +195,15 @@ class StageReplica:
             raise Rejection("busy", "this replica is leaving")
 
     def forward(
-        self, micro_batch: bytes, x: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        micro_batch: bytes,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        seed: int = 0,
     ) -> torch.Tensor:
-        """The stage's output for ``x`` (the loss, at the last stage, with ``targets``)."""
+        """The stage's output for ``x`` (the loss, at the last stage, with ``targets``);
+        its randomness (dropout) drawn from ``seed`` (0: the replica's own generator)."""
         if self.last and targets is None:
             raise Rejection("malformed", "the last stage needs the targets")
         arrived = time.perf_counter()
@@ -215,10 +221,9 @@ class StageReplica:
             size = x.nbytes + (0 if targets is None else targets.nbytes)
             if self._held and self._held_bytes + size > self.config.max_held_bytes:
                 raise Rejection("busy", f"{self._held_bytes} bytes of inputs held here")
-            rng = self._rng_state()
             started = time.perf_counter()
             on_device = x.to(self.device)
-            with torch.no_grad(), self._autocast():
+            with self._seeded(seed) as rng, torch.no_grad(), self._autocast():
                 if self.last:
                     out = self.module(on_device, _to(targets, self.device))
                 else:
@@ -256,6 +261,59 @@ class StageReplica:
         """The generators a forward draws from (dropout): the CPU's and, on a GPU, its."""
         on_gpu = self.device.type == "cuda"
         return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if on_gpu else None
+
+    @contextlib.contextmanager
+    def _seeded(self, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The generators' state a forward starts from, yielded: with a ``seed``, drawn
+        from it (the process's generators untouched), else the process's own (advanced)."""
+        if not seed:
+            yield self._rng_state()
+            return
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            yield self._rng_state()
+
+    def audit(
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None,
+        grad_output: torch.Tensor | None,
+        *,
+        seed: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stage's output for ``x`` (the loss, at the last stage) and the gradient with
+        respect to ``x`` of the output against ``grad_output`` (of the loss, at the last
+        stage), with the randomness drawn from ``seed``: what another replica answered for
+        a micro-batch, computed again for its driver to compare (``docs/DESIGN.md`` section
+        10, "Audits"). Keeps nothing: no input held, no gradient added to the accumulator.
+        Refused as busy while the owner holds the replica (a round may change the weights)."""
+        if self.first:
+            raise Rejection("malformed", "stage 0 is its driver's own: nobody audits it")
+        if self.last and targets is None:
+            raise Rejection("malformed", "the last stage needs the targets")
+        if not self.last and grad_output is None:
+            raise Rejection("malformed", "an audit of this stage needs the output's gradient")
+        with self._lock:
+            self._check_open()
+            if self._holding:
+                raise Rejection("busy", "this replica is between two steps (a round)")
+            on_device = x.to(self.device).detach().requires_grad_(True)
+            with self._seeded(seed), torch.enable_grad():
+                with self._autocast():
+                    if self.last:
+                        out = self.module(on_device, _to(targets, self.device))
+                    else:
+                        out = self.module(on_device)
+                if self.last:
+                    (grad,) = torch.autograd.grad(out, on_device)
+                else:
+                    assert grad_output is not None
+                    if grad_output.shape != out.shape:
+                        raise Rejection("bad-shape", "the gradient is not the output's shape")
+                    (grad,) = torch.autograd.grad(
+                        out, on_device, grad_output.to(self.device, out.dtype)
+                    )
+            return out.detach().float().cpu(), grad.float().cpu()
 
     def load(self) -> dict[str, float | int]:
         """What this replica's ``stage-load`` record says of it: its rate, the micro-batches

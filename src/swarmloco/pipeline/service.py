@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
+import torch
 
 from swarmloco.net.client import Method
 from swarmloco.net.rejections import Rejection, RejectionLog
@@ -29,11 +30,18 @@ SERVICE_NAME = "swarmloco.v1.Stage"
 FORWARD = Method(f"/{SERVICE_NAME}/Forward", pb.ForwardRequest, pb.ForwardResponse)
 BACKWARD = Method(f"/{SERVICE_NAME}/Backward", pb.BackwardRequest, pb.BackwardResponse)
 ABANDON = Method(f"/{SERVICE_NAME}/Abandon", pb.AbandonRequest, pb.AbandonResponse)
+AUDIT = Method(f"/{SERVICE_NAME}/Audit", pb.AuditRequest, pb.AuditResponse)
 MICRO_BATCH_BYTES = 16
 FORWARD_THREADS = 32
 """Forwards computed or waiting for a due step at once; more wait for a thread."""
 BACKWARD_THREADS = 2
 """Backwards at once (the replica computes one at a time, under its lock)."""
+AUDIT_THREADS = 1
+"""Audits at once: on threads of their own, so that audits never hold a backward back
+by more than the one compute under way."""
+AUDITS_WAITING = 4
+"""Audits running or waiting for their thread at most; more are refused as busy (an
+audit costs a compute and holds its tensors: nobody queues them without bound)."""
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,14 +52,16 @@ class CallPools:
     forward may wait for a due step, holding its thread, and the backwards that bring the
     step must never queue behind such forwards (docs/DESIGN.md section 10)."""
 
-    def __init__(self, name: str, *, forwards: int, backwards: int) -> None:
+    def __init__(self, name: str, *, forwards: int, backwards: int, audits: int = 0) -> None:
+        calls = (("forward", forwards), ("backward", backwards), ("audit", audits))
         self._pools = {
             call: concurrent.futures.ThreadPoolExecutor(threads, f"swarmloco-{name}-{call}")
-            for call, threads in (("forward", forwards), ("backward", backwards))
+            for call, threads in calls
+            if threads
         }
 
     async def run(self, call: str, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on a thread of ``call``'s pool ("forward" or "backward");
+        """``fn(*args)`` on a thread of ``call``'s pool ("forward", "backward", "audit");
         :class:`Rejection` ``busy`` once closed (the peer is leaving)."""
         try:
             future = asyncio.get_running_loop().run_in_executor(self._pools[call], fn, *args)
@@ -95,8 +105,12 @@ class StageService:
         self.rejections = rejections
         self.refused: collections.Counter[str] = collections.Counter()
         """Refusals by code."""
+        self._audits = 0  # running or waiting for their thread (on the event loop)
         self._pools = CallPools(
-            f"stage{stage}", forwards=FORWARD_THREADS, backwards=BACKWARD_THREADS
+            f"stage{stage}",
+            forwards=FORWARD_THREADS,
+            backwards=BACKWARD_THREADS,
+            audits=AUDIT_THREADS,
         )
 
     def close(self) -> None:
@@ -114,6 +128,7 @@ class StageService:
                 "Forward": (pb.ForwardRequest, self.forward),
                 "Backward": (pb.BackwardRequest, self.backward),
                 "Abandon": (pb.AbandonRequest, self.abandon),
+                "Audit": (pb.AuditRequest, self.audit),
             },
             rejections=self.rejections,
         )
@@ -132,16 +147,22 @@ class StageService:
             return pb.ForwardResponse(refused=self._refuse(rejection, context))
 
     def _forward(self, request: pb.ForwardRequest) -> pb.ForwardResponse:
-        x = unpack(request.input, self.inputs, "input")
-        targets = None
-        if self.targets is not None:
-            targets = unpack(request.targets, self.targets, "targets")
-            if targets.shape != x.shape[:2]:
-                raise Rejection("bad-shape", "the targets are not the input's shape")
-        out = self.replica.forward(request.micro_batch, x, targets)
+        x, targets = self._inputs(request.input, request.targets)
+        out = self.replica.forward(request.micro_batch, x, targets, seed=request.seed)
         if self.replica.last:
             return pb.ForwardResponse(loss=float(out))
         return pb.ForwardResponse(output=pack(out, self.encoding))
+
+    def _inputs(
+        self, input: pb.StageTensor, targets: pb.StageTensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = unpack(input, self.inputs, "input")
+        if self.targets is None:
+            return x, None
+        y = unpack(targets, self.targets, "targets")
+        if y.shape != x.shape[:2]:
+            raise Rejection("bad-shape", "the targets are not the input's shape")
+        return x, y
 
     async def backward(self, request: pb.BackwardRequest, context: Any) -> pb.BackwardResponse:
         try:
@@ -169,6 +190,34 @@ class StageService:
             return pb.AbandonResponse(dropped=dropped)
         except Rejection as rejection:
             return pb.AbandonResponse(refused=self._refuse(rejection, context))
+
+    async def audit(self, request: pb.AuditRequest, context: Any) -> pb.AuditResponse:
+        """A micro-batch's answer computed again for a driver checking another replica's
+        (``StageReplica.audit``), one at a time, on a thread of its own."""
+        try:
+            self._check_call(request.swarm_id, request.stage, bytes(MICRO_BATCH_BYTES))
+            if self._audits >= AUDITS_WAITING:
+                raise Rejection("busy", f"{self._audits} audits are waiting here")
+            self._audits += 1
+            try:
+                return await self._compute("audit", self._audit, request)
+            finally:
+                self._audits -= 1
+        except Rejection as rejection:
+            return pb.AuditResponse(refused=self._refuse(rejection, context))
+
+    def _audit(self, request: pb.AuditRequest) -> pb.AuditResponse:
+        x, targets = self._inputs(request.input, request.targets)
+        grad = None
+        if self.outputs is not None:
+            grad = unpack(request.grad_output, self.outputs, "grad_output")
+        out, grad_input = self.replica.audit(x, targets, grad, seed=request.seed)
+        answer = pb.AuditAnswer(grad_input=pack(grad_input, self.encoding))
+        if self.replica.last:
+            answer.loss = float(out)
+        else:
+            answer.output.CopyFrom(pack(out, self.encoding))
+        return pb.AuditResponse(answer=answer)
 
     async def _compute(self, call: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread of the call's pool (decoding, the compute and

@@ -29,18 +29,20 @@ class StageRefusal(_message.Message):
     def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("swarm_id", "stage", "micro_batch", "input", "targets")
+    __slots__ = ("swarm_id", "stage", "micro_batch", "input", "targets", "seed")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     stage: int
     micro_batch: bytes
     input: StageTensor
     targets: StageTensor
-    def __init__(self, swarm_id: _Optional[str] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[bytes] = ..., input: _Optional[_Union[StageTensor, _Mapping]] = ..., targets: _Optional[_Union[StageTensor, _Mapping]] = ...) -> None: ...
+    seed: int
+    def __init__(self, swarm_id: _Optional[str] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[bytes] = ..., input: _Optional[_Union[StageTensor, _Mapping]] = ..., targets: _Optional[_Union[StageTensor, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("output", "loss", "refused")
@@ -89,3 +91,37 @@ class AbandonResponse(_message.Message):
     dropped: bool
     refused: StageRefusal
     def __init__(self, dropped: _Optional[bool] = ..., refused: _Optional[_Union[StageRefusal, _Mapping]] = ...) -> None: ...
+
+class AuditRequest(_message.Message):
+    __slots__ = ("swarm_id", "stage", "input", "targets", "seed", "grad_output")
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    swarm_id: str
+    stage: int
+    input: StageTensor
+    targets: StageTensor
+    seed: int
+    grad_output: StageTensor
+    def __init__(self, swarm_id: _Optional[str] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[StageTensor, _Mapping]] = ..., targets: _Optional[_Union[StageTensor, _Mapping]] = ..., seed: _Optional[int] = ..., grad_output: _Optional[_Union[StageTensor, _Mapping]] = ...) -> None: ...
+
+class AuditAnswer(_message.Message):
+    __slots__ = ("output", "loss", "grad_input")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_INPUT_FIELD_NUMBER: _ClassVar[int]
+    output: StageTensor
+    loss: float
+    grad_input: StageTensor
+    def __init__(self, output: _Optional[_Union[StageTensor, _Mapping]] = ..., loss: _Optional[float] = ..., grad_input: _Optional[_Union[StageTensor, _Mapping]] = ...) -> None: ...
+
+class AuditResponse(_message.Message):
+    __slots__ = ("answer", "refused")
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    answer: AuditAnswer
+    refused: StageRefusal
+    def __init__(self, answer: _Optional[_Union[AuditAnswer, _Mapping]] = ..., refused: _Optional[_Union[StageRefusal, _Mapping]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class StageStub:
                 request_serializer=swarmloco_dot_v1_dot_stage__pb2.AbandonRequest.SerializeToString,
                 response_deserializer=swarmloco_dot_v1_dot_stage__pb2.AbandonResponse.FromString,
                 _registered_method=True)
+        self.Audit = channel.unary_unary(
+                '/swarmloco.v1.Stage/Audit',
+                request_serializer=swarmloco_dot_v1_dot_stage__pb2.AuditRequest.SerializeToString,
+                response_deserializer=swarmloco_dot_v1_dot_stage__pb2.AuditResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -72,6 +77,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Audit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Abandon,
                     request_deserializer=swarmloco_dot_v1_dot_stage__pb2.AbandonRequest.FromString,
                     response_serializer=swarmloco_dot_v1_dot_stage__pb2.AbandonResponse.SerializeToString,
+            ),
+            'Audit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Audit,
+                    request_deserializer=swarmloco_dot_v1_dot_stage__pb2.AuditRequest.FromString,
+                    response_serializer=swarmloco_dot_v1_dot_stage__pb2.AuditResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class Stage:
             '/swarmloco.v1.Stage/Abandon',
             swarmloco_dot_v1_dot_stage__pb2.AbandonRequest.SerializeToString,
             swarmloco_dot_v1_dot_stage__pb2.AbandonResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Audit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmloco.v1.Stage/Audit',
+            swarmloco_dot_v1_dot_stage__pb2.AuditRequest.SerializeToString,
+            swarmloco_dot_v1_dot_stage__pb2.AuditResponse.FromString,
             options,
             channel_credentials,
             insecure,
