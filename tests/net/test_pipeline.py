@@ -523,11 +523,25 @@ class FlippedGradient(torch.nn.Module):
 
 class LyingAuditor(StageReplica):
     """A liar that serves its micro-batches honestly and answers audits of the others'
-    with the input gradient scaled by 3 (to frame the replica audited)."""
+    with the input gradient flipped (to frame the replica audited)."""
 
     def audit(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         out, grad = super().audit(*args, **kwargs)
-        return out, 3 * grad
+        return out, -grad
+
+
+class WrongOnce(StageReplica):
+    """An honest replica whose first answer is wrong (as an answer from before a round
+    its auditors have since landed can look): one strike, cleared by the next audit."""
+
+    wrong = True
+
+    def backward(self, micro_batch, grad_output):  # type: ignore[no-untyped-def]
+        grad = super().backward(micro_batch, grad_output)
+        if self.wrong and grad is not None:
+            self.wrong = False
+            return -grad
+        return grad
 
 
 def nudged(stage: GPTStage, seed: int) -> GPTStage:
@@ -573,6 +587,27 @@ async def test_a_replica_that_answers_wrong_in_bounds_is_found_out_and_no_longer
             assert liar_at not in trace.path
         await drv.finish_audits()
         assert lying.replica.served == audited_at and drv.audits["found-out"] == 1
+
+
+async def test_one_wrong_answer_is_a_strike_and_an_audit_agreed_in_clears_it():
+    local, remote = gpt_stages(CONFIG, 2, seed=8)
+    first = StageReplica(local, first=True, last=False)
+    heads = [service_of(nudged(gpt_stages(CONFIG, 2, seed=8)[1], s), 1, 2, "int8")
+             for s in (1, 2)]  # fmt: skip
+    once = WrongOnce(remote, first=False, last=True)
+    config = DriverConfig(audit_share=1.0, max_audits=1)
+    async with pipeline([[*heads, service_of(remote, 1, 2, "int8", once)]], first,
+                        config=config) as (drv, endpoints):  # fmt: skip
+        drv.rng = random.Random(11)
+        struck = False
+        for seed in range(60):
+            await drv.run(*batch(seed))
+            await drv.finish_audits()
+            struck = struck or drv.strikes[endpoints[0][2]] == 1
+            if struck and once.served >= 3 and not drv.strikes:
+                break
+        assert struck and drv.audits["judged-wrong"] == 1, drv.audits
+        assert not drv.strikes and not drv.distrusted and drv.audits["found-out"] == 0
 
 
 async def test_two_replicas_that_do_not_agree_are_a_dispute_and_nobody_is_distrusted():

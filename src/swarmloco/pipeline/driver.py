@@ -83,9 +83,13 @@ class DriverConfig:
     audit_share: float = 0.05
     """The chance that a stage's answer to a micro-batch is computed again by another
     replica and compared (each stage of each micro-batch drawn apart; 0: no audits)."""
-    audit_tolerance: float = 0.5
+    audit_tolerance: float = 0.8
     """Two answers to one micro-batch agree within this relative distance (honest replicas
     of a stage differ by their own steps since the stage's last round)."""
+    strikes: int = 2
+    """Audits a replica is judged wrong in, with no audit it agreed in between, before it is
+    found out (one alone may be an honest replica's answer from before a round that its
+    auditors have since landed); its answers are all audited from its first."""
     distrust_s: float = 3600.0
     """How long a replica found out answering wrong is not drawn again."""
     max_audits: int = 2
@@ -98,6 +102,7 @@ class DriverConfig:
         require_fraction("audit_share", self.audit_share)
         require_positive("audit_tolerance", self.audit_tolerance)
         require_positive("distrust_s", self.distrust_s)
+        require_int("strikes", self.strikes, minimum=1)
         require_int("max_audits", self.max_audits, minimum=1)
 
 
@@ -181,8 +186,11 @@ class Driver:
         self.distrusted: dict[str, float] = {}
         """Replicas found out answering wrong, until when they are not drawn."""
         self.audits: collections.Counter[str] = collections.Counter()
-        """Audits by outcome: ``agreed``, ``found-out``, ``disputed``, ``unchecked`` (no
-        other replica answered), ``not-made`` (too many under way)."""
+        """Audits by outcome: ``agreed``, ``judged-wrong`` (one of three, a strike),
+        ``found-out`` (of those, the ones that distrusted a replica), ``disputed``,
+        ``unchecked`` (no other replica answered), ``not-made`` (too many under way)."""
+        self.strikes: collections.Counter[str] = collections.Counter()
+        """Audits each replica was judged wrong in since it last agreed in one."""
         self._auditing: set[asyncio.Task[None]] = set()
 
     def close(self) -> None:
@@ -305,6 +313,8 @@ class Driver:
             endpoint, answer = await self._forward(k, request, trace)
             trace.path.append(endpoint)
             trace.holding[k] = endpoint
+            if k not in audited and self.strikes[endpoint]:
+                audited[k] = Used(stage=k, endpoint="", forward=request)  # a suspect's: all
             used = audited.get(k)
             if used is not None:
                 used.endpoint, used.forward = endpoint, request
@@ -466,6 +476,8 @@ class Driver:
             answers[auditor[0]] = auditor[1]
             if len(answers) == 2 and distance(*answers.values()) <= tolerance:
                 self.audits["agreed"] += 1
+                for endpoint in answers:
+                    del self.strikes[endpoint]  # evidence of an honest answer
                 return
         endpoints = list(answers)
         distances = {
@@ -488,11 +500,24 @@ class Driver:
             )  # fmt: skip
             return
         liar = endpoints[suspect]
+        self.audits["judged-wrong"] += 1
+        self.strikes[liar] += 1
+        for endpoint in endpoints:
+            if endpoint != liar:
+                del self.strikes[endpoint]  # they agreed with each other
+        if self.strikes[liar] < self.config.strikes:
+            logger.warning(
+                "stage %d's replica at %s answered a micro-batch wrong (relative distances: "
+                "%s; the tolerance %.3g): %d of %d strikes, its answers are all audited now",
+                stage, liar, said, tolerance, self.strikes[liar], self.config.strikes,
+            )  # fmt: skip
+            return
         self.audits["found-out"] += 1
+        del self.strikes[liar]
         self.distrusted[liar] = time.monotonic() + self.config.distrust_s
         logger.warning(
-            "stage %d's replica at %s answered a micro-batch wrong (relative distances: %s; "
-            "the tolerance %.3g): not drawn for %.0f s", stage, liar, said, tolerance,
+            "stage %d's replica at %s answered a micro-batch wrong again (relative distances: "
+            "%s; the tolerance %.3g): not drawn for %.0f s", stage, liar, said, tolerance,
             self.config.distrust_s,
         )  # fmt: skip
         if self.on_event is not None:
