@@ -449,7 +449,8 @@ def _drive(
             if trace.retries:
                 peer.emit("hop-retried", retries=trace.retries, path=trace.path)
         if time.monotonic() - said_at >= DRIVEN_EVERY_S:
-            peer.emit("driven", driven=driven, loss=loss)
+            audits = dict(peer.driver.audits) if peer.driver is not None else {}
+            peer.emit("driven", driven=driven, loss=loss, audits=audits)
             said_at = time.monotonic()
         if move is None and not stopped:
             stopped = _asked_to_stop(peer)

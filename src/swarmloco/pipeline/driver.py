@@ -19,7 +19,11 @@ driver measured (a record claims, a call proves; ``pipeline/load.py``), else the
 measured, so that a new replica is tried; the queue is this driver's calls to it in flight
 plus the micro-batches its record says it holds. No replica's weight falls below
 ``EXPLORE`` of the best's, so that a stale measurement is measured again.
-:meth:`Driver.update` takes the fresh records as the replicas to draw from.
+:meth:`Driver.update` takes the fresh records as the replicas to draw from. A share of
+the answers each later stage gave (``audit_share``) is computed again by another replica of
+the stage once the micro-batch is through, and a replica judged wrong twice by three
+answers is not drawn for ``distrust_s`` (``audit.py``; ``docs/DESIGN.md`` section 10,
+"Audits").
 """
 
 from __future__ import annotations
