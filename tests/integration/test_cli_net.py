@@ -135,6 +135,9 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         staged = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--stage", "1", "--dry-run")
         assert staged.returncode != 0 and "not a pipelined run" in staged.stderr, staged.stderr
         assert "--stage mean" in staged.stderr
+        audited = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--audit-share", "0.1",
+                            "--dry-run")  # fmt: skip
+        assert audited.returncode != 0 and "--audit-share mean" in audited.stderr
         assert boot.stop() == 0
 
 

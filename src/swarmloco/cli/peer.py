@@ -66,9 +66,9 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SHARE",
         help="in a pipelined run, a stage-0 peer has this share of each later stage's answers "
-        "computed again by another replica of the stage and compared; a replica found "
-        "answering wrong (by three answers) is not drawn for an hour (default: 0.05; 0: no "
-        "audits)",
+        "computed again by another replica of the stage and compared; a replica judged "
+        "wrong by three answers twice running is not drawn for an hour (default: 0.05; 0: "
+        "no audits)",
     )
     g.add_argument(
         "--slowdown",
