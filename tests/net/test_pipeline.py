@@ -177,6 +177,37 @@ async def test_a_dead_replica_costs_a_retry_and_each_micro_batch_is_applied_once
     assert first.inflight == 0  # the broken micro-batch's input was let go at once
 
 
+async def test_a_replica_that_keeps_failing_is_shunned_twice_as_long_each_time():
+    """One that takes calls and never answers would otherwise cost each driver a hop's
+    deadline every ``shun_s``."""
+
+    class FirstDrawn(random.Random):
+        def choices(self, population, weights=None, **_):
+            return [population[0]]
+
+    local, remote = gpt_stages(CONFIG, 2, seed=3)
+    first = StageReplica(local, first=True, last=False)
+    config = DriverConfig(shun_s=10.0, max_shun_s=35.0, audit_share=0.0)
+    async with pipeline([[service_of(remote, 1, 2, "int8")]], first, config=config) as (
+        drv,
+        endpoints,
+    ):
+        dead = f"127.0.0.1:{closed_port()}"
+        drv.replicas, drv.rng = [[dead, *endpoints[0]]], FirstDrawn()
+        shunned_for = []
+        for seed in range(4):
+            trace = await drv.run(*batch(seed))
+            assert trace.retries == 1 and trace.path == endpoints[0]
+            shunned_for.append(drv.shunned.pop(dead) - time.monotonic())  # as if it expired
+        assert drv.failures[dead] == 4
+        # A replica that failed before and answers a backward starts afresh.
+        drv.failures[endpoints[0][0]] = 3
+        drv.replicas = [endpoints[0]]
+        await drv.run(*batch(9))
+        assert endpoints[0][0] not in drv.failures and drv.failures[dead] == 4
+    assert [round(s) for s in shunned_for] == [10, 20, 35, 35], shunned_for
+
+
 class _Stall(torch.autograd.Function):
     """The identity, whose backward waits on ``gate`` (a replica stuck in its backward)."""
 

@@ -79,7 +79,11 @@ class DriverConfig:
     hop_timeout_s: float = 30.0
     """Deadline of one call to one replica."""
     shun_s: float = 30.0
-    """How long a replica that failed is not drawn again."""
+    """How long a replica that failed is not drawn again; twice as long at each failure
+    more with no backward it answered in between, up to ``max_shun_s``."""
+    max_shun_s: float = 3600.0
+    """The longest a replica that keeps failing is not drawn (one that takes forwards and
+    never answers costs each driver a hop's deadline a shunning, not one every ``shun_s``)."""
     replicas_per_network: int = 4
     """A stage's replicas drawn from at most, per source network (the /24 of a public
     IPv4 address, the /64 of IPv6; a loopback or private address each its own): many
@@ -102,6 +106,7 @@ class DriverConfig:
     def __post_init__(self) -> None:
         require_positive("hop_timeout_s", self.hop_timeout_s)
         require_positive("shun_s", self.shun_s)
+        require_positive("max_shun_s", self.max_shun_s)
         require_int("replicas_per_network", self.replicas_per_network, minimum=1)
         require_fraction("audit_share", self.audit_share)
         require_positive("audit_tolerance", self.audit_tolerance)
@@ -180,6 +185,9 @@ class Driver:
         self.config = config or DriverConfig()
         self.rng = rng or random.Random()
         self.shunned: dict[str, float] = {}
+        """Replicas that failed, until when they are not drawn."""
+        self.failures: collections.Counter[str] = collections.Counter()
+        """Each replica's failures since the last backward it answered."""
         self.stats = HopStats()
         self._own = CallPools("driver", forwards=2, backwards=2)
         """Where this peer's own stage computes (as a replica's service does)."""
@@ -333,7 +341,7 @@ class Driver:
                         unpack, answer.output, self.boundaries[k], f"stage {k}'s output"
                     )
                 except Rejection as exc:  # what a replica answers is checked like a call
-                    self.shunned[endpoint] = time.monotonic() + self.config.shun_s
+                    self._shun(endpoint)
                     raise PipelineError(f"stage {k} on {endpoint} answered badly: {exc}") from exc
                 if used is not None:
                     used.output = h
@@ -358,6 +366,7 @@ class Driver:
                     answer_b.grad_input.scales
                 )
                 del trace.holding[k]  # its backward ran there: nothing is held any more
+                del self.failures[endpoint]  # it answered: a failure next is shunned afresh
                 grad = await asyncio.to_thread(
                     unpack, answer_b.grad_input, self.boundaries[k - 1], f"stage {k}'s gradient"
                 )
@@ -367,7 +376,7 @@ class Driver:
             except (RpcError, Rejection) as exc:
                 # Only the replica that ran the forward holds its input: the micro-batch is
                 # lost (the replicas before it drop theirs at their deadline), never the peer.
-                self.shunned[endpoint] = time.monotonic() + self.config.shun_s
+                self._shun(endpoint)
                 raise PipelineError(
                     f"stage {k}'s backward on {endpoint} failed ({exc}): the micro-batch is lost"
                 ) from exc
@@ -422,12 +431,20 @@ class Driver:
                 if isinstance(exc, Rejection) and exc.code == "busy":
                     busy += 1
                 else:
-                    self.shunned[endpoint] = time.monotonic() + self.config.shun_s
+                    self._shun(endpoint)
                 if isinstance(exc, RpcError):  # past its deadline, it may hold it still
                     self._abandon_at(endpoint, stage, request.micro_batch)
                 trace.retries += 1
             finally:
                 self.stats.busy[endpoint] -= 1
+
+    def _shun(self, endpoint: str) -> None:
+        """Do not draw ``endpoint`` for ``shun_s``, doubled for each failure before this
+        one since it last answered a backward (up to ``max_shun_s``)."""
+        self.failures[endpoint] += 1
+        doublings = min(self.failures[endpoint] - 1, 32)
+        seconds = min(self.config.shun_s * 2.0**doublings, self.config.max_shun_s)
+        self.shunned[endpoint] = time.monotonic() + seconds
 
     def _draw(self, stage: int, tried: set[str]) -> str | None:
         now = time.monotonic()
@@ -557,7 +574,7 @@ class Driver:
             except RpcError:
                 continue
             except Rejection:  # what it answered is checked like any answer
-                self.shunned[endpoint] = time.monotonic() + self.config.shun_s
+                self._shun(endpoint)
                 continue
             return endpoint, Answer(output, grad)
         return None
