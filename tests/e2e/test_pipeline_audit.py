@@ -3,16 +3,17 @@ in a pipelined run through the CLI: three `swarmloco join --stage 1` peers, one 
 modified client whose stage flips the gradient it sends back (what a stage-0 peer's
 embedding would then climb), and one stage-0 peer that audits half of the answers
 (`--audit-share 0.5`). The stage-0 peer finds the liar out by three answers, says so
-(`replica-distrusted`); the honest peers are never struck (tests/net/test_pipeline.py shows
-that a distrusted replica is drawn no more)."""
+(`replica-distrusted`, and its record for `swarmloco status`); the honest peers are never
+struck (tests/net/test_pipeline.py shows that a distrusted replica is drawn no more)."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import time
 
 import pytest
-from swarmutil import FAST_PEER, Bootstrap, PeerProcess
+from swarmutil import FAST_PEER, Bootstrap, PeerProcess, swarmloco
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -78,6 +79,14 @@ def test_a_stage_peer_that_returns_flipped_gradients_is_found_out_by_audits(tmp_
             found = driver.wait_for("replica-distrusted", timeout=300)
             # A report of the driver's after the verdict (its audits by outcome).
             driver.wait_for("driven", lambda e: e["time"] > found["time"], timeout=120)
+            # `swarmloco status` shows it from the driver's stage-load record (republished
+            # every 2 s): asked again until it does, within two minutes.
+            deadline = time.monotonic() + 120
+            while True:
+                shown = swarmloco("status", swarm, "--peer", boot.endpoint, timeout=120)
+                if "its audits distrust 1 replica(s)" in shown.stdout:
+                    break
+                assert time.monotonic() < deadline, shown.stdout + shown.stderr
             for p in (driver, *honest, liar):
                 assert p.stop() == 0, p.log_tail()
     assert found["endpoint"] == liar.endpoint, (found, liar.endpoint)

@@ -154,6 +154,8 @@ async def pipelined_swarm():
             load = {"rate": rate, "queue": 2, "free": 6, "round": round_}
             if stage == 1:
                 load |= {"refused": 2, "skipped": 1}
+            elif rate == 110.0:  # a driver whose audits found out a replica
+                load |= {"distrusted": 1}
             await publish_load(
                 node.dht, PIPELINED.swarm_id, stage=stage, endpoint=node.endpoint, load=load
             )
@@ -176,6 +178,7 @@ async def test_a_pipelined_runs_state_shows_its_stages():
     assert pipeline["limiting"] == 1 and pipeline["throughput"] == 30.0
     assert [r["round"] for r in pipeline["stages"]] == [4, 5]
     assert [(r["refused"], r["skipped"]) for r in pipeline["stages"]] == [(0, 0), (2, 1)]
+    assert [r["distrusted"] for r in pipeline["stages"]] == [1, 0]
     assert pipeline["moves"] == 0 and view["warnings"] == []
 
 

@@ -471,8 +471,8 @@ def stage_load(stage: int, endpoint: str = "127.0.0.1:5000", rate: float = 50.0)
 def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_moves():
     E, F, G = ("e" * 40, "f" * 40, "0" * 40)
     loads = {
-        A: {**stage_load(0, rate=100.0), "round": 7},
-        B: {**stage_load(0, rate=120.0), "round": 6},  # a round behind: the stage is at 7
+        A: {**stage_load(0, rate=100.0), "round": 7, "distrusted": 1},
+        B: {**stage_load(0, rate=120.0), "round": 6, "distrusted": 2},  # a round behind
         C: {**stage_load(1, rate=40.0), "refused": 3, "skipped": 1},  # (says no round)
         D: stage_load(1, endpoint=""),  # moving in: counted apart, its rate not yet
         E: stage_load(2, rate=1e30),  # an absurd claim counts as nothing
@@ -493,6 +493,8 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     assert [r["round"] for r in pipeline["stages"]] == [7, None, None]
     # Bad input refused and NaN steps skipped, as stage 1's replica says; older peers say none.
     assert [(r["refused"], r["skipped"]) for r in pipeline["stages"]] == [(0, 0), (3, 1), (0, 0)]
+    # The most replicas one of stage 0's drivers distrusts (each judges by its own audits).
+    assert [r["distrusted"] for r in pipeline["stages"]] == [2, 0, 0]
     assert pipeline["limiting"] == 2 and pipeline["throughput"] == 0.0
     assert pipeline["moves"] == 0
     # Peer B moves to stage 2: the next reading sees it there, once.
@@ -509,7 +511,8 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     assert "limits the pipeline" in said and "moves between stages: 1" in said, said
     # Stage 0's peers say rounds 7 and 6 (B moved away since): the stage is at round 7.
     lines = [line.split() for line in said.splitlines()]
-    assert ["0", "1", "100", "1", "3", "7", "0", "0"] in lines, said
+    row = "0 1 100 1 3 7 0 0 its audits distrust 1 replica(s)"
+    assert row.split(" ") in lines, said
     assert ["1", "1", "(+1", "moving", "in)", "40", "1", "3", "-", "3", "1"] in lines, said
     assert "+1 moving in" in said
     # A stage nobody serves stalls the pipeline, and the view says so.

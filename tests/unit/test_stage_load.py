@@ -51,10 +51,11 @@ def test_a_replicas_record_is_checked_against_its_kind_and_signature():
     assert stage_load(good.subkey, decoded).round is None  # a peer that said none
     rounded = make_record(key, value(round=7), expiration=time.time() + 60, owner=owner)
     assert stage_load(rounded.subkey, validate(rounded, now=time.time())).round == 7
-    counted = make_record(key, value(refused=3, skipped=1), expiration=time.time() + 60,
-                          owner=owner)  # fmt: skip
+    counted = make_record(key, value(refused=3, skipped=1, distrusted=2),
+                          expiration=time.time() + 60, owner=owner)  # fmt: skip
     said = stage_load(counted.subkey, validate(counted, now=time.time()))
-    assert (said.refused, said.skipped) == (3, 1)
+    assert (said.refused, said.skipped, said.distrusted) == (3, 1, 2)
+    assert stage_load(good.subkey, decoded).distrusted == 0
     assert (stage_load(good.subkey, decoded).refused, stage_load(good.subkey, decoded).skipped) == (
         0,
         0,
@@ -63,6 +64,7 @@ def test_a_replicas_record_is_checked_against_its_kind_and_signature():
         value(round=-1),
         value(refused=-1),
         value(skipped=1.5),
+        value(distrusted=-1),
         value(stage=256),
         value(rate=math.nan),
         value(rate=-1.0),

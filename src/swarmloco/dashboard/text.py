@@ -166,7 +166,11 @@ def stages_lines(pipeline: Mapping[str, Any]) -> list[str]:
         round_ = "-" if row.get("round") is None else str(row["round"])
         queue, free = str(row["queue"]), str(row["free"])
         refused, skipped = str(row.get("refused", 0)), str(row.get("skipped", 0))
-        rows.append([str(row["stage"]), peers, rate, queue, free, round_, refused, skipped, limits])
+        notes = [limits] if limits else []
+        if row.get("distrusted"):
+            notes.append(f"its audits distrust {row['distrusted']} replica(s)")
+        rows.append([str(row["stage"]), peers, rate, queue, free, round_, refused, skipped,
+                     "; ".join(notes)])  # fmt: skip
     header = ["STAGE", "PEERS", "SEQ/S", "QUEUE", "FREE", "ROUND", "REFUSED", "SKIPPED", ""]
     lines = table(header, rows)
     moves = pipeline.get("recent_moves") or []

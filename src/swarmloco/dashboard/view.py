@@ -625,6 +625,7 @@ def _fresh_loads(reading: Reading, fresh_s: float) -> dict[str, dict[str, Any]]:
             "round": _count(value["round"]) if "round" in value else None,
             "skipped": _count(value.get("skipped")),
             "refused": _count(value.get("refused")),
+            "distrusted": _count(value.get("distrusted")),
         }
     return loads
 
@@ -648,7 +649,8 @@ def _pipeline(
     """A pipelined run's stages as a row of pools (None: not a pipelined run): each
     stage's peers (serving, and moving in), throughput (sequences per second, the sum of
     its replicas' rates), queue and free slots, its round, the calls its replicas refused
-    and the steps they skipped, which stage limits the pipeline, and the moves seen. All
+    and the steps they skipped, the replicas its drivers' audits distrust (stage 0), which
+    stage limits the pipeline, and the moves seen. All
     of it is what the stage peers' records claim."""
     stages = stage_count(reading.manifest)
     if stages is None:
@@ -675,6 +677,8 @@ def _pipeline(
                 # Bad input its replicas refused, steps they skipped (NaN): since each began.
                 "refused": sum(x["refused"] for x in serving),
                 "skipped": sum(x["skipped"] for x in serving),
+                # (Stage 0.) The most replicas any of its drivers' audits distrust now.
+                "distrusted": max((x["distrusted"] for x in serving), default=0),
             }
         )
     if uncounted:

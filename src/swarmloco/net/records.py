@@ -853,9 +853,12 @@ STAGE_LOAD = register(
                 # absurd values, wrong stage); optional, as "round" is.
                 "skipped": Int(minimum=0),
                 "refused": Int(minimum=0),
+                # A stage-0 peer: the replicas of later stages its audits found answering
+                # wrong, which it does not draw now; optional.
+                "distrusted": Int(minimum=0),
                 "at": Float(minimum=0.0),
             },
-            optional=frozenset({"round", "skipped", "refused"}),
+            optional=frozenset({"round", "skipped", "refused", "distrusted"}),
         ),
         owned=True,
         max_ttl=600.0,

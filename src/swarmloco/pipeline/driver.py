@@ -470,6 +470,11 @@ class Driver:
             endpoint, method, request, timeout=self.config.hop_timeout_s, attempts=1
         )
 
+    def distrusting(self) -> int:
+        """How many replicas it does not draw now for answering wrong."""
+        now = time.monotonic()
+        return sum(1 for until in list(self.distrusted.values()) if until > now)
+
     async def finish_audits(self) -> None:
         """Wait for the audits under way to end."""
         while self._auditing:

@@ -49,6 +49,9 @@ class StageLoad:
     """Steps it did not take since it began serving (their gradient was not finite)."""
     refused: int = 0
     """Calls it refused since then, other than as busy (what a caller sent was bad)."""
+    distrusted: int = 0
+    """(A stage-0 peer.) Replicas of later stages its audits found answering wrong, which
+    it does not draw now."""
 
 
 def stage_load(peer: str, value: Mapping[str, Any]) -> StageLoad:
@@ -64,6 +67,7 @@ def stage_load(peer: str, value: Mapping[str, Any]) -> StageLoad:
         round=int(value["round"]) if "round" in value else None,
         skipped=int(value.get("skipped", 0)),
         refused=int(value.get("refused", 0)),
+        distrusted=int(value.get("distrusted", 0)),
     )
 
 
@@ -71,7 +75,8 @@ async def publish_load(
     dht: DHTNode, swarm_id: str, *, stage: int, endpoint: str, load: Mapping[str, Any]
 ) -> None:
     """Store this replica's record (``load``: its rate, queue and free slots, its stage's
-    round when it has one, its skipped steps and refused calls when it says them)."""
+    round when it has one, its skipped steps, refused calls and the replicas its audits
+    distrust when it says them)."""
     value = {
         "stage": stage,
         "endpoint": endpoint,
@@ -80,7 +85,7 @@ async def publish_load(
         "free": int(load["free"]),
         "at": float(dht.clock()),
     }
-    for optional in ("round", "skipped", "refused"):
+    for optional in ("round", "skipped", "refused", "distrusted"):
         if load.get(optional) is not None:
             value[optional] = int(load[optional])
     await dht.store(stage_load_key(swarm_id), value, ttl=LOAD_TTL_S)

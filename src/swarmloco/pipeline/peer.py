@@ -273,6 +273,7 @@ class StagePeer:
                 "round": peer.diloco.round,
                 "skipped": self.replica.skipped,
                 "refused": self.service.refusals(),
+                "distrusted": None if self.driver is None else self.driver.distrusting(),
             },
             interval_s=interval,
         )
