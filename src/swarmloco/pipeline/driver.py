@@ -500,16 +500,19 @@ class Driver:
             if auditor is None:
                 break
             answers[auditor[0]] = auditor[1]
-            if len(answers) == 2 and distance(*answers.values()) <= tolerance:
+            # (A micro-batch's activations can be tens of millions of values: not on the loop.)
+            if len(answers) == 2 and await asyncio.to_thread(distance, *answers.values()) <= (
+                tolerance
+            ):
                 self.audits["agreed"] += 1
                 for endpoint in answers:
                     del self.strikes[endpoint]  # evidence of an honest answer
                 return
         endpoints = list(answers)
+        pairs = [(i, j) for i in range(len(endpoints)) for j in range(i + 1, len(endpoints))]
         distances = {
-            (i, j): distance(answers[endpoints[i]], answers[endpoints[j]])
-            for i in range(len(endpoints))
-            for j in range(i + 1, len(endpoints))
+            (i, j): await asyncio.to_thread(distance, answers[endpoints[i]], answers[endpoints[j]])
+            for i, j in pairs
         }
         said = ", ".join(
             f"{endpoints[i]}-{endpoints[j]} {d:.3g}" for (i, j), d in distances.items()
