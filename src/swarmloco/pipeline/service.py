@@ -133,9 +133,12 @@ class StageService:
             rejections=self.rejections,
         )
 
-    def _check_call(self, swarm_id: str, stage: int, micro_batch: bytes) -> None:
+    def _check_stage(self, swarm_id: str, stage: int) -> None:
         if swarm_id != self.swarm_id or stage != self.stage:
             raise Rejection("wrong-stage", f"this peer serves stage {self.stage} of another run")
+
+    def _check_call(self, swarm_id: str, stage: int, micro_batch: bytes) -> None:
+        self._check_stage(swarm_id, stage)
         if len(micro_batch) != MICRO_BATCH_BYTES:
             raise Rejection("malformed", f"a micro-batch is named by {MICRO_BATCH_BYTES} bytes")
 
@@ -195,7 +198,7 @@ class StageService:
         """A micro-batch's answer computed again for a driver checking another replica's
         (``StageReplica.audit``), one at a time, on a thread of its own."""
         try:
-            self._check_call(request.swarm_id, request.stage, bytes(MICRO_BATCH_BYTES))
+            self._check_stage(request.swarm_id, request.stage)
             if self._audits >= AUDITS_WAITING:
                 raise Rejection("busy", f"{self._audits} audits are waiting here")
             self._audits += 1
