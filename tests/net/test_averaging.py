@@ -41,7 +41,7 @@ def ok(results) -> list[AllReduceResult]:
 async def test_every_member_ends_with_the_same_exact_mean(size):
     weights = [1.0 + i for i in range(size)]
     vectors = random_vectors(size, 64 * 37 + 5, seed=size)
-    baseline = Leftovers.now()
+    baseline = await Leftovers.before_grpc()
     async with averaging_peers(size) as peers:
         ok(await run_round(peers, 1, vectors, weights))  # opens the channels it will reuse
         before = Leftovers.now()
@@ -107,7 +107,7 @@ async def test_a_client_mode_peer_alone_aborts_when_a_group_must_be_larger():
 async def test_a_round_that_cannot_gather_enough_members_aborts_cleanly():
     config = MatchmakingConfig(min_group_size=3, max_group_size=3, gather_s=0.5, poll_s=0.1)
     vectors = random_vectors(2, 640, seed=2)
-    baseline = Leftovers.now()
+    baseline = await Leftovers.before_grpc()
     async with averaging_peers(2, matchmaking=config) as peers:
         before = Leftovers.now()
         results = await run_round(peers, 1, vectors, [1.0, 1.0], timeout=5)
@@ -269,7 +269,7 @@ async def test_a_round_that_cannot_finish_by_its_deadline_aborts_for_everyone():
     )
     plan = FaultPlan([Fault(action="stall", phase="handler", skip=3)])
     vectors = random_vectors(3, 64 * 40, seed=4)
-    baseline = Leftovers.now()
+    baseline = await Leftovers.before_grpc()
     async with averaging_peers(3, faults={1: plan}, config=slow) as peers:
         before = Leftovers.now()
         results = await run_round(peers, 1, vectors, [1.0] * 3, timeout=3.0)
