@@ -536,6 +536,7 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     )
     stage1 = view["pipeline"]["stages"][1]
     assert stage1["peers"] == 5 and stage1["throughput"] == 4050.0, stage1
+    assert stage1["moving_in"] == 0, stage1  # the 36 left out are not peers moving in
     assert any("36 stage-load record(s) not counted" in w for w in view["warnings"])
     # A run that is not pipelined has no stages.
     plain = build_view(Reading(swarm_id=SWARM, at=NOW, manifest=MANIFEST), now=NOW)

@@ -668,7 +668,7 @@ def _pipeline(
             {
                 "stage": k,
                 "peers": len(serving),
-                "moving_in": len(pool) - len(serving),
+                "moving_in": len(pool) - len(said),  # (those not counted are not moving)
                 "throughput": _round_to(math.fsum(x["rate"] for x in serving), 3),
                 "queue": sum(x["queue"] for x in serving),
                 "free": sum(x["free"] for x in serving),
