@@ -102,6 +102,10 @@ class View:
         self.loads, self.stage, self.now = loads, stage, now
         self.reads = 0
         self.announced: list[int] = []
+        self.busy = 0.0  # seconds its replica computed
+
+    def busy_seconds(self) -> float:
+        return self.busy
 
     def read_loads(self) -> list[StageLoad]:
         self.reads += 1
@@ -159,6 +163,43 @@ def test_the_rebalancer_checks_once_a_window_in_its_first_half_and_a_peer_that_m
     for _ in range(3):
         now[0] += 1e6
         assert never.check(view, driven=0) is None
+
+
+def test_a_mover_busier_than_the_records_allow_stays_so_keys_claiming_its_stage_drain_nothing():
+    """Forty keys on one address claim to serve stage 1 at 1,000 seq/s each. By the records
+    stage 1 is over-served and one of its two honest replicas is drawn to move; were that
+    so, the pipeline (at most stage 0's 20 seq/s) could keep it busy 0.05% of the time. It
+    computed half of it: its own work says the records overstate its stage, and it stays.
+    (Without this, both honest replicas left within 42 windows.) A replica that computed
+    as little as the records allow moves as before."""
+    honest = [replica(n, 0, 10.0) for n in "ab"] + [replica(n, 1, 10.0) for n in "cd"]
+    sybils = [replica(f"s{i}", 1, 1000.0) for i in range(40)]
+    loads = honest + sybils
+    now = [0.0]
+    windows = (int((NOW + t) // 10) for t in range(21, 100_000, 10))
+    epoch = next(e for e in windows if set(movers(loads, 2, e)) & {x.peer for x in honest[2:]})
+    mover = next(iter(set(movers(loads, 2, epoch)) & {x.peer for x in honest[2:]}))
+    events: list[dict] = []
+    rebalancer = Rebalancer(RebalanceConfig(every_s=10.0), 2, mover, events.append,
+                            clock=lambda: now[0])  # fmt: skip
+    view = View(loads, 1, now)
+    rebalancer.arrived()
+    now[0] = 1.0
+    assert rebalancer.check(view, driven=0) is None  # its first work
+    now[0] = epoch * 10 - NOW + 1.0  # early in the window the mover is drawn in
+    view.busy = 0.5 * (now[0] - 1.0)
+    assert rebalancer.check(view, driven=0) is None
+    assert events[-1]["move"] is None and "it stays: it computed 50%" in events[-1]["reason"]
+    assert view.announced == []
+    # Where the records are true, a replica of the over-served stage is that idle: it moves.
+    name = next(n for n in "cd" if replica(n, 1, 0.0).peer == mover)
+    true = [replica(n, 0, 10.0) for n in ("a", "b", name)] + [replica("x", 1, 4.0)]
+    later = next(e for e in range(epoch + 1, epoch + 1000) if movers(true, 2, e).get(mover))
+    view.loads, view.stage = true, 0
+    start = now[0]
+    now[0] = later * 10 - NOW + 1.0
+    view.busy += 0.1 * (now[0] - start)  # 10%, against the 13% the records allow
+    assert rebalancer.check(view, driven=0) == 1, events[-1]
 
 
 def test_a_joining_peer_takes_a_stage_with_no_replica_else_the_one_of_least_throughput():

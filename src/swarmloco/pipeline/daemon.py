@@ -273,6 +273,12 @@ def train_stage(
                 torch.cuda.empty_cache()
 
 
+BUSY_BEYOND_SAID = 2.0
+BUSY_FLOOR = 0.1
+"""A mover stays when it computed more than ``BUSY_BEYOND_SAID`` times the share of its
+time the records leave its stage, plus this: its own work, first-hand, against claims."""
+
+
 class Rebalancer:
     """When this peer asks whether to move, and what it read. Checks are aligned on the
     swarm's clock: one in each ``every_s`` window, in its first half (a mover's record,
@@ -299,6 +305,7 @@ class Rebalancer:
         self._not_before: float | None = None  # None: this peer has not worked at its stage yet
         self._moved_at: float | None = None
         self._epoch = -1
+        self._busy_at: tuple[float, float] | None = None  # (clock, busy seconds) then
 
     def arrived(self) -> None:
         """This peer (re)entered a stage: the first check comes an interval after its
@@ -307,6 +314,15 @@ class Rebalancer:
         if self._arrivals > 1:
             self._moved_at = self.clock()
         self._not_before = None
+
+    def _busy_share(self, peer: StagePeer) -> float | None:
+        """The share of the time since its last check that this peer computed (None
+        before a first interval)."""
+        now, busy = self.clock(), peer.busy_seconds()
+        before, self._busy_at = self._busy_at, (now, busy)
+        if before is None or now <= before[0]:
+            return None
+        return (busy - before[1]) / (now - before[0])
 
     def check(self, peer: StagePeer, driven: int) -> int | None:
         """The stage to move to now, if any (None until a check is due). A move is
@@ -318,6 +334,7 @@ class Rebalancer:
             if not peer.working():
                 return None
             self._not_before = self.clock() + every
+            self._busy_at = (self.clock(), peer.busy_seconds())
         if self.clock() < self._not_before:
             return None
         epoch, phase = divmod(peer.swarm_clock(), every)
@@ -327,10 +344,23 @@ class Rebalancer:
         move = choose_move(
             peer.read_loads(), self.stages, me=self.me, epoch=int(epoch), gap=self.config.gap
         )
+        busy = self._busy_share(peer)
         since = None if self._moved_at is None else self.clock() - self._moved_at
         held = since is not None and since < self.config.hold_s and move.to is not None
         to = None if held else move.to
         reason = f"it moved {since:.0f} s ago ({move.reason})" if held else move.reason
+        if to is not None and busy is not None:
+            # The records say the stage this peer leaves is over-served: then the pipeline
+            # can keep it busy at most the target's throughput over its stage's. Busier
+            # than that by far, its own work says the records overstate its stage (keys
+            # that claim to serve it and do not, say).
+            said = move.throughput[to] / max(move.throughput[peer.stage], 1e-9)
+            if busy > BUSY_BEYOND_SAID * said + BUSY_FLOOR:
+                reason = (
+                    f"it stays: it computed {busy:.0%} of the time since its last check, "
+                    f"where the records leave its stage work for {said:.0%} ({move.reason})"
+                )
+                to = None
         if self.on_event is not None:
             self.on_event(
                 {

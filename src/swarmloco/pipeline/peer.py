@@ -231,6 +231,10 @@ class StagePeer:
         """Whether this peer's replica computed a micro-batch yet (its rate is measured)."""
         return self.replica.rate.value > 0
 
+    def busy_seconds(self) -> float:
+        """Seconds this peer's replica has computed since it began (first-hand)."""
+        return self.replica.busy_s
+
     def swarm_clock(self) -> float:
         """The swarm's time (unix seconds, as the DHT's records carry it)."""
         assert self.peer is not None and self.peer.network is not None

@@ -142,6 +142,9 @@ class StageReplica:
         """Micro-batches whose backward it ran, since it started."""
         self.waiting = 0
         """Forwards waiting for a due step now."""
+        self.busy_s = 0.0
+        """Seconds it has computed (forwards, backwards, audits) since it began: how busy
+        its stage keeps it, first-hand (the rebalancer weighs the records against it)."""
         self.before_step: Callable[[], None] | None = None
         """Called before each optimizer step, on the mean gradient (the owner's learning
         rate and clipping)."""
@@ -231,6 +234,7 @@ class StageReplica:
             out = out.detach().float().cpu()  # on a GPU: waits for the compute (timed with it)
             del on_device  # the card keeps nothing of a micro-batch between its two calls
             seconds = time.perf_counter() - started
+            self.busy_s += seconds
             self._hold(micro_batch, _Held(x, targets, rng, self.clock(), seconds))
             if self.last:
                 self.loss = float(out)
@@ -297,6 +301,7 @@ class StageReplica:
             self._check_open()
             if self._holding:
                 raise Rejection("busy", "this replica is between two steps (a round)")
+            started = time.perf_counter()
             on_device = x.to(self.device).detach().requires_grad_(True)
             with self._seeded(seed), torch.enable_grad():
                 with self._autocast():
@@ -313,7 +318,9 @@ class StageReplica:
                     (grad,) = torch.autograd.grad(
                         out, on_device, grad_output.to(self.device, out.dtype)
                     )
-            return out.detach().float().cpu(), grad.float().cpu()
+            answer = out.detach().float().cpu(), grad.float().cpu()
+            self.busy_s += time.perf_counter() - started
+            return answer
 
     def load(self) -> dict[str, float | int]:
         """What this replica's ``stage-load`` record says of it: its rate, the micro-batches
@@ -361,6 +368,7 @@ class StageReplica:
                         out.backward(grad_output.to(self.device, out.dtype))
             grad_input = None if self.first or x.grad is None else x.grad.cpu()
             computed = time.perf_counter() - started
+            self.busy_s += computed
             self.rate.add(int(held.input.shape[0]), held.seconds + computed)
             self.micro_batches += 1
             self.served += 1
