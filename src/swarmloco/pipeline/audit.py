@@ -12,6 +12,7 @@ with a third: the one far from both others, while those two are close, is found 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -60,7 +61,7 @@ def _relative(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
     if scale == 0.0:
         return 0.0
     gap = float((x - y).norm()) / scale
-    return gap if gap == gap else float("inf")  # NaN: nothing alike
+    return float("inf") if math.isnan(gap) else gap  # NaN: nothing alike
 
 
 def judge(distances: dict[tuple[int, int], float], tolerance: float) -> int | None:
@@ -69,7 +70,7 @@ def judge(distances: dict[tuple[int, int], float], tolerance: float) -> int | No
     are within ``tolerance / 2`` of each other; None when no one is."""
     for suspect in range(3):
         i, j = (k for k in range(3) if k != suspect)
-        apart = [distances[tuple(sorted((suspect, k)))] for k in (i, j)]  # type: ignore[index]
+        apart = [distances[min(suspect, k), max(suspect, k)] for k in (i, j)]
         if min(apart) > tolerance and distances[(i, j)] <= tolerance / 2:
             return suspect
     return None

@@ -267,13 +267,10 @@ class Driver:
         name = os.urandom(MICRO_BATCH_BYTES)
         trace = Trace()
         stages = len(self.replicas) + 1
-        audited = {
-            k: Used(stage=k, endpoint="", forward=pb.ForwardRequest())
-            for k in range(1, stages)
-            if self.rng.random() < self.config.audit_share
-        }
+        drawn = {k for k in range(1, stages) if self.rng.random() < self.config.audit_share}
+        audited: dict[int, Used] = {}
         try:
-            await self._run(name, x, targets, trace, audited)
+            await self._run(name, x, targets, trace, drawn, audited)
         except BaseException:
             self._abandon(name, trace)
             raise
@@ -307,8 +304,11 @@ class Driver:
         x: torch.Tensor,
         targets: torch.Tensor,
         trace: Trace,
+        drawn: set[int],
         audited: dict[int, Used],
     ) -> None:
+        """``drawn``: the stages whose answers are audited (a suspect's always are);
+        ``audited``: filled with those answers, by stage."""
         h = await self._own.run("forward", self.first.forward, name, x)
         stages = len(self.replicas) + 1
         for k in range(1, stages):
@@ -325,11 +325,9 @@ class Driver:
             endpoint, answer = await self._forward(k, request, trace)
             trace.path.append(endpoint)
             trace.holding[k] = endpoint
-            if k not in audited and self.strikes[endpoint]:
-                audited[k] = Used(stage=k, endpoint="", forward=request)  # a suspect's: all
-            used = audited.get(k)
-            if used is not None:
-                used.endpoint, used.forward = endpoint, request
+            used = None
+            if k in drawn or self.strikes[endpoint]:
+                used = audited[k] = Used(stage=k, endpoint=endpoint, forward=request)
             if last:
                 trace.loss = answer.loss
                 if used is not None:
@@ -495,31 +493,31 @@ class Driver:
         stage, tolerance = used.stage, self.config.audit_tolerance
         tried = {used.endpoint}
         answers: dict[str, Answer] = {used.endpoint: used.answer()}
+        distances: dict[tuple[int, int], float] = {}
         while len(answers) < 3:
             auditor = await self._audit_at(used, tried)
             if auditor is None:
                 break
             answers[auditor[0]] = auditor[1]
-            # (A micro-batch's activations can be tens of millions of values: not on the loop.)
-            if len(answers) == 2 and await asyncio.to_thread(distance, *answers.values()) <= (
-                tolerance
-            ):
+            new = len(answers) - 1
+            for i, endpoint in enumerate(list(answers)[:new]):
+                # (A micro-batch's activations can be tens of millions of values: not on the
+                # event loop.)
+                distances[(i, new)] = await asyncio.to_thread(
+                    distance, answers[endpoint], auditor[1]
+                )
+            if new == 1 and distances[(0, 1)] <= tolerance:
                 self.audits["agreed"] += 1
                 for endpoint in answers:
                     del self.strikes[endpoint]  # evidence of an honest answer
                 return
-        endpoints = list(answers)
-        pairs = [(i, j) for i in range(len(endpoints)) for j in range(i + 1, len(endpoints))]
-        distances = {
-            (i, j): await asyncio.to_thread(distance, answers[endpoints[i]], answers[endpoints[j]])
-            for i, j in pairs
-        }
-        said = ", ".join(
-            f"{endpoints[i]}-{endpoints[j]} {d:.3g}" for (i, j), d in distances.items()
-        )
         if len(answers) == 1:
             self.audits["unchecked"] += 1
             return
+        endpoints = list(answers)
+        said = ", ".join(
+            f"{endpoints[i]}-{endpoints[j]} {d:.3g}" for (i, j), d in distances.items()
+        )
         suspect = judge(distances, tolerance) if len(answers) == 3 else None
         if suspect is None:
             self.audits["disputed"] += 1

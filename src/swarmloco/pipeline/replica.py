@@ -227,10 +227,7 @@ class StageReplica:
             started = time.perf_counter()
             on_device = x.to(self.device)
             with self._seeded(seed) as rng, torch.no_grad(), self._autocast():
-                if self.last:
-                    out = self.module(on_device, _to(targets, self.device))
-                else:
-                    out = self.module(on_device)
+                out = self._stage(on_device, _to(targets, self.device))
             out = out.detach().float().cpu()  # on a GPU: waits for the compute (timed with it)
             del on_device  # the card keeps nothing of a micro-batch between its two calls
             seconds = time.perf_counter() - started
@@ -255,6 +252,10 @@ class StageReplica:
                 "a %s of micro-batch %s took %.1f s on %s (%s)",
                 call, micro_batch.hex()[:12], total, self.device, spent,
             )  # fmt: skip
+
+    def _stage(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        """The stage on ``x`` (on its device): its output, or the loss at the last stage."""
+        return self.module(x, targets) if self.last else self.module(x)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast is None:
@@ -305,10 +306,7 @@ class StageReplica:
             on_device = x.to(self.device).detach().requires_grad_(True)
             with self._seeded(seed), torch.enable_grad():
                 with self._autocast():
-                    if self.last:
-                        out = self.module(on_device, _to(targets, self.device))
-                    else:
-                        out = self.module(on_device)
+                    out = self._stage(on_device, _to(targets, self.device))
                 if self.last:
                     (grad,) = torch.autograd.grad(out, on_device)
                 else:
@@ -358,7 +356,7 @@ class StageReplica:
                     torch.cuda.set_rng_state(gpu_rng, self.device)
                 with torch.enable_grad():
                     with self._autocast():
-                        out = self.module(x, targets) if self.last else self.module(x)
+                        out = self._stage(x, targets)
                     if self.last:
                         out.backward()
                     else:
