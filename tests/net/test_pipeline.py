@@ -172,6 +172,7 @@ async def test_a_dead_replica_costs_a_retry_and_each_micro_batch_is_applied_once
         with pytest.raises(PipelineError, match="stage 1 has no peer"):
             await drv.run(*batch(10))
     assert [t.retries for t in traces] == [1, 0, 0] and dead in drv.shunned
+    assert drv.unserving() == {dead}  # what its peer's rebalancing does not count
     assert all(t.path == endpoints[0] for t in traces)
     assert service.replica.micro_batches == 3 and first.micro_batches == 3
     assert first.inflight == 0  # the broken micro-batch's input was let go at once
@@ -609,6 +610,7 @@ async def test_a_replica_that_answers_wrong_in_bounds_is_found_out_and_no_longer
             if drv.audits["found-out"]:
                 break
         assert list(drv.distrusted) == [liar_at], (drv.audits, events)
+        assert liar_at in drv.unserving()
         assert events[0]["event"] == "replica-distrusted" and events[0]["endpoint"] == liar_at
         assert drv.audits["agreed"] > 0 and drv.audits["found-out"] == 1
         # From now on it is drawn neither for a hop nor for an audit.

@@ -73,13 +73,56 @@ def test_the_last_replica_of_a_stage_stays_and_an_empty_stage_draws_one():
     assert list(movers(stalled, 3, epoch=3).values()) == [2]
 
 
-def test_no_move_is_judged_until_every_rate_is_measured_nor_without_this_peers_record():
-    loads = [replica(n, 0, 10.0) for n in "abc"] + [replica("d", 1, 0.0)]
+def test_a_peer_not_measured_yet_counts_as_a_typical_replica_and_many_hold_nothing_off():
+    """A record not measured yet (a peer moving in, or one that has not computed yet)
+    counts as a replica doing what its stage's replicas do, two a stage at most: one key
+    that publishes such a record no longer holds every move off (it did, for as long as
+    it published), and forty count as two."""
+    loads = [replica(n, 0, 10.0) for n in "abc"] + [replica("d", 1, 4.0), replica("e", 1, 0.0)]
     verdict = choose_move(loads, 2, me=loads[0].peer, epoch=0, gap=0.2)
-    assert verdict.to is None and "not measured" in verdict.reason
-    assert movers(loads, 2, epoch=0) == {}
+    assert verdict.throughput == (30.0, 8.0) and verdict.replicas == (3, 2)
+    assert list(movers(loads, 2, epoch=0).values()) == [1]
+    # A stage of none measured: a replica there counts at what one does in the run.
+    fresh = [replica(n, 0, 10.0) for n in "abc"] + [replica("d", 1, 0.0)]
+    assert choose_move(fresh, 2, me="x", epoch=0, gap=0.2).throughput == (30.0, 10.0)
+    # Keys that say they move into stage 1 (no endpoint, no rate): two counted.
+    moving = [
+        StageLoad(peer=f"{i:040x}", stage=1, endpoint="", rate=0.0, queue=0, free=0, at=NOW)
+        for i in range(40)
+    ]
+    flooded = [*loads[:4], *moving]
+    verdict = choose_move(flooded, 2, me=loads[0].peer, epoch=0, gap=0.2)
+    assert verdict.throughput == (30.0, 12.0) and verdict.replicas == (3, 3)
+    assert list(movers(flooded, 2, epoch=0).values()) == [1]
+    # Nothing measured anywhere: nobody moves (a stage with no replica excepted).
+    unknown = [replica(n, 0, 0.0) for n in "ab"] + [replica("c", 1, 0.0)]
+    verdict = choose_move(unknown, 2, me=unknown[0].peer, epoch=0, gap=0.2)
+    assert verdict.to is None and "measured" in verdict.reason
     stranger = choose_move(loads, 2, me="ee" * 20, epoch=0, gap=0.2)
     assert stranger.to is None and "not read yet" in stranger.reason
+
+
+def test_a_stage_counts_four_records_of_one_network_the_slowest():
+    """Forty keys on one machine claiming stage 1 at 1,000 seq/s: the rebalancer counts
+    four of them (as a driver draws four), the slowest; an honest peer that is one of too
+    many on its network is told so, and does not move."""
+    honest = [replica(n, 0, 10.0) for n in "ab"] + [replica("c", 1, 10.0)]
+    sybils = [
+        StageLoad(peer=f"{i:040x}", stage=1, endpoint="203.0.113.7:1", rate=1000.0 + i,
+                  queue=0, free=4, at=NOW)
+        for i in range(40)
+    ]  # fmt: skip
+    verdict = choose_move([*honest, *sybils], 2, me=honest[0].peer, epoch=0, gap=0.2)
+    assert verdict.replicas == (2, 5) and verdict.throughput == (20.0, 10.0 + 4006.0)
+    crowd = [
+        StageLoad(peer=f"{i:040x}", stage=0, endpoint="203.0.113.9:1", rate=5.0, queue=0,
+                  free=4, at=NOW)
+        for i in range(5)
+    ]  # fmt: skip
+    left_out = max(crowd, key=lambda x: x.peer)
+    verdict = choose_move([*crowd, *honest], 2, me=left_out.peer, epoch=0, gap=0.2)
+    assert verdict.to is None and "not counted" in verdict.reason
+    assert verdict.replicas == (6, 1)
 
 
 def test_a_peer_counts_at_its_newest_record_only():
@@ -103,9 +146,13 @@ class View:
         self.reads = 0
         self.announced: list[int] = []
         self.busy = 0.0  # seconds its replica computed
+        self.failed: set[str] = set()  # replicas its driver does not draw now
 
     def busy_seconds(self) -> float:
         return self.busy
+
+    def unserving(self) -> set[str]:
+        return self.failed
 
     def read_loads(self) -> list[StageLoad]:
         self.reads += 1
@@ -200,6 +247,44 @@ def test_a_mover_busier_than_the_records_allow_stays_so_keys_claiming_its_stage_
     now[0] = later * 10 - NOW + 1.0
     view.busy += 0.1 * (now[0] - start)  # 10%, against the 13% the records allow
     assert rebalancer.check(view, driven=0) == 1, events[-1]
+
+
+def test_a_driver_counts_no_record_of_a_replica_that_serves_it_nothing():
+    """Stage 1's honest replica is gone; forty keys, each claiming an address of its own
+    (so no network cap holds them), claim stage 1 at 1,000 seq/s and serve nothing. By
+    the records stage 1 is the most served stage, and nobody moves there: the pipeline
+    stalls. A stage-0 peer's driver tried them and does not draw them now: to it stage 1
+    has no replica, and one of the two stage-0 peers moves there."""
+    honest = [replica(n, 0, 10.0) for n in "ab"]
+    fakes = [replica(f"203.0.{i}.1", 1, 1000.0) for i in range(40)]
+    loads = [*honest, *fakes]
+    mine = {x.peer for x in honest}
+    assert all(not set(movers(loads, 2, epoch=e)) & mine for e in range(20))
+    now = [0.0]
+    windows = (int((NOW + t) // 10) for t in range(21, 100_000, 10))
+    gone = {x.endpoint for x in fakes}
+    epoch = next(e for e in windows if movers(honest, 2, e))  # stage 1 empty
+    mover = next(iter(movers(honest, 2, epoch)))
+    events: list[dict] = []
+    rebalancer = Rebalancer(RebalanceConfig(every_s=10.0), 2, mover, events.append,
+                            clock=lambda: now[0])  # fmt: skip
+    view = View(loads, 0, now)
+    rebalancer.arrived()
+    now[0] = 1.0
+    assert rebalancer.check(view, driven=0) is None  # its first work
+    now[0] = epoch * 10 - NOW + 1.0
+    view.failed = gone
+    assert rebalancer.check(view, driven=0) == 1, events[-1]
+    assert "no replica" in events[-1]["reason"] and events[-1]["replicas"] == [2, 0]
+    # Without its driver's word it reads the records, and stays.
+    other = Rebalancer(RebalanceConfig(every_s=10.0), 2, mover, events.append,
+                       clock=lambda: now[0])  # fmt: skip
+    view = View(loads, 0, now)
+    other.arrived()
+    now[0] = 1.0
+    other.check(view, driven=0)
+    now[0] = epoch * 10 - NOW + 1.0
+    assert other.check(view, driven=0) is None and events[-1]["replicas"] == [2, 40]
 
 
 def test_a_joining_peer_takes_a_stage_with_no_replica_else_the_one_of_least_throughput():

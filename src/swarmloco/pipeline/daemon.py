@@ -341,9 +341,12 @@ class Rebalancer:
         if epoch <= self._epoch or phase >= every / 2:
             return None
         self._epoch = int(epoch)
-        move = choose_move(
-            peer.read_loads(), self.stages, me=self.me, epoch=int(epoch), gap=self.config.gap
-        )
+        # A peer that drives knows which replicas serve it nothing (they failed it, or
+        # answered wrong): their records do not count, whatever they claim, so a stage
+        # only such keys claim is empty to it, and draws a replica.
+        unserving = peer.unserving()
+        loads = [x for x in peer.read_loads() if x.stage == 0 or x.endpoint not in unserving]
+        move = choose_move(loads, self.stages, me=self.me, epoch=int(epoch), gap=self.config.gap)
         busy = self._busy_share(peer)
         since = None if self._moved_at is None else self.clock() - self._moved_at
         held = since is not None and since < self.config.hold_s and move.to is not None

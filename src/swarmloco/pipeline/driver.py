@@ -468,6 +468,13 @@ class Driver:
             endpoint, method, request, timeout=self.config.hop_timeout_s, attempts=1
         )
 
+    def unserving(self) -> set[str]:
+        """The replicas it does not draw now (they failed it, or answered wrong): its own
+        evidence that they serve it nothing, whatever their records say."""
+        now = time.monotonic()
+        drawn_not = (*list(self.shunned.items()), *list(self.distrusted.items()))
+        return {endpoint for endpoint, until in drawn_not if until > now}
+
     def distrusting(self) -> int:
         """How many replicas it does not draw now for answering wrong."""
         now = time.monotonic()

@@ -231,6 +231,18 @@ class StagePeer:
         """Whether this peer's replica computed a micro-batch yet (its rate is measured)."""
         return self.replica.rate.value > 0
 
+    def unserving(self, timeout: float = 30.0) -> set[str]:
+        """The replicas of later stages this peer's driver does not draw now (they failed
+        it or answered wrong: first-hand); none for a peer that does not drive."""
+        if self.driver is None or self.peer is None:
+            return set()
+        driver = self.driver
+
+        async def read() -> set[str]:  # on the loop, where the driver's maps change
+            return driver.unserving()
+
+        return self.peer.loop.run(read(), timeout=timeout)
+
     def busy_seconds(self) -> float:
         """Seconds this peer's replica has computed since it began (first-hand)."""
         return self.replica.busy_s

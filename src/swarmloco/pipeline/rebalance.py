@@ -16,21 +16,27 @@ the same on every peer that reads the same records:
   (the epoch is the current ``every_s`` window): one mover per check, another one in the
   next window if the gap is still there;
 - a peer that moved less than ``hold_s`` ago stays (its rate at the new stage must be
-  measured before anyone judges it), and no move is judged while a replica's rate is
-  not measured yet, except into a stage with no replica at all.
+  measured before anyone judges it); a replica not measured yet (a mover, a newcomer)
+  counts as doing what its stage's replicas do (the median of their rates), so the next
+  window judges the picture the move makes, and nobody moves while no rate is measured
+  at all, except into a stage with no replica.
 
 A rate is a claim, as everywhere in a record: a liar can attract a move or hold one off,
 not take over a peer (the mover downloads the target stage's state from its replicas,
-checked like any download), and the stage it leaves keeps a replica.
+checked like any download), and the stage it leaves keeps a replica. What many keys can
+claim is bounded: a stage counts at most :data:`RECORDS_PER_NETWORK` measured records of
+one network and :data:`UNMEASURED_PER_STAGE` unmeasured ones (:func:`stage_view`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import statistics
 from collections.abc import Iterable, Sequence
 
+from swarmloco.net.endpoints import endpoint_network
 from swarmloco.pipeline.load import StageLoad
 
 
@@ -65,6 +71,17 @@ class Move:
     """Each stage's replicas as read."""
 
 
+RECORDS_PER_NETWORK = 4
+"""A stage's serving records counted per source network (the /24 of a public IPv4
+address, the /64 of an IPv6 one), the slowest first: as many as a driver draws from
+(``DriverConfig.replicas_per_network``)."""
+UNMEASURED_PER_STAGE = 2
+"""A stage's records of peers not measured yet (one moving in, one that has not computed
+enough yet) counted, each at what a replica of the stage does: honest peers move one a
+window, and a mover's rate is said within a window or two of work; records of many more
+hold a move off by no more than two replicas' worth."""
+
+
 def latest(loads: Iterable[StageLoad]) -> dict[str, StageLoad]:
     """Each peer's newest record."""
     newest: dict[str, StageLoad] = {}
@@ -74,20 +91,53 @@ def latest(loads: Iterable[StageLoad]) -> dict[str, StageLoad]:
     return newest
 
 
-def stage_view(loads: Iterable[StageLoad], stages: int) -> tuple[list[list[StageLoad]], bool]:
-    """Each stage's replicas (newest record per peer, stages out of range ignored), and
-    whether every replica's rate is measured."""
+def stage_view(loads: Iterable[StageLoad], stages: int) -> list[list[StageLoad]]:
+    """Each stage's counted replicas: the newest record of each peer (stages out of range
+    ignored), of the measured ones at most :data:`RECORDS_PER_NETWORK` of one network at
+    one stage (the slowest, then by peer id), of the others at most
+    :data:`UNMEASURED_PER_STAGE` a stage (by peer id). Every peer reading the same records
+    counts the same ones."""
     pools: list[list[StageLoad]] = [[] for _ in range(stages)]
-    for load in latest(loads).values():
-        if 0 <= load.stage < stages:
-            pools[load.stage].append(load)
-    measured = all(x.rate > 0 for pool in pools for x in pool)
-    return pools, measured
+    taken: collections.Counter[tuple[int, str]] = collections.Counter()
+    unmeasured: collections.Counter[int] = collections.Counter()
+    for load in sorted(latest(loads).values(), key=lambda x: (x.rate, x.peer)):
+        if not 0 <= load.stage < stages:
+            continue
+        if load.rate > 0:
+            network = (load.stage, endpoint_network(load.endpoint))
+            if taken[network] >= RECORDS_PER_NETWORK:
+                continue
+            taken[network] += 1
+        else:
+            if unmeasured[load.stage] >= UNMEASURED_PER_STAGE:
+                continue
+            unmeasured[load.stage] += 1
+        pools[load.stage].append(load)
+    return pools
+
+
+def typical_rates(pools: Sequence[Sequence[StageLoad]]) -> list[float | None]:
+    """What a replica of each stage does: the median of its measured rates, else of every
+    stage's (None: no rate is measured anywhere)."""
+    everywhere = [x.rate for pool in pools for x in pool if x.rate > 0]
+    if not everywhere:
+        return [None] * len(pools)
+    run = statistics.median(everywhere)
+    typical: list[float | None] = []
+    for pool in pools:
+        rates = [x.rate for x in pool if x.rate > 0]
+        typical.append(statistics.median(rates) if rates else run)
+    return typical
 
 
 def throughputs(pools: Sequence[Sequence[StageLoad]]) -> list[float]:
-    """Each stage's throughput: its replicas' rates summed."""
-    return [sum(x.rate for x in pool) for pool in pools]
+    """Each stage's throughput: its replicas' rates summed, one not measured yet at what a
+    replica of its stage does (:func:`typical_rates`)."""
+    typical = typical_rates(pools)
+    return [
+        sum(x.rate if x.rate > 0 else typical[k] or 0.0 for x in pool)
+        for k, pool in enumerate(pools)
+    ]
 
 
 def mover_key(peer: str, epoch: int) -> bytes:
@@ -98,26 +148,32 @@ def choose_move(
     loads: Iterable[StageLoad], stages: int, *, me: str, epoch: int, gap: float
 ) -> Move:
     """Whether peer ``me`` should move now, and to which stage (see the module)."""
-    pools, measured = stage_view(loads, stages)
+    loads = list(loads)
+    pools = stage_view(loads, stages)
     t = throughputs(pools)
     seen = (tuple(round(x, 3) for x in t), tuple(len(p) for p in pools))
     mine = next((x for pool in pools for x in pool if x.peer == me), None)
     if mine is None:
+        if me in latest(loads):
+            return Move(None, "this peer's record is not counted at its stage", *seen)
         return Move(None, "this peer's record is not read yet", *seen)
+    typical = typical_rates(pools)
     target = min(range(stages), key=lambda k: (t[k], len(pools[k]), -k))
     source = max(range(stages), key=lambda k: (t[k], len(pools[k]), -k))
     empty = not pools[target]
-    if not measured and not empty:
-        return Move(None, "a replica's rate is not measured yet", *seen)
+    if typical[target] is None and not empty:
+        return Move(None, "no replica's rate is measured yet", *seen)
     if source == target or t[target] >= (1.0 - gap) * t[source]:
         return Move(None, "the stages are balanced", *seen)
-    if len(pools[source]) < 2:
+    candidates = [x for x in pools[source] if x.rate > 0]
+    if len(pools[source]) < 2 or not candidates:
         return Move(None, f"stage {source} has one replica", *seen)
-    # The mover's rate at the target is not known: the target's replicas' median says
-    # what a replica does there (a stage with none: any replica is better than none).
-    mover = min(pools[source], key=lambda x: mover_key(x.peer, epoch))
+    # The mover's rate at the target is not known: what a replica does there says what
+    # it would add (a stage with none: any replica is better than none). One that has not
+    # been measured at the source yet does not move again.
+    mover = min(candidates, key=lambda x: mover_key(x.peer, epoch))
     if not empty:
-        gained = statistics.median(x.rate for x in pools[target])
+        gained = typical[target] or 0.0
         if min(t[source] - mover.rate, t[target] + gained) <= (1.0 + gap) * t[target]:
             return Move(None, "moving one replica would not raise the slowest stage", *seen)
     if mover.peer != me:
@@ -130,7 +186,8 @@ def choose_stage(loads: Iterable[StageLoad], stages: int) -> int:
     """The stage a joining peer takes: one with no replica (the later first: drivers are
     no use until every later stage has one), else the stage of least throughput when
     every rate is measured, else the one with the fewest replicas (the later on a tie)."""
-    pools, measured = stage_view(loads, stages)
+    pools = stage_view(loads, stages)
+    measured = all(x.rate > 0 for pool in pools for x in pool)
     if measured and all(pools):
         t = throughputs(pools)
         return min(range(stages), key=lambda k: (t[k], -k))
