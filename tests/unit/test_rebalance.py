@@ -291,8 +291,11 @@ def test_a_joining_peer_takes_a_stage_with_no_replica_else_the_one_of_least_thro
     assert choose_stage([replica("a", 0, 10.0)], 3) == 2
     measured = [replica("a", 0, 10.0), replica("b", 1, 3.0), replica("c", 1, 3.0)]
     assert choose_stage(measured, 2) == 1  # 6 seq/s against 10, though it has more peers
+    # A replica not measured yet counts as its stage's typical one: 3 + 3 against 10.
     unmeasured = [replica("a", 0, 10.0), replica("b", 1, 0.0), replica("c", 1, 3.0)]
-    assert choose_stage(unmeasured, 2) == 0  # rates unknown: the fewest peers
+    assert choose_stage(unmeasured, 2) == 1
+    unknown = [replica("a", 0, 0.0), replica("b", 1, 0.0), replica("c", 1, 0.0)]
+    assert choose_stage(unknown, 2) == 0  # no rate measured: the fewest peers
 
 
 @pytest.mark.parametrize("bad", [{"every_s": -1.0}, {"gap": 1.0}, {"gap": -0.1}, {"hold_s": -5.0}])

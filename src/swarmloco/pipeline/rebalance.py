@@ -184,11 +184,11 @@ def choose_move(
 
 def choose_stage(loads: Iterable[StageLoad], stages: int) -> int:
     """The stage a joining peer takes: one with no replica (the later first: drivers are
-    no use until every later stage has one), else the stage of least throughput when
-    every rate is measured, else the one with the fewest replicas (the later on a tie)."""
+    no use until every later stage has one), else the stage of least throughput (as
+    :func:`choose_move` counts it) once a rate is measured, else the one with the fewest
+    replicas (the later on a tie)."""
     pools = stage_view(loads, stages)
-    measured = all(x.rate > 0 for pool in pools for x in pool)
-    if measured and all(pools):
+    if all(pools) and typical_rates(pools)[0] is not None:
         t = throughputs(pools)
         return min(range(stages), key=lambda k: (t[k], -k))
     return min(range(stages), key=lambda k: (len(pools[k]), -k))
