@@ -78,7 +78,7 @@ def test_a_stage_0_peer_moves_to_the_slow_stage_and_the_pipeline_speeds_up(tmp_p
             # throughput over the next 20 s.
             settled = stayed[0].wait_for(
                 "stages",
-                lambda e: e["time"] > joined["time"] and "not measured" not in e["reason"],
+                lambda e: e["time"] > joined["time"] and not any(e["unmeasured"]),
                 timeout=180,
             )
             for d in stayed:

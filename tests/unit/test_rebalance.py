@@ -73,31 +73,44 @@ def test_the_last_replica_of_a_stage_stays_and_an_empty_stage_draws_one():
     assert list(movers(stalled, 3, epoch=3).values()) == [2]
 
 
-def test_a_peer_not_measured_yet_counts_as_a_typical_replica_and_many_hold_nothing_off():
-    """A record not measured yet (a peer moving in, or one that has not computed yet)
-    counts as a replica doing what its stage's replicas do, two a stage at most: one key
-    that publishes such a record no longer holds every move off (it did, for as long as
-    it published), and forty count as two."""
+def moving_into(stage: int, count: int) -> list[StageLoad]:
+    """Records of keys that say they move into ``stage`` (no endpoint, no rate)."""
+    return [
+        StageLoad(peer=f"{i:040x}", stage=stage, endpoint="", rate=0.0, queue=0, free=0, at=NOW)
+        for i in range(count)
+    ]
+
+
+def test_nobody_moves_into_a_stage_until_its_newest_replica_is_measured_and_no_other_waits():
+    """A replica not measured yet (a mover, a newcomer) adds nothing to its stage's
+    throughput, and nobody else moves into that stage until what it adds is measured. No
+    other stage waits: one key publishing a record with no rate no longer holds every move
+    of the run off (it did, for as long as it published). A stage counts two such records
+    at most."""
     loads = [replica(n, 0, 10.0) for n in "abc"] + [replica("d", 1, 4.0), replica("e", 1, 0.0)]
     verdict = choose_move(loads, 2, me=loads[0].peer, epoch=0, gap=0.2)
-    assert verdict.throughput == (30.0, 8.0) and verdict.replicas == (3, 2)
-    assert list(movers(loads, 2, epoch=0).values()) == [1]
-    # A stage of none measured: a replica there counts at what one does in the run.
-    fresh = [replica(n, 0, 10.0) for n in "abc"] + [replica("d", 1, 0.0)]
-    assert choose_move(fresh, 2, me="x", epoch=0, gap=0.2).throughput == (30.0, 10.0)
-    # Keys that say they move into stage 1 (no endpoint, no rate): two counted.
-    moving = [
-        StageLoad(peer=f"{i:040x}", stage=1, endpoint="", rate=0.0, queue=0, free=0, at=NOW)
-        for i in range(40)
-    ]
-    flooded = [*loads[:4], *moving]
-    verdict = choose_move(flooded, 2, me=loads[0].peer, epoch=0, gap=0.2)
-    assert verdict.throughput == (30.0, 12.0) and verdict.replicas == (3, 3)
-    assert list(movers(flooded, 2, epoch=0).values()) == [1]
-    # Nothing measured anywhere: nobody moves (a stage with no replica excepted).
+    assert verdict.to is None and "stage 1 has a replica not measured yet" in verdict.reason
+    assert verdict.throughput == (30.0, 4.0) and verdict.replicas == (3, 2)
+    assert verdict.unmeasured == (0, 1)
+    assert movers(loads, 2, epoch=0) == {}
+    # A key that says it moves into stage 2 (or a stranger's record there with no rate)
+    # holds no move into stage 1 off.
+    three = [*loads[:4], replica("f", 2, 10.0), replica("g", 2, 10.0)]
+    for held in (moving_into(2, 1), moving_into(2, 40), [replica("s", 2, 0.0)]):
+        verdict = choose_move([*three, *held], 3, me=loads[0].peer, epoch=0, gap=0.2)
+        assert verdict.replicas[2] == 2 + min(len(held), 2), verdict
+        assert list(movers([*three, *held], 3, epoch=0).values()) == [1], verdict
+    # Into stage 1 itself they hold moves off (as a claimed rate can), two counted.
+    verdict = choose_move([*three, *moving_into(1, 40)], 3, me=loads[0].peer, epoch=0, gap=0.2)
+    assert verdict.to is None and verdict.replicas == (3, 3, 2), verdict
+    # A stage whose one measured replica has a newcomer beside it keeps it: the newcomer
+    # may not work out.
+    pair = [replica("a", 0, 10.0), replica("b", 0, 0.0), replica("c", 1, 2.0)]
+    verdict = choose_move(pair, 2, me=pair[0].peer, epoch=0, gap=0.2)
+    assert verdict.to is None and "one measured replica" in verdict.reason
+    # Nothing measured anywhere: nobody moves.
     unknown = [replica(n, 0, 0.0) for n in "ab"] + [replica("c", 1, 0.0)]
-    verdict = choose_move(unknown, 2, me=unknown[0].peer, epoch=0, gap=0.2)
-    assert verdict.to is None and "measured" in verdict.reason
+    assert movers(unknown, 2, epoch=0) == {}
     stranger = choose_move(loads, 2, me="ee" * 20, epoch=0, gap=0.2)
     assert stranger.to is None and "not read yet" in stranger.reason
 

@@ -372,6 +372,7 @@ class Rebalancer:
                     "stage": peer.stage,
                     "throughput": list(move.throughput),
                     "replicas": list(move.replicas),
+                    "unmeasured": list(move.unmeasured),
                     "move": to,
                     "reason": reason,
                     "driven": driven,

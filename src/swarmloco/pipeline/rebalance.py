@@ -8,18 +8,17 @@ the same on every peer that reads the same records:
 
 - the *source* is the stage of highest throughput, the *target* the one of lowest;
 - a move is worth it only when the target is below the source by more than ``gap`` (a
-  share of the source's), the source keeps at least one replica, and moving one raises
-  the slower of the two by more than ``gap`` too (the target's throughput grows by what
-  a replica does there, the source's falls by the mover's rate): a move costs the
+  share of the source's), the source keeps at least one measured replica, and moving one
+  raises the slower of the two by more than ``gap`` too (the target's throughput grows by
+  what a replica does there, the source's falls by the mover's rate): a move costs the
   mover's warm-up and a download, and two stages never trade a replica back and forth;
 - of the source's replicas, the one whose ``blake2b(peer id, epoch)`` is smallest moves
   (the epoch is the current ``every_s`` window): one mover per check, another one in the
   next window if the gap is still there;
 - a peer that moved less than ``hold_s`` ago stays (its rate at the new stage must be
-  measured before anyone judges it); a replica not measured yet (a mover, a newcomer)
-  counts as doing what its stage's replicas do (the median of their rates), so the next
-  window judges the picture the move makes, and nobody moves while no rate is measured
-  at all, except into a stage with no replica.
+  measured before anyone judges it), and nobody moves into a stage with a replica not
+  measured yet (a mover, a newcomer: what it adds is measured first); a stage with no
+  replica at all draws one at once.
 
 A rate is a claim, as everywhere in a record: a liar can attract a move or hold one off,
 not take over a peer (the mover downloads the target stage's state from its replicas,
@@ -68,7 +67,9 @@ class Move:
     throughput: tuple[float, ...] = ()
     """Each stage's throughput as read (sequences per second; 0: no replica)."""
     replicas: tuple[int, ...] = ()
-    """Each stage's replicas as read."""
+    """Each stage's replicas as counted."""
+    unmeasured: tuple[int, ...] = ()
+    """Of those, each stage's not measured yet (adding nothing to its throughput)."""
 
 
 RECORDS_PER_NETWORK = 4
@@ -77,9 +78,7 @@ address, the /64 of an IPv6 one), the slowest first: as many as a driver draws f
 (``DriverConfig.replicas_per_network``)."""
 UNMEASURED_PER_STAGE = 2
 """A stage's records of peers not measured yet (one moving in, one that has not computed
-enough yet) counted, each at what a replica of the stage does: honest peers move one a
-window, and a mover's rate is said within a window or two of work; records of many more
-hold a move off by no more than two replicas' worth."""
+enough yet) counted: honest peers move one at a time into a stage."""
 
 
 def latest(loads: Iterable[StageLoad]) -> dict[str, StageLoad]:
@@ -130,10 +129,10 @@ def typical_rates(pools: Sequence[Sequence[StageLoad]]) -> list[float | None]:
     return typical
 
 
-def throughputs(pools: Sequence[Sequence[StageLoad]]) -> list[float]:
-    """Each stage's throughput: its replicas' rates summed, one not measured yet at what a
-    replica of its stage does (:func:`typical_rates`)."""
-    typical = typical_rates(pools)
+def throughputs(pools: Sequence[Sequence[StageLoad]], *, expected: bool = False) -> list[float]:
+    """Each stage's throughput: its replicas' rates summed; one not measured yet adds
+    nothing, or (``expected``) what a replica of its stage does (:func:`typical_rates`)."""
+    typical = typical_rates(pools) if expected else [None] * len(pools)
     return [
         sum(x.rate if x.rate > 0 else typical[k] or 0.0 for x in pool)
         for k, pool in enumerate(pools)
@@ -151,29 +150,38 @@ def choose_move(
     loads = list(loads)
     pools = stage_view(loads, stages)
     t = throughputs(pools)
-    seen = (tuple(round(x, 3) for x in t), tuple(len(p) for p in pools))
+    seen = (
+        tuple(round(x, 3) for x in t),
+        tuple(len(p) for p in pools),
+        tuple(sum(1 for x in p if x.rate <= 0) for p in pools),
+    )
     mine = next((x for pool in pools for x in pool if x.peer == me), None)
     if mine is None:
         if me in latest(loads):
             return Move(None, "this peer's record is not counted at its stage", *seen)
         return Move(None, "this peer's record is not read yet", *seen)
-    typical = typical_rates(pools)
     target = min(range(stages), key=lambda k: (t[k], len(pools[k]), -k))
     source = max(range(stages), key=lambda k: (t[k], len(pools[k]), -k))
     empty = not pools[target]
-    if typical[target] is None and not empty:
-        return Move(None, "no replica's rate is measured yet", *seen)
+    measured = [x.rate for x in pools[target] if x.rate > 0]
+    if len(measured) < len(pools[target]):
+        # A mover or a newcomer there: what it adds is measured before anyone else is
+        # drawn in. Only this stage waits (one record with no rate once held every move).
+        return Move(None, f"stage {target} has a replica not measured yet", *seen)
     if source == target or t[target] >= (1.0 - gap) * t[source]:
         return Move(None, "the stages are balanced", *seen)
-    candidates = [x for x in pools[source] if x.rate > 0]
-    if len(pools[source]) < 2 or not candidates:
-        return Move(None, f"stage {source} has one replica", *seen)
-    # The mover's rate at the target is not known: what a replica does there says what
-    # it would add (a stage with none: any replica is better than none). One that has not
-    # been measured at the source yet does not move again.
+    # Into a stage with no replica any replica is better than none (the pipeline stalls:
+    # nobody is measured anew); otherwise the source keeps a measured one (one not
+    # measured yet may not work out), and one not measured there does not move again.
+    candidates = pools[source] if empty else [x for x in pools[source] if x.rate > 0]
+    if len(candidates) < 2:
+        kept = "replica" if empty else "measured replica"
+        return Move(None, f"stage {source} has one {kept}", *seen)
+    # The mover's rate at the target is not known: the median of the target's replicas
+    # says what it would add.
     mover = min(candidates, key=lambda x: mover_key(x.peer, epoch))
     if not empty:
-        gained = typical[target] or 0.0
+        gained = statistics.median(measured)
         if min(t[source] - mover.rate, t[target] + gained) <= (1.0 + gap) * t[target]:
             return Move(None, "moving one replica would not raise the slowest stage", *seen)
     if mover.peer != me:
@@ -189,6 +197,6 @@ def choose_stage(loads: Iterable[StageLoad], stages: int) -> int:
     replicas (the later on a tie)."""
     pools = stage_view(loads, stages)
     if all(pools) and typical_rates(pools)[0] is not None:
-        t = throughputs(pools)
+        t = throughputs(pools, expected=True)
         return min(range(stages), key=lambda k: (t[k], -k))
     return min(range(stages), key=lambda k: (len(pools[k]), -k))
