@@ -23,11 +23,12 @@ from swarmloco.core.config import require
 from swarmloco.errors import NetworkError
 from swarmloco.net.client import ClientConfig, RpcClient
 from swarmloco.net.deadline import Deadline
-from swarmloco.net.dht.contact import Contact
+from swarmloco.net.dht.contact import Contact, contact_from_proto
 from swarmloco.net.dht.node import DhtConfig, DHTNode
 from swarmloco.net.dht.transport import DhtServicer, GrpcDhtTransport
 from swarmloco.net.endpoints import format_endpoint, guess_host, is_unspecified, parse_endpoint
 from swarmloco.net.identity import Identity
+from swarmloco.net.rejections import Rejection
 from swarmloco.net.server import PeerServer, ServerConfig, Service
 from swarmloco.net.tls import TlsCredentials
 from swarmloco.proto.v1 import dht_pb2 as pb
@@ -130,6 +131,19 @@ class NetNode:
         names the key of the certificate it presented."""
         request = pb.PingRequest(sender=self.dht.card.to_proto())
         await self._transport.ping(endpoint, request, deadline)
+
+    async def who_serves(self, endpoint: str, timeout: float) -> Contact:
+        """The card the server at ``endpoint`` answers a ping with, checked (self-signed;
+        under TLS, the key of its certificate): first-hand word of which key serves there.
+        NetworkError when nothing answers or its card does not check out."""
+        request = pb.PingRequest(sender=self.dht.card.to_proto())
+        response = await self._transport.ping(endpoint, request, Deadline.after(timeout))
+        try:
+            return contact_from_proto(response.peer)
+        except Rejection as exc:
+            raise NetworkError(
+                f"{endpoint} answered with a card that does not check: {exc}"
+            ) from None
 
     @property
     def endpoint(self) -> str:

@@ -12,12 +12,18 @@ so a replica that claims to be fast is tried, not believed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from swarmloco.errors import NetworkError
+from swarmloco.net.dht.contact import Contact
 from swarmloco.net.dht.node import DHTNode
+from swarmloco.net.endpoints import endpoint_network
 from swarmloco.net.records import stage_load_key
 
 logger = logging.getLogger(__name__)
@@ -26,6 +32,16 @@ LOAD_TTL_S = 60.0
 """How long a replica's record lives unless refreshed."""
 FRESH_S = 20.0
 """A record older than this says nothing of the replica any more (it may be gone)."""
+VOUCHED_S = 600.0
+"""How long a server's answer that its record's key serves at its endpoint is kept."""
+UNVOUCHED_S = 120.0
+"""How long an endpoint that did not answer as its record's key is not asked again."""
+VOUCH_TIMEOUT_S = 3.0
+"""How long a server has to answer who it is."""
+VOUCH_ASKED = 64
+"""Servers asked at one read at most (the others at the next reads)."""
+VOUCH_KEPT = 4096
+"""Answers kept at most (the oldest go first)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,3 +152,76 @@ async def keep_reading(
         except Exception as exc:
             logger.warning("could not read the stages' load: %s", exc)
         await asyncio.sleep(interval_s)
+
+
+class Vouching:
+    """Which records a server vouches for: a record counts (in rebalancing) once the
+    server at its endpoint answered, with its own checked card, as the record's key
+    (``who_serves``: :meth:`~swarmloco.net.node.NetNode.who_serves`). A record is a claim
+    anyone can publish for any address; a server that answers is first-hand, costs a real
+    server per address, and no key can borrow another's (its card names its own key).
+    Records that announce a move (no endpoint) and this peer's own are not asked about.
+
+    Answers are kept :data:`VOUCHED_S` (a refusal or silence :data:`UNVOUCHED_S`); a read
+    asks at most :data:`VOUCH_ASKED` servers, at once, one network after another (so that
+    many records of one network do not keep the others waiting), and counts a record not
+    asked yet from the read that asks."""
+
+    def __init__(
+        self,
+        who_serves: Callable[[str, float], Awaitable[Contact]],
+        me: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.who_serves = who_serves
+        self.me = me
+        self.clock = clock
+        self._known: collections.OrderedDict[tuple[str, str], tuple[bool, float]] = (
+            collections.OrderedDict()
+        )
+        """(peer, endpoint): whether its server vouched for it, and until when that holds."""
+
+    def _answer(self, key: tuple[str, str], now: float) -> bool | None:
+        known = self._known.get(key)
+        return None if known is None or known[1] <= now else known[0]
+
+    async def counted(self, loads: Sequence[StageLoad]) -> list[StageLoad]:
+        """Of ``loads``, those whose server vouched for them (see the class)."""
+        now = self.clock()
+        asked: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
+        for load in loads:
+            key = (load.peer, load.endpoint)
+            if not load.endpoint or load.peer == self.me or self._answer(key, now) is not None:
+                continue
+            network = asked[endpoint_network(load.endpoint)]
+            if key not in network:
+                network.append(key)
+        # One of each network in turn, up to the read's share.
+        turns = itertools.chain.from_iterable(itertools.zip_longest(*asked.values()))
+        batch = [key for key in turns if key is not None][:VOUCH_ASKED]
+        if batch:
+            await asyncio.gather(*(self._ask(peer, endpoint) for peer, endpoint in batch))
+        now = self.clock()
+        return [
+            load
+            for load in loads
+            if not load.endpoint
+            or load.peer == self.me
+            or self._answer((load.peer, load.endpoint), now)
+        ]
+
+    async def _ask(self, peer: str, endpoint: str) -> None:
+        try:
+            card = await asyncio.wait_for(
+                self.who_serves(endpoint, VOUCH_TIMEOUT_S), VOUCH_TIMEOUT_S
+            )
+            vouched = card.peer_id.hex() == peer and card.endpoint == endpoint
+        except (NetworkError, TimeoutError) as exc:
+            logger.debug("%s did not vouch for %s: %s", endpoint, peer[:12], exc)
+            vouched = False
+        key = (peer, endpoint)
+        self._known.pop(key, None)
+        self._known[key] = (vouched, self.clock() + (VOUCHED_S if vouched else UNVOUCHED_S))
+        while len(self._known) > VOUCH_KEPT:
+            self._known.popitem(last=False)

@@ -41,6 +41,7 @@ from swarmloco.net.swarm import publish_manifest
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError, Trace
 from swarmloco.pipeline.load import (
     StageLoad,
+    Vouching,
     fresh,
     keep_publishing,
     keep_reading,
@@ -147,6 +148,7 @@ class StagePeer:
         self._stepping: threading.Thread | None = None
         self._loops: list[concurrent.futures.Future[None]] = []
         self._publishing: concurrent.futures.Future[None] | None = None
+        self._vouching: Vouching | None = None
 
     def emit(self, event: str, **fields: Any) -> None:
         """An event of this peer (its stage added) to ``on_event``."""
@@ -206,12 +208,21 @@ class StagePeer:
         self.stopped.set()
 
     def read_loads(self, timeout: float = 30.0) -> list[StageLoad]:
-        """The run's fresh ``stage-load`` records, as this peer reads them now."""
+        """The run's fresh ``stage-load`` records this peer counts now: those whose server
+        vouched for them (:class:`~swarmloco.pipeline.load.Vouching`), those announcing a
+        move, and its own."""
         if self.peer is None or self.peer.network is None:
             raise SwarmlocoError("only an entered stage peer reads the stages' load")
-        dht = self.peer.network.node.dht
-        loads = self.peer.loop.run(read_loads(dht, self.run.swarm_id), timeout=timeout)
-        return fresh(loads, dht.clock())
+        node = self.peer.network.node
+        if self._vouching is None:
+            self._vouching = Vouching(node.who_serves, self.identity.peer_id_hex)
+        vouching = self._vouching
+
+        async def read() -> list[StageLoad]:
+            loads = fresh(await read_loads(node.dht, self.run.swarm_id), node.dht.clock())
+            return await vouching.counted(loads)
+
+        return self.peer.loop.run(read(), timeout=timeout)
 
     def announce_move(self, stage: int, timeout: float = 30.0) -> None:
         """Say now that this peer leaves for ``stage``: its record from now on counts it

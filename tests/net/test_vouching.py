@@ -1,0 +1,71 @@
+"""Which ``stage-load`` records a peer counts when it rebalances (``Vouching`` in
+pipeline/load.py): a record counts once the server at its endpoint answers, with its own
+checked card, as the record's key. Real nodes on loopback: a key that names another
+peer's address, or an address where nothing serves, is not counted; a move announced
+(no endpoint) and the peer's own record are not asked about; answers are kept; a read asks
+a bounded number of servers, one network after another."""
+
+from __future__ import annotations
+
+from netutil import closed_port, loopback_network
+
+from swarmloco.net.identity import Identity
+from swarmloco.pipeline import load as load_module
+from swarmloco.pipeline.load import StageLoad, Vouching
+
+NOW = 1_800_000_000.0
+
+
+def record(peer: str, endpoint: str, stage: int = 1, rate: float = 10.0) -> StageLoad:
+    return StageLoad(peer=peer, stage=stage, endpoint=endpoint, rate=rate, queue=0, free=4, at=NOW)
+
+
+async def test_a_record_counts_once_its_server_answers_as_its_key():
+    async with loopback_network(3) as (a, b, me):
+        asked: list[str] = []
+
+        async def who_serves(endpoint: str, timeout: float):
+            asked.append(endpoint)
+            return await me.who_serves(endpoint, timeout)
+
+        strangers = [Identity.generate().peer_id_hex for _ in range(3)]
+        nowhere = f"127.0.0.1:{closed_port()}"
+        loads = [
+            record(a.identity.peer_id_hex, a.endpoint),  # a's own, at a's address
+            record(strangers[0], b.endpoint, rate=1000.0),  # a stranger naming b's address
+            record(b.identity.peer_id_hex, a.endpoint),  # b's key at a's address
+            record(strangers[1], nowhere, rate=1000.0),  # an address where nothing serves
+            record(strangers[2], "", rate=0.0),  # a move announced
+            record(me.identity.peer_id_hex, me.endpoint, stage=0),  # this peer's own
+        ]
+        vouching = Vouching(who_serves, me.identity.peer_id_hex)
+        counted = await vouching.counted(loads)
+        assert counted == [loads[0], loads[4], loads[5]]
+        assert sorted(asked) == sorted([a.endpoint, b.endpoint, a.endpoint, nowhere])
+        # Kept: the next read asks nobody, and counts the same.
+        asked.clear()
+        assert await vouching.counted(loads) == counted and asked == []
+
+
+async def test_a_read_asks_a_bounded_number_of_servers_one_network_after_another(monkeypatch):
+    """Thirty records at dead addresses of one network and one honest record elsewhere:
+    with 4 asked a read, the honest one is asked at the first read, not after the
+    thirty."""
+    monkeypatch.setattr(load_module, "VOUCH_ASKED", 4)
+    async with loopback_network(2) as (a, me):
+        asked: list[str] = []
+
+        async def who_serves(endpoint: str, timeout: float):
+            asked.append(endpoint)
+            return await me.who_serves(endpoint, timeout)
+
+        flood = [
+            record(Identity.generate().peer_id_hex, f"127.0.0.2:{closed_port()}") for _ in range(30)
+        ]
+        honest = record(a.identity.peer_id_hex, a.endpoint)
+        vouching = Vouching(who_serves, me.identity.peer_id_hex)
+        assert await vouching.counted([*flood, honest]) == [honest]
+        assert len(asked) == 4 and a.endpoint in asked
+        asked.clear()
+        assert await vouching.counted([*flood, honest]) == [honest]
+        assert len(asked) == 4 and a.endpoint not in asked  # the flood's next four
