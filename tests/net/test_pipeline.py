@@ -22,7 +22,7 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
-from swarmloco.pipeline.load import fresh, publish_load, read_loads
+from swarmloco.pipeline.load import Vouching, fresh, publish_load, read_loads
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
 from swarmloco.pipeline.service import ABANDON, AUDIT, BACKWARD, FORWARD, StageService
 from swarmloco.pipeline.stages import GPTStage, gpt_stages, split_evenly
@@ -528,6 +528,52 @@ async def test_replicas_say_where_they_serve_in_the_dht_and_a_driver_draws_among
     assert [s.replica.micro_batches for s in services] == [4, 4]
     # Each backward was timed (its rate is said once its warm-up is over: test_stage_load).
     assert all(s.replica.rate.steps == 4 for s in services)
+
+
+async def test_a_strangers_record_naming_an_honest_replicas_address_is_not_drawn():
+    """A stranger publishes, under its own key, a stage-2 record at the address of the
+    honest stage-1 replica. Taken as it is, the driver draws that address for stage 2, is
+    refused (wrong stage), and shuns the address: the honest replica is lost to stage 1
+    too. A driver reads the records its peer's servers vouch for (``Vouching``: the server
+    there answers as its own key, not the stranger's), and that record is not drawn."""
+
+    class FirstDrawn(random.Random):
+        def choices(self, population, weights=None, **_):
+            return [population[-1]]  # the stranger's record comes last
+
+    local, one, two = gpt_stages(CONFIG, 3, seed=5)
+    first = StageReplica(local, first=True, last=False)
+    services = [service_of(one, 1, 3, "int8"), service_of(two, 2, 3, "int8")]
+    nodes: list[NetNode] = []
+    config = DriverConfig(audit_share=0.0)
+    async with pipeline(
+        [[s] for s in services], first, nodes=nodes, replicas=[[], []], config=config
+    ) as (drv, endpoints):
+        *servers, client = nodes
+        for node, service, stage in zip(servers, services, (1, 2), strict=True):
+            load = service.replica.load()
+            await publish_load(node.dht, SWARM, stage=stage, endpoint=node.endpoint, load=load)
+        stranger = NetNode(
+            identity=Identity.generate(), config=NodeConfig(peers=(servers[0].endpoint,))
+        )
+        async with stranger:
+            await publish_load(stranger.dht, SWARM, stage=2, endpoint=endpoints[0][0], load=load)
+        loads = fresh(await read_loads(client.dht, SWARM), client.dht.clock())
+        drv.rng = FirstDrawn()
+        # Taken as they are: the honest stage-1 replica is shunned.
+        drv.update(loads)
+        assert drv.replicas[1] == [endpoints[1][0], endpoints[0][0]]
+        trace = await drv.run(*batch(0))  # refused at stage 2, retried on its replica
+        assert trace.retries == 1 and endpoints[0][0] in drv.shunned
+        with pytest.raises(PipelineError, match="no replica of stage 1"):
+            await drv.run(*batch(1))
+        # Vouched for: the stranger's record does not count.
+        drv.shunned.clear()
+        vouching = Vouching(client.who_serves, client.identity.peer_id_hex)
+        drv.update(await vouching.counted(loads))
+        assert drv.replicas == [[endpoints[0][0]], [endpoints[1][0]]]
+        traces = [await drv.run(*batch(seed)) for seed in range(2)]
+    assert all(t.path == [endpoints[0][0], endpoints[1][0]] and not t.retries for t in traces)
 
 
 class _Flip(torch.autograd.Function):

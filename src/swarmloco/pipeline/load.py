@@ -143,23 +143,27 @@ async def keep_reading(
     update: Callable[[list[StageLoad]], None],
     *,
     interval_s: float,
+    vouching: Vouching | None = None,
 ) -> None:
     """Read the run's records every ``interval_s`` and hand the fresh ones to ``update``
-    (a driver's) until cancelled."""
+    (a driver's) until cancelled: only those their servers vouch for, with ``vouching``."""
     while True:
         try:
-            update(fresh(await read_loads(dht, swarm_id), dht.clock()))
+            loads = fresh(await read_loads(dht, swarm_id), dht.clock())
+            update(loads if vouching is None else await vouching.counted(loads))
         except Exception as exc:
             logger.warning("could not read the stages' load: %s", exc)
         await asyncio.sleep(interval_s)
 
 
 class Vouching:
-    """Which records a server vouches for: a record counts (in rebalancing) once the
-    server at its endpoint answered, with its own checked card, as the record's key
-    (``who_serves``: :meth:`~swarmloco.net.node.NetNode.who_serves`). A record is a claim
-    anyone can publish for any address; a server that answers is first-hand, costs a real
-    server per address, and no key can borrow another's (its card names its own key).
+    """Which records a server vouches for: a record counts (drawn by a driver, counted in
+    rebalancing) once the server at its endpoint answered, with its own checked card, as
+    the record's key (``who_serves``: :meth:`~swarmloco.net.node.NetNode.who_serves`).
+    A record is a claim anyone can publish for any address; a server that answers is
+    first-hand, costs a real server per address, and no key can borrow another's (its
+    card names its own key): a stranger's record naming an honest replica's address under
+    another stage would have that replica refuse the driver and be shunned.
     Records that announce a move (no endpoint) and this peer's own are not asked about.
 
     Answers are kept :data:`VOUCHED_S` (a refusal or silence :data:`UNVOUCHED_S`); a read

@@ -36,6 +36,7 @@ from torch import nn
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import Stopped, SwarmlocoError
 from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.swarm import publish_manifest
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError, Trace
@@ -214,15 +215,19 @@ class StagePeer:
         if self.peer is None or self.peer.network is None:
             raise SwarmlocoError("only an entered stage peer reads the stages' load")
         node = self.peer.network.node
-        if self._vouching is None:
-            self._vouching = Vouching(node.who_serves, self.identity.peer_id_hex)
-        vouching = self._vouching
+        vouching = self._vouched_by(node)
 
         async def read() -> list[StageLoad]:
             loads = fresh(await read_loads(node.dht, self.run.swarm_id), node.dht.clock())
             return await vouching.counted(loads)
 
         return self.peer.loop.run(read(), timeout=timeout)
+
+    def _vouched_by(self, node: NetNode) -> Vouching:
+        """Which records this peer counts, its driver and its rebalancing alike."""
+        if self._vouching is None:
+            self._vouching = Vouching(node.who_serves, self.identity.peer_id_hex)
+        return self._vouching
 
     def announce_move(self, stage: int, timeout: float = 30.0) -> None:
         """Say now that this peer leaves for ``stage``: its record from now on counts it
@@ -318,7 +323,13 @@ class StagePeer:
             config=self.driver_config,
             on_event=self.emit,
         )
-        reading = keep_reading(dht, self.run.swarm_id, self.driver.update, interval_s=interval)
+        reading = keep_reading(
+            dht,
+            self.run.swarm_id,
+            self.driver.update,
+            interval_s=interval,
+            vouching=self._vouched_by(peer.network.node),
+        )
         self._loops.append(peer.loop.submit(reading))
 
     def _steps(self) -> None:
