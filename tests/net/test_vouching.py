@@ -38,13 +38,25 @@ async def test_a_record_counts_once_its_server_answers_as_its_key():
             record(strangers[2], "", rate=0.0),  # a move announced
             record(me.identity.peer_id_hex, me.endpoint, stage=0),  # this peer's own
         ]
-        vouching = Vouching(who_serves, me.identity.peer_id_hex)
+        now = [0.0]
+        vouching = Vouching(who_serves, me.identity.peer_id_hex, clock=lambda: now[0])
         counted = await vouching.counted(loads)
         assert counted == [loads[0], loads[4], loads[5]]
         assert sorted(asked) == sorted([a.endpoint, b.endpoint, a.endpoint, nowhere])
         # Kept: the next read asks nobody, and counts the same.
         asked.clear()
         assert await vouching.counted(loads) == counted and asked == []
+        # Silence is asked about again soon (a replica away a moment), another key's
+        # answer later, a vouched record's later still.
+        now[0] = load_module.SILENT_S + 1
+        assert await vouching.counted(loads) == counted and asked == [nowhere]
+        now[0] = load_module.UNVOUCHED_S + 1
+        asked.clear()
+        assert await vouching.counted(loads) == counted
+        assert sorted(asked) == sorted([b.endpoint, a.endpoint, nowhere])
+        now[0] = load_module.VOUCHED_S + 1
+        asked.clear()
+        assert await vouching.counted(loads) == counted and a.endpoint in asked
 
 
 async def test_a_read_asks_a_bounded_number_of_servers_one_network_after_another(monkeypatch):

@@ -35,7 +35,10 @@ FRESH_S = 20.0
 VOUCHED_S = 600.0
 """How long a server's answer that its record's key serves at its endpoint is kept."""
 UNVOUCHED_S = 120.0
-"""How long an endpoint that did not answer as its record's key is not asked again."""
+"""How long an endpoint whose server answered as another key is not asked again."""
+SILENT_S = 20.0
+"""How long an endpoint where nothing answered is not asked again (a replica busy or
+briefly away is counted again soon)."""
 VOUCH_TIMEOUT_S = 3.0
 """How long a server has to answer who it is."""
 VOUCH_ASKED = 64
@@ -166,7 +169,8 @@ class Vouching:
     another stage would have that replica refuse the driver and be shunned.
     Records that announce a move (no endpoint) and this peer's own are not asked about.
 
-    Answers are kept :data:`VOUCHED_S` (a refusal or silence :data:`UNVOUCHED_S`); a read
+    Answers are kept :data:`VOUCHED_S` (another key's :data:`UNVOUCHED_S`, silence
+    :data:`SILENT_S`); a read
     asks at most :data:`VOUCH_ASKED` servers, at once, one network after another (so that
     many records of one network do not keep the others waiting), and counts a record not
     asked yet from the read that asks."""
@@ -221,11 +225,12 @@ class Vouching:
                 self.who_serves(endpoint, VOUCH_TIMEOUT_S), VOUCH_TIMEOUT_S
             )
             vouched = card.peer_id.hex() == peer and card.endpoint == endpoint
+            kept = VOUCHED_S if vouched else UNVOUCHED_S
         except (NetworkError, TimeoutError) as exc:
             logger.debug("%s did not vouch for %s: %s", endpoint, peer[:12], exc)
-            vouched = False
+            vouched, kept = False, SILENT_S
         key = (peer, endpoint)
         self._known.pop(key, None)
-        self._known[key] = (vouched, self.clock() + (VOUCHED_S if vouched else UNVOUCHED_S))
+        self._known[key] = (vouched, self.clock() + kept)
         while len(self._known) > VOUCH_KEPT:
             self._known.popitem(last=False)
