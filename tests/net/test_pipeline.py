@@ -532,10 +532,11 @@ async def test_replicas_say_where_they_serve_in_the_dht_and_a_driver_draws_among
 
 async def test_a_strangers_record_naming_an_honest_replicas_address_is_not_drawn():
     """A stranger publishes, under its own key, a stage-2 record at the address of the
-    honest stage-1 replica. Taken as it is, the driver draws that address for stage 2, is
-    refused (wrong stage), and shuns the address: the honest replica is lost to stage 1
-    too. A driver reads the records its peer's servers vouch for (``Vouching``: the server
-    there answers as its own key, not the stranger's), and that record is not drawn."""
+    honest stage-1 replica. Taken as it is, the driver draws that address for stage 2 and
+    is refused (wrong stage): that costs a retry, and the address is no longer drawn for
+    stage 2 (it used to be shunned, and the honest replica lost to stage 1 too). A driver
+    reads the records its peer's servers vouch for (``Vouching``: the server there answers
+    as its own key, not the stranger's), and that record is not drawn at all."""
 
     class FirstDrawn(random.Random):
         def choices(self, population, weights=None, **_):
@@ -560,20 +561,43 @@ async def test_a_strangers_record_naming_an_honest_replicas_address_is_not_drawn
             await publish_load(stranger.dht, SWARM, stage=2, endpoint=endpoints[0][0], load=load)
         loads = fresh(await read_loads(client.dht, SWARM), client.dht.clock())
         drv.rng = FirstDrawn()
-        # Taken as they are: the honest stage-1 replica is shunned.
+        # Taken as they are: a refused call, and the address is dropped from stage 2.
         drv.update(loads)
         assert drv.replicas[1] == [endpoints[1][0], endpoints[0][0]]
         trace = await drv.run(*batch(0))  # refused at stage 2, retried on its replica
-        assert trace.retries == 1 and endpoints[0][0] in drv.shunned
-        with pytest.raises(PipelineError, match="no replica of stage 1"):
-            await drv.run(*batch(1))
+        assert trace.retries == 1 and not drv.shunned
+        assert drv.replicas == [[endpoints[0][0]], [endpoints[1][0]]]
+        assert (await drv.run(*batch(1))).path == [endpoints[0][0], endpoints[1][0]]
         # Vouched for: the stranger's record does not count.
-        drv.shunned.clear()
+        drv.update(loads)
+        assert drv.replicas[1] == [endpoints[1][0], endpoints[0][0]]  # as read, unvouched
         vouching = Vouching(client.who_serves, client.identity.peer_id_hex)
         drv.update(await vouching.counted(loads))
         assert drv.replicas == [[endpoints[0][0]], [endpoints[1][0]]]
         traces = [await drv.run(*batch(seed)) for seed in range(2)]
     assert all(t.path == [endpoints[0][0], endpoints[1][0]] and not t.retries for t in traces)
+
+
+async def test_a_replica_that_serves_another_stage_now_is_dropped_from_that_stage_not_shunned():
+    """A driver that read a replica's record before it moved draws it for its old stage:
+    refused (wrong stage), it is no longer drawn there, and still drawn for the stage it
+    serves (a shunned address would be lost to every stage for 30 s)."""
+
+    class FirstDrawn(random.Random):
+        def choices(self, population, weights=None, **_):
+            return [population[0]]
+
+    local, one, two = gpt_stages(CONFIG, 3, seed=5)
+    first = StageReplica(local, first=True, last=False)
+    services = [service_of(one, 1, 3, "int8"), service_of(two, 2, 3, "int8")]
+    config = DriverConfig(audit_share=0.0)
+    async with pipeline([[s] for s in services], first, config=config) as (drv, endpoints):
+        (at_one,), (at_two,) = endpoints
+        drv.replicas, drv.rng = [[at_two, at_one], [at_two]], FirstDrawn()
+        trace = await drv.run(*batch(0))
+        assert trace.retries == 1 and trace.path == [at_one, at_two]
+        assert drv.replicas == [[at_one], [at_two]] and not drv.shunned
+        assert (await drv.run(*batch(1))).retries == 0
 
 
 class _Flip(torch.autograd.Function):

@@ -428,6 +428,11 @@ class Driver:
                 errors.append(f"{endpoint}: {exc}")
                 if isinstance(exc, Rejection) and exc.code == "busy":
                     busy += 1
+                elif isinstance(exc, Rejection) and exc.code == "wrong-stage":
+                    # It serves another stage now (it moved since its record was read):
+                    # not drawn for this one until a record says so again, still for its own.
+                    if endpoint in self.replicas[stage - 1]:
+                        self.replicas[stage - 1].remove(endpoint)
                 else:
                     self._shun(endpoint)
                 if isinstance(exc, RpcError):  # past its deadline, it may hold it still
