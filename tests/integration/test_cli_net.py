@@ -138,6 +138,9 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         audited = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--audit-share", "0.1",
                             "--dry-run")  # fmt: skip
         assert audited.returncode != 0 and "--audit-share mean" in audited.stderr
+        gapped = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--rebalance-gap", "1",
+                           "--dry-run")  # fmt: skip
+        assert gapped.returncode != 0 and "--rebalance-gap is a share" in gapped.stderr
         assert boot.stop() == 0
 
 

@@ -108,6 +108,11 @@ def _join(args: argparse.Namespace) -> int:
                 f"swarm {swarm_id} is not a pipelined run (create --stages makes one): every "
                 f"peer trains the whole model, so {' and '.join(staged)} mean nothing here"
             )
+    if not 0.0 <= args.rebalance_gap < 1.0:
+        raise SwarmlocoError(
+            "--rebalance-gap is a share of the fastest stage's throughput, from 0 to below 1: "
+            f"got {args.rebalance_gap}"
+        )
     if args.audit_share is not None and not 0.0 <= args.audit_share <= 1.0:
         raise SwarmlocoError(
             f"--audit-share is the share of answers audited, from 0 to 1: got {args.audit_share}"

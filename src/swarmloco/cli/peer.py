@@ -45,6 +45,16 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "the last of a stage); 0 keeps the peer at its stage (default: %(default)s)",
     )
     g.add_argument(
+        "--rebalance-gap",
+        type=float,
+        default=0.2,
+        metavar="SHARE",
+        help="in a pipelined run, move only when the slowest stage's throughput is below the "
+        "fastest's by more than this share of it, and moving raises the slower of the two by "
+        "more than this share too (from 0 to below 1; the same on every peer of a run, so "
+        "that they agree who moves; default: %(default)s)",
+    )
+    g.add_argument(
         "--rebalance-hold",
         type=float,
         default=300.0,
@@ -387,7 +397,9 @@ def _run_stage(
         stage=args.stage,
         device=args.device,
         on_event=sink,
-        rebalance=RebalanceConfig(every_s=args.rebalance_every, hold_s=args.rebalance_hold),
+        rebalance=RebalanceConfig(
+            every_s=args.rebalance_every, gap=args.rebalance_gap, hold_s=args.rebalance_hold
+        ),
         slowdown_s=args.slowdown,
         precision=args.precision,
         in_flight=args.in_flight,
