@@ -225,6 +225,25 @@ def test_the_rebalancer_checks_once_a_window_in_its_first_half_and_a_peer_that_m
         assert never.check(view, driven=0) is None
 
 
+def working(
+    mover: str, loads: list[StageLoad], stage: int, now: list[float], events: list[dict]
+) -> tuple[Rebalancer, View]:
+    """A Rebalancer (checks every 10 s) of peer ``mover`` at ``stage``, past its first
+    work (at 1 s), and the View it reads."""
+    rebalancer = Rebalancer(RebalanceConfig(every_s=10.0), 2, mover, events.append,
+                            clock=lambda: now[0])  # fmt: skip
+    view = View(loads, stage, now)
+    rebalancer.arrived()
+    now[0] = 1.0
+    assert rebalancer.check(view, driven=0) is None  # its first work
+    return rebalancer, view
+
+
+def early_in(epoch: int) -> float:
+    """Seconds since NOW early in the 10 s window ``epoch`` (its first half)."""
+    return epoch * 10 - NOW + 1.0
+
+
 def test_a_mover_busier_than_the_records_allow_stays_so_keys_claiming_its_stage_drain_nothing():
     """Forty keys on one address claim to serve stage 1 at 1,000 seq/s each. By the records
     stage 1 is over-served and one of its two honest replicas is drawn to move; were that
@@ -240,13 +259,8 @@ def test_a_mover_busier_than_the_records_allow_stays_so_keys_claiming_its_stage_
     epoch = next(e for e in windows if set(movers(loads, 2, e)) & {x.peer for x in honest[2:]})
     mover = next(iter(set(movers(loads, 2, epoch)) & {x.peer for x in honest[2:]}))
     events: list[dict] = []
-    rebalancer = Rebalancer(RebalanceConfig(every_s=10.0), 2, mover, events.append,
-                            clock=lambda: now[0])  # fmt: skip
-    view = View(loads, 1, now)
-    rebalancer.arrived()
-    now[0] = 1.0
-    assert rebalancer.check(view, driven=0) is None  # its first work
-    now[0] = epoch * 10 - NOW + 1.0  # early in the window the mover is drawn in
+    rebalancer, view = working(mover, loads, 1, now, events)
+    now[0] = early_in(epoch)  # the window the mover is drawn in
     view.busy = 0.5 * (now[0] - 1.0)
     assert rebalancer.check(view, driven=0) is None
     assert events[-1]["move"] is None and "it stays: it computed 50%" in events[-1]["reason"]
@@ -257,7 +271,7 @@ def test_a_mover_busier_than_the_records_allow_stays_so_keys_claiming_its_stage_
     later = next(e for e in range(epoch + 1, epoch + 1000) if movers(true, 2, e).get(mover))
     view.loads, view.stage = true, 0
     start = now[0]
-    now[0] = later * 10 - NOW + 1.0
+    now[0] = early_in(later)
     view.busy += 0.1 * (now[0] - start)  # 10%, against the 13% the records allow
     assert rebalancer.check(view, driven=0) == 1, events[-1]
 
@@ -279,24 +293,14 @@ def test_a_driver_counts_no_record_of_a_replica_that_serves_it_nothing():
     epoch = next(e for e in windows if movers(honest, 2, e))  # stage 1 empty
     mover = next(iter(movers(honest, 2, epoch)))
     events: list[dict] = []
-    rebalancer = Rebalancer(RebalanceConfig(every_s=10.0), 2, mover, events.append,
-                            clock=lambda: now[0])  # fmt: skip
-    view = View(loads, 0, now)
-    rebalancer.arrived()
-    now[0] = 1.0
-    assert rebalancer.check(view, driven=0) is None  # its first work
-    now[0] = epoch * 10 - NOW + 1.0
+    rebalancer, view = working(mover, loads, 0, now, events)
+    now[0] = early_in(epoch)
     view.failed = gone
     assert rebalancer.check(view, driven=0) == 1, events[-1]
     assert "no replica" in events[-1]["reason"] and events[-1]["replicas"] == [2, 0]
     # Without its driver's word it reads the records, and stays.
-    other = Rebalancer(RebalanceConfig(every_s=10.0), 2, mover, events.append,
-                       clock=lambda: now[0])  # fmt: skip
-    view = View(loads, 0, now)
-    other.arrived()
-    now[0] = 1.0
-    other.check(view, driven=0)
-    now[0] = epoch * 10 - NOW + 1.0
+    other, view = working(mover, loads, 0, now, events)
+    now[0] = early_in(epoch)
     assert other.check(view, driven=0) is None and events[-1]["replicas"] == [2, 40]
 
 
