@@ -192,9 +192,9 @@ def choose_move(
 
 def choose_stage(loads: Iterable[StageLoad], stages: int) -> int:
     """The stage a joining peer takes: one with no replica (the later first: drivers are
-    no use until every later stage has one), else the stage of least throughput (as
-    :func:`choose_move` counts it) once a rate is measured, else the one with the fewest
-    replicas (the later on a tie)."""
+    no use until every later stage has one), else the stage of least throughput (a
+    replica not measured yet counted at what its stage's replicas do) once a rate is
+    measured, else the one with the fewest replicas (the later on a tie)."""
     pools = stage_view(loads, stages)
     if all(pools) and typical_rates(pools)[0] is not None:
         t = throughputs(pools, expected=True)
