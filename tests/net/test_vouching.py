@@ -7,11 +7,14 @@ a bounded number of servers, one network after another."""
 
 from __future__ import annotations
 
+import asyncio
+
 from netutil import closed_port, loopback_network
 
 from swarmloco.net.identity import Identity
 from swarmloco.pipeline import load as load_module
-from swarmloco.pipeline.load import StageLoad, Vouching
+from swarmloco.pipeline.daemon import _read_loads
+from swarmloco.pipeline.load import StageLoad, Vouching, publish_load
 
 NOW = 1_800_000_000.0
 
@@ -81,3 +84,19 @@ async def test_a_read_asks_a_bounded_number_of_servers_one_network_after_another
         asked.clear()
         assert await vouching.counted([*flood, honest]) == [honest]
         assert len(asked) == 4 and a.endpoint not in asked  # the flood's next four
+
+
+async def test_a_joining_peer_reads_the_records_their_servers_vouch_for_from_client_mode():
+    """A peer joining without --stage reads the records through a node of its own in
+    client mode (no server) and counts those vouched for: its pings get answers too."""
+    async with loopback_network(3) as (a, b, stranger):
+        swarm = "ab" * 20
+        for node, stage in ((a, 1), (b, 0)):
+            load = {"rate": 5.0, "queue": 0, "free": 4}
+            await publish_load(node.dht, swarm, stage=stage, endpoint=node.endpoint, load=load)
+        load = {"rate": 1e6, "queue": 0, "free": 4}
+        await publish_load(stranger.dht, swarm, stage=1, endpoint=b.endpoint, load=load)
+        read = await asyncio.to_thread(_read_loads, swarm, [a.endpoint], Identity.generate())
+    assert sorted((x.peer, x.stage) for x in read) == sorted(
+        [(a.identity.peer_id_hex, 1), (b.identity.peer_id_hex, 0)]
+    )
