@@ -9,7 +9,7 @@ from typing import Any
 
 from swarmloco.cli.box import _box_launch, _box_rank
 from swarmloco.cli.common import _add_data_dir_option, _add_peer_option, _fetch_manifest
-from swarmloco.cli.peer import _add_peer_run_options, _run_peer
+from swarmloco.cli.peer import _add_peer_run_options, _run_peer, check_rebalance_gap
 
 
 def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -108,11 +108,7 @@ def _join(args: argparse.Namespace) -> int:
                 f"swarm {swarm_id} is not a pipelined run (create --stages makes one): every "
                 f"peer trains the whole model, so {' and '.join(staged)} mean nothing here"
             )
-    if not 0.0 <= args.rebalance_gap < 1.0:
-        raise SwarmlocoError(
-            "--rebalance-gap is a share of the fastest stage's throughput, from 0 to below 1: "
-            f"got {args.rebalance_gap}"
-        )
+    check_rebalance_gap(args)
     if args.audit_share is not None and not 0.0 <= args.audit_share <= 1.0:
         raise SwarmlocoError(
             f"--audit-share is the share of answers audited, from 0 to 1: got {args.audit_share}"

@@ -377,6 +377,17 @@ def _dataset_copies(args: argparse.Namespace) -> tuple[Path, ...]:
     return ()
 
 
+def check_rebalance_gap(args: argparse.Namespace) -> None:
+    """``--rebalance-gap`` is a share, refused by name otherwise (join and create)."""
+    from swarmloco.errors import SwarmlocoError
+
+    if not 0.0 <= args.rebalance_gap < 1.0:
+        raise SwarmlocoError(
+            "--rebalance-gap is a share of the fastest stage's throughput, from 0 to below 1: "
+            f"got {args.rebalance_gap}"
+        )
+
+
 def _run_stage(
     manifest: Any, args: argparse.Namespace, peer: Any, identity: Any, sink: Any, box: Any
 ) -> int:
@@ -390,6 +401,7 @@ def _run_stage(
         )
     from swarmloco.pipeline.rebalance import RebalanceConfig
 
+    check_rebalance_gap(args)
     summary = train_stage(
         manifest,
         peer,
