@@ -35,7 +35,7 @@ from swarmloco.errors import Stopped, SwarmlocoError
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.pipeline.driver import DriverConfig, PipelineError, Trace
-from swarmloco.pipeline.load import StageLoad, Vouching, fresh, read_loads
+from swarmloco.pipeline.load import StageLoad, Vouching, read_counted
 from swarmloco.pipeline.manifest import (
     declare_pipeline,
     pipeline_of,
@@ -130,8 +130,8 @@ def _read_loads(swarm_id: str, peers: Sequence[str], identity: Identity) -> list
     async def read() -> list[StageLoad]:
         config = NodeConfig(server=None, peers=tuple(peers))
         async with NetNode(identity=identity, config=config) as node:
-            loads = fresh(await read_loads(node.dht, swarm_id), node.dht.clock())
-            return await Vouching(node.who_serves, identity.peer_id_hex).counted(loads)
+            vouching = Vouching(node.who_serves, identity.peer_id_hex)
+            return await read_counted(node.dht, swarm_id, vouching)
 
     with LoopThread(name="swarmloco-choose-stage") as loop:
         return loop.run(read(), timeout=60.0)

@@ -121,6 +121,14 @@ def fresh(loads: Iterable[StageLoad], now: float, *, within: float = FRESH_S) ->
     return [load for load in loads if 0.0 <= now - load.at <= within]
 
 
+async def read_counted(
+    dht: DHTNode, swarm_id: str, vouching: Vouching | None = None
+) -> list[StageLoad]:
+    """The run's fresh records, only those ``vouching`` counts when it is given."""
+    loads = fresh(await read_loads(dht, swarm_id), dht.clock())
+    return loads if vouching is None else await vouching.counted(loads)
+
+
 async def keep_publishing(
     dht: DHTNode,
     swarm_id: str,
@@ -152,8 +160,7 @@ async def keep_reading(
     (a driver's) until cancelled: only those their servers vouch for, with ``vouching``."""
     while True:
         try:
-            loads = fresh(await read_loads(dht, swarm_id), dht.clock())
-            update(loads if vouching is None else await vouching.counted(loads))
+            update(await read_counted(dht, swarm_id, vouching))
         except Exception as exc:
             logger.warning("could not read the stages' load: %s", exc)
         await asyncio.sleep(interval_s)

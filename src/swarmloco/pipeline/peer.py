@@ -43,11 +43,10 @@ from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError, Trace
 from swarmloco.pipeline.load import (
     StageLoad,
     Vouching,
-    fresh,
     keep_publishing,
     keep_reading,
     publish_load,
-    read_loads,
+    read_counted,
 )
 from swarmloco.pipeline.manifest import pipeline_of, stage_manifest
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
@@ -215,13 +214,8 @@ class StagePeer:
         if self.peer is None or self.peer.network is None:
             raise SwarmlocoError("only an entered stage peer reads the stages' load")
         node = self.peer.network.node
-        vouching = self._vouched_by(node)
-
-        async def read() -> list[StageLoad]:
-            loads = fresh(await read_loads(node.dht, self.run.swarm_id), node.dht.clock())
-            return await vouching.counted(loads)
-
-        return self.peer.loop.run(read(), timeout=timeout)
+        read = read_counted(node.dht, self.run.swarm_id, self._vouched_by(node))
+        return self.peer.loop.run(read, timeout=timeout)
 
     def _vouched_by(self, node: NetNode) -> Vouching:
         """Which records this peer counts, its driver and its rebalancing alike."""
