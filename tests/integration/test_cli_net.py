@@ -141,6 +141,16 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         gapped = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--rebalance-gap", "1",
                            "--dry-run")  # fmt: skip
         assert gapped.returncode != 0 and "--rebalance-gap is a share" in gapped.stderr
+        # A stage peer must be dialled: a pipelined run refuses --client-mode by name.
+        creator = ("--peer", boot.endpoint, "--data-dir", str(tmp_path / "creator"))
+        piped = swarmloco("create", *creator, "--stages", "2", "--no-train")
+        assert piped.returncode == 0, piped.stderr
+        hidden = swarmloco("join", piped.stdout.strip(), "--peer", boot.endpoint,
+                           "--client-mode", "--dry-run")  # fmt: skip
+        assert hidden.returncode != 0 and "is a pipelined run" in hidden.stderr, hidden.stderr
+        assert "--client-mode serves nothing, and a stage peer must be dialled" in hidden.stderr
+        driving = swarmloco("create", *creator, "--stages", "2", "--client-mode")
+        assert driving.returncode != 0 and "a stage peer must be dialled" in driving.stderr
         assert boot.stop() == 0
 
 

@@ -2,8 +2,9 @@
 pipeline/load.py): a record counts once the server at its endpoint answers, with its own
 checked card, as the record's key. Real nodes on loopback: a key that names another
 peer's address, or an address where nothing serves, is not counted; a move announced
-(no endpoint) and the peer's own record are not asked about; answers are kept; a read asks
-a bounded number of servers, one network after another."""
+(no endpoint) counts only for a key whose server vouched for it before; the peer's own
+record is not asked about; answers are kept; a read asks a bounded number of servers, one
+network after another."""
 
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ async def test_a_record_counts_once_its_server_answers_as_its_key():
             record(strangers[0], b.endpoint, rate=1000.0),  # a stranger naming b's address
             record(b.identity.peer_id_hex, a.endpoint),  # b's key at a's address
             record(strangers[1], nowhere, rate=1000.0),  # an address where nothing serves
-            record(strangers[2], "", rate=0.0),  # a move announced
+            record(strangers[2], "", rate=0.0),  # a move announced by a key never served
             record(me.identity.peer_id_hex, me.endpoint, stage=0),  # this peer's own
         ]
         now = [0.0]
         vouching = Vouching(who_serves, me.identity.peer_id_hex, clock=lambda: now[0])
         counted = await vouching.counted(loads)
-        assert counted == [loads[0], loads[4], loads[5]]
+        assert counted == [loads[0], loads[5]]
         assert sorted(asked) == sorted([a.endpoint, b.endpoint, a.endpoint, nowhere])
         # Kept: the next read asks nobody, and counts the same.
         asked.clear()
@@ -100,3 +101,27 @@ async def test_a_joining_peer_reads_the_records_their_servers_vouch_for_from_cli
     assert sorted((x.peer, x.stage) for x in read) == sorted(
         [(a.identity.peer_id_hex, 1), (b.identity.peer_id_hex, 0)]
     )
+
+
+async def test_a_move_counts_only_for_a_key_whose_server_vouched_for_it_before():
+    """A record with no endpoint announces a move (nothing to ask): it counts when the
+    key's server answered for an earlier record here, for :data:`MOVER_SERVED_S`; a
+    stranger's, or one claiming a rate (nothing serves there to measure), never does."""
+    async with loopback_network(2) as (a, me):
+        mover = a.identity.peer_id_hex
+        now = [0.0]
+        vouching = Vouching(me.who_serves, me.identity.peer_id_hex, clock=lambda: now[0])
+        moving = record(mover, "", stage=2, rate=0.0)
+        strangers = [record(Identity.generate().peer_id_hex, "", rate=0.0) for _ in range(40)]
+        claimed = record(Identity.generate().peer_id_hex, "", rate=1e6)
+        assert await vouching.counted([moving, *strangers, claimed]) == []
+        serving = record(mover, a.endpoint, stage=1)
+        assert await vouching.counted([serving]) == [serving]
+        # Later the same key announces its move: its server (now restarting at another
+        # stage) is not asked, and the move counts for as long as a move may take.
+        now[0] = load_module.MOVER_SERVED_S - 1
+        assert await vouching.counted([moving, *strangers, claimed]) == [moving]
+        # A record with no endpoint that claims a rate never counts, served before or not.
+        assert await vouching.counted([record(mover, "", rate=5.0)]) == []
+        now[0] = load_module.MOVER_SERVED_S + 1
+        assert await vouching.counted([moving]) == []

@@ -17,7 +17,7 @@ from swarmloco.cli.common import (
     _model_overrides,
     run_async,
 )
-from swarmloco.cli.peer import _add_peer_run_options, _run_peer
+from swarmloco.cli.peer import CLIENT_MODE_STAGE, _add_peer_run_options, _run_peer
 
 
 def _create_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -209,6 +209,8 @@ def _create(args: argparse.Namespace) -> int:
             "--client-mode serves nothing, so others could never reach this swarm: pass "
             "--peer HOST:PORT of a serving peer or bootstrap node"
         )
+    if args.client_mode and args.stages is not None and not args.no_train:
+        raise ValueError(CLIENT_MODE_STAGE)
     identity = Identity.load_or_create(args.data_dir)
     run = _run_from(args)
     data, overrides = _data_spec(args), _model_overrides(args)

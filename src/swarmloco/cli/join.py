@@ -9,7 +9,12 @@ from typing import Any
 
 from swarmloco.cli.box import _box_launch, _box_rank
 from swarmloco.cli.common import _add_data_dir_option, _add_peer_option, _fetch_manifest
-from swarmloco.cli.peer import _add_peer_run_options, _run_peer, check_rebalance_gap
+from swarmloco.cli.peer import (
+    CLIENT_MODE_STAGE,
+    _add_peer_run_options,
+    _run_peer,
+    check_rebalance_gap,
+)
 
 
 def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -108,6 +113,8 @@ def _join(args: argparse.Namespace) -> int:
                 f"swarm {swarm_id} is not a pipelined run (create --stages makes one): every "
                 f"peer trains the whole model, so {' and '.join(staged)} mean nothing here"
             )
+    elif args.client_mode:
+        raise SwarmlocoError(f"swarm {swarm_id} is a pipelined run: {CLIENT_MODE_STAGE}")
     check_rebalance_gap(args)
     if args.audit_share is not None and not 0.0 <= args.audit_share <= 1.0:
         raise SwarmlocoError(

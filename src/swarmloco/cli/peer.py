@@ -156,7 +156,7 @@ def _add_network_options(g: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="for a peer that others cannot dial (behind NAT or a firewall): it only calls "
         "out, sends its update and receives the average, but reduces no part and serves no "
-        "state; needs --peer",
+        "state; needs --peer (not in a pipelined run: a stage peer must be dialled)",
     )
     g.add_argument(
         "--membership",
@@ -375,6 +375,13 @@ def _dataset_copies(args: argparse.Namespace) -> tuple[Path, ...]:
             "its manifest; --dataset names a local copy of it)"
         )
     return ()
+
+
+CLIENT_MODE_STAGE = (
+    "--client-mode serves nothing, and a stage peer must be dialled: later stages receive "
+    "the micro-batches, every stage serves its state to newcomers, and the others count "
+    "only the replicas whose servers answer for them"
+)
 
 
 def check_rebalance_gap(args: argparse.Namespace) -> None:

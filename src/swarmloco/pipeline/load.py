@@ -45,6 +45,10 @@ VOUCH_ASKED = 64
 """Servers asked at one read at most (the others at the next reads)."""
 VOUCH_KEPT = 4096
 """Answers kept at most (the oldest go first)."""
+MOVER_SERVED_S = 1200.0
+"""A move announced (a record with no endpoint) counts when its key's server vouched for
+a record here this recently: an answer is kept :data:`VOUCHED_S`, and a move (draining,
+the new stage's download, its first measurements) may take minutes more."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -174,7 +178,12 @@ class Vouching:
     first-hand, costs a real server per address, and no key can borrow another's (its
     card names its own key): a stranger's record naming an honest replica's address under
     another stage would have that replica refuse the driver and be shunned.
-    Records that announce a move (no endpoint) and this peer's own are not asked about.
+    This peer's own record is not asked about. A record with no endpoint announces a move
+    (its peer serves no stage while it moves): it counts only when the peer's server
+    vouched for an earlier record of its key here, within :data:`MOVER_SERVED_S` (a move
+    is made by a replica that served; a key that never did announces nothing), and a
+    record with no endpoint that
+    claims a rate never counts (nothing serves there to measure or to ask).
 
     Answers are kept :data:`VOUCHED_S` (another key's :data:`UNVOUCHED_S`, silence
     :data:`SILENT_S`); a read
@@ -196,6 +205,8 @@ class Vouching:
             collections.OrderedDict()
         )
         """(peer, endpoint): whether its server vouched for it, and until when that holds."""
+        self._served: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """Peer -> when its server last vouched for a record of its key here."""
 
     def _answer(self, key: tuple[str, str], now: float) -> bool | None:
         known = self._known.get(key)
@@ -218,13 +229,15 @@ class Vouching:
         if batch:
             await asyncio.gather(*(self._ask(peer, endpoint) for peer, endpoint in batch))
         now = self.clock()
-        return [
-            load
-            for load in loads
-            if not load.endpoint
-            or load.peer == self.me
-            or self._answer((load.peer, load.endpoint), now)
-        ]
+        return [load for load in loads if self._counts(load, now)]
+
+    def _counts(self, load: StageLoad, now: float) -> bool:
+        if load.peer == self.me:
+            return True
+        if not load.endpoint:  # a move announced, by a replica that served here before
+            served = self._served.get(load.peer)
+            return load.rate == 0.0 and served is not None and now - served <= MOVER_SERVED_S
+        return bool(self._answer((load.peer, load.endpoint), now))
 
     async def _ask(self, peer: str, endpoint: str) -> None:
         try:
@@ -237,7 +250,13 @@ class Vouching:
             logger.debug("%s did not vouch for %s: %s", endpoint, peer[:12], exc)
             vouched, kept = False, SILENT_S
         key = (peer, endpoint)
+        now = self.clock()
         self._known.pop(key, None)
-        self._known[key] = (vouched, self.clock() + kept)
+        self._known[key] = (vouched, now + kept)
         while len(self._known) > VOUCH_KEPT:
             self._known.popitem(last=False)
+        if vouched:
+            self._served.pop(peer, None)
+            self._served[peer] = now
+            while len(self._served) > VOUCH_KEPT:
+                self._served.popitem(last=False)

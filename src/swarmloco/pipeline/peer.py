@@ -209,8 +209,8 @@ class StagePeer:
 
     def read_loads(self, timeout: float = 30.0) -> list[StageLoad]:
         """The run's fresh ``stage-load`` records this peer counts now: those whose server
-        vouched for them (:class:`~swarmloco.pipeline.load.Vouching`), those announcing a
-        move, and its own."""
+        vouched for them (:class:`~swarmloco.pipeline.load.Vouching`), the moves announced
+        by keys whose servers vouched before, and its own."""
         if self.peer is None or self.peer.network is None:
             raise SwarmlocoError("only an entered stage peer reads the stages' load")
         node = self.peer.network.node
