@@ -66,7 +66,7 @@ def test_forward_gives_logits_or_the_loss_and_refuses_long_sequences():
     loss = model(x, x)
     assert loss.ndim == 0 and torch.isfinite(loss)
     # At initialisation the loss is about that of a uniform guess.
-    assert abs(float(loss) - torch.log(torch.tensor(SMALL.vocab_size)).item()) < 1.0
+    assert abs(loss.item() - torch.log(torch.tensor(SMALL.vocab_size)).item()) < 1.0
     with pytest.raises(ValueError, match="exceeds seq_len"):
         model(torch.zeros(1, SMALL.seq_len + 1, dtype=torch.long))
 

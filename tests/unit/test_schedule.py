@@ -25,6 +25,7 @@ def test_a_scheduler_made_before_the_swarm_is_entered_follows_the_swarms_step():
     step[0] = 1_000  # restored or downloaded: the swarm is far past the warmup
     s.follow()
     assert s.lr() == pytest.approx(1e-2)
+    s.optimizer.step()  # (no gradients: nothing moves)
     sched.step()  # the scheduler's own count does not matter
     assert s.lr() == pytest.approx(1e-2)
     assert s.lr_at is not None and s.lr_at(49) == pytest.approx(1e-2 * 0.5)
