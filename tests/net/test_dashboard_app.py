@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from netutil import loopback_network
+from netutil import closed_port, loopback_network
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmloco.core.agreement import DIGEST_BYTES
@@ -24,7 +24,7 @@ from swarmloco.net.records import digest_key, partners_key, progress_key, status
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.net.server import ServerConfig
 from swarmloco.net.swarm import announce_peer, publish_manifest
-from swarmloco.pipeline.load import publish_load
+from swarmloco.pipeline.load import Vouching, publish_load
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,6 +102,7 @@ async def dashboard(entry: str, *, manifest: SwarmManifest = MANIFEST, **config:
             manifest=manifest,
             rejoin=(entry,),
             config=CollectorConfig(**config),
+            vouching=Vouching(reader.who_serves, reader.identity.peer_id_hex),
         )
         app = make_app(lambda: collector.view)
         async with serve(app, host="127.0.0.1", port=0) as url, aiohttp.ClientSession() as http:
@@ -180,6 +181,35 @@ async def test_a_pipelined_runs_state_shows_its_stages():
     assert [(r["refused"], r["skipped"]) for r in pipeline["stages"]] == [(0, 0), (2, 1)]
     assert [r["distrusted"] for r in pipeline["stages"]] == [1, 0]
     assert pipeline["moves"] == 0 and view["warnings"] == []
+
+
+async def test_a_pipelined_runs_pools_count_only_the_records_their_servers_vouch_for():
+    """Forty strangers' keys claim stage 1, each at an address of its own network: two at
+    an honest stage peer's address (whose server answers as itself), the rest where nothing
+    serves. The pools count the three honest replicas alone, as the peers' rebalancing
+    does, and say how many records they left out."""
+    async with pipelined_swarm() as nodes:
+        for i in range(40):
+            endpoint = nodes[i].endpoint if i < 2 else f"127.0.{i}.1:{closed_port()}"
+            stranger = NetNode(
+                identity=Identity.generate(), config=NodeConfig(peers=(nodes[0].endpoint,))
+            )
+            async with stranger:
+                await publish_load(
+                    stranger.dht,
+                    PIPELINED.swarm_id,
+                    stage=1,
+                    endpoint=endpoint,
+                    load={"rate": 1e4, "queue": 0, "free": 64},
+                )
+        async with dashboard(nodes[0].endpoint, manifest=PIPELINED) as (collector, url, http):
+            await collector.poll()
+            async with http.get(url + "api/v1/state") as response:
+                view = await response.json()
+    pipeline = view["pipeline"]
+    assert [(r["peers"], r["throughput"]) for r in pipeline["stages"]] == [(2, 210.0), (1, 30.0)]
+    assert pipeline["limiting"] == 1, pipeline
+    assert any("40 stage-load record(s) not counted: no server" in w for w in view["warnings"])
 
 
 async def test_the_state_shows_every_peer_and_the_swarm():

@@ -538,6 +538,37 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     assert stage1["peers"] == 5 and stage1["throughput"] == 4050.0, stage1
     assert stage1["moving_in"] == 0, stage1  # the 36 left out are not peers moving in
     assert any("36 stage-load record(s) not counted" in w for w in view["warnings"])
+    # Read with vouching, a record whose server did not answer as its key is left out of
+    # the pools, moving in or serving, and the view says how many.
+    vouched = Reading(
+        swarm_id=PIPELINED.swarm_id,
+        at=NOW,
+        manifest=PIPELINED,
+        stage_loads={**crowded, D: stage_load(1, endpoint="")},
+        vouched=frozenset({A, C}),
+    )
+    view = build_view(vouched, now=NOW)
+    assert [(r["peers"], r["moving_in"]) for r in view["pipeline"]["stages"]][:2] == [
+        (1, 0),
+        (1, 0),
+    ]
+    assert view["pipeline"]["stages"][1]["throughput"] == 50.0
+    assert any("41 stage-load record(s) not counted: no server" in w for w in view["warnings"])
+    assert not any("of one network" in w for w in view["warnings"]), view["warnings"]
+    # ... and a key that says it moved counts as a move only once vouched for.
+    history = History()
+    for e_at, a_at in ((1, 0), (0, 2)):  # E (not vouched for) and A (vouched for) move
+        said = {**vouched.stage_loads, E: stage_load(e_at), A: stage_load(a_at)}
+        history.add(
+            Reading(
+                swarm_id=PIPELINED.swarm_id,
+                at=NOW,
+                manifest=PIPELINED,
+                stage_loads=said,
+                vouched=vouched.vouched,
+            )
+        )
+    assert [m["peer"] for m in history.moves] == [A[:12]], history.moves
     # A run that is not pipelined has no stages.
     plain = build_view(Reading(swarm_id=SWARM, at=NOW, manifest=MANIFEST), now=NOW)
     assert plain["pipeline"] is None

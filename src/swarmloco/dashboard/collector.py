@@ -42,6 +42,7 @@ from swarmloco.net.records import (
 )
 from swarmloco.net.swarm import fetch_manifest
 from swarmloco.net.work import IdentityWork
+from swarmloco.pipeline.load import Vouching, fresh, stage_load
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +108,12 @@ async def read_swarm(
     clock: Clock = time.time,
     trust: Sequence[str] = (),
     remembered: Iterable[str] = (),
+    vouching: Vouching | None = None,
 ) -> Reading:
     """One poll: the swarm's peers, progress, status and partners records (and a
-    pipelined run's ``stage-load`` records), then the digests of the current round of the
-    peers that count (``trust`` and ``remembered``: :func:`~swarmloco.dashboard.view.roster`).
+    pipelined run's ``stage-load`` records, with ``vouching`` those whose servers vouch
+    for them), then the digests of the current round of the peers that count (``trust``
+    and ``remembered``: :func:`~swarmloco.dashboard.view.roster`).
     Raises NetworkError when no DHT node answered."""
     if manifest is None:
         manifest = await _try_manifest(dht, swarm_id)
@@ -140,6 +143,10 @@ async def read_swarm(
         partners=_values(partners_task.result()),
         stage_loads={} if stages_task is None else _values(stages_task.result()),
     )
+    if vouching is not None and reading.stage_loads:
+        reading = dataclasses.replace(
+            reading, vouched=await _vouched(reading, vouching, fresh_s=fresh_s)
+        )
     whose = roster(reading, anchors=anchors_of(manifest, trust), remembered=remembered)
     round_now = current_round(whose.only(reading.status), now=reading.at, fresh_s=fresh_s)
     if round_now is None:
@@ -147,6 +154,18 @@ async def read_swarm(
     found = await dht.get(digest_key(swarm_id, round_now), timeout=timeout_s)
     digests = {subkey: entry.value["digest"] for subkey, entry in found.entries.items()}
     return dataclasses.replace(reading, digest_round=round_now, digests=digests)
+
+
+async def _vouched(reading: Reading, vouching: Vouching, *, fresh_s: float) -> frozenset[str]:
+    """The owners of the reading's fresh ``stage-load`` records that ``vouching`` counts."""
+    loads = []
+    for peer_id, value in reading.stage_loads.items():
+        try:
+            loads.append(stage_load(peer_id, value))
+        except (KeyError, TypeError, ValueError):
+            continue  # (the DHT checked the schema: nothing of the kind is expected)
+    counted = await vouching.counted(fresh(loads, reading.at, within=fresh_s))
+    return frozenset(load.peer for load in counted)
 
 
 async def _try_manifest(dht: DHTNode, swarm_id: str) -> SwarmManifest | None:
@@ -172,10 +191,13 @@ class Collector:
         rejoin: Sequence[str] = (),
         config: CollectorConfig | None = None,
         clock: Clock | None = None,
+        vouching: Vouching | None = None,
     ) -> None:
         """``clock``: what records' ages are judged by (default: the node's, the swarm's
-        time)."""
+        time); ``vouching``: which of a pipelined run's ``stage-load`` records its pools
+        count (None: all of them; answers are kept from poll to poll)."""
         self.dht = dht
+        self.vouching = vouching
         self.swarm_id = swarm_id
         self.config = config or CollectorConfig()
         self.history = History(points=self.config.history_points)
@@ -215,6 +237,7 @@ class Collector:
                 clock=self._clock,
                 trust=self.config.trust,
                 remembered=self.history.remembered,
+                vouching=self.vouching,
             )
         except Exception as exc:  # the network or a peer misbehaving: keep the last records
             self.failures += 1

@@ -27,6 +27,7 @@ from swarmloco.dashboard.view import FRESH_S, build_view
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.swarm import fetch_manifest
+from swarmloco.pipeline.load import Vouching
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ async def serve_dashboard(
             manifest=manifest,
             rejoin=config.peers,
             config=config.collector,
+            vouching=Vouching(node.who_serves, node.identity.peer_id_hex),
         )
         await collector.poll()  # the first page shows the swarm, not an empty table
         loopback = is_loopback(config.host)
@@ -114,5 +116,6 @@ async def swarm_status(
             timeout_s=timeout_s,
             fresh_s=fresh_s,
             trust=trust,
+            vouching=Vouching(node.who_serves, node.identity.peer_id_hex),
         )
     return build_view(reading, now=reading.at, fresh_s=fresh_s, trust=trust)

@@ -97,6 +97,9 @@ class Reading:
     stage_loads: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     """A pipelined run's ``stage-load`` record values by owner: each stage peer's stage,
     endpoint (none: moving there), rate, queue and free slots."""
+    vouched: frozenset[str] | None = None
+    """The owners of those records whose servers vouched for them (a ping answered as the
+    record's key: pipeline/load.py ``Vouching``); None: not asked, every record shown."""
     error: str = ""
     """Why the poll failed ("" when it did not); the records are then from an earlier poll."""
 
@@ -367,8 +370,11 @@ class History:
         self._add_stages(reading, fresh_s)
 
     def _add_stages(self, reading: Reading, fresh_s: float) -> None:
-        """A stage peer whose fresh record names another stage than before moved."""
+        """A stage peer whose fresh record (vouched for, when the reading asked) names
+        another stage than before moved."""
         for peer_id, load in _fresh_loads(reading, fresh_s).items():
+            if reading.vouched is not None and peer_id not in reading.vouched:
+                continue
             stage = load["stage"]
             before = self.stage_of.get(peer_id)
             if before is not None and before != stage:
@@ -651,13 +657,23 @@ def _pipeline(
     its replicas' rates), queue and free slots, its round, the calls its replicas refused
     and the steps they skipped, the replicas its drivers' audits distrust (stage 0), which
     stage limits the pipeline, and the moves seen. All
-    of it is what the stage peers' records claim."""
+    of it is what the stage peers' records claim, of the records whose servers vouched for
+    them when the reading asked (``Reading.vouched``)."""
     stages = stage_count(reading.manifest)
     if stages is None:
         return None
     pools: list[list[dict[str, Any]]] = [[] for _ in range(stages)]
-    for _, load in sorted(_fresh_loads(reading, fresh_s).items()):
+    unvouched = 0
+    for peer_id, load in sorted(_fresh_loads(reading, fresh_s).items()):
+        if reading.vouched is not None and peer_id not in reading.vouched:
+            unvouched += 1
+            continue
         pools[load["stage"]].append(load)
+    if unvouched:
+        warnings.append(
+            f"{unvouched} stage-load record(s) not counted: no server at their address "
+            "answered as their key (yet)"
+        )
     rows = []
     uncounted = 0
     for k, pool in enumerate(pools):

@@ -327,6 +327,7 @@ class SwarmNetwork:
         """The swarm's dashboard, read through this peer's own DHT node (GET only)."""
         from swarmloco.dashboard.app import make_app, serve
         from swarmloco.dashboard.collector import Collector, CollectorConfig
+        from swarmloco.pipeline.load import Vouching
 
         collector = Collector(
             dht=self.node.dht,
@@ -334,6 +335,7 @@ class SwarmNetwork:
             manifest=self.manifest,
             rejoin=self.config.node.peers,
             config=CollectorConfig(trust=(self.peer_id,)),  # its own partners count
+            vouching=Vouching(self.node.who_serves, self.peer_id),
         )
         try:
             async with serve(make_app(lambda: collector.view), host="127.0.0.1", port=port) as url:
