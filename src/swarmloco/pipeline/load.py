@@ -182,8 +182,8 @@ class Vouching:
     (its peer serves no stage while it moves): it counts only when the peer's server
     vouched for an earlier record of its key here, within :data:`MOVER_SERVED_S` (a move
     is made by a replica that served; a key that never did announces nothing), and a
-    record with no endpoint that
-    claims a rate never counts (nothing serves there to measure or to ask).
+    record with no endpoint that claims a rate never counts (nothing serves there to
+    measure or to ask).
 
     Answers are kept :data:`VOUCHED_S` (another key's :data:`UNVOUCHED_S`, silence
     :data:`SILENT_S`); a read
