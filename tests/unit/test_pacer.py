@@ -4,6 +4,7 @@ is behind, whom matchmaking waits for, and whose claims count (runtime/pacer.py)
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 
@@ -80,7 +81,7 @@ def test_a_partner_with_the_other_half_of_the_tokens_makes_the_round_due_early(t
         assert pacer(loop, board, tmp_path, steps=H).verdict(4) is Verdict.DUE
 
 
-def test_each_peer_does_h_of_its_own_steps_whatever_a_step_trains_on(tmp_path):
+def test_each_peer_does_h_of_its_own_steps_whatever_a_step_trains_on(tmp_path, caplog):
     """A partner whose step trains on ten times this peer's tokens: the round wants H steps
     of each (H x 11 steps' worth of this peer's tokens), not 2 H of this peer's, which its
     partner's tokens alone would reach after two of its steps. A partner that says none
@@ -106,6 +107,18 @@ def test_each_peer_does_h_of_its_own_steps_whatever_a_step_trains_on(tmp_path):
         assert pacer(loop, liar, tmp_path, steps=H - 1).verdict(4) is Verdict.WAIT
         liar.reports = [dataclasses.replace(said, tokens=H * spread, step_tokens=10**9)]
         assert pacer(loop, liar, tmp_path, steps=H).verdict(4) is Verdict.DUE
+        # A peer whose step is far from what the others say is told so, once (a library
+        # peer left at tokens_per_step 1); claims within STEP_SPREAD are not worth a word.
+        caplog.clear()  # (the pacers above said it too, once each)
+        with caplog.at_level(logging.WARNING, logger="swarmloco.runtime.pacer"):
+            assert pacer(loop, partner(H), tmp_path, steps=H).verdict(4) is Verdict.DUE
+            assert not caplog.records
+            told = pacer(loop, liar, tmp_path, steps=H)
+            for _ in range(3):
+                told.verdict(4)
+        (said_once,) = caplog.records
+        assert "more than 64x apart" in said_once.getMessage()
+        assert "1,000,000,000 a step" in said_once.getMessage()
         # And whatever anyone claims, a peer waits no longer than MAX_WAIT_ROUNDS x H steps.
         idle = Board(reports=[dataclasses.replace(said, tokens=0, step_tokens=10**9)])
         assert pacer(loop, idle, tmp_path, steps=MAX_WAIT_ROUNDS * H - 1).verdict(4) is Verdict.WAIT

@@ -20,6 +20,7 @@ decision itself is ``core/pacing.py``'s :func:`~swarmloco.core.pacing.estimate`.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Collection, Mapping
 
@@ -78,6 +79,7 @@ class Pacer:
         """(round, until): that round's group formed without this peer, which waits for its
         result (a download) instead of averaging the round with whoever else came late."""
         self._read_twice = False  # the first round waited for a second read of the records
+        self._spread_said = False  # the warning of steps far apart, once
 
     def fresh_reports(self, current: int) -> list[ProgressReport]:
         """Other peers' reports that are recent, but for claims of rounds far ahead of
@@ -132,6 +134,7 @@ class Pacer:
         tokens_per_step = max(1, p.tokens_since_round // max(1, p.steps_since_round))
         # H steps of each working peer, each at its own step's tokens (bounded claims).
         steps_of = {r.peer: _step_tokens(r, tokens_per_step) for r in reports if r.round == target}
+        self._warn_of_spread([r for r in reports if r.round == target], tokens_per_step)
         per_round = h * (tokens_per_step + sum(steps_of.values()))
         config = PacingConfig(tokens_per_round=max(1, round(per_round)))
         found = estimate(
@@ -170,6 +173,27 @@ class Pacer:
             read = self.network.wait_for_reads(2, 2 * self.config.progress_interval_s + 1.0)
         if not read:
             logger.info("no second read of the progress records: deciding on what we have")
+
+    def _warn_of_spread(self, reports: list[ProgressReport], mine: int) -> None:
+        """Say once when the peers working on this round say steps far from this peer's
+        (beyond :data:`STEP_SPREAD` either way, where their claims are clipped and rounds
+        no longer come every H of each peer's steps): most often a library peer that left
+        ``tokens_per_step`` at its default of 1."""
+        typical = None if self._spread_said else _spread(reports, mine)
+        if typical is None:
+            return
+        self._spread_said = True
+        logger.warning(
+            "this peer counts %d token(s) a step and the peers working on its round say "
+            "%s a step (median of %d), more than %dx apart: a claim counts at most %dx this "
+            "peer's step, so rounds do not come every H steps of each peer; pass the tokens "
+            "each step trains on (PeerConfig.tokens_per_step, or swarm.step(tokens))",
+            mine,
+            f"{typical:,.0f}",
+            len([r for r in reports if r.step_tokens]),
+            int(STEP_SPREAD),
+            int(STEP_SPREAD),
+        )
 
     def _expect(
         self, everyone: list[ProgressReport], partners: Collection[str] | None, current: int
@@ -220,6 +244,16 @@ class Pacer:
     def _end_late_wait(self) -> None:
         self.late = None
         self.network.late = None
+
+
+def _spread(reports: list[ProgressReport], mine: int) -> float | None:
+    """The median of the step tokens ``reports`` say, when it lies beyond
+    :data:`STEP_SPREAD` of ``mine`` either way (None otherwise, or when none says any)."""
+    said = [r.step_tokens for r in reports if r.step_tokens]
+    if not said:
+        return None
+    typical = float(statistics.median(said))
+    return typical if not mine / STEP_SPREAD <= typical <= mine * STEP_SPREAD else None
 
 
 def _step_tokens(report: ProgressReport, mine: int) -> float:
