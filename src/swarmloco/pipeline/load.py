@@ -249,14 +249,15 @@ class Vouching:
         except (NetworkError, TimeoutError) as exc:
             logger.debug("%s did not vouch for %s: %s", endpoint, peer[:12], exc)
             vouched, kept = False, SILENT_S
-        key = (peer, endpoint)
         now = self.clock()
-        self._known.pop(key, None)
-        self._known[key] = (vouched, now + kept)
-        while len(self._known) > VOUCH_KEPT:
-            self._known.popitem(last=False)
+        _keep(self._known, (peer, endpoint), (vouched, now + kept))
         if vouched:
-            self._served.pop(peer, None)
-            self._served[peer] = now
-            while len(self._served) > VOUCH_KEPT:
-                self._served.popitem(last=False)
+            _keep(self._served, peer, now)
+
+
+def _keep(kept: collections.OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    """``kept[key] = value`` as the newest entry, the oldest dropped past :data:`VOUCH_KEPT`."""
+    kept.pop(key, None)
+    kept[key] = value
+    while len(kept) > VOUCH_KEPT:
+        kept.popitem(last=False)
