@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import shutil
 import signal
 import time
@@ -47,9 +48,15 @@ def test_three_peers_train_together_and_hold_the_same_state(tmp_path):
     # nobody it averaged with to vouch for their state, apply round 2's mean to its own
     # (DESIGN section 6, "Adoption"): a group with two digests, healed only after it. With
     # --min-group 2 it retries instead, and a latecomer takes the group's state first.
-    settings = ("--max-rounds", str(rounds), "--min-group", "2")
+    settings = ("--min-group", "2")
     with Bootstrap(tmp_path / "boot") as boot:
-        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint)
+        # The run ends after round 5 for every peer (by its manifest, not each peer's
+        # --max-rounds): peers that finish stay donors while one late for the last round
+        # still works towards it (it downloads the final state instead of waiting for a
+        # group that will never form).
+        swarm = PeerProcess.publish(
+            tmp_path / "creator", boot.endpoint, "--total-steps", "40", "--warmup", "10"
+        )
         assert len(swarm) == 40
         with (
             PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", *settings) as a,
@@ -61,7 +68,7 @@ def test_three_peers_train_together_and_hold_the_same_state(tmp_path):
                 assert p.wait(240) == 0, p.log_tail()
     for p in peers:
         stopped = p.of("stopped")[-1]
-        assert stopped["round"] == rounds and "max rounds" in stopped["reason"]
+        assert stopped["round"] == rounds and "the run is over" in stopped["reason"]
         # Every applied round left a complete checkpoint behind.
         assert p.of("checkpoint"), p.log_tail()
         # Digests and checkpoints finish off the training thread; their events still come in
@@ -85,8 +92,11 @@ def test_three_peers_train_together_and_hold_the_same_state(tmp_path):
     final = {digests_of(p)[rounds] for p in peers}
     assert len(final) == 1, final
     # ... and it learned.
+    # A model that knows nothing of bytes scores ln 256 = 5.55; most of the drop comes in the
+    # first round (the schedule warms up over 10 of its 40 steps), and the rounds after it
+    # still gain.
     evals = [e["eval_loss"] for e in a.of("round")]
-    assert evals[-1] < evals[0] - 0.5, evals
+    assert evals[-1] < math.log(256) - 2 and evals[-1] < evals[0], evals
     # A peer that missed rounds took their state from a donor instead of starting over:
     # the state it averaged its first round from is the round before's, downloaded (it may
     # have come late to more than one round, each taken so).

@@ -312,6 +312,57 @@ def test_peers_average_with_their_token_weights_and_a_late_one_catches_up(tmp_pa
     assert all(e["weight"] % 30 == 0 for e in b.events.of("round"))
 
 
+@pytest.mark.parametrize("ends_by", ["total_steps", "max_rounds"])
+def test_a_peer_late_for_the_last_round_takes_the_final_state_from_peers_that_stay_on(
+    tmp_path, ends_by
+):
+    """Every peer's last round is 3: the run's end, or each one's ``max_rounds``. Peer c
+    stalls (its data stops coming) before its first round while a and b average all three:
+    they stay on as donors for as long as c still works towards a round they applied, and
+    c, once it trains again, downloads the final state and stops with them instead of
+    waiting for a group that can no longer form."""
+    h = 4
+    spec = dataclasses.replace(SPEC, sync_every=h)
+    two: dict[str, Any] = {
+        "matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2)
+    }
+    if ends_by == "total_steps":
+        spec = dataclasses.replace(spec, total_steps=h * 3)
+        said = "the run is over"
+    else:
+        two["max_rounds"] = 3
+        said = "round 3 reached (max rounds 3)"
+    a = _peer(tmp_path, "a", spec, **two)
+    ready, lingering = threading.Event(), threading.Event()
+
+    def on_a(event: dict[str, Any]) -> None:
+        a.events(event)
+        {"ready": ready, "lingering": lingering}.get(event["event"], threading.Event()).set()
+
+    a.swarm.on_event = on_a
+    first = Background(a.job)
+    assert ready.wait(60)
+    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, **two)
+    c = _peer(tmp_path, "c", a.swarm.swarm_id, a.swarm.endpoint, **two)
+
+    def stalled() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        data = batches(c.seed, c.pause)
+        yield from itertools.islice(data, 2)
+        assert lingering.wait(120), "a never stayed on for the peer behind"
+        yield from data
+
+    run_peers(b.job, (c.swarm, c.model, c.opt, stalled()))
+    first.join()
+    peers = (a, b, c)
+    assert [p.swarm.round for p in peers] == [3, 3, 3]
+    assert len({p.swarm.peer.snapshots.current.digest for p in peers}) == 1
+    for p in peers:
+        assert p.events.of("stopped")[0]["reason"].startswith(said), p.events
+    # c averaged nothing: it took round 3, the last, from a donor that stayed for it.
+    assert not c.events.of("round") and c.events.of("downloaded")[-1]["round"] == 3, c.events
+    assert a.events.of("lingering")[0]["round"] == 3
+
+
 def test_nan_in_the_users_training_is_discarded_and_never_averaged(tmp_path):
     peer = _peer(tmp_path, "a", SPEC, max_rounds=4)
     swarm, model, opt, events = peer.swarm, peer.model, peer.opt, peer.events

@@ -247,7 +247,8 @@ def _add_round_options(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=None,
         metavar="R",
-        help="leave once the swarm's state reached round R (default: train until stopped)",
+        help="leave once the swarm's state reached round R, first serving it (a minute at "
+        "most) to peers still working towards it (default: train until stopped)",
     )
     g.add_argument(
         "--round-timeout",

@@ -58,7 +58,8 @@ class PeerConfig:
     tokens_per_step: int = 1
     """Samples or tokens one optimizer step trains on: the averaging weight counts them."""
     max_rounds: int | None = None
-    """Leave after the swarm's state reached this round (None: until stopped)."""
+    """Leave after the swarm's state reached this round (None: until stopped), once peers
+    still working towards it were served (``linger_s``)."""
     round_timeout_s: float = 120.0
     """Matchmaking plus all-reduce of one round."""
     matchmaking: MatchmakingConfig = dataclasses.field(default_factory=_matchmaking)
@@ -80,9 +81,9 @@ class PeerConfig:
     progress_interval_s: float = 2.0
     """How often the peer publishes its progress record."""
     linger_s: float = 60.0
-    """When the run is over (its total steps or tokens reached), how long the peer may stay
-    to serve the final state to peers still working towards a round it applied (it leaves
-    as soon as none is; 0: at once)."""
+    """When the peer applied its last round (the run's total steps or tokens, or its own
+    ``max_rounds``), how long it may stay to serve that state to peers still working
+    towards a round it applied (it leaves as soon as none is; 0: at once)."""
     name: str = ""
     """How the dashboard names this peer (default: the host name and the start of its id)."""
     membership: str = ""

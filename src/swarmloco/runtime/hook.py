@@ -48,8 +48,10 @@ class StopFlag:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason = ""
-        self.run_over = False
-        """The run reached its end here (not just this peer stopping)."""
+        self.finished = False
+        """This peer reached its last round (the run's end, or its own ``max_rounds``), not
+        just asked to stop: it serves that round's state to peers still working towards it
+        before it leaves."""
 
     def stop(self, reason: str) -> None:
         if not self._event.is_set():
@@ -217,13 +219,14 @@ class StepHook:
         p = self.parts
         cfg, spec, current = p.config, p.spec, p.diloco.round
         if cfg.max_rounds is not None and current >= cfg.max_rounds:
+            self.stop.finished = True
             self.stop.stop(f"round {current} reached (max rounds {cfg.max_rounds})")
         elif spec.total_steps is not None and current * p.h >= spec.total_steps:
             # By rounds, not this peer's own steps: every peer stops after the same round.
-            self.stop.run_over = True
+            self.stop.finished = True
             self.stop.stop(f"the run is over: round {current} reached {spec.total_steps} steps")
         elif spec.total_tokens is not None and p.diloco.tokens >= spec.total_tokens:
-            self.stop.run_over = True
+            self.stop.finished = True
             self.stop.stop(f"the run is over: {p.diloco.tokens} of {spec.total_tokens} tokens")
         return self.stop.is_set()
 
@@ -259,7 +262,8 @@ class StepHook:
 
     def leave(self, *, failed: bool, interrupted: bool) -> None:
         """Land the round in flight (unless interrupted again, or a box rank ``failed``),
-        write the last checkpoint, and stay a donor a while if the run is over."""
+        write the last checkpoint, and stay a donor a while if this was the peer's last
+        round."""
         p, rounds, box = self.parts, self.rounds, self.parts.box
         consistent = True
         if box is not None and failed:
@@ -279,13 +283,14 @@ class StepHook:
         self.checkpoints.collect(wait=True)
         if box is not None and not box.broken:
             box.tell(Op.EXIT)  # before lingering: the other ranks are done
-        if self.stop.run_over and not interrupted:
+        if self.stop.finished and not interrupted:
             self._linger()
 
     def _linger(self) -> None:
-        """The run is over: stay a donor while other peers still work towards a round this
-        one applied (a group of them may be short of members now, and can only finish by
-        downloading the final state), for at most ``linger_s``."""
+        """This peer's last round is applied (the run is over, or its ``max_rounds``): stay
+        a donor while other peers still work towards a round this one applied (a group of
+        them may be short of members now, and can only finish by downloading that state),
+        for at most ``linger_s``. Peers that applied it too are not waited for."""
         p = self.parts
         if p.config.linger_s <= 0:
             return
@@ -299,8 +304,9 @@ class StepHook:
             if not told:
                 told = True
                 logger.info(
-                    "the run is over; serving its final state to %d peer(s) still finishing "
-                    "(at most %.0f s)",
+                    "%s; serving that state to %d peer(s) still working towards it (at most "
+                    "%.0f s)",
+                    self.stop.reason,
                     len(behind),
                     p.config.linger_s,
                 )
