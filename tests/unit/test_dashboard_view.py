@@ -496,7 +496,9 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     # The most replicas one of stage 0's drivers distrusts (each judges by its own audits).
     assert [r["distrusted"] for r in pipeline["stages"]] == [2, 0, 0]
     assert pipeline["limiting"] == 2 and pipeline["throughput"] == 0.0
-    assert pipeline["moves"] == 0
+    # One reading sees no move (`swarmloco status`): it says so instead of counting none.
+    assert pipeline["moves"] is None and pipeline["recent_moves"] == []
+    assert "moves between stages: not seen in one reading" in text.render(view)
     # Peer B moves to stage 2: the next reading sees it there, once.
     moved = {**loads, B: {**stage_load(2, endpoint=""), "at": NOW + 2}}
     later = Reading(swarm_id=PIPELINED.swarm_id, at=NOW + 2, manifest=PIPELINED, stage_loads=moved)

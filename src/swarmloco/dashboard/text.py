@@ -175,9 +175,14 @@ def stages_lines(pipeline: Mapping[str, Any]) -> list[str]:
     lines = table(header, rows)
     moves = pipeline.get("recent_moves") or []
     said = "; ".join(f"{m['peer']} {m['from']} -> {m['to']}" for m in moves)
-    lines.append(
-        f"moves between stages: {pipeline['moves']}" + (f" (last: {said})" if said else "")
-    )
+    if pipeline["moves"] is None:
+        lines.append(
+            "moves between stages: not seen in one reading (`swarmloco dashboard` counts them)"
+        )
+    else:
+        lines.append(
+            f"moves between stages: {pipeline['moves']}" + (f" (last: {said})" if said else "")
+        )
     return lines
 
 

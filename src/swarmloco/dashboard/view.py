@@ -322,6 +322,8 @@ class History:
         self.stage_of: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.moves: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_MOVES_SHOWN)
         self.moves_seen = 0
+        self.readings = 0
+        """Readings taken in (a move is seen between two of them)."""
 
     def add(self, reading: Reading, *, fresh_s: float = FRESH_S, trust: Iterable[str] = ()) -> None:
         """Take in a reading (a failed poll's reading adds nothing); ``trust``: peer ids
@@ -372,6 +374,7 @@ class History:
     def _add_stages(self, reading: Reading, fresh_s: float) -> None:
         """A stage peer whose fresh record (vouched for, when the reading asked) names
         another stage than before moved."""
+        self.readings += 1
         for peer_id, load in _fresh_loads(reading, fresh_s).items():
             if reading.vouched is not None and peer_id not in reading.vouched:
                 continue
@@ -656,7 +659,8 @@ def _pipeline(
     stage's peers (serving, and moving in), throughput (sequences per second, the sum of
     its replicas' rates), queue and free slots, its round, the calls its replicas refused
     and the steps they skipped, the replicas its drivers' audits distrust (stage 0), which
-    stage limits the pipeline, and the moves seen. All
+    stage limits the pipeline, and the moves seen (None before a second reading: one
+    reading, as `swarmloco status` takes, sees no move). All
     of it is what the stage peers' records claim, of the records whose servers vouched for
     them when the reading asked (``Reading.vouched``)."""
     stages = stage_count(reading.manifest)
@@ -711,7 +715,7 @@ def _pipeline(
         "stages": rows,
         "limiting": empty[0] if empty else limiting,
         "throughput": None if empty else min(row["throughput"] for row in rows),
-        "moves": history.moves_seen,
+        "moves": history.moves_seen if history.readings > 1 else None,
         "recent_moves": list(history.moves)[-5:],
     }
 
