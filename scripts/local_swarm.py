@@ -10,7 +10,8 @@ through the bootstrap node, starts the dashboard (http://127.0.0.1:8080/ unless 
 is taken) and the peers (`swarmloco join SWARM_ID --peer ...`), prints one line per round
 as the peers apply it, and when every peer has reached --rounds (or on Ctrl-C) stops them
 all and prints a JSON summary: the rounds, each peer's final eval loss and whether all
-peers hold the same global state (the digest of their last round). With --keep-dashboard
+peers hold the same global state (the digest of the last round each averaged or
+downloaded). With --keep-dashboard
 the dashboard (and the bootstrap node) stay up after training until Ctrl-C. Logs, events
 and checkpoints stay in --dir.
 """
@@ -282,13 +283,16 @@ def main() -> int:
     for i, path in enumerate(events):
         evs, _ = read_events(path, 0)
         rounds = [e for e in evs if e["event"] == "round"]
-        if rounds:
-            digests.add(rounds[-1]["digest"])
+        # The state a peer ended on: its last round averaged, or a later one it downloaded
+        # (a peer late for the last round takes it from one that stayed for it).
+        held = [e for e in evs if e["event"] in ("round", "downloaded")]
+        if held:
+            digests.add(held[-1]["digest"])
             finals[f"peer{i}"] = {
-                "round": rounds[-1]["round"],
-                "eval_loss": rounds[-1].get("eval_loss"),
+                "round": held[-1]["round"],
+                "eval_loss": rounds[-1].get("eval_loss") if rounds else None,
                 "rounds_applied": len(rounds),
-                "digest": rounds[-1]["digest"][:16],  # the same on every peer: one state
+                "digest": held[-1]["digest"][:16],  # the same on every peer: one state
                 "downloads": sum(e["event"] == "downloaded" for e in evs),
             }
     print(
