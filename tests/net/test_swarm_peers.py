@@ -363,6 +363,49 @@ def test_a_peer_late_for_the_last_round_takes_the_final_state_from_peers_that_st
     assert a.events.of("lingering")[0]["round"] == 3
 
 
+def test_a_stop_asked_while_a_peer_stays_on_for_others_ends_its_stay(tmp_path):
+    """Peers a and b reach their --max-rounds together and stay on for peer c, stalled
+    before its first round (a for up to ten minutes here). Asked to stop (as a signal
+    does), a leaves at once, with c still behind; c then takes the last round's state from
+    b, which stayed."""
+    spec = dataclasses.replace(SPEC, sync_every=4)
+    two: dict[str, Any] = {
+        "matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
+        "max_rounds": 2,
+    }
+    a = _peer(tmp_path, "a", spec, linger_s=600.0, **two)
+    ready, lingering = threading.Event(), threading.Event()
+
+    def on_a(event: dict[str, Any]) -> None:
+        a.events(event)
+        {"ready": ready, "lingering": lingering}.get(event["event"], threading.Event()).set()
+
+    a.swarm.on_event = on_a
+    first = Background(a.job)
+    assert ready.wait(60)
+    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, **two)
+    c = _peer(tmp_path, "c", a.swarm.swarm_id, a.swarm.endpoint, **two)
+    a_left = threading.Event()
+
+    def stalled() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        data = batches(c.seed, c.pause)
+        yield from itertools.islice(data, 2)
+        assert a_left.wait(150), "a did not leave when asked"
+        yield from data
+
+    rest = Background(b.job, (c.swarm, c.model, c.opt, stalled()))
+    assert lingering.wait(120)
+    a.swarm.stop("signal SIGINT")
+    first.join()
+    behind = not c.events.of("round") and not c.events.of("downloaded")
+    a_left.set()
+    rest.join()
+    assert behind, c.events
+    assert a.events.of("stopped")[0]["reason"] == "round 2 reached (max rounds 2)"
+    assert c.events.of("downloaded")[-1]["round"] == 2 and c.swarm.round == 2, c.events
+    assert c.swarm.peer.snapshots.current.digest == b.swarm.peer.snapshots.current.digest
+
+
 def test_nan_in_the_users_training_is_discarded_and_never_averaged(tmp_path):
     peer = _peer(tmp_path, "a", SPEC, max_rounds=4)
     swarm, model, opt, events = peer.swarm, peer.model, peer.opt, peer.events

@@ -48,12 +48,15 @@ class StopFlag:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason = ""
+        self.asks = 0
+        """How often a stop was asked (one asked while the peer lingers ends it)."""
         self.finished = False
         """This peer reached its last round (the run's end, or its own ``max_rounds``), not
         just asked to stop: it serves that round's state to peers still working towards it
         before it leaves."""
 
     def stop(self, reason: str) -> None:
+        self.asks += 1
         if not self._event.is_set():
             self.reason = reason
             self._event.set()
@@ -290,13 +293,14 @@ class StepHook:
         """This peer's last round is applied (the run is over, or its ``max_rounds``): stay
         a donor while other peers still work towards a round this one applied (a group of
         them may be short of members now, and can only finish by downloading that state),
-        for at most ``linger_s``. Peers that applied it too are not waited for."""
+        for at most ``linger_s``. Peers that applied it too are not waited for. A stop
+        asked meanwhile (a signal, :meth:`Swarm.stop`) ends it."""
         p = self.parts
         if p.config.linger_s <= 0:
             return
         deadline = time.monotonic() + p.config.linger_s
-        told = False
-        while time.monotonic() < deadline:
+        told, asks = False, self.stop.asks
+        while time.monotonic() < deadline and self.stop.asks == asks:
             reports = self.pacer.fresh_reports(p.diloco.round)
             behind = {r.peer for r in reports if r.round <= p.diloco.round}
             if not behind:
@@ -305,10 +309,12 @@ class StepHook:
                 told = True
                 logger.info(
                     "%s; serving that state to %d peer(s) still working towards it (at most "
-                    "%.0f s)",
+                    "%.0f s; a signal leaves now)",
                     self.stop.reason,
                     len(behind),
                     p.config.linger_s,
                 )
                 p.emit("lingering", round=p.diloco.round, peers=len(behind))
             time.sleep(min(1.0, p.config.progress_interval_s / 2))  # reports come in
+        if self.stop.asks != asks:
+            logger.info("asked to stop while serving the last round's state: leaving now")
