@@ -45,11 +45,13 @@ class RoundAborted(SwarmlocoError):
 
     ``late``: the round goes on without this peer (its group formed before this peer
     came): catch up with the group's result of the round rather than average it again at
-    once with whoever else came late."""
+    once with whoever else came late. ``unmet``: none of the peers this one expected came
+    (they may be out of step with it, or only claim to work on the round)."""
 
-    def __init__(self, message: str, *, late: bool = False) -> None:
+    def __init__(self, message: str, *, late: bool = False, unmet: bool = False) -> None:
         super().__init__(message)
         self.late = late
+        self.unmet = unmet
 
 
 class ModelMismatch(SwarmlocoError):

@@ -8,6 +8,8 @@ network are injected where a test needs a fault plan.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import errno
 import itertools
@@ -404,6 +406,66 @@ def test_a_stop_asked_while_a_peer_stays_on_for_others_ends_its_stay(tmp_path):
     assert a.events.of("stopped")[0]["reason"] == "round 2 reached (max rounds 2)"
     assert c.events.of("downloaded")[-1]["round"] == 2 and c.swarm.round == 2, c.events
     assert c.swarm.peer.snapshots.current.digest == b.swarm.peer.snapshots.current.digest
+
+
+def test_a_strangers_claim_to_work_on_a_lone_peers_round_does_not_stall_its_rounds(tmp_path):
+    """A lone peer (nobody it averaged with yet) and a stranger that keeps publishing that
+    it works on the peer's next round and never comes to it. The peer waits for it
+    (peers that started together must not split their first rounds), but a no-show
+    counts as a stranger from the peer's second abort of that round (for ten minutes):
+    it averages every round, after two aborted attempts in all. Before, its every attempt
+    aborted ("out of step"), for as long as the stranger kept saying so."""
+    from swarmloco.net.node import NetNode
+    from swarmloco.net.records import progress_key
+    from swarmloco.runtime.loop_thread import LoopThread
+
+    spec = dataclasses.replace(SPEC, sync_every=4)
+    a = _peer(tmp_path, "a", spec, max_rounds=3)
+    ready = threading.Event()
+
+    def on_a(event: dict[str, Any]) -> None:
+        a.events(event)
+        if event["event"] == "ready":
+            ready.set()
+
+    a.swarm.on_event = on_a
+    over, claimed = threading.Event(), threading.Event()
+
+    def after_the_claim() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        assert claimed.wait(60), "the stranger never published"
+        yield from batches(a.seed, a.pause)
+
+    first = Background((a.swarm, a.model, a.opt, after_the_claim()))
+    assert ready.wait(60)
+    with LoopThread(name="stranger") as loop:
+        stranger = NetNode(
+            identity=Identity.generate(), config=NodeConfig(peers=(a.swarm.endpoint,))
+        )
+        loop.run(stranger.__aenter__(), timeout=30)
+
+        async def claim() -> None:
+            # Always the round after the peer's: "I work on it too" (fresh, every 0.2 s).
+            while not over.is_set():
+                value = {
+                    "round": a.swarm.round + 1,
+                    "tokens": 0,
+                    "tokens_per_s": 100.0,
+                    "at": stranger.dht.clock(),
+                }
+                await stranger.dht.store(progress_key(a.swarm.swarm_id), value, ttl=60)
+                claimed.set()
+                await asyncio.sleep(0.2)
+
+        claiming = loop.submit(claim())
+        try:
+            first.join()
+        finally:
+            over.set()
+            claiming.result(timeout=30)
+            loop.run(stranger.__aexit__(None, None, None), timeout=30)
+    assert [e["round"] for e in a.events.of("round")] == [1, 2, 3]
+    aborted = collections.Counter(e["round"] for e in a.events.of("aborted"))
+    assert aborted == {1: 2}, aborted
 
 
 def test_nan_in_the_users_training_is_discarded_and_never_averaged(tmp_path):

@@ -390,7 +390,8 @@ class SwarmNetwork:
             # instead. (Strangers that did not come are no such sign: anyone claims.)
             raise RoundAborted(
                 f"round {round}: none of the {(expected or 1) - 1} other peer(s) working on "
-                "it joined; out of step with them"
+                "it joined; out of step with them",
+                unmet=True,
             )
         matchmaking = time.monotonic() - started
         result = await self.averager.all_reduce(

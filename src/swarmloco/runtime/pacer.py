@@ -19,6 +19,7 @@ decision itself is ``core/pacing.py``'s :func:`~swarmloco.core.pacing.estimate`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import statistics
 import time
@@ -41,6 +42,11 @@ STEP_SPREAD = 64.0
 share (a swarm's cards differ in batch by less): a claim of its step's tokens holds a
 round off as much as 63 phantom peers would, and never past ``MAX_WAIT_ROUNDS`` H."""
 EXPECTED_STRANGERS = 2  # newcomers a round waits for (a short grace) besides partners
+NO_SHOW_ABORTS = 2
+"""Attempts at one round that aborted because none of the peers expected came: from then
+on those peers are waited for as strangers are (a short grace), for ``ABSENT_S``."""
+ABSENT_S = 600.0
+MAX_ABSENT = 4096
 
 
 class Pacer:
@@ -79,6 +85,13 @@ class Pacer:
         """(round, until): that round's group formed without this peer, which waits for its
         result (a download) instead of averaging the round with whoever else came late."""
         self._read_twice = False  # the first round waited for a second read of the records
+        self._expecting: tuple[int, frozenset[str]] = (0, frozenset())
+        """(round, the known peers) matchmaking was last told to wait for."""
+        self._no_shows = (0, 0)
+        """(round, its attempts that aborted with none of the peers expected there)."""
+        self._absent: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """Peers that missed attempts at a round they said they worked on -> until when
+        (monotonic) they are waited for as strangers only."""
         self._spread_said = False  # the warning of steps far apart, once
 
     def fresh_reports(self, current: int) -> list[ProgressReport]:
@@ -211,13 +224,48 @@ class Pacer:
         target = current + 1
         near = {r.peer for r in everyone if target - 1 <= r.round <= target + 1}
         known = {p for p in near if p in partners} if partners is not None else near
-        expected = 1 + len(known)
+        # A peer that says it works on the round and never comes (a stuck peer, or a key
+        # that only claims) holds it off twice at most, then waits as a stranger does.
+        known -= self._absent_now()
+        expected, awaited = 1 + len(known), set(known)
         if self.last_group is not None and self.last_group[0] == current:
             # Who averaged the last round with us will most likely average this one too,
             # even when their reports lag a round behind; not those that said goodbye.
             left = {r.peer for r in self.network.reports if is_farewell(r)}
             expected = max(expected, 1 + len(self.last_group[1] - left))
+            awaited |= self.last_group[1] - left
+        self._expecting = (target, frozenset(awaited))
         return expected, min(len(near - known), EXPECTED_STRANGERS)
+
+    def no_show(self, round: int) -> None:
+        """An attempt at ``round`` aborted: none of the peers expected came. From the
+        :data:`NO_SHOW_ABORTS`-th such attempt, they are waited for as strangers."""
+        expected_round, peers = self._expecting
+        seen_round, count = self._no_shows
+        count = count + 1 if seen_round == round else 1
+        self._no_shows = (round, count)
+        if count < NO_SHOW_ABORTS or expected_round != round or not peers:
+            return
+        until = time.monotonic() + ABSENT_S
+        for peer in sorted(peers):
+            self._absent[peer] = until
+            self._absent.move_to_end(peer)
+        while len(self._absent) > MAX_ABSENT:
+            self._absent.popitem(last=False)
+        logger.warning(
+            "round %d: %d peer(s) that say they work on it missed %d attempts; waiting for "
+            "them as for newcomers for %.0f s",
+            round,
+            len(peers),
+            count,
+            ABSENT_S,
+        )
+
+    def _absent_now(self) -> set[str]:
+        now = time.monotonic()
+        for peer in [p for p, until in self._absent.items() if until <= now]:
+            del self._absent[peer]
+        return set(self._absent)
 
     def wait_for_late_group(self, round: int, until: float, numel: int) -> None:
         """Round ``round``'s group formed without this peer: wait for its result until

@@ -245,6 +245,8 @@ class RoundDriver:
         )
         self.aborted += 1
         self.pacer.last_group = None  # those we expected did not come
+        if isinstance(exc, RoundAborted) and exc.unmet:
+            self.pacer.no_show(x.round)
         if late:
             # The others average this round without us: take their result once it is
             # published. Wait about as long as their round takes (a gathering window
