@@ -163,6 +163,39 @@ def test_matchmaking_waits_for_partners_and_a_few_strangers_not_for_those_who_le
         assert p.expected[0] == 3  # this peer, s0 and the lagging one
 
 
+def test_peers_that_miss_two_attempts_at_a_round_are_waited_for_as_strangers(tmp_path):
+    with LoopThread() as loop:
+        partners = Evidence(witnesses={"p": 4})
+        board = Board(reports=[report("p", 5), report("claims", 5)])
+        alone = pacer(loop, Board(reports=[report("claims", 5)]), tmp_path, steps=1)
+        together = pacer(loop, board, tmp_path, steps=1, evidence=partners)
+        alone.verdict(4)
+        assert alone.expected == (2, 0)  # no partner heard: every claimant is expected
+        alone.no_show(5)  # (one attempt is no sign: a peer may be a little late)
+        alone.verdict(4)
+        assert alone.expected == (2, 0)
+        alone.no_show(5)
+        alone.verdict(4)
+        assert alone.expected == (1, 1)  # a stranger now: a short grace, not the round
+        alone.verdict(5)  # the next round too
+        assert alone.expected == (1, 1)
+        # Aborts of different rounds do not add up; a partner that misses two is no
+        # different (a stuck peer whose network still reports).
+        together.verdict(4)
+        assert together.expected == (2, 1)
+        together.no_show(5)
+        together.verdict(5)
+        together.no_show(6)
+        together.verdict(4)
+        assert together.expected == (2, 1)
+        together.no_show(5)
+        together.verdict(4)
+        assert together.expected == (2, 1)  # (the no-show count restarted at round 5)
+        together.no_show(5)
+        together.verdict(4)
+        assert together.expected == (1, 2)
+
+
 def test_a_peer_late_for_its_group_waits_for_its_result_until_that_group_aborts(tmp_path):
     with LoopThread() as loop:
         board = Board()

@@ -226,7 +226,7 @@ class Pacer:
         known = {p for p in near if p in partners} if partners is not None else near
         # A peer that says it works on the round and never comes (a stuck peer, or a key
         # that only claims) holds it off twice at most, then waits as a stranger does.
-        known -= self._absent_now()
+        known = known - self._absent_now()
         expected, awaited = 1 + len(known), set(known)
         if self.last_group is not None and self.last_group[0] == current:
             # Who averaged the last round with us will most likely average this one too,
