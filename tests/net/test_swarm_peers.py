@@ -314,6 +314,37 @@ def test_peers_average_with_their_token_weights_and_a_late_one_catches_up(tmp_pa
     assert all(e["weight"] % 30 == 0 for e in b.events.of("round"))
 
 
+def _two_and_one_stalled(
+    tmp: Path, spec: RunSpec, changes: dict[str, Any], **a_changes: Any
+) -> tuple[Peer, Peer, Peer, Background, threading.Event]:
+    """Peers a (training in the background, its ``lingering`` event watched), b and c of
+    one new swarm, b and c not started: (a, b, c, a's thread, a's lingering)."""
+    a = _peer(tmp, "a", spec, **changes, **a_changes)
+    ready, lingering = threading.Event(), threading.Event()
+
+    def on_a(event: dict[str, Any]) -> None:
+        a.events(event)
+        {"ready": ready, "lingering": lingering}.get(event["event"], threading.Event()).set()
+
+    a.swarm.on_event = on_a
+    first = Background(a.job)
+    assert ready.wait(60)
+    b = _peer(tmp, "b", a.swarm.swarm_id, a.swarm.endpoint, **changes)
+    c = _peer(tmp, "c", a.swarm.swarm_id, a.swarm.endpoint, **changes)
+    return a, b, c, first, lingering
+
+
+def _stalled(
+    peer: Peer, gate: threading.Event, why: str
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``peer``'s batches, none after the second until ``gate`` is set (its network goes on
+    reporting the round it works towards)."""
+    data = batches(peer.seed, peer.pause)
+    yield from itertools.islice(data, 2)
+    assert gate.wait(150), why
+    yield from data
+
+
 @pytest.mark.parametrize("ends_by", ["total_steps", "max_rounds"])
 def test_a_peer_late_for_the_last_round_takes_the_final_state_from_peers_that_stay_on(
     tmp_path, ends_by
@@ -334,26 +365,9 @@ def test_a_peer_late_for_the_last_round_takes_the_final_state_from_peers_that_st
     else:
         two["max_rounds"] = 3
         said = "round 3 reached (max rounds 3)"
-    a = _peer(tmp_path, "a", spec, **two)
-    ready, lingering = threading.Event(), threading.Event()
-
-    def on_a(event: dict[str, Any]) -> None:
-        a.events(event)
-        {"ready": ready, "lingering": lingering}.get(event["event"], threading.Event()).set()
-
-    a.swarm.on_event = on_a
-    first = Background(a.job)
-    assert ready.wait(60)
-    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, **two)
-    c = _peer(tmp_path, "c", a.swarm.swarm_id, a.swarm.endpoint, **two)
-
-    def stalled() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        data = batches(c.seed, c.pause)
-        yield from itertools.islice(data, 2)
-        assert lingering.wait(120), "a never stayed on for the peer behind"
-        yield from data
-
-    run_peers(b.job, (c.swarm, c.model, c.opt, stalled()))
+    a, b, c, first, lingering = _two_and_one_stalled(tmp_path, spec, two)
+    # c trains again once a stays on for it.
+    run_peers(b.job, (c.swarm, c.model, c.opt, _stalled(c, lingering, "a never stayed on")))
     first.join()
     peers = (a, b, c)
     assert [p.swarm.round for p in peers] == [3, 3, 3]
@@ -375,27 +389,9 @@ def test_a_stop_asked_while_a_peer_stays_on_for_others_ends_its_stay(tmp_path):
         "matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2),
         "max_rounds": 2,
     }
-    a = _peer(tmp_path, "a", spec, linger_s=600.0, **two)
-    ready, lingering = threading.Event(), threading.Event()
-
-    def on_a(event: dict[str, Any]) -> None:
-        a.events(event)
-        {"ready": ready, "lingering": lingering}.get(event["event"], threading.Event()).set()
-
-    a.swarm.on_event = on_a
-    first = Background(a.job)
-    assert ready.wait(60)
-    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, **two)
-    c = _peer(tmp_path, "c", a.swarm.swarm_id, a.swarm.endpoint, **two)
+    a, b, c, first, lingering = _two_and_one_stalled(tmp_path, spec, two, linger_s=600.0)
     a_left = threading.Event()
-
-    def stalled() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        data = batches(c.seed, c.pause)
-        yield from itertools.islice(data, 2)
-        assert a_left.wait(150), "a did not leave when asked"
-        yield from data
-
-    rest = Background(b.job, (c.swarm, c.model, c.opt, stalled()))
+    rest = Background(b.job, (c.swarm, c.model, c.opt, _stalled(c, a_left, "a did not leave")))
     assert lingering.wait(120)
     a.swarm.stop("signal SIGINT")
     first.join()
