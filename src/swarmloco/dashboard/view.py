@@ -330,6 +330,7 @@ class History:
         the dashboard trusts besides the swarm's creator."""
         if reading.error:
             return
+        self.readings += 1
         self.roster = roster(
             reading, anchors=anchors_of(reading.manifest, trust), remembered=self.remembered
         )
@@ -374,7 +375,6 @@ class History:
     def _add_stages(self, reading: Reading, fresh_s: float) -> None:
         """A stage peer whose fresh record (vouched for, when the reading asked) names
         another stage than before moved."""
-        self.readings += 1
         for peer_id, load in _fresh_loads(reading, fresh_s).items():
             if reading.vouched is not None and peer_id not in reading.vouched:
                 continue

@@ -262,9 +262,10 @@ class Pacer:
         )
 
     def _absent_now(self) -> set[str]:
+        # (Oldest first, and all kept equally long: the expired ones are at the front.)
         now = time.monotonic()
-        for peer in [p for p, until in self._absent.items() if until <= now]:
-            del self._absent[peer]
+        while self._absent and next(iter(self._absent.values())) <= now:
+            self._absent.popitem(last=False)
         return set(self._absent)
 
     def wait_for_late_group(self, round: int, until: float, numel: int) -> None:
