@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,18 +44,26 @@ def reader(tmp_path: Path, name: str, **kw: object) -> LeasedData:
 
 class Trainer:
     """A reader's training thread: reads batches and lands each as its own round (a peer
-    alone), until the reader says nothing is left."""
+    alone), until the reader says nothing is left (or ``give_up_s`` passed: ``gave_up``)."""
 
-    def __init__(self, data: LeasedData, me: str, *, steps: int | None = None) -> None:
+    def __init__(
+        self, data: LeasedData, me: str, *, steps: int | None = None, give_up_s: float = 90.0
+    ) -> None:
         self.data, self.me, self.steps = data, me, steps
         self.stopped = threading.Event()
         self.read: list[Range] = []
         data.stop_peer = lambda why: self.stopped.set()
         self.round = 0
+        self.give_up_s = give_up_s
+        self.gave_up = False
 
     def __call__(self) -> None:
         done = 0
+        deadline = time.monotonic() + self.give_up_s
         while not self.stopped.is_set() and (self.steps is None or done < self.steps):
+            if time.monotonic() > deadline:
+                self.gave_up = True
+                return
             if not self.data.ready():
                 self.data.changed.wait(0.2)
                 self.data.changed.clear()
@@ -152,6 +161,32 @@ async def test_strangers_cannot_finish_shards_nor_hold_more_than_the_cap(tmp_pat
         assert task.done()
         cover = coverage([[Landing(1, "a", tuple(ta.read))]], COUNTS, epoch=0)
         assert (cover.duplicated, cover.missing) == (0, 0), cover
+
+
+async def test_a_shard_a_stranger_lists_and_never_reads_is_read_once_its_listing_idles(
+    tmp_path,
+):
+    """A key that lists shards and renews the listing for ever, reading nothing: the peer
+    reads the rest of the epoch, then those shards once nothing of them landed for
+    ``idle_s``, and its run of one epoch ends with every sequence landed once."""
+    async with loopback_network(3) as nodes:
+        stranger = nodes[2]
+        value = {"shards": [[0, 0], [0, 1]], "at": 0.0}
+        assert await stranger.dht.store(leases_key(SWARM), value, ttl=600) > 0
+        me = nodes[0].identity.peer_id_hex
+        a = reader(tmp_path, "a", lease_s=4.0, idle_s=3.0)
+        task = asyncio.create_task(a.run(nodes[0].dht, SWARM, me))
+        ta = Trainer(a, me, give_up_s=60.0)
+        await asyncio.to_thread(ta)
+        await a.close()
+        assert task.done()
+        assert not ta.gave_up, "the run did not end: the stranger's listing held it"
+        assert {0, 1} <= {r.shard for r in ta.read}
+        cover = coverage([[Landing(1, "a", tuple(ta.read))]], COUNTS, epoch=0)
+        assert (cover.duplicated, cover.missing) == (0, 0), cover
+        # The listing still lives (ten minutes): it was passed over, not gone.
+        result = await nodes[1].dht.get(leases_key(SWARM))
+        assert result.entries[stranger.identity.peer_id_hex].value["shards"] == [[0, 0], [0, 1]]
 
 
 async def test_a_reader_whose_leases_cannot_be_renewed_stops_reading_them(tmp_path):

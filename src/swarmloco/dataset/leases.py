@@ -13,7 +13,9 @@ Whom it believes: a shard's landed spans count when this peer saw them land itse
 audit), or a peer it averaged with in a round it applied, or whose state it adopted, says
 so; a stranger's entry is not read. A peer holds at most :data:`MAX_LEASES` shards (the
 ``leases`` record holds no more); a claim is stored, then the record read again: a
-claimant that finds another peer listing the same shard withdraws.
+claimant that finds another peer listing the same shard withdraws. Another peer's listing
+counts only while it shows work (:data:`IDLE_S`): a key that lists shards and never reads
+them holds nothing past that.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -50,6 +53,11 @@ LEASE_S = 60.0
 """How long a lease lives unless renewed (renewed every quarter of it)."""
 STALE_LEASE = 0.75
 """Past this share of its life without a renewal, a lease is not read from any more."""
+IDLE_S = 1800.0
+"""A shard other peers list is theirs to read while something of it landed (as this peer
+knows it) within this long of this peer first finding it listed, or while one of its
+listers averaged with this peer in a round it applied within as long; past that the
+listing is idle and the shard free to this peer (docs/SECURITY.md, "Datasets")."""
 SHARD_ENTRY_TTL_S = 86400.0
 """How long a peer's word on a shard's landed spans lives in the DHT."""
 
@@ -105,6 +113,7 @@ class LeasedData:
         audit: Path,
         max_epochs: int | None = None,
         lease_s: float = LEASE_S,
+        idle_s: float = IDLE_S,
         read_log: Path | None = None,
     ) -> None:
         self.sequences = sequences
@@ -114,6 +123,7 @@ class LeasedData:
         self.seed = seed
         self.max_epochs = max_epochs
         self.lease_s = lease_s
+        self.idle_s = idle_s
         self.ledger = Ledger(fragments)
         self.audit = Audit(audit)
         self.epoch = 0
@@ -143,6 +153,9 @@ class LeasedData:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._renewed = time.monotonic()  # when this peer's leases record was last stored
+        self._partnered: dict[str, float] = {}  # peer -> when last in a round applied here
+        self._quiet: dict[Lease, float] = {}  # listed by others -> since when nothing landed
+        self._idle: set[Lease] = set()  # listed by others, idle at the last look
         for landing in read_audit(audit):  # what this peer saw land before a restart
             self._know(landing.ranges)
 
@@ -253,8 +266,13 @@ class LeasedData:
             if ranges and included.get(peer, False)
         ]
         self.audit.append(landings)  # before the round's checkpoint
+        now = time.monotonic()
         with self._lock:
-            self.trusted.update(p for p, ok in included.items() if ok and p != me)
+            partners = [p for p, ok in included.items() if ok and p != me]
+            self.trusted.update(partners)
+            for peer in [p for p, t in self._partnered.items() if now - t >= self.idle_s]:
+                del self._partnered[peer]
+            self._partnered.update(dict.fromkeys(partners, now))
             self.ledger.landed(round, included=included.get(me, False))
             for landing in landings:
                 self._know(landing.ranges)
@@ -287,7 +305,10 @@ class LeasedData:
     def _know(self, ranges: Sequence[Range]) -> None:
         for r in ranges:
             key = (r.epoch, r.shard)
-            self.known[key] = spans_union([*self.known.get(key, []), (r.first, r.end)])
+            spans = spans_union([*self.known.get(key, []), (r.first, r.end)])
+            if spans != self.known.get(key):
+                self._quiet.pop(key, None)  # something of it landed: its listers read it
+            self.known[key] = spans
             self._dirty.add(key)
 
     def _todo(self, epoch: int, shard: int) -> list[Span]:
@@ -490,12 +511,46 @@ class LeasedData:
         return all(not self._todo(e, s) for e in range(epochs) for s in range(count))
 
     async def _held_by_others(self, dht: Any, swarm_id: str, peer_id: str) -> set[Lease]:
-        """(epoch, shard) of every lease other peers' live ``leases`` records list."""
+        """(epoch, shard) of the leases other peers' live ``leases`` records list that count
+        as theirs (:meth:`held`)."""
         result = await dht.get(leases_key(swarm_id))
-        held: set[Lease] = set()
+        listed: dict[Lease, set[str]] = {}
         for entry in result.entries.values():
             if entry.subkey != peer_id:
-                held.update((int(x[0]), int(x[1])) for x in entry.value["shards"] if len(x) == 2)
+                for x in entry.value["shards"]:
+                    if len(x) == 2:
+                        listed.setdefault((int(x[0]), int(x[1])), set()).add(entry.subkey)
+        with self._lock:
+            return self.held(listed, time.monotonic())
+
+    def held(self, listed: Mapping[Lease, Collection[str]], now: float) -> set[Lease]:
+        """Of the leases others list (lease -> the keys that list it), read at ``now``
+        (``time.monotonic()``), those that count as theirs to read: something of the shard
+        landed within :attr:`idle_s` of this peer first finding it listed, or one of its
+        listers averaged with this peer in a round it applied within as long. The rest are
+        idle: free to this peer. A shard found listed by nobody has its clock started
+        again. (Call with the lock held.)"""
+        for lease in [k for k in self._quiet if k not in listed]:
+            del self._quiet[lease]
+        held: set[Lease] = set()
+        idle: set[Lease] = set()
+        for lease, keys in listed.items():
+            since = self._quiet.setdefault(lease, now)
+            partner = any(now - self._partnered.get(k, -math.inf) < self.idle_s for k in keys)
+            if partner or now - since < self.idle_s:
+                held.add(lease)
+                continue
+            idle.add(lease)
+            if lease not in self._idle:
+                logger.warning(
+                    "shard %d of epoch %d is listed by %d other key(s), but nothing of it "
+                    "landed for %.0f s and none of them averaged here: free to read",
+                    lease[1],
+                    lease[0],
+                    len(keys),
+                    now - since,
+                )
+        self._idle = idle
         return held
 
     async def _learn(self, dht: Any, swarm_id: str, epoch: int, shard: int) -> None:
