@@ -37,12 +37,3 @@ def small_tmpfs(tmp_path):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (``-n 2 --dist loadgroup``, as scripts/test runs it), the tests
-    that start swarms of peer processes (tests/e2e) run one after another in one worker,
-    never two at once; the rest share the other worker (and this one, once it is done)."""
-    for item in items:
-        if item.path.parts[-2] == "e2e":
-            item.add_marker(pytest.mark.xdist_group("peer-processes"))
