@@ -25,14 +25,26 @@ fetches a pinned dataset. Prints ONE JSON object.
   they read, killed runs included, less what landed), ``tokens_given_back`` (read again
   after a download, a discard or a left-out contribution, as the peers logged it) and the
   seconds the epoch took.
+- ``squat``: keys that list shards and never read them (docs/SECURITY.md, "Datasets"): the
+  churn soak's dataset and peers with no kill, twice in one run of the bench: ``clean``,
+  and ``squatted``, where a stranger's key (a DHT node of its own, its proof of work
+  solved) lists the dataset's last ``--squat-shards`` shards before the peers start and
+  renews the listing every second until they end, reading nothing; the peers run with
+  ``--lease-idle-seconds`` ``--squat-idle``. For each arm: the peers' exit codes, the
+  seconds the epoch took, ``tokens_duplicated`` and ``tokens_missing`` (targets 0 and 0),
+  and for the squatted arm whether the listed shards landed whole
+  (``squat_listed_landed``) and ``squat_extra_seconds`` (the squatted epoch's seconds less
+  the clean one's: the idle wait and the listed shards' reading, about ``--squat-idle``).
 
     python scripts/bench_data.py [--megabytes 50] [--vocab 8192] [--repeats 3]
     python scripts/bench_data.py --parts churn [--churn-tokens 150000] [--churn-kills 6]
+    python scripts/bench_data.py --parts squat [--squat-shards 4] [--squat-idle 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -40,9 +52,11 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -91,15 +105,29 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs of each part")
     p.add_argument("--dir", type=Path, default=None, help="where to work (default: a temp dir)")
     p.add_argument(
-        "--parts", default="prepare,fetch,churn", help="comma-separated: prepare, fetch, churn"
+        "--parts",
+        default="prepare,fetch,churn",
+        help="comma-separated: prepare, fetch, churn, squat",
     )
     p.add_argument("--churn-tokens", type=int, default=150_000, help="the churn soak's dataset")
     p.add_argument("--churn-kills", type=int, default=6, help="SIGKILLs during the churn soak")
     p.add_argument("--seed", type=int, default=0, help="when the churn soak's kills fall")
+    p.add_argument("--squat-shards", type=int, default=4, help="shards the squatter lists (1 to 4)")
+    p.add_argument(
+        "--squat-idle",
+        type=float,
+        default=20.0,
+        help="the peers' --lease-idle-seconds in the squat part (at least 8)",
+    )
     args = p.parse_args()
     parts = set(args.parts.split(","))
-    if parts - {"prepare", "fetch", "churn"} or not parts:
-        p.error(f"--parts: unknown {sorted(parts - {'prepare', 'fetch', 'churn'})}")
+    known = {"prepare", "fetch", "churn", "squat"}
+    if parts - known or not parts:
+        p.error(f"--parts: unknown {sorted(parts - known)}")
+    if not 1 <= args.squat_shards <= 4:
+        p.error(
+            f"--squat-shards: 1 to 4 (a leases record lists 4 at most), got {args.squat_shards}"
+        )
     work = Path(tempfile.mkdtemp(prefix="swarmloco-bench-data-", dir=args.dir))
     try:
         report = {
@@ -112,6 +140,8 @@ def main() -> int:
             report.update(run(args, work))
         if "churn" in parts:
             report.update(churn(args, work / "churn"))
+        if "squat" in parts:
+            report.update(squat(args, work / "squat"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(report, indent=2))
@@ -181,17 +211,16 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
-def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The churn soak (see the module)."""
-    import random
-    import signal
+SEQ_LEN = 64
+"""The churn and squat parts' sequences (tokens)."""
 
+
+def soak_dataset(args: argparse.Namespace, work: Path) -> tuple[Path, list[int]]:
+    """The churn and squat parts' dataset: about ``--churn-tokens`` tokens in shards of
+    3,000, prepared under ``work``; its directory and each shard's training sequences."""
     import numpy as np
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
-    from swarmutil import Bootstrap, PeerProcess
-
-    from swarmloco.dataset.ledger import Sequences, coverage, read_audit
+    from swarmloco.dataset.ledger import Sequences
 
     work.mkdir(parents=True)
     corpus = work / "corpus.jsonl"
@@ -202,10 +231,23 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prepare([corpus], data, tokenizer=work / "tokenizer.json",
             config=PrepareConfig(shard_tokens=3000), progress=False)  # fmt: skip
     index = read_index(data)
-    seq_len = 64
     shards = [np.fromfile(data / f"shard-{i:05d}.bin", dtype=np.dtype(index.dtype))
               for i in range(len(index.shards))]  # fmt: skip
-    counts = Sequences(shards, seq_len=seq_len, val_fraction=0.05).counts
+    return data, Sequences(shards, seq_len=SEQ_LEN, val_fraction=0.05).counts
+
+
+def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The churn soak (see the module)."""
+    import random
+    import signal
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+    from swarmutil import Bootstrap, PeerProcess
+
+    from swarmloco.dataset.ledger import coverage, read_audit
+
+    data, counts = soak_dataset(args, work)
+    seq_len = SEQ_LEN
     rng = random.Random(args.seed)
     peer = ("--dataset", str(data), "--max-epochs", "1", "--lease-seconds", "4")
     started = time.monotonic()
@@ -275,6 +317,123 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "tokens_read": read * seq_len,
         "tokens_wasted": (read - cover.landed - cover.duplicated) * seq_len,
     }
+
+
+class Squatter:
+    """A stranger's key that lists ``shards`` (of epoch 0) in a run's ``leases`` record and
+    renews the listing every second, reading nothing: a DHT node of its own (no server)
+    joined through ``boot``, its proof of work solved when the run asks for one."""
+
+    def __init__(self, boot: str, swarm_id: str, shards: list[int]) -> None:
+        self.boot, self.swarm_id, self.shards = boot, swarm_id, shards
+        self.stored = 0
+        """Listings stored (each counted once per node that took it)."""
+        self.error = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> Squatter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    async def _run(self) -> None:
+        from swarmloco.net.records import leases_key
+        from swarmloco.net.swarm import fetch_manifest
+        from swarmloco.net.work import IdentityWork, solve
+
+        identity = Identity.generate()
+        node = NetNode(identity=identity, config=NodeConfig(server=None, peers=(self.boot,)))
+        try:
+            async with node:
+                manifest = await fetch_manifest(node.dht, self.swarm_id)
+                if manifest.identity_work:
+                    nonce = await asyncio.to_thread(
+                        solve, self.swarm_id, identity.peer_id, manifest.identity_work
+                    )
+                    node.dht.admit(
+                        IdentityWork(swarm_id=self.swarm_id, bits=manifest.identity_work, own=nonce)
+                    )
+                value = {"shards": [[0, s] for s in self.shards]}
+                while not self._stop.is_set():
+                    at = {**value, "at": node.dht.clock()}
+                    self.stored += await node.dht.store(leases_key(self.swarm_id), at, ttl=10.0)
+                    await asyncio.to_thread(self._stop.wait, 1.0)
+        except Exception as exc:  # said in the report: an arm without its squatter is void
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
+def squat(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Keys that list shards and never read them (see the module)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+    from swarmutil import Bootstrap, PeerProcess
+
+    from swarmloco.dataset.ledger import coverage, read_audit
+
+    data, counts = soak_dataset(args, work)
+    report: dict[str, Any] = {"squat_sequences": sum(counts), "squat_shards": len(counts)}
+    peer = ("--dataset", str(data), "--max-epochs", "1", "--lease-seconds", "4",
+            "--lease-idle-seconds", str(args.squat_idle))  # fmt: skip
+    seconds: dict[str, float] = {}
+    for arm in ("clean", "squatted"):
+        where = work / arm
+        runs: list[Any] = []
+        listed: list[int] = []
+        with Bootstrap(where / "boot") as boot, contextlib.ExitStack() as stack:
+            swarm = PeerProcess.publish(where / "creator", boot.endpoint, "--dataset", str(data),
+                                        "--seq-len", str(SEQ_LEN))  # fmt: skip
+            squatter = None
+            if arm == "squatted":
+                listed = list(range(len(counts) - args.squat_shards, len(counts)))
+                squatter = stack.enter_context(Squatter(boot.endpoint, swarm, listed))
+                deadline = time.monotonic() + 60
+                while squatter.stored == 0 and not squatter.error:  # listed before peers come
+                    if time.monotonic() > deadline:
+                        squatter.error = "no listing stored in 60 s"
+                        break
+                    time.sleep(0.1)
+            started = time.monotonic()
+            try:
+                runs = [PeerProcess.join(swarm, boot.endpoint, where / n, *peer) for n in "abc"]
+                end = time.monotonic() + 600
+                codes: dict[str, int | str] = {}
+                for n, p in zip("abc", runs, strict=True):
+                    try:
+                        codes[n] = p.wait(max(1.0, end - time.monotonic()))
+                    except subprocess.TimeoutExpired:  # held at the epoch's end
+                        codes[n] = "did not end in 600 s"
+            finally:
+                for p in runs:
+                    if p.process.poll() is None:
+                        p.kill()
+        seconds[arm] = time.monotonic() - started
+        cover = coverage([read_audit(where / n / "audit.jsonl") for n in "abc"], counts, epoch=0)
+        report[f"squat_{arm}"] = {
+            "exit_codes": codes,
+            "seconds": round(seconds[arm], 1),
+            "tokens_landed": cover.landed * SEQ_LEN,
+            "tokens_duplicated": cover.duplicated * SEQ_LEN,
+            "tokens_missing": cover.missing * SEQ_LEN,
+        }
+        if squatter is not None:
+            from swarmloco.dataset.leases import spans_union
+
+            spans: dict[int, list[tuple[int, int]]] = {s: [] for s in listed}
+            for n in "abc":
+                for landing in read_audit(where / n / "audit.jsonl"):
+                    for r in landing.ranges:
+                        if r.epoch == 0 and r.shard in spans:
+                            spans[r.shard].append((r.first, r.end))
+            whole = {s: sum(b - a for a, b in spans_union(spans[s])) for s in listed}
+            report["squat_listed_shards"] = listed
+            report["squat_listed_landed"] = all(whole[s] == counts[s] for s in listed)
+            report["squat_listings_stored"] = squatter.stored
+            report["squat_error"] = squatter.error
+    report["squat_extra_seconds"] = round(seconds["squatted"] - seconds["clean"], 1)
+    return report
 
 
 if __name__ == "__main__":

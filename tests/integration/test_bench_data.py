@@ -25,3 +25,15 @@ def test_the_data_bench_prepares_and_fetches_and_reports_both(tmp_path):
                 "fetch_peer_mb_per_s", "fetch_local_mb_per_s"):  # fmt: skip
         assert report[key] > 0, key
     assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself
+
+
+def test_the_data_bench_refuses_parts_it_lacks_and_a_squatter_listing_more_than_a_record_holds():
+    refused = {
+        ("--parts", "squat,x"): "unknown ['x']",
+        ("--parts", "squat", "--squat-shards", "5"): "a leases record lists 4 at most",
+    }
+    for args, said in refused.items():
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=110
+        )
+        assert done.returncode == 2 and said in done.stderr, done.stderr[-2000:]

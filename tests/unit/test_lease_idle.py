@@ -4,6 +4,7 @@ work or it idles, however many keys make it (docs/SECURITY.md, "Datasets")."""
 import time
 
 import numpy as np
+import pytest
 
 from swarmloco.dataset.leases import LeasedData
 from swarmloco.dataset.ledger import Sequences
@@ -55,3 +56,14 @@ def test_a_listing_holds_while_its_shard_lands_or_a_lister_averaged_here(tmp_pat
     assert data.held(listed, t0 + 50) == {(0, 1), (0, 2)}
     # Nothing more landed and the partner averaged here no more: both idle in time.
     assert data.held(listed, t0 + IDLE + 50) == set()
+
+
+def test_a_peer_refuses_an_idle_time_shorter_than_two_lease_lives(tmp_path):
+    from swarmloco.runtime.daemon import DaemonConfig
+    from swarmloco.runtime.config import PeerConfig
+
+    peer = PeerConfig(data_dir=tmp_path)
+    assert DaemonConfig(peer=peer, lease_s=60.0).lease_idle_s == 1800.0
+    assert DaemonConfig(peer=peer, lease_s=4.0, lease_idle_s=8.0).lease_idle_s == 8.0
+    with pytest.raises(ValueError, match=r"at least two lease lives \(120 s\)"):
+        DaemonConfig(peer=peer, lease_s=60.0, lease_idle_s=100.0)

@@ -114,6 +114,16 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "another's after this long (default: %(default)s)",
     )
     g.add_argument(
+        "--lease-idle-seconds",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="on a pinned dataset: a shard other peers list is theirs while something of it "
+        "lands, or one of them averages with this peer, within S seconds; a listing that "
+        "shows no work that long is passed over and the shard read here, so keys that "
+        "list shards and never read them cannot hold the run (default: %(default)s)",
+    )
+    g.add_argument(
         "--read-log",
         type=Path,
         default=None,
@@ -335,6 +345,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
         dataset_copies=_dataset_copies(args),
         max_epochs=args.max_epochs,
         lease_s=args.lease_seconds,
+        lease_idle_s=args.lease_idle_seconds,
         read_log=args.read_log,
     )
     sink = None

@@ -68,6 +68,10 @@ class DaemonConfig:
     """On a pinned dataset: leave once this many epochs landed whole (None: go on)."""
     lease_s: float = 60.0
     """On a pinned dataset: how long this peer's leases live unless renewed."""
+    lease_idle_s: float = 1800.0
+    """On a pinned dataset: how long a shard other peers list may show no work (nothing of
+    it landed, no lister averaged with this peer) before this peer reads it
+    (``dataset.leases.IDLE_S``)."""
     read_log: Path | None = None
     """On a pinned dataset: append the ranges each batch reads to this file (audits and
     benchmarks: what was trained and never landed)."""
@@ -85,6 +89,11 @@ class DaemonConfig:
             raise ValueError(f"max epochs must be at least 1, got {self.max_epochs!r}")
         if not self.lease_s >= 4.0:
             raise ValueError(f"a lease lives at least 4 s, got {self.lease_s!r}")
+        if not self.lease_idle_s >= 2 * self.lease_s:
+            raise ValueError(
+                f"a listed shard may idle at least two lease lives ({2 * self.lease_s:g} s) "
+                f"before it is read, got {self.lease_idle_s!r}"
+            )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -292,6 +301,7 @@ def _leased_data(
         audit=config.peer.directory / "audit.jsonl",
         max_epochs=config.max_epochs,
         lease_s=config.lease_s,
+        idle_s=config.lease_idle_s,
         read_log=config.read_log,
     )
 
