@@ -189,6 +189,43 @@ async def test_a_shard_a_stranger_lists_and_never_reads_is_read_once_its_listing
         assert result.entries[stranger.identity.peer_id_hex].value["shards"] == [[0, 0], [0, 1]]
 
 
+async def test_a_donors_word_on_what_landed_decides_what_its_taker_reads_and_goes_no_further(
+    tmp_path,
+):
+    """A joiner's donor may be a stranger (anyone may serve a state that passes the checks):
+    its word that half the shards landed makes the joiner read only the rest, but the joiner
+    does not pass it on, so a peer that averaged with the joiner reads that half."""
+    async with loopback_network(3) as nodes:
+        ids = [n.identity.peer_id_hex for n in nodes]
+        liar = nodes[2]
+        lied = range(len(COUNTS) // 2)
+        for shard in lied:
+            value = {"epoch": 0, "landed": [[0, COUNTS[shard]]], "at": 0.0}
+            await liar.dht.store(shard_key(SWARM, shard), value, ttl=600)
+        joiner = reader(tmp_path, "joiner", lease_s=4.0)
+        joiner.adopted({ids[2]})  # the state it took came from the liar
+        task = asyncio.create_task(joiner.run(nodes[0].dht, SWARM, ids[0]))
+        tj = Trainer(joiner, ids[0], give_up_s=60.0)
+        await asyncio.to_thread(tj)
+        await joiner.close()
+        assert task.done() and not tj.gave_up
+        assert {r.shard for r in tj.read} == set(range(len(COUNTS))) - set(lied)  # believed
+        for shard in lied:  # and published none of it
+            result = await nodes[1].dht.get(shard_key(SWARM, shard))
+            assert ids[0] not in result.entries, shard
+        partner = reader(tmp_path, "partner", lease_s=4.0)
+        partner.landed(1, {ids[0]: [], ids[1]: []}, {ids[0]: True, ids[1]: True}, ids[1])
+        task = asyncio.create_task(partner.run(nodes[1].dht, SWARM, ids[1]))
+        tp = Trainer(partner, ids[1], give_up_s=60.0)
+        await asyncio.to_thread(tp)
+        await partner.close()
+        assert task.done() and not tp.gave_up
+        # The partner read what the joiner skipped, and nothing the joiner saw land.
+        landings = [Landing(1, "joiner", tuple(tj.read)), Landing(2, "partner", tuple(tp.read))]
+        cover = coverage([landings], COUNTS, epoch=0)
+        assert (cover.duplicated, cover.missing) == (0, 0), cover
+
+
 async def test_a_reader_whose_leases_cannot_be_renewed_stops_reading_them(tmp_path):
     async with loopback_network(2) as nodes:
         me = nodes[0].identity.peer_id_hex

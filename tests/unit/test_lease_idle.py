@@ -59,11 +59,26 @@ def test_a_listing_holds_while_its_shard_lands_or_a_lister_averaged_here(tmp_pat
 
 
 def test_a_peer_refuses_an_idle_time_shorter_than_two_lease_lives(tmp_path):
-    from swarmloco.runtime.daemon import DaemonConfig
     from swarmloco.runtime.config import PeerConfig
+    from swarmloco.runtime.daemon import DaemonConfig
 
     peer = PeerConfig(data_dir=tmp_path)
     assert DaemonConfig(peer=peer, lease_s=60.0).lease_idle_s == 1800.0
     assert DaemonConfig(peer=peer, lease_s=4.0, lease_idle_s=8.0).lease_idle_s == 8.0
     with pytest.raises(ValueError, match=r"at least two lease lives \(120 s\)"):
         DaemonConfig(peer=peer, lease_s=60.0, lease_idle_s=100.0)
+
+
+def test_partners_and_donors_are_kept_apart_in_a_checkpoint_and_an_older_one_loads(tmp_path):
+    data = reader(tmp_path)
+    data.landed(1, {"p": []}, {"p": True}, "me")
+    data.adopted({"d"})
+    state = data.state_dict()
+    assert (state["partners"], state["donors"]) == (["p"], ["d"])
+    again = reader(tmp_path)
+    again.load_state_dict(state)
+    assert (again.partners, again.donors) == ({"p"}, {"d"})
+    # A checkpoint from before kept one "trusted" set: its peers count as partners, as then.
+    older = {k: v for k, v in state.items() if k not in ("partners", "donors")}
+    again.load_state_dict({**older, "trusted": ["p", "d"]})
+    assert (again.partners, again.donors) == ({"p", "d"}, set())

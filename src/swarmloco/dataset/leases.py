@@ -10,12 +10,13 @@ what this peer saw land (``shard/<s>``) and moves to the next epoch when nothing
 current one is free.
 
 Whom it believes: a shard's landed spans count when this peer saw them land itself (its
-audit), or a peer it averaged with in a round it applied, or whose state it adopted, says
-so; a stranger's entry is not read. A peer holds at most :data:`MAX_LEASES` shards (the
-``leases`` record holds no more); a claim is stored, then the record read again: a
-claimant that finds another peer listing the same shard withdraws. Another peer's listing
-counts only while it shows work (:data:`IDLE_S`): a key that lists shards and never reads
-them holds nothing past that.
+audit), or a peer it averaged with in a round it applied, or the donor of a state it
+adopted, says so; a stranger's entry is not read. It passes on (publishes) only what it saw
+land and what its partners say: a donor's word decides what this peer reads, no more. A peer
+holds at most :data:`MAX_LEASES` shards (the ``leases`` record holds no more); a claim is
+stored, then the record read again: a claimant that finds another peer listing the same
+shard withdraws. Another peer's listing counts only while it shows work (:data:`IDLE_S`): a
+key that lists shards and never reads them holds nothing past that.
 """
 
 from __future__ import annotations
@@ -130,11 +131,18 @@ class LeasedData:
         """The newest epoch this peer claims shards of."""
         self.open_epoch = 0
         """The oldest epoch with a shard not known to have landed (claimed first)."""
-        self.trusted: set[str] = set()
-        """Peers whose word on landed spans counts: those this peer averaged with in rounds
-        it applied, and those whose state it adopted."""
+        self.partners: set[str] = set()
+        """Peers this one averaged with in rounds it applied: their word on landed spans
+        counts, and is passed on."""
+        self.donors: set[str] = set()
+        """Peers whose state this one adopted: their word on landed spans decides what this
+        peer reads, and is not passed on (a joiner's donor may be a stranger)."""
         self.known: dict[Lease, list[Span]] = {}
-        """(epoch, shard) -> the spans this peer knows landed (first-hand or trusted)."""
+        """(epoch, shard) -> the spans this peer knows landed (first-hand, its partners'
+        word or its donors')."""
+        self.vouched: dict[Lease, list[Span]] = {}
+        """(epoch, shard) -> what of :attr:`known` this peer publishes: first-hand or its
+        partners' word."""
         self.reading: dict[Lease, list[Span]] = {}
         """(epoch, shard) this peer leases -> the spans it has still to read."""
         self.ended = ""
@@ -269,7 +277,7 @@ class LeasedData:
         now = time.monotonic()
         with self._lock:
             partners = [p for p, ok in included.items() if ok and p != me]
-            self.trusted.update(partners)
+            self.partners.update(partners)
             for peer in [p for p, t in self._partnered.items() if now - t >= self.idle_s]:
                 del self._partnered[peer]
             self._partnered.update(dict.fromkeys(partners, now))
@@ -291,25 +299,32 @@ class LeasedData:
         if given:
             logger.info("%d sequence(s) given back to be read again", sum(r.count for r in given))
 
-    def adopted(self, peers: Collection[str]) -> None:
-        """This peer took a state those ``peers`` gave and vouched for: their word on what
-        landed in it counts as much as the state itself."""
+    def adopted(self, donors: Collection[str]) -> None:
+        """This peer took a state the ``donors`` served (and it passed the checks): their word
+        on what landed in it decides what this peer reads (else it would read again what
+        landed before it came). It is not passed on: whoever serves a state that passes is
+        no partner, and a joiner may have only strangers to take one from."""
         with self._lock:
-            self.trusted.update(peers)
+            self.donors.update(donors)
             self._relearn = True
 
     def pending(self) -> bool:
         with self._lock:
             return bool(self.ledger.pending)
 
-    def _know(self, ranges: Sequence[Range]) -> None:
+    def _know(self, ranges: Sequence[Range], *, passed_on: bool = True) -> None:
+        """``ranges`` landed; ``passed_on``: first-hand or a partner's word (published)."""
         for r in ranges:
             key = (r.epoch, r.shard)
             spans = spans_union([*self.known.get(key, []), (r.first, r.end)])
             if spans != self.known.get(key):
                 self._quiet.pop(key, None)  # something of it landed: its listers read it
             self.known[key] = spans
-            self._dirty.add(key)
+            if passed_on:
+                vouched = spans_union([*self.vouched.get(key, []), (r.first, r.end)])
+                if vouched != self.vouched.get(key):
+                    self.vouched[key] = vouched
+                    self._dirty.add(key)
 
     def _todo(self, epoch: int, shard: int) -> list[Span]:
         """What of a shard is not known to have landed."""
@@ -323,19 +338,23 @@ class LeasedData:
                 "epoch": self.epoch,
                 "open_epoch": self.open_epoch,
                 "ledger": self.ledger.state_dict(),
-                "trusted": sorted(self.trusted),
+                "partners": sorted(self.partners),
+                "donors": sorted(self.donors),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
             epoch = int(state["epoch"])
             open_epoch = min(epoch, int(state.get("open_epoch", 0)))
-            trusted = {str(p) for p in state["trusted"]}
+            # (A checkpoint from before donors were told apart kept both as "trusted".)
+            partners = {str(p) for p in state.get("partners", state.get("trusted", ()))}
+            donors = {str(p) for p in state.get("donors", ())}
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"the leased data's state is malformed: {exc}") from exc
         with self._lock:
             self.ledger.load_state_dict(state["ledger"])
-            self.epoch, self.open_epoch, self.trusted = epoch, open_epoch, trusted
+            self.epoch, self.open_epoch = epoch, open_epoch
+            self.partners, self.donors = partners, donors
 
     # -- the leases (the peer's event loop) --------------------------------------------------
 
@@ -554,21 +573,26 @@ class LeasedData:
         return held
 
     async def _learn(self, dht: Any, swarm_id: str, epoch: int, shard: int) -> None:
-        """What the peers this one trusts say landed of ``shard`` in ``epoch`` (the others'
-        entries are not read: a stranger saying a shard landed moves nothing)."""
+        """What this peer's partners and donors say landed of ``shard`` in ``epoch`` (the
+        others' entries are not read: a stranger saying a shard landed moves nothing)."""
         result = await dht.get(shard_key(swarm_id, shard))
-        spans: list[Span] = []
         with self._lock:
-            for entry in result.entries.values():
-                if entry.subkey in self.trusted and entry.value["epoch"] == epoch:
-                    spans += [(int(a), int(b)) for a, b in entry.value["landed"] if a < b]
-            if spans:
-                self._know([Range(epoch, shard, a, b - a) for a, b in spans_union(spans)])
+            for passed_on, peers in ((True, self.partners), (False, self.donors)):
+                spans = [
+                    (int(a), int(b))
+                    for entry in result.entries.values()
+                    if entry.subkey in peers and entry.value["epoch"] == epoch
+                    for a, b in entry.value["landed"]
+                    if a < b
+                ]
+                if spans:
+                    ranges = [Range(epoch, shard, a, b - a) for a, b in spans_union(spans)]
+                    self._know(ranges, passed_on=passed_on)
 
     async def _publish_landed(self, dht: Any, swarm_id: str) -> None:
         with self._lock:
             dirty, self._dirty = sorted(self._dirty), set()
-            entries = [(key, self.known[key][:MAX_LANDED_SPANS]) for key in dirty]
+            entries = [(key, self.vouched[key][:MAX_LANDED_SPANS]) for key in dirty]
         for (epoch, shard), spans in entries:
             value = {"epoch": epoch, "landed": [list(s) for s in spans], "at": dht.clock()}
             try:
