@@ -330,15 +330,16 @@ class Squatter:
         """Listings stored (each counted once per node that took it)."""
         self.error = ""
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._loop = LoopThread(name="squatter")
 
     def __enter__(self) -> Squatter:
-        self._thread.start()
+        self._done = self._loop.start().submit(self._run())
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(60)
+        self._done.result(60)  # (it keeps its own errors: _run says them in ``error``)
+        self._loop.stop()
 
     async def _run(self) -> None:
         from swarmloco.net.records import leases_key
