@@ -12,6 +12,7 @@ import pytest
 import torch
 from avgutil import (
     FAST,
+    PATIENT,
     assert_exact,
     assert_identical,
     averaging_peers,
@@ -74,6 +75,75 @@ async def test_a_reducer_answering_bad_scales_is_struck_and_its_part_rerun(corru
             assert part.epoch >= 1 and part.reducer != ids[hostile]
         assert refused >= 1
         await _then_a_clean_round(peers, size)
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean"])
+@pytest.mark.parametrize("corruption", ["amplify", "flat"])
+async def test_a_reducer_answering_a_result_larger_than_its_senders_allow_is_struck(
+    corruption, method
+):
+    """A reducer's result, scaled x1000 (``amplify``) or +1 everywhere under scales of 1e4
+    (``flat``): finite, so the decoder takes it, but longer than any aggregate of the
+    group's bounded slices. Every other member refuses it (``too-large``), its part is
+    reduced again by the next member, and the honest result is exact. (Before results were
+    bounded, every member applied the liar's part as sent.)"""
+    size, hostile = 4, 1
+    plan = FaultPlan([Fault(action="corrupt", phase="result", corruption=corruption, round=1)])
+    config = dataclasses.replace(PATIENT, aggregator=AggregatorConfig(method=method))
+    weights = [1.0 + i for i in range(size)]
+    vectors = random_vectors(size, 64 * 200, seed=8)
+    async with averaging_peers(size, faults={hostile: plan}, config=config) as peers:
+        results = _outcomes(await run_round(peers, 1, vectors, weights, timeout=15))
+        ids = [p.peer_id for p in peers]
+        assert plan.fired[0] > 0
+        honest = [(i, r) for i, r in enumerate(results) if i != hostile]
+        assert all(isinstance(r, AllReduceResult) for _, r in honest), honest
+        assert_identical([r for _, r in honest])
+        refused = 0
+        for i, result in honest:
+            part = result.report.parts[result.report.members.index(ids[hostile])]
+            assert part.reducer != ids[hostile]
+            if method == "mean":
+                assert_exact(result, dict(zip(ids, vectors)), dict(zip(ids, weights)))
+            else:  # within the honest values, coordinate by coordinate
+                stacked = torch.stack(vectors)
+                slack = 2 * float(stacked.abs().max()) / 127
+                assert (result.mean <= stacked.max(0).values + slack).all()
+                assert (result.mean >= stacked.min(0).values - slack).all()
+            refused += peers[i].averager.rejections.counts["too-large"]
+        assert refused >= 1
+        clean = _outcomes(await run_round(peers, 2, vectors, weights, timeout=15))
+        assert all(isinstance(r, AllReduceResult) for r in clean), clean
+        assert_identical(clean)
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean"])
+async def test_members_sending_plus_one_under_huge_scales_are_struck(method):
+    """Two members of five send every value as +1 under scales of 1e4: the rounding each
+    chunk's scales allow used to grow with the scales, so such a slice measured exactly its
+    own allowance and passed any norm bound (the mean, and a trimmed mean trimming one,
+    became about 1e4 everywhere). The allowance is capped at what an honest sender's scales
+    reach: every reducer strikes them (``too-large``) and the others average without them."""
+    size, liars = 5, (3, 4)
+    plan = FaultPlan([Fault(action="corrupt", phase="chunk", corruption="flat", round=1)])
+    config = dataclasses.replace(PATIENT, aggregator=AggregatorConfig(method=method))
+    vectors = random_vectors(size, 64 * 200, seed=9)
+    faults = dict.fromkeys(liars, plan)
+    async with averaging_peers(size, clients=liars, faults=faults, config=config) as peers:
+        results = _outcomes(await run_round(peers, 1, vectors, [1.0] * size, timeout=15))
+        ids = [p.peer_id for p in peers]
+        assert plan.fired[0] > 0
+        honest = [r for i, r in enumerate(results) if i not in liars]
+        assert all(isinstance(r, AllReduceResult) for r in honest), honest
+        assert_identical(honest)
+        for result in honest:
+            counted = {m for p in result.report.parts for m in p.included}
+            assert counted.isdisjoint({ids[i] for i in liars})
+            if method == "mean":
+                assert_exact(result, dict(zip(ids, vectors)), dict.fromkeys(ids, 1.0))
+            largest = max(float(v.abs().max()) for v in vectors)
+            assert float(result.mean.abs().max()) <= largest * 1.01
+        assert sum(p.averager.rejections.counts["too-large"] for p in peers) >= 2
 
 
 async def test_a_member_whose_weighted_update_would_overflow_the_sum_is_struck():

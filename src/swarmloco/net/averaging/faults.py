@@ -11,8 +11,9 @@ a broken or hostile peer:
 * ``delay``: the message is sent ``seconds`` late;
 * ``cut``: the stream is torn down once more than ``after_bytes`` went out on it;
 * ``corrupt``: the message is altered (``nan`` scales, ``huge`` finite scales whose
-  values overflow float32 when decoded, ``truncate``d payload, ``stale-round``, shifted
-  ``index``; for ``done`` and ``verdict`` messages, a ``bloat``ed digest of 1 MiB);
+  values overflow float32 when decoded, ``amplify``: float32 scales x1000, ``flat``: every
+  value +1 under scales of 1e4, ``truncate``d payload, ``stale-round``, shifted ``index``;
+  for ``done`` and ``verdict`` messages, a ``bloat``ed digest of 1 MiB);
 * ``replay``: the message this peer sent at the same point of an earlier round goes out
   instead (an old chunk replayed into a new round);
 * ``stall``: the sending task, or the serving handler (phase ``handler``), blocks for
@@ -48,10 +49,10 @@ Action = Literal["drop", "delay", "cut", "corrupt", "replay", "stall", "spin"]
 Phase = Literal[
     "join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler"
 ]
-Corruption = Literal["nan", "huge", "truncate", "stale-round", "index", "bloat"]
+Corruption = Literal["nan", "huge", "amplify", "flat", "truncate", "stale-round", "index", "bloat"]
 _ACTIONS = ("drop", "delay", "cut", "corrupt", "replay", "stall", "spin")
 _PHASES = ("join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler")
-_CORRUPTIONS = ("nan", "huge", "truncate", "stale-round", "index", "bloat")
+_CORRUPTIONS = ("nan", "huge", "amplify", "flat", "truncate", "stale-round", "index", "bloat")
 
 
 class FaultCut(NetworkError):
@@ -260,6 +261,13 @@ def _corrupt_tensors(
         word = struct.pack("<f", value) if scales.numel() % 4 == 0 else b"\x00\x7e"
         raw = word * (scales.numel() // len(word))
         return payload, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if how == "amplify":  # float32 scales: the same values, a thousand times larger
+        return payload, (scales.clone().view(torch.float32) * 1000).view(torch.uint8)
+    if how == "flat":  # +1 everywhere under large scales (float32, or float16's 1e4)
+        word = struct.pack("<f", 1e4) if scales.numel() % 4 == 0 else struct.pack("<e", 1e4)
+        raw = word * (scales.numel() // len(word))
+        flat = torch.ones_like(payload)
+        return flat, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if how == "truncate":
         return payload[: payload.numel() // 2].clone(), scales
     return payload, scales

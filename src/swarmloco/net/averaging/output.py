@@ -4,16 +4,34 @@ reducer or this member). No I/O.
 
 Decoding is one multiply per element (q * s), the same on every member for the same bytes:
 identical bits everywhere, so that every member's digest of its result is the same.
+
+A remote reducer's result is bounded like a sender's slice (:class:`ResultBound`): what
+the group's aggregator makes of slices within the group's norm bound cannot exceed a norm
+every member computes alike from the group and the chunk's contributors, and a result past
+it is refused (``too-large``), its reducer struck and its part reduced again by the next
+member. A reducer that lies within that bound is not caught: it sets its part of the mean
+to any vector no longer than an honest mean could be (docs/SECURITY.md, "Bounded
+influence").
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from swarmloco.core.codec import CodecConfig, Encoded, dequantize_into_, store_encoded_
+from swarmloco.core.aggregate import AggregatorConfig
+from swarmloco.core.codec import (
+    CodecConfig,
+    Encoded,
+    check_encoded,
+    dequantize_into_,
+    store_encoded_,
+)
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.group import Group
+from swarmloco.net.averaging.reduction import rounding_allowance, slice_bound
 from swarmloco.net.averaging.view import RoundView
 from swarmloco.net.rejections import Rejection
 
@@ -28,6 +46,84 @@ def decode_chunk(
     return wire.tensor_from(payload, torch.int8), wire.tensor_from(scales, codec.scale_torch_dtype)
 
 
+def encoded_norm_sq(payload: torch.Tensor, scales: torch.Tensor, block_size: int) -> float:
+    """The squared L2 norm of what an int8 payload and its block scales decode to."""
+    per_block = torch.linalg.vector_norm(payload.view(-1, block_size).to(torch.float32), dim=1)
+    return float(torch.dot(per_block.double().square(), scales.double().square()))
+
+
+class ResultBound:
+    """The most a reducer's result may measure, part by part (see the module docstring).
+
+    Each sender's slice of a part decodes to at most ``s = slice_bound(B)`` (the reducer's
+    check, with ``B`` the group's norm bound). Chunk ``k``'s aggregate over its contributors
+    ``C`` is no longer than ``sqrt(sum over j in C of f_j * ||x_j,k||^2)``: a weighted mean is
+    a convex combination (``f_j = w_j / sum of the weights of C``); a trimmed mean averages
+    ``m - 2t`` of the ``m`` values of each coordinate (``f_j = 1 / (m - 2t)``); CenteredClip
+    stays in the convex hull of the rows (``f_j = 1``). Over the chunks so far the squared
+    norm is thus at most ``s^2 * sum over j of F_j``, ``F_j`` the largest ``f_j`` of member
+    ``j`` so far; quantizing the result adds at most the rounding an honest reducer's scales
+    allow. Every member computes the same bound from the same group and bitmaps."""
+
+    def __init__(self, *, group: Group, aggregator: AggregatorConfig, codec: CodecConfig) -> None:
+        self._weights = group.weights
+        self._aggregator = aggregator
+        self._block = codec.block_size
+        bound = group.norm_bound(aggregator.norm_clip)
+        self._slice = slice_bound(bound, self._block) if math.isfinite(bound) else math.inf
+        # part -> (epoch, reducer), the squared norm of its result so far, F_j per member
+        self._parts: dict[int, tuple[tuple[int, int], float, dict[int, float]]] = {}
+
+    @property
+    def bounded(self) -> bool:
+        return math.isfinite(self._slice)
+
+    def _shares(self, members: list[int]) -> dict[int, float]:
+        """``f_j`` of each contributor of one chunk."""
+        method = self._aggregator.method
+        if method == "mean":
+            total = sum(self._weights[j] for j in members)
+            return {j: self._weights[j] / total for j in members}
+        if method == "trimmed_mean":
+            m = len(members)
+            kept = m - 2 * min(self._aggregator.trim, (m - 1) // 2)
+            return dict.fromkeys(members, 1.0 / kept)
+        return dict.fromkeys(members, 1.0)
+
+    def check(
+        self,
+        part: int,
+        epoch: int,
+        reducer: int,
+        payload: torch.Tensor,
+        scales: torch.Tensor,
+        contributors: list[int],
+    ) -> None:
+        """Account for the next result chunk of ``part`` from ``reducer`` at ``epoch`` (a
+        new claim on the part starts the account again); Rejection ``too-large`` if it takes
+        the part's result past what its contributors' slices can average to."""
+        if not self.bounded or not contributors:
+            return
+        claim = (epoch, reducer)
+        held = self._parts.get(part)
+        if held is None or held[0] != claim:
+            held = (claim, 0.0, {})
+        _, norm_sq, shares = held
+        shares = dict(shares)
+        for member, share in self._shares(contributors).items():
+            shares[member] = max(shares.get(member, 0.0), share)
+        norm_sq += encoded_norm_sq(payload, scales, self._block)
+        mean = self._slice * math.sqrt(sum(shares.values()))
+        allowed = (mean + rounding_allowance(mean, self._block)) * (1 + 1e-3)
+        if math.sqrt(norm_sq) > allowed:
+            raise Rejection(
+                "too-large",
+                f"the result of part {part} reaches norm {math.sqrt(norm_sq):.3g}, above the "
+                f"{allowed:.3g} its contributors' bounded slices can average to",
+            )
+        self._parts[part] = (claim, norm_sq, shares)
+
+
 class Output:
     """The output tensor of one round and the view that records what it holds."""
 
@@ -38,13 +134,20 @@ class Output:
         group: Group,
         view: RoundView,
         codec: CodecConfig,
+        aggregator: AggregatorConfig | None = None,
     ) -> None:
         """``result``: fp32 (each chunk decoded into it) or encoded (each chunk kept as it
-        came, its scales checked as the decoder checks them)."""
+        came, its scales checked as the decoder checks them); ``aggregator``: the round's,
+        whose norm bound remote reducers' results are held to (None: not held)."""
         self.result = result
         self._group = group
         self._view = view
         self._codec = codec
+        self._bound = (
+            ResultBound(group=group, aggregator=aggregator, codec=codec)
+            if aggregator is not None
+            else None
+        )
 
     def receive(self, reducer: int, message: wire.ResultMessage) -> bool:
         """Decode a remote reducer's result chunk into the output; False when it is stale,
@@ -56,6 +159,14 @@ class Output:
             raise Rejection("bad-result", f"result chunk {message.index} of part {message.part}")
         numel = spans[message.index].numel
         payload, scales = decode_chunk(message.payload, message.scales, numel, self._codec)
+        if self._bound is not None and self._bound.bounded:
+            self._view.check_result(message.part, message.index, message.contributors)
+            try:  # scales the decoder refuses are refused for that (``bad-result``) first
+                check_encoded(payload, scales, self._codec)
+            except SwarmlocoError as exc:
+                raise Rejection("bad-result", str(exc)) from None
+            members = wire.members_of(message.contributors, self._group.size)
+            self._bound.check(message.part, message.epoch, reducer, payload, scales, members)
         try:
             return self.apply(
                 message.part,

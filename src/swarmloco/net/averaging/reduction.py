@@ -25,11 +25,14 @@ account of who counted where.
 
 No member moves the mean further than the group allows: with a finite ``norm_bound`` (see
 :meth:`~swarmloco.net.averaging.group.Group.norm_bound`), a sender's slice of the part,
-decoded, must stay within the bound plus the codec's rounding (``||decode|| <= bound *
-(1 + 1e-3) + sqrt(sum over blocks of block_size * scale^2)``, which an honest sender's
-clipped update always meets); a chunk that would take it past is struck as ``too-large``
-before it touches the sum. Each reducer sees one part, so a liar's whole update is at most
-``sqrt(parts)`` times the bound.
+decoded, must stay within the bound plus the codec's rounding (:func:`slice_bound`:
+``||decode|| <= bound * (1 + 1e-3) + sqrt(sum over blocks of block_size * scale^2)``, the
+rounding allowance never more than an honest sender's scales can reach,
+``sqrt(block_size) / 127 * 1.01 * bound``, which an honest sender's clipped update always
+meets); a chunk that would take it past is struck as ``too-large`` before it touches the
+sum. (Without that cap on the allowance, values of +-1 under huge scales measured exactly
+their own allowance and passed at any size.) Each reducer sees one part, so a liar's whole
+update is at most ``sqrt(parts)`` times the bound.
 
 No sum can overflow: a chunk is accepted only if its weighted values are at most
 ``FLOAT32_MAX / senders`` in magnitude, so the sum of every sender's is still finite. A
@@ -53,6 +56,7 @@ import torch
 
 from swarmloco.core.aggregate import AggregatorConfig, TrimmedAccumulator, aggregate
 from swarmloco.core.codec import (
+    QMAX,
     ChunkSpan,
     CodecConfig,
     check_encoded,
@@ -65,6 +69,22 @@ from swarmloco.net.rejections import Rejection
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _MAX_QUANT = 128  # the largest magnitude of an int8 value
+_SCALE_ROUNDING = 1.01  # a scale sent as float16 or bfloat16 may be rounded up this much
+
+
+def rounding_allowance(norm_bound: float, block_size: int) -> float:
+    """The most the codec's rounding can add to the norm of an honest sender's slice whose
+    norm is at most ``norm_bound``: every value is off by at most its block's scale, and an
+    honest block's scale is its largest magnitude over 127, so no more than the block's norm
+    over 127 (``sqrt(block_size) / 127`` of the slice's norm)."""
+    return math.sqrt(block_size) / QMAX * _SCALE_ROUNDING * norm_bound
+
+
+def slice_bound(norm_bound: float, block_size: int, slack: float = math.inf) -> float:
+    """The largest norm a sender's decoded slice of a part may have: ``norm_bound`` plus the
+    rounding its scales allow (``slack``: ``sqrt(block_size * sum of scale^2)``), the latter
+    never more than an honest sender's scales reach (:func:`rounding_allowance`)."""
+    return norm_bound * (1 + 1e-3) + min(slack, rounding_allowance(norm_bound, block_size))
 
 
 class PartReduction:
@@ -253,7 +273,7 @@ class PartReduction:
         s2 = scales.double().square()
         norm_sq = self._norm_sq[sender] + float(torch.dot(per_block.double().square(), s2))
         slack_sq = self._slack_sq[sender] + block * float(s2.sum())
-        allowed = self.norm_bound * (1 + 1e-3) + math.sqrt(slack_sq)
+        allowed = slice_bound(self.norm_bound, block, math.sqrt(slack_sq))
         if math.sqrt(norm_sq) > allowed:
             raise Rejection(
                 "too-large",

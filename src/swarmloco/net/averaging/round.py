@@ -133,7 +133,9 @@ class RoundRun:
         self.view = RoundView(group, me, cfg.codec)
         self.serving = group.members[me].serving
         self.servers = [i for i, m in enumerate(group.members) if m.serving]
-        self.output = Output(result=result, group=group, view=self.view, codec=cfg.codec)
+        self.output = Output(
+            result=result, group=group, view=self.view, codec=cfg.codec, aggregator=cfg.aggregator
+        )
         self.error_feedback = error_feedback
         self.buffers: list[torch.Tensor] = []
         self.ours = Contribution(
