@@ -1,10 +1,12 @@
 """Leases of a pinned dataset's shards over real DHT nodes on loopback: readers share an
 epoch without reading a sequence twice, a dead reader's shard goes to another from where it
-landed, and what strangers publish moves nothing."""
+landed, what strangers publish moves nothing, and a partner's malformed entry stops nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import threading
 import time
 from pathlib import Path
@@ -15,7 +17,19 @@ from netutil import SWARM, loopback_network
 
 from swarmloco.dataset.leases import LeasedData
 from swarmloco.dataset.ledger import Landing, Range, Sequences, coverage
-from swarmloco.net.records import MAX_LEASES, leases_key, shard_key
+from swarmloco.net import records
+from swarmloco.net.records import (
+    LEASES,
+    MAX_LANDED_SPANS,
+    MAX_LEASES,
+    SHARD,
+    Float,
+    Int,
+    ListOf,
+    leases_key,
+    owned_value,
+    shard_key,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -224,6 +238,56 @@ async def test_a_donors_word_on_what_landed_decides_what_its_taker_reads_and_goe
         landings = [Landing(1, "joiner", tuple(tj.read)), Landing(2, "partner", tuple(tp.read))]
         cover = coverage([landings], COUNTS, epoch=0)
         assert (cover.duplicated, cover.missing) == (0, 0), cover
+
+
+def loosen_dataset_schemas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node in this process stores and serves ``shard/<s>`` spans and ``leases`` pairs
+    of any length, in either order (the schemas before they asked for pairs): what a node
+    whose checks let a malformed entry through hands its readers."""
+    pair = ListOf(Int(minimum=0), 2)
+    loose = {
+        SHARD.name: owned_value(
+            {"epoch": Int(minimum=0), "landed": ListOf(pair, MAX_LANDED_SPANS), "at": Float()}
+        ),
+        LEASES.name: owned_value({"shards": ListOf(pair, MAX_LEASES), "at": Float()}),
+    }
+    kinds = [dataclasses.replace(k, schema=loose.get(k.name, k.schema)) for k in records._KINDS]
+    monkeypatch.setattr(records, "_KINDS", kinds)
+
+
+async def test_a_partners_malformed_entries_leave_its_peer_leasing_and_counting_the_others(
+    tmp_path, monkeypatch, caplog
+):
+    """A partner's ``shard/<s>`` entries whose spans are no pairs (or empty, or reversed),
+    and a ``leases`` entry the same, reach the peer: each is passed over, the peer leases and
+    lands every other shard, and another partner's word on the same shard still counts."""
+    loosen_dataset_schemas(monkeypatch)
+    async with loopback_network(3) as nodes:
+        ids = [n.identity.peer_id_hex for n in nodes]
+        bad, good = nodes[1], nodes[2]
+        shapes = [[[5]], [[]], [[7, 3]], [[0, 4], [5]]]
+        for shard in range(len(COUNTS)):
+            value = {"epoch": 0, "landed": shapes[shard % len(shapes)], "at": 0.0}
+            assert await bad.dht.store(shard_key(SWARM, shard), value, ttl=600) > 0
+        assert await bad.dht.store(leases_key(SWARM), {"shards": [[0]], "at": 0.0}, ttl=600) > 0
+        told = 0  # the honest partner saw all of it land (the other says [[5]] of it)
+        value = {"epoch": 0, "landed": [[0, COUNTS[told]]], "at": 0.0}
+        assert await good.dht.store(shard_key(SWARM, told), value, ttl=600) > 0
+        result = await nodes[0].dht.get(shard_key(SWARM, 0))
+        assert result.entries[ids[1]].value["landed"] == [[5]]  # it reaches the peer
+        a = reader(tmp_path, "a", lease_s=4.0)
+        a.landed(1, {ids[1]: [], ids[2]: []}, {i: True for i in ids}, ids[0])  # both partners
+        task = asyncio.create_task(a.run(nodes[0].dht, SWARM, ids[0]))
+        ta = Trainer(a, ids[0], give_up_s=30.0)
+        with caplog.at_level(logging.WARNING, logger="swarmloco.dataset.leases"):
+            await asyncio.to_thread(ta)
+        await a.close()
+        assert task.done() and not ta.gave_up, "the partner's entries stopped the peer"
+        assert {r.shard for r in ta.read} == set(range(len(COUNTS))) - {told}
+        told_landed = Landing(1, "good", (Range(0, told, 0, COUNTS[told]),))
+        cover = coverage([[Landing(2, "a", tuple(ta.read)), told_landed]], COUNTS, epoch=0)
+        assert (cover.duplicated, cover.missing) == (0, 0), cover
+        assert f"peer {ids[1][:8]}'s entry is passed over" in caplog.text
 
 
 async def test_a_reader_whose_leases_cannot_be_renewed_stops_reading_them(tmp_path):

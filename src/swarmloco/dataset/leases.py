@@ -16,7 +16,8 @@ land and what its partners say: a donor's word decides what this peer reads, no 
 holds at most :data:`MAX_LEASES` shards (the ``leases`` record holds no more); a claim is
 stored, then the record read again: a claimant that finds another peer listing the same
 shard withdraws. Another peer's listing counts only while it shows work (:data:`IDLE_S`): a
-key that lists shards and never reads them holds nothing past that.
+key that lists shards and never reads them holds nothing past that. An entry this peer
+cannot read (its schema is checked again here) is passed over, the others counted.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -46,7 +47,14 @@ from swarmloco.dataset.ledger import (
     read_audit,
 )
 from swarmloco.errors import DataError
-from swarmloco.net.records import MAX_LANDED_SPANS, MAX_LEASES, leases_key, shard_key
+from swarmloco.net.records import (
+    LEASES,
+    MAX_LANDED_SPANS,
+    MAX_LEASES,
+    SHARD,
+    leases_key,
+    shard_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +100,22 @@ def spans_minus(whole: Span, taken: Sequence[Span]) -> list[Span]:
 
 Lease = tuple[int, int]
 """``(epoch, shard)``."""
+
+_T = TypeVar("_T")
+
+
+def landed_in(value: Any, epoch: int) -> list[Span]:
+    """The spans a ``shard/<s>`` entry's ``value`` says landed in ``epoch``. The schema is
+    checked again (SchemaError): a node's checks are not this peer's, and the spans are
+    unpacked here."""
+    SHARD.schema.check(value, "shard entry")
+    return [(a, b) for a, b in value["landed"]] if value["epoch"] == epoch else []
+
+
+def listed_in(value: Any) -> list[Lease]:
+    """The leases a ``leases`` entry's ``value`` lists (its schema checked again)."""
+    LEASES.schema.check(value, "leases entry")
+    return [(epoch, shard) for epoch, shard in value["shards"]]
 
 
 class LeasedData:
@@ -164,6 +188,7 @@ class LeasedData:
         self._partnered: dict[str, float] = {}  # peer -> when last in a round applied here
         self._quiet: dict[Lease, float] = {}  # listed by others -> since when nothing landed
         self._idle: set[Lease] = set()  # listed by others, idle at the last look
+        self._malformed: set[str] = set()  # peers with an entry passed over (logged once)
         for landing in read_audit(audit):  # what this peer saw land before a restart
             self._know(landing.ranges)
 
@@ -536,9 +561,8 @@ class LeasedData:
         listed: dict[Lease, set[str]] = {}
         for entry in result.entries.values():
             if entry.subkey != peer_id:
-                for x in entry.value["shards"]:
-                    if len(x) == 2:
-                        listed.setdefault((int(x[0]), int(x[1])), set()).add(entry.subkey)
+                for lease in self._read(entry, listed_in):
+                    listed.setdefault(lease, set()).add(entry.subkey)
         with self._lock:
             return self.held(listed, time.monotonic())
 
@@ -579,15 +603,26 @@ class LeasedData:
         with self._lock:
             for passed_on, peers in ((True, self.partners), (False, self.donors)):
                 spans = [
-                    (int(a), int(b))
+                    span
                     for entry in result.entries.values()
-                    if entry.subkey in peers and entry.value["epoch"] == epoch
-                    for a, b in entry.value["landed"]
-                    if a < b
+                    if entry.subkey in peers
+                    for span in self._read(entry, lambda value: landed_in(value, epoch))
                 ]
                 if spans:
                     ranges = [Range(epoch, shard, a, b - a) for a, b in spans_union(spans)]
                     self._know(ranges, passed_on=passed_on)
+
+    def _read(self, entry: Any, read: Callable[[Any], list[_T]]) -> list[_T]:
+        """``read`` of ``entry``'s value; nothing when it cannot be read (passed over, logged
+        once a peer): one peer's entry must not stop the lease task, which would retry on
+        the same entry for ever."""
+        try:
+            return read(entry.value)
+        except (KeyError, TypeError, ValueError) as exc:
+            if entry.subkey not in self._malformed:
+                self._malformed.add(entry.subkey)
+                logger.warning("peer %s's entry is passed over: %s", entry.subkey[:8], exc)
+            return []
 
     async def _publish_landed(self, dht: Any, swarm_id: str) -> None:
         with self._lock:

@@ -141,16 +141,35 @@ class Bin(Schema):
 
 @dataclasses.dataclass(frozen=True)
 class ListOf(Schema):
+    """A list of ``min_items`` to ``max_items`` items, each matching ``item`` (a pair its
+    reader unpacks says ``min_items=2``: one item fewer would stop the reader)."""
+
     item: Schema
     max_items: int
+    min_items: int = 0
 
     def check(self, value: Any, where: str) -> None:
         if type(value) is not list:
             raise SchemaError(f"{where} must be a list, got {type(value).__name__}")
         if len(value) > self.max_items:
             raise SchemaError(f"{where} has {len(value)} items; at most {self.max_items}")
+        if len(value) < self.min_items:
+            raise SchemaError(f"{where} has {len(value)} items; at least {self.min_items}")
         for i, item in enumerate(value):
             self.item.check(item, f"{where}[{i}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Span(Schema):
+    """``[first, end)``: two integers in [0, ``maximum``] with first below end (an empty or
+    reversed span says nothing landed, and only costs its readers)."""
+
+    maximum: int = 2**63 - 1
+
+    def check(self, value: Any, where: str) -> None:
+        ListOf(Int(minimum=0, maximum=self.maximum), max_items=2, min_items=2).check(value, where)
+        if value[0] >= value[1]:
+            raise SchemaError(f"{where} = {value} is empty: its first must be below its end")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -889,7 +908,8 @@ LEASES = register(
         schema=owned_value(
             {
                 "shards": ListOf(
-                    ListOf(Int(minimum=0, maximum=MAX_DATASET_SHARDS - 1), 2), MAX_LEASES
+                    ListOf(Int(minimum=0, maximum=MAX_DATASET_SHARDS - 1), 2, min_items=2),
+                    MAX_LEASES,
                 ),
                 "at": Float(minimum=0.0),
             }
@@ -916,7 +936,7 @@ SHARD = register(
         schema=owned_value(
             {
                 "epoch": Int(minimum=0),
-                "landed": ListOf(ListOf(Int(minimum=0), 2), MAX_LANDED_SPANS),
+                "landed": ListOf(Span(), MAX_LANDED_SPANS),
                 "at": Float(minimum=0.0),
             }
         ),
