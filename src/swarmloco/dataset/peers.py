@@ -193,25 +193,28 @@ async def read_file(
     bytes); OSError saying why when it is not had whole."""
     try:
         channel = await client.open(endpoint, timeout_s)
-        method = channel.unary_stream(
-            READ_PATH,
-            request_serializer=pb.FileRequest.SerializeToString,
-            response_deserializer=pb.FileChunk.FromString,
-        )
-        call = method(pb.FileRequest(dataset_id=dataset_id, name=name), timeout=timeout_s)
-        parts: list[bytes] = []
-        total = received = -1
-        async for message in call:
-            if total < 0:
-                total, received = message.total_bytes, 0
-                if total > limit:
+        with client.holding(channel):  # no await since open: the cache keeps it open
+            method = channel.unary_stream(
+                READ_PATH,
+                request_serializer=pb.FileRequest.SerializeToString,
+                response_deserializer=pb.FileChunk.FromString,
+            )
+            call = method(pb.FileRequest(dataset_id=dataset_id, name=name), timeout=timeout_s)
+            parts: list[bytes] = []
+            total = received = -1
+            async for message in call:
+                if total < 0:
+                    total, received = message.total_bytes, 0
+                    if total > limit:
+                        call.cancel()
+                        raise OSError(
+                            f"{endpoint} offers {total:,} bytes of {name}, over {limit:,}"
+                        )
+                received += len(message.data)
+                if received > total:
                     call.cancel()
-                    raise OSError(f"{endpoint} offers {total:,} bytes of {name}, over {limit:,}")
-            received += len(message.data)
-            if received > total:
-                call.cancel()
-                raise OSError(f"{endpoint} sent more of {name} than it announced")
-            parts.append(message.data)
+                    raise OSError(f"{endpoint} sent more of {name} than it announced")
+                parts.append(message.data)
     except grpc.aio.AioRpcError as exc:
         raise OSError(f"{endpoint}: {exc.code().name}: {exc.details()}") from None
     except Exception as exc:  # an RpcError of ours, a broken stream

@@ -13,6 +13,12 @@ confirmed is refused with UNAUTHENTICATED, never retried. A certificate taken on
 is confirmed before a call uses it: by the call's own answer for the DHT's calls (they
 carry the server's signed card), by the client's ``confirm`` (a Ping) for every other.
 
+Channels are cached, the least recently used closed beyond ``max_channels``, but never one
+that a call or stream is using: closing a channel cancels every call on it, and anyone who
+can make us dial addresses of their choosing (a DHT card names one) could otherwise end our
+long streams to honest peers. A call through :meth:`RpcClient.call` holds its channel; a
+stream is opened inside :meth:`RpcClient.holding`.
+
 Fault injection (drop, delay, cut, corrupt, stall) plugs in as grpc.aio client
 interceptors passed to the constructor: they see every unary and streaming call of every
 channel this client opens.
@@ -21,11 +27,12 @@ channel this client opens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -78,7 +85,8 @@ class ClientConfig:
     max_message_bytes: int = 8 * 1024 * 1024
     """Largest message sent or received."""
     max_channels: int = 512
-    """Channels kept open (least recently used ones are closed beyond this)."""
+    """Channels kept open: beyond this the least recently used idle ones are closed (one
+    with a call or stream open stays open until that ends)."""
     attempts: int = 3
     """Attempts per call when the peer is unavailable (1 = no retry)."""
     backoff_s: float = 0.05
@@ -163,7 +171,11 @@ class RpcClient:
                 raise TlsError(f"cannot read the TLS CA file: {exc}") from None
         self.certs = CertBook(ca_pem=ca, claim_ttl_s=self.config.tls_claim_ttl_s, clock=clock)
         """The TLS keys addresses confirmed, and the certificates pinned."""
-        self._stubs: dict[tuple[str, str], Any] = {}
+        self._stubs: dict[tuple[str, str], tuple[grpc.aio.Channel, Any]] = {}
+        self._busy: dict[grpc.aio.Channel, int] = {}
+        """The calls and streams open on each channel that has any."""
+        self._retired: set[grpc.aio.Channel] = set()
+        """Busy channels no longer cached, closed once their last call ends."""
         self._closing: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> RpcClient:
@@ -188,8 +200,7 @@ class RpcClient:
             self._channels.move_to_end(endpoint)
             return channel
         if channel is not None:  # the server's certificate changed: a new channel
-            self._close_later(self._channels.pop(endpoint))
-            self._forget_stubs(endpoint)
+            self._retire(self._drop(endpoint))
         if pem is None:
             channel = grpc.aio.insecure_channel(
                 endpoint,
@@ -208,12 +219,54 @@ class RpcClient:
             )
         self._channels[endpoint] = channel
         self._pems[endpoint] = pem
-        while len(self._channels) > self.config.max_channels:
-            gone, old = self._channels.popitem(last=False)
-            self._pems.pop(gone, None)
-            self._forget_stubs(gone)
-            self._close_later(old)
+        self._trim(keep=endpoint)
         return channel
+
+    def _trim(self, keep: str | None = None) -> None:
+        """Close the least recently used idle channels beyond ``max_channels`` (never the
+        one to ``keep``, about to be used). Busy ones stay: the cache then holds more for a
+        while, as many more as we have calls in flight to distinct peers, which their own
+        limits bound (the DHT's background pings, a round's group, one download at a time).
+        Refusing a new dial instead would let a stranger who keeps our calls busy (a slow
+        answer to a ping) keep us from calling anyone else."""
+        excess = len(self._channels) - self.config.max_channels
+        if excess <= 0:
+            return
+        idle = [e for e, c in self._channels.items() if e != keep and c not in self._busy]
+        for endpoint in idle[:excess]:  # oldest first
+            self._close_later(self._drop(endpoint))
+
+    def _drop(self, endpoint: str) -> grpc.aio.Channel:
+        """Take the cached channel to ``endpoint`` out of the cache (it is not closed)."""
+        channel = self._channels.pop(endpoint)
+        self._pems.pop(endpoint, None)
+        self._forget_stubs(endpoint)
+        return channel
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        """Close a channel taken out of the cache, once no call uses it."""
+        if channel in self._busy:
+            self._retired.add(channel)
+        else:
+            self._close_later(channel)
+
+    @contextlib.contextmanager
+    def holding(self, channel: grpc.aio.Channel) -> Iterator[grpc.aio.Channel]:
+        """Keep ``channel`` (one :meth:`open` just returned, no ``await`` since) open while
+        the block runs: the cache closes no channel a call or stream is using. Open each
+        stream in such a block, and end it there."""
+        self._busy[channel] = self._busy.get(channel, 0) + 1
+        try:
+            yield channel
+        finally:
+            left = self._busy.pop(channel, 1) - 1
+            if left > 0:
+                self._busy[channel] = left
+            elif channel in self._retired:
+                self._retired.discard(channel)
+                self._close_later(channel)
+            else:
+                self._trim()
 
     def _close_later(self, channel: grpc.aio.Channel) -> None:
         # Closing is a coroutine; it runs beside us and close() waits for it.
@@ -269,35 +322,40 @@ class RpcClient:
 
     async def _stub(
         self, endpoint: str, method: Method[Req, Resp], deadline: Deadline, confirms_itself: bool
-    ) -> Any:
-        stub = self._stubs.get((endpoint, method.path))
+    ) -> tuple[grpc.aio.Channel, Any]:
+        """The cached channel to ``endpoint`` and a stub of ``method`` on it."""
+        cached = self._stubs.get((endpoint, method.path))
         stale = self.config.tls and (
             self._pems.get(endpoint) != self.certs.pinned(endpoint)
             or self._must_confirm(endpoint, confirms_itself)
         )
-        if stub is None or endpoint not in self._channels or stale:
+        if cached is None or endpoint not in self._channels or stale:
             channel = await self.open(endpoint, deadline, confirms_itself=confirms_itself)
             stub = channel.unary_unary(
                 method.path,
                 request_serializer=method.request_type.SerializeToString,
                 response_deserializer=method.response_type.FromString,
             )
-            self._stubs[(endpoint, method.path)] = stub
+            cached = self._stubs[(endpoint, method.path)] = (channel, stub)
         else:
             self._channels.move_to_end(endpoint)
-        return stub
+        return cached
 
     async def forget(self, endpoint: str) -> None:
-        """Close the channel to ``endpoint`` (a peer known to be gone)."""
-        channel = self._channels.pop(endpoint, None)
-        self._pems.pop(endpoint, None)
-        self._forget_stubs(endpoint)
-        if channel is not None:
+        """Close the channel to ``endpoint`` (a peer known to be gone), or drop it from the
+        cache and close it once the calls it still carries end."""
+        if endpoint not in self._channels:
+            return
+        channel = self._drop(endpoint)
+        if channel in self._busy:
+            self._retired.add(channel)
+        else:
             await channel.close(grace=None)
 
     async def close(self) -> None:
-        channels = list(self._channels.values())
+        channels = [*self._channels.values(), *self._retired]
         self._channels.clear()
+        self._retired.clear()
         self._pems.clear()
         self._stubs.clear()
         for channel in channels:
@@ -339,8 +397,9 @@ class RpcClient:
                     code=grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
             try:
-                stub = await self._stub(endpoint, method, deadline, confirms_itself)
-                response: Resp = await stub(request, timeout=deadline.remaining())
+                channel, stub = await self._stub(endpoint, method, deadline, confirms_itself)
+                with self.holding(channel):
+                    response: Resp = await stub(request, timeout=deadline.remaining())
                 return response
             except RpcError as exc:  # the certificate could not be had, or was refused
                 if exc.code != grpc.StatusCode.UNAVAILABLE or attempt >= attempts:

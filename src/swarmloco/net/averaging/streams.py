@@ -79,16 +79,17 @@ class OutgoingStream:
         except NetworkError as exc:
             self._broken(f"cannot connect: {exc}")
             return
-        call = channel.stream_stream(wire.AGGREGATE_PATH)(
-            timeout=max(rnd.deadline.remaining(), 0.001), wait_for_ready=True
-        )
-        try:
-            async with asyncio.TaskGroup() as tg:
-                self._writer = tg.create_task(self._write(call))
-                self._reader = tg.create_task(self._read(call))
-        finally:
-            if not call.done():
-                call.cancel()
+        with rnd.a.client.holding(channel):
+            call = channel.stream_stream(wire.AGGREGATE_PATH)(
+                timeout=max(rnd.deadline.remaining(), 0.001), wait_for_ready=True
+            )
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    self._writer = tg.create_task(self._write(call))
+                    self._reader = tg.create_task(self._read(call))
+            finally:
+                if not call.done():
+                    call.cancel()
 
     def _broken(self, reason: str) -> None:
         for task in (self._reader, self._writer):

@@ -288,12 +288,13 @@ class _Attempt:
         except RpcError as exc:
             label = "refused" if exc.code == grpc.StatusCode.UNAUTHENTICATED else "unreachable"
             raise _Failed(label, str(exc)) from None
-        method = channel.unary_stream(wire.DOWNLOAD_PATH)
-        call = method(request, timeout=max(self.deadline.remaining(), 0.001))
-        try:
-            return await self._receive(call)
-        finally:
-            call.cancel()  # a no-op once the call is over; ends it on every other way out
+        with self.client.holding(channel):
+            method = channel.unary_stream(wire.DOWNLOAD_PATH)
+            call = method(request, timeout=max(self.deadline.remaining(), 0.001))
+            try:
+                return await self._receive(call)
+            finally:
+                call.cancel()  # a no-op once the call is over; ends it on every other way out
 
     async def _receive(self, call: Any) -> StateSnapshot:
         limits = self.config.limits
