@@ -478,34 +478,24 @@ def test_nan_in_the_users_training_is_discarded_and_never_averaged(tmp_path):
     assert torch.isfinite(swarm.peer.diloco.theta_g).all()
 
 
-def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tmp_path):
-    """Three peers; one answers every result chunk with NaN scales (its network built by
-    the test with a fault plan). The honest two keep training and their rounds complete,
-    on one state."""
-    spec = dataclasses.replace(SPEC, total_steps=4 * 8)
-    three = {"matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2)}
-    a = _peer(tmp_path, "a", spec, **three)
-    watch = Watch(a.events, round=1)
-    a.swarm.on_event = watch
-    first = Background(a.job)
-    assert watch.ready.wait(60)
-    swarm_id, endpoint = a.swarm.swarm_id, a.swarm.endpoint
-    b = _peer(tmp_path, "b", swarm_id, endpoint, **three)
+def _hostile(tmp: Path, a: Peer, name: str, plan: FaultPlan, **changes: Any) -> Peer:
+    """A peer joining ``a``'s swarm whose network (built here) runs the fault ``plan``."""
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = config(tmp_path, "c", endpoint)
+    events = Events()
+    cfg = config(tmp, name, a.swarm.endpoint, **changes)
     identity = Identity.load_or_create(cfg.data_dir)
     manifest = a.swarm.manifest
     assert manifest is not None
     run = manifest_spec(manifest)
     numel = manifest_signature(manifest).layout(run.codec.block_size).numel
-    plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="nan")])
     hostile = Swarm(
         manifest,
         model,
         opt,
         cfg,
         identity=identity,
+        on_event=events,
         network=SwarmNetwork(
             identity=identity,
             manifest=manifest,
@@ -517,7 +507,24 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
             admission=gate_of(manifest, identity),  # a proven key, as every peer's
         ),
     )
-    run_peers(b.job, (hostile, model, opt, batches(9)))
+    return Peer(hostile, model, opt, events, seed=9)
+
+
+def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tmp_path):
+    """Three peers; one answers every result chunk with NaN scales (its network built by
+    the test with a fault plan). The honest two keep training and their rounds complete,
+    on one state."""
+    spec = dataclasses.replace(SPEC, total_steps=4 * 8)
+    three = {"matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2)}
+    a = _peer(tmp_path, "a", spec, **three)
+    watch = Watch(a.events, round=1)
+    a.swarm.on_event = watch
+    first = Background(a.job)
+    assert watch.ready.wait(60)
+    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, **three)
+    plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="nan")])
+    c = _hostile(tmp_path, a, "c", plan)
+    run_peers(b.job, c.job)
     first.join()
     assert plan.fired[0] > 0
     for p in (a, b):
@@ -531,6 +538,63 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
     assert a.swarm.peer.snapshots.current.digest == b.swarm.peer.snapshots.current.digest, _story(
         a, b
     )
+
+
+def test_a_member_struck_from_its_rounds_is_nobodys_partner_and_adds_no_tokens(tmp_path):
+    """Three peers; a stranger with ten times the others' tokens per step sends every
+    chunk with NaN scales, and is struck from each round it joins (which completes without
+    it). Before, being a member of those groups made it a partner of the honest two: a
+    witness whose word counts for leadership, pacing and adoption, one of the last group
+    a round waits out the gathering window for; and its weight, capped at ten times theirs,
+    went into the swarm's token count (which ends a ``total_tokens`` run). Partners are now
+    the members the applied result holds whole, and only their weights count as tokens."""
+    spec = dataclasses.replace(SPEC, total_steps=4 * 8)
+    three = {"matchmaking": MatchmakingConfig(gather_s=1.0, poll_s=0.05, min_group_size=2)}
+    a = _peer(tmp_path, "a", spec, **three)
+    last_groups: dict[int, frozenset[str]] = {}
+
+    def on_a(event: dict[str, Any]) -> None:
+        # The round's partners, read as its event comes (kept only while the pacer still
+        # holds that round's group: a later round may have replaced it meanwhile).
+        if event["event"] == "round":
+            last = a.swarm.peer.pacer.last_group
+            if last is not None and last[0] == event["round"]:
+                last_groups[event["round"]] = last[1]
+        watch(event)
+
+    watch = Watch(a.events, round=1)
+    a.swarm.on_event = on_a
+    first = Background(a.job)
+    assert watch.ready.wait(60)
+    b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, **three)
+    plan = FaultPlan([Fault(action="corrupt", phase="chunk", corruption="nan")])
+    c = _hostile(tmp_path, a, "c", plan, tokens_per_step=10)
+    run_peers(b.job, c.job)
+    first.join()
+    assert plan.fired[0] > 0
+    honest, stranger = {a.swarm.peer_id, b.swarm.peer_id}, c.swarm.peer_id
+    weights = [{e["round"]: e["weight"] for e in p.events.of("round")} for p in (a, b)]
+    for p, other in ((a, b), (b, a)):
+        rounds = p.events.of("round")
+        struck = [e for e in rounds if stranger in e["excluded"]]
+        assert struck, _story(a, b, c)  # it was a member of groups that completed
+        evidence = p.swarm.peer.kept.evidence
+        assert other.swarm.peer_id in evidence.witnesses
+        assert stranger not in evidence.witnesses, evidence.witnesses
+        # Each round added the two honest weights to the swarm's count (the evidence keeps
+        # the last rounds' counts, one per round applied), never the stranger's.
+        counts = dict(zip([e["round"] for e in rounds][-len(evidence.tokens) :], evidence.tokens))
+        both = [r for r in counts if r in weights[0] and r in weights[1]]
+        assert {e["round"] for e in struck} & set(both), (counts, _story(a, b, c))
+        assert [counts[r] for r in both] == [weights[0][r] + weights[1][r] for r in both]
+        assert all(e["tokens"] == counts[e["round"]] for e in rounds if e["round"] in counts)
+        assert all(e["group"] == 3 and e["whole"] == 2 for e in struck), struck
+    # The pacer waits the next round for the partners alone, never for the stranger.
+    recorded = {e["round"] for e in a.events.of("round") if stranger in e["excluded"]}
+    recorded &= last_groups.keys()
+    assert recorded, last_groups
+    for r in recorded:
+        assert last_groups[r] == honest - {a.swarm.peer_id}, (r, last_groups[r])
 
 
 def _story(*peers: Peer) -> str:

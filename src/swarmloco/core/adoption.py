@@ -128,7 +128,8 @@ class Evidence:
     """Norms of the group means (the averaged pseudo-gradients) of those rounds (0: not
     known), what the outer momentum is built from."""
     tokens: list[float] = dataclasses.field(default_factory=list)
-    """Tokens the swarm's count grew by in each of those rounds (the group's weights)."""
+    """Tokens the swarm's count grew by in each of those rounds (the weights of the
+    members its result held whole)."""
     intervals: list[float] = dataclasses.field(default_factory=list)
     """Seconds between this peer's recent consecutive applied rounds."""
     last_round_at: float | None = None
@@ -148,7 +149,9 @@ class Evidence:
         return ranked[:limit]
 
     def grouped(self, round: int, members: Iterable[str], me: str, config: AdoptionConfig) -> None:
-        """The members of a group that completed ``round`` with this peer are witnesses."""
+        """The members of a group that completed ``round`` with this peer are witnesses:
+        those whose contribution its result held whole (a member struck or lost in the
+        round averaged nothing with this peer)."""
         others = {peer for peer in members if peer != me}
         for peer in others:
             self.witnesses[peer] = round

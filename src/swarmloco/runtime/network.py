@@ -398,7 +398,14 @@ class SwarmNetwork:
             group, message, deadline=deadline, out=out, error_feedback=error_feedback
         )
         declared = {m.peer_id: m.ranges for m in group.members if m.ranges}
-        return RoundOutcome(result, matchmaking, float(sum(group.weights)), declared)
+        # Only what the result holds whole counts: a member struck or lost in the round
+        # (a stranger that cut its streams at once, whatever weight it declared) added no
+        # tokens to it.
+        whole = result.report.counted_whole()
+        tokens = sum(
+            w for m, w in zip(group.members, group.weights, strict=True) if whole[m.peer_id]
+        )
+        return RoundOutcome(result, matchmaking, float(tokens), declared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,8 +416,8 @@ class RoundOutcome:
     matchmaking_s: float
     """Seconds from asking for a group to having one."""
     group_tokens: float
-    """The group's declared weights summed: the tokens the round averaged (the same on
-    every member)."""
+    """The weights (as capped) of the members whose contribution the result included
+    whole, summed: the tokens the round averaged (the same on every member)."""
     ranges: dict[str, tuple[tuple[int, int, int, int], ...]] = dataclasses.field(
         default_factory=dict
     )

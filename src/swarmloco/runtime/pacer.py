@@ -80,7 +80,8 @@ class Pacer:
         """Peers known to work on the next round (this one included), and strangers worth a
         short wait besides."""
         self.last_group: tuple[int, frozenset[str]] | None = None
-        """(round, the other members' ids) of this peer's last group."""
+        """(round, the ids of the other members its result held whole) of this peer's last
+        group: a member struck or lost in it is no partner to wait for."""
         self.late: tuple[int, float] | None = None
         """(round, until): that round's group formed without this peer, which waits for its
         result (a download) instead of averaging the round with whoever else came late."""

@@ -20,14 +20,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 
 from swarmloco.errors import RoundAborted, SwarmlocoError
-from swarmloco.net.averaging.report import AllReduceReport
 from swarmloco.net.heap import release_now
+from swarmloco.runtime.network import RoundOutcome
 from swarmloco.runtime.pacer import Pacer
 from swarmloco.runtime.parts import PeerParts
 from swarmloco.train.diloco import fragment_of_round
@@ -152,9 +152,14 @@ class RoundDriver:
         p.sheet.state = "training"
         waited = time.monotonic() - landing
         report, matchmaking = outcome.result.report, outcome.matchmaking_s
-        self._apply(x, outcome.group_tokens, report.members)
+        # Partners are the members the result holds whole, never the group as formed: a
+        # stranger struck (or gone) at once averaged nothing with us, and its word must
+        # not count as a partner's (leadership, pacing, adoption, the dataset's spans).
+        whole = report.counted_whole()
+        partners = frozenset(m for m, counted in whole.items() if counted) - {p.peer_id}
+        self._apply(x, outcome.group_tokens, partners)
         if p.ranges is not None:
-            p.ranges.landed(x.round, outcome.ranges, counted_whole(report), p.peer_id)
+            p.ranges.landed(x.round, outcome.ranges, whole, p.peer_id)
         applied = time.monotonic() - landing - waited
         event: dict[str, Any] = {}  # filled in below; emitted once the digest is known
 
@@ -164,7 +169,7 @@ class RoundDriver:
 
         p.snapshots.hash_later(p.diloco, hashed)
         self.applied += 1
-        self.pacer.last_group = (x.round, frozenset(report.members) - {p.peer_id})
+        self.pacer.last_group = (x.round, partners)
         p.wake()
         # The round's own time (matchmaking and exchange): the same figure in the event, the
         # log and the status record, without the evaluation below.
@@ -182,7 +187,7 @@ class RoundDriver:
         evaluating = time.monotonic()
         eval_loss = self._evaluate()
         self._round_s = seconds
-        event.update(self._event(x, report, seconds, matchmaking, eval_loss))
+        event.update(self._event(x, outcome, seconds, eval_loss))
         # What the training loop waited for at the landing: the exchange (all of the round
         # without overlap, what tau steps did not hide with it), and the evaluation.
         event["wait_seconds"] = round(waited, 3)
@@ -202,8 +207,9 @@ class RoundDriver:
         )
         return True
 
-    def _apply(self, x: Exchange, group_tokens: int, members: Sequence[str]) -> None:
-        """The outer step on the fragment, its local copy mixed back, the round counted."""
+    def _apply(self, x: Exchange, group_tokens: float, partners: Collection[str]) -> None:
+        """The outer step on the fragment, its local copy mixed back, the round counted
+        (``partners``: the other members the result holds whole)."""
         p = self.parts
         self.consistent = False
         movement = p.diloco.apply(x.fragment, x.round, weight=x.weight, group_tokens=group_tokens)
@@ -212,7 +218,7 @@ class RoundDriver:
             p.diloco.land(x.fragment, whole, alpha)
         self.consistent = True
         p.progress.advance(p.diloco.round, p.h)
-        self._weigh(x, members, movement, group_tokens)
+        self._weigh(x, partners, movement, group_tokens)
 
     def _evaluate(self) -> float | None:
         every = self.parts.config.eval_every
@@ -264,12 +270,12 @@ class RoundDriver:
         )
 
     def _weigh(
-        self, x: Exchange, members: Sequence[str], movement: float, group_tokens: int
+        self, x: Exchange, partners: Collection[str], movement: float, group_tokens: float
     ) -> None:
-        """Count the applied round as evidence for adoption, and end a probation it
-        completes."""
+        """Count the applied round as evidence for adoption (averaged with others only if
+        one of ``partners`` is), and end a probation it completes."""
         p = self.parts
-        grouped = len(members) >= 2
+        grouped = bool(partners)
         adoption = p.config.catchup.adoption
         p.evidence.applied(
             movement,
@@ -279,7 +285,7 @@ class RoundDriver:
             update=p.diloco.outers[x.fragment].last_grad_norm,
             tokens=group_tokens,
         )
-        p.evidence.grouped(x.round, members, p.peer_id, adoption)
+        p.evidence.grouped(x.round, partners, p.peer_id, adoption)
         if (passed := p.trial.applied(grouped)) is not None:
             logger.info(
                 "the state adopted at round %d passed its probation (%d round(s) averaged "
@@ -290,15 +296,11 @@ class RoundDriver:
             p.keeper.verified = True
 
     def _event(
-        self,
-        x: Exchange,
-        report: AllReduceReport,
-        seconds: float,
-        matchmaking: float,
-        eval_loss: float | None,
+        self, x: Exchange, outcome: RoundOutcome, seconds: float, eval_loss: float | None
     ) -> dict[str, Any]:
         """The fields of an applied round's event (its digest comes once it is hashed)."""
         p = self.parts
+        report = outcome.result.report
         return {
             "round": p.diloco.round,
             "fragment": x.fragment,
@@ -306,13 +308,17 @@ class RoundDriver:
             "global_step": p.progress.global_step,
             "overlap_steps": p.progress.steps - x.step,
             "group": len(report.members),
+            # Of the group, the members the result holds whole (this peer among them
+            # unless it was cut off somewhere), and the tokens their weights add.
+            "whole": sum(report.counted_whole().values()),
+            "tokens": outcome.group_tokens,
             "weight": x.weight,
             "lr": self.lr(),
             "loss": p.progress.loss,
             "eval_loss": eval_loss,
             "bytes_sent": report.bytes_sent,
             "seconds": round(seconds, 3),
-            "matchmaking_seconds": round(matchmaking, 3),
+            "matchmaking_seconds": round(outcome.matchmaking_s, 3),
             # The training loop's own time so far (the share of wall time it trains,
             # between any two rounds, is the difference of this over that of "time").
             "train_seconds": round(p.progress.train_seconds, 3),
@@ -320,12 +326,3 @@ class RoundDriver:
             "rejections": dict(report.rejections),
             "clipped": report.clipped,
         }
-
-
-def counted_whole(report: AllReduceReport) -> dict[str, bool]:
-    """Per member of the round: whether every chunk of every part of the result included
-    its contribution (a member struck or lost in any part landed nothing whole)."""
-    return {
-        m: all(part.included.get(m, 0) >= part.chunks for part in report.parts)
-        for m in report.members
-    }

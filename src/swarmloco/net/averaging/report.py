@@ -60,6 +60,16 @@ class AllReduceReport:
     clipped: float = 1.0
     """The factor our own update was scaled by to fit the bound (1.0: it fitted)."""
 
+    def counted_whole(self) -> dict[str, bool]:
+        """Per member: whether every chunk of every part of the result included its
+        contribution (a member struck or lost in any part landed nothing whole). The same
+        on every member that holds this result: a chunk's contributors are part of the
+        digest the members agree on."""
+        return {
+            m: all(part.included.get(m, 0) >= part.chunks for part in self.parts)
+            for m in self.members
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class AllReduceResult:
