@@ -56,14 +56,17 @@ async def loopback_network(size: int, **config: object) -> AsyncIterator[list[Ne
 
 
 @asynccontextmanager
-async def serving(make: Callable[[DhtTransport], DHTNode]) -> AsyncIterator[DHTNode]:
-    """A DHT node built by ``make`` (an honest or a misbehaving one), served on loopback."""
+async def serving(
+    make: Callable[[DhtTransport], DHTNode], *, host: str = "127.0.0.1"
+) -> AsyncIterator[DHTNode]:
+    """A DHT node built by ``make`` (an honest or a misbehaving one), served on ``host`` (a
+    loopback address)."""
     async with RpcClient() as client:
         node = make(GrpcDhtTransport(client))
         async with PeerServer(
-            ServerConfig(), [DhtServicer(node, node.rejections).service()]
+            ServerConfig(host=host), [DhtServicer(node, node.rejections).service()]
         ) as server:
-            node.set_endpoint(f"127.0.0.1:{server.port}", tls_fingerprint=server.tls_fingerprint)
+            node.set_endpoint(f"{host}:{server.port}", tls_fingerprint=server.tls_fingerprint)
             async with node:
                 yield node
 

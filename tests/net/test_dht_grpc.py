@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
+from collections import Counter
 from functools import partial
 
 import msgpack
@@ -15,17 +16,18 @@ from tcpproxy import TcpProxy
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import ManifestError, NetworkError
 from swarmloco.net.client import RpcClient, RpcError
-from swarmloco.net.dht.contact import sign_card
+from swarmloco.net.dht.contact import distance, sign_card
 from swarmloco.net.dht.node import DhtConfig, DHTNode
 from swarmloco.net.dht.storage import StorageConfig
 from swarmloco.net.dht.transport import STORE
-from swarmloco.net.dht.wire import record_to_proto, signed_store_request
+from swarmloco.net.dht.wire import key_id, record_to_proto, signed_store_request
 from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import PEERS, Record, make_record, peers_key, sign
 from swarmloco.net.server import ServerConfig
 from swarmloco.net.swarm import announce_peer, fetch_manifest, find_peers, publish_manifest
+from swarmloco.proto.v1 import dht_pb2 as pb
 
 PEER = {"endpoint": "127.0.0.1:5000", "role": "trainer", "version": "0.1.0", "public": True}
 
@@ -439,6 +441,80 @@ async def test_an_answer_full_of_forgeries_costs_the_reader_one_check():
     assert result.entries == {}
     assert len(result.rejected) == 1 and result.rejected[0].code == "bad-signature"
     assert reader.dht.rejections.total == 1
+
+
+class EclipsingNode(DHTNode):
+    """One of many ids ground next to a key and served from one address: it names only its
+    crew in every answer and claims every store without keeping it."""
+
+    def __init__(self, crew: list[DHTNode], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.crew = crew
+        self.lies = Counter[str]()
+
+    def _crew_cards(self) -> list[pb.PeerInfo]:
+        return [node.card.to_proto() for node in self.crew]
+
+    async def handle_find_node(self, request, observed_host):
+        await super().handle_find_node(request, observed_host)  # checks the caller's card
+        self.lies["find"] += 1
+        return pb.FindNodeResponse(peer=self.card.to_proto(), closest=self._crew_cards())
+
+    async def handle_find_value(self, request, observed_host):
+        await super().handle_find_value(request, observed_host)
+        self.lies["find"] += 1
+        return pb.FindValueResponse(peer=self.card.to_proto(), closest=self._crew_cards())
+
+    async def handle_store(self, request, observed_host):
+        self.lies["store"] += len(request.records)
+        claims = [pb.StoreResult(stored=True) for _ in request.records]
+        return pb.StoreResponse(peer=self.card.to_proto(), results=claims)
+
+
+async def test_twenty_ids_ground_next_to_a_key_on_one_address_do_not_eclipse_it():
+    key = peers_key(SWARM)
+    target = key_id(key)
+    # 127.N.0.1 are networks of their own (as /24s of public addresses would be).
+    dht = DhtConfig(limit_private_subnets=True)
+    honest_ids = [Identity.generate() for _ in range(6)]
+    nearest = min(distance(i.peer_id, target) for i in honest_ids)
+    ground: list[Identity] = []  # every one closer to the key than every honest node
+    while len(ground) < 20:
+        identity = Identity.generate()
+        if distance(identity.peer_id, target) < nearest:
+            ground.append(identity)
+    crew: list[DHTNode] = []
+    async with contextlib.AsyncExitStack() as stack:
+        honest: list[NetNode] = []
+        for i, identity in enumerate(honest_ids):
+            config = NodeConfig(
+                server=ServerConfig(host=f"127.{i + 1}.0.1"),
+                peers=(honest[0].endpoint,) if honest else (),
+                dht=dht,
+            )
+            honest.append(
+                await stack.enter_async_context(NetNode(identity=identity, config=config))
+            )
+        for identity in ground:
+            make = partial(EclipsingNode, crew, identity=identity, config=dht)
+            node = serving(lambda t, make=make: make(transport=t), host="127.66.0.1")
+            crew.append(await stack.enter_async_context(node))
+        for node in crew[:2]:  # two in each honest table: all the subnet cap lets in
+            await node.join([h.endpoint for h in honest])
+        await wait_for(
+            lambda: all(any(c.host == "127.66.0.1" for c in h.dht.routing) for h in honest)
+        )
+
+        writer, reader = honest[1], honest[2]
+        value = dict(PEER, endpoint=writer.endpoint)
+        stored = await writer.dht.store(key, value, ttl=60)
+        holders = [h for h in honest if h.dht.storage.get(key)]
+        result = await reader.dht.get(key)
+    lies = sum((node.lies for node in crew), Counter[str]())
+    assert lies["find"] > 0  # the crew answered lookups with only its own cards
+    # Two of the crew take a place among the closest; every honest node holds the record.
+    assert (len(holders), lies["store"], stored) == (len(honest), 2, len(honest) + 2)
+    assert list(result.entries) == [writer.dht.peer_id.hex()]
 
 
 async def test_an_unknown_swarm_id_says_so():

@@ -112,24 +112,57 @@ def test_a_lookup_asks_the_closest_unasked_contact_and_skips_unreachable_ones():
     own = Identity.generate()
     book = book_of(own)
     target = Identity.generate().peer_id
-    contacts = sorted((card() for _ in range(5)), key=lambda c: distance(c.peer_id, target))
+    cards = (card(f"8.8.{i}.8") for i in range(5))
+    contacts = sorted(cards, key=lambda c: distance(c.peer_id, target))
     book.failed(contacts[0], "timed out")  # the closest failed a moment ago
     lookup = Lookup(target=target, k=3, book=book)
     for contact in contacts:
         lookup.offer(contact, depth=1)
     lookup.offer(sign_card(own, "8.8.4.4:4000"), depth=1)  # never ourselves
     assert [c.peer_id for c in lookup.ranked()] == [c.peer_id for c in contacts[1:4]]
-    first = lookup.next_to_query(within=3)
+    first = lookup.next_to_query(lookup.ranked())
     assert first == contacts[1]
     lookup.queried.add(first.peer_id)
-    assert lookup.next_to_query(within=3) == contacts[2]
-    assert lookup.next_to_query(within=1) is None
+    assert lookup.next_to_query(lookup.ranked()) == contacts[2]
+    assert lookup.next_to_query(lookup.ranked()[:1]) is None
+
+
+def test_ids_ground_next_to_the_target_from_one_network_take_two_of_the_k_places():
+    own = Identity.generate()
+    book = book_of(own)
+    target = Identity.generate().peer_id
+    honest = [card(f"8.8.{i}.8") for i in range(6)]
+    nearest = min(distance(c.peer_id, target) for c in honest)
+    ground = []  # closer to the target than every honest node, all on one /24
+    while len(ground) < 5:
+        identity = Identity.generate()
+        if distance(identity.peer_id, target) < nearest:
+            ground.append(card(f"6.6.6.{len(ground) + 1}", identity))
+    lookup = Lookup(target=target, k=4, book=book)
+    for contact in ground + honest:
+        lookup.offer(contact, depth=1)
+    by_distance = sorted(ground + honest, key=lambda c: distance(c.peer_id, target))
+    closest_honest = [c for c in by_distance if c in honest]
+    closest_ground = [c for c in by_distance if c in ground]
+    assert lookup.ranked() == sorted(
+        closest_ground[:2] + closest_honest[:2], key=lambda c: distance(c.peer_id, target)
+    )
+    # A get settles on the closest node of each of two networks, not on two of one.
+    assert lookup.quorum(2) == [closest_ground[0], closest_honest[0]]
+    for contact in ground + honest:
+        assert lookup.absorb_nodes(contact, pb.FindNodeResponse(peer=contact.to_proto()))
+    assert lookup.closest_responded() == lookup.ranked()
+    # When those two fail, the next two of their network take their places, no more.
+    lookup.failed.update(c.peer_id for c in closest_ground[:2])
+    assert [c for c in lookup.ranked() if c in ground] == closest_ground[2:4]
 
 
 def test_a_get_is_settled_once_it_holds_records_and_the_closest_answered():
     book = book_of(Identity.generate())
     target = key_id(peers_key(SWARM))
-    near, far = sorted((card(), card()), key=lambda c: distance(c.peer_id, target))
+    near, far = sorted(
+        (card("8.8.8.8"), card("9.9.9.9")), key=lambda c: distance(c.peer_id, target)
+    )
     lookup = Lookup(target=target, k=20, book=book)
     lookup.offer(near, depth=1)
     lookup.offer(far, depth=1)

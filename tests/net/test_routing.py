@@ -1,9 +1,10 @@
-"""The routing table: bucket size, the per-/24 cap, replacements, XOR order."""
+"""The routing table: bucket size, the per-/24 cap, replacements, XOR order; the same cap
+on the closest nodes a lookup keeps."""
 
 import random
 
 from swarmloco.net.dht.contact import sign_card
-from swarmloco.net.dht.routing import Added, RoutingTable
+from swarmloco.net.dht.routing import Added, RoutingTable, diverse
 from swarmloco.net.identity import Identity
 
 
@@ -76,3 +77,17 @@ def test_random_id_in_bucket_lands_in_that_bucket():
     rng = random.Random(3)
     for index in (0, 1, 7, 100, 159):
         assert table.bucket_index(table.random_id_in_bucket(index, rng)) == index
+
+
+def test_diverse_keeps_the_order_and_caps_each_network_and_exempts_none():
+    contacts = [
+        card(f"{host}:4000") for host in ("1.1.1.1", "1.1.1.2", "1.1.1.3", "2.2.2.2", "10.0.0.1")
+    ]
+    table = RoutingTable(Identity.generate().peer_id)
+    chosen = diverse(contacts, 4, network=table.subnet, per_network=2)
+    assert chosen == [contacts[0], contacts[1], contacts[3], contacts[4]]
+    assert diverse(contacts, 2, network=table.subnet, per_network=1) == [contacts[0], contacts[3]]
+    private = [card("10.0.0.1:4000"), card("10.0.0.2:4000"), card("10.0.0.3:4000")]
+    assert diverse(private, 3, network=table.subnet, per_network=1) == private  # exempt
+    strict = RoutingTable(Identity.generate().peer_id, limit_private_subnets=True)
+    assert diverse(private, 3, network=strict.subnet, per_network=1) == private[:1]

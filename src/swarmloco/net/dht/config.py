@@ -26,11 +26,13 @@ class DhtConfig:
     alpha: int = 3
     """Queries in flight per lookup."""
     get_quorum: int = 2
-    """A get may stop once it has records and this many of the closest nodes answered.
-    Records live on the k closest nodes and newcomers are handed theirs on arrival, so the
-    closest two hold every subkey unless both lost a store; 3 costs one more tail wait."""
+    """A get may stop once it has records and this many of the closest nodes, one per
+    network, answered. Records live on the k closest nodes and newcomers are handed theirs
+    on arrival, so the closest two hold every subkey unless both lost a store; 3 costs one
+    more tail wait."""
     max_per_subnet: int = 2
-    """Contacts per bucket from one /24 (IPv4) or /64 (IPv6)."""
+    """Contacts per bucket from one /24 (IPv4) or /64 (IPv6), and nodes of one such network
+    among the k closest that a lookup keeps, asks and stores to."""
     limit_private_subnets: bool = False
     """Count loopback and private addresses by subnet as public ones are (simulations), in
     the routing table's subnet cap and in storage's quotas per source network. Otherwise

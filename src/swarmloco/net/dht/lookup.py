@@ -9,6 +9,11 @@ known have answered: records are stored at the k closest nodes, republished by t
 owners, and handed by the closest holder to any newcomer that becomes one of the k closest
 (Kademlia section 2.5), so the closest few nodes hold every subkey of a key.
 
+Node ids are free to make, so a stranger can grind any number next to a key and answer
+from one address with only its own cards: "the k closest" counts at most
+``max_per_subnet`` nodes of one network (the routing table's cap, :func:`diverse`), and a
+get's quorum one node per network, so that such ids take a few places, never all of them.
+
 Every card and record an answer carries is checked before it is used; one invalid record
 marks the whole answer as untrustworthy.
 """
@@ -29,6 +34,7 @@ from swarmloco.net.dht.book import ContactBook
 from swarmloco.net.dht.config import DhtConfig
 from swarmloco.net.dht.contact import Contact
 from swarmloco.net.dht.gates import SwarmGates
+from swarmloco.net.dht.routing import diverse
 from swarmloco.net.dht.wire import record_from_proto
 from swarmloco.net.records import CheckedRecords, Record
 from swarmloco.net.rejections import Rejection, RejectionLog
@@ -76,6 +82,7 @@ class Lookup:
         self._book = book
         self._target_int = int.from_bytes(target, "big")
         self.candidates: dict[bytes, Contact] = {}
+        self._networks: dict[bytes, str | None] = {}
         self.depth: dict[bytes, int] = {}
         self.queried: set[bytes] = set()
         self.responded: dict[bytes, Contact] = {}
@@ -94,6 +101,7 @@ class Lookup:
             return
         self.candidates[contact.peer_id] = contact
         self.depth[contact.peer_id] = depth
+        self._networks[contact.peer_id] = self._book.routing.subnet(contact)
 
     def _best_distance(self) -> int:
         return min(
@@ -105,24 +113,39 @@ class Lookup:
             default=1 << 160,
         )
 
-    def ranked(self) -> list[Contact]:
-        live = [c for i, c in self.candidates.items() if i not in self.failed]
-        live.sort(key=lambda c: int.from_bytes(c.peer_id, "big") ^ self._target_int)
-        return live[: self._k]
+    def _closest(self, contacts: list[Contact], count: int, per_network: int) -> list[Contact]:
+        contacts.sort(key=lambda c: int.from_bytes(c.peer_id, "big") ^ self._target_int)
+        return diverse(
+            contacts,
+            count,
+            network=lambda c: self._networks[c.peer_id],
+            per_network=per_network,
+        )
 
-    def next_to_query(self, within: int) -> Contact | None:
-        """The closest contact not asked yet among the ``within`` closest known."""
-        for contact in self.ranked()[:within]:
+    def ranked(self) -> list[Contact]:
+        """The k closest known that have not failed, at most ``max_per_subnet`` of a network."""
+        live = [c for i, c in self.candidates.items() if i not in self.failed]
+        return self._closest(live, self._k, self._book.routing.max_per_subnet)
+
+    def quorum(self, count: int) -> list[Contact]:
+        """The ``count`` closest known that have not failed, one per network: the nodes
+        whose answers settle a get."""
+        live = [c for i, c in self.candidates.items() if i not in self.failed]
+        return self._closest(live, count, 1)
+
+    def next_to_query(self, among: list[Contact]) -> Contact | None:
+        """The first contact of ``among`` (closest first) not asked yet."""
+        for contact in among:
             if contact.peer_id not in self.queried:
                 return contact
         return None
 
     def settled(self, quorum: int) -> bool:
-        """A get may stop: it holds records and the ``quorum`` closest known answered."""
+        """A get may stop: it holds records and the ``quorum`` closest known of distinct
+        networks answered."""
         if not self.entries:
             return False
-        closest = self.ranked()[:quorum]
-        return all(c.peer_id in self.responded for c in closest)
+        return all(c.peer_id in self.responded for c in self.quorum(quorum))
 
     def absorb_nodes(
         self, contact: Contact, response: pb.FindNodeResponse | pb.FindValueResponse | None
@@ -151,9 +174,9 @@ class Lookup:
             self.entries[entry.subkey] = entry
 
     def closest_responded(self) -> list[Contact]:
-        t = self._target_int
-        found = sorted(self.responded.values(), key=lambda c: int.from_bytes(c.peer_id, "big") ^ t)
-        return found[: self._k]
+        """The k closest that answered, at most ``max_per_subnet`` of a network."""
+        found = list(self.responded.values())
+        return self._closest(found, self._k, self._book.routing.max_per_subnet)
 
 
 class Lookups:
@@ -198,10 +221,13 @@ class Lookups:
             while not (value_lookup and lookup.settled(cfg.get_quorum)):
                 # Once a get holds records, only the closest `get_quorum` nodes can still
                 # change the outcome: asking farther ones would only cost calls.
-                within = cfg.get_quorum if value_lookup and lookup.entries else cfg.k
+                if value_lookup and lookup.entries:
+                    among = lookup.quorum(cfg.get_quorum)
+                else:
+                    among = lookup.ranked()
                 parallel = cfg.k if lookup.stalled else cfg.alpha
                 while len(inflight) < parallel:
-                    ask = lookup.next_to_query(within)
+                    ask = lookup.next_to_query(among)
                     if ask is None:
                         break
                     lookup.queried.add(ask.peer_id)

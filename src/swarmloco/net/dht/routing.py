@@ -5,7 +5,8 @@ bucket keeps at most ``k`` contacts in least-recently-seen order, and at most
 ``max_per_subnet`` of them from one /24 (IPv4) or /64 (IPv6), so that one operator with
 one block of addresses cannot fill our buckets and eclipse us. A full bucket keeps
 newcomers in a small replacement cache (Kademlia section 4.1) and promotes the freshest
-one when a member fails. Pure data structure: no I/O, the caller passes the time.
+one when a member fails. Pure data structure: no I/O, the caller passes the time. Lookups
+apply the same cap to the k closest nodes they keep (:func:`diverse`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from __future__ import annotations
 import enum
 import heapq
 import random
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 
 from swarmloco.net.dht.contact import Contact, distance
 from swarmloco.net.endpoints import subnet_of
@@ -39,6 +40,35 @@ class _Bucket:
         self.seen: dict[bytes, float] = {}
         self.replacements: OrderedDict[bytes, Contact] = OrderedDict()
         self.last_lookup = 0.0
+
+
+def diverse(
+    contacts: Iterable[Contact],
+    count: int,
+    *,
+    network: Callable[[Contact], str | None],
+    per_network: int,
+) -> list[Contact]:
+    """The first ``count`` of ``contacts`` (in their order, closest first) with at most
+    ``per_network`` of them from one ``network`` (None: exempt, each counts alone).
+
+    Node ids cost nothing to make, so one operator can grind any number of them next to a
+    key; its addresses are what it cannot multiply. Lookups keep, ask and store to the
+    closest nodes under this cap, so ids from one network take at most ``per_network``
+    of their places however close they are (S/Kademlia's disjoint paths, simplified).
+    """
+    taken: Counter[str] = Counter()
+    chosen: list[Contact] = []
+    for contact in contacts:
+        if len(chosen) >= count:
+            break
+        group = network(contact)
+        if group is not None:
+            if taken[group] >= per_network:
+                continue
+            taken[group] += 1
+        chosen.append(contact)
+    return chosen
 
 
 class RoutingTable:
@@ -76,11 +106,12 @@ class RoutingTable:
     def get(self, peer_id: bytes) -> Contact | None:
         return self._buckets[self.bucket_index(peer_id)].contacts.get(peer_id)
 
-    def _subnet(self, contact: Contact) -> str | None:
+    def subnet(self, contact: Contact) -> str | None:
+        """The network ``contact`` counts toward in the subnet cap (None: exempt)."""
         return subnet_of(contact.host, limit_private=self.limit_private_subnets)
 
     def _subnet_count(self, contacts: OrderedDict[bytes, Contact], subnet: str) -> int:
-        return sum(1 for c in contacts.values() if self._subnet(c) == subnet)
+        return sum(1 for c in contacts.values() if self.subnet(c) == subnet)
 
     def add(self, contact: Contact, *, now: float) -> Added:
         """Record that ``contact`` answered or called us (it is alive)."""
@@ -93,7 +124,7 @@ class RoutingTable:
                 return Added.IGNORED
             if contact.endpoint != known.endpoint:
                 # A restarted peer on a new address still counts toward a subnet cap.
-                subnet = self._subnet(contact)
+                subnet = self.subnet(contact)
                 others = OrderedDict(
                     (i, c) for i, c in bucket.contacts.items() if i != contact.peer_id
                 )
@@ -103,7 +134,7 @@ class RoutingTable:
             bucket.contacts.move_to_end(contact.peer_id)
             bucket.seen[contact.peer_id] = now
             return Added.UPDATED
-        subnet = self._subnet(contact)
+        subnet = self.subnet(contact)
         if (
             subnet is not None
             and self._subnet_count(bucket.contacts, subnet) >= self.max_per_subnet
@@ -132,7 +163,7 @@ class RoutingTable:
         self._size -= 1
         while bucket.replacements:
             _, candidate = bucket.replacements.popitem(last=True)  # freshest first
-            subnet = self._subnet(candidate)
+            subnet = self.subnet(candidate)
             if subnet is None or self._subnet_count(bucket.contacts, subnet) < self.max_per_subnet:
                 bucket.contacts[candidate.peer_id] = candidate
                 bucket.seen[candidate.peer_id] = now
