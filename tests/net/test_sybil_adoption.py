@@ -266,3 +266,76 @@ async def test_a_fresh_joiner_that_reaches_honest_peers_and_sybils_takes_the_hon
     assert refused and "outer momentum" in refused[0].reason
     assert {a.peer_id for a in attackers} & found.distrusted
     assert sum(a.served for a in attackers) >= 1  # it was tried, and refused whole
+
+
+async def claim(node: NetNode, owner: Identity, *, claim: int) -> None:
+    """``owner``'s progress claim alone (no state behind it), stored through ``node``."""
+    now = node.dht.clock()
+    record = make_record(
+        progress_key(SWARM),
+        {"round": claim, "tokens": 0, "tokens_per_s": 1000.0, "at": now},
+        expiration=now + 60,
+        owner=owner,
+    )
+    assert await node.dht.store_record(record, republish=False) >= 1
+
+
+@pytest.mark.parametrize("published", [False, True])
+async def test_five_keys_claiming_rounds_far_ahead_do_not_keep_a_fresh_joiner_from_the_swarm(
+    published,
+):
+    """Three honest peers on three addresses hold round 20 (working on 21). Five attacker
+    keys claim rounds far ahead: two claim R = 10^9, which sets a stranger's ceiling there
+    (the quorum is two claims), three claim R - 2, R - 4 and R - 6, so the eight newest
+    rounds held, R - 1 .. R - 8, are all theirs. Nobody serves them: no state is published
+    for them at all, or (``published``) each key publishes digests of the two rounds it
+    claims to hold, at an address that serves nothing. A fresh joiner passes over them (a
+    round with no state takes no place; states nobody hands over do not end the look) and
+    takes the honest state of round 20. It took nothing before: only R - 1 .. R - 8 were
+    read."""
+    honest = Trajectory(seed=3)
+    theta0 = honest.theta0.clone()
+    for _ in range(20):
+        honest.step()
+    good = honest.snapshot()
+    far = 10**9
+    async with AsyncExitStack() as stack:
+        boot = await server(stack, None, "127.0.0.1")
+        peers = [await server(stack, boot.node, f"127.0.0.{2 + i}") for i in range(3)]
+        for p in peers:
+            p.serve(good)
+            await publish(
+                p.node,
+                p.node.identity,
+                round=20,
+                digest=good.digest,
+                endpoint=p.node.endpoint,
+                claim=21,
+            )
+        attacker = await server(stack, boot.node, "127.0.0.10")  # serves no state
+        for i, claimed in enumerate((far, far, far - 2, far - 4, far - 6)):
+            key = Identity.generate()
+            await claim(attacker.node, key, claim=claimed)
+            if published:
+                for held in (claimed - 1, claimed - 2):
+                    now = attacker.node.dht.clock()
+                    record = make_record(
+                        digest_key(SWARM, held),
+                        {"digest": bytes([i]) * 32, "endpoint": attacker.node.endpoint, "at": now},
+                        expiration=now + 60,
+                        owner=key,
+                    )
+                    assert await attacker.node.dht.store_record(record, republish=False) >= 1
+        me = await stack.enter_async_context(
+            NetNode(identity=Identity.generate(), config=NodeConfig(peers=(boot.node.endpoint,)))
+        )
+        fresh = Reference(theta_g=theta0, momentum=None, tokens=0, outer_lr=LR, outer_momentum=MU)
+        found = await catchup(me, Evidence()).find(
+            round=0, digest=None, reference=fresh, distrusted=set()
+        )
+    assert found.adopted is not None
+    assert found.adopted.snapshot.round == 20
+    assert found.adopted.snapshot.digest == good.digest
+    assert found.adopted.donor.peer_id in {p.peer_id for p in peers}
+    assert bool(found.failed) == published  # the attacker's states were asked for, in vain
+    assert sum(p.served for p in peers) == 1

@@ -9,7 +9,10 @@ way it looks for another state (:meth:`CatchUp.find`):
    first, a stranger's claim capped at the ``quorum``-th highest claim of the peers that
    hold a round (one peer alone cannot lead this one past what the others report; a
    witness can; a newcomer at the initial state does not count). Read the digests
-   published for each.
+   published for each, ``rounds_tried`` rounds at a time: when none of a batch's states
+   is adopted, the next rounds are read (those the most claims name first), at most
+   ``rounds_read`` in all, so that a few keys claiming rounds far ahead that nobody
+   serves cannot keep the rounds the swarm holds from being looked at.
 2. Rank the candidate states: those held by a *witness* (a peer that averaged with this one
    lately) first, then the newer round, then the most backed; a fresh peer (no witness
    yet) and an orphaned one (every witness silent, or none ever) take the state held from
@@ -31,11 +34,14 @@ events and the dashboard.
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +86,18 @@ class CatchUpConfig:
     state_timeout_s: float = 300.0
     """One catch-up, every candidate and donor together."""
     rounds_tried: int = 8
-    """Later rounds whose digests are read, newest first."""
+    """Later rounds whose digests are read, and their states tried, at a time."""
+    rounds_read: int = 64
+    """Later rounds whose digests one look reads at most: the ``rounds_tried`` newest,
+    then, while none of the states read so far is adopted, the rounds the most claims
+    name (keys claiming rounds nobody serves cost this peer a read each)."""
     donors_per_digest: int = 4
     """Holders of one digest asked for it before moving on to the next candidate."""
 
     def __post_init__(self) -> None:
         require_positive("state_timeout_s", self.state_timeout_s)
         require_int("rounds_tried", self.rounds_tried, minimum=1)
+        require_int("rounds_read", self.rounds_read, minimum=1)
         require_int("donors_per_digest", self.donors_per_digest, minimum=1)
 
 
@@ -252,42 +263,46 @@ class CatchUp:
             p: r for p, r in claims.items() if p in self.evidence.witnesses and p not in distrusted
         }
         counted = list(partners.values()) if partners else self._counted(claims)
-        candidates = await self._later(counted, search.round, search.distrusted_digests)
-        # Orphaned: every recent partner is silent (or was caught serving a bad state).
-        heard = set(claims) | {h for c in candidates for h in c.holders}
-        live = (heard & self.evidence.witnesses.keys()) - distrusted
-        orphaned = not self.evidence.fresh and not live
+        candidates: list[Candidate] = []
+
+        def live() -> set[str]:
+            heard = set(claims) | {h for c in candidates for h in c.holders}
+            return (heard & self.evidence.witnesses.keys()) - distrusted
+
         why = "the swarm is at round {target}, this peer at " + str(search.round)
-        if await self._try(search, candidates, distrusted, why, orphaned):
-            return True
-        if live and not live - found.distrusted:
+        # Orphaned: every recent partner is silent (or was caught serving a bad state).
+        orphaned = not self.evidence.fresh and not live()
+        later = self._later(counted, search.round, search.distrusted_digests)
+        async with contextlib.aclosing(later) as batches:
+            async for batch in batches:
+                candidates += batch
+                orphaned = not self.evidence.fresh and not live()
+                if await self._try(search, batch, distrusted, why, orphaned):
+                    return True
+        heard_live = live()
+        if heard_live and not heard_live - found.distrusted:
             # The only partners still heard from just served states that failed the
             # checks: this peer is on its own now, and looks at what everyone claims.
             orphaned = True
             gone = distrusted | found.distrusted
-            rest = await self._beyond(search, claims, gone)
-            candidates += rest
-            if await self._try(search, rest, gone, why, orphaned):
-                return True
+            heard_rest = {p: r for p, r in claims.items() if p not in gone}
+            later = self._later(self._counted(heard_rest), search.round, search.distrusted_digests)
+            async with contextlib.aclosing(later) as batches:
+                async for batch in batches:
+                    rest = self._beyond(search, batch, gone)
+                    candidates += rest
+                    if await self._try(search, rest, gone, why, orphaned):
+                        return True
         backed = {
             h for c in candidates for h in c.holders if not self._unbacked_reason(c, orphaned)
         }
         found.unbacked = {p for p, r in claims.items() if r > search.round + 2 and p not in backed}
         return False
 
-    async def _beyond(
-        self, search: _Search, claims: dict[str, int], gone: set[str]
-    ) -> list[Candidate]:
-        """The later states that peers other than ``gone`` claim, each held by someone not
-        gone; a refusal of one of them is taken back, since it is tried again."""
-        heard_rest = {p: r for p, r in claims.items() if p not in gone}
-        rest = [
-            c
-            for c in await self._later(
-                self._counted(heard_rest), search.round, search.distrusted_digests
-            )
-            if not set(c.holders) <= gone
-        ]
+    def _beyond(self, search: _Search, batch: list[Candidate], gone: set[str]) -> list[Candidate]:
+        """The states of ``batch`` held by someone not ``gone``; a refusal of one of them is
+        taken back, since it is tried again."""
+        rest = [c for c in batch if not set(c.holders) <= gone]
         retried = {(c.round, c.digest.hex()) for c in rest}
         found = search.found
         found.refused = [r for r in found.refused if (r.round, r.digest) not in retried]
@@ -320,18 +335,33 @@ class CatchUp:
 
     async def _later(
         self, counted: list[int], round: int, distrusted_digests: frozenset[bytes]
-    ) -> list[Candidate]:
+    ) -> AsyncGenerator[list[Candidate], None]:
         """The states published for the rounds ``counted`` claims say peers hold past
         ``round`` (a peer working towards r holds r - 1, or r - 2 while r - 1 is in
-        flight), newest first, at most ``rounds_tried`` rounds."""
-        later = sorted(
-            {x for r in counted for x in (r - 1, r - 2) if x > round},
-            reverse=True,
-        )[: self.config.rounds_tried]
-        candidates: list[Candidate] = []
-        for target in later:
-            candidates += self._candidates(target, await self.digests_of(target))
-        return [c for c in candidates if c.digest not in distrusted_digests]
+        flight), ``rounds_tried`` rounds at a time, at most ``rounds_read`` in all.
+
+        The newest rounds first; after them, the rounds the most claims name. Claims cost
+        nothing: two keys claiming a round far ahead set every stranger's ceiling there,
+        and three more claiming the rounds just below it took all the newest places,
+        rounds nobody serves. So a batch that yields no state does not end the look: the
+        rounds the swarm holds are still read (a crowd of claims costs this peer reads,
+        and downloads only where some key publishes a state, which the checks decide)."""
+        named = collections.Counter(x for r in counted for x in {r - 1, r - 2} if x > round)
+        tried = self.config.rounds_tried
+        newest = sorted(named, reverse=True)
+        rest = sorted(newest[tried:], key=lambda x: (-named[x], -x))
+        order = (newest[:tried] + rest)[: self.config.rounds_read]
+        for at in range(0, len(order), tried):
+            targets = order[at : at + tried]
+            published = await asyncio.gather(*(self.digests_of(t) for t in targets))
+            batch = [
+                c
+                for target, digests in zip(targets, published, strict=True)
+                for c in self._candidates(target, digests)
+                if c.digest not in distrusted_digests
+            ]
+            if batch:
+                yield batch
 
     async def initial(self, digest: bytes) -> DownloadedState | None:
         """The round-0 state (the run's initial weights) from any peer of the swarm still at

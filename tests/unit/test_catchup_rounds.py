@@ -1,0 +1,149 @@
+"""Which rounds a catch-up looks at (``runtime/catchup.py``), against a DHT in memory: the
+records are what the test puts there, and a download hands over the state its digest
+names, if some holder serves it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from swarmloco.core.adoption import Evidence, Reference
+from swarmloco.core.state import MOMENTUM, THETA_G, StateSchema, StateSnapshot
+from swarmloco.net.records import digest_key, progress_key
+from swarmloco.net.state import Donor, DownloadedState, StateTransferError
+from swarmloco.runtime import catchup as catchup_module
+from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
+
+SWARM = "e4" * 20
+NUMEL = 64
+FAR = 10**9
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    subkey: str
+    value: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    entries: dict[str, Entry]
+
+
+class MemoryDHT:
+    """Records by key and subkey; counts the keys read."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, dict[str, Entry]] = {}
+        self.reads: list[str] = []
+
+    def put(self, key: str, subkey: str, value: dict[str, Any]) -> None:
+        self.keys.setdefault(key, {})[subkey] = Entry(subkey, value)
+
+    async def get(self, key: str) -> Result:
+        self.reads.append(key)
+        return Result(dict(self.keys.get(key, {})))
+
+
+class Swarm:
+    """Honest peers at one round, serving their state, and keys that claim rounds."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.dht = MemoryDHT()
+        self.theta0 = torch.zeros(NUMEL)
+        self.served: dict[bytes, StateSnapshot] = {}
+        self.asked: list[str] = []
+        monkeypatch.setattr(catchup_module, "download_state", self.download)
+
+    def claim(self, peer: str, round: int) -> None:
+        progress = {"round": round, "tokens": 0, "tokens_per_s": 1.0, "at": 1.0}
+        self.dht.put(progress_key(SWARM), peer, progress)
+
+    def hold(self, peer: str, round: int, digest: bytes) -> None:
+        self.dht.put(digest_key(SWARM, round), peer, {"digest": digest, "endpoint": f"{peer}:1"})
+
+    def honest(self, peers: int, round: int) -> StateSnapshot:
+        theta = self.theta0 + 0.01
+        state = StateSnapshot.of(
+            swarm_id=SWARM, round=round, tensors={THETA_G: theta, MOMENTUM: torch.zeros(NUMEL)}
+        )
+        self.served[state.digest] = state
+        for n in range(peers):
+            self.claim(f"honest{n}", round + 1)
+            self.hold(f"honest{n}", round, state.digest)
+        return state
+
+    async def download(self, client: Any, donors: list[Donor], **kw: Any) -> DownloadedState:
+        self.asked += [d.peer_id for d in donors]
+        state = self.served.get(kw["expected_digest"])
+        if state is None:
+            raise StateTransferError("nobody handed it over", ())
+        return DownloadedState(state, donors[0], (), 0.0)
+
+    async def join(self) -> catchup_module.Found:
+        finder = CatchUp(
+            me="me",
+            swarm_id=SWARM,
+            dht=self.dht,  # type: ignore[arg-type]
+            client=None,  # type: ignore[arg-type]
+            schema=StateSchema.diloco(NUMEL),
+            evidence=Evidence(),
+            config=CatchUpConfig(),
+        )
+        fresh = Reference(
+            theta_g=self.theta0, momentum=None, tokens=0, outer_lr=0.7, outer_momentum=0.9
+        )
+        return await finder.find(round=0, digest=None, reference=fresh, distrusted=set())
+
+
+@pytest.mark.parametrize("published", [False, True])
+async def test_keys_claiming_rounds_nobody_serves_do_not_crowd_out_the_swarms_round(
+    monkeypatch, published
+):
+    """Two keys claiming round R set a stranger's ceiling at R; three more claim R - 2,
+    R - 4, R - 6: the eight newest rounds held are the attacker's. Rounds with no state, or
+    (``published``: a digest of each round a key claims to hold) whose states nobody hands
+    over, do not end the look: the honest round is read next and its state taken."""
+    swarm = Swarm(monkeypatch)
+    good = swarm.honest(peers=2, round=20)
+    for i, claimed in enumerate((FAR, FAR, FAR - 2, FAR - 4, FAR - 6)):
+        swarm.claim(f"key{i}", claimed)
+        if published:
+            for held in (claimed - 1, claimed - 2):
+                swarm.hold(f"key{i}", held, bytes([i]) * 32)
+    found = await swarm.join()
+    assert found.adopted is not None and found.adopted.snapshot.digest == good.digest
+    assert bool(found.failed) == published
+    digests_read = [k for k in swarm.dht.reads if k != progress_key(SWARM)]
+    assert len(digests_read) == 8 + 2  # R - 1 .. R - 8, then the swarm's 20 and 19
+
+
+async def test_a_crowd_of_claims_costs_reads_not_the_rounds_most_claims_name(monkeypatch):
+    """A hundred keys claim a hundred rounds far ahead, one each. The joiner reads the
+    eight newest rounds held, then the eight the most claims name (the swarm's two, which
+    its three peers name, first), and takes the swarm's state."""
+    swarm = Swarm(monkeypatch)
+    good = swarm.honest(peers=3, round=20)
+    for i in range(100):
+        swarm.claim(f"key{i}", FAR - 3 * i)
+    found = await swarm.join()
+    assert found.adopted is not None and found.adopted.snapshot.digest == good.digest
+    digests_read = [k for k in swarm.dht.reads if k != progress_key(SWARM)]
+    assert len(digests_read) == 2 * CatchUpConfig().rounds_tried
+    assert digest_key(SWARM, 20) in digests_read
+
+
+async def test_a_peer_reads_no_more_than_rounds_read_rounds(monkeypatch):
+    """Two hundred keys claiming rounds nobody holds: the look ends after ``rounds_read``
+    rounds read, with nothing adopted and every one of those keys left out of pacing."""
+    swarm = Swarm(monkeypatch)
+    for i in range(200):
+        swarm.claim(f"key{i}", FAR - 3 * i)
+    found = await swarm.join()
+    assert found.adopted is None and not swarm.asked
+    digests_read = [k for k in swarm.dht.reads if k != progress_key(SWARM)]
+    assert len(digests_read) == CatchUpConfig().rounds_read
+    assert len(found.unbacked) == 200
