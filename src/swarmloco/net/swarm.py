@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 from swarmloco import __version__
 from swarmloco.core.manifest import SwarmManifest, check_swarm_id
@@ -82,7 +83,10 @@ async def announce_peer(dht: DHTNode, swarm_id: str, *, role: str, ttl: float = 
 
 
 async def find_peers(dht: DHTNode, swarm_id: str) -> list[PeerEntry]:
-    """The live peers of ``swarm_id``, most recently announced first."""
+    """The live peers of ``swarm_id``, in random order: a record's expiration is its
+    owner's choice (a stranger may set the longest a node keeps, honest peers
+    ``PEER_TTL_S``), so it never ranks peers; callers rank them on what they saw
+    themselves."""
     result = await dht.get(peers_key(swarm_id))
     peers = [
         PeerEntry(
@@ -96,7 +100,7 @@ async def find_peers(dht: DHTNode, swarm_id: str) -> list[PeerEntry]:
         for entry in result.entries.values()
         if entry.value["role"] != "left"
     ]
-    peers.sort(key=lambda p: p.expiration, reverse=True)
+    random.shuffle(peers)
     return peers
 
 

@@ -16,16 +16,22 @@ way it looks for another state (:meth:`CatchUp.find`):
 2. Rank the candidate states: those held by a *witness* (a peer that averaged with this one
    lately) first, then the newer round, then the most backed; a fresh peer (no witness
    yet) and an orphaned one (every witness silent, or none ever) take the state held from
-   the most source networks first.
+   the most source networks first (counting only holders that answered this peer there).
 3. Take each candidate only with evidence (``core/adoption.py``): backed by a witness (a
    peer with nobody to ask takes any, on the checks that follow), a round that time
-   allows; download it from its holders (witnesses first, at most ``donors_per_digest``,
-   each bounded by the download's own limits); then check it whole against this peer's
+   allows; download it from its holders (at most ``donors_per_digest``, each bounded by
+   the download's own limits, picked as below); then check it whole against this peer's
    own state (finite, the distance the outer steps move, the momentum its updates build,
    the token count). A state that fails is refused and its holders distrusted.
 4. Of its own round, a peer takes another digest only when its witnesses back that digest
    more than its own (never on strangers' word): a split group heals, a thousand keys
    publishing another digest of the round change nothing.
+
+Donors, of a digest or of the initial state, are picked on what this peer saw itself,
+never on what they announced (a record's expiration, a claimed endpoint): witnesses
+first, then peers that answered it at that endpoint (a state served, a DHT call), then the
+rest in random order; one per source network before a second from any; and a donor that
+failed lately after all the others, so that the next try asks new ones.
 
 It runs on the peer's event loop while the training thread waits for it, so it reads the
 peer's ``theta_g`` without a copy. Everything it refused is returned for the log, the
@@ -41,6 +47,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +71,7 @@ from swarmloco.net.records import digest_key, progress_key, progress_report
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.net.state import (
     Donor,
+    DonorFailure,
     DownloadConfig,
     DownloadedState,
     Requester,
@@ -73,6 +81,10 @@ from swarmloco.net.state import (
 from swarmloco.net.swarm import find_peers
 
 logger = logging.getLogger(__name__)
+
+FAILED_DONOR_S = 30.0
+"""How long a donor whose download failed (unreachable, refusing, stalling) is asked only
+after every other: the next tries go to donors not yet asked."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,12 +121,15 @@ class Candidate:
     digest: bytes
     holders: tuple[str, ...]
     endpoints: dict[str, str]
+    answered: frozenset[str] = frozenset()
+    """The holders that answered this peer at the endpoint they publish."""
 
     @property
     def networks(self) -> int:
-        """Distinct source networks of the holders' endpoints (client-mode holders, which
-        publish none, count as none)."""
-        return len({_network(self.endpoints.get(p, "")) for p in self.holders} - {""})
+        """Distinct source networks of the endpoints of the holders that answered there
+        (an endpoint claimed and never answered from costs a key nothing)."""
+        answered = (self.endpoints.get(p, "") for p in self.holders if p in self.answered)
+        return len({_network(e) for e in answered} - {""})
 
 
 def _network(endpoint: str) -> str:
@@ -206,6 +221,10 @@ class CatchUp:
         self.config = config or CatchUpConfig()
         self.rejections = rejections
         self.clock = clock
+        self._failed: dict[str, float] = {}
+        """Peer id -> until when (monotonic) it is asked after every other donor."""
+        self._served: dict[str, str] = {}
+        """Peer id -> the endpoint it served this peer a state from."""
 
     async def claims(self) -> dict[str, int]:
         """Peer id -> the round it says it works towards, for every other peer reporting."""
@@ -367,24 +386,15 @@ class CatchUp:
         """The round-0 state (the run's initial weights) from any peer of the swarm still at
         round 0, checked against ``digest`` (the manifest's): no trust is needed."""
         peers = await find_peers(self.dht, self.swarm_id)
-        donors = [Donor(p.peer_id, p.endpoint) for p in peers if p.peer_id != self.me]
-        donors = [d for d in donors if d.endpoint][: self.config.donors_per_digest * 2]
+        donors = self._pick(
+            [Donor(p.peer_id, p.endpoint) for p in peers if p.peer_id != self.me and p.endpoint],
+            self.config.donors_per_digest * 2,
+        )
         if not donors:
             return None
+        deadline = Deadline.after(self.config.state_timeout_s)
         try:
-            return await download_state(
-                self.client,
-                donors,
-                swarm_id=self.swarm_id,
-                deadline=Deadline.after(self.config.state_timeout_s),
-                expected_round=0,
-                expected_digest=digest,
-                schema=self.schema,
-                config=self.config.download,
-                rejections=self.rejections,
-                requester=self.requester,
-                spool=self.spool,
-            )
+            return await self._transfer(donors, deadline, round=0, digest=digest)
         except StateTransferError as exc:
             logger.info("no peer serves the initial state: %s", exc)
             return None
@@ -408,15 +418,17 @@ class CatchUp:
 
     def _candidates(self, round: int, published: dict[str, tuple[bytes, str]]) -> list[Candidate]:
         endpoints = {peer: endpoint for peer, (_, endpoint) in published.items()}
+        answered = frozenset(p for p, e in endpoints.items() if e and self._answered(p, e))
         holders: dict[bytes, list[str]] = {}
         for peer, (digest, _) in sorted(published.items()):
             holders.setdefault(digest, []).append(peer)
-        return [Candidate(round, d, tuple(h), endpoints) for d, h in holders.items()]
+        return [Candidate(round, d, tuple(h), endpoints, answered) for d, h in holders.items()]
 
     def _order(self, candidates: Sequence[Candidate], orphaned: bool) -> list[Candidate]:
         if self.evidence.fresh or orphaned:
             # Nothing of its own to hold claims against: the state held from the most
-            # networks first (keys cost nothing; the checks after the download decide).
+            # networks that answered first (keys and claimed endpoints cost nothing; the
+            # checks after the download decide).
             return sorted(
                 candidates, key=lambda c: (-c.networks, -len(c.holders), -c.round, c.digest)
             )
@@ -487,13 +499,76 @@ class CatchUp:
 
     def _donors(self, c: Candidate, distrusted: set[str]) -> list[Donor]:
         usable = [
-            p for p in c.holders if p != self.me and c.endpoints.get(p) and p not in distrusted
+            Donor(p, c.endpoints[p])
+            for p in c.holders
+            if p != self.me and c.endpoints.get(p) and p not in distrusted
         ]
-        witnesses = [p for p in usable if p in self.evidence.witnesses]
-        others = [p for p in usable if p not in self.evidence.witnesses]
-        random.shuffle(others)  # a stalling holder cannot always be asked first
-        chosen = (witnesses + others)[: self.config.donors_per_digest]
-        return [Donor(p, c.endpoints[p]) for p in chosen]
+        return self._pick(usable, self.config.donors_per_digest)
+
+    def _pick(self, donors: Sequence[Donor], count: int) -> list[Donor]:
+        """Up to ``count`` of ``donors``, in the order to ask them: witnesses, then peers
+        that answered this one at that endpoint, then the rest, in random order within each
+        (a stalling donor cannot always be asked first, nor one whose record says so); one
+        per source network before a second from any; those that failed lately last."""
+        now = time.monotonic()
+        self._failed = {p: until for p, until in self._failed.items() if until > now}
+        witnesses = self.evidence.witnesses
+        seen: Counter[tuple[bool, bool, bool, str]] = Counter()
+        keyed: list[tuple[tuple[bool, bool, bool, int], Donor]] = []
+        for d in random.sample(list(donors), len(donors)):
+            rank = (
+                d.peer_id in self._failed,
+                d.peer_id not in witnesses,
+                not self._answered(d.peer_id, d.endpoint),
+            )
+            network = (*rank, _network(d.endpoint))
+            keyed.append(((*rank, seen[network]), d))
+            seen[network] += 1
+        keyed.sort(key=lambda k: k[0])
+        return [d for _, d in keyed[:count]]
+
+    def _answered(self, peer_id: str, endpoint: str) -> bool:
+        """Whether ``peer_id`` answered this peer at ``endpoint``: served it a state from
+        there, or is a contact of its DHT there (the routing table keeps only contacts
+        that answered from the endpoint of their card, and drops those that fail)."""
+        if self._served.get(peer_id) == endpoint:
+            return True
+        try:
+            contact = self.dht.routing.get(bytes.fromhex(peer_id))
+        except ValueError:
+            return False
+        return contact is not None and contact.endpoint == endpoint
+
+    async def _transfer(
+        self, donors: list[Donor], deadline: Deadline, *, round: int, digest: bytes
+    ) -> DownloadedState:
+        """The state of ``round`` with ``digest`` from the first of ``donors`` that delivers
+        it; the donors that failed are asked after the others for ``FAILED_DONOR_S``."""
+        try:
+            got = await download_state(
+                self.client,
+                donors,
+                swarm_id=self.swarm_id,
+                deadline=deadline,
+                expected_round=round,
+                expected_digest=digest,
+                schema=self.schema,
+                config=self.config.download,
+                rejections=self.rejections,
+                requester=self.requester,
+                spool=self.spool,
+            )
+        except StateTransferError as exc:
+            self._note_failures(exc.failures)
+            raise
+        self._note_failures(got.failures)
+        self._served[got.donor.peer_id] = got.donor.endpoint
+        return got
+
+    def _note_failures(self, failures: Sequence[DonorFailure]) -> None:
+        until = time.monotonic() + FAILED_DONOR_S
+        for failure in failures:
+            self._failed[failure.donor.peer_id] = until
 
     async def _download(
         self, c: Candidate, donors: list[Donor], deadline: Deadline, found: Found
@@ -505,19 +580,7 @@ class CatchUp:
             len(c.holders),
         )
         try:
-            return await download_state(
-                self.client,
-                donors,
-                swarm_id=self.swarm_id,
-                deadline=deadline,
-                expected_round=c.round,
-                expected_digest=c.digest,
-                schema=self.schema,
-                config=self.config.download,
-                rejections=self.rejections,
-                requester=self.requester,
-                spool=self.spool,
-            )
+            return await self._transfer(donors, deadline, round=c.round, digest=c.digest)
         except StateTransferError as exc:
             logger.warning("%s", exc)
             found.failed.append(str(exc))
