@@ -33,12 +33,20 @@ class Result:
     entries: dict[str, Entry]
 
 
+class NoContacts:
+    """A routing table that holds nobody (no donor has answered this peer yet)."""
+
+    def get(self, node_id: bytes) -> None:
+        return None
+
+
 class MemoryDHT:
     """Records by key and subkey; counts the keys read."""
 
     def __init__(self) -> None:
         self.keys: dict[str, dict[str, Entry]] = {}
         self.reads: list[str] = []
+        self.routing = NoContacts()
 
     def put(self, key: str, subkey: str, value: dict[str, Any]) -> None:
         self.keys.setdefault(key, {})[subkey] = Entry(subkey, value)
