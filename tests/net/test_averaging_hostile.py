@@ -13,6 +13,7 @@ import torch
 from avgutil import (
     FAST,
     PATIENT,
+    SWARM,
     assert_exact,
     assert_identical,
     averaging_peers,
@@ -24,6 +25,7 @@ from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.core.codec import chunk_spans
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import AllReduceResult, Fault, FaultPlan
+from swarmloco.net.averaging.candidates import leader_rank
 
 # A member that does not scale its own update down to the group's bound (a liar's code).
 _UNBOUNDED = dataclasses.replace(FAST, aggregator=AggregatorConfig(norm_clip=0.0))
@@ -333,3 +335,36 @@ async def test_a_digest_longer_than_any_is_refused_and_the_member_counted(phase)
         assert all(peers[hostile].peer_id in r.report.excluded for r in honest)
         assert sum(p.averager.rejections.counts["malformed"] for p in peers) == size - 1
         await _then_a_clean_round(peers, size)
+
+
+async def test_a_leaders_strangers_are_its_clients_and_a_forged_digest_aborts_nothing():
+    """Peers 0 and 1 averaged together before (partners); 2 and 3 are strangers to them,
+    and 2 announces a forged digest of its result. The partner that leads takes the
+    strangers as clients: their updates count, but they reduce no part and give no
+    verdict, so the forged digest decides nothing but what the forger applies. (Before,
+    the strangers served parts like anyone, and the forged digest made every server
+    disagree: the round aborted for all.)"""
+    size, forger = 4, 2
+    vectors = random_vectors(size, 64 * 40, seed=10)
+    async with averaging_peers(size) as peers:
+        ids = [p.peer_id for p in peers]
+        partners = set(ids[:2])
+        for p in peers[:2]:
+            p.matchmaker.partners = lambda me=p.peer_id: partners - {me}
+        # A round whose first in the order of leadership is a partner (strangers follow
+        # whoever leads; partners follow only each other).
+        round = next(
+            r
+            for r in range(1, 1000)
+            if min(ids, key=lambda i: leader_rank(SWARM, r, i)) in partners
+        )
+        plan = FaultPlan([Fault(action="corrupt", phase="done", corruption="forge", round=round)])
+        peers[forger].averager.faults = plan
+        results = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+    assert plan.fired[0] > 0
+    assert all(isinstance(r, AllReduceResult) for r in results), results
+    assert_identical(results)
+    report = results[0].report
+    assert set(report.members) == set(ids)
+    assert sorted(part.reducer for part in report.parts) == sorted(ids[:2])  # theirs alone
+    assert_exact(results[0], dict(zip(ids, vectors)), dict.fromkeys(ids, 1.0))

@@ -50,30 +50,44 @@ def label(member: int) -> str:
 
 def test_a_member_applies_only_once_every_live_server_agreed_with_its_digest():
     agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
-    step = agreement.step(b"d", alive=[0, 1, 2], servers=[0, 1], now=0.0)
+    step = agreement.step(b"d", servers=[0, 1], now=0.0)
     assert step.announce == b"d" and step.verdict is None and not step.decided
     agreement.done.update({1: b"d", 2: b"d"})
-    step = agreement.step(b"d", alive=[0, 1, 2], servers=[0, 1], now=1.0)
+    step = agreement.step(b"d", servers=[0, 1], now=1.0)
     assert step.announce is None and step.verdict.agreed and not step.decided
     agreement.verdicts[1] = pb.Verdict(agreed=True, digest=b"d")
-    step = agreement.step(b"d", alive=[0, 1, 2], servers=[0, 1], now=2.0)
+    step = agreement.step(b"d", servers=[0, 1], now=2.0)
     assert step.verdict is None and step.decided and agreement.agreed() == 2
 
 
 def test_a_serving_member_waits_its_patience_before_declaring_a_disagreement():
     agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
     agreement.done[1] = b"old"
-    assert agreement.step(b"d", alive=[0, 1], servers=[0, 1], now=10.0).verdict is None
-    assert agreement.step(b"d", alive=[0, 1], servers=[0, 1], now=14.9).verdict is None
-    step = agreement.step(b"d", alive=[0, 1], servers=[0, 1], now=15.0)
+    assert agreement.step(b"d", servers=[0, 1], now=10.0).verdict is None
+    assert agreement.step(b"d", servers=[0, 1], now=14.9).verdict is None
+    step = agreement.step(b"d", servers=[0, 1], now=15.0)
     assert not step.verdict.agreed and "['m1'] hold another result" in step.verdict.reason
     assert step.disagreement == "member m0 disagrees (members ['m1'] hold another result)"
+
+
+def test_a_clients_digest_decides_nothing_but_what_the_client_applies():
+    """Member 2 is a client (a stranger admitted to the group, say) announcing another
+    digest: the servers agree among themselves and apply; only the client does not."""
+    agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+    agreement.done.update({1: b"d", 2: b"made-up"})
+    step = agreement.step(b"d", servers=[0, 1], now=0.0)
+    assert step.verdict.agreed and step.disagreement is None
+    agreement.verdicts[1] = pb.Verdict(agreed=True, digest=b"d")
+    assert agreement.step(b"d", servers=[0, 1], now=1.0).decided
+    client = Agreement(me=2, serving=False, patience=5.0, label=label)
+    client.verdicts.update({0: pb.Verdict(agreed=True, digest=b"d")})
+    assert client.step(b"made-up", servers=[0, 1], now=1.0).disagreement is not None
 
 
 def test_a_verdict_that_differs_from_our_digest_ends_the_round_with_its_reason():
     agreement = Agreement(me=2, serving=False, patience=5.0, label=label)
     agreement.verdicts[0] = pb.Verdict(agreed=True, digest=b"other")
-    step = agreement.step(b"d", alive=[0, 1, 2], servers=[0, 1], now=0.0)
+    step = agreement.step(b"d", servers=[0, 1], now=0.0)
     assert step.disagreement == "member m0 disagrees (its result differs from ours)"
     assert step.verdict is None and not step.decided
 

@@ -112,7 +112,11 @@ def declaration(identity: Identity, weight: float = 1.0, endpoint: str = "8.8.8.
     )
 
 
-def gathering_of(config: MatchmakingConfig, rejections: RejectionLog | None = None) -> Gathering:
+def gathering_of(
+    config: MatchmakingConfig,
+    rejections: RejectionLog | None = None,
+    partners: frozenset[str] = frozenset(),
+) -> Gathering:
     return Gathering(
         me=declaration(Identity.generate(), endpoint="1.1.1.1:4000"),
         own_subnet="1.1.1.0/24",
@@ -120,13 +124,15 @@ def gathering_of(config: MatchmakingConfig, rejections: RejectionLog | None = No
         admission=None,
         rejections=rejections or RejectionLog(logger),
         config=config,
+        partners=partners,
     )
 
 
-def join(gathering: Gathering, subnet: str = "8.8.8.0/24"):
-    identity = Identity.generate()
+def join(gathering: Gathering, subnet: str = "8.8.8.0/24", identity: Identity | None = None):
+    identity = identity or Identity.generate()
+    endpoint = f"{subnet.split('/')[0][:-1]}8:4000"
     return identity.peer_id_hex, gathering.admit(
-        declaration(identity), identity.peer_id_hex, subnet, "8.8.8.8"
+        declaration(identity, endpoint=endpoint), identity.peer_id_hex, subnet, "8.8.8.8"
     )
 
 
@@ -188,3 +194,46 @@ def test_a_leader_gathers_its_expected_peers_and_strangers_up_to_the_group_cap()
     assert targets(None, 5, 64) == (64, 64)
     assert targets(3, 2, 64) == (5, 3)
     assert targets(3, 2, 4) == (4, 3)
+
+
+async def test_a_leader_with_partners_waits_for_them_not_for_strangers_that_came_first():
+    """Expecting its two partners (three peers, itself included) and no stranger, a leader
+    with partners is not closed by strangers that come first: they take at most
+    ``max_strangers`` places (the next is refused, ``strangers-full``) and count for none
+    of the expected peers; the group closes once the partners are in."""
+    partners = [Identity.generate() for _ in range(2)]
+    config = MatchmakingConfig(stranger_grace_s=0.05, poll_s=10.0, max_strangers=2)
+    rejections = RejectionLog(logger)
+    gathering = gathering_of(
+        config, rejections, partners=frozenset(i.peer_id_hex for i in partners)
+    )
+    for n in range(2):
+        assert isinstance(join(gathering, subnet=f"9.9.{n}.0/24")[1], asyncio.Future)
+    _, third = join(gathering, subnet="9.9.2.0/24")
+    assert third.refused.code == "strangers-full" and rejections.counts["strangers-full"] == 1
+    loop = asyncio.get_running_loop()
+    window_closes = loop.time() + 60.0
+    waiting = asyncio.create_task(gathering.wait(3, 3, window_closes, give_way=_nothing))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # three declarations, none of them a partner
+    join(gathering, subnet="7.7.1.0/24", identity=partners[0])
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    join(gathering, subnet="7.7.2.0/24", identity=partners[1])
+    assert await asyncio.wait_for(waiting, 5) == window_closes  # closed by the partners
+    group = gathering.close("the 3 peer(s) expected joined")
+    strangers = [m for m in group.members[1:3]]
+    assert all(not m.serving and group.parts[i + 1][1] == 0 for i, m in enumerate(strangers))
+    assert all(group.members[i].serving for i in (0, 3, 4))
+
+
+async def test_a_leader_without_partners_takes_everyone_alike():
+    gathering = gathering_of(MatchmakingConfig(max_strangers=0))
+    for n in range(3):
+        assert isinstance(join(gathering, subnet=f"9.9.{n}.0/24")[1], asyncio.Future)
+    group = gathering.close("its gathering window closed")
+    assert all(m.serving for m in group.members) and all(b > 0 for _, b in group.parts)
+
+
+async def _nothing() -> None:
+    return None

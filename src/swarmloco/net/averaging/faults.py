@@ -13,7 +13,8 @@ a broken or hostile peer:
 * ``corrupt``: the message is altered (``nan`` scales, ``huge`` finite scales whose
   values overflow float32 when decoded, ``amplify``: float32 scales x1000, ``flat``: every
   value +1 under scales of 1e4, ``truncate``d payload, ``stale-round``, shifted ``index``;
-  for ``done`` and ``verdict`` messages, a ``bloat``ed digest of 1 MiB);
+  for ``done`` and ``verdict`` messages, a ``bloat``ed digest of 1 MiB, or a ``forge``d
+  one: the right length, other bytes);
 * ``replay``: the message this peer sent at the same point of an earlier round goes out
   instead (an old chunk replayed into a new round);
 * ``stall``: the sending task, or the serving handler (phase ``handler``), blocks for
@@ -52,7 +53,17 @@ Phase = Literal[
 Corruption = Literal["nan", "huge", "amplify", "flat", "truncate", "stale-round", "index", "bloat"]
 _ACTIONS = ("drop", "delay", "cut", "corrupt", "replay", "stall", "spin")
 _PHASES = ("join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler")
-_CORRUPTIONS = ("nan", "huge", "amplify", "flat", "truncate", "stale-round", "index", "bloat")
+_CORRUPTIONS = (
+    "nan",
+    "huge",
+    "amplify",
+    "flat",
+    "truncate",
+    "stale-round",
+    "index",
+    "bloat",
+    "forge",
+)
 
 
 class FaultCut(NetworkError):
@@ -93,7 +104,8 @@ class Fault:
         require_non_negative("seconds", self.seconds)
         require_int("after_bytes", self.after_bytes, minimum=0)
         if self.action == "corrupt":
-            phases = ("done", "verdict") if self.corruption == "bloat" else ("chunk", "result")
+            digests = self.corruption in ("bloat", "forge")
+            phases = ("done", "verdict") if digests else ("chunk", "result")
             require(
                 self.phase in phases,
                 f"a {self.corruption} corruption applies to {' and '.join(phases)} messages",
@@ -208,15 +220,20 @@ def _spin(seconds: float) -> None:
 
 def corrupt(phase: str, message: bytes, how: Corruption) -> bytes:
     """``message`` (a chunk request or a result response) altered as ``how`` says; a done
-    or verdict message ``bloat``ed: its digest 1 MiB long."""
-    if how == "bloat":
-        bloated = bytes(1 << 20)
+    or verdict message ``bloat``ed (its digest 1 MiB long) or ``forge``d (its bytes
+    flipped)."""
+    if how in ("bloat", "forge"):
         if phase == "done":
-            return wire.request(done=pb.MemberDone(digest=bloated))
+            done = pb.AggregateRequest.FromString(message).done
+            digest = bytes(1 << 20) if how == "bloat" else bytes(b ^ 0xFF for b in done.digest)
+            return wire.request(done=pb.MemberDone(digest=digest))
         response = wire.decode_response(message)
         assert not isinstance(response, wire.ResultMessage)
         if response.HasField("verdict"):  # (a refusal goes out in this phase too)
-            response.verdict.digest = bloated
+            old = response.verdict.digest
+            response.verdict.digest = (
+                bytes(1 << 20) if how == "bloat" else bytes(b ^ 0xFF for b in old)
+            )
         return response.SerializeToString()
     if phase == "chunk":
         chunk = wire.decode_request(message)

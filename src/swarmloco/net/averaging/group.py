@@ -6,7 +6,8 @@ brings to round r (key, endpoint, weight, bandwidth, vector size, its update's n
 signs it; the leader strikes declarations whose weight is no weight (not finite and
 positive: :func:`weight_violations`), orders the rest, cuts the vector into parts
 proportional to the declared bandwidths (:func:`part_blocks`; client-mode members get
-none) and names the group by hashing all of it with a nonce. Because the declarations
+none, nor do the members the leader takes as clients: its strangers, when it has partners)
+and names the group by hashing all of it with a nonce. Because the declarations
 travel signed and unchanged, every member re-checks everything the leader did
 (:func:`check_group`) instead of trusting it, and derives the same bound on every update
 from the declared norms (:meth:`Group.norm_bound`) and the same weights from the declared
@@ -19,7 +20,7 @@ import dataclasses
 import hashlib
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -119,10 +120,16 @@ class Group:
 
     def norm_bound(self, multiple: float) -> float:
         """The largest L2 norm an update may have in this group: ``multiple`` times the
-        lower median of the norms its members declared (undeclared ones aside). A member
-        declaring a huge norm cannot raise it unless most members do; one declaring a tiny
-        norm can at most lower it to the next honest one's (in groups of three or more).
-        ``inf`` when ``multiple`` is 0 or nobody declared a norm."""
+        lower median of the norms its serving members declared (undeclared ones aside; every
+        member's when none of them declared one). A member declaring a huge norm cannot
+        raise it unless most members do; one declaring a tiny norm can at most lower it to
+        the next honest one's (in groups of three or more). Clients do not count: a leader's
+        strangers are its clients, and two of them declaring tiny norms in a group of four
+        would otherwise shrink every member's update to nothing. ``inf`` when ``multiple``
+        is 0 or nobody declared a norm."""
+        served = norm_bound([m.norm for m in self.members if m.serving], multiple)
+        if math.isfinite(served) or multiple <= 0:
+            return served
         return norm_bound([m.norm for m in self.members], multiple)
 
 
@@ -315,17 +322,24 @@ def build_group(
     numel: int,
     block_size: int,
     nonce: bytes,
+    clients: Collection[int] = (),
 ) -> tuple[pb.GroupInfo | None, dict[int, str]]:
     """The leader's group from checked declarations (leader first, then in joining order).
 
     Returns the group (None if no member can serve a part) and ``{index in declarations:
     reason}`` of the members struck for their weight (no weight: :func:`weight_violations`).
     A large weight stays as declared (the declaration is signed): every member caps it
-    the same way where it is used (:attr:`Group.weights`).
+    the same way where it is used (:attr:`Group.weights`). ``clients``: indices of members
+    that serve no part whatever they declared (they send and receive only); ignored if
+    nobody else could serve.
     """
     struck = weight_violations([d.weight for d in declarations])
-    kept = [d for i, d in enumerate(declarations) if i not in struck]
+    kept_at = [i for i in range(len(declarations)) if i not in struck]
+    kept = [declarations[i] for i in kept_at]
     bandwidths = _part_bandwidths([d.bandwidth if d.endpoint else 0.0 for d in kept])
+    chosen = [0.0 if i in clients else b for i, b in zip(kept_at, bandwidths, strict=True)]
+    if len(kept) > 1 and sum(chosen) > 0:
+        bandwidths = chosen
     if not kept or sum(bandwidths) <= 0:
         return None, struck
     parts = part_blocks(num_blocks(numel, block_size), bandwidths)
@@ -381,8 +395,19 @@ def check_group(
     bandwidths = _part_bandwidths([m.bandwidth if m.serving else 0.0 for m in members])
     if sum(bandwidths) <= 0:
         raise Rejection("bad-group", "no member of the group serves a part")
-    parts = part_blocks(num_blocks(numel, block_size), bandwidths)
+    blocks = num_blocks(numel, block_size)
     sent = list(zip(info.part_first_block, info.part_blocks, strict=False))
+    parts = part_blocks(blocks, bandwidths)
+    if sent != parts and len(sent) == len(members):
+        # The leader may take members as clients (its strangers): their parts are empty,
+        # the rest cut by the others' bandwidths; they then serve nothing, here as there.
+        served = [b if sent[i][1] > 0 else 0.0 for i, b in enumerate(bandwidths)]
+        if sum(served) > 0 and part_blocks(blocks, served) == sent:
+            parts = sent
+            members = [
+                m if served[i] > 0 or not m.serving else dataclasses.replace(m, bandwidth=0.0)
+                for i, m in enumerate(members)
+            ]
     if sent != parts or len(info.part_first_block) != len(info.part_blocks):
         raise Rejection("bad-group", "the part boundaries are not proportional to bandwidth")
     if len(info.nonce) != NONCE_BYTES or info.group_id != _group_id(

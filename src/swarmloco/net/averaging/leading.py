@@ -7,6 +7,12 @@ members), or with a redirect when the leader hands the group over to a peer ahea
 A leader takes at most ``max_group_size`` members, and at most ``max_members_per_subnet``
 calling from one /24 (IPv4) or /64 (IPv6), itself included, so that one operator cannot
 fill a group with keys of its own. A follower that gives up is taken out again.
+
+A leader with partners (peers it averaged with lately) takes at most ``max_strangers``
+others besides them, counts only its partners towards the peers it expects (keys are
+cheap: strangers that come first must not close the group before the partners are in),
+and makes its strangers clients of the group: they send their update and receive the
+result, but reduce no part and give no verdict (``group.py``, ``verdicts.py``).
 """
 
 from __future__ import annotations
@@ -86,8 +92,13 @@ class Gathering:
         admission: Gate | None,
         rejections: RejectionLog,
         config: MatchmakingConfig,
+        partners: frozenset[str] = frozenset(),
     ) -> None:
+        """``partners``: the leader's (none: every member counts alike and may serve)."""
         self.round = me.round
+        self.partners = partners
+        self.strangers = 0
+        """Members admitted that are not the leader's partners (counted with partners)."""
         self.me = me
         self.numel = me.numel
         self.block_size = me.block_size
@@ -136,8 +147,16 @@ class Gathering:
         grace_s, poll_s = self._config.stranger_grace_s, self._config.poll_s
         loop = asyncio.get_running_loop()
         close_at = window_closes
-        while len(self.declarations) < enough:
-            if len(self.declarations) >= known and close_at == window_closes:
+        wanted = enough - known  # strangers worth gathering besides the known peers
+        while True:
+            if self.partners:  # the known peers are partners; strangers count up to wanted
+                known_in = len(self.declarations) - self.strangers
+                joined = known_in + min(self.strangers, wanted)
+            else:
+                known_in = joined = len(self.declarations)
+            if joined >= enough or len(self.declarations) >= self._config.max_group_size:
+                break
+            if known_in >= known and close_at == window_closes:
                 # Everyone we know joined: strangers get a short grace, not the window.
                 # Progress claims under many keys cost nothing and would fill every
                 # stranger's place, holding each group for the whole window.
@@ -164,6 +183,14 @@ class Gathering:
             return waiter
         if len(self.declarations) >= self._config.max_group_size:
             return refused("full", "the group is full")
+        stranger = bool(self.partners) and peer_id not in self.partners
+        if stranger and self.strangers >= self._config.max_strangers:
+            full = Rejection(
+                "strangers-full",
+                f"the group already has {self.strangers} member(s) the leader never averaged with",
+            )
+            self._rejections.record(full, host)
+            return refused(full.code, full.reason)
         if subnet is not None and self.subnets[subnet] >= self._config.max_members_per_subnet:
             full = Rejection(
                 "subnet-full", f"the group already has {self.subnets[subnet]} members from {subnet}"
@@ -173,6 +200,7 @@ class Gathering:
         waiter = asyncio.get_running_loop().create_future()
         self.waiters[peer_id] = waiter
         self.declarations.append(declaration)
+        self.strangers += stranger
         if subnet is not None:
             self.subnets[subnet] += 1
             self._subnet_of[peer_id] = subnet
@@ -185,6 +213,7 @@ class Gathering:
             return
         del self.waiters[peer_id]
         self.declarations = [d for d in self.declarations if peer_of(d) != peer_id]
+        self.strangers -= bool(self.partners) and peer_id not in self.partners
         left = self._subnet_of.pop(peer_id, None)
         if left is not None:
             self.subnets[left] -= 1
@@ -205,14 +234,16 @@ class Gathering:
         own declaration is struck, :class:`TooFew` with fewer than ``min_group_size``."""
         min_size = self._config.min_group_size
         self.closed = True
+        ids = [peer_of(d) for d in self.declarations]
+        strangers = [i for i in range(1, len(ids)) if self.partners and ids[i] not in self.partners]
         info, struck = build_group(
             self.declarations,
             round=self.round,
             numel=self.numel,
             block_size=self.block_size,
             nonce=os.urandom(NONCE_BYTES),
+            clients=strangers,
         )
-        ids = [peer_of(d) for d in self.declarations]
         for index, reason in struck.items():
             self._rejections.record(Rejection("bad-weight", reason), ids[index])
             waiter = self.waiters.get(ids[index])

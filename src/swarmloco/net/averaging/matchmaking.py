@@ -122,6 +122,9 @@ class MatchmakingConfig:
     stranger_leaders: int = 3
     """Candidates a peer without partners (no round averaged with others yet) asks to lead
     it before it leads itself, when they do not answer or refuse."""
+    max_strangers: int = 2
+    """Members a leader with partners takes besides them in one group (they serve no part
+    and give no verdict); more are refused (``strangers-full``) and download the result."""
     stranger_grace_s: float = 1.0
     """How long a leader whose expected known peers all joined (or who expects none) waits on
     for the strangers it was told to expect besides: a key that claims progress costs
@@ -134,6 +137,7 @@ class MatchmakingConfig:
         require(self.min_group_size <= self.max_group_size, "min_group_size > max_group_size")
         require_int("max_members_per_subnet", self.max_members_per_subnet, minimum=1)
         require_int("stranger_leaders", self.stranger_leaders, minimum=1)
+        require_int("max_strangers", self.max_strangers, minimum=0)
         for name in (
             "gather_s",
             "poll_s",
@@ -543,6 +547,7 @@ class Matchmaker:
             admission=self.admission,
             rejections=self.rejections,
             config=cfg,
+            partners=frozenset(self.partners()),
         )
         self._leading[round] = gathering
         self._following.pop(round, None)

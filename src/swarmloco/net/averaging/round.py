@@ -273,9 +273,8 @@ class RoundRun:
         if not view.complete:
             return False
         first = self.agreement.my_done is None
-        alive = [x for x in range(self.n) if x not in view.failed]
         servers = [x for x in self.servers if x not in view.failed]
-        step = self.agreement.step(view.digest(), alive=alive, servers=servers, now=self.a.clock())
+        step = self.agreement.step(view.digest(), servers=servers, now=self.a.clock())
         if step.announce is not None:
             if first:
                 self.timings["exchange"] = self.a.clock() - self.started

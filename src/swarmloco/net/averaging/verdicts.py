@@ -2,11 +2,18 @@
 serving members, and whether this member may apply its result. No I/O.
 
 Every member sends a ``MemberDone`` with the digest of its whole result once it has every
-part; a serving member that holds the digest of every live member answers each stream with
-a ``Verdict`` (agreed only if they are all the same). A member applies its result only once
-every live serving member's verdict agrees with its own digest. A member may hold an older
-result while a rerun notice is on its way to it, so a serving member waits up to
-``patience`` seconds for the digests to match before it declares a disagreement.
+part; a serving member that holds the digest of every live serving member answers each
+stream with a ``Verdict`` (agreed only if they are all the same). A member applies its
+result only once every live serving member's verdict agrees with its own digest. A member
+may hold an older result while a rerun notice is on its way to it, so a serving member
+waits up to ``patience`` seconds for the digests to match before it declares a
+disagreement.
+
+A client's digest decides nothing but what the client itself applies: it sends no verdict,
+and a client that holds another result than the servers applies nothing (the servers'
+verdicts differ from its digest) while the others apply theirs. (Counting clients' digests
+let any member that joined as a client, a stranger admitted to the group, abort the round
+for everyone with a made-up digest.)
 """
 
 from __future__ import annotations
@@ -56,19 +63,17 @@ class Agreement:
         self.decided = False
         self._disagree_since: float | None = None
 
-    def step(
-        self, digest: bytes, *, alive: Sequence[int], servers: Sequence[int], now: float
-    ) -> Step:
-        """Move the agreement forward with our complete result's ``digest``; ``alive`` are
-        the members not failed, ``servers`` the serving ones among them."""
+    def step(self, digest: bytes, *, servers: Sequence[int], now: float) -> Step:
+        """Move the agreement forward with our complete result's ``digest``; ``servers``
+        are the serving members not failed (their digests alone make our verdict)."""
         announce = None
         if digest != self.my_done:
             self.my_done = digest
             self.done[self._me] = digest
             announce = digest
         verdict = None
-        if self._serving and not self.verdict_sent and all(x in self.done for x in alive):
-            differ = [self._label(x) for x in alive if self.done[x] != digest]
+        if self._serving and not self.verdict_sent and all(x in self.done for x in servers):
+            differ = [self._label(x) for x in servers if self.done[x] != digest]
             if differ and self._patient(now):
                 return Step(announce)
             verdict = self._make_verdict(digest, differ)
