@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
 import uuid
 from collections import Counter
@@ -24,9 +25,18 @@ from swarmloco.net.dht.wire import key_id, record_to_proto, signed_store_request
 from swarmloco.net.endpoints import parse_endpoint
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
-from swarmloco.net.records import PEERS, Record, make_record, peers_key, sign
+from swarmloco.net.records import (
+    MEMBER_FIELD,
+    PEERS,
+    Record,
+    encode_value,
+    make_record,
+    peers_key,
+    sign,
+)
 from swarmloco.net.server import ServerConfig
 from swarmloco.net.swarm import announce_peer, fetch_manifest, find_peers, publish_manifest
+from swarmloco.net.work import IdentityWork, solve
 from swarmloco.proto.v1 import dht_pb2 as pb
 
 PEER = {"endpoint": "127.0.0.1:5000", "role": "trainer", "version": "0.1.0", "public": True}
@@ -281,6 +291,74 @@ async def test_a_full_key_makes_room_for_a_newcomers_own_record():
         assert newcomer.identity.peer_id_hex in held and len(held) == PEERS.max_subkeys
         found = {p.peer_id for p in await find_peers(target.dht, SWARM)}
         assert newcomer.identity.peer_id_hex in found
+
+
+def made_up_proofs(keys: list[Identity], key: str) -> list[Record]:
+    """Peers records each showing a made-up proof of work: half signed by a key of
+    ``keys`` (keys are free), half with random bytes for a key and a signature."""
+    expiration = time.time() + 600
+    signed = [
+        make_record(key, {**PEER, MEMBER_FIELD: os.urandom(8)}, expiration=expiration, owner=k)
+        for k in keys
+    ]
+    value = encode_value(key, {**PEER, MEMBER_FIELD: os.urandom(8)})
+    unsigned = [
+        Record(key, os.urandom(20).hex(), value, expiration, os.urandom(32), os.urandom(64))
+        for _ in keys
+    ]
+    return signed + unsigned
+
+
+async def test_made_up_proofs_from_one_address_leave_newcomers_proofs_checked_at_once():
+    """Eight streams of records with made-up proofs of work from 127.0.0.2 to a node that
+    asks for work: each of three newcomers' proven records, sent once from 127.0.0.3 while
+    the flood goes on, is stored and read there."""
+    key = peers_key(SWARM)
+    bits = 4
+    flooder = Identity.generate()
+    keys = [Identity.generate() for _ in range(32)]
+    newcomers = [Identity.generate() for _ in range(3)]
+    records = [
+        make_record(
+            key,
+            {**PEER, MEMBER_FIELD: solve(SWARM, n.peer_id, bits)},
+            expiration=time.time() + 600,
+            owner=n,
+        )
+        for n in newcomers
+    ]
+    sent = [0]
+    async with loopback_network(1) as (target,), RpcClient() as client:
+        gate = IdentityWork(swarm_id=SWARM, bits=bits)
+        target.dht.admit(gate)
+
+        async def flood(endpoint: str) -> None:
+            while True:
+                await relay(client, endpoint, flooder, made_up_proofs(keys, key))
+                sent[0] += 1
+
+        async with (
+            from_address("127.0.0.2", target) as junk,
+            from_address("127.0.0.3", target) as honest,
+            asyncio.TaskGroup() as flooding,
+        ):
+            started = time.monotonic()
+            tasks = [flooding.create_task(flood(junk)) for _ in range(8)]
+            await wait_for(lambda: sent[0] >= 40)  # 2,560 records: every check budget spent
+            for newcomer, record in zip(newcomers, records, strict=True):
+                await asyncio.sleep(0.5)
+                stored = await relay(client, honest, newcomer, [record])
+                assert stored == 1, f"newcomer's proof not checked ({gate.checked} checks)"
+            config = NodeConfig(server=None, peers=(target.endpoint,))
+            async with NetNode(identity=Identity.generate(), config=config) as reader:
+                found = {p.peer_id for p in await find_peers(reader.dht, SWARM)}
+            assert {n.peer_id_hex for n in newcomers} <= found
+            for task in tasks:
+                task.cancel()
+        counts = target.dht.rejections.counts
+        assert counts["unproven"] > 0 and counts["bad-signature"] > 0
+        # However many it was shown, a node checks at most 40 proofs a second (200 at once).
+        assert gate.checked <= 200 + 40 * (time.monotonic() - started)
 
 
 async def test_a_reader_checks_each_record_once_however_often_it_reads_the_key():

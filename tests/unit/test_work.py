@@ -6,10 +6,18 @@ import pytest
 
 from swarmloco.core.manifest import SwarmManifest, identity_work_for
 from swarmloco.errors import ManifestError
+from swarmloco.net import work
 from swarmloco.net.admission import Admission, gate_of
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection
-from swarmloco.net.work import NONCE_BYTES, IdentityWork, load_or_solve, solve, work_bits
+from swarmloco.net.work import (
+    NONCE_BYTES,
+    CheckBudget,
+    IdentityWork,
+    load_or_solve,
+    solve,
+    work_bits,
+)
 
 SWARM = "9c" * 20
 
@@ -56,12 +64,79 @@ def test_a_flood_of_made_up_proofs_costs_a_bounded_number_of_checks():
             gate.check(k, b"\x01" * 8)  # one key in 256 is lucky: proven by chance
         except Rejection as refused:
             refused_unchecked += "busy" in refused.reason
-    # The burst is spent, the rest refused unchecked; a second later, 40 more are checked.
-    assert gate.checked == 200 and refused_unchecked == 200
+    # One network's burst is spent, the rest refused unchecked; a second later, 40 more
+    # are checked (a network alone has the whole rate).
+    assert gate.checked == 50 and refused_unchecked == 350
     now[0] += 1.0
     for k in keys:
         gate.admits(k, b"\x02" * 8)
-    assert gate.checked == 240
+    assert gate.checked == 90
+
+
+def flood(budget: CheckBudget, now: list[float], *, floods: list[str], seconds: float):
+    """Each network of ``floods`` asks 400 checks a second; a newcomer network (a new one
+    every time, or one that asks nothing else) shows one proof every half second. The
+    checks each network got, and how many of the newcomers' were refused."""
+    got = dict.fromkeys(floods, 0)
+    refused = 0
+    for step in range(int(400 * seconds)):
+        now[0] += 1 / 400
+        for network in floods:
+            got[network] += budget.spend(network)
+        if step % 200 == 0:
+            refused += not budget.spend(f"203.0.{step // 200}.0/24")
+    return got, refused
+
+
+@pytest.mark.parametrize("attackers", [1, 3, 8])
+def test_floods_from_a_few_networks_leave_every_newcomers_proof_checked_at_once(attackers):
+    now = [0.0]
+    budget = CheckBudget(clock=lambda: now[0])
+    floods = [f"198.51.{i}.0/24" for i in range(attackers)]
+    got, refused = flood(budget, now, floods=floods, seconds=20.0)
+    assert refused == 0
+    # Within the cap in all (burst and 40/s), each flood its share and no more.
+    assert sum(got.values()) + 40 <= 200 + 40 * 20
+    assert max(got.values()) <= 50 + 40 * 20 / attackers + 1
+
+
+def test_a_network_alone_has_the_whole_rate_and_shares_it_once_another_asks():
+    now = [0.0]
+    budget = CheckBudget(clock=lambda: now[0])
+    assert sum(budget.spend("198.51.0.0/24") for _ in range(100)) == 50
+    now[0] += 1.0
+    assert sum(budget.spend("198.51.0.0/24") for _ in range(100)) == 40
+    now[0] += 1.0  # two networks asking: 20 a second each
+    assert sum(budget.spend("198.51.1.0/24") for _ in range(100)) == 50
+    assert sum(budget.spend("198.51.0.0/24") for _ in range(100)) == 20
+    now[0] += 1.0
+    assert sum(budget.spend(n) for n in ("198.51.0.0/24", "198.51.1.0/24") * 50) == 40
+
+
+def test_the_networks_a_budget_tracks_are_bounded_and_forgotten_once_full_again():
+    now = [0.0]
+    budget = CheckBudget(networks=8, clock=lambda: now[0])
+    for i in range(100):
+        budget.spend(f"198.51.{i}.0/24")
+    assert budget.networks == 8
+    now[0] += 60.0
+    budget.spend("198.51.0.0/24")
+    assert budget.networks == 1
+
+
+def test_made_up_proofs_never_push_a_proven_key_out(monkeypatch):
+    monkeypatch.setattr(work, "_REFUTED", 4)
+    key = Identity.generate()
+    nonce = solve(SWARM, key.peer_id, 4)
+    gate = IdentityWork(swarm_id=SWARM, bits=4)
+    gate.check(key.peer_id_hex, nonce)
+    strangers = [Identity.generate().peer_id_hex for _ in range(20)]
+    for i, stranger in enumerate(strangers):
+        gate.admits(stranger, i.to_bytes(8, "big"), network=f"198.51.{i}.0/24")
+    checked = gate.checked
+    gate.check(key.peer_id_hex, nonce)  # still known: not checked again
+    assert gate.checked == checked
+    assert len(gate._refuted) == 4
 
 
 def test_the_proof_is_kept_and_made_once(tmp_path):

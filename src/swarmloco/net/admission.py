@@ -153,11 +153,13 @@ class Gate(Protocol):
     swarm_id: str
     own_bytes: bytes
 
-    def check(self, peer_id: str, credential: bytes) -> None:
-        """Raise Rejection unless ``credential`` lets ``peer_id`` (verified) take part."""
+    def check(self, peer_id: str, credential: bytes, *, network: str = "") -> None:
+        """Raise Rejection unless ``credential`` lets ``peer_id`` (verified) take part;
+        ``network`` is the source network it came from ("": not known), which a gate whose
+        checks cost something shares them by."""
         ...
 
-    def admits(self, peer_id: str, credential: bytes) -> bool: ...
+    def admits(self, peer_id: str, credential: bytes, *, network: str = "") -> bool: ...
 
 
 def gate_of(
@@ -259,9 +261,10 @@ class Admission:
         gate.own_bytes = own.to_bytes()
         return gate
 
-    def check(self, peer_id: str, certificate: bytes) -> None:
+    def check(self, peer_id: str, certificate: bytes, *, network: str = "") -> None:
         """Raise Rejection ``not-admitted`` unless ``peer_id`` (hex, verified by the caller)
-        is the creator or ``certificate`` admits it to this swarm now."""
+        is the creator or ``certificate`` admits it to this swarm now (a signature check at
+        most, whatever ``network`` it came from)."""
         if peer_id == self.creator:
             return
         if not certificate:
@@ -293,9 +296,9 @@ class Admission:
         most ``MAX_CERTIFICATE_BYTES`` each)."""
         return sum(len(data) for data in self._verified)
 
-    def admits(self, peer_id: str, certificate: bytes) -> bool:
+    def admits(self, peer_id: str, certificate: bytes, *, network: str = "") -> bool:
         try:
-            self.check(peer_id, certificate)
+            self.check(peer_id, certificate, network=network)
         except Rejection:
             return False
         return True

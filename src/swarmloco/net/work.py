@@ -10,6 +10,12 @@ nonce is kept in the data directory). Checking a proof is one evaluation, and ea
 checked once (the verdicts are kept, bounded). The proof names the swarm: keys cannot be
 minted before the run exists, nor carried from one run to another.
 
+Proofs not seen before are checked within a budget (:class:`CheckBudget`): at most 40 a
+second in all, shared among the source networks they came from, so that one network's
+flood of made-up proofs costs a bounded share of a core and leaves other networks'
+newcomers checked at once. Callers check what is cheap first (a record's or a request's
+signature) and spend the budget last.
+
 What it buys (docs/SECURITY.md, "Many keys"): an attacker with C cores mints about C keys
 a second at 8 bits, 1,000 keys in 4 core-minutes, where plain keys take milliseconds. It is
 a price, not a wall: the defences that hold against any number of keys are those that never
@@ -41,9 +47,13 @@ DOMAIN = b"swarmloco/v1/identity-work\x00"
 NONCE_BYTES = 8
 MAX_BITS = MAX_IDENTITY_WORK
 _N, _R, _P = 1 << 11, 8, 1  # 2 MiB of memory per evaluation
-_CACHE = 4096  # verdicts kept: (peer id, nonce) -> proven, about 100 bytes each
+_PROVEN = 4096  # proven (peer id, nonce) pairs kept, about 100 bytes each
+_REFUTED = 1024  # refuted ones, kept apart: made-up proofs never push a proven key out
 _CHECKS_PER_S = 40.0  # proofs not seen before checked per second at most (a flood's cost)
 _CHECK_BURST = 200.0
+_NETWORK_BURST = 50.0  # checked at once for one source network
+_RESERVE = 10.0  # checks kept for networks that asked nothing of late (newcomers)
+_NETWORKS = 1024  # source networks whose share of the checks is tracked
 
 
 class WorkError(SwarmlocoError):
@@ -115,6 +125,76 @@ def load_or_solve(path: Path, swarm_id: str, peer_id: bytes, bits: int) -> bytes
     return nonce
 
 
+class CheckBudget:
+    """How many proofs not seen before a gate checks, and for whom: at most ``rate`` a
+    second in all (``burst`` at once), shared among the source networks that ask.
+
+    Each network has a bucket of its own, ``network_burst`` deep, that refills at rate / n,
+    n the networks asking now (those whose buckets are not full again; at most
+    ``networks`` of them, the least recent forgotten first): a flood from a few networks
+    costs each its share and no more. A network asking now may not take the last
+    ``reserve`` checks: they are kept for one that asked nothing of late, so that a
+    newcomer's first proof is checked at once however long the flood lasts.
+    """
+
+    def __init__(
+        self,
+        *,
+        rate: float = _CHECKS_PER_S,
+        burst: float = _CHECK_BURST,
+        network_burst: float = _NETWORK_BURST,
+        reserve: float = _RESERVE,
+        networks: int = _NETWORKS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if reserve < 0.0 or reserve + 1.0 > burst or network_burst < 1.0:
+            raise ValueError("a check budget needs room for one check beyond its reserve")
+        self._rate = rate
+        self._burst = burst
+        self._network_burst = network_burst
+        self._reserve = reserve
+        self._max_networks = networks
+        self._clock = clock
+        self._tokens = burst
+        self._refilled = clock()
+        self._networks: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+        """[tokens, refilled] by network, the least recent asker first."""
+
+    @property
+    def networks(self) -> int:
+        """Networks asking now (each has rate / networks a second)."""
+        return len(self._networks)
+
+    def spend(self, network: str) -> bool:
+        """Whether a proof from ``network`` may be checked now (then it is counted)."""
+        now = self._clock()
+        self._tokens = min(self._burst, self._tokens + (now - self._refilled) * self._rate)
+        self._refilled = now
+        full = self._network_burst
+        while self._networks:
+            first, (tokens, refilled) = next(iter(self._networks.items()))
+            share = self._rate / len(self._networks)
+            if first == network or tokens + (now - refilled) * share < full:
+                break
+            del self._networks[first]  # full again: it asks nothing now
+        bucket = self._networks.get(network)
+        if bucket is None:
+            bucket = self._networks[network] = [full, now]
+            if len(self._networks) > self._max_networks:
+                self._networks.popitem(last=False)
+        else:
+            share = self._rate / len(self._networks)
+            bucket[0] = min(full, bucket[0] + (now - bucket[1]) * share)
+            bucket[1] = now
+            self._networks.move_to_end(network)
+        floor = 0.0 if bucket[0] >= full else self._reserve
+        if bucket[0] < 1.0 or self._tokens < 1.0 + floor:
+            return False
+        bucket[0] -= 1.0
+        self._tokens -= 1.0
+        return True
+
+
 class IdentityWork:
     """The gate of a public run that asks every key for ``bits`` of work, and this peer's
     own proof (``own_bytes``; empty for a gate that only reads, as a dashboard's)."""
@@ -133,57 +213,49 @@ class IdentityWork:
         self.bits = bits
         self.own_bytes = bytes(own)
         """What this peer attaches to what it offers: its nonce."""
-        self._clock = clock
-        self._verdicts: collections.OrderedDict[tuple[str, bytes], bool] = collections.OrderedDict()
-        self._tokens = _CHECK_BURST
-        self._refilled = clock()
+        self._proven: collections.OrderedDict[tuple[str, bytes], None] = collections.OrderedDict()
+        self._refuted: collections.OrderedDict[tuple[str, bytes], None] = collections.OrderedDict()
+        self.budget = CheckBudget(clock=clock)
         self.checked = 0
         """Proofs evaluated (each once)."""
 
-    def check(self, peer_id: str, credential: bytes) -> None:
+    def check(self, peer_id: str, credential: bytes, *, network: str = "") -> None:
         """Raise Rejection ``unproven`` unless ``credential`` (a nonce) proves this gate's
         work for ``peer_id`` (hex, verified by the caller). A proof not seen before costs
-        one scrypt, within a budget per second: beyond it, it is refused unchecked (and
-        checked when shown again), so a flood of made-up proofs costs a bounded share of
-        a core."""
+        one scrypt, within ``network``'s share of the budget (the caller's source network,
+        ``endpoints.source_network``; "" where it is not known): beyond it, it is refused
+        unchecked (and checked when shown again), so a flood of made-up proofs costs a
+        bounded share of a core, and leaves other networks' proofs checked."""
         nonce = bytes(credential)
         if len(nonce) != NONCE_BYTES:
             raise Rejection("unproven", f"peer {peer_id[:12]} shows no proof of work for its key")
         key = (peer_id, nonce)
-        verdict = self._verdicts.get(key)
-        if verdict is None:
-            if not self._spend():
+        if key in self._proven:
+            self._proven.move_to_end(key)
+            return
+        if key not in self._refuted:
+            if not self.budget.spend(network):
                 raise Rejection(
                     "unproven", f"peer {peer_id[:12]}'s proof of work is not checked yet (busy)"
                 )
             try:
-                verdict = work_bits(self.swarm_id, bytes.fromhex(peer_id), nonce) >= self.bits
+                proven = work_bits(self.swarm_id, bytes.fromhex(peer_id), nonce) >= self.bits
             except ValueError:
-                verdict = False
+                proven = False
             self.checked += 1
-            self._verdicts[key] = verdict
-            while len(self._verdicts) > _CACHE:
-                self._verdicts.popitem(last=False)
-        else:
-            self._verdicts.move_to_end(key)
-        if not verdict:
-            raise Rejection(
-                "unproven",
-                f"peer {peer_id[:12]}'s key does not prove {self.bits} bits of work",
-            )
+            verdicts, limit = (self._proven, _PROVEN) if proven else (self._refuted, _REFUTED)
+            verdicts[key] = None
+            while len(verdicts) > limit:
+                verdicts.popitem(last=False)
+            if proven:
+                return
+        raise Rejection(
+            "unproven", f"peer {peer_id[:12]}'s key does not prove {self.bits} bits of work"
+        )
 
-    def admits(self, peer_id: str, credential: bytes) -> bool:
+    def admits(self, peer_id: str, credential: bytes, *, network: str = "") -> bool:
         try:
-            self.check(peer_id, credential)
+            self.check(peer_id, credential, network=network)
         except Rejection:
             return False
-        return True
-
-    def _spend(self) -> bool:
-        now = self._clock()
-        self._tokens = min(_CHECK_BURST, self._tokens + (now - self._refilled) * _CHECKS_PER_S)
-        self._refilled = now
-        if self._tokens < 1.0:
-            return False
-        self._tokens -= 1.0
         return True

@@ -212,13 +212,15 @@ def check_declaration(
     now_ms: int | None = None,
     max_age_ms: int = 0,
     admission: Gate | None = None,
+    network: str = "",
 ) -> Member:
     """The member a declaration describes, after checking it fits this round.
 
     ``now_ms``/``max_age_ms`` (leader side) refuse declarations signed too long ago or in
     the future, so an old declaration cannot be replayed into a later group of the same
-    round number. ``admission`` (a private swarm) refuses a declaration without a valid
-    membership certificate for its key. Raises Rejection with the reason.
+    round number. ``admission`` (a private swarm, or a public one's proofs of work)
+    refuses a declaration without a valid credential for its key, checked last, for the
+    source ``network`` it came from ("": not known). Raises Rejection with the reason.
 
     Every bytes and string field is length-checked first, before anything is hashed,
     verified or kept: the signature does not cover the certificate, and a declaration
@@ -277,7 +279,7 @@ def check_declaration(
         raise Rejection("bad-signature", "declaration signature does not match")
     peer_id = peer_id_of(d.public_key).hex()
     if admission is not None:
-        admission.check(peer_id, d.membership)
+        admission.check(peer_id, d.membership, network=network)
     return Member(
         peer_id=peer_id,
         public_key=bytes(d.public_key),

@@ -118,9 +118,10 @@ class Gathering:
         """Each follower's subnet, by peer id."""
         self.closed = False
 
-    def check(self, declaration: pb.MemberDeclaration, *, now_ms: int) -> Member:
+    def check(self, declaration: pb.MemberDeclaration, *, now_ms: int, network: str = "") -> Member:
         """The member a follower's declaration names, if it may join this gathering (signed,
-        of this round and vector, recent, admitted); Rejection otherwise."""
+        of this round and vector, recent, admitted); Rejection otherwise. ``network``: the
+        follower's source network."""
         return check_declaration(
             declaration,
             swarm_id=self._swarm_id,
@@ -130,6 +131,7 @@ class Gathering:
             now_ms=now_ms,
             max_age_ms=int(self._config.max_declaration_age_s * 1000),
             admission=self._admission,
+            network=network,
         )
 
     async def wait(

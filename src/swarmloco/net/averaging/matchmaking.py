@@ -70,7 +70,7 @@ from swarmloco.net.averaging.peerlist import PeerList
 from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.node import DHTNode, Entry
-from swarmloco.net.endpoints import host_of_grpc_peer, parse_endpoint, subnet_of
+from swarmloco.net.endpoints import host_of_grpc_peer, parse_endpoint, source_network, subnet_of
 from swarmloco.net.heap import release_after
 from swarmloco.net.identity import Identity
 from swarmloco.net.records import round_key
@@ -621,8 +621,10 @@ class Matchmaker:
             if following:
                 return pb.JoinResponse(redirect=following)
             return self._not_gathering(declaration.round)
+        host = host_of_grpc_peer(context.peer())
+        network = source_network(host, limit_private=self.config.limit_private_subnets)
         try:
-            member = gathering.check(declaration, now_ms=int(self.clock() * 1000))
+            member = gathering.check(declaration, now_ms=int(self.clock() * 1000), network=network)
         except Rejection as rejection:
             self.rejections.record(rejection, context.peer())
             release_after(request.ByteSize())
@@ -636,7 +638,6 @@ class Matchmaker:
                 return refused(unknown.code, unknown.reason)
         if gathering.closed:  # while the peer list was read
             return self._not_gathering(declaration.round)
-        host = host_of_grpc_peer(context.peer())
         waiter = gathering.admit(declaration, member.peer_id, self._subnet(host), host)
         if isinstance(waiter, pb.JoinResponse):
             return waiter

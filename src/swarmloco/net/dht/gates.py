@@ -34,8 +34,10 @@ class SwarmGates:
     def guards(self, swarm_id: str) -> bool:
         return swarm_id in self._gates
 
-    def refusal(self, record: Record, value: Any) -> Rejection | None:
-        """Why a valid record must be ignored here (None: it may be used)."""
+    def refusal(self, record: Record, value: Any, *, network: str = "") -> Rejection | None:
+        """Why a valid record must be ignored here (None: it may be used); ``network`` is
+        the source network it came from ("": not known), whose share of the checks a proof
+        of work not seen before costs. Call it on a record whose signature checked."""
         if not self._gates:
             return None
         kind, swarm_id, _ = kind_of(record.key)
@@ -43,7 +45,7 @@ class SwarmGates:
         if admission is None or not kind.owned:
             return None
         try:
-            admission.check(record.subkey, value.get(MEMBER_FIELD, b""))
+            admission.check(record.subkey, value.get(MEMBER_FIELD, b""), network=network)
         except Rejection as rejection:
             return Rejection(rejection.code, f"{kind.name} record: {rejection.reason}")
         return None

@@ -36,6 +36,7 @@ from swarmloco.net.dht.contact import Contact
 from swarmloco.net.dht.gates import SwarmGates
 from swarmloco.net.dht.routing import diverse
 from swarmloco.net.dht.wire import record_from_proto
+from swarmloco.net.endpoints import source_network
 from swarmloco.net.records import CheckedRecords, Record
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.proto.v1 import dht_pb2 as pb
@@ -264,6 +265,8 @@ class Lookups:
     ) -> None:
         depth = lookup.depth[contact.peer_id]
         now = self._clock()
+        # We dialled the contact at its host: the records came from that network.
+        network = source_network(contact.host, limit_private=self._config.limit_private_subnets)
         for message in response.records:
             try:
                 record = record_from_proto(message)
@@ -280,7 +283,7 @@ class Lookups:
                 # whole answer as untrustworthy, and bounds the work it costs.
                 break
             if not checked:
-                refused = self._gates.refusal(record, value)
+                refused = self._gates.refusal(record, value, network=network)
                 if refused is not None:
                     # Valid, but not from a member of a private swarm: a node that is
                     # no member itself (a bootstrap node) stores it in good faith.

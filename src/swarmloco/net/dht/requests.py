@@ -12,6 +12,7 @@ third party).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -28,7 +29,7 @@ from swarmloco.net.dht.wire import check_store_request, key_id, record_from_prot
 from swarmloco.net.endpoints import source_network
 from swarmloco.net.heap import release_after
 from swarmloco.net.identity import PEER_ID_BYTES
-from swarmloco.net.records import MAX_KEY_CHARS, decode_value, kind_of, max_record_bytes
+from swarmloco.net.records import MAX_KEY_CHARS, max_record_bytes
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.proto.v1 import dht_pb2 as pb
 
@@ -173,12 +174,15 @@ class Requests:
     ) -> pb.StoreResult:
         try:
             record = record_from_proto(message)
-            if self._gates:  # storage.put checks the signature; the gate needs the value
-                kind, _, _ = kind_of(record.key)
-                refused = self._gates.refusal(record, decode_value(kind, record.key, record.value))
-                if refused is not None:
-                    raise refused
-            stored = self._storage.put(record, sender=sender.peer_id, network=network)
+            # The gate last, once quotas and the signature passed: a proof of work not
+            # seen before costs a share of the network's checks, and a made-up record
+            # must cost none of them.
+            stored = self._storage.put(
+                record,
+                sender=sender.peer_id,
+                network=network,
+                admit=functools.partial(self._gates.refusal, network=network),
+            )
         except Rejection as rejection:
             self._refuse(rejection, sender, observed_host)
             return pb.StoreResult(stored=False, reason=rejection.reason)

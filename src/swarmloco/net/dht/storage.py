@@ -3,7 +3,8 @@
 Every record goes through ``records.validate`` (schema, ownership, signature) before it is
 kept, but the quota checks run first, so a flood of records costs a node a dictionary
 lookup and the decoding of a small value each (what a record costs in memory is counted
-with its value), not a signature verification each.
+with its value), not a signature verification each. A guarded swarm's gate (a proof of
+work, a certificate) is asked last, of signed records only.
 
 A key costs nothing to make, so quotas that count signers alone do not bind anyone: one
 sender can store records owned by thousands of fresh keys. What costs an attacker is an
@@ -217,12 +218,21 @@ class Storage:
         shelf = self._data.get(key)
         return shelf.count(network) if shelf else 0
 
-    def put(self, record: Record, *, sender: bytes, network: str) -> bool:
+    def put(
+        self,
+        record: Record,
+        *,
+        sender: bytes,
+        network: str,
+        admit: Callable[[Record, Any], Rejection | None] | None = None,
+    ) -> bool:
         """Store ``record`` for ``sender``, whose call came from ``network``
         (``endpoints.source_network``; :data:`LOCAL_NETWORK` for this node's own records);
         False if a newer one is already stored (True if this very record is).
+        ``admit(record, value)`` says why a record that passed everything else must not be
+        stored (a private swarm's gate: the costliest check, made last).
 
-        Raises :class:`Rejection` when the record is invalid or over a quota.
+        Raises :class:`Rejection` when the record is invalid, over a quota or not admitted.
         """
         now = self._clock()
         kind = check_shape(record, now=now)
@@ -251,6 +261,9 @@ class Storage:
         )
         victim = self._make_room(stored, kind, replacing=existing, now=now)
         check_signature(kind, record)
+        refused = admit(record, value) if admit is not None else None
+        if refused is not None:
+            raise refused
         if existing is not None:
             self._forget(existing)
         if victim is not None:

@@ -268,6 +268,7 @@ class StateDonor:
             # Not abort: it would keep the request (maybe megabytes) alive; see refuse.
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT, rejection.reason)
             return None
+        host = host_of_grpc_peer(context.peer())
         if self.admission is not None:
             try:
                 wire.check_requester(
@@ -275,6 +276,7 @@ class StateDonor:
                     self.admission,
                     now_ms=int(self._wall_clock() * 1000),
                     max_skew_ms=int(self.config.max_request_age_s * 1000),
+                    network=source_network(host),
                 )
             except Rejection as rejection:
                 self.stats["refused"] += 1
@@ -288,7 +290,6 @@ class StateDonor:
                 f"this peer already serves {self._active} downloads; ask another donor",
             )
             return None
-        host = host_of_grpc_peer(context.peer())
         network = source_network(host)
         if not self.config.limit_loopback and is_loopback(host):
             network = ""  # not counted per network

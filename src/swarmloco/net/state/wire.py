@@ -130,10 +130,16 @@ def encode_request(
 
 
 def check_requester(
-    request: pb.DownloadRequest, admission: Gate, *, now_ms: int, max_skew_ms: int
+    request: pb.DownloadRequest,
+    admission: Gate,
+    *,
+    now_ms: int,
+    max_skew_ms: int,
+    network: str = "",
 ) -> str:
     """The hex peer id of the member who signed ``request``; Rejection (``not-admitted``,
-    ``bad-signature`` or ``stale``) if it is not a recent request signed by a member."""
+    ``bad-signature`` or ``stale``) if it is not a recent request signed by a member. The
+    credential is checked last, for the requester's source ``network``."""
     if not request.public_key or not request.signature:
         raise Rejection(
             "not-admitted",
@@ -145,7 +151,7 @@ def check_requester(
     if not verify(request.public_key, request.signature, REQUEST_DOMAIN, _request_payload(request)):
         raise Rejection("bad-signature", "the download request's signature does not match")
     peer_id = peer_id_of(bytes(request.public_key)).hex()
-    admission.check(peer_id, bytes(request.membership))
+    admission.check(peer_id, bytes(request.membership), network=network)
     return peer_id
 
 
