@@ -123,6 +123,28 @@ def test_a_lagging_sender_is_excluded_once_far_behind_the_others():
     assert r.expire(1.15) == [2]  # chunk 1 arrived from sender 1 at 0.1
 
 
+def test_one_sender_at_line_rate_does_not_set_the_pace_of_the_others():
+    """Senders 1-3 are remote; 1 streams every chunk at once (a liar sending zeros at line
+    rate, or just a fast link), 2 and 3 a chunk every 0.9 s. The pace is the lower median
+    of the remote arrivals (the second of three), so neither is dropped for being a
+    timeout behind sender 1 (the first arrival set it: both were excluded at 1.1 s); one
+    a timeout behind the other still is."""
+    xs = [torch.randn(NUMEL) for _ in range(4)]
+    parts = [chunks_of(x) for x in xs]
+    r = make(timeout=1.0, senders=(0, 1, 2, 3), weights=(1.0, 1.0, 1.0, 1.0))
+    for k in range(3):
+        r.accept(0, k, *parts[0][k], now=0.0, remote=False)
+        r.accept(1, k, *parts[1][k], now=0.1)
+    for sender in (2, 3):
+        r.accept(sender, 0, *parts[sender][0], now=0.5)
+    assert r.expire(1.2) == []
+    for sender in (2, 3):
+        r.accept(sender, 1, *parts[sender][1], now=1.4)
+    r.accept(2, 2, *parts[2][2], now=2.3)
+    assert r.expire(2.35) == []
+    assert r.expire(2.45) == [3]  # chunk 2: a timeout after sender 2 delivered it
+
+
 @pytest.mark.parametrize(
     "mutate, code",
     [

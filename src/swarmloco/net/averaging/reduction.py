@@ -42,9 +42,12 @@ leaves the reducer.
 
 Deadlines (the caller's clock, in seconds): a live sender must deliver its next chunk
 within ``timeout`` of the earlier of (a) its previous chunk (or the start) and (b) the
-first arrival of that chunk from any other remote sender. (a) catches a sender that
-stopped; (b) one that lags far behind the others, which would otherwise hold the whole
-part back to its pace.
+arrival of that chunk from half the remote senders (the lower median of their arrivals:
+the first of two, the second of three or four). (a) catches a sender that stopped; (b) one
+that lags far behind the others, which would otherwise hold the whole part back to its
+pace. The median, not the first arrival: one sender that streams at line rate (zeros, say)
+would otherwise set the pace, and have every slower honest sender dropped from the rest of
+the part.
 """
 
 from __future__ import annotations
@@ -151,7 +154,8 @@ class PartReduction:
         self.left: dict[int, str] = {}
         """Senders excluded or struck, with the reason."""
         self._last_progress: dict[int, float] = dict.fromkeys(self.next_index, now)
-        self._first_remote: dict[int, float] = {}
+        self._arrivals: dict[int, list[float]] = {}  # chunk -> when remote senders sent it
+        self._local: set[int] = set()  # senders fed in by this member (its own contribution)
         self.completed = 0
         """Chunks ``[0, completed)`` are complete (their means were handed out)."""
 
@@ -216,7 +220,9 @@ class PartReduction:
         self.next_index[sender] = index + 1
         self._last_progress[sender] = now
         if remote:
-            self._first_remote.setdefault(index, now)
+            self._arrivals.setdefault(index, []).append(now)
+        else:
+            self._local.add(sender)
         return True
 
     def _absorb(self, index: int, sender: int, payload: torch.Tensor, scales: torch.Tensor) -> None:
@@ -305,9 +311,10 @@ class PartReduction:
         if index >= len(self.spans):
             return None
         since = self._last_progress[sender]
-        first = self._first_remote.get(index)
-        if first is not None:
-            since = min(since, first)
+        arrivals = self._arrivals.get(index, [])
+        half = (len(self.next_index) - len(self._local) - 1) // 2  # the lower median's place
+        if len(arrivals) > half:
+            since = min(since, arrivals[half])
         return since + self.timeout
 
     def next_deadline(self) -> float | None:
