@@ -3,9 +3,11 @@ a lookup's state, the hand-off to newcomers, the request handlers, the entry pee
 clock check, the private swarms' gates (in process; the in-memory network where one node
 must answer another)."""
 
+import asyncio
 import logging
 import random
 import time
+import types
 from collections import Counter
 
 import pytest
@@ -20,7 +22,7 @@ from swarmloco.net.dht.joining import EntryPeers, check_clock
 from swarmloco.net.dht.lookup import Entry, Lookup
 from swarmloco.net.dht.memory import MemoryNetwork, MemoryTransport
 from swarmloco.net.dht.node import DHTNode
-from swarmloco.net.dht.replication import records_for
+from swarmloco.net.dht.replication import KEYS_PER_SLICE, Replicator, records_for
 from swarmloco.net.dht.requests import Requests
 from swarmloco.net.dht.routing import RoutingTable
 from swarmloco.net.dht.storage import Storage, StorageConfig
@@ -200,6 +202,62 @@ def test_a_newcomer_is_handed_the_records_of_the_keys_it_is_closer_to_than_the_k
     assert sorted(r.key for r in handed) == sorted(closer)
     # Knowing fewer than k others, every key is the newcomer's.
     assert len(records_for(newcomer, storage=storage, routing=routing, k=2)) == len(keys)
+
+
+async def test_a_hand_off_of_many_keys_lets_the_event_loop_in_between_slices():
+    """Thousands of keys held (records of made-up swarms cost only free keys) and a new
+    contact: which records it gets is found a slice of keys at a time, and the loop runs
+    the others' calls in between (the whole look held it a quarter of a second)."""
+    clock = Clock()
+    clock.now = time.time()
+    storage = Storage(StorageConfig(), clock=clock)
+    owner = Identity.generate()
+    count = 3 * KEYS_PER_SLICE
+    for i in range(count):
+        key = counter_key(f"{i:04x}" * 10)
+        record = make_record(key, {"count": 1, "label": ""}, expiration=clock.now + 60, owner=owner)
+        assert storage.put(record, sender=owner.peer_id, network="203.0.113.0/24")
+    stored: list[int] = []
+
+    class Book:  # a newcomer that takes every store at once (no yield of its own)
+        routing = RoutingTable(Identity.generate().peer_id, k=DhtConfig().k)
+
+        async def call(self, contact, method, request, deadline):
+            stored.append(len(request))
+            return True
+
+    tasks: list[asyncio.Task[None]] = []
+    replicator = Replicator(
+        config=DhtConfig(),
+        storage=storage,
+        book=Book(),
+        transport=types.SimpleNamespace(store=None),
+        sign=lambda batch: batch,
+        spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)),
+        stats=Counter(),
+    )
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    looked: list[int] = []  # the ticker's count each time a key's records are read
+    read = storage.get
+
+    def get(key: str):
+        looked.append(ticks)
+        return read(key)
+
+    storage.get = get  # type: ignore[method-assign]
+    other = asyncio.create_task(ticker())
+    replicator.offer(card("9.9.9.9"))
+    await tasks[0]
+    other.cancel()
+    assert sum(stored) == count  # every key's record handed over
+    assert len(set(looked)) == 3  # the loop ran the others between the three slices
 
 
 # -- the request handlers ---------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 from swarmloco.net.deadline import Deadline
@@ -33,6 +33,7 @@ from swarmloco.proto.v1 import dht_pb2 as pb
 MAX_REPLICATIONS = 16  # newcomers being handed records at once
 MAX_PENDING_REPLICATIONS = 1024  # newcomers waiting for a hand-off (beyond: republish)
 MAX_REPLICATED_KEYS = 4096  # keys considered per newcomer (beyond: republish)
+KEYS_PER_SLICE = 256  # keys looked at between two yields to the event loop
 
 
 def store_batches(
@@ -53,12 +54,17 @@ def store_batches(
 
 
 def records_for(
-    newcomer: Contact, *, storage: Storage, routing: RoutingTable, k: int
+    newcomer: Contact,
+    *,
+    storage: Storage,
+    routing: RoutingTable,
+    k: int,
+    keys: Sequence[str] | None = None,
 ) -> list[Record]:
-    """The stored records of every key (the first ``MAX_REPLICATED_KEYS``) to which
-    ``newcomer`` is closer than the k-th closest other node we know."""
+    """The stored records of every key (``keys``, else the first ``MAX_REPLICATED_KEYS``)
+    to which ``newcomer`` is closer than the k-th closest other node we know."""
     records: list[Record] = []
-    for key in storage.keys()[:MAX_REPLICATED_KEYS]:
+    for key in storage.keys()[:MAX_REPLICATED_KEYS] if keys is None else keys:
         target = key_id(key)
         others = routing.closest(target, k, exclude=newcomer.peer_id)
         bound = distance(others[-1].peer_id, target) if len(others) >= k else None
@@ -110,8 +116,24 @@ class Replicator:
             self._pending.discard(newcomer.peer_id)
 
     async def _hand_off(self, newcomer: Contact) -> None:
+        """Store at ``newcomer`` the records it is now one of the k closest nodes to. They
+        are found a slice of keys at a time, yielding to the event loop between slices:
+        each key is measured against the routing table, and with thousands of keys held
+        (records of made-up swarms cost a stranger only free keys) the whole look held the
+        loop for a quarter of a second per new contact."""
         cfg = self._config
-        records = records_for(newcomer, storage=self._storage, routing=self._book.routing, k=cfg.k)
+        keys = self._storage.keys()[:MAX_REPLICATED_KEYS]
+        records: list[Record] = []
+        for start in range(0, len(keys), KEYS_PER_SLICE):
+            if start:
+                await asyncio.sleep(0)  # let the calls waiting on the loop in
+            records += records_for(
+                newcomer,
+                storage=self._storage,
+                routing=self._book.routing,
+                k=cfg.k,
+                keys=keys[start : start + KEYS_PER_SLICE],
+            )
         deadline = Deadline.after(cfg.lookup_timeout_s)
         for batch in store_batches(records, cfg.max_records_per_request, cfg.max_request_bytes):
             request = self._sign(batch)
