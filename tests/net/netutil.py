@@ -9,6 +9,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
+from swarmloco.core.adoption import Evidence
+from swarmloco.core.state import StateSchema
 from swarmloco.net.client import RpcClient
 from swarmloco.net.dht.node import DHTNode
 from swarmloco.net.dht.transport import DhtServicer, DhtTransport, GrpcDhtTransport
@@ -16,6 +18,7 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import Int, RecordKind, Str, Struct, register
 from swarmloco.net.server import PeerServer, ServerConfig
+from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
 
 SWARM = "ab" * 20
 
@@ -114,3 +117,24 @@ def run_in_threads(*calls: Callable[[], None], timeout: float) -> None:
     for t in threads:
         t.join(timeout)
     assert not errors and not any(t.is_alive() for t in threads), errors
+
+
+def catch_up_of(
+    me: NetNode,
+    *,
+    swarm_id: str,
+    numel: int,
+    config: CatchUpConfig,
+    evidence: Evidence | None = None,
+) -> CatchUp:
+    """The catch-up of the peer at ``me`` in a swarm of DiLoCo states of ``numel`` values
+    (``evidence``: what it saw of its own rounds; none: a fresh peer)."""
+    return CatchUp(
+        me=me.identity.peer_id_hex,
+        swarm_id=swarm_id,
+        dht=me.dht,
+        client=me.client,
+        schema=StateSchema.diloco(numel),
+        evidence=evidence if evidence is not None else Evidence(),
+        config=config,
+    )

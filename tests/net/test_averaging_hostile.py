@@ -38,6 +38,16 @@ def _outcomes(results) -> list[AllReduceResult | RoundAborted]:
     return list(results)
 
 
+def _honest_results(peers, results, plan, hostile):
+    """The peer ids, and the honest members' results (with their index) after checking
+    that the fault fired and that every honest member completed the round on one result."""
+    assert plan.fired[0] > 0
+    honest = [(i, r) for i, r in enumerate(results) if i != hostile]
+    assert all(isinstance(r, AllReduceResult) for _, r in honest), honest
+    assert_identical([r for _, r in honest])
+    return [p.peer_id for p in peers], honest
+
+
 async def _then_a_clean_round(peers, size):
     vectors = random_vectors(size, 64 * 40, seed=77)
     results = _outcomes(await run_round(peers, 2, vectors, [1.0] * size, timeout=15))
@@ -61,11 +71,7 @@ async def test_a_reducer_answering_bad_scales_is_struck_and_its_part_rerun(corru
     vectors = random_vectors(size, 64 * blocks, seed=3)
     async with averaging_peers(size, faults={hostile: plan}) as peers:
         results = _outcomes(await run_round(peers, 1, vectors, weights, timeout=15))
-        ids = [p.peer_id for p in peers]
-        assert plan.fired[0] > 0
-        honest = [(i, r) for i, r in enumerate(results) if i != hostile]
-        assert all(isinstance(r, AllReduceResult) for _, r in honest), honest
-        assert_identical([r for _, r in honest])
+        ids, honest = _honest_results(peers, results, plan, hostile)
         refused = 0
         for i, result in honest:
             assert_exact(result, dict(zip(ids, vectors)), dict(zip(ids, weights)))
@@ -96,11 +102,7 @@ async def test_a_reducer_answering_a_result_larger_than_its_senders_allow_is_str
     vectors = random_vectors(size, 64 * 200, seed=8)
     async with averaging_peers(size, faults={hostile: plan}, config=config) as peers:
         results = _outcomes(await run_round(peers, 1, vectors, weights, timeout=15))
-        ids = [p.peer_id for p in peers]
-        assert plan.fired[0] > 0
-        honest = [(i, r) for i, r in enumerate(results) if i != hostile]
-        assert all(isinstance(r, AllReduceResult) for _, r in honest), honest
-        assert_identical([r for _, r in honest])
+        ids, honest = _honest_results(peers, results, plan, hostile)
         refused = 0
         for i, result in honest:
             part = result.report.parts[result.report.members.index(ids[hostile])]

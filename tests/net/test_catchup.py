@@ -16,9 +16,10 @@ from contextlib import AsyncExitStack
 import grpc
 import pytest
 import torch
+from netutil import catch_up_of
 
 from swarmloco.core.adoption import AdoptionConfig, Evidence, Reference
-from swarmloco.core.state import MOMENTUM, THETA_G, StateSchema, StateSnapshot
+from swarmloco.core.state import MOMENTUM, THETA_G, StateSnapshot
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import digest_key, progress_key
@@ -126,15 +127,7 @@ def reference(theta: torch.Tensor) -> Reference:
 
 
 def catchup(me: NetNode, evidence: Evidence, config: CatchUpConfig = CONFIG) -> CatchUp:
-    return CatchUp(
-        me=me.identity.peer_id_hex,
-        swarm_id=SWARM,
-        dht=me.dht,
-        client=me.client,
-        schema=StateSchema.diloco(NUMEL),
-        evidence=evidence,
-        config=config,
-    )
+    return catch_up_of(me, swarm_id=SWARM, numel=NUMEL, config=config, evidence=evidence)
 
 
 @pytest.mark.parametrize("liar_is_a_witness", [False, True])

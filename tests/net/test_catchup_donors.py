@@ -12,10 +12,10 @@ from contextlib import AsyncExitStack
 
 import pytest
 import torch
-from netutil import closed_port
+from netutil import catch_up_of, closed_port
 
-from swarmloco.core.adoption import Evidence, Reference
-from swarmloco.core.state import MOMENTUM, THETA_G, StateSchema, StateSnapshot
+from swarmloco.core.adoption import Reference
+from swarmloco.core.state import MOMENTUM, THETA_G, StateSnapshot
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import PEERS, digest_key, make_record, peers_key, progress_key
@@ -73,15 +73,7 @@ async def announce(node: NetNode, owner: Identity, endpoint: str, *, ttl: float)
 
 
 def catchup(me: NetNode) -> CatchUp:
-    return CatchUp(
-        me=me.identity.peer_id_hex,
-        swarm_id=SWARM,
-        dht=me.dht,
-        client=me.client,
-        schema=StateSchema.diloco(NUMEL),
-        evidence=Evidence(),
-        config=CONFIG,
-    )
+    return catch_up_of(me, swarm_id=SWARM, numel=NUMEL, config=CONFIG)
 
 
 async def test_keys_announcing_dead_endpoints_for_24_h_do_not_keep_a_joiner_from_the_creator():

@@ -14,15 +14,16 @@ from contextlib import AsyncExitStack
 
 import pytest
 import torch
+from netutil import catch_up_of
 
 from swarmloco.core.adoption import AdoptionConfig, Evidence, Reference
-from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema, StateSnapshot
+from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSnapshot
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import digest_key, make_record, progress_key
 from swarmloco.net.server import ServerConfig
 from swarmloco.net.state import DownloadConfig, StateDonor, state_service
-from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
+from swarmloco.runtime.catchup import CatchUp, CatchUpConfig, Found
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -148,15 +149,33 @@ def partner_history(partners: list[str], trajectory: Trajectory, rounds: int) ->
 
 
 def catchup(me: NetNode, evidence: Evidence) -> CatchUp:
-    return CatchUp(
-        me=me.identity.peer_id_hex,
-        swarm_id=SWARM,
-        dht=me.dht,
-        client=me.client,
-        schema=StateSchema.diloco(NUMEL),
-        evidence=evidence,
-        config=CONFIG,
+    return catch_up_of(me, swarm_id=SWARM, numel=NUMEL, config=CONFIG, evidence=evidence)
+
+
+async def honest_holders(
+    stack: AsyncExitStack, good: StateSnapshot, count: int
+) -> tuple[Server, list[Server]]:
+    """A bootstrap node on 127.0.0.1 and ``count`` honest peers on 127.0.0.2 and on, each
+    serving ``good`` (round 20) and saying so, working on round 21."""
+    boot = await server(stack, None, "127.0.0.1")
+    peers = [await server(stack, boot.node, f"127.0.0.{2 + i}") for i in range(count)]
+    for p in peers:
+        p.serve(good)
+        node = p.node
+        endpoint, key = node.endpoint, node.identity
+        await publish(node, key, round=20, digest=good.digest, endpoint=endpoint, claim=21)
+    return boot, peers
+
+
+async def fresh_joiner_looks(stack: AsyncExitStack, boot: Server, theta0: torch.Tensor) -> Found:
+    """A fresh peer joined through ``boot``, its own state ``theta0``: what one look of its
+    catch-up finds."""
+    me = await stack.enter_async_context(
+        NetNode(identity=Identity.generate(), config=NodeConfig(peers=(boot.node.endpoint,)))
     )
+    fresh = Reference(theta_g=theta0, momentum=None, tokens=0, outer_lr=LR, outer_momentum=MU)
+    look = catchup(me, Evidence())
+    return await look.find(round=0, digest=None, reference=fresh, distrusted=set())
 
 
 @pytest.mark.parametrize("momentum_times", [1000.0, 1.0])
@@ -230,19 +249,8 @@ async def test_a_fresh_joiner_that_reaches_honest_peers_and_sybils_takes_the_hon
     good = honest.snapshot()
     forged = honest.snapshot(momentum_times=1000.0)
     async with AsyncExitStack() as stack:
-        boot = await server(stack, None, "127.0.0.1")
-        peers = [await server(stack, boot.node, f"127.0.0.{2 + i}") for i in range(4)]
+        boot, _ = await honest_holders(stack, good, 4)
         attackers = [await server(stack, boot.node, f"127.0.0.{10 + i % 4}") for i in range(8)]
-        for p in peers:
-            p.serve(good)
-            await publish(
-                p.node,
-                p.node.identity,
-                round=20,
-                digest=good.digest,
-                endpoint=p.node.endpoint,
-                claim=21,
-            )
         for a in attackers:
             a.serve(forged)
             await publish(
@@ -253,13 +261,7 @@ async def test_a_fresh_joiner_that_reaches_honest_peers_and_sybils_takes_the_hon
                 endpoint=a.node.endpoint,
                 claim=21,
             )
-        me = await stack.enter_async_context(
-            NetNode(identity=Identity.generate(), config=NodeConfig(peers=(boot.node.endpoint,)))
-        )
-        fresh = Reference(theta_g=theta0, momentum=None, tokens=0, outer_lr=LR, outer_momentum=MU)
-        found = await catchup(me, Evidence()).find(
-            round=0, digest=None, reference=fresh, distrusted=set()
-        )
+        found = await fresh_joiner_looks(stack, boot, theta0)
     assert found.adopted is not None
     assert found.adopted.snapshot.digest == good.digest
     refused = [r for r in found.refused if r.digest == forged.digest.hex()]
@@ -300,18 +302,7 @@ async def test_five_keys_claiming_rounds_far_ahead_do_not_keep_a_fresh_joiner_fr
     good = honest.snapshot()
     far = 10**9
     async with AsyncExitStack() as stack:
-        boot = await server(stack, None, "127.0.0.1")
-        peers = [await server(stack, boot.node, f"127.0.0.{2 + i}") for i in range(3)]
-        for p in peers:
-            p.serve(good)
-            await publish(
-                p.node,
-                p.node.identity,
-                round=20,
-                digest=good.digest,
-                endpoint=p.node.endpoint,
-                claim=21,
-            )
+        boot, peers = await honest_holders(stack, good, 3)
         attacker = await server(stack, boot.node, "127.0.0.10")  # serves no state
         for i, claimed in enumerate((far, far, far - 2, far - 4, far - 6)):
             key = Identity.generate()
@@ -326,13 +317,7 @@ async def test_five_keys_claiming_rounds_far_ahead_do_not_keep_a_fresh_joiner_fr
                         owner=key,
                     )
                     assert await attacker.node.dht.store_record(record, republish=False) >= 1
-        me = await stack.enter_async_context(
-            NetNode(identity=Identity.generate(), config=NodeConfig(peers=(boot.node.endpoint,)))
-        )
-        fresh = Reference(theta_g=theta0, momentum=None, tokens=0, outer_lr=LR, outer_momentum=MU)
-        found = await catchup(me, Evidence()).find(
-            round=0, digest=None, reference=fresh, distrusted=set()
-        )
+        found = await fresh_joiner_looks(stack, boot, theta0)
     assert found.adopted is not None
     assert found.adopted.snapshot.round == 20
     assert found.adopted.snapshot.digest == good.digest
