@@ -46,12 +46,22 @@ class RoundAborted(SwarmlocoError):
     ``late``: the round goes on without this peer (its group formed before this peer
     came): catch up with the group's result of the round rather than average it again at
     once with whoever else came late. ``unmet``: none of the peers this one expected came
-    (they may be out of step with it, or only claim to work on the round)."""
+    (they may be out of step with it, or only claim to work on the round). ``dissenters``:
+    the peer ids of a lone server whose verdict or digest differed from every other
+    server's, which were all this peer's own (first-hand: it aborted the round alone)."""
 
-    def __init__(self, message: str, *, late: bool = False, unmet: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        late: bool = False,
+        unmet: bool = False,
+        dissenters: frozenset[str] = frozenset(),
+    ) -> None:
         super().__init__(message)
         self.late = late
         self.unmet = unmet
+        self.dissenters = dissenters
 
 
 class ModelMismatch(SwarmlocoError):

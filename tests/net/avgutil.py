@@ -18,6 +18,7 @@ import torch
 from tcpproxy import TcpProxy
 
 from swarmloco.core.codec import CodecConfig, chunk_spans, padded_numel
+from swarmloco.errors import RoundAborted
 from swarmloco.net.admission import Admission
 from swarmloco.net.averaging import (
     AllReduceReport,
@@ -171,7 +172,11 @@ async def average(
         deadline=deadline,
         norm=float(vector.double().norm()) if norm is None else norm,
     )
-    return await peer.averager.all_reduce(group, vector, deadline=deadline)
+    try:
+        return await peer.averager.all_reduce(group, vector, deadline=deadline)
+    except RoundAborted as exc:
+        peer.matchmaker.demote(exc.dissenters)  # as a peer's network does
+        raise
 
 
 async def run_round(

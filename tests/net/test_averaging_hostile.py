@@ -370,3 +370,33 @@ async def test_a_leaders_strangers_are_its_clients_and_a_forged_digest_aborts_no
     assert set(report.members) == set(ids)
     assert sorted(part.reducer for part in report.parts) == sorted(ids[:2])  # theirs alone
     assert_exact(results[0], dict(zip(ids, vectors)), dict.fromkeys(ids, 1.0))
+
+
+async def test_a_partner_that_alone_aborts_a_round_serves_no_more_and_the_retry_applies():
+    """Four partners; one answers every stream it serves with a forged verdict (another
+    digest). The attempt aborts for all, and each honest member names it as the one server
+    out of line with every other and takes it as a stranger for a while: the next attempt
+    makes it a client (no part, no verdict) and applies. (Before, every attempt aborted for
+    as long as it kept lying, and it stayed a partner, since no round applied.)"""
+    size, liar = 4, 3
+    vectors = random_vectors(size, 64 * 40, seed=11)
+    async with averaging_peers(size) as peers:
+        ids = [p.peer_id for p in peers]
+        for p in peers:
+            p.matchmaker.partners = lambda me=p.peer_id: set(ids) - {me}
+        round = next(
+            r
+            for r in range(1, 1000)
+            if min(ids, key=lambda i: leader_rank(SWARM, r, i)) != ids[liar]
+        )
+        plan = FaultPlan([Fault(action="corrupt", phase="verdict", corruption="forge")])
+        peers[liar].averager.faults = plan
+        first = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+        second = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+    assert plan.fired[0] > 0
+    for result in first[:liar]:
+        assert isinstance(result, RoundAborted) and result.dissenters == {ids[liar]}, first
+    honest = second[:liar]
+    assert all(isinstance(r, AllReduceResult) for r in honest), second
+    assert_identical(honest)
+    assert ids[liar] not in {part.reducer for part in honest[0].report.parts}

@@ -84,6 +84,46 @@ def test_a_clients_digest_decides_nothing_but_what_the_client_applies():
     assert client.step(b"made-up", servers=[0, 1], now=1.0).disagreement is not None
 
 
+def test_the_one_server_out_of_line_with_every_other_is_named_and_no_one_in_a_split():
+    """Servers 0-3. A forged verdict from 3 while every digest is ours: 3 is named. A
+    digest of 3 differing from all others': 3 is named. Two out of line, or only two
+    servers in all: nobody is (who is right cannot be told)."""
+
+    def aborted(done: dict[int, bytes], verdicts: dict[int, bytes], servers=(0, 1, 2, 3)):
+        agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+        agreement.done.update(done)
+        agreement.verdicts.update(
+            {m: pb.Verdict(agreed=d == b"d", digest=d) for m, d in verdicts.items()}
+        )
+        agreement.step(b"d", servers=list(servers), now=100.0)
+        return agreement.step(b"d", servers=list(servers), now=110.0)  # patience spent
+
+    ours = {1: b"d", 2: b"d", 3: b"d"}
+    step = aborted(ours, {1: b"d", 3: b"forged"})
+    assert step.disagreement and step.dissenter == 3
+    step = aborted({**ours, 3: b"other"}, {1: b"d", 3: b"other"})
+    assert step.disagreement and step.dissenter == 3
+    step = aborted({1: b"d", 2: b"x", 3: b"x"}, {3: b"x"})
+    assert step.disagreement and step.dissenter is None
+    step = aborted({1: b"x"}, {1: b"x"}, servers=(0, 1))
+    assert step.disagreement and step.dissenter is None
+
+
+def test_a_server_waits_for_every_servers_digest_before_naming_who_disagreed():
+    agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+    agreement.done.update({1: b"d", 3: b"d"})  # 2's digest still on its way
+    agreement.verdicts[3] = pb.Verdict(agreed=False, digest=b"forged")
+    assert agreement.step(b"d", servers=[0, 1, 2, 3], now=0.0).disagreement is None
+    agreement.done[2] = b"d"
+    step = agreement.step(b"d", servers=[0, 1, 2, 3], now=1.0)
+    assert step.disagreement and step.dissenter == 3
+    late = Agreement(me=0, serving=True, patience=5.0, label=label)
+    late.verdicts[3] = pb.Verdict(agreed=False, digest=b"forged")
+    late.step(b"d", servers=[0, 1, 2, 3], now=0.0)
+    step = late.step(b"d", servers=[0, 1, 2, 3], now=5.0)  # patience spent: abort, no name
+    assert step.disagreement and step.dissenter is None
+
+
 def test_a_verdict_that_differs_from_our_digest_ends_the_round_with_its_reason():
     agreement = Agreement(me=2, serving=False, patience=5.0, label=label)
     agreement.verdicts[0] = pb.Verdict(agreed=True, digest=b"other")

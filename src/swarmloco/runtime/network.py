@@ -394,9 +394,13 @@ class SwarmNetwork:
                 unmet=True,
             )
         matchmaking = time.monotonic() - started
-        result = await self.averager.all_reduce(
-            group, message, deadline=deadline, out=out, error_feedback=error_feedback
-        )
+        try:
+            result = await self.averager.all_reduce(
+                group, message, deadline=deadline, out=out, error_feedback=error_feedback
+            )
+        except RoundAborted as exc:
+            self.matchmaker.demote(exc.dissenters)  # a lone server that aborted it
+            raise
         declared = {m.peer_id: m.ranges for m in group.members if m.ranges}
         # Only what the result holds whole counts: a member struck or lost in the round
         # (a stranger that cut its streams at once, whatever weight it declared) added no

@@ -82,6 +82,9 @@ __all__ = ["JOIN", "Matchmaker", "MatchmakingConfig", "check_answer", "leader_ra
 logger = logging.getLogger(__name__)
 
 _MAX_REDIRECTS = 8
+DEMOTED_S = 3600.0
+"""How long a partner that alone aborted a round is taken as a stranger."""
+MAX_DEMOTED = 4096
 # Refusals after which asking again (elsewhere) makes sense; the others are final.
 _TRANSIENT = frozenset({"not-leading", "formed", "full", "subnet-full", "stepped-down"})
 
@@ -260,8 +263,37 @@ class Matchmaker:
         self._came_late: collections.deque[int] = collections.deque(maxlen=64)
         self._lonely: collections.deque[int] = collections.deque(maxlen=64)
         """Rounds this peer led and gathered too few in (it follows anyone then)."""
+        self._demoted: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """Partners this peer saw abort a round alone (peer -> until, monotonic)."""
         self._grouped: collections.OrderedDict[int, frozenset[str]] = collections.OrderedDict()
         """The members of this peer's last group of each recent round."""
+
+    def demote(self, peers: Iterable[str], seconds: float = DEMOTED_S) -> None:
+        """Take ``peers`` as strangers for ``seconds``: each was the lone server whose
+        verdict or digest differed from every other server's in a round that aborted here
+        (``RoundAborted.dissenters``). This peer follows them no more, and makes them
+        clients of the groups it leads: one partner turned liar cannot abort every
+        attempt at a round, however long it stays a partner while no round applies."""
+        until = time.monotonic() + seconds
+        for peer in peers:
+            logger.warning(
+                "peer %s alone disagreed with every other server of a round: taken as a "
+                "stranger (a client of this peer's groups) for %.0f s",
+                peer[:12],
+                seconds,
+            )
+            self._demoted[peer] = until
+            self._demoted.move_to_end(peer)
+        while len(self._demoted) > MAX_DEMOTED:
+            self._demoted.popitem(last=False)
+
+    def _partners(self) -> set[str]:
+        """The partners this peer follows and lets serve: its partners, less those it
+        demoted (:meth:`demote`) until their time is up."""
+        now = time.monotonic()
+        for peer in [p for p, until in self._demoted.items() if until <= now]:
+            del self._demoted[peer]
+        return set(self.partners()) - self._demoted.keys()
 
     # -- the public API ----------------------------------------------------------------
 
@@ -346,7 +378,7 @@ class Matchmaker:
             mine=self.identity.peer_id_hex,
             numel=numel,
             ours=self._grouped.get(round, frozenset()),
-            partners=set(self.partners()),
+            partners=self._partners(),
         )
 
     async def _candidates(
@@ -361,7 +393,7 @@ class Matchmaker:
         result = await self.dht.get(key, timeout=timeout)
         mine = self.identity.peer_id_hex
         formed = self._formed_marked(round, me.numel, result.entries.values())
-        partners = set(self.partners())
+        partners = self._partners()
         entries = servers(result.entries.values(), mine=mine, numel=me.numel, partners=partners)
         records = self.peers.endpoints if self.peer_records else None
         if records is not None and any(
@@ -409,7 +441,7 @@ class Matchmaker:
         candidates, formed = await self._candidates(round, me, deadline)
         search.formed_without_us |= formed
         untried = [c for c in candidates if c.endpoint not in tried]
-        if len(search.failed_leaders) >= self.config.stranger_leaders and not self.partners():
+        if len(search.failed_leaders) >= self.config.stranger_leaders and not self._partners():
             untried = []  # enough strangers failed us: lead (or wait) instead
         if search.lead_now and me.endpoint:
             untried = []
@@ -547,11 +579,11 @@ class Matchmaker:
             admission=self.admission,
             rejections=self.rejections,
             config=cfg,
-            partners=frozenset(self.partners()),
+            partners=frozenset(self._partners()),
         )
         self._leading[round] = gathering
         self._following.pop(round, None)
-        if self.partners():
+        if self._partners():
             # Say so: newcomers, whom this peer would never follow, find their way here.
             self.entries.mark_formed(round, 1, forget=False)
         window_closes = asyncio.get_running_loop().time() + min(cfg.gather_s, deadline.remaining())

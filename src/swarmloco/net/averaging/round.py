@@ -283,7 +283,11 @@ class RoundRun:
         if step.verdict is not None:
             self.incoming.send_last("verdict", wire.response(verdict=step.verdict))
         if step.disagreement is not None:
-            raise RoundAborted(f"round {self.group.round}: {step.disagreement}; nothing applied")
+            lone = () if step.dissenter is None else (self.group.members[step.dissenter].peer_id,)
+            raise RoundAborted(
+                f"round {self.group.round}: {step.disagreement}; nothing applied",
+                dissenters=frozenset(lone),
+            )
         if step.decided:
             self.timings["agreement"] = self.a.clock() - self.started - self.timings["exchange"]
         return step.decided

@@ -34,6 +34,9 @@ class Step:
     """Our verdict, now made: send it on every stream to us, and close them."""
     disagreement: str | None = None
     """Why the round must end with nothing applied (after sending ``verdict``)."""
+    dissenter: int | None = None
+    """With a disagreement: the one server that caused it, when every other live server
+    announced our digest (None: no lone culprit, or not all digests known)."""
     decided: bool = False
     """Every live serving member agreed with our digest: apply it."""
 
@@ -62,6 +65,7 @@ class Agreement:
         self.my_done: bytes | None = None
         self.decided = False
         self._disagree_since: float | None = None
+        self._dissent_since: float | None = None
 
     def step(self, digest: bytes, *, servers: Sequence[int], now: float) -> Step:
         """Move the agreement forward with our complete result's ``digest``; ``servers``
@@ -79,11 +83,42 @@ class Agreement:
             verdict = self._make_verdict(digest, differ)
         for member, said in self.verdicts.items():
             if not said.agreed or said.digest != digest:
+                missing = any(x not in self.done for x in servers)
+                if self._serving and missing and self._waiting_for_digests(now):
+                    # Who alone is out of line can be told once every server's digest
+                    # is in (they are on their way): a little patience, then abort.
+                    return Step(announce, verdict)
                 why = said.reason or "its result differs from ours"
                 reason = f"member {self._label(member)} disagrees ({why})"
-                return Step(announce, verdict, disagreement=reason)
+                lone = self._lone_dissenter(digest, servers)
+                return Step(announce, verdict, disagreement=reason, dissenter=lone)
         self.decided = all(x in self.verdicts for x in servers)
         return Step(announce, verdict, decided=self.decided)
+
+    def _lone_dissenter(self, digest: bytes, servers: Sequence[int]) -> int | None:
+        """The one live server out of line, in a group of three servers or more: the only
+        one whose announced digest differs from ours, or, if every live server announced
+        ours, the only one whose verdict disagrees; None otherwise (a split, or digests not
+        all in). First-hand as far as this member can tell: each server's digest reached it
+        directly. (A member that equivocates, telling each member another digest or result,
+        can make an honest server look like the lone one here.)"""
+        others = [x for x in servers if x != self._me]
+        if len(servers) < 3 or any(x not in self.done for x in others):
+            return None
+        out = [x for x in others if self.done[x] != digest]
+        if not out:
+            out = [x for x in others if x in self.verdicts and not self._agrees(x, digest)]
+        return out[0] if len(out) == 1 else None
+
+    def _agrees(self, member: int, digest: bytes) -> bool:
+        said = self.verdicts[member]
+        return said.agreed and said.digest == digest
+
+    def _waiting_for_digests(self, now: float) -> bool:
+        """Whether to wait longer for servers' digests after a verdict disagreed."""
+        if self._dissent_since is None:
+            self._dissent_since = now
+        return now - self._dissent_since < self._patience
 
     def _patient(self, now: float) -> bool:
         """Whether to wait longer for members whose digest differs from ours: one may hold
