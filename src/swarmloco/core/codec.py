@@ -493,15 +493,20 @@ def store_encoded_(encoded: Encoded, start: int, q: torch.Tensor, scale: torch.T
     into_scale.copy_(scale)
 
 
+def blocks_norm_sq(payload: torch.Tensor, scales: torch.Tensor, block_size: int) -> float:
+    """The squared L2 norm of what int8 ``payload`` (whole blocks) and its block ``scales``
+    decode to, without decoding them: per block, the norm of its int8 values (exact in
+    float32: at most 128 * sqrt(block)) times its scale."""
+    per_block = torch.linalg.vector_norm(payload.view(-1, block_size).to(torch.float32), dim=1)
+    return float(torch.dot(per_block.double().square(), scales.double().square()))
+
+
 def encoded_norm(encoded: Encoded) -> float:
     """The L2 norm of what ``encoded`` decodes to, a slab at a time (nothing of its size
     is decoded)."""
     b = encoded.block_size
-    squares = 0.0
-    for i in _slices(encoded.payload.view(-1, b)):
-        q = encoded.payload.view(-1, b)[i]
-        per_block = torch.linalg.vector_norm(q.to(torch.float32), dim=1).double()
-        squares += float(torch.dot(per_block.square(), encoded.scales[i].double().square()))
+    blocks = encoded.payload.view(-1, b)
+    squares = sum(blocks_norm_sq(blocks[i], encoded.scales[i], b) for i in _slices(blocks))
     return math.sqrt(squares)
 
 

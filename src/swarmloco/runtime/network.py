@@ -409,7 +409,7 @@ class SwarmNetwork:
         tokens = sum(
             w for m, w in zip(group.members, group.weights, strict=True) if whole[m.peer_id]
         )
-        return RoundOutcome(result, matchmaking, float(tokens), declared)
+        return RoundOutcome(result, matchmaking, float(tokens), declared, whole)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,6 +426,9 @@ class RoundOutcome:
         default_factory=dict
     )
     """Peer id -> the dataset sequences its update completes, as it declared them."""
+    whole: dict[str, bool] = dataclasses.field(default_factory=dict)
+    """Per member: whether the result holds its contribution whole
+    (:meth:`~swarmloco.net.averaging.report.AllReduceReport.counted_whole`)."""
 
 
 _FRAMING_BYTES = 64 * 1024

@@ -155,7 +155,7 @@ class RoundDriver:
         # Partners are the members the result holds whole, never the group as formed: a
         # stranger struck (or gone) at once averaged nothing with us, and its word must
         # not count as a partner's (leadership, pacing, adoption, the dataset's spans).
-        whole = report.counted_whole()
+        whole = outcome.whole
         partners = frozenset(m for m, counted in whole.items() if counted) - {p.peer_id}
         self._apply(x, outcome.group_tokens, partners)
         if p.ranges is not None:
@@ -310,7 +310,7 @@ class RoundDriver:
             "group": len(report.members),
             # Of the group, the members the result holds whole (this peer among them
             # unless it was cut off somewhere), and the tokens their weights add.
-            "whole": sum(report.counted_whole().values()),
+            "whole": sum(outcome.whole.values()),
             "tokens": outcome.group_tokens,
             "weight": x.weight,
             "lr": self.lr(),

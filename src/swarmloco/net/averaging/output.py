@@ -24,7 +24,7 @@ from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.core.codec import (
     CodecConfig,
     Encoded,
-    check_encoded,
+    blocks_norm_sq,
     dequantize_into_,
     store_encoded_,
 )
@@ -44,12 +44,6 @@ def decode_chunk(
         payload, scales, numel=numel, block_size=codec.block_size, scale_bytes=codec.scale_bytes
     )
     return wire.tensor_from(payload, torch.int8), wire.tensor_from(scales, codec.scale_torch_dtype)
-
-
-def encoded_norm_sq(payload: torch.Tensor, scales: torch.Tensor, block_size: int) -> float:
-    """The squared L2 norm of what an int8 payload and its block scales decode to."""
-    per_block = torch.linalg.vector_norm(payload.view(-1, block_size).to(torch.float32), dim=1)
-    return float(torch.dot(per_block.double().square(), scales.double().square()))
 
 
 class ResultBound:
@@ -73,10 +67,6 @@ class ResultBound:
         self._slice = slice_bound(bound, self._block) if math.isfinite(bound) else math.inf
         # part -> (epoch, reducer), the squared norm of its result so far, F_j per member
         self._parts: dict[int, tuple[tuple[int, int], float, dict[int, float]]] = {}
-
-    @property
-    def bounded(self) -> bool:
-        return math.isfinite(self._slice)
 
     def _shares(self, members: list[int]) -> dict[int, float]:
         """``f_j`` of each contributor of one chunk."""
@@ -102,7 +92,7 @@ class ResultBound:
         """Account for the next result chunk of ``part`` from ``reducer`` at ``epoch`` (a
         new claim on the part starts the account again); Rejection ``too-large`` if it takes
         the part's result past what its contributors' slices can average to."""
-        if not self.bounded or not contributors:
+        if not math.isfinite(self._slice) or not contributors:
             return
         claim = (epoch, reducer)
         held = self._parts.get(part)
@@ -112,7 +102,7 @@ class ResultBound:
         shares = dict(shares)
         for member, share in self._shares(contributors).items():
             shares[member] = max(shares.get(member, 0.0), share)
-        norm_sq += encoded_norm_sq(payload, scales, self._block)
+        norm_sq += blocks_norm_sq(payload, scales, self._block)
         mean = self._slice * math.sqrt(sum(shares.values()))
         allowed = (mean + rounding_allowance(mean, self._block)) * (1 + 1e-3)
         if math.sqrt(norm_sq) > allowed:
@@ -159,14 +149,6 @@ class Output:
             raise Rejection("bad-result", f"result chunk {message.index} of part {message.part}")
         numel = spans[message.index].numel
         payload, scales = decode_chunk(message.payload, message.scales, numel, self._codec)
-        if self._bound is not None and self._bound.bounded:
-            self._view.check_result(message.part, message.index, message.contributors)
-            try:  # scales the decoder refuses are refused for that (``bad-result``) first
-                check_encoded(payload, scales, self._codec)
-            except SwarmlocoError as exc:
-                raise Rejection("bad-result", str(exc)) from None
-            members = wire.members_of(message.contributors, self._group.size)
-            self._bound.check(message.part, message.epoch, reducer, payload, scales, members)
         try:
             return self.apply(
                 message.part,
@@ -177,6 +159,8 @@ class Output:
                 scales,
                 message.contributors,
             )
+        except Rejection:
+            raise
         except SwarmlocoError as exc:  # CodecError: NaN/Inf, negative or huge scales
             raise Rejection("bad-result", str(exc)) from None
 
@@ -191,20 +175,25 @@ class Output:
         bits: bytes,
     ) -> bool:
         """Decode one result chunk into the output; False when it is stale (another
-        reducer or epoch holds the part now). CodecError when the decoder refuses it."""
+        reducer or epoch holds the part now). CodecError when the decoder refuses it,
+        Rejection ``too-large`` when a remote reducer's result passes its bound."""
         view = self._view
         if not view.expects(part, epoch, reducer):
             return False
         view.check_result(part, index, bits)
         span = view.spans[part][index]
         start = self._group.part_range(part)[0] + span.start
-        # Recorded as received only once decoded: a chunk the decoder refuses (NaN or huge
-        # scales) must leave its part incomplete, so that failing its reducer moves the
-        # part on (a complete part would stay, its slice of the result whatever the reused
-        # buffer held, different on every member).
+        # Recorded as received only once decoded and within bounds: a chunk the decoder
+        # or the bound refuses (NaN or huge scales, a result too long) must leave its part
+        # incomplete, so that failing its reducer moves the part on (a complete part would
+        # stay, its slice of the result whatever the reused buffer held, different on
+        # every member).
         if isinstance(self.result, Encoded):
             store_encoded_(self.result, start, payload, scales)
         else:
             dequantize_into_(self.result[start : start + span.numel], payload, scales, self._codec)
+        if self._bound is not None and reducer != view.me:
+            contributors = wire.members_of(bits, self._group.size)
+            self._bound.check(part, epoch, reducer, payload, scales, contributors)
         view.on_result(part, index, bits)
         return True

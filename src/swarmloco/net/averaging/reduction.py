@@ -62,6 +62,7 @@ from swarmloco.core.codec import (
     QMAX,
     ChunkSpan,
     CodecConfig,
+    blocks_norm_sq,
     check_encoded,
     dequantize_accumulate_,
     dequantize_into_,
@@ -274,11 +275,8 @@ class PartReduction:
         block = self.codec.block_size
         if payload.numel() != scales.numel() * block or not bool(torch.isfinite(scales).all()):
             return  # the decoder refuses it below, with the precise reason
-        # Per block sqrt(sum q^2) in float32 (exact enough: at most 128 * sqrt(block)).
-        per_block = torch.linalg.vector_norm(payload.view(-1, block).to(torch.float32), dim=1)
-        s2 = scales.double().square()
-        norm_sq = self._norm_sq[sender] + float(torch.dot(per_block.double().square(), s2))
-        slack_sq = self._slack_sq[sender] + block * float(s2.sum())
+        norm_sq = self._norm_sq[sender] + blocks_norm_sq(payload, scales, block)
+        slack_sq = self._slack_sq[sender] + block * float(scales.double().square().sum())
         allowed = slice_bound(self.norm_bound, block, math.sqrt(slack_sq))
         if math.sqrt(norm_sq) > allowed:
             raise Rejection(
