@@ -313,16 +313,20 @@ async def _average_with_feedback(peer, round, vector, feedback, deadline):
 
 
 async def test_a_stall_of_our_own_event_loop_is_not_the_members_silence():
-    # All members share this process's loop: a 1.5 s busy loop on it (longer than the 1 s
+    # All members share this process's loop: a 4.5 s busy loop on it (longer than the 3 s
     # liveness timeout) stalls every member at once, as a long GC pause or a blocking call
     # would stall a real peer. The messages sent meanwhile are queued, not lost: nobody
-    # may be failed for a silence that was the watcher's own.
+    # may be failed for a silence that was the watcher's own. (Timeouts three times FAST's:
+    # on a busy machine the backlog after the stall takes a while to go through.)
     size = 4
-    plan = FaultPlan([Fault(action="spin", phase="chunk", skip=2, times=1, seconds=1.5)])
+    plan = FaultPlan([Fault(action="spin", phase="chunk", skip=2, times=1, seconds=4.5)])
+    config = dataclasses.replace(
+        FAST, liveness_timeout_s=3.0, sender_timeout_s=3.0, reducer_timeout_s=6.0
+    )
     weights = [1.0 + i for i in range(size)]
     vectors = random_vectors(size, 64 * 40, seed=21)
-    async with averaging_peers(size, faults={1: plan}, config=FAST) as peers:
-        results = ok(await run_round(peers, 1, vectors, weights, timeout=15))
+    async with averaging_peers(size, faults={1: plan}, config=config) as peers:
+        results = ok(await run_round(peers, 1, vectors, weights, timeout=30))
         ids = [p.peer_id for p in peers]
     assert plan.fired[0] == 1
     assert_identical(results)
