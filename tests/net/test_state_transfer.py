@@ -41,6 +41,7 @@ from swarmloco.net.state import (
     state_service,
     wire,
 )
+from swarmloco.net.state.donor import _Pace
 from swarmloco.net.state.files import FileSource, write_state
 from swarmloco.proto.v1 import state_pb2 as pb
 
@@ -764,6 +765,101 @@ async def test_two_slow_readers_cannot_keep_a_newcomer_from_the_state():
         for reader_task in readers:
             reader_task.cancel()  # they would read the data sent ahead for seconds more
         await asyncio.gather(*readers, return_exceptions=True)
+
+
+async def _read_slowly_until_refused(call, pace_s: float, taken: collections.Counter[str]) -> str:
+    """:func:`_read_slowly`, returning the details of the status that ended the call."""
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            taken["messages"] += 1
+            await asyncio.sleep(pace_s)
+    except grpc.aio.AioRpcError as error:
+        return f"{error.code().name}: {error.details()}"
+    finally:
+        call.cancel()
+    return "EOF"
+
+
+async def test_slow_readers_give_a_slot_up_to_a_newcomer_at_once():
+    # Two networks each take one of two slots and read a 24 MB state at ~320 KiB/s, above
+    # the donor's minimum (so it does not cut them off) but below the rate a slot is kept
+    # at when others wait: a newcomer from a third network is served at once, in the slot
+    # of one of them; the other reads on.
+    snapshot = make_snapshot(3_000_000)
+    config = DonorConfig(
+        chunk_bytes=CHUNK,
+        max_concurrent_downloads=2,
+        limit_loopback=True,
+        min_read_rate_bytes_s=64 * 1024,
+        read_grace_s=1.0,
+        yield_below_bytes_s=2 * 1024 * 1024,
+        yield_window_s=1.0,
+    )
+    request = wire.encode_request(swarm_id=SWARM, nonce=bytes(16))
+    addresses = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    async with behind_sources(snapshot, config, addresses) as (donor, dialled, client):
+        *slow, newcomer = dialled
+        taken = [collections.Counter[str](), collections.Counter[str]()]
+        readers = []
+        for reader, counter in zip(slow, taken, strict=True):
+            channel = await client.open(reader.endpoint, 10)
+            call = channel.unary_stream(wire.DOWNLOAD_PATH)(request, timeout=120)
+            assert pb.DownloadResponse.FromString(await call.read()).HasField("header")
+            readers.append(asyncio.ensure_future(_read_slowly_until_refused(call, 0.2, counter)))
+        assert donor.active == 2
+        await wait_for(lambda: donor.yielding() == 2, timeout=30)
+        got = await fetch(client, [newcomer], timeout=30)
+        assert_same_state(got.snapshot, snapshot)
+        assert donor.stats["yielded"] == 1 and donor.rejections.counts["yielded"] == 1
+        assert donor.stats["too-slow"] == 0 and donor.stats["busy"] == 0
+        ended, _ = await asyncio.wait(readers, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        (yielded,) = ended
+        assert yielded.result().startswith("RESOURCE_EXHAUSTED: another requester asked")
+        assert "ask another donor" in yielded.result()
+        assert donor.active == 1  # the other slow reader still holds its slot
+        for reader_task in readers:
+            reader_task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        await wait_for(lambda: donor.active == 0)
+
+
+async def test_downloads_started_and_dropped_are_charged_whole():
+    # Starting downloads over and over (to keep a slot young, say) costs the network a
+    # whole state each, however little of it was read.
+    snapshot = make_snapshot(1_000_000)
+    config = DonorConfig(chunk_bytes=CHUNK, limit_loopback=True, budget_states=2)
+    request = wire.encode_request(swarm_id=SWARM, nonce=bytes(16))
+    async with behind_sources(snapshot, config, ["127.0.0.2", "127.0.0.3"]) as (
+        donor,
+        (starter, other),
+        client,
+    ):
+        channel = await client.open(starter.endpoint, 10)
+        for _ in range(2):
+            call = channel.unary_stream(wire.DOWNLOAD_PATH)(request, timeout=10)
+            assert pb.DownloadResponse.FromString(await call.read()).HasField("header")
+            call.cancel()
+            await wait_for(lambda: donor.active == 0)
+        assert donor.stats["bytes"] < snapshot.nbytes
+        with pytest.raises(StateTransferError) as refused:
+            await fetch(client, [starter])
+        assert "127.0.0.2 took" in refused.value.failures[0].reason
+        assert donor.stats["budget-spent"] == 1
+        assert_same_state((await fetch(client, [other])).snapshot, snapshot)
+
+
+def test_the_rate_a_slot_is_kept_at_forgets_a_fast_start():
+    # 100 MB read in a second, then 300 KB/s for two minutes: 1.1 MB/s on average since
+    # the start, 0.36 MB/s over the last half minute or so.
+    pace = _Pace(grace_s=10.0, min_rate=256 * 1024, window_s=30.0)
+    pace.wrote(100_000_000, 1.0, now=1.0)
+    for now in range(2, 121):
+        pace.wrote(300_000, 1.0, now=float(now))
+    pace.written, pace.waited = 100_000_000 + 119 * 300_000, 120.0
+    assert pace.rate > 1e6
+    assert 300_000 < pace.recent_rate(120.0) < 400_000
+    pace.writing_since = 120.0  # a write waiting on the requester counts as it waits
+    assert pace.recent_rate(130.0) < pace.recent_rate(120.0)
 
 
 async def test_the_donors_own_upload_cap_is_not_taken_for_a_slow_reader():

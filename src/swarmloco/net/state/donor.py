@@ -13,10 +13,14 @@ to one source network (a /24, a /64, or one loopback or private address: see
 ``endpoints.source_network``); more are refused at once with RESOURCE_EXHAUSTED, so the
 requester asks another donor instead of waiting. A requester that takes no message for
 ``write_timeout_s`` is dropped, and so is one that reads slower than
-``min_read_rate_bytes_s`` (a slow reader would hold its slot for as long as it likes). One
-source network takes at most ``budget_states`` whole states per ``budget_window_s``
-(:class:`ByteBudget`); a request beyond that is refused with RESOURCE_EXHAUSTED, saying
-when to come back. An optional shared
+``min_read_rate_bytes_s`` (a slow reader would hold its slot for as long as it likes). When
+a request finds every slot taken, the download read slowest lately gives its slot up to it
+if it was read slower than ``yield_below_bytes_s`` (a reader just above the minimum would
+otherwise hold a slot for as long as a large state takes). One source network takes at
+most ``budget_states`` whole states per ``budget_window_s`` (:class:`ByteBudget`), each
+download charged whole when it starts (so starting downloads to keep slots costs a state
+each); a request beyond that is refused with RESOURCE_EXHAUSTED, saying when to come
+back. An optional shared
 :class:`~swarmloco.net.averaging.limiter.BandwidthLimiter` caps the upload rate (the same
 limiter as averaging's, so the peer's upload cap covers both). A malformed request is
 refused with INVALID_ARGUMENT. In a private swarm, a request not signed by a member
@@ -30,6 +34,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -77,7 +82,16 @@ class DonorConfig:
     Well below what requesters ask of a donor (``DownloadConfig.min_rate_bytes_s``)."""
     read_grace_s: float = 10.0
     """Waiting on a requester beyond its bytes at ``min_read_rate_bytes_s`` allowed in
-    all (a slow start, a hiccup of either side)."""
+    all (a slow start, a hiccup of either side); also how long a download is served before
+    it may give its slot up to a newcomer."""
+    yield_below_bytes_s: float = 1e6
+    """When a request finds every slot taken, a download read slower than this over about
+    the last ``yield_window_s`` (time in the donor's own upload cap not counted) gives its
+    slot up to it: the slowest such, once served ``read_grace_s``. What requesters ask of a
+    donor by default (``DownloadConfig.min_rate_bytes_s``)."""
+    yield_window_s: float = 30.0
+    """How far back the rate of ``yield_below_bytes_s`` looks (an average that forgets at
+    this time constant: a fast start does not buy a slow hour)."""
     budget_states: float = 4.0
     """Whole states one source network may take per ``budget_window_s`` (what was served
     drains at that rate); a request it cannot afford is refused with RESOURCE_EXHAUSTED."""
@@ -100,6 +114,8 @@ class DonorConfig:
         require_positive("write_timeout_s", self.write_timeout_s)
         require_positive("min_read_rate_bytes_s", self.min_read_rate_bytes_s)
         require_positive("read_grace_s", self.read_grace_s)
+        require_positive("yield_below_bytes_s", self.yield_below_bytes_s)
+        require_positive("yield_window_s", self.yield_window_s)
         require(
             self.budget_states >= 1,
             f"budget_states must be at least 1 (a whole state), got {self.budget_states}",
@@ -164,12 +180,19 @@ class ByteBudget:
 
 @dataclasses.dataclass
 class _Pace:
-    """How long the writes to one requester waited on it, against what it took."""
+    """How long the writes to one requester waited on it, against what it took: in all,
+    and lately (sums that decay at the time constant ``window_s``)."""
 
     grace_s: float
     min_rate: float
+    window_s: float
     written: int = 0
     waited: float = 0.0
+    recent_bytes: float = 0.0
+    recent_wait: float = 0.0
+    stamp: float = 0.0
+    writing_since: float | None = None
+    """When the write waiting on the requester now began (None: none is)."""
 
     def allowance(self, nbytes: int) -> float:
         """How long the next write of ``nbytes`` may wait on the requester, at most."""
@@ -178,6 +201,37 @@ class _Pace:
     @property
     def rate(self) -> float:
         return self.written / self.waited if self.waited > 0 else float("inf")
+
+    def wrote(self, nbytes: int, waited: float, now: float) -> None:
+        decay = self._decay(now)
+        self.recent_bytes = self.recent_bytes * decay + nbytes
+        self.recent_wait = self.recent_wait * decay + waited
+        self.stamp = now
+
+    def recent_rate(self, now: float) -> float:
+        """Bytes a second the requester took lately, the write in flight included."""
+        decay = self._decay(now)
+        wait = self.recent_wait * decay
+        if self.writing_since is not None:
+            wait += now - self.writing_since
+        return self.recent_bytes * decay / wait if wait > 0 else float("inf")
+
+    def _decay(self, now: float) -> float:
+        return math.exp(-max(0.0, now - self.stamp) / self.window_s)
+
+
+@dataclasses.dataclass(eq=False)
+class _Download:
+    """One download being served: it holds a slot until it ends or gives it up."""
+
+    network: str
+    """Its source network ("": not counted per network)."""
+    started: float
+    pace: _Pace
+    write: asyncio.Timeout | None = None
+    """The timeout of the write waiting on the requester now, if one is."""
+    yielded: float | None = None
+    """Its recent rate when it gave its slot up to a newcomer (None: it holds it)."""
 
 
 class StateDonor:
@@ -203,19 +257,24 @@ class StateDonor:
         self.rejections = RejectionLog(logger)
         self.stats: collections.Counter[str] = collections.Counter()
         """``served``, ``declined`` (header only), ``busy``, ``no-state``, ``dropped``,
-        ``too-slow``, ``budget-spent``, ``chunks``, ``bytes``."""
+        ``too-slow``, ``yielded``, ``budget-spent``, ``chunks``, ``bytes``."""
         self._snapshot = snapshot
         self._previous = previous
         self._wall_clock = wall_clock
-        self._active = 0
-        self._per_network: collections.Counter[str] = collections.Counter()
+        self._downloads: list[_Download] = []
+        """The downloads holding a slot, oldest first."""
         self.budget = ByteBudget(window_s=self.config.budget_window_s)
         """Bytes served per source network, over ``budget_window_s``."""
 
     @property
     def active(self) -> int:
         """Downloads being served now."""
-        return self._active
+        return len(self._downloads)
+
+    def yielding(self) -> int:
+        """Downloads that would give their slot up to a newcomer now."""
+        now = asyncio.get_running_loop().time()
+        return sum(self._yields(d, now) for d in self._downloads)
 
     async def handle_download(self, data: bytes, context: grpc.aio.ServicerContext) -> None:
         """The ``Download`` handler (raw bytes in and out: ``wire.py`` encodes)."""
@@ -230,30 +289,70 @@ class StateDonor:
                 grpc.StatusCode.FAILED_PRECONDITION, "this peer holds no state to serve yet"
             )
             return
-        if network and not _declined(request, snapshot):
+        charged = bool(network) and not _declined(request, snapshot)
+        if charged:
             spent = self._budget_spent(network, snapshot)
             if spent is not None:
                 self.stats["budget-spent"] += 1
                 await self._refuse(context, spent, network)
                 return
-        self._active += 1
-        self._per_network[network] += 1
-        pace = _Pace(self.config.read_grace_s, self.config.min_read_rate_bytes_s)
+        download = self._take_slot(network)
+        if download is None:
+            self.stats["busy"] += 1
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this peer already serves {self.active} downloads; ask another donor",
+            )
+            return
+        if charged:  # whole, now: a download dropped early costs its network the same
+            capacity = self.config.budget_states * snapshot.nbytes
+            self.budget.charge(network, snapshot.nbytes, capacity)
         try:
-            await self._serve(snapshot, request, context, network, pace)
+            await self._serve(snapshot, request, context, download)
             return
         except _Stalled:
-            stalled = True
+            reason = "stalled"
         except _TooSlow:
-            stalled = False
+            reason = "too-slow"
+        except _Yielded:
+            reason = "yielded"
         finally:
-            self._active -= 1
-            self._per_network[network] -= 1
-            if self._per_network[network] <= 0:
-                del self._per_network[network]
+            if download in self._downloads:
+                self._downloads.remove(download)
         # The slot is free already: the status waits behind the data the requester does
         # not read, and leaves when it reads, cancels or its deadline passes.
-        await self._drop(context, stalled=stalled, pace=pace, where=network or host)
+        await self._drop(context, reason, download, where=network or host)
+
+    def _take_slot(self, network: str) -> _Download | None:
+        """A slot for a download from ``network``: a free one, or the one the slowest
+        download that may yield gives up (None: every slot is taken and kept)."""
+        now = asyncio.get_running_loop().time()
+        if len(self._downloads) >= self.config.max_concurrent_downloads:
+            candidates = [d for d in self._downloads if self._yields(d, now)]
+            if not candidates:
+                return None
+            victim = min(candidates, key=lambda d: d.pace.recent_rate(now))
+            victim.yielded = victim.pace.recent_rate(now)
+            self._downloads.remove(victim)
+            if victim.write is not None:  # the write waiting on it ends now
+                victim.write.reschedule(now)
+        pace = _Pace(
+            self.config.read_grace_s,
+            self.config.min_read_rate_bytes_s,
+            self.config.yield_window_s,
+            stamp=now,
+        )
+        download = _Download(network, now, pace)
+        self._downloads.append(download)
+        return download
+
+    def _yields(self, download: _Download, now: float) -> bool:
+        """Whether ``download`` gives its slot up to a newcomer now: served for
+        ``read_grace_s`` and read slower than ``yield_below_bytes_s`` lately."""
+        return (
+            now - download.started >= self.config.read_grace_s
+            and download.pace.recent_rate(now) < self.config.yield_below_bytes_s
+        )
 
     async def _admit(
         self, data: bytes, context: grpc.aio.ServicerContext
@@ -283,24 +382,17 @@ class StateDonor:
                 self.rejections.record(rejection, context.peer())
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, rejection.reason)
                 return None
-        if self._active >= self.config.max_concurrent_downloads:
-            self.stats["busy"] += 1
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this peer already serves {self._active} downloads; ask another donor",
-            )
-            return None
         network = source_network(host)
         if not self.config.limit_loopback and is_loopback(host):
             network = ""  # not counted per network
-        if network and self._per_network[network] >= self.config.max_downloads_per_network:
+        held = sum(d.network == network for d in self._downloads) if network else 0
+        if held >= self.config.max_downloads_per_network:
             self.stats["busy"] += 1
             await self._refuse(
                 context,
                 Rejection(
                     "too-many-downloads",
-                    f"this peer already serves {self._per_network[network]} download(s) to "
-                    f"{network}; ask another donor",
+                    f"this peer already serves {held} download(s) to {network}; ask another donor",
                 ),
                 network,
             )
@@ -322,11 +414,28 @@ class StateDonor:
         )
 
     async def _drop(
-        self, context: grpc.aio.ServicerContext, *, stalled: bool, pace: _Pace, where: str
+        self, context: grpc.aio.ServicerContext, reason: str, download: _Download, where: str
     ) -> None:
         """End a download whose requester did not read it: it took nothing for
-        ``write_timeout_s`` (``stalled``), or read slower than the minimum rate."""
-        if stalled:
+        ``write_timeout_s`` (``stalled``), read slower than the minimum rate
+        (``too-slow``), or gave its slot up to a newcomer (``yielded``)."""
+        if reason == "yielded":
+            self.stats["yielded"] += 1
+            rate = download.yielded or 0.0
+            await self._refuse(
+                context,
+                Rejection(
+                    "yielded",
+                    f"another requester asked while every slot was taken, and this download "
+                    f"was read at {rate / 1024:.0f} KiB/s lately, under the "
+                    f"{self.config.yield_below_bytes_s / 1024:.0f} KiB/s a slot is kept at "
+                    "then; ask another donor, or this one later",
+                ),
+                where,
+            )
+            return
+        pace = download.pace
+        if reason == "stalled":
             self.stats["dropped"] += 1
             logger.info(
                 "dropped the download of %s: it took nothing for %.1fs",
@@ -357,8 +466,7 @@ class StateDonor:
         snapshot: StateSnapshot,
         request: pb.DownloadRequest,
         context: grpc.aio.ServicerContext,
-        network: str,
-        pace: _Pace,
+        download: _Download,
     ) -> None:
         chunk_bytes = self.config.chunk_bytes
         header = wire.sign_header(
@@ -371,10 +479,9 @@ class StateDonor:
         declined = _declined(request, snapshot)
         if declined:  # counted first: once the requester has the header, it is counted
             self.stats["declined"] += 1
-        await self._write(context, wire.header_response(header), pace)
+        await self._write(context, wire.header_response(header), download)
         if declined:
             return  # the signed header says what we hold; the requester moves on
-        capacity = self.config.budget_states * snapshot.nbytes
         chunks = enumerate(snapshot.chunks(chunk_bytes))
         while True:
             try:  # a state in a file is read as it is sent (see net/state/files.py)
@@ -388,25 +495,35 @@ class StateDonor:
             message = wire.chunk_response(index, data)
             if self.limiter is not None:
                 await self.limiter.upload(len(message))
-            await self._write(context, message, pace)
-            if network:
-                self.budget.charge(network, len(data), capacity)
+            await self._write(context, message, download)
             self.stats["chunks"] += 1
             self.stats["bytes"] += len(data)
         self.stats["served"] += 1
 
-    async def _write(self, context: grpc.aio.ServicerContext, message: bytes, pace: _Pace) -> None:
+    async def _write(
+        self, context: grpc.aio.ServicerContext, message: bytes, download: _Download
+    ) -> None:
+        pace = download.pace
+        if download.yielded is not None:
+            raise _Yielded
         allowed = pace.allowance(len(message))
         wait = min(self.config.write_timeout_s, allowed)
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = pace.writing_since = loop.time()
+        taken = 0
         try:
-            async with asyncio.timeout(wait):
+            async with asyncio.timeout(wait) as download.write:
                 await context.write(message)
+            taken = len(message)
         except TimeoutError:
+            if download.yielded is not None:
+                raise _Yielded from None
             raise (_Stalled if wait >= self.config.write_timeout_s else _TooSlow) from None
         finally:
-            pace.waited += loop.time() - started
+            download.write = pace.writing_since = None
+            now = loop.time()
+            pace.waited += now - started
+            pace.wrote(taken, now - started, now)
         pace.written += len(message)
 
 
@@ -445,6 +562,10 @@ class _Stalled(Exception):
 
 class _TooSlow(Exception):
     """The requester took the state slower than ``min_read_rate_bytes_s``."""
+
+
+class _Yielded(Exception):
+    """The download gave its slot up to a newcomer."""
 
 
 def state_service(donor: StateDonor) -> Service:
