@@ -172,6 +172,46 @@ def test_a_leaders_group_checks_out_on_every_member():
         check_group(info, me=decls[3], swarm_id=SWARM, cap_multiple=10.0)
 
 
+def test_a_huge_bandwidth_claim_buys_at_most_four_times_the_median_part():
+    # Uncapped, a claim of 1e300 among three members at 12.5 MB/s made its member the
+    # reducer of every block, and so of the whole mean.
+    ids = [Identity.generate() for _ in range(4)]
+    decls = [declare(i, bandwidth=12.5e6) for i in ids[:3]] + [declare(ids[3], bandwidth=1e300)]
+    info, _ = build_group(decls, round=3, numel=NUMEL, block_size=64, nonce=b"n" * NONCE_BYTES)
+    assert info is not None
+    for d in decls:
+        group = check_group(info, me=d, swarm_id=SWARM, cap_multiple=10.0)
+        assert [blocks for _, blocks in group.parts] == [15, 14, 14, 57]  # 4/7 of 100
+    # Members refuse a group cut by the claim as declared.
+    bent = pb.GroupInfo()
+    bent.CopyFrom(info)
+    bent.part_first_block[:] = [0, 0, 0, 0]
+    bent.part_blocks[:] = [0, 0, 0, 100]
+    with pytest.raises(Rejection, match="proportional"):
+        check_group(bent, me=decls[0], swarm_id=SWARM, cap_multiple=10.0)
+
+
+def test_the_leaders_clients_do_not_lift_the_bandwidth_cap():
+    # One partner and the liar serve; two strangers made clients claim 1e300 too. The cap
+    # is taken among those that serve (lower median: the honest 12.5 MB/s).
+    ids = [Identity.generate() for _ in range(5)]
+    decls = [
+        declare(ids[0], bandwidth=12.5e6),
+        declare(ids[1], bandwidth=1e300),
+        declare(ids[2], bandwidth=12.5e6),
+        declare(ids[3], bandwidth=1e300),
+        declare(ids[4], bandwidth=1e300),
+    ]
+    info, _ = build_group(
+        decls, round=3, numel=NUMEL, block_size=64, nonce=b"n" * NONCE_BYTES, clients={3, 4}
+    )
+    assert info is not None
+    for d in decls:
+        group = check_group(info, me=d, swarm_id=SWARM, cap_multiple=10.0)
+        assert [blocks for _, blocks in group.parts] == [17, 67, 16, 0, 0]  # 4/6 of 100
+        assert group.reducing == [0, 1, 2]
+
+
 def _mutated(info: pb.GroupInfo, mutate) -> pb.GroupInfo:
     copy = pb.GroupInfo()
     copy.CopyFrom(info)

@@ -37,6 +37,25 @@ def part_blocks(total_blocks: int, bandwidths: Sequence[float]) -> list[tuple[in
     return parts
 
 
+BANDWIDTH_CAP_MULTIPLE = 4.0
+"""No member's part is cut by more than this many times the lower median of the serving
+members' declared bandwidths."""
+
+
+def part_bandwidths(declared: Sequence[float]) -> list[float]:
+    """What the parts are cut by: each serving member's declared bandwidth (0: it serves
+    none), at most :data:`BANDWIDTH_CAP_MULTIPLE` times the lower median of the serving
+    members'. A declaration is the member's own word: uncapped, one claim of 1e300 would
+    make its member the reducer of nearly every part, and so of nearly the whole mean. The
+    lower median, so that in a group of two the other member cannot lift the cap with its
+    own claim."""
+    serving = sorted(b for b in declared if b > 0)
+    if not serving:
+        return list(declared)
+    cap = BANDWIDTH_CAP_MULTIPLE * serving[(len(serving) - 1) // 2]
+    return [min(b, cap) for b in declared]
+
+
 def weight_violations(weights: Sequence[float]) -> dict[int, str]:
     """Members whose declared weight is no weight at all, with the reason: a weight must be
     a finite positive number. (A weight far above the others' is capped, not refused:

@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from swarmloco.core.codec import num_blocks
-from swarmloco.core.grouping import capped_weights, part_blocks, weight_violations
+from swarmloco.core.grouping import (
+    capped_weights,
+    part_bandwidths,
+    part_blocks,
+    weight_violations,
+)
 from swarmloco.net.admission import MAX_CERTIFICATE_BYTES
 from swarmloco.net.endpoints import MAX_ENDPOINT_CHARS
 from swarmloco.net.identity import (
@@ -312,9 +317,10 @@ def _group_id(
 
 
 def _part_bandwidths(serving: list[float]) -> list[float]:
-    """What the parts are cut by: the members' declared reduction bandwidths, except that a
-    group of one reduces its own vector (no network), client mode or not."""
-    return [1.0] if len(serving) == 1 else serving
+    """What the parts are cut by: the serving members' declared reduction bandwidths, each
+    capped (:func:`~swarmloco.core.grouping.part_bandwidths`), except that a group of one
+    reduces its own vector (no network), client mode or not."""
+    return [1.0] if len(serving) == 1 else part_bandwidths(serving)
 
 
 def build_group(
@@ -338,10 +344,11 @@ def build_group(
     struck = weight_violations([d.weight for d in declarations])
     kept_at = [i for i in range(len(declarations)) if i not in struck]
     kept = [declarations[i] for i in kept_at]
-    bandwidths = _part_bandwidths([d.bandwidth if d.endpoint else 0.0 for d in kept])
-    chosen = [0.0 if i in clients else b for i, b in zip(kept_at, bandwidths, strict=True)]
+    declared = [d.bandwidth if d.endpoint else 0.0 for d in kept]
+    chosen = [0.0 if i in clients else b for i, b in zip(kept_at, declared, strict=True)]
     if len(kept) > 1 and sum(chosen) > 0:
-        bandwidths = chosen
+        declared = chosen  # capped among those that serve, not the leader's clients
+    bandwidths = _part_bandwidths(declared)
     if not kept or sum(bandwidths) <= 0:
         return None, struck
     parts = part_blocks(num_blocks(numel, block_size), bandwidths)
@@ -363,6 +370,7 @@ def check_group(
     swarm_id: str,
     cap_multiple: float,
     admission: Gate | None = None,
+    max_clients_taken: int = 2,
 ) -> Group:
     """Check everything about a group a leader sent us; Rejection with the reason if wrong.
 
@@ -370,7 +378,9 @@ def check_group(
     by its member for this round and vector (and, in a private swarm, show a membership
     certificate for its key), no member twice, every weight a finite positive number, and
     the parts and the group id must be what we compute ourselves. Weights above
-    ``cap_multiple`` times the lower median count as that (:attr:`Group.weights`).
+    ``cap_multiple`` times the lower median count as that (:attr:`Group.weights`). The
+    leader may make at most ``max_clients_taken`` serving members clients (its strangers:
+    ``MatchmakingConfig.max_strangers``).
     """
     round, numel, block_size = me.round, me.numel, me.block_size
     if info.round != round:
@@ -394,7 +404,8 @@ def check_group(
     violations = weight_violations([m.weight for m in members])
     if violations:
         raise Rejection("bad-weight", f"the group admits a bad weight: {violations}")
-    bandwidths = _part_bandwidths([m.bandwidth if m.serving else 0.0 for m in members])
+    declared = [m.bandwidth if m.serving else 0.0 for m in members]
+    bandwidths = _part_bandwidths(declared)
     if sum(bandwidths) <= 0:
         raise Rejection("bad-group", "no member of the group serves a part")
     blocks = num_blocks(numel, block_size)
@@ -402,9 +413,11 @@ def check_group(
     parts = part_blocks(blocks, bandwidths)
     if sent != parts and len(sent) == len(members):
         # The leader may take members as clients (its strangers): their parts are empty,
-        # the rest cut by the others' bandwidths; they then serve nothing, here as there.
-        served = [b if sent[i][1] > 0 else 0.0 for i, b in enumerate(bandwidths)]
-        if sum(served) > 0 and part_blocks(blocks, served) == sent:
+        # the rest cut by the others' bandwidths (capped among them); they then serve
+        # nothing, here as there.
+        served = _part_bandwidths([b if sent[i][1] > 0 else 0.0 for i, b in enumerate(declared)])
+        taken = sum(1 for b, s in zip(declared, served, strict=True) if b > 0 and s <= 0)
+        if taken <= max_clients_taken and sum(served) > 0 and part_blocks(blocks, served) == sent:
             parts = sent
             members = [
                 m if served[i] > 0 or not m.serving else dataclasses.replace(m, bandwidth=0.0)

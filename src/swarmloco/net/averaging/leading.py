@@ -269,4 +269,5 @@ class Gathering:
             swarm_id=self._swarm_id,
             cap_multiple=self._config.weight_cap_multiple,
             admission=self._admission,
+            max_clients_taken=self._config.max_strangers,
         )

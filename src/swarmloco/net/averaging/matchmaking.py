@@ -564,6 +564,7 @@ class Matchmaker:
             swarm_id=self.swarm_id,
             cap_multiple=self.config.weight_cap_multiple,
             admission=self.admission,
+            max_clients_taken=self.config.max_strangers,
         )
 
     # -- leading -------------------------------------------------------------------------
