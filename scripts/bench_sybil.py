@@ -28,8 +28,9 @@ attacks to start (2026-11-26): the figures in docs/SECURITY.md share the cores.
 4. RPC slots: 128 never-ending health ``Watch`` streams per address at every peer;
 5. memory: Pings with a 7 MiB signature at every node;
 6. the peer list: a ``peers`` record for every key;
-7. donor slots: slow readers of every peer's state from two addresses, and pulls as fast
-   as the donors allow from a third;
+7. donor slots: slow readers of every peer's state from two addresses (just above the
+   donors' minimum rate, asking again as each download ends), and pulls as fast as the
+   donors allow from a third;
 9. the dashboard: 20 status records with absurd figures, each naming the honest peers and
    the other 19 as partners, and 500 half-open connections;
 10. logs: malformed Store calls, one connection each.
@@ -45,7 +46,12 @@ most any honest process's resident memory rose during the attack above its own p
 clean window: peers, bootstrap, dashboard, sampled each second; ``rss_growth_mb`` has each
 one's rise from the window's first sample, as reported before 2026-11-27),
 ``mint_cpu_s`` (CPU seconds the attacker spent making its keys and their proofs of work),
-what each attack got, and the machine. Logs, events and checkpoints stay in ``--dir``.
+what each attack got, and the machine. ``newcomer_clean`` and ``newcomer_attacked``: a
+fresh peer that joins ``--join-after`` (20 s) into each window (the first leaves at the
+window's end, so both windows end with the same swarm): seconds from its start to the
+swarm's state (``state_s``) and to its first round averaged with others (``grouped_s``),
+the rounds it averaged with others, and whether it took a forged state (then it counts
+in ``poisoned_peers`` too). Logs, events and checkpoints stay in ``--dir``.
 On one machine loopback callers are exempt from donors' per-network limits (a local swarm
 is its operator's own), so attack 7 binds here only through the donors' global slots;
 ``tests/net/test_state_transfer.py`` runs it with the limits on.
@@ -66,6 +72,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -159,6 +166,8 @@ class Honest:
     def __init__(self, index: int, run_dir: Path, swarm: str, boot: str) -> None:
         self.index = index
         self.host = f"127.0.0.{2 + index}"
+        assert self.host not in SOURCES, "more peers than addresses below the attacker's"
+        self.started = time.time()
         self.events_file = run_dir / f"peer{index}.events"
         self.log_file = run_dir / f"peer{index}.log"
         self.process = subprocess.Popen(
@@ -263,6 +272,7 @@ class Attacker:
             "peer_records_stored": 0,
             "slow_reads_started": 0,
             "slow_reads_cut": 0,
+            "slow_reads_yielded": 0,
             "pulls_served": 0,
             "pulls_refused": 0,
             "fake_status_stored": 0,
@@ -611,17 +621,23 @@ class Attacker:
 
     async def slow_readers(self, until: float) -> None:
         async def read_slowly(peer: str, source: str) -> None:
+            # One 1 MiB chunk per 2 s (512 KiB/s, above the donors' 256 KiB/s minimum),
+            # asking again at once whenever a download ends or is refused.
             channel = await self._channel(source, peer)
-            call = channel.unary_stream(DOWNLOAD_PATH)(self._request(source))
-            self.stats["slow_reads_started"] += 1
-            try:
-                async for _ in call:
-                    await asyncio.sleep(2.0)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    self.stats["slow_reads_cut"] += 1
-            finally:
-                call.cancel()
+            while time.monotonic() < until:
+                call = channel.unary_stream(DOWNLOAD_PATH)(self._request(source))
+                self.stats["slow_reads_started"] += 1
+                try:
+                    async for _ in call:
+                        await asyncio.sleep(2.0)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        self.stats["slow_reads_cut"] += 1
+                        if "another requester asked" in (exc.details() or ""):
+                            self.stats["slow_reads_yielded"] += 1
+                    await asyncio.sleep(0.5)
+                finally:
+                    call.cancel()
 
         async def pull(peer: str, source: str) -> None:
             channel = await self._channel(source, peer)
@@ -711,24 +727,37 @@ def start_dashboard(swarm: str, boot: str, run_dir: Path) -> tuple[subprocess.Po
 
 
 def window(
-    peers: list[Honest], seconds: float, sample: dict[str, subprocess.Popen[str]]
+    peers: list[Honest],
+    seconds: float,
+    sample: dict[str, subprocess.Popen[str]],
+    join: Callable[[], Honest] | None = None,
+    join_after: float = 0.0,
 ) -> dict[str, Any]:
     """Poll the peers for ``seconds``: rounds applied, each sampled process's growth of
     resident memory (its peak over the window less its size at the start), and the CPU
-    seconds this process (the bench, and the attacker in it) spent meanwhile."""
+    seconds this process (the bench, and the attacker in it) spent meanwhile. ``join``
+    starts a newcomer ``join_after`` seconds in (returned as ``joiner``, its events read
+    to the window's end)."""
     start_round = max(p.round for p in peers)
     base = {name: rss_mb(proc.pid) or 0.0 for name, proc in sample.items()}
     peak = dict(base)
     used = {name: cpu_s(proc.pid) for name, proc in sample.items()}
     cpu = time.process_time()
-    until = time.monotonic() + seconds
+    started = time.monotonic()
+    until = started + seconds
+    joiner: Honest | None = None
     while time.monotonic() < until:
         time.sleep(1.0)
+        if join is not None and joiner is None and time.monotonic() >= started + join_after:
+            joiner = join()
         for p in peers:
             p.poll()
+        if joiner is not None:
+            joiner.poll()
         for name, proc in sample.items():
             peak[name] = max(peak[name], rss_mb(proc.pid) or 0.0)
     return {
+        "joiner": joiner,
         "rounds": max(p.round for p in peers) - start_round,
         "rss_growth_mb": {name: round(peak[name] - base[name], 1) for name in base},
         "rss_peak_mb": {name: round(peak[name], 1) for name in base},
@@ -744,6 +773,24 @@ def pin(pid: int, cores: set[int]) -> None:
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):
             os.sched_setaffinity(int(task.name), cores)
+
+
+def newcomer(joiner: Honest | None, forged: set[str]) -> dict[str, Any] | None:
+    """What a peer that joined during a window got: seconds from its start to the swarm's
+    state and to its first round averaged with others (None: not in the window)."""
+    if joiner is None:
+        return None
+
+    def after(events: list[dict[str, Any]]) -> float | None:
+        return round(events[0]["time"] - joiner.started, 1) if events else None
+
+    grouped = [e for e in joiner.of("round") if e.get("group", 0) >= 2]
+    return {
+        "state_s": after(joiner.of("downloaded")),
+        "grouped_s": after(grouped),
+        "rounds_grouped": len(grouped),
+        "took_forged": any(e.get("digest") in forged for e in joiner.of("downloaded")),
+    }
 
 
 def eval_loss(peer: Honest) -> float | None:
@@ -780,6 +827,14 @@ def main() -> None:
         metavar="N",
         help="cores of the attacker's own (this process); the swarm's processes get the "
         "rest (default: 0, everyone shares every core)",
+    )
+    parser.add_argument(
+        "--join-after",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="when a fresh peer joins, into each window (default: %(default)s; a negative "
+        "value: no newcomer)",
     )
     parser.add_argument("--dir", type=Path, default=None, help="where logs and data stay")
     args = parser.parse_args()
@@ -838,8 +893,23 @@ def main() -> None:
         if args.warmup > 0:
             log(f"warm-up: {args.warmup:.0f} s (not measured)")
             window(peers, args.warmup, sampled)
+
+        def joiner(index: int) -> Callable[[], Honest] | None:
+            if args.join_after < 0:
+                return None
+
+            def start() -> Honest:
+                log(f"a newcomer (peer {index}) joins")
+                fresh = Honest(index, run_dir, swarm, boot_endpoint)
+                children.append(fresh.process)
+                return fresh
+
+            return start
+
         log(f"clean window: {args.seconds:.0f} s")
-        clean = window(peers, args.seconds, sampled)
+        clean = window(peers, args.seconds, sampled, joiner(args.peers), args.join_after)
+        if clean["joiner"] is not None:  # it leaves: both windows end with the same swarm
+            stop_processes([clean["joiner"].process])
         before_loss = {p.index: eval_loss(p) for p in peers}
         lines_before = {p.index: p.log_lines() for p in peers}
         seen = {p.index: len(p.events) for p in peers}
@@ -861,9 +931,11 @@ def main() -> None:
         pin(os.getpid(), attacker_cores)
         thread = threading.Thread(target=lambda: asyncio.run(attack()), daemon=True)
         thread.start()
-        attacked = window(peers, args.seconds, sampled)
+        attacked = window(peers, args.seconds, sampled, joiner(args.peers + 1), args.join_after)
         thread.join(120)
         forged = set(attacker.stats["forged_digests"])
+        newcomer_clean = newcomer(clean["joiner"], forged)
+        newcomer_attacked = newcomer(attacked["joiner"], forged)
         poisoned, excluded = [], []
         for p in peers:
             during = p.events[seen[p.index] :]
@@ -882,6 +954,8 @@ def main() -> None:
             )
             if took_forged or blown:
                 poisoned.append(p.index)
+        if newcomer_attacked is not None and newcomer_attacked["took_forged"]:
+            poisoned.append(args.peers + 1)
             grouped = [e for e in during if e.get("event") == "round" and e.get("group", 0) >= 2]
             if not grouped:
                 excluded.append(p.index)
@@ -919,11 +993,14 @@ def main() -> None:
                 "seconds": args.seconds,
                 "identity_work": args.identity_work,
                 "warmup_s": args.warmup,
+                "join_after_s": args.join_after,
                 "swarm_cores": sorted(swarm_cores),
                 "attacker_cores": sorted(attacker_cores),
                 "swarm": list(SWARM_OPTIONS),
             },
             "poisoned_peers": len(poisoned),
+            "newcomer_clean": newcomer_clean,
+            "newcomer_attacked": newcomer_attacked,
             "excluded_peers": len(excluded),
             "rounds_clean": clean["rounds"],
             "rounds_attacked": attacked["rounds"],
