@@ -808,10 +808,15 @@ async def test_slow_readers_give_a_slot_up_to_a_newcomer_at_once():
             readers.append(asyncio.ensure_future(_read_slowly_until_refused(call, 0.2, counter)))
         assert donor.active == 2
         await wait_for(lambda: donor.yielding() == 2, timeout=30)
+        # A request for another state costs nothing: it takes nobody's slot.
+        other_digest = make_snapshot(10, seed=9).digest
+        with pytest.raises(StateTransferError) as refused:
+            await fetch(client, [newcomer], expected_digest=other_digest)
+        assert refused.value.failures[0].code == "busy" and donor.stats["yielded"] == 0
         got = await fetch(client, [newcomer], timeout=30)
         assert_same_state(got.snapshot, snapshot)
         assert donor.stats["yielded"] == 1 and donor.rejections.counts["yielded"] == 1
-        assert donor.stats["too-slow"] == 0 and donor.stats["busy"] == 0
+        assert donor.stats["too-slow"] == 0 and donor.stats["busy"] == 1
         ended, _ = await asyncio.wait(readers, timeout=30, return_when=asyncio.FIRST_COMPLETED)
         (yielded,) = ended
         assert yielded.result().startswith("RESOURCE_EXHAUSTED: another requester asked")

@@ -16,7 +16,9 @@ way it looks for another state (:meth:`CatchUp.find`):
 2. Rank the candidate states: those held by a *witness* (a peer that averaged with this one
    lately) first, then the newer round, then the most backed; a fresh peer (no witness
    yet) and an orphaned one (every witness silent, or none ever) take the state held from
-   the most source networks first (counting only holders that answered this peer there).
+   the most source networks first (counting only holders that answered this peer there);
+   a fresh peer weighs every round read so (not the newest batch first), so that keys
+   filling the newest rounds cannot exile it to a round number the swarm never reaches.
 3. Take each candidate only with evidence (``core/adoption.py``): backed by a witness (a
    peer with nobody to ask takes any, on the checks that follow), a round that time
    allows; download it from its holders (at most ``donors_per_digest``, each bounded by
@@ -290,14 +292,23 @@ class CatchUp:
 
         why = "the swarm is at round {target}, this peer at " + str(search.round)
         # Orphaned: every recent partner is silent (or was caught serving a bad state).
-        orphaned = not self.evidence.fresh and not live()
+        fresh = self.evidence.fresh
+        orphaned = not fresh and not live()
         later = self._later(counted, search.round, search.distrusted_digests)
         async with contextlib.aclosing(later) as batches:
             async for batch in batches:
                 candidates += batch
-                orphaned = not self.evidence.fresh and not live()
+                if fresh:
+                    continue  # it weighs every round read before it takes one (below)
+                orphaned = not live()
                 if await self._try(search, batch, distrusted, why, orphaned):
                     return True
+        # A fresh peer has no round of its own to hold a later one against: keys filling
+        # the newest rounds with the swarm's own weights under round numbers the swarm
+        # never reaches would have it take one of those and never meet the swarm. So it
+        # takes, of every round read, the state held from the most networks.
+        if fresh and await self._try(search, candidates, distrusted, why, orphaned):
+            return True
         heard_live = live()
         if heard_live and not heard_live - found.distrusted:
             # The only partners still heard from just served states that failed the
@@ -427,10 +438,17 @@ class CatchUp:
     def _order(self, candidates: Sequence[Candidate], orphaned: bool) -> list[Candidate]:
         if self.evidence.fresh or orphaned:
             # Nothing of its own to hold claims against: the state held from the most
-            # networks that answered first (keys and claimed endpoints cost nothing; the
-            # checks after the download decide).
+            # networks that answered first, then by the most holders that answered (keys
+            # and claimed endpoints cost nothing; the checks after the download decide).
             return sorted(
-                candidates, key=lambda c: (-c.networks, -len(c.holders), -c.round, c.digest)
+                candidates,
+                key=lambda c: (
+                    -c.networks,
+                    -len(c.answered.intersection(c.holders)),
+                    -len(c.holders),
+                    -c.round,
+                    c.digest,
+                ),
             )
         witnesses = self.evidence.witnesses
         return sorted(

@@ -296,7 +296,9 @@ class StateDonor:
                 self.stats["budget-spent"] += 1
                 await self._refuse(context, spent, network)
                 return
-        download = self._take_slot(network)
+        # A request for another state (the header alone) costs nothing, so it takes no
+        # other download's slot.
+        download = self._take_slot(network, preempt=not _declined(request, snapshot))
         if download is None:
             self.stats["busy"] += 1
             await context.abort(
@@ -323,12 +325,12 @@ class StateDonor:
         # not read, and leaves when it reads, cancels or its deadline passes.
         await self._drop(context, reason, download, where=network or host)
 
-    def _take_slot(self, network: str) -> _Download | None:
-        """A slot for a download from ``network``: a free one, or the one the slowest
-        download that may yield gives up (None: every slot is taken and kept)."""
+    def _take_slot(self, network: str, *, preempt: bool) -> _Download | None:
+        """A slot for a download from ``network``: a free one, or (``preempt``) the one the
+        slowest download that may yield gives up (None: every slot is taken and kept)."""
         now = asyncio.get_running_loop().time()
         if len(self._downloads) >= self.config.max_concurrent_downloads:
-            candidates = [d for d in self._downloads if self._yields(d, now)]
+            candidates = [d for d in self._downloads if preempt and self._yields(d, now)]
             if not candidates:
                 return None
             victim = min(candidates, key=lambda d: d.pace.recent_rate(now))
