@@ -48,7 +48,10 @@ class RoundAborted(SwarmlocoError):
     once with whoever else came late. ``unmet``: none of the peers this one expected came
     (they may be out of step with it, or only claim to work on the round). ``dissenters``:
     the peer ids of a lone server whose verdict or digest differed from every other
-    server's, which were all this peer's own (first-hand: it aborted the round alone)."""
+    server's, which were all this peer's own (first-hand: it aborted the round alone).
+    ``out_of_line``: every server whose digest differed from ours, or whose verdict
+    disagreed while its digest was ours, when those holding ours (us included) were most
+    of the servers (the lone dissenter among them)."""
 
     def __init__(
         self,
@@ -57,11 +60,13 @@ class RoundAborted(SwarmlocoError):
         late: bool = False,
         unmet: bool = False,
         dissenters: frozenset[str] = frozenset(),
+        out_of_line: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__(message)
         self.late = late
         self.unmet = unmet
         self.dissenters = dissenters
+        self.out_of_line = out_of_line | dissenters
 
 
 class ModelMismatch(SwarmlocoError):

@@ -175,7 +175,7 @@ async def average(
     try:
         return await peer.averager.all_reduce(group, vector, deadline=deadline)
     except RoundAborted as exc:
-        peer.matchmaker.demote(exc.dissenters)  # as a peer's network does
+        peer.matchmaker.aborted(exc)  # as a peer's network does
         raise
 
 

@@ -372,6 +372,39 @@ async def test_a_leaders_strangers_are_its_clients_and_a_forged_digest_aborts_no
     assert_exact(results[0], dict(zip(ids, vectors)), dict.fromkeys(ids, 1.0))
 
 
+async def test_two_partners_lying_together_serve_no_more_and_the_retry_applies():
+    """Five partners; two answer every stream they serve with a forged verdict. Neither
+    is alone out of line, so the lone rule names neither (and every attempt aborted, for
+    as long as they kept lying); they are out of line with the three others, most of the
+    servers: each honest member makes them clients of its next attempts, which apply."""
+    size, liars = 5, (3, 4)
+    vectors = random_vectors(size, 64 * 40, seed=12)
+    async with averaging_peers(size) as peers:
+        ids = [p.peer_id for p in peers]
+        for p in peers:
+            p.matchmaker.partners = lambda me=p.peer_id: set(ids) - {me}
+        round = next(
+            r
+            for r in range(1, 1000)
+            if min(ids, key=lambda i: leader_rank(SWARM, r, i)) not in {ids[x] for x in liars}
+        )
+        plans = [FaultPlan([Fault(action="corrupt", phase="verdict", corruption="forge")])]
+        plans.append(FaultPlan([Fault(action="corrupt", phase="verdict", corruption="forge")]))
+        for liar, plan in zip(liars, plans, strict=True):
+            peers[liar].averager.faults = plan
+        first = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+        second = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+    assert all(plan.fired[0] > 0 for plan in plans)
+    named = {ids[x] for x in liars}
+    for result in first[:3]:
+        assert isinstance(result, RoundAborted), first
+        assert not result.dissenters and result.out_of_line == named, first
+    honest = second[:3]
+    assert all(isinstance(r, AllReduceResult) for r in honest), second
+    assert_identical(honest)
+    assert not named & {part.reducer for part in honest[0].report.parts}
+
+
 async def test_a_partner_that_alone_aborts_a_round_serves_no_more_and_the_retry_applies():
     """Four partners; one answers every stream it serves with a forged verdict (another
     digest). The attempt aborts for all, and each honest member names it as the one server

@@ -109,6 +109,33 @@ def test_the_one_server_out_of_line_with_every_other_is_named_and_no_one_in_a_sp
     assert step.disagreement and step.dissenter is None
 
 
+def test_servers_out_of_line_with_most_are_named_all():
+    """Servers 0-4. Two forged verdicts while every digest is ours: both are out of line
+    (the lone rule names neither). Two digests differing from the three others': both. A
+    split of two against three, seen from the two: nobody (they are not most)."""
+
+    def aborted(done: dict[int, bytes], verdicts: dict[int, bytes], servers=(0, 1, 2, 3, 4)):
+        agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+        agreement.done.update(done)
+        agreement.verdicts.update(
+            {m: pb.Verdict(agreed=d == b"d", digest=d) for m, d in verdicts.items()}
+        )
+        agreement.step(b"d", servers=list(servers), now=100.0)
+        return agreement.step(b"d", servers=list(servers), now=110.0)  # patience spent
+
+    ours = {1: b"d", 2: b"d", 3: b"d", 4: b"d"}
+    step = aborted(ours, {1: b"d", 3: b"forged", 4: b"forged"})
+    assert step.disagreement and step.dissenter is None and set(step.out_of_line) == {3, 4}
+    step = aborted({**ours, 3: b"x", 4: b"x"}, {3: b"x"})
+    assert step.disagreement and step.dissenter is None and set(step.out_of_line) == {3, 4}
+    step = aborted({1: b"d", 2: b"x", 3: b"x", 4: b"x"}, {2: b"x"})
+    assert step.disagreement and step.out_of_line == ()
+    step = aborted({1: b"d", 2: b"d", 3: b"x"}, {3: b"x"}, servers=(0, 1, 2, 3))
+    assert step.dissenter == 3 and step.out_of_line == (3,)  # the lone one is out of line
+    step = aborted({1: b"x"}, {1: b"x"}, servers=(0, 1))
+    assert step.out_of_line == ()  # two servers: who is right cannot be told
+
+
 def test_a_server_waits_for_every_servers_digest_before_naming_who_disagreed():
     agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
     agreement.done.update({1: b"d", 3: b"d"})  # 2's digest still on its way

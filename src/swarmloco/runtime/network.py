@@ -399,7 +399,7 @@ class SwarmNetwork:
                 group, message, deadline=deadline, out=out, error_feedback=error_feedback
             )
         except RoundAborted as exc:
-            self.matchmaker.demote(exc.dissenters)  # a lone server that aborted it
+            self.matchmaker.aborted(exc)
             raise
         declared = {m.peer_id: m.ranges for m in group.members if m.ranges}
         # Only what the result holds whole counts: a member struck or lost in the round

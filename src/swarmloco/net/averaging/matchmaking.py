@@ -84,6 +84,10 @@ logger = logging.getLogger(__name__)
 _MAX_REDIRECTS = 8
 DEMOTED_S = 3600.0
 """How long a partner that alone aborted a round is taken as a stranger."""
+OUT_OF_LINE_S = 600.0
+"""How long a partner out of line with most of the servers of a round that aborted is
+taken as a stranger: the next attempts (members that equivocate can put honest servers
+there too, so it is short; they still average, as clients)."""
 MAX_DEMOTED = 4096
 # Refusals after which asking again (elsewhere) makes sense; the others are final.
 _TRANSIENT = frozenset({"not-leading", "formed", "full", "subnet-full", "stepped-down"})
@@ -268,24 +272,42 @@ class Matchmaker:
         self._grouped: collections.OrderedDict[int, frozenset[str]] = collections.OrderedDict()
         """The members of this peer's last group of each recent round."""
 
-    def demote(self, peers: Iterable[str], seconds: float = DEMOTED_S) -> None:
-        """Take ``peers`` as strangers for ``seconds``: each was the lone server whose
-        verdict or digest differed from every other server's in a round that aborted here
-        (``RoundAborted.dissenters``). This peer follows them no more, and makes them
-        clients of the groups it leads: one partner turned liar cannot abort every
-        attempt at a round, however long it stays a partner while no round applies."""
+    def demote(
+        self,
+        peers: Iterable[str],
+        seconds: float = DEMOTED_S,
+        why: str = "alone disagreed with every other server of a round",
+    ) -> None:
+        """Take ``peers`` as strangers for ``seconds`` (or longer, if already so): each was
+        the lone server whose verdict or digest differed from every other server's in a
+        round that aborted here (``RoundAborted.dissenters``), or (``OUT_OF_LINE_S``) out
+        of line with most of them (``RoundAborted.out_of_line``). This peer follows them
+        no more, and makes them clients of the groups it leads: partners turned liars
+        cannot abort every attempt at a round, however long they stay partners while no
+        round applies."""
         until = time.monotonic() + seconds
         for peer in peers:
             logger.warning(
-                "peer %s alone disagreed with every other server of a round: taken as a "
-                "stranger (a client of this peer's groups) for %.0f s",
+                "peer %s %s: taken as a stranger (a client of this peer's groups) for %.0f s",
                 peer[:12],
+                why,
                 seconds,
             )
-            self._demoted[peer] = until
+            self._demoted[peer] = max(until, self._demoted.get(peer, until))
             self._demoted.move_to_end(peer)
         while len(self._demoted) > MAX_DEMOTED:
             self._demoted.popitem(last=False)
+
+    def aborted(self, exc: RoundAborted) -> None:
+        """A round of this peer aborted with ``exc``: the lone server that aborted it is a
+        stranger for ``DEMOTED_S``, the others out of line with most servers for
+        ``OUT_OF_LINE_S`` (clients of the next attempts)."""
+        self.demote(exc.dissenters)
+        self.demote(
+            exc.out_of_line - exc.dissenters,
+            OUT_OF_LINE_S,
+            why="was out of line with most servers of a round",
+        )
 
     def _partners(self) -> set[str]:
         """The partners this peer follows and lets serve: its partners, less those it

@@ -283,10 +283,12 @@ class RoundRun:
         if step.verdict is not None:
             self.incoming.send_last("verdict", wire.response(verdict=step.verdict))
         if step.disagreement is not None:
-            lone = () if step.dissenter is None else (self.group.members[step.dissenter].peer_id,)
+            members = self.group.members
+            lone = () if step.dissenter is None else (members[step.dissenter].peer_id,)
             raise RoundAborted(
                 f"round {self.group.round}: {step.disagreement}; nothing applied",
                 dissenters=frozenset(lone),
+                out_of_line=frozenset(members[x].peer_id for x in step.out_of_line),
             )
         if step.decided:
             self.timings["agreement"] = self.a.clock() - self.started - self.timings["exchange"]

@@ -37,6 +37,10 @@ class Step:
     dissenter: int | None = None
     """With a disagreement: the one server that caused it, when every other live server
     announced our digest (None: no lone culprit, or not all digests known)."""
+    out_of_line: tuple[int, ...] = ()
+    """With a disagreement: every server out of line with us (its digest differs, or its
+    verdict disagrees while its digest is ours), when those holding our digest, us
+    included, are most of the live servers and every digest is in (else none)."""
     decided: bool = False
     """Every live serving member agreed with our digest: apply it."""
 
@@ -91,7 +95,8 @@ class Agreement:
                 why = said.reason or "its result differs from ours"
                 reason = f"member {self._label(member)} disagrees ({why})"
                 lone = self._lone_dissenter(digest, servers)
-                return Step(announce, verdict, disagreement=reason, dissenter=lone)
+                out = self._out_of_line(digest, servers)
+                return Step(announce, verdict, disagreement=reason, dissenter=lone, out_of_line=out)
         self.decided = all(x in self.verdicts for x in servers)
         return Step(announce, verdict, decided=self.decided)
 
@@ -109,6 +114,21 @@ class Agreement:
         if not out:
             out = [x for x in others if x in self.verdicts and not self._agrees(x, digest)]
         return out[0] if len(out) == 1 else None
+
+    def _out_of_line(self, digest: bytes, servers: Sequence[int]) -> tuple[int, ...]:
+        """The live servers out of line with us, when those holding our digest (us
+        included) are a strict majority of three or more servers and every digest is in:
+        two partners lying together are named both (the lone rule names neither). Members
+        that equivocate can put honest servers here too, where they are most of the
+        servers with us; what a name costs is therefore short (see ``demote``)."""
+        others = [x for x in servers if x != self._me]
+        if len(servers) < 3 or any(x not in self.done for x in others):
+            return ()
+        differ = [x for x in others if self.done[x] != digest]
+        if 2 * (len(servers) - len(differ)) <= len(servers):
+            return ()
+        said = [x for x in others if x not in differ and x in self.verdicts]
+        return tuple(differ + [x for x in said if not self._agrees(x, digest)])
 
     def _agrees(self, member: int, digest: bytes) -> bool:
         said = self.verdicts[member]
