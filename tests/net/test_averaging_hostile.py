@@ -372,6 +372,21 @@ async def test_a_leaders_strangers_are_its_clients_and_a_forged_digest_aborts_no
     assert_exact(results[0], dict(zip(ids, vectors)), dict.fromkeys(ids, 1.0))
 
 
+def _all_partners(peers) -> list[str]:
+    """Make every peer the partner of every other; their ids."""
+    ids = [p.peer_id for p in peers]
+    for p in peers:
+        p.matchmaker.partners = lambda me=p.peer_id: set(ids) - {me}
+    return ids
+
+
+def _round_not_led_by(ids: list[str], liars: set[str]) -> int:
+    """The first round whose leader (the lowest rank of ``ids``) is none of ``liars``."""
+    return next(
+        r for r in range(1, 1000) if min(ids, key=lambda i: leader_rank(SWARM, r, i)) not in liars
+    )
+
+
 async def test_two_partners_lying_together_serve_no_more_and_the_retry_applies():
     """Five partners; two answer every stream they serve with a forged verdict. Neither
     is alone out of line, so the lone rule names neither (and every attempt aborted, for
@@ -380,14 +395,8 @@ async def test_two_partners_lying_together_serve_no_more_and_the_retry_applies()
     size, liars = 5, (3, 4)
     vectors = random_vectors(size, 64 * 40, seed=12)
     async with averaging_peers(size) as peers:
-        ids = [p.peer_id for p in peers]
-        for p in peers:
-            p.matchmaker.partners = lambda me=p.peer_id: set(ids) - {me}
-        round = next(
-            r
-            for r in range(1, 1000)
-            if min(ids, key=lambda i: leader_rank(SWARM, r, i)) not in {ids[x] for x in liars}
-        )
+        ids = _all_partners(peers)
+        round = _round_not_led_by(ids, {ids[x] for x in liars})
         plans = [FaultPlan([Fault(action="corrupt", phase="verdict", corruption="forge")])]
         plans.append(FaultPlan([Fault(action="corrupt", phase="verdict", corruption="forge")]))
         for liar, plan in zip(liars, plans, strict=True):
@@ -414,14 +423,8 @@ async def test_a_partner_that_alone_aborts_a_round_serves_no_more_and_the_retry_
     size, liar = 4, 3
     vectors = random_vectors(size, 64 * 40, seed=11)
     async with averaging_peers(size) as peers:
-        ids = [p.peer_id for p in peers]
-        for p in peers:
-            p.matchmaker.partners = lambda me=p.peer_id: set(ids) - {me}
-        round = next(
-            r
-            for r in range(1, 1000)
-            if min(ids, key=lambda i: leader_rank(SWARM, r, i)) != ids[liar]
-        )
+        ids = _all_partners(peers)
+        round = _round_not_led_by(ids, {ids[liar]})
         plan = FaultPlan([Fault(action="corrupt", phase="verdict", corruption="forge")])
         peers[liar].averager.faults = plan
         first = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))

@@ -698,17 +698,34 @@ async def test_one_address_cannot_take_every_download_slot():
         await wait_for(lambda: donor.active == 0)
 
 
-async def _read_slowly(call, pace_s: float, taken: collections.Counter[str]) -> None:
+async def _read_slowly(call, pace_s: float, taken: collections.Counter[str]) -> str:
     """A requester that reads every message, one per ``pace_s`` (its own pace, as slow as
-    a stranger likes: not a wait for anything), until the call ends or it is cancelled."""
+    a stranger likes: not a wait for anything), until the call ends or it is cancelled;
+    returns the status that ended it."""
     try:
         while await call.read() is not grpc.aio.EOF:
             taken["messages"] += 1
             await asyncio.sleep(pace_s)
-    except grpc.aio.AioRpcError:
-        return
+    except grpc.aio.AioRpcError as error:
+        return f"{error.code().name}: {error.details()}"
     finally:
         call.cancel()
+    return "EOF"
+
+
+async def _slow_readers(
+    client: RpcClient, readers: list[Donor], request: bytes
+) -> tuple[list[asyncio.Future[str]], list[collections.Counter[str]]]:
+    """Each of ``readers`` starts a download and reads it slowly (:func:`_read_slowly`,
+    a message per 0.2 s: ~320 KiB/s in chunks of 64 KiB), its header read already."""
+    taken = [collections.Counter[str]() for _ in readers]
+    tasks = []
+    for reader, counter in zip(readers, taken, strict=True):
+        channel = await client.open(reader.endpoint, 10)
+        call = channel.unary_stream(wire.DOWNLOAD_PATH)(request, timeout=120)
+        assert pb.DownloadResponse.FromString(await call.read()).HasField("header")
+        tasks.append(asyncio.ensure_future(_read_slowly(call, 0.2, counter)))
+    return tasks, taken
 
 
 @asynccontextmanager
@@ -743,13 +760,7 @@ async def test_two_slow_readers_cannot_keep_a_newcomer_from_the_state():
     addresses = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     async with behind_sources(snapshot, config, addresses) as (donor, dialled, client):
         *slow, newcomer = dialled
-        taken = [collections.Counter[str](), collections.Counter[str]()]
-        readers = []
-        for reader, counter in zip(slow, taken, strict=True):
-            channel = await client.open(reader.endpoint, 10)
-            call = channel.unary_stream(wire.DOWNLOAD_PATH)(request, timeout=60)
-            assert pb.DownloadResponse.FromString(await call.read()).HasField("header")
-            readers.append(asyncio.ensure_future(_read_slowly(call, 0.2, counter)))
+        readers, taken = await _slow_readers(client, slow, request)
         assert donor.active == 2
         with pytest.raises(StateTransferError) as refused:
             await fetch(client, [newcomer])
@@ -765,19 +776,6 @@ async def test_two_slow_readers_cannot_keep_a_newcomer_from_the_state():
         for reader_task in readers:
             reader_task.cancel()  # they would read the data sent ahead for seconds more
         await asyncio.gather(*readers, return_exceptions=True)
-
-
-async def _read_slowly_until_refused(call, pace_s: float, taken: collections.Counter[str]) -> str:
-    """:func:`_read_slowly`, returning the details of the status that ended the call."""
-    try:
-        while await call.read() is not grpc.aio.EOF:
-            taken["messages"] += 1
-            await asyncio.sleep(pace_s)
-    except grpc.aio.AioRpcError as error:
-        return f"{error.code().name}: {error.details()}"
-    finally:
-        call.cancel()
-    return "EOF"
 
 
 async def test_slow_readers_give_a_slot_up_to_a_newcomer_at_once():
@@ -799,13 +797,7 @@ async def test_slow_readers_give_a_slot_up_to_a_newcomer_at_once():
     addresses = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     async with behind_sources(snapshot, config, addresses) as (donor, dialled, client):
         *slow, newcomer = dialled
-        taken = [collections.Counter[str](), collections.Counter[str]()]
-        readers = []
-        for reader, counter in zip(slow, taken, strict=True):
-            channel = await client.open(reader.endpoint, 10)
-            call = channel.unary_stream(wire.DOWNLOAD_PATH)(request, timeout=120)
-            assert pb.DownloadResponse.FromString(await call.read()).HasField("header")
-            readers.append(asyncio.ensure_future(_read_slowly_until_refused(call, 0.2, counter)))
+        readers, _ = await _slow_readers(client, slow, request)
         assert donor.active == 2
         await wait_for(lambda: donor.yielding() == 2, timeout=30)
         # A request for another state costs nothing: it takes nobody's slot.

@@ -84,19 +84,23 @@ def test_a_clients_digest_decides_nothing_but_what_the_client_applies():
     assert client.step(b"made-up", servers=[0, 1], now=1.0).disagreement is not None
 
 
+def aborted(done: dict[int, bytes], verdicts: dict[int, bytes], servers=(0, 1, 2, 3)):
+    """Member 0's step once its patience is spent, its digest ``d``: ``done`` and
+    ``verdicts`` (agreed where ``d``) as the other servers announced them."""
+    agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+    agreement.done.update(done)
+    agreement.verdicts.update(
+        {m: pb.Verdict(agreed=d == b"d", digest=d) for m, d in verdicts.items()}
+    )
+    for now in (100.0, 110.0):  # patience spent: for digests, then for verdicts
+        agreement.step(b"d", servers=list(servers), now=now)
+    return agreement.step(b"d", servers=list(servers), now=120.0)
+
+
 def test_the_one_server_out_of_line_with_every_other_is_named_and_no_one_in_a_split():
     """Servers 0-3. A forged verdict from 3 while every digest is ours: 3 is named. A
     digest of 3 differing from all others': 3 is named. Two out of line, or only two
     servers in all: nobody is (who is right cannot be told)."""
-
-    def aborted(done: dict[int, bytes], verdicts: dict[int, bytes], servers=(0, 1, 2, 3)):
-        agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
-        agreement.done.update(done)
-        agreement.verdicts.update(
-            {m: pb.Verdict(agreed=d == b"d", digest=d) for m, d in verdicts.items()}
-        )
-        agreement.step(b"d", servers=list(servers), now=100.0)
-        return agreement.step(b"d", servers=list(servers), now=110.0)  # patience spent
 
     ours = {1: b"d", 2: b"d", 3: b"d"}
     step = aborted(ours, {1: b"d", 3: b"forged"})
@@ -114,23 +118,15 @@ def test_servers_out_of_line_with_most_are_named_all():
     (the lone rule names neither). Two digests differing from the three others': both. A
     split of two against three, seen from the two: nobody (they are not most)."""
 
-    def aborted(done: dict[int, bytes], verdicts: dict[int, bytes], servers=(0, 1, 2, 3, 4)):
-        agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
-        agreement.done.update(done)
-        agreement.verdicts.update(
-            {m: pb.Verdict(agreed=d == b"d", digest=d) for m, d in verdicts.items()}
-        )
-        agreement.step(b"d", servers=list(servers), now=100.0)
-        return agreement.step(b"d", servers=list(servers), now=110.0)  # patience spent
-
+    five = (0, 1, 2, 3, 4)
     ours = {1: b"d", 2: b"d", 3: b"d", 4: b"d"}
-    step = aborted(ours, {1: b"d", 3: b"forged", 4: b"forged"})
+    step = aborted(ours, {1: b"d", 3: b"forged", 4: b"forged"}, five)
     assert step.disagreement and step.dissenter is None and set(step.out_of_line) == {3, 4}
-    step = aborted({**ours, 3: b"x", 4: b"x"}, {3: b"x"})
+    step = aborted({**ours, 3: b"x", 4: b"x"}, {3: b"x"}, five)
     assert step.disagreement and step.dissenter is None and set(step.out_of_line) == {3, 4}
-    step = aborted({1: b"d", 2: b"x", 3: b"x", 4: b"x"}, {2: b"x"})
+    step = aborted({1: b"d", 2: b"x", 3: b"x", 4: b"x"}, {2: b"x"}, five)
     assert step.disagreement and step.out_of_line == ()
-    step = aborted({1: b"d", 2: b"d", 3: b"x"}, {3: b"x"}, servers=(0, 1, 2, 3))
+    step = aborted({1: b"d", 2: b"d", 3: b"x"}, {3: b"x"})
     assert step.dissenter == 3 and step.out_of_line == (3,)  # the lone one is out of line
     step = aborted({1: b"x"}, {1: b"x"}, servers=(0, 1))
     assert step.out_of_line == ()  # two servers: who is right cannot be told
@@ -142,8 +138,12 @@ def test_a_server_waits_for_every_servers_digest_before_naming_who_disagreed():
     agreement.verdicts[3] = pb.Verdict(agreed=False, digest=b"forged")
     assert agreement.step(b"d", servers=[0, 1, 2, 3], now=0.0).disagreement is None
     agreement.done[2] = b"d"
-    step = agreement.step(b"d", servers=[0, 1, 2, 3], now=1.0)
-    assert step.disagreement and step.dissenter == 3
+    # The verdicts of 1 and 2, which hold our digest, are on their way too: two forged
+    # verdicts would not be told from one if only the first were awaited.
+    assert agreement.step(b"d", servers=[0, 1, 2, 3], now=1.0).disagreement is None
+    agreement.verdicts.update({x: pb.Verdict(agreed=True, digest=b"d") for x in (1, 2)})
+    step = agreement.step(b"d", servers=[0, 1, 2, 3], now=2.0)
+    assert step.disagreement and step.dissenter == 3 and step.out_of_line == (3,)
     late = Agreement(me=0, serving=True, patience=5.0, label=label)
     late.verdicts[3] = pb.Verdict(agreed=False, digest=b"forged")
     late.step(b"d", servers=[0, 1, 2, 3], now=0.0)

@@ -87,10 +87,13 @@ class Agreement:
             verdict = self._make_verdict(digest, differ)
         for member, said in self.verdicts.items():
             if not said.agreed or said.digest != digest:
-                missing = any(x not in self.done for x in servers)
+                missing = any(x not in self.done for x in servers) or any(
+                    x not in self.verdicts for x in servers if self.done.get(x) == digest
+                )
                 if self._serving and missing and self._waiting_for_digests(now):
-                    # Who alone is out of line can be told once every server's digest
-                    # is in (they are on their way): a little patience, then abort.
+                    # Who is out of line can be told once every server's digest is in,
+                    # and the verdict of each that holds ours (they are on their way):
+                    # a little patience, then abort.
                     return Step(announce, verdict)
                 why = said.reason or "its result differs from ours"
                 reason = f"member {self._label(member)} disagrees ({why})"
@@ -135,7 +138,8 @@ class Agreement:
         return said.agreed and said.digest == digest
 
     def _waiting_for_digests(self, now: float) -> bool:
-        """Whether to wait longer for servers' digests after a verdict disagreed."""
+        """Whether to wait longer for servers' digests (and verdicts) after a verdict
+        disagreed."""
         if self._dissent_since is None:
             self._dissent_since = now
         return now - self._dissent_since < self._patience
