@@ -132,6 +132,15 @@ async def publish(
         assert await node.dht.store_record(record, republish=False) >= 1
 
 
+def trained(*, seed: int, rounds: int) -> tuple[torch.Tensor, StateSnapshot]:
+    """The initial weights of an honest trajectory and its state after ``rounds``."""
+    honest = Trajectory(seed=seed)
+    theta0 = honest.theta0.clone()
+    for _ in range(rounds):
+        honest.step()
+    return theta0, honest.snapshot()
+
+
 def partner_history(partners: list[str], trajectory: Trajectory, rounds: int) -> Evidence:
     """This peer averaged rounds 1..``rounds`` of ``trajectory`` with ``partners``."""
     evidence = Evidence()
@@ -278,11 +287,7 @@ async def test_the_swarms_weights_under_rounds_it_never_reaches_do_not_exile_a_f
     check a fresh peer can make (it is the swarm's); had the joiner taken it from the first
     rounds it read, it would wait for rounds the swarm never reaches. It weighs every round
     it read and takes round 20, held from more networks."""
-    honest = Trajectory(seed=4)
-    theta0 = honest.theta0.clone()
-    for _ in range(20):
-        honest.step()
-    good = honest.snapshot()
+    theta0, good = trained(seed=4, rounds=20)
     far = 10**9
     exile = StateSnapshot.of(swarm_id=SWARM, round=far - 1, tensors=dict(good.tensors))
     async with AsyncExitStack() as stack:
@@ -333,11 +338,7 @@ async def test_five_keys_claiming_rounds_far_ahead_do_not_keep_a_fresh_joiner_fr
     round with no state takes no place; states nobody hands over do not end the look) and
     takes the honest state of round 20, first: it weighs every round it read, and the
     swarm's is held from the most networks."""
-    honest = Trajectory(seed=3)
-    theta0 = honest.theta0.clone()
-    for _ in range(20):
-        honest.step()
-    good = honest.snapshot()
+    theta0, good = trained(seed=3, rounds=20)
     far = 10**9
     async with AsyncExitStack() as stack:
         boot, peers = await honest_holders(stack, good, 3)
