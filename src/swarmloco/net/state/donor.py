@@ -336,8 +336,8 @@ class StateDonor:
             victim = min(candidates, key=lambda d: d.pace.recent_rate(now))
             victim.yielded = victim.pace.recent_rate(now)
             self._downloads.remove(victim)
-            if victim.write is not None:  # the write waiting on it ends now
-                victim.write.reschedule(now)
+            if victim.write is not None and not victim.write.expired():
+                victim.write.reschedule(now)  # the write waiting on it ends now
         pace = _Pace(
             self.config.read_grace_s,
             self.config.min_read_rate_bytes_s,
