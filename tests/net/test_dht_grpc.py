@@ -585,7 +585,10 @@ async def test_twenty_ids_ground_next_to_a_key_on_one_address_do_not_eclipse_it(
             make = partial(EclipsingNode, crew, identity=identity, config=dht)
             node = serving(lambda t, make=make: make(transport=t), host="127.66.0.1")
             crew.append(await stack.enter_async_context(node))
-        for node in crew[:2]:  # two in each honest table: all the subnet cap lets in
+        # The subnet cap lets two of the crew into each bucket of an honest table; more of
+        # them enter other buckets as lookups name them (and are then handed the records
+        # they are close to, as any newcomer is).
+        for node in crew[:2]:
             await node.join([h.endpoint for h in honest])
         await wait_for(
             lambda: all(any(c.host == "127.66.0.1" for c in h.dht.routing) for h in honest)
@@ -598,8 +601,10 @@ async def test_twenty_ids_ground_next_to_a_key_on_one_address_do_not_eclipse_it(
         result = await reader.dht.get(key)
     lies = sum((node.lies for node in crew), Counter[str]())
     assert lies["find"] > 0  # the crew answered lookups with only its own cards
-    # Two of the crew take a place among the closest; every honest node holds the record.
-    assert (len(holders), lies["store"], stored) == (len(honest), 2, len(honest) + 2)
+    # Two of the crew take a place among the closest (the store's own count of claims);
+    # every honest node holds the record.
+    assert (len(holders), stored) == (len(honest), len(honest) + 2)
+    assert lies["store"] >= 2  # the two, and any hand-offs to crew met later
     assert list(result.entries) == [writer.dht.peer_id.hex()]
 
 
