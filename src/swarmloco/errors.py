@@ -47,7 +47,8 @@ class RoundAborted(SwarmlocoError):
     came): catch up with the group's result of the round rather than average it again at
     once with whoever else came late. ``unmet``: none of the peers this one expected came
     (they may be out of step with it, or only claim to work on the round). ``dissenters``:
-    the peer ids of a lone server whose verdict or digest differed from every other
+    the peer ids of the servers proven two-faced (each signed two digests under one number
+    in the round), else of a lone server whose verdict or digest differed from every other
     server's, which were all this peer's own (first-hand: it aborted the round alone).
     ``out_of_line``: every server whose digest differed from ours, or whose verdict
     disagreed while its digest was ours, when those holding ours (us included) were most

@@ -414,6 +414,35 @@ async def test_two_partners_lying_together_serve_no_more_and_the_retry_applies()
     assert not named & {part.reducer for part in honest[0].report.parts}
 
 
+async def test_a_partner_telling_one_server_another_digest_is_named_not_that_server():
+    """Four partners; 3 announces its true digest to 0 and 1 and another one, signed as
+    its own, to 2. 2 disagrees and its verdict shows what 3 signed; every honest member
+    names 3 (it signed two digests under one number), none names 2, and the next attempt
+    applies without 3 serving. (Before, 0 and 1 saw every digest agree and one verdict
+    disagree, and named the honest 2 as the lone server out of line.)"""
+    size, liar, lied_to = 4, 3, 2
+    vectors = random_vectors(size, 64 * 40, seed=13)
+    # 2 waits out its patience (the reducer timeout) for 3's digest to match before it
+    # disagrees: shorter than in production, still far above a busy machine's delays.
+    config = dataclasses.replace(PATIENT, sender_timeout_s=5.0, reducer_timeout_s=8.0)
+    async with averaging_peers(size, config=config) as peers:
+        ids = _all_partners(peers)
+        round = _round_not_led_by(ids, {ids[liar]})
+        fault = Fault(action="corrupt", phase="done", corruption="forge", peer=ids[lied_to])
+        plan = FaultPlan([fault])
+        peers[liar].averager.faults = plan
+        first = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=45))
+        second = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=45))
+    assert plan.fired[0] > 0
+    for result in first[:liar]:
+        assert isinstance(result, RoundAborted) and result.dissenters == {ids[liar]}, first
+        assert ids[lied_to] not in result.out_of_line, first
+    honest = second[:liar]
+    assert all(isinstance(r, AllReduceResult) for r in honest), second
+    assert_identical(honest)
+    assert ids[liar] not in {part.reducer for part in honest[0].report.parts}
+
+
 async def test_a_partner_that_alone_aborts_a_round_serves_no_more_and_the_retry_applies():
     """Four partners; one answers every stream it serves with a forged verdict (another
     digest). The attempt aborts for all, and each honest member names it as the one server

@@ -1,19 +1,24 @@
 """The parts one member's round is made of, each alone (no streams): the agreement, the
 per-member deadlines, our contribution, the reductions we run and the output they land in."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from swarmloco.core.codec import CodecConfig, dequantize_into_, quantize
+from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.allreduce import AveragingConfig
 from swarmloco.net.averaging.contribution import Contribution
 from swarmloco.net.averaging.group import Group, Member
 from swarmloco.net.averaging.liveness import Watch
 from swarmloco.net.averaging.output import Output
 from swarmloco.net.averaging.reducing import Reductions
+from swarmloco.net.averaging.round import check_done
 from swarmloco.net.averaging.verdicts import Agreement
 from swarmloco.net.averaging.view import RoundView
 from swarmloco.net.averaging.wire import ChunkMessage, ResultMessage
+from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
@@ -104,13 +109,13 @@ def test_the_one_server_out_of_line_with_every_other_is_named_and_no_one_in_a_sp
 
     ours = {1: b"d", 2: b"d", 3: b"d"}
     step = aborted(ours, {1: b"d", 3: b"forged"})
-    assert step.disagreement and step.dissenter == 3
+    assert step.disagreement and step.dissenters == (3,)
     step = aborted({**ours, 3: b"other"}, {1: b"d", 3: b"other"})
-    assert step.disagreement and step.dissenter == 3
+    assert step.disagreement and step.dissenters == (3,)
     step = aborted({1: b"d", 2: b"x", 3: b"x"}, {3: b"x"})
-    assert step.disagreement and step.dissenter is None
+    assert step.disagreement and step.dissenters == ()
     step = aborted({1: b"x"}, {1: b"x"}, servers=(0, 1))
-    assert step.disagreement and step.dissenter is None
+    assert step.disagreement and step.dissenters == ()
 
 
 def test_servers_out_of_line_with_most_are_named_all():
@@ -121,13 +126,13 @@ def test_servers_out_of_line_with_most_are_named_all():
     five = (0, 1, 2, 3, 4)
     ours = {1: b"d", 2: b"d", 3: b"d", 4: b"d"}
     step = aborted(ours, {1: b"d", 3: b"forged", 4: b"forged"}, five)
-    assert step.disagreement and step.dissenter is None and set(step.out_of_line) == {3, 4}
+    assert step.disagreement and step.dissenters == () and set(step.out_of_line) == {3, 4}
     step = aborted({**ours, 3: b"x", 4: b"x"}, {3: b"x"}, five)
-    assert step.disagreement and step.dissenter is None and set(step.out_of_line) == {3, 4}
+    assert step.disagreement and step.dissenters == () and set(step.out_of_line) == {3, 4}
     step = aborted({1: b"d", 2: b"x", 3: b"x", 4: b"x"}, {2: b"x"}, five)
     assert step.disagreement and step.out_of_line == ()
     step = aborted({1: b"d", 2: b"d", 3: b"x"}, {3: b"x"})
-    assert step.dissenter == 3 and step.out_of_line == (3,)  # the lone one is out of line
+    assert step.dissenters == (3,) and step.out_of_line == (3,)  # the lone one is out of line
     step = aborted({1: b"x"}, {1: b"x"}, servers=(0, 1))
     assert step.out_of_line == ()  # two servers: who is right cannot be told
 
@@ -143,12 +148,118 @@ def test_a_server_waits_for_every_servers_digest_before_naming_who_disagreed():
     assert agreement.step(b"d", servers=[0, 1, 2, 3], now=1.0).disagreement is None
     agreement.verdicts.update({x: pb.Verdict(agreed=True, digest=b"d") for x in (1, 2)})
     step = agreement.step(b"d", servers=[0, 1, 2, 3], now=2.0)
-    assert step.disagreement and step.dissenter == 3 and step.out_of_line == (3,)
+    assert step.disagreement and step.dissenters == (3,) and step.out_of_line == (3,)
     late = Agreement(me=0, serving=True, patience=5.0, label=label)
     late.verdicts[3] = pb.Verdict(agreed=False, digest=b"forged")
     late.step(b"d", servers=[0, 1, 2, 3], now=0.0)
     step = late.step(b"d", servers=[0, 1, 2, 3], now=5.0)  # patience spent: abort, no name
-    assert step.disagreement and step.dissenter is None
+    assert step.disagreement and step.dissenters == ()
+
+
+def said(digest: bytes, seq: int = 1) -> pb.MemberDone:
+    return pb.MemberDone(digest=digest, seq=seq)
+
+
+def shown(author_digest: bytes, **evidence: pb.MemberDone) -> pb.Verdict:
+    """A disagreeing verdict of a server holding ``author_digest`` that shows the
+    announcements ``m<index>=...`` it holds."""
+    verdict = pb.Verdict(agreed=False, digest=author_digest, reason="another result")
+    for name, done in evidence.items():
+        verdict.evidence.add(member=int(name[1:]), done=done)
+    return verdict
+
+
+def weighed(announcements: dict[int, list[pb.MemberDone]], verdicts: dict[int, pb.Verdict]):
+    """Member 0 of servers 0-3, its digest ``d``, once its patience is spent: the others'
+    ``announcements`` to it in order, and their verdicts (``d`` agreed where not given)."""
+    agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+    for member, dones in announcements.items():
+        for done in dones:
+            agreement.heard(member, done)
+    agreement.verdicts.update({m: pb.Verdict(agreed=True, digest=b"d") for m in (1, 2, 3)})
+    agreement.verdicts.update(verdicts)
+    for now in (100.0, 110.0):
+        agreement.step(b"d", servers=[0, 1, 2, 3], now=now)
+    return agreement.step(b"d", servers=[0, 1, 2, 3], now=120.0)
+
+
+def test_a_member_that_told_two_servers_two_digests_is_named_not_the_server_it_lied_to():
+    """3 told us ``d`` and told 2 ``x``, both signed as its first announcement: 2's verdict
+    disagrees and shows what 3 told it. 3 is proven two-faced and named; 2, whose
+    disagreement 3's signed word explains, is not (at the code before, 2 was named as the
+    one server whose verdict disagreed)."""
+    everyone = {1: [said(b"d")], 2: [said(b"d")], 3: [said(b"d")]}
+    step = weighed(everyone, {2: shown(b"d", m3=said(b"x"))})
+    assert step.disagreement and step.dissenters == (3,) and step.out_of_line == (3,)
+    # Two liars telling 2 another digest each: both named on the proof, though with them
+    # out, those holding our digest are no majority.
+    step = weighed(everyone, {2: shown(b"d", m1=said(b"x"), m3=said(b"y"))})
+    assert step.dissenters == (1, 3) and step.out_of_line == ()
+    # Two digests under one number to us alone prove it too.
+    step = weighed({**everyone, 3: [said(b"x"), said(b"d")]}, {2: shown(b"d", m3=said(b"x"))})
+    assert step.dissenters == (3,)
+
+
+def test_what_a_verdict_shows_names_no_one_it_does_not_prove():
+    """An announcement 3 made before its last (a rerun changed what it held) explains 2's
+    verdict without proving anything: nobody is named. One that names the author itself, or
+    one with the author's own digest, explains nothing: the author is the lone one."""
+    rerun = {1: [said(b"d")], 2: [said(b"d")], 3: [said(b"x"), said(b"d", seq=2)]}
+    step = weighed(rerun, {2: shown(b"d", m3=said(b"x"))})
+    assert step.disagreement and step.dissenters == () and step.out_of_line == ()
+    everyone = {1: [said(b"d")], 2: [said(b"d")], 3: [said(b"d")]}
+    for verdict in (shown(b"d", m2=said(b"x")), shown(b"d", m3=said(b"d"))):
+        step = weighed(everyone, {2: verdict})
+        assert step.dissenters == (2,) and step.out_of_line == (2,)
+
+
+def test_a_server_that_told_another_a_newer_digest_than_us_is_waited_for_then_named():
+    agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+    for member in (1, 2, 3):
+        agreement.heard(member, said(b"d"))
+    agreement.verdicts.update({m: pb.Verdict(agreed=True, digest=b"d") for m in (1, 3)})
+    agreement.verdicts[2] = shown(b"d", m3=said(b"x", seq=2))
+    assert agreement.step(b"d", servers=[0, 1, 2, 3], now=0.0).disagreement is None
+    step = agreement.step(b"d", servers=[0, 1, 2, 3], now=5.0)
+    assert step.disagreement and step.dissenters == (3,) and step.out_of_line == (3,)
+
+
+def test_a_verdict_shows_the_signed_announcements_that_differ_from_its_digest():
+    agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+    agreement.heard(1, said(b"d"))
+    agreement.heard(2, said(b"x"))
+    agreement.heard(2, said(b"y", seq=2))
+    assert agreement.step(b"d", servers=[0, 1, 2], now=10.0).verdict is None
+    verdict = agreement.step(b"d", servers=[0, 1, 2], now=15.0).verdict
+    assert not verdict.agreed
+    assert [(e.member, e.done.seq, e.done.digest) for e in verdict.evidence] == [(2, 2, b"y")]
+    assert agreement.seq == 1 and agreement.announced[0][1].digest == b"d"
+
+
+def test_an_announcement_counts_only_signed_by_its_member_for_its_round():
+    identities = [Identity.generate() for _ in range(2)]
+    members = tuple(Member(i.peer_id_hex, i.public_key, "127.0.0.1:1", 1, 1) for i in identities)
+    signed = dataclasses.replace(group(2), members=members)
+
+    def done(digest: bytes, seq: int = 1, by: int = 1, round: int = 1) -> pb.MemberDone:
+        payload = wire.done_payload(signed.group_id, round, 1, seq, digest)
+        return pb.MemberDone(
+            digest=digest, seq=seq, signature=identities[by].sign(wire.DONE_DOMAIN, payload)
+        )
+
+    check_done(done(b"d" * 16), signed, 1)
+    with pytest.raises(Rejection, match="not signed by its member") as refused:
+        check_done(done(b"d" * 16, by=0), signed, 1)  # member 0 signing as member 1
+    assert refused.value.code == "bad-signature"
+    forged = done(b"d" * 16)
+    forged.digest = b"x" * 16
+    for bad in (forged, done(b"d" * 16, round=2)):
+        with pytest.raises(Rejection, match="not signed by its member"):
+            check_done(bad, signed, 1)
+    with pytest.raises(Rejection, match="numbered 0"):
+        check_done(done(b"d" * 16, seq=0), signed, 1)
+    with pytest.raises(Rejection, match="a digest of 3 bytes"):
+        check_done(done(b"ddd"), signed, 1)
 
 
 def test_a_verdict_that_differs_from_our_digest_ends_the_round_with_its_reason():

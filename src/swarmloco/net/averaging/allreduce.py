@@ -25,9 +25,12 @@ How a round runs, for member i (the pure pieces live in ``reduction.py``, ``view
 4. Agreement: a member that holds every part sends the digest of what it holds to every
    serving member (``MemberDone``); a serving member that holds its own result and has
    heard every live member answers each with its ``Verdict``; a member applies (returns)
-   the result only if every live serving member agreed on its digest. Otherwise, or when
-   the round deadline passes, :class:`~swarmloco.errors.RoundAborted` is raised: nothing
-   is applied, and every task and stream of the round is gone when it returns.
+   the result only if every live serving member agreed on its digest (announcements are
+   signed and numbered, and a disagreeing verdict shows the signed ones that differed, so
+   that a member telling two servers two digests is proven two-faced: ``verdicts.py``).
+   Otherwise, or when the round deadline passes, :class:`~swarmloco.errors.RoundAborted`
+   is raised: nothing is applied, and every task and stream of the round is gone when it
+   returns.
 
 One :class:`Averager` per peer serves the ``Aggregate`` streams of every round it takes
 part in (see :func:`averaging_service`). It does no I/O until ``all_reduce`` is called.

@@ -114,6 +114,8 @@ class Fault:
 
 
 OnFire = Callable[[int, Fault, str, int], None]
+SignDone = Callable[[bytes, int], pb.MemberDone]
+"""Signs an announcement (digest, number) as the peer the plan runs in."""
 
 
 class FaultPlan:
@@ -151,10 +153,19 @@ class FaultPlan:
         return fault
 
     async def outgoing(
-        self, phase: Phase, *, peer: str, round: int, message: bytes, call_bytes: int = 0
+        self,
+        phase: Phase,
+        *,
+        peer: str,
+        round: int,
+        message: bytes,
+        call_bytes: int = 0,
+        sign_done: SignDone | None = None,
     ) -> bytes | None:
         """The message to send instead of ``message`` (None: drop it); may wait or raise
-        :class:`FaultCut`. ``call_bytes``: bytes already sent on this call."""
+        :class:`FaultCut`. ``call_bytes``: bytes already sent on this call; ``sign_done``:
+        signs a forged announcement as this peer (without it, a forged one keeps the
+        signature of the true one)."""
         if self._recording and phase == "chunk":
             self._record(peer, round, message)
         for i in self._matches(phase, peer, round):
@@ -180,7 +191,7 @@ class FaultPlan:
             elif fault.action == "cut":
                 raise FaultCut(f"fault plan cut the call to {peer[:12]} ({phase})")
             elif fault.action == "corrupt":
-                message = corrupt(phase, message, fault.corruption)
+                message = corrupt(phase, message, fault.corruption, sign_done)
         return message
 
     async def handler(self, *, peer: str, round: int) -> None:
@@ -218,15 +229,22 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def corrupt(phase: str, message: bytes, how: Corruption) -> bytes:
+def corrupt(
+    phase: str, message: bytes, how: Corruption, sign_done: SignDone | None = None
+) -> bytes:
     """``message`` (a chunk request or a result response) altered as ``how`` says; a done
     or verdict message ``bloat``ed (its digest 1 MiB long) or ``forge``d (its bytes
-    flipped)."""
+    flipped; a done signed anew by ``sign_done`` when given)."""
     if how in ("bloat", "forge"):
         if phase == "done":
             done = pb.AggregateRequest.FromString(message).done
-            digest = bytes(1 << 20) if how == "bloat" else bytes(b ^ 0xFF for b in done.digest)
-            return wire.request(done=pb.MemberDone(digest=digest))
+            if how == "bloat":
+                done.digest = bytes(1 << 20)
+            elif sign_done is not None:
+                done = sign_done(bytes(b ^ 0xFF for b in done.digest), done.seq)
+            else:
+                done.digest = bytes(b ^ 0xFF for b in done.digest)
+            return wire.request(done=done)
         response = wire.decode_response(message)
         assert not isinstance(response, wire.ResultMessage)
         if response.HasField("verdict"):  # (a refusal goes out in this phase too)

@@ -83,11 +83,13 @@ logger = logging.getLogger(__name__)
 
 _MAX_REDIRECTS = 8
 DEMOTED_S = 3600.0
-"""How long a partner that alone aborted a round is taken as a stranger."""
+"""How long a partner proven two-faced in a round, or that alone aborted one, is taken as a
+stranger."""
 OUT_OF_LINE_S = 600.0
 """How long a partner out of line with most of the servers of a round that aborted is
-taken as a stranger: the next attempts (members that equivocate can put honest servers
-there too, so it is short; they still average, as clients)."""
+taken as a stranger: the next attempts (members that send different results to different
+members can put honest servers there too, so it is short; they still average, as
+clients)."""
 MAX_DEMOTED = 4096
 # Refusals after which asking again (elsewhere) makes sense; the others are final.
 _TRANSIENT = frozenset({"not-leading", "formed", "full", "subnet-full", "stepped-down"})
@@ -276,15 +278,15 @@ class Matchmaker:
         self,
         peers: Iterable[str],
         seconds: float = DEMOTED_S,
-        why: str = "alone disagreed with every other server of a round",
+        why: str = "was two-faced in a round, or alone disagreed with every other server",
     ) -> None:
         """Take ``peers`` as strangers for ``seconds`` (or longer, if already so): each was
-        the lone server whose verdict or digest differed from every other server's in a
-        round that aborted here (``RoundAborted.dissenters``), or (``OUT_OF_LINE_S``) out
-        of line with most of them (``RoundAborted.out_of_line``). This peer follows them
-        no more, and makes them clients of the groups it leads: partners turned liars
-        cannot abort every attempt at a round, however long they stay partners while no
-        round applies."""
+        proven two-faced, or was the lone server whose verdict or digest differed from every
+        other server's, in a round that aborted here (``RoundAborted.dissenters``), or
+        (``OUT_OF_LINE_S``) out of line with most of them (``RoundAborted.out_of_line``).
+        This peer follows them no more, and makes them clients of the groups it leads:
+        partners turned liars cannot abort every attempt at a round, however long they stay
+        partners while no round applies."""
         until = time.monotonic() + seconds
         for peer in peers:
             logger.warning(
@@ -299,9 +301,9 @@ class Matchmaker:
             self._demoted.popitem(last=False)
 
     def aborted(self, exc: RoundAborted) -> None:
-        """A round of this peer aborted with ``exc``: the lone server that aborted it is a
-        stranger for ``DEMOTED_S``, the others out of line with most servers for
-        ``OUT_OF_LINE_S`` (clients of the next attempts)."""
+        """A round of this peer aborted with ``exc``: the servers proven two-faced in it, or
+        the lone server that aborted it, are strangers for ``DEMOTED_S``, the others out of
+        line with most servers for ``OUT_OF_LINE_S`` (clients of the next attempts)."""
         self.demote(exc.dissenters)
         self.demote(
             exc.out_of_line - exc.dissenters,

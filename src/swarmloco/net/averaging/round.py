@@ -46,7 +46,7 @@ from swarmloco.net.averaging.report import AllReduceReport, AllReduceResult
 from swarmloco.net.averaging.streams import IncomingStream, OutgoingStream
 from swarmloco.net.averaging.traffic import Traffic
 from swarmloco.net.averaging.verdicts import Agreement
-from swarmloco.net.averaging.view import Claim, RoundView
+from swarmloco.net.averaging.view import RESULT_DIGEST_BYTES, Claim, RoundView
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import verify
 from swarmloco.net.rejections import Rejection
@@ -72,6 +72,20 @@ def check_hello(hello: pb.StreamHello, group: Group, me: int) -> int:
     if not verify(group.members[sender].public_key, hello.signature, wire.HELLO_DOMAIN, payload):
         raise Rejection("not-member", "the hello is not signed by the member it names")
     return sender
+
+
+def check_done(done: pb.MemberDone, group: Group, member: int) -> None:
+    """Rejection unless ``done`` is an announcement of a digest signed by ``member`` of
+    ``group`` for its round."""
+    if len(done.digest) != RESULT_DIGEST_BYTES:
+        raise Rejection(
+            "malformed", f"a digest of {len(done.digest)} bytes, not {RESULT_DIGEST_BYTES}"
+        )
+    if done.seq < 1:
+        raise Rejection("malformed", "an announcement numbered 0")
+    payload = wire.done_payload(group.group_id, group.round, member, done.seq, done.digest)
+    if not verify(group.members[member].public_key, done.signature, wire.DONE_DOMAIN, payload):
+        raise Rejection("bad-signature", "an announcement not signed by its member")
 
 
 def check_chunk(chunk: wire.ChunkMessage, group: Group) -> None:
@@ -170,6 +184,7 @@ class RoundRun:
             faults=averager.faults,
             limiter=averager.limiter,
             clock=averager.clock,
+            sign_done=self._signed_done,
         )
         self.timings: dict[str, float] = {}
         self.rejections_before = collections.Counter(averager.rejections.counts)
@@ -278,16 +293,15 @@ class RoundRun:
         if step.announce is not None:
             if first:
                 self.timings["exchange"] = self.a.clock() - self.started
-            message = wire.request(done=pb.MemberDone(digest=step.announce))
+            message = wire.request(done=self._signed_done(step.announce, self.agreement.seq))
             self.outgoing.send(("done", message), skip=view.failed)
         if step.verdict is not None:
             self.incoming.send_last("verdict", wire.response(verdict=step.verdict))
         if step.disagreement is not None:
             members = self.group.members
-            lone = () if step.dissenter is None else (members[step.dissenter].peer_id,)
             raise RoundAborted(
                 f"round {self.group.round}: {step.disagreement}; nothing applied",
-                dissenters=frozenset(lone),
+                dissenters=frozenset(members[x].peer_id for x in step.dissenters),
                 out_of_line=frozenset(members[x].peer_id for x in step.out_of_line),
             )
         if step.decided:
@@ -448,8 +462,16 @@ class RoundRun:
         self.reducing.accept(sender, chunk)
         self._drain(part)
 
-    def on_done(self, sender: int, digest: bytes) -> None:
-        self.done[sender] = digest
+    def _signed_done(self, digest: bytes, seq: int) -> pb.MemberDone:
+        group = self.group
+        payload = wire.done_payload(group.group_id, group.round, self.me, seq, digest)
+        signature = self.a.identity.sign(wire.DONE_DOMAIN, payload)
+        return pb.MemberDone(digest=digest, seq=seq, signature=signature)
+
+    def on_done(self, sender: int, done: pb.MemberDone) -> None:
+        """``sender`` announced its digest; Rejection unless it signed it."""
+        check_done(done, self.group, sender)
+        self.agreement.heard(sender, done)
         self.changed.set()
 
     def on_result(self, reducer: int, result: wire.ResultMessage) -> None:
@@ -461,6 +483,12 @@ class RoundRun:
             self._move([part])
 
     def on_verdict(self, server: int, verdict: pb.Verdict) -> None:
+        """``server``'s verdict; Rejection unless every announcement it shows is signed by
+        its member."""
+        for entry in verdict.evidence:
+            if entry.member >= self.n:
+                raise Rejection("malformed", f"a verdict shows member {entry.member}")
+            check_done(entry.done, self.group, entry.member)
         self.agreement.verdicts[server] = verdict
         self.changed.set()
 

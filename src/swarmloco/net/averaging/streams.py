@@ -21,8 +21,12 @@ from swarmloco.errors import NetworkError
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import FaultCut, Phase
 from swarmloco.net.averaging.view import RESULT_DIGEST_BYTES, Claim
+from swarmloco.net.identity import SIGNATURE_BYTES
 from swarmloco.net.rejections import MAX_CODE_CHARS, MAX_REASON_CHARS, Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
+
+ANNOUNCED_BYTES = RESULT_DIGEST_BYTES + SIGNATURE_BYTES + 16
+"""The most a signed ``MemberDone`` takes on the wire (digest, number and signature)."""
 
 if TYPE_CHECKING:
     from swarmloco.net.averaging.round import RoundRun
@@ -176,15 +180,18 @@ class OutgoingStream:
         elif kind == "verdict":
             verdict = message.verdict
             # Sizes before contents: reading a bytes or string field copies it.
+            shown = rnd.n * (ANNOUNCED_BYTES + 16)  # a signed announcement per member, at most
             if (
-                verdict.ByteSize() > 4 * MAX_REASON_CHARS + RESULT_DIGEST_BYTES + 16
+                verdict.ByteSize() > 4 * MAX_REASON_CHARS + RESULT_DIGEST_BYTES + 16 + shown
                 or len(verdict.digest) != RESULT_DIGEST_BYTES
                 or len(verdict.reason) > MAX_REASON_CHARS
+                or len(verdict.evidence) > rnd.n
             ):
                 raise Rejection(
                     "malformed",
-                    f"a verdict needs a digest of {RESULT_DIGEST_BYTES} bytes and a reason of "
-                    f"at most {MAX_REASON_CHARS} characters",
+                    f"a verdict needs a digest of {RESULT_DIGEST_BYTES} bytes, a reason of "
+                    f"at most {MAX_REASON_CHARS} characters and an announcement per member "
+                    "at most",
                 )
             self.verdict = True
             rnd.on_verdict(self.member, verdict)
@@ -261,15 +268,9 @@ class IncomingStream:
                         continue
                     kind = message.WhichOneof("kind")
                     if kind == "done":
-                        if message.done.ByteSize() > RESULT_DIGEST_BYTES + 8:
-                            raise Rejection("malformed", "a digest longer than a digest")
-                        digest = message.done.digest
-                        if len(digest) != RESULT_DIGEST_BYTES:
-                            raise Rejection(
-                                "malformed",
-                                f"a digest of {len(digest)} bytes, not {RESULT_DIGEST_BYTES}",
-                            )
-                        rnd.on_done(self.sender, bytes(digest))
+                        if message.done.ByteSize() > ANNOUNCED_BYTES:
+                            raise Rejection("malformed", "an announcement longer than one")
+                        rnd.on_done(self.sender, message.done)
                     elif kind != "heartbeat":
                         raise Rejection("malformed", f"unexpected {kind or 'empty'} message")
                 except Rejection as rejection:

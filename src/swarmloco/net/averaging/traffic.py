@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from swarmloco.net.averaging.faults import FaultPlan, Phase
 from swarmloco.net.averaging.limiter import BandwidthLimiter
+from swarmloco.proto.v1 import averaging_pb2 as pb
 
 
 class Heard(Protocol):
@@ -28,8 +29,12 @@ class Traffic:
         faults: FaultPlan | None,
         limiter: BandwidthLimiter | None,
         clock: Callable[[], float],
+        sign_done: Callable[[bytes, int], pb.MemberDone] | None = None,
     ) -> None:
+        """``sign_done(digest, seq)``: our signed announcement (a fault that forges one
+        signs what it forges, as a member that lies would)."""
         self._round = round
+        self._sign_done = sign_done
         self._faults = faults
         self._limiter = limiter
         self._clock = clock
@@ -48,7 +53,12 @@ class Traffic:
         bytes sent."""
         if self._faults is not None:
             changed = await self._faults.outgoing(
-                phase, peer=peer, round=self._round, message=message, call_bytes=call_bytes
+                phase,
+                peer=peer,
+                round=self._round,
+                message=message,
+                call_bytes=call_bytes,
+                sign_done=self._sign_done,
             )
             if changed is None:
                 return 0

@@ -14,6 +14,14 @@ and a client that holds another result than the servers applies nothing (the ser
 verdicts differ from its digest) while the others apply theirs. (Counting clients' digests
 let any member that joined as a client, a stranger admitted to the group, abort the round
 for everyone with a made-up digest.)
+
+Every announcement is signed (the caller checks the signatures) and numbered in the round,
+and a disagreeing verdict carries the latest announcement of each server whose digest
+differed from its author's. What those show is first-hand evidence: a member that told two
+servers two digests under one number has signed both (it is *proven two-faced* and named,
+``dissenters``), and a server whose disagreement another server's signed word explains is
+not taken for the one out of line. (Before, a member telling one honest server another
+digest than the rest had that server named as the lone dissenter by everyone else.)
 """
 
 from __future__ import annotations
@@ -22,6 +30,22 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from swarmloco.proto.v1 import averaging_pb2 as pb
+
+MAX_ANNOUNCEMENTS = 64
+"""Announcements kept per member (an honest one makes one per change of what it holds)."""
+
+
+@dataclasses.dataclass
+class Shown:
+    """What the servers' verdicts show us, from the signed announcements they carry."""
+
+    proven: set[int] = dataclasses.field(default_factory=set)
+    """Servers that signed two digests under one number (to us, or to us and another)."""
+    ahead: set[int] = dataclasses.field(default_factory=set)
+    """Servers that told another server an announcement newer than any they told us."""
+    explained: set[int] = dataclasses.field(default_factory=set)
+    """Authors of verdicts that show another server's signed digest differing from
+    theirs: their disagreement rests on that server's word, not only on their own."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,13 +58,15 @@ class Step:
     """Our verdict, now made: send it on every stream to us, and close them."""
     disagreement: str | None = None
     """Why the round must end with nothing applied (after sending ``verdict``)."""
-    dissenter: int | None = None
-    """With a disagreement: the one server that caused it, when every other live server
-    announced our digest (None: no lone culprit, or not all digests known)."""
+    dissenters: tuple[int, ...] = ()
+    """With a disagreement: the servers proven two-faced (two signed digests under one
+    number), else the one server that caused it when every other live server announced our
+    digest (empty: no proof and no lone culprit, or not all digests known)."""
     out_of_line: tuple[int, ...] = ()
-    """With a disagreement: every server out of line with us (its digest differs, or its
-    verdict disagrees while its digest is ours), when those holding our digest, us
-    included, are most of the live servers and every digest is in (else none)."""
+    """With a disagreement: every server out of line with us (its digest differs, it is
+    proven two-faced, or its verdict disagrees while its digest is ours and nothing signed
+    explains it), when those holding our digest, us included, are most of the live servers
+    and every digest is in (else none)."""
     decided: bool = False
     """Every live serving member agreed with our digest: apply it."""
 
@@ -62,7 +88,13 @@ class Agreement:
         self._patience = patience
         self._label = label
         self.done: dict[int, bytes] = {}
-        """The digest each member announced (ours included)."""
+        """The digest each member announced last (ours included)."""
+        self.announced: dict[int, dict[int, pb.MemberDone]] = {}
+        """Each member's announcements to us by number (ours included, unsigned)."""
+        self.two_faced: set[int] = set()
+        """Members that told us two digests under one number."""
+        self.seq = 0
+        """The number of our latest announcement."""
         self.verdicts: dict[int, pb.Verdict] = {}
         """The verdict of each serving member (ours included)."""
         self.verdict_sent = False
@@ -77,61 +109,115 @@ class Agreement:
         announce = None
         if digest != self.my_done:
             self.my_done = digest
-            self.done[self._me] = digest
+            self.seq += 1
+            self._record(self._me, pb.MemberDone(digest=digest, seq=self.seq))
             announce = digest
         verdict = None
         if self._serving and not self.verdict_sent and all(x in self.done for x in servers):
-            differ = [self._label(x) for x in servers if self.done[x] != digest]
+            differ = [x for x in servers if self.done[x] != digest]
             if differ and self._patient(now):
                 return Step(announce)
             verdict = self._make_verdict(digest, differ)
         for member, said in self.verdicts.items():
             if not said.agreed or said.digest != digest:
-                missing = any(x not in self.done for x in servers) or any(
-                    x not in self.verdicts for x in servers if self.done.get(x) == digest
+                shown = self._shown(servers)
+                missing = (
+                    any(x not in self.done for x in servers)
+                    or any(x not in self.verdicts for x in servers if self.done.get(x) == digest)
+                    or bool(shown.ahead)
                 )
                 if self._serving and missing and self._waiting_for_digests(now):
                     # Who is out of line can be told once every server's digest is in,
-                    # and the verdict of each that holds ours (they are on their way):
-                    # a little patience, then abort.
+                    # the verdict of each that holds ours, and every announcement a
+                    # verdict shows us (they are on their way): a little patience, then
+                    # abort.
                     return Step(announce, verdict)
                 why = said.reason or "its result differs from ours"
                 reason = f"member {self._label(member)} disagrees ({why})"
-                lone = self._lone_dissenter(digest, servers)
-                out = self._out_of_line(digest, servers)
-                return Step(announce, verdict, disagreement=reason, dissenter=lone, out_of_line=out)
+                proven = tuple(sorted(shown.proven))
+                lone = self._lone_dissenter(digest, servers, shown)
+                dissenters = proven or (() if lone is None else (lone,))
+                out = self._out_of_line(digest, servers, shown)
+                return Step(
+                    announce, verdict, disagreement=reason, dissenters=dissenters, out_of_line=out
+                )
         self.decided = all(x in self.verdicts for x in servers)
         return Step(announce, verdict, decided=self.decided)
 
-    def _lone_dissenter(self, digest: bytes, servers: Sequence[int]) -> int | None:
+    def heard(self, member: int, done: pb.MemberDone) -> None:
+        """``member`` announced ``done`` to us (its signature checked by the caller)."""
+        earlier = self.announced.get(member, {}).get(done.seq)
+        if earlier is not None and earlier.digest != done.digest:
+            self.two_faced.add(member)  # it signed both: proof enough
+            return
+        self._record(member, done)
+
+    def _record(self, member: int, done: pb.MemberDone) -> None:
+        said = self.announced.setdefault(member, {})
+        if done.seq not in said and len(said) >= MAX_ANNOUNCEMENTS:
+            del said[min(said)]  # a member announcing without end keeps its latest only
+        said[done.seq] = done
+        if done.seq == max(said):
+            self.done[member] = bytes(done.digest)
+
+    def _shown(self, servers: Sequence[int]) -> Shown:
+        """What the live servers' verdicts show (see :class:`Shown`)."""
+        shown = Shown(proven={x for x in self.two_faced if x in servers and x != self._me})
+        for author, verdict in self.verdicts.items():
+            for entry in verdict.evidence:
+                x, done = entry.member, entry.done
+                if x == author or x not in servers or done.digest == verdict.digest:
+                    continue
+                shown.explained.add(author)
+                said = self.announced.get(x, {})
+                ours = said.get(done.seq)
+                if x == self._me:
+                    continue  # (ours is what we signed; an older one is no one's fault)
+                if ours is not None and ours.digest != done.digest:
+                    shown.proven.add(x)
+                elif ours is None and done.seq > max(said, default=0):
+                    shown.ahead.add(x)
+        return shown
+
+    def _lone_dissenter(self, digest: bytes, servers: Sequence[int], shown: Shown) -> int | None:
         """The one live server out of line, in a group of three servers or more: the only
-        one whose announced digest differs from ours, or, if every live server announced
-        ours, the only one whose verdict disagrees; None otherwise (a split, or digests not
-        all in). First-hand as far as this member can tell: each server's digest reached it
-        directly. (A member that equivocates, telling each member another digest or result,
-        can make an honest server look like the lone one here.)"""
+        one whose announced digest differs from ours (or that told another server something
+        newer than it told us), or, if every live server announced ours, the only one
+        whose verdict disagrees with nothing signed to explain it; None otherwise (a split,
+        or digests not all in). First-hand as far as this member can tell: each server's
+        digest reached it directly, and what a verdict shows is signed by its member."""
         others = [x for x in servers if x != self._me]
         if len(servers) < 3 or any(x not in self.done for x in others):
             return None
-        out = [x for x in others if self.done[x] != digest]
+        out = [x for x in others if self.done[x] != digest or x in shown.ahead]
         if not out:
-            out = [x for x in others if x in self.verdicts and not self._agrees(x, digest)]
+            out = [x for x in others if self._dissents(x, digest, shown)]
         return out[0] if len(out) == 1 else None
 
-    def _out_of_line(self, digest: bytes, servers: Sequence[int]) -> tuple[int, ...]:
+    def _out_of_line(self, digest: bytes, servers: Sequence[int], shown: Shown) -> tuple[int, ...]:
         """The live servers out of line with us, when those holding our digest (us
-        included) are a strict majority of three or more servers and every digest is in:
-        two partners lying together are named both (the lone rule names neither). Members
-        that equivocate can put honest servers here too, where they are most of the
-        servers with us; what a name costs is therefore short (see ``demote``)."""
+        included, those proven two-faced not) are a strict majority of three or more
+        servers and every digest is in: two partners lying together are named both (the
+        lone rule names neither)."""
         others = [x for x in servers if x != self._me]
         if len(servers) < 3 or any(x not in self.done for x in others):
             return ()
-        differ = [x for x in others if self.done[x] != digest]
+        differ = [
+            x for x in others if self.done[x] != digest or x in shown.proven or x in shown.ahead
+        ]
         if 2 * (len(servers) - len(differ)) <= len(servers):
             return ()
-        said = [x for x in others if x not in differ and x in self.verdicts]
-        return tuple(differ + [x for x in said if not self._agrees(x, digest)])
+        said = [x for x in others if x not in differ]
+        return tuple(differ + [x for x in said if self._dissents(x, digest, shown)])
+
+    def _dissents(self, member: int, digest: bytes, shown: Shown) -> bool:
+        """Whether ``member``'s verdict disagrees with our digest while nothing a server
+        signed explains why."""
+        return (
+            member in self.verdicts
+            and not self._agrees(member, digest)
+            and not (member in shown.explained and self.verdicts[member].digest == digest)
+        )
 
     def _agrees(self, member: int, digest: bytes) -> bool:
         said = self.verdicts[member]
@@ -150,12 +236,17 @@ class Agreement:
         self._disagree_since = self._disagree_since or now
         return now - self._disagree_since < self._patience
 
-    def _make_verdict(self, digest: bytes, differ: list[str]) -> pb.Verdict:
+    def _make_verdict(self, digest: bytes, differ: list[int]) -> pb.Verdict:
+        names = [self._label(x) for x in differ]
         verdict = pb.Verdict(
             agreed=not differ,
             digest=digest,
-            reason=f"members {differ} hold another result" if differ else "",
+            reason=f"members {names} hold another result" if differ else "",
         )
+        for x in differ:
+            said = self.announced.get(x)
+            if said:
+                verdict.evidence.add(member=x, done=said[max(said)])
         self.verdict_sent = True
         self.verdicts[self._me] = verdict
         return verdict

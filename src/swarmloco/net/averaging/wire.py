@@ -30,6 +30,7 @@ from swarmloco.proto.v1 import averaging_pb2 as pb
 SERVICE_NAME = "swarmloco.v1.Averaging"
 AGGREGATE_PATH = f"/{SERVICE_NAME}/Aggregate"
 HELLO_DOMAIN = b"swarmloco/v1/aggregate-hello\x00"
+DONE_DOMAIN = b"swarmloco/v1/member-done\x00"
 
 # Field numbers in averaging.proto.
 _REQUEST_CHUNK = 2  # AggregateRequest.chunk
@@ -286,6 +287,12 @@ def decode_response(data: bytes) -> ResultMessage | pb.AggregateResponse:
 def hello_payload(group_id: bytes, round: int, sender: int, reducer: int) -> bytes:
     """What a sender signs to open a stream: the group, the round and both member indices."""
     return group_id + struct.pack("<QII", round, sender, reducer)
+
+
+def done_payload(group_id: bytes, round: int, member: int, seq: int, digest: bytes) -> bytes:
+    """What a member signs to announce its digest: the group, the round, its index, the
+    number of the announcement in the round and the digest."""
+    return group_id + struct.pack("<QII", round, member, seq) + digest
 
 
 def bitmap(members: Iterable[int], size: int) -> bytes:

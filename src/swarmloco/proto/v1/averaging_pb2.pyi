@@ -113,10 +113,22 @@ class PartChunk(_message.Message):
     def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
 
 class MemberDone(_message.Message):
-    __slots__ = ("digest",)
+    __slots__ = ("digest", "seq", "signature")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     digest: bytes
-    def __init__(self, digest: _Optional[bytes] = ...) -> None: ...
+    seq: int
+    signature: bytes
+    def __init__(self, digest: _Optional[bytes] = ..., seq: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class Announced(_message.Message):
+    __slots__ = ("member", "done")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    member: int
+    done: MemberDone
+    def __init__(self, member: _Optional[int] = ..., done: _Optional[_Union[MemberDone, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
@@ -159,14 +171,16 @@ class Rerun(_message.Message):
     def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("agreed", "digest", "reason")
+    __slots__ = ("agreed", "digest", "reason", "evidence")
     AGREED_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     agreed: bool
     digest: bytes
     reason: str
-    def __init__(self, agreed: _Optional[bool] = ..., digest: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+    evidence: _containers.RepeatedCompositeFieldContainer[Announced]
+    def __init__(self, agreed: _Optional[bool] = ..., digest: _Optional[bytes] = ..., reason: _Optional[str] = ..., evidence: _Optional[_Iterable[_Union[Announced, _Mapping]]] = ...) -> None: ...
 
 class Refusal(_message.Message):
     __slots__ = ("code", "reason")
