@@ -443,6 +443,33 @@ async def test_a_partner_telling_one_server_another_digest_is_named_not_that_ser
     assert ids[liar] not in {part.reducer for part in honest[0].report.parts}
 
 
+async def test_a_reducer_sending_one_member_other_results_is_named_and_applies_nowhere():
+    """Four partners; 3 sends member 2 its part's results reversed (the same norm, within
+    every bound), sealed as it sent them, and the true results to 0 and 1. 2's seal of
+    part 3 differs from everyone else's under one claim, both signed by 3: every honest
+    member names 3, none names 2, nothing is applied, and the next attempt applies without
+    3 serving. (Before, a digest covered only who counted in each chunk: all four digests
+    agreed, and 2 applied another mean than the others.)"""
+    size, liar, lied_to = 4, 3, 2
+    vectors = random_vectors(size, 64 * 40, seed=14)
+    async with averaging_peers(size) as peers:
+        ids = _all_partners(peers)
+        round = _round_not_led_by(ids, {ids[liar]})
+        fault = Fault(action="corrupt", phase="result", corruption="negate", peer=ids[lied_to])
+        plan = FaultPlan([fault])
+        peers[liar].averager.faults = plan
+        first = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+        second = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+    assert plan.fired[0] > 0
+    for result in first[:liar]:
+        assert isinstance(result, RoundAborted) and result.dissenters == {ids[liar]}, first
+        assert ids[lied_to] not in result.out_of_line, first
+    honest = second[:liar]
+    assert all(isinstance(r, AllReduceResult) for r in honest), second
+    assert_identical(honest)
+    assert ids[liar] not in {part.reducer for part in honest[0].report.parts}
+
+
 async def test_a_partner_that_alone_aborts_a_round_serves_no_more_and_the_retry_applies():
     """Four partners; one answers every stream it serves with a forged verdict (another
     digest). The attempt aborts for all, and each honest member names it as the one server

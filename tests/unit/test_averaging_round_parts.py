@@ -16,7 +16,7 @@ from swarmloco.net.averaging.output import Output
 from swarmloco.net.averaging.reducing import Reductions
 from swarmloco.net.averaging.round import check_done
 from swarmloco.net.averaging.verdicts import Agreement
-from swarmloco.net.averaging.view import RoundView
+from swarmloco.net.averaging.view import RoundView, digest_of
 from swarmloco.net.averaging.wire import ChunkMessage, ResultMessage
 from swarmloco.net.identity import Identity
 from swarmloco.net.rejections import Rejection
@@ -224,6 +224,36 @@ def test_a_server_that_told_another_a_newer_digest_than_us_is_waited_for_then_na
     assert step.disagreement and step.dissenters == (3,) and step.out_of_line == (3,)
 
 
+def seals_of(*hashes: bytes) -> list[pb.Seal]:
+    """Seals of parts 0.. (each reduced by its own member at epoch 0) over ``hashes``."""
+    return [pb.Seal(part=p, epoch=0, reducer=p, hash=h) for p, h in enumerate(hashes)]
+
+
+def test_a_reducer_that_sealed_one_part_twice_is_named_and_the_member_it_lied_to_is_not():
+    """3 sent member 2 other results of part 3 than everyone else, sealing each: 2's
+    digest differs from ours in part 3 alone, under the claim we hold it by. Our verdict is
+    made at once (no patience: it will not come round), 3 is proven two-faced and named,
+    and 2, whose verdict disagrees on the result it was sent, is not out of line."""
+    ours, lied = seals_of(b"a", b"b", b"c", b"d"), seals_of(b"a", b"b", b"c", b"x")
+    agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+    for member, seals, digest in ((1, ours, b"d"), (2, lied, b"e"), (3, ours, b"d")):
+        agreement.heard(member, pb.MemberDone(digest=digest, seq=1, seals=seals))
+    step = agreement.step(b"d", servers=[0, 1, 2, 3], now=10.0, seals=ours)
+    assert agreement.two_faced == {3} and step.verdict is not None and not step.verdict.agreed
+    agreement.verdicts.update({m: pb.Verdict(agreed=True, digest=b"d") for m in (1, 3)})
+    agreement.verdicts[2] = pb.Verdict(agreed=False, digest=b"e")
+    step = agreement.step(b"d", servers=[0, 1, 2, 3], now=11.0, seals=ours)
+    assert step.disagreement and step.dissenters == (3,) and step.out_of_line == (3,)
+    # Under another claim (a rerun of part 3 at epoch 1), the same difference proves
+    # nothing: 2 may hold the part from before the rerun, and is waited for.
+    rerun = [*ours[:3], pb.Seal(part=3, epoch=1, reducer=0, hash=b"y")]
+    waiting = Agreement(me=0, serving=True, patience=5.0, label=label)
+    for member, seals, digest in ((1, rerun, b"d"), (2, lied, b"e"), (3, rerun, b"d")):
+        waiting.heard(member, pb.MemberDone(digest=digest, seq=1, seals=seals))
+    assert waiting.step(b"d", servers=[0, 1, 2, 3], now=10.0, seals=rerun).verdict is None
+    assert waiting.two_faced == set()
+
+
 def test_a_verdict_shows_the_signed_announcements_that_differ_from_its_digest():
     agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
     agreement.heard(1, said(b"d"))
@@ -236,30 +266,45 @@ def test_a_verdict_shows_the_signed_announcements_that_differ_from_its_digest():
     assert agreement.seq == 1 and agreement.announced[0][1].digest == b"d"
 
 
-def test_an_announcement_counts_only_signed_by_its_member_for_its_round():
+def test_an_announcement_counts_only_signed_by_its_member_with_seals_by_their_reducers():
     identities = [Identity.generate() for _ in range(2)]
     members = tuple(Member(i.peer_id_hex, i.public_key, "127.0.0.1:1", 1, 1) for i in identities)
     signed = dataclasses.replace(group(2), members=members)
 
-    def done(digest: bytes, seq: int = 1, by: int = 1, round: int = 1) -> pb.MemberDone:
-        payload = wire.done_payload(signed.group_id, round, 1, seq, digest)
-        return pb.MemberDone(
-            digest=digest, seq=seq, signature=identities[by].sign(wire.DONE_DOMAIN, payload)
-        )
+    def seal(part: int, hash: bytes = b"h" * 16, by: int | None = None) -> pb.Seal:
+        seal = pb.Seal(part=part, epoch=0, reducer=part, hash=hash)
+        payload = wire.seal_payload(signed.group_id, signed.round, seal)
+        seal.signature = identities[part if by is None else by].sign(wire.SEAL_DOMAIN, payload)
+        return seal
 
-    check_done(done(b"d" * 16), signed, 1)
+    def done(seals=None, digest=None, seq=1, by=1, round=1) -> pb.MemberDone:
+        seals = [seal(0), seal(1)] if seals is None else seals
+        digest = digest_of(signed.group_id, signed.round, seals) if digest is None else digest
+        payload = wire.done_payload(signed.group_id, round, 1, seq, digest)
+        signature = identities[by].sign(wire.DONE_DOMAIN, payload)
+        return pb.MemberDone(digest=digest, seq=seq, signature=signature, seals=seals)
+
+    verified: set[bytes] = set()
+    check_done(done(), signed, 1, verified)
+    assert len(verified) == 2  # both seals: a second announcement with them needs no look
     with pytest.raises(Rejection, match="not signed by its member") as refused:
-        check_done(done(b"d" * 16, by=0), signed, 1)  # member 0 signing as member 1
+        check_done(done(by=0), signed, 1)  # member 0 signing as member 1
     assert refused.value.code == "bad-signature"
-    forged = done(b"d" * 16)
+    forged = done()
     forged.digest = b"x" * 16
-    for bad in (forged, done(b"d" * 16, round=2)):
+    for bad in (forged, done(round=2)):
         with pytest.raises(Rejection, match="not signed by its member"):
             check_done(bad, signed, 1)
     with pytest.raises(Rejection, match="numbered 0"):
-        check_done(done(b"d" * 16, seq=0), signed, 1)
+        check_done(done(seq=0), signed, 1)
     with pytest.raises(Rejection, match="a digest of 3 bytes"):
-        check_done(done(b"ddd"), signed, 1)
+        check_done(done(digest=b"ddd"), signed, 1)
+    with pytest.raises(Rejection, match="another digest than its seals make"):
+        check_done(done(digest=b"d" * 16), signed, 1)
+    with pytest.raises(Rejection, match="one seal per part"):
+        check_done(done(seals=[seal(0)]), signed, 1)
+    with pytest.raises(Rejection, match="a seal not signed by its reducer"):
+        check_done(done(seals=[seal(0), seal(1, by=0)]), signed, 1)
 
 
 def test_a_verdict_that_differs_from_our_digest_ends_the_round_with_its_reason():
@@ -331,9 +376,9 @@ def test_our_part_reduced_alone_lands_in_the_output_and_stays_in_the_backlog():
     landed = 0
     while (done := reducing.finish_next(0)) is not None:
         args = (done.part, done.epoch, 0, done.index, done.payload, done.scales)
-        assert output.apply(*args, done.contributors)
+        assert output.apply(*args, done.contributors, done.message)
         landed += 1
-    assert landed == len(view.spans[0]) and view.part_complete(0)
+    assert landed == len(view.spans[0]) and view.chunks_complete(0)
     assert [phase for phase, _ in reducing.backlog()] == ["result"] * landed
     q, s = (
         torch.empty(g.numel, dtype=torch.int8),
@@ -370,6 +415,6 @@ def test_a_chunk_past_the_end_of_a_part_or_a_result_of_the_wrong_size_is_refused
         part=1, epoch=0, index=0, payload=memoryview(b"x"), scales=empty, contributors=b""
     )
     with pytest.raises(Rejection) as refused:
-        output.receive(1, wrong)
+        output.receive(1, wrong, b"")
     assert refused.value.code == "bad-size"
-    assert not output.receive(0, wrong)  # member 0 does not reduce part 1: stale
+    assert not output.receive(0, wrong, b"")  # member 0 does not reduce part 1: stale

@@ -5,9 +5,10 @@ import pytest
 from swarmloco.core.codec import CodecConfig
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging.group import Group, Member
-from swarmloco.net.averaging.view import Claim, RoundView
+from swarmloco.net.averaging.view import Claim, RoundView, digest_of
 from swarmloco.net.averaging.wire import bitmap
 from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import averaging_pb2 as pb
 
 CODEC = CodecConfig(block_size=64, chunk_bytes=4 * (64 + 4), backend="eager")
 
@@ -34,9 +35,22 @@ def group(serving=(True, True, True, False)) -> Group:
     )
 
 
-def fill(view: RoundView, part: int, contributors=(0, 1, 2, 3)) -> None:
+def message(part: int, index: int, bits: bytes, payload: bytes = b"p") -> bytes:
+    """A stand-in for the result message of a chunk (the seal covers its bytes)."""
+    return bytes([part, index]) + bits + payload
+
+
+def seal_of(view: RoundView, part: int, hash: bytes | None = None) -> pb.Seal:
+    claim = view.owner[part]
+    hash = view.part_hash(part) if hash is None else hash
+    return pb.Seal(part=part, epoch=claim.epoch, reducer=claim.reducer, hash=hash)
+
+
+def fill(view: RoundView, part: int, contributors=(0, 1, 2, 3), payload: bytes = b"p") -> None:
     for k in range(view.received(part), len(view.spans[part])):
-        view.on_result(part, k, bitmap(contributors, view.group.size))
+        bits = bitmap(contributors, view.group.size)
+        view.on_result(part, k, bits, message(part, k, bits, payload))
+    assert view.seal(seal_of(view, part))
 
 
 def test_parts_of_a_failed_reducer_move_to_the_next_serving_member():
@@ -91,11 +105,44 @@ def test_a_move_forgets_what_was_received_of_the_part():
 
 def test_results_must_come_in_order_and_name_somebody():
     view = RoundView(group(), me=0, codec=CODEC)
-    view.on_result(0, 0, bitmap([0], 4))
+    view.on_result(0, 0, bitmap([0], 4), b"m")
     with pytest.raises(Rejection):
-        view.on_result(0, 2, bitmap([0], 4))
+        view.on_result(0, 2, bitmap([0], 4), b"m")
     with pytest.raises(Rejection):
-        view.on_result(0, 1, bitmap([], 4))
+        view.on_result(0, 1, bitmap([], 4), b"m")
+
+
+def test_a_part_is_whole_only_once_sealed_over_the_results_we_received():
+    view = RoundView(group(), me=3, codec=CODEC)
+    bits = bitmap([0, 1, 2, 3], 4)
+    view.on_result(0, 0, bits, message(0, 0, bits))
+    with pytest.raises(Rejection, match="before its last result chunk"):
+        view.seal(seal_of(view, 0))
+    view.on_result(0, 1, bits, message(0, 1, bits))
+    assert view.chunks_complete(0) and not view.part_complete(0)
+    with pytest.raises(Rejection, match="over other results than it sent"):
+        view.seal(seal_of(view, 0, hash=b"x" * 16))
+    stale = pb.Seal(part=0, epoch=1, reducer=1, hash=view.part_hash(0))
+    assert not view.seal(stale)  # not the claim we hold the part under
+    assert view.seal(seal_of(view, 0)) and view.part_complete(0)
+    view.notice(0, Claim(1, 1))  # a rerun: its seal goes with what was received
+    assert not view.part_complete(0) and 0 not in view.sealed
+
+
+def test_the_same_contributors_under_other_bytes_make_another_digest():
+    """A reducer that sends two members different results over the same contributors:
+    before seals, the digest covered the contributors alone, and both members applied
+    what they held."""
+    a, b = RoundView(group(), me=0, codec=CODEC), RoundView(group(), me=1, codec=CODEC)
+    for view in (a, b):
+        fill(view, 0)
+        fill(view, 1)
+    fill(a, 2)
+    fill(b, 2, payload=b"reversed")
+    assert a.digest() != b.digest()
+    differ = [x.part for x, y in zip(a.seals(), b.seals(), strict=True) if x != y]
+    assert differ == [2]
+    assert a.digest() == digest_of(a.group.group_id, a.group.round, a.seals())
 
 
 def test_digest_and_report_say_who_counted_where():
@@ -105,7 +152,8 @@ def test_digest_and_report_say_who_counted_where():
         fill(view, 1)
     fill(a, 2, (0, 1, 2))
     view_c = b
-    view_c.on_result(2, 0, bitmap([0, 1, 2, 3], 4))
+    bits = bitmap([0, 1, 2, 3], 4)
+    view_c.on_result(2, 0, bits, message(2, 0, bits))
     fill(view_c, 2, (0, 1, 2))
     assert a.complete and b.complete
     assert a.digest() != b.digest()  # member 3 counted in chunk 0 of part 2 only for b

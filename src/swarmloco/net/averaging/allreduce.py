@@ -14,20 +14,22 @@ How a round runs, for member i (the pure pieces live in ``reduction.py``, ``view
    of part j, chunk by chunk. Member j reduces part j from all members' streams (a
    :class:`~swarmloco.net.averaging.reduction.PartReduction`): it checks and accumulates
    each chunk as it arrives and, when a chunk has every live contribution, quantizes the
-   mean once and sends the same bytes back on every stream. Everybody, j included,
-   decodes those bytes into its result (or keeps them, for a result kept encoded), so
-   every member holds the same bits.
+   mean once and sends the same bytes back on every stream, then a signed hash of them
+   (``Seal``). Everybody, j included, decodes those bytes into its result (or keeps them,
+   for a result kept encoded), so every member holds the same bits, and takes the part as
+   whole once the seal matches what it received.
 3. Failures (``view.py``): a member that goes silent, breaks its stream, stops making
    progress or refuses us is *failed* in our view; the parts it reduced move to the next
    serving member, which announces the rerun to everyone; senders that miss a chunk
    deadline are left out of the rest of that part; senders that send something invalid
    are struck (refused, counted). Every deadline is derived from the round deadline.
-4. Agreement: a member that holds every part sends the digest of what it holds to every
-   serving member (``MemberDone``); a serving member that holds its own result and has
-   heard every live member answers each with its ``Verdict``; a member applies (returns)
-   the result only if every live serving member agreed on its digest (announcements are
-   signed and numbered, and a disagreeing verdict shows the signed ones that differed, so
-   that a member telling two servers two digests is proven two-faced: ``verdicts.py``).
+4. Agreement: a member that holds every part sends the digest of what it holds (made of
+   the parts' seals) to every serving member (``MemberDone``); a serving member that holds
+   its own result and has heard every live member answers each with its ``Verdict``; a
+   member applies (returns) the result only if every live serving member agreed on its
+   digest (announcements are signed and numbered, and a disagreeing verdict shows the
+   signed ones that differed, so that a member telling two servers two digests, or a
+   reducer sealing two results of one part, is proven two-faced: ``verdicts.py``).
    Otherwise, or when the round deadline passes, :class:`~swarmloco.errors.RoundAborted`
    is raised: nothing is applied, and every task and stream of the round is gone when it
    returns.

@@ -12,9 +12,12 @@ a broken or hostile peer:
 * ``cut``: the stream is torn down once more than ``after_bytes`` went out on it;
 * ``corrupt``: the message is altered (``nan`` scales, ``huge`` finite scales whose
   values overflow float32 when decoded, ``amplify``: float32 scales x1000, ``flat``: every
-  value +1 under scales of 1e4, ``truncate``d payload, ``stale-round``, shifted ``index``;
-  for ``done`` and ``verdict`` messages, a ``bloat``ed digest of 1 MiB, or a ``forge``d
-  one: the right length, other bytes);
+  value +1 under scales of 1e4, ``negate``: every value reversed (the same norm),
+  ``truncate``d payload, ``stale-round``, shifted ``index``; for ``done`` and ``verdict``
+  messages, a ``bloat``ed digest of 1 MiB, or a ``forge``d one: the right length, other
+  bytes). A peer signs what it forges, as a liar would: a forged ``done`` is signed anew,
+  and the seal of a part whose results to a member were altered seals what that member
+  was sent (see :class:`~.traffic.Traffic`);
 * ``replay``: the message this peer sent at the same point of an earlier round goes out
   instead (an old chunk replayed into a new round);
 * ``stall``: the sending task, or the serving handler (phase ``handler``), blocks for
@@ -24,8 +27,8 @@ a broken or hostile peer:
   while its sockets stay open, as a handler or extension that never yields would make it.
 
 Phases: ``join`` (the matchmaking request), ``hello``, ``chunk``, ``done``, ``heartbeat``
-(what a member sends on its streams), ``result``, ``rerun``, ``verdict`` (what a serving
-member sends back) and ``handler`` (every message a serving handler reads or writes).
+(what a member sends on its streams), ``result``, ``seal``, ``rerun``, ``verdict`` (what a
+serving member sends back) and ``handler`` (every message a serving handler reads or writes).
 Tests read :attr:`FaultPlan.fired` to assert that the fault they scripted really fired.
 """
 
@@ -48,16 +51,30 @@ from swarmloco.proto.v1 import averaging_pb2 as pb
 
 Action = Literal["drop", "delay", "cut", "corrupt", "replay", "stall", "spin"]
 Phase = Literal[
-    "join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler"
+    "join", "hello", "chunk", "done", "heartbeat", "result", "seal", "rerun", "verdict", "handler"
 ]
-Corruption = Literal["nan", "huge", "amplify", "flat", "truncate", "stale-round", "index", "bloat"]
+Corruption = Literal[
+    "nan", "huge", "amplify", "flat", "negate", "truncate", "stale-round", "index", "bloat", "forge"
+]
 _ACTIONS = ("drop", "delay", "cut", "corrupt", "replay", "stall", "spin")
-_PHASES = ("join", "hello", "chunk", "done", "heartbeat", "result", "rerun", "verdict", "handler")
+_PHASES = (
+    "join",
+    "hello",
+    "chunk",
+    "done",
+    "heartbeat",
+    "result",
+    "seal",
+    "rerun",
+    "verdict",
+    "handler",
+)
 _CORRUPTIONS = (
     "nan",
     "huge",
     "amplify",
     "flat",
+    "negate",
     "truncate",
     "stale-round",
     "index",
@@ -114,8 +131,8 @@ class Fault:
 
 
 OnFire = Callable[[int, Fault, str, int], None]
-SignDone = Callable[[bytes, int], pb.MemberDone]
-"""Signs an announcement (digest, number) as the peer the plan runs in."""
+ForgeDone = Callable[[pb.MemberDone], pb.MemberDone]
+"""Another announcement of the same number, signed as the peer the plan runs in."""
 
 
 class FaultPlan:
@@ -160,12 +177,12 @@ class FaultPlan:
         round: int,
         message: bytes,
         call_bytes: int = 0,
-        sign_done: SignDone | None = None,
+        forge_done: ForgeDone | None = None,
     ) -> bytes | None:
         """The message to send instead of ``message`` (None: drop it); may wait or raise
-        :class:`FaultCut`. ``call_bytes``: bytes already sent on this call; ``sign_done``:
-        signs a forged announcement as this peer (without it, a forged one keeps the
-        signature of the true one)."""
+        :class:`FaultCut`. ``call_bytes``: bytes already sent on this call; ``forge_done``:
+        forges an announcement as this peer would sign it (without it, a forged one keeps
+        the signature of the true one)."""
         if self._recording and phase == "chunk":
             self._record(peer, round, message)
         for i in self._matches(phase, peer, round):
@@ -191,7 +208,7 @@ class FaultPlan:
             elif fault.action == "cut":
                 raise FaultCut(f"fault plan cut the call to {peer[:12]} ({phase})")
             elif fault.action == "corrupt":
-                message = corrupt(phase, message, fault.corruption, sign_done)
+                message = corrupt(phase, message, fault.corruption, forge_done)
         return message
 
     async def handler(self, *, peer: str, round: int) -> None:
@@ -230,18 +247,18 @@ def _spin(seconds: float) -> None:
 
 
 def corrupt(
-    phase: str, message: bytes, how: Corruption, sign_done: SignDone | None = None
+    phase: str, message: bytes, how: Corruption, forge_done: ForgeDone | None = None
 ) -> bytes:
     """``message`` (a chunk request or a result response) altered as ``how`` says; a done
     or verdict message ``bloat``ed (its digest 1 MiB long) or ``forge``d (its bytes
-    flipped; a done signed anew by ``sign_done`` when given)."""
+    flipped; a done forged and signed by ``forge_done`` when given)."""
     if how in ("bloat", "forge"):
         if phase == "done":
             done = pb.AggregateRequest.FromString(message).done
             if how == "bloat":
                 done.digest = bytes(1 << 20)
-            elif sign_done is not None:
-                done = sign_done(bytes(b ^ 0xFF for b in done.digest), done.seq)
+            elif forge_done is not None:
+                done = forge_done(done)
             else:
                 done.digest = bytes(b ^ 0xFF for b in done.digest)
             return wire.request(done=done)
@@ -303,6 +320,8 @@ def _corrupt_tensors(
         raw = word * (scales.numel() // len(word))
         flat = torch.ones_like(payload)
         return flat, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if how == "negate":  # every value reversed: the same norm, the other way
+        return (-payload.clamp(min=-127)).to(torch.int8), scales
     if how == "truncate":
         return payload[: payload.numel() // 2].clone(), scales
     return payload, scales

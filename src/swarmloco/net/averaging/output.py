@@ -139,9 +139,9 @@ class Output:
             else None
         )
 
-    def receive(self, reducer: int, message: wire.ResultMessage) -> bool:
-        """Decode a remote reducer's result chunk into the output; False when it is stale,
-        Rejection if the reducer sent nonsense."""
+    def receive(self, reducer: int, message: wire.ResultMessage, raw: bytes) -> bool:
+        """Decode a remote reducer's result chunk (``raw``, the message as it came) into the
+        output; False when it is stale, Rejection if the reducer sent nonsense."""
         if not self._view.expects(message.part, message.epoch, reducer):
             return False
         spans = self._view.spans[message.part]
@@ -158,6 +158,7 @@ class Output:
                 payload,
                 scales,
                 message.contributors,
+                raw,
             )
         except Rejection:
             raise
@@ -173,10 +174,12 @@ class Output:
         payload: torch.Tensor,
         scales: torch.Tensor,
         bits: bytes,
+        message: bytes,
     ) -> bool:
-        """Decode one result chunk into the output; False when it is stale (another
-        reducer or epoch holds the part now). CodecError when the decoder refuses it,
-        Rejection ``too-large`` when a remote reducer's result passes its bound."""
+        """Decode one result chunk (``message``, the result message it came in) into the
+        output; False when it is stale (another reducer or epoch holds the part now).
+        CodecError when the decoder refuses it, Rejection ``too-large`` when a remote
+        reducer's result passes its bound."""
         view = self._view
         if not view.expects(part, epoch, reducer):
             return False
@@ -195,5 +198,5 @@ class Output:
         if self._bound is not None and reducer != view.me:
             contributors = wire.members_of(bits, self._group.size)
             self._bound.check(part, epoch, reducer, payload, scales, contributors)
-        view.on_result(part, index, bits)
+        view.on_result(part, index, bits, message)
         return True

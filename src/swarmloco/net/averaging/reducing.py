@@ -147,6 +147,10 @@ class Reductions:
         self._backlog[part].append(("result", message))
         return Finished(part, reduction.epoch, index, payload, scales, bits, message)
 
+    def sealed(self, part: int, message: bytes) -> None:
+        """The seal of our reduction of ``part``, sent after its last result chunk."""
+        self._backlog[part].append(("seal", message))
+
     def drop(self, part: int, claim_epoch: int, claim_reducer: int) -> None:
         """Our view moved ``part`` to another claim: forget a reduction that is not it."""
         old = self.active.get(part)

@@ -46,7 +46,13 @@ from swarmloco.net.averaging.report import AllReduceReport, AllReduceResult
 from swarmloco.net.averaging.streams import IncomingStream, OutgoingStream
 from swarmloco.net.averaging.traffic import Traffic
 from swarmloco.net.averaging.verdicts import Agreement
-from swarmloco.net.averaging.view import RESULT_DIGEST_BYTES, Claim, RoundView
+from swarmloco.net.averaging.view import (
+    PART_HASH_BYTES,
+    RESULT_DIGEST_BYTES,
+    Claim,
+    RoundView,
+    digest_of,
+)
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.identity import verify
 from swarmloco.net.rejections import Rejection
@@ -74,9 +80,24 @@ def check_hello(hello: pb.StreamHello, group: Group, me: int) -> int:
     return sender
 
 
-def check_done(done: pb.MemberDone, group: Group, member: int) -> None:
-    """Rejection unless ``done`` is an announcement of a digest signed by ``member`` of
-    ``group`` for its round."""
+def check_seal(seal: pb.Seal, group: Group) -> None:
+    """Rejection unless ``seal`` is signed by the member it names as its reducer."""
+    if seal.reducer >= group.size or len(seal.hash) != PART_HASH_BYTES:
+        raise Rejection("malformed", "a seal of no member, or of a hash of another size")
+    payload = wire.seal_payload(group.group_id, group.round, seal)
+    if not verify(
+        group.members[seal.reducer].public_key, seal.signature, wire.SEAL_DOMAIN, payload
+    ):
+        raise Rejection("bad-signature", "a seal not signed by its reducer")
+
+
+def check_done(
+    done: pb.MemberDone, group: Group, member: int, verified: set[bytes] | None = None
+) -> None:
+    """Rejection unless ``done`` is an announcement signed by ``member`` of ``group`` for
+    its round, of the digest its seals make, one seal per part, each signed by its
+    reducer. ``verified``: seals (serialized) known good, which need no second look; the
+    ones found good are added."""
     if len(done.digest) != RESULT_DIGEST_BYTES:
         raise Rejection(
             "malformed", f"a digest of {len(done.digest)} bytes, not {RESULT_DIGEST_BYTES}"
@@ -86,6 +107,17 @@ def check_done(done: pb.MemberDone, group: Group, member: int) -> None:
     payload = wire.done_payload(group.group_id, group.round, member, done.seq, done.digest)
     if not verify(group.members[member].public_key, done.signature, wire.DONE_DOMAIN, payload):
         raise Rejection("bad-signature", "an announcement not signed by its member")
+    parts = [p for p, (_, blocks) in enumerate(group.parts) if blocks]
+    if [seal.part for seal in done.seals] != parts:
+        raise Rejection("malformed", "an announcement without one seal per part, in order")
+    if digest_of(group.group_id, group.round, done.seals) != done.digest:
+        raise Rejection("malformed", "an announcement of another digest than its seals make")
+    for seal in done.seals:
+        key = seal.SerializeToString()
+        if verified is None or key not in verified:
+            check_seal(seal, group)
+            if verified is not None:
+                verified.add(key)
 
 
 def check_chunk(chunk: wire.ChunkMessage, group: Group) -> None:
@@ -184,9 +216,12 @@ class RoundRun:
             faults=averager.faults,
             limiter=averager.limiter,
             clock=averager.clock,
-            sign_done=self._signed_done,
+            forge_done=self._forged_done,
+            seal=self._seal_message,
         )
         self.timings: dict[str, float] = {}
+        self.seals_verified: set[bytes] = set()
+        """Seals (serialized) whose signatures we checked or made."""
         self.rejections_before = collections.Counter(averager.rejections.counts)
 
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -289,11 +324,14 @@ class RoundRun:
             return False
         first = self.agreement.my_done is None
         servers = [x for x in self.servers if x not in view.failed]
-        step = self.agreement.step(view.digest(), servers=servers, now=self.a.clock())
+        seals = view.seals()
+        step = self.agreement.step(view.digest(), servers=servers, now=self.a.clock(), seals=seals)
         if step.announce is not None:
             if first:
                 self.timings["exchange"] = self.a.clock() - self.started
-            message = wire.request(done=self._signed_done(step.announce, self.agreement.seq))
+            done = self._signed_done(step.announce, self.agreement.seq)
+            done.seals.extend(seals)
+            message = wire.request(done=done)
             self.outgoing.send(("done", message), skip=view.failed)
         if step.verdict is not None:
             self.incoming.send_last("verdict", wire.response(verdict=step.verdict))
@@ -381,7 +419,25 @@ class RoundRun:
                 return
             self.incoming.send("result", done.message, skip=self.struck)
             ours = (part, done.epoch, self.me, done.index, done.payload, done.scales)
-            self._landed(self.me, self.output.apply(*ours, done.contributors))
+            applied = self.output.apply(*ours, done.contributors, done.message)
+            if applied and self.view.chunks_complete(part):
+                self._seal(part, done.epoch)
+            self._landed(self.me, applied)
+
+    def _seal(self, part: int, epoch: int) -> None:
+        """We sent every result chunk of ``part``: seal what we sent, and send the seal."""
+        message = self._seal_message(part, epoch, self.view.part_hash(part))
+        seal = pb.AggregateResponse.FromString(message).seal
+        self.seals_verified.add(seal.SerializeToString())
+        self.reducing.sealed(part, message)
+        self.incoming.send("seal", message, skip=self.struck)
+        self.view.seal(seal)
+
+    def _seal_message(self, part: int, epoch: int, hash: bytes) -> bytes:
+        seal = pb.Seal(part=part, epoch=epoch, reducer=self.me, hash=hash)
+        payload = wire.seal_payload(self.group.group_id, self.group.round, seal)
+        seal.signature = self.a.identity.sign(wire.SEAL_DOMAIN, payload)
+        return wire.response(seal=seal)
 
     def _landed(self, reducer: int, applied: bool) -> None:
         """A result chunk of ``reducer``'s went into the output (or was stale: not)."""
@@ -468,15 +524,49 @@ class RoundRun:
         signature = self.a.identity.sign(wire.DONE_DOMAIN, payload)
         return pb.MemberDone(digest=digest, seq=seq, signature=signature)
 
+    def _forged_done(self, done: pb.MemberDone) -> pb.MemberDone:
+        """Another announcement under ``done``'s number, as a member lying about what it
+        holds would sign it: the seal of a part it reduced, over other results, and the
+        digest that makes (with no part of its own, another digest alone). For fault
+        plans: a peer signs what it forges."""
+        forged = pb.MemberDone()
+        forged.CopyFrom(done)
+        group = self.group
+        own = [seal for seal in forged.seals if seal.reducer == self.me]
+        if own:
+            seal = own[0]
+            seal.hash = bytes(b ^ 0xFF for b in seal.hash)
+            payload = wire.seal_payload(group.group_id, group.round, seal)
+            seal.signature = self.a.identity.sign(wire.SEAL_DOMAIN, payload)
+            forged.digest = digest_of(group.group_id, group.round, forged.seals)
+        else:
+            forged.digest = bytes(b ^ 0xFF for b in done.digest)
+        signed = self._signed_done(forged.digest, forged.seq)
+        forged.signature = signed.signature
+        return forged
+
     def on_done(self, sender: int, done: pb.MemberDone) -> None:
         """``sender`` announced its digest; Rejection unless it signed it."""
-        check_done(done, self.group, sender)
+        check_done(done, self.group, sender, self.seals_verified)
         self.agreement.heard(sender, done)
         self.changed.set()
 
-    def on_result(self, reducer: int, result: wire.ResultMessage) -> None:
-        """A result chunk from ``reducer``; Rejection if the reducer sent nonsense."""
-        self._landed(reducer, self.output.receive(reducer, result))
+    def on_result(self, reducer: int, result: wire.ResultMessage, raw: bytes) -> None:
+        """A result chunk from ``reducer`` (``raw``: as it came); Rejection if the reducer
+        sent nonsense."""
+        self._landed(reducer, self.output.receive(reducer, result, raw))
+
+    def on_seal(self, reducer: int, seal: pb.Seal) -> None:
+        """``reducer``'s seal of a part; Rejection unless it signed it, for itself, over the
+        result messages it sent us."""
+        if seal.reducer != reducer:
+            raise Rejection("bad-seal", "a seal in another member's name")
+        check_seal(seal, self.group)
+        self.seals_verified.add(seal.SerializeToString())
+        if self.view.seal(seal):
+            self.changed.set()
+        else:
+            self.a.stats["stale-results"] += 1
 
     def on_rerun(self, reducer: int, part: int, epoch: int) -> None:
         if self.view.notice(part, Claim(epoch, reducer)):
@@ -488,7 +578,7 @@ class RoundRun:
         for entry in verdict.evidence:
             if entry.member >= self.n:
                 raise Rejection("malformed", f"a verdict shows member {entry.member}")
-            check_done(entry.done, self.group, entry.member)
+            check_done(entry.done, self.group, entry.member, self.seals_verified)
         self.agreement.verdicts[server] = verdict
         self.changed.set()
 

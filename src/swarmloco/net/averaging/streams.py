@@ -20,13 +20,20 @@ from grpc._cython import cygrpc
 from swarmloco.errors import NetworkError
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import FaultCut, Phase
-from swarmloco.net.averaging.view import RESULT_DIGEST_BYTES, Claim
+from swarmloco.net.averaging.view import PART_HASH_BYTES, RESULT_DIGEST_BYTES, Claim
 from swarmloco.net.identity import SIGNATURE_BYTES
 from swarmloco.net.rejections import MAX_CODE_CHARS, MAX_REASON_CHARS, Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
-ANNOUNCED_BYTES = RESULT_DIGEST_BYTES + SIGNATURE_BYTES + 16
-"""The most a signed ``MemberDone`` takes on the wire (digest, number and signature)."""
+SEAL_BYTES = PART_HASH_BYTES + SIGNATURE_BYTES + 24
+"""The most a ``Seal`` takes on the wire (three numbers, a hash and a signature)."""
+
+
+def announced_bytes(members: int) -> int:
+    """The most a signed ``MemberDone`` of a group of ``members`` takes on the wire (digest,
+    number, signature and a seal per part)."""
+    return RESULT_DIGEST_BYTES + SIGNATURE_BYTES + 16 + members * (SEAL_BYTES + 4)
+
 
 if TYPE_CHECKING:
     from swarmloco.net.averaging.round import RoundRun
@@ -161,7 +168,7 @@ class OutgoingStream:
                     return
                 await self.traffic.received(self, data)
                 try:
-                    self._dispatch(wire.decode_response(data))
+                    self._dispatch(wire.decode_response(data), data)
                 except Rejection as rejection:
                     rnd.a.rejections.record(rejection, rnd.group.members[member].peer_id)
                     self._broken(f"it sent invalid data: {rejection.reason}")
@@ -169,18 +176,22 @@ class OutgoingStream:
         except STREAM_ERRORS as exc:
             self._broken(f"its stream broke: {describe(exc)}")
 
-    def _dispatch(self, message: wire.ResultMessage | pb.AggregateResponse) -> None:
+    def _dispatch(self, message: wire.ResultMessage | pb.AggregateResponse, raw: bytes) -> None:
         rnd = self.rnd
         if isinstance(message, wire.ResultMessage):
-            rnd.on_result(self.member, message)
+            rnd.on_result(self.member, message, raw)
             return
         kind = message.WhichOneof("kind")
         if kind == "rerun":
             rnd.on_rerun(self.member, message.rerun.part, message.rerun.epoch)
+        elif kind == "seal":
+            if message.seal.ByteSize() > SEAL_BYTES:
+                raise Rejection("malformed", "a seal longer than one")
+            rnd.on_seal(self.member, message.seal)
         elif kind == "verdict":
             verdict = message.verdict
             # Sizes before contents: reading a bytes or string field copies it.
-            shown = rnd.n * (ANNOUNCED_BYTES + 16)  # a signed announcement per member, at most
+            shown = rnd.n * (announced_bytes(rnd.n) + 16)  # an announcement per member, at most
             if (
                 verdict.ByteSize() > 4 * MAX_REASON_CHARS + RESULT_DIGEST_BYTES + 16 + shown
                 or len(verdict.digest) != RESULT_DIGEST_BYTES
@@ -268,7 +279,7 @@ class IncomingStream:
                         continue
                     kind = message.WhichOneof("kind")
                     if kind == "done":
-                        if message.done.ByteSize() > ANNOUNCED_BYTES:
+                        if message.done.ByteSize() > announced_bytes(rnd.n):
                             raise Rejection("malformed", "an announcement longer than one")
                         rnd.on_done(self.sender, message.done)
                     elif kind != "heartbeat":

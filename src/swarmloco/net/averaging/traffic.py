@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import FaultPlan, Phase
 from swarmloco.net.averaging.limiter import BandwidthLimiter
+from swarmloco.net.averaging.view import part_hasher
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
 
@@ -29,12 +31,19 @@ class Traffic:
         faults: FaultPlan | None,
         limiter: BandwidthLimiter | None,
         clock: Callable[[], float],
-        sign_done: Callable[[bytes, int], pb.MemberDone] | None = None,
+        forge_done: Callable[[pb.MemberDone], pb.MemberDone] | None = None,
+        seal: Callable[[int, int, bytes], bytes] | None = None,
     ) -> None:
-        """``sign_done(digest, seq)``: our signed announcement (a fault that forges one
-        signs what it forges, as a member that lies would)."""
+        """``forge_done(done)``: another announcement of ours under its number, signed;
+        ``seal(part, epoch, hash)``:
+        our seal message of a part. With a fault plan, what a fault forges is signed, as a
+        member that lies would sign it: a forged announcement, and the seal of a part whose
+        result messages to a member a fault altered (it seals what that member was sent)."""
         self._round = round
-        self._sign_done = sign_done
+        self._forge_done = forge_done
+        self._seal = seal
+        self._sent_results: dict[tuple[str, int, int], Any] = {}
+        self._altered: set[tuple[str, int, int]] = set()
         self._faults = faults
         self._limiter = limiter
         self._clock = clock
@@ -58,8 +67,12 @@ class Traffic:
                 round=self._round,
                 message=message,
                 call_bytes=call_bytes,
-                sign_done=self._sign_done,
+                forge_done=self._forge_done,
             )
+            if phase == "result" and changed is not None:
+                self._follow_result(peer, message, changed)
+            elif phase == "seal" and changed is not None:
+                changed = self._reseal(peer, changed)
             if changed is None:
                 return 0
             message = changed
@@ -68,6 +81,27 @@ class Traffic:
         await write(message)
         self.bytes_sent += len(message)
         return len(message)
+
+    def _follow_result(self, peer: str, original: bytes, sent: bytes) -> None:
+        """Hash the result messages that go to ``peer`` per part, and note those a fault
+        altered (fault plans only)."""
+        result = wire.decode_response(sent)
+        if not isinstance(result, wire.ResultMessage):
+            return
+        key = (peer, result.part, result.epoch)
+        hasher = self._sent_results.setdefault(key, part_hasher())
+        hasher.update(sent)
+        if sent != original:
+            self._altered.add(key)
+
+    def _reseal(self, peer: str, message: bytes) -> bytes:
+        """The seal to send ``peer``: ours, or, where a fault altered what it was sent of
+        the part, one of what it was sent."""
+        seal = pb.AggregateResponse.FromString(message).seal
+        key = (peer, seal.part, seal.epoch)
+        if key not in self._altered or self._seal is None:
+            return message
+        return self._seal(seal.part, seal.epoch, self._sent_results[key].digest())
 
     async def received(self, stream: Heard, data: bytes) -> None:
         """``stream`` brought ``data``: it is alive, and the limiter paces what follows."""

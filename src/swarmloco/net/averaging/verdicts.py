@@ -15,13 +15,16 @@ verdicts differ from its digest) while the others apply theirs. (Counting client
 let any member that joined as a client, a stranger admitted to the group, abort the round
 for everyone with a made-up digest.)
 
-Every announcement is signed (the caller checks the signatures) and numbered in the round,
-and a disagreeing verdict carries the latest announcement of each server whose digest
-differed from its author's. What those show is first-hand evidence: a member that told two
-servers two digests under one number has signed both (it is *proven two-faced* and named,
-``dissenters``), and a server whose disagreement another server's signed word explains is
-not taken for the one out of line. (Before, a member telling one honest server another
-digest than the rest had that server named as the lone dissenter by everyone else.)
+Every announcement is signed (the caller checks the signatures), numbered in the round,
+and carries the seals its digest is made of (``view.py``); a disagreeing verdict carries
+the latest announcement of each server whose digest differed from its author's. What those
+show is first-hand evidence: a member that told two servers two digests under one number
+has signed both, and a reducer that sealed one part at one epoch over two results has
+signed both (either is *proven two-faced* and named, ``dissenters``); a server whose
+disagreement another server's signed word explains is not taken for the one out of line,
+nor a member whose digest differs from ours only in a two-faced reducer's parts. (Before,
+a member telling one honest server another digest than the rest had that server named as
+the lone dissenter by everyone else.)
 """
 
 from __future__ import annotations
@@ -92,7 +95,10 @@ class Agreement:
         self.announced: dict[int, dict[int, pb.MemberDone]] = {}
         """Each member's announcements to us by number (ours included, unsigned)."""
         self.two_faced: set[int] = set()
-        """Members that told us two digests under one number."""
+        """Members proven two-faced: that signed two digests under one number, or sealed
+        one part at one epoch over two different results."""
+        self._sealed: dict[tuple[int, int, int], bytes] = {}
+        """(part, epoch, reducer) -> the hash of the first seal of it we saw."""
         self.seq = 0
         """The number of our latest announcement."""
         self.verdicts: dict[int, pb.Verdict] = {}
@@ -103,19 +109,31 @@ class Agreement:
         self._disagree_since: float | None = None
         self._dissent_since: float | None = None
 
-    def step(self, digest: bytes, *, servers: Sequence[int], now: float) -> Step:
-        """Move the agreement forward with our complete result's ``digest``; ``servers``
-        are the serving members not failed (their digests alone make our verdict)."""
+    def step(
+        self,
+        digest: bytes,
+        *,
+        servers: Sequence[int],
+        now: float,
+        seals: Sequence[pb.Seal] = (),
+    ) -> Step:
+        """Move the agreement forward with our complete result's ``digest`` (made of
+        ``seals``); ``servers`` are the serving members not failed (their digests alone
+        make our verdict)."""
         announce = None
         if digest != self.my_done:
             self.my_done = digest
             self.seq += 1
-            self._record(self._me, pb.MemberDone(digest=digest, seq=self.seq))
+            self._note(seals)
+            self._record(self._me, pb.MemberDone(digest=digest, seq=self.seq, seals=seals))
             announce = digest
         verdict = None
         if self._serving and not self.verdict_sent and all(x in self.done for x in servers):
             differ = [x for x in servers if self.done[x] != digest]
-            if differ and self._patient(now):
+            # Patience is for a member still holding a part's result from before a rerun;
+            # one sent other results under the same claim will not come round.
+            lagging = [x for x in differ if self._differs(x, digest)]
+            if lagging and self._patient(now):
                 return Step(announce)
             verdict = self._make_verdict(digest, differ)
         for member, said in self.verdicts.items():
@@ -145,12 +163,21 @@ class Agreement:
         return Step(announce, verdict, decided=self.decided)
 
     def heard(self, member: int, done: pb.MemberDone) -> None:
-        """``member`` announced ``done`` to us (its signature checked by the caller)."""
+        """``member`` announced ``done`` to us (its signatures checked by the caller)."""
+        self._note(done.seals)
         earlier = self.announced.get(member, {}).get(done.seq)
         if earlier is not None and earlier.digest != done.digest:
             self.two_faced.add(member)  # it signed both: proof enough
             return
         self._record(member, done)
+
+    def _note(self, seals: Sequence[pb.Seal]) -> None:
+        """Seals we saw: a reducer that sealed one part at one epoch twice, over different
+        results, sent members different results (it signed both)."""
+        for seal in seals:
+            first = self._sealed.setdefault((seal.part, seal.epoch, seal.reducer), seal.hash)
+            if first != seal.hash:
+                self.two_faced.add(seal.reducer)
 
     def _record(self, member: int, done: pb.MemberDone) -> None:
         said = self.announced.setdefault(member, {})
@@ -162,6 +189,9 @@ class Agreement:
 
     def _shown(self, servers: Sequence[int]) -> Shown:
         """What the live servers' verdicts show (see :class:`Shown`)."""
+        for verdict in self.verdicts.values():
+            for entry in verdict.evidence:
+                self._note(entry.done.seals)
         shown = Shown(proven={x for x in self.two_faced if x in servers and x != self._me})
         for author, verdict in self.verdicts.items():
             for entry in verdict.evidence:
@@ -189,7 +219,7 @@ class Agreement:
         others = [x for x in servers if x != self._me]
         if len(servers) < 3 or any(x not in self.done for x in others):
             return None
-        out = [x for x in others if self.done[x] != digest or x in shown.ahead]
+        out = [x for x in others if self._differs(x, digest) or x in shown.ahead]
         if not out:
             out = [x for x in others if self._dissents(x, digest, shown)]
         return out[0] if len(out) == 1 else None
@@ -203,21 +233,41 @@ class Agreement:
         if len(servers) < 3 or any(x not in self.done for x in others):
             return ()
         differ = [
-            x for x in others if self.done[x] != digest or x in shown.proven or x in shown.ahead
+            x for x in others if self._differs(x, digest) or x in shown.proven or x in shown.ahead
         ]
         if 2 * (len(servers) - len(differ)) <= len(servers):
             return ()
         said = [x for x in others if x not in differ]
         return tuple(differ + [x for x in said if self._dissents(x, digest, shown)])
 
-    def _dissents(self, member: int, digest: bytes, shown: Shown) -> bool:
-        """Whether ``member``'s verdict disagrees with our digest while nothing a server
-        signed explains why."""
-        return (
-            member in self.verdicts
-            and not self._agrees(member, digest)
-            and not (member in shown.explained and self.verdicts[member].digest == digest)
+    def _differs(self, member: int, digest: bytes) -> bool:
+        """Whether ``member`` holds another result than ours for a reason of its own: its
+        digest differs, and not only in parts whose reducer is proven two-faced (a member
+        sent other results than we were is not out of line)."""
+        if self.done[member] == digest:
+            return False
+        theirs, ours = self._seals_of(member), self._seals_of(self._me)
+        if not theirs or len(theirs) != len(ours):
+            return True
+        return any(
+            (a.part, a.epoch, a.reducer) != (b.part, b.epoch, b.reducer)
+            or (a.hash != b.hash and a.reducer not in self.two_faced)
+            for a, b in zip(theirs, ours, strict=True)
         )
+
+    def _seals_of(self, member: int) -> Sequence[pb.Seal]:
+        said = self.announced.get(member)
+        return said[max(said)].seals if said else ()
+
+    def _dissents(self, member: int, digest: bytes, shown: Shown) -> bool:
+        """Whether ``member``'s verdict disagrees with our digest while nothing signed
+        explains why: neither another server's announcement it shows, nor a two-faced
+        reducer that sent it other results than us."""
+        if member not in self.verdicts or self._agrees(member, digest):
+            return False
+        if self.done.get(member, digest) != digest:
+            return self._differs(member, digest)
+        return not (member in shown.explained and self.verdicts[member].digest == digest)
 
     def _agrees(self, member: int, digest: bytes) -> bool:
         said = self.verdicts[member]

@@ -13,8 +13,13 @@ members that chose different backups converge on one. A claim by a member we saw
 is ignored: every part we lack is always claimed by a member we still wait on.
 
 :meth:`RoundView.digest` summarizes what a member holds (the final claim of every part and
-the contributors of every chunk); members compare digests before anyone applies the
-result, so any divergence the protocol did not prevent is detected, not applied.
+the hash of every result message of it, contributors included); members compare digests
+before anyone applies the result, so any divergence the protocol did not prevent is
+detected, not applied. A part is whole only once its reducer's signed *seal* of those
+messages matches what this member received (:meth:`RoundView.seal`): the digest is made of
+the seals (:func:`digest_of`), so that two members' digests show which part they differ in
+and, where one reducer sealed one part and epoch twice over different results, prove that
+reducer sent members different results.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
+from collections.abc import Sequence
+from typing import Any
 
 from swarmloco.core.codec import ChunkSpan, CodecConfig, chunk_spans
 from swarmloco.errors import RoundAborted
@@ -29,9 +36,28 @@ from swarmloco.net.averaging.group import Group
 from swarmloco.net.averaging.report import PartReport
 from swarmloco.net.averaging.wire import members_of
 from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import averaging_pb2 as pb
 
 RESULT_DIGEST_BYTES = 16
 """The size of a member's digest of the round's result (``MemberDone``, ``Verdict``)."""
+PART_HASH_BYTES = 16
+"""The size of the hash of a part's result messages (``Seal``)."""
+
+
+def part_hasher() -> Any:
+    """The running hash of one part's result messages, each fed in whole, in order."""
+    return hashlib.blake2b(b"swarmloco/v1/part-results\x00", digest_size=PART_HASH_BYTES)
+
+
+def digest_of(group_id: bytes, round: int, seals: Sequence[pb.Seal]) -> bytes:
+    """The digest of a result whose parts carry ``seals`` (one per part, in part order)."""
+    h = hashlib.blake2b(b"swarmloco/v1/round-result\x00", digest_size=RESULT_DIGEST_BYTES)
+    h.update(group_id)
+    h.update(struct.pack("<Q", round))
+    for seal in seals:
+        h.update(struct.pack("<III", seal.part, seal.epoch, seal.reducer))
+        h.update(seal.hash)
+    return h.digest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +86,9 @@ class RoundView:
         self.owner: dict[int, Claim] = {p: Claim(0, p) for p in self.parts}
         self.failed: dict[int, str] = {}
         self._received: dict[int, list[bytes]] = {p: [] for p in self.parts}
+        self._hashes = {p: part_hasher() for p in self.parts}
+        self.sealed: dict[int, pb.Seal] = {}
+        """The seal of each part whose every result chunk we hold, under its claim."""
 
     # -- who reduces what ---------------------------------------------------------------
 
@@ -120,6 +149,8 @@ class RoundView:
     def _move(self, part: int, claim: Claim) -> None:
         self.owner[part] = claim
         self._received[part] = []
+        self._hashes[part] = part_hasher()
+        self.sealed.pop(part, None)
 
     # -- results -------------------------------------------------------------------------
 
@@ -138,18 +169,47 @@ class RoundView:
         if not members_of(contributors, self.group.size):
             raise Rejection("bad-result", f"result chunk {index} of part {part} averages nobody")
 
-    def on_result(self, part: int, index: int, contributors: bytes) -> None:
+    def on_result(self, part: int, index: int, contributors: bytes, message: bytes) -> None:
         """Record result chunk ``index`` of ``part`` as received (call only when
-        :meth:`expects`, once its payload decoded). Raises Rejection as
-        :meth:`check_result`."""
+        :meth:`expects`, once its payload decoded), ``message`` the whole result message it
+        came in (what the part's seal covers). Raises Rejection as :meth:`check_result`."""
         self.check_result(part, index, contributors)
         self._received[part].append(contributors)
+        self._hashes[part].update(message)
 
     def received(self, part: int) -> int:
         return len(self._received[part])
 
-    def part_complete(self, part: int) -> bool:
+    def chunks_complete(self, part: int) -> bool:
+        """Whether we hold every result chunk of ``part`` (its seal may be on its way)."""
         return len(self._received[part]) == len(self.spans[part])
+
+    def part_hash(self, part: int) -> bytes:
+        """The hash of the result messages of ``part`` we hold, in order."""
+        return bytes(self._hashes[part].digest())
+
+    def seal(self, seal: pb.Seal) -> bool:
+        """Take the seal of a part's results (its signature checked by the caller); False
+        when it is stale (another claim holds the part now). Rejection when it comes before
+        the part's last result chunk, or seals other results than we received."""
+        part = seal.part
+        if part not in self.owner:
+            raise Rejection("bad-seal", f"a seal of part {part}, which does not exist")
+        if not self.expects(part, seal.epoch, seal.reducer):
+            return False
+        if not self.chunks_complete(part):
+            raise Rejection("bad-seal", f"a seal of part {part} before its last result chunk")
+        if seal.hash != self.part_hash(part):
+            raise Rejection("bad-seal", f"a seal of part {part} over other results than it sent")
+        self.sealed[part] = seal
+        return True
+
+    def seals(self) -> list[pb.Seal]:
+        """The seal of every part, in part order (call once :attr:`complete`)."""
+        return [self.sealed[p] for p in self.parts]
+
+    def part_complete(self, part: int) -> bool:
+        return self.chunks_complete(part) and part in self.sealed
 
     @property
     def complete(self) -> bool:
@@ -161,20 +221,13 @@ class RoundView:
     # -- summary -------------------------------------------------------------------------
 
     def digest(self) -> bytes:
-        """What we hold, in 16 bytes: every part's final claim and every chunk's contributors.
+        """What we hold, in 16 bytes: every part's final claim and the hash of its result
+        messages, as sealed (call once :attr:`complete`).
 
         Two members with the same digest decoded the same result messages of the same
-        reducers (each reducer sends one set of bytes per chunk to everyone).
+        reducers.
         """
-        h = hashlib.blake2b(b"swarmloco/v1/round-result\x00", digest_size=RESULT_DIGEST_BYTES)
-        h.update(self.group.group_id)
-        h.update(struct.pack("<Q", self.group.round))
-        for part in self.parts:
-            claim = self.owner[part]
-            h.update(struct.pack("<III", part, claim.epoch, claim.reducer))
-            for bits in self._received[part]:
-                h.update(bits)
-        return h.digest()
+        return digest_of(self.group.group_id, self.group.round, self.seals())
 
     def report(self) -> list[PartReport]:
         reports = []

@@ -31,6 +31,7 @@ SERVICE_NAME = "swarmloco.v1.Averaging"
 AGGREGATE_PATH = f"/{SERVICE_NAME}/Aggregate"
 HELLO_DOMAIN = b"swarmloco/v1/aggregate-hello\x00"
 DONE_DOMAIN = b"swarmloco/v1/member-done\x00"
+SEAL_DOMAIN = b"swarmloco/v1/part-seal\x00"
 
 # Field numbers in averaging.proto.
 _REQUEST_CHUNK = 2  # AggregateRequest.chunk
@@ -287,6 +288,12 @@ def decode_response(data: bytes) -> ResultMessage | pb.AggregateResponse:
 def hello_payload(group_id: bytes, round: int, sender: int, reducer: int) -> bytes:
     """What a sender signs to open a stream: the group, the round and both member indices."""
     return group_id + struct.pack("<QII", round, sender, reducer)
+
+
+def seal_payload(group_id: bytes, round: int, seal: pb.Seal) -> bytes:
+    """What a reducer signs to seal a part: the group, the round, the part, the epoch, its
+    own index and the hash of the part's result messages."""
+    return group_id + struct.pack("<QIII", round, seal.part, seal.epoch, seal.reducer) + seal.hash
 
 
 def done_payload(group_id: bytes, round: int, member: int, seq: int, digest: bytes) -> bytes:

@@ -113,14 +113,16 @@ class PartChunk(_message.Message):
     def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
 
 class MemberDone(_message.Message):
-    __slots__ = ("digest", "seq", "signature")
+    __slots__ = ("digest", "seq", "signature", "seals")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SEALS_FIELD_NUMBER: _ClassVar[int]
     digest: bytes
     seq: int
     signature: bytes
-    def __init__(self, digest: _Optional[bytes] = ..., seq: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    seals: _containers.RepeatedCompositeFieldContainer[Seal]
+    def __init__(self, digest: _Optional[bytes] = ..., seq: _Optional[int] = ..., signature: _Optional[bytes] = ..., seals: _Optional[_Iterable[_Union[Seal, _Mapping]]] = ...) -> None: ...
 
 class Announced(_message.Message):
     __slots__ = ("member", "done")
@@ -162,6 +164,20 @@ class ResultChunk(_message.Message):
     contributors: bytes
     def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., contributors: _Optional[bytes] = ...) -> None: ...
 
+class Seal(_message.Message):
+    __slots__ = ("part", "epoch", "reducer", "hash", "signature")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REDUCER_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    epoch: int
+    reducer: int
+    hash: bytes
+    signature: bytes
+    def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ..., reducer: _Optional[int] = ..., hash: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
 class Rerun(_message.Message):
     __slots__ = ("part", "epoch")
     PART_FIELD_NUMBER: _ClassVar[int]
@@ -191,15 +207,17 @@ class Refusal(_message.Message):
     def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AggregateResponse(_message.Message):
-    __slots__ = ("result", "rerun", "verdict", "refusal", "heartbeat")
+    __slots__ = ("result", "rerun", "verdict", "refusal", "heartbeat", "seal")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     RERUN_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
     result: ResultChunk
     rerun: Rerun
     verdict: Verdict
     refusal: Refusal
     heartbeat: Heartbeat
-    def __init__(self, result: _Optional[_Union[ResultChunk, _Mapping]] = ..., rerun: _Optional[_Union[Rerun, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    seal: Seal
+    def __init__(self, result: _Optional[_Union[ResultChunk, _Mapping]] = ..., rerun: _Optional[_Union[Rerun, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., seal: _Optional[_Union[Seal, _Mapping]] = ...) -> None: ...
