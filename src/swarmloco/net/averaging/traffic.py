@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import FaultPlan, Phase
 from swarmloco.net.averaging.limiter import BandwidthLimiter
-from swarmloco.net.averaging.view import part_hasher
+from swarmloco.net.averaging.view import PartHasher
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
 
@@ -42,7 +42,7 @@ class Traffic:
         self._round = round
         self._forge_done = forge_done
         self._seal = seal
-        self._sent_results: dict[tuple[str, int, int], Any] = {}
+        self._sent_results: dict[tuple[str, int, int], PartHasher] = {}
         self._altered: set[tuple[str, int, int]] = set()
         self._faults = faults
         self._limiter = limiter
@@ -89,7 +89,7 @@ class Traffic:
         if not isinstance(result, wire.ResultMessage):
             return
         key = (peer, result.part, result.epoch)
-        hasher = self._sent_results.setdefault(key, part_hasher())
+        hasher = self._sent_results.setdefault(key, PartHasher())
         hasher.update(sent)
         if sent != original:
             self._altered.add(key)
