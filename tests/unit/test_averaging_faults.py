@@ -54,6 +54,16 @@ async def test_corruptions_produce_what_they_say():
     assert isinstance(message, pb.AggregateRequest) and len(message.done.digest) == 1 << 20
     with pytest.raises(ValueError):
         Fault(action="corrupt", phase="chunk", corruption="bloat")
+    negate = FaultPlan([Fault(action="corrupt", phase="result", corruption="negate")])
+    values = torch.tensor([-128, -5, 0, 7, 127], dtype=torch.int8)
+    result = wire.encode_result(
+        part=1, epoch=0, index=0, payload=values, scales=torch.ones(1), contributors=b"\x03"
+    )
+    message = wire.decode_response(
+        await negate.outgoing("result", peer="a", round=5, message=result)
+    )
+    assert isinstance(message, wire.ResultMessage) and message.contributors == b"\x03"
+    assert wire.tensor_from(message.payload, torch.int8).tolist() == [127, 5, 0, -7, -127]
 
 
 async def test_replay_sends_the_message_of_an_earlier_round():

@@ -43,7 +43,8 @@ class Shown:
     """What the servers' verdicts show us, from the signed announcements they carry."""
 
     proven: set[int] = dataclasses.field(default_factory=set)
-    """Servers that signed two digests under one number (to us, or to us and another)."""
+    """Servers proven two-faced: two digests signed under one number (to us, or to us and
+    another), or one part sealed at one epoch over two results."""
     ahead: set[int] = dataclasses.field(default_factory=set)
     """Servers that told another server an announcement newer than any they told us."""
     explained: set[int] = dataclasses.field(default_factory=set)
@@ -63,8 +64,9 @@ class Step:
     """Why the round must end with nothing applied (after sending ``verdict``)."""
     dissenters: tuple[int, ...] = ()
     """With a disagreement: the servers proven two-faced (two signed digests under one
-    number), else the one server that caused it when every other live server announced our
-    digest (empty: no proof and no lone culprit, or not all digests known)."""
+    number, or two seals of one part and epoch over different results), else the one
+    server that caused it when every other live server announced our digest (empty: no
+    proof and no lone culprit, or not all digests known)."""
     out_of_line: tuple[int, ...] = ()
     """With a disagreement: every server out of line with us (its digest differs, it is
     proven two-faced, or its verdict disagrees while its digest is ours and nothing signed
