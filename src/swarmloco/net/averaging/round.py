@@ -546,7 +546,8 @@ class RoundRun:
         return forged
 
     def on_done(self, sender: int, done: pb.MemberDone) -> None:
-        """``sender`` announced its digest; Rejection unless it signed it."""
+        """``sender`` announced its digest; Rejection unless it signed it, with a seal of
+        every part signed by its reducer."""
         check_done(done, self.group, sender, self.seals_verified)
         self.agreement.heard(sender, done)
         self.changed.set()

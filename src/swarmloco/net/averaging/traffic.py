@@ -14,6 +14,7 @@ from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.faults import FaultPlan, Phase
 from swarmloco.net.averaging.limiter import BandwidthLimiter
 from swarmloco.net.averaging.view import PartHasher
+from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
 
@@ -35,10 +36,10 @@ class Traffic:
         seal: Callable[[int, int, bytes], bytes] | None = None,
     ) -> None:
         """``forge_done(done)``: another announcement of ours under its number, signed;
-        ``seal(part, epoch, hash)``:
-        our seal message of a part. With a fault plan, what a fault forges is signed, as a
-        member that lies would sign it: a forged announcement, and the seal of a part whose
-        result messages to a member a fault altered (it seals what that member was sent)."""
+        ``seal(part, epoch, hash)``: our seal message of a part. With a fault plan, what a
+        fault forges is signed, as a member that lies would sign it: a forged announcement,
+        and the seal of a part whose result messages to a member a fault altered (it seals
+        what that member was sent)."""
         self._round = round
         self._forge_done = forge_done
         self._seal = seal
@@ -85,7 +86,10 @@ class Traffic:
     def _follow_result(self, peer: str, original: bytes, sent: bytes) -> None:
         """Hash the result messages that go to ``peer`` per part, and note those a fault
         altered (fault plans only)."""
-        result = wire.decode_response(sent)
+        try:
+            result = wire.decode_response(sent)
+        except Rejection:
+            return  # a corruption its receiver refuses: no seal will matter
         if not isinstance(result, wire.ResultMessage):
             return
         key = (peer, result.part, result.epoch)
