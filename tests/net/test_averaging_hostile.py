@@ -7,6 +7,7 @@ process down), the offender is counted, and the next round completes for everyon
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -415,28 +416,43 @@ async def test_two_partners_lying_together_serve_no_more_and_the_retry_applies()
     assert not named & {part.reducer for part in honest[0].report.parts}
 
 
-async def _lie_to_one_member(phase: Phase, corruption: Corruption, seed: int) -> None:
-    """Four partners; 3 sends member 2 alone a ``corruption`` of its ``phase`` messages,
-    signed as its own (the true ones to 0 and 1): every honest member names 3, none names
-    2, nothing is applied, and the next attempt applies without 3 serving."""
-    size, liar, lied_to = 4, 3, 2
+async def _one_liar_named(
+    fault: Callable[[list[str]], Fault], seed: int
+) -> tuple[list[str], list[RoundAborted]]:
+    """Four partners; 3 lies as ``fault(ids)`` says. Every honest member's first attempt
+    aborts naming 3 alone, and the next attempt applies without 3 serving. The peer ids and
+    the first attempt's aborts, for more checks."""
+    size, liar = 4, 3
     vectors = random_vectors(size, 64 * 40, seed=seed)
     async with averaging_peers(size) as peers:
         ids = _all_partners(peers)
         round = _round_not_led_by(ids, {ids[liar]})
-        fault = Fault(action="corrupt", phase=phase, corruption=corruption, peer=ids[lied_to])
-        plan = FaultPlan([fault])
+        plan = FaultPlan([fault(ids)])
         peers[liar].averager.faults = plan
         first = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
         second = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
     assert plan.fired[0] > 0
+    aborts = []
     for result in first[:liar]:
         assert isinstance(result, RoundAborted) and result.dissenters == {ids[liar]}, first
-        assert ids[lied_to] not in result.out_of_line, first
+        aborts.append(result)
     honest = second[:liar]
     assert all(isinstance(r, AllReduceResult) for r in honest), second
     assert_identical(honest)
     assert ids[liar] not in {part.reducer for part in honest[0].report.parts}
+    return ids, aborts
+
+
+async def _lie_to_one_member(phase: Phase, corruption: Corruption, seed: int) -> None:
+    """3 sends member 2 alone a ``corruption`` of its ``phase`` messages, signed as its own
+    (the true ones to 0 and 1): every honest member names 3 (see :func:`_one_liar_named`),
+    and none names 2."""
+    ids, aborts = await _one_liar_named(
+        lambda ids: Fault(action="corrupt", phase=phase, corruption=corruption, peer=ids[2]),
+        seed,
+    )
+    for result in aborts:
+        assert ids[2] not in result.out_of_line, result
 
 
 async def test_a_partner_telling_one_server_another_digest_is_named_not_that_server():
@@ -463,19 +479,5 @@ async def test_a_partner_that_alone_aborts_a_round_serves_no_more_and_the_retry_
     out of line with every other and takes it as a stranger for a while: the next attempt
     makes it a client (no part, no verdict) and applies. (Before, every attempt aborted for
     as long as it kept lying, and it stayed a partner, since no round applied.)"""
-    size, liar = 4, 3
-    vectors = random_vectors(size, 64 * 40, seed=11)
-    async with averaging_peers(size) as peers:
-        ids = _all_partners(peers)
-        round = _round_not_led_by(ids, {ids[liar]})
-        plan = FaultPlan([Fault(action="corrupt", phase="verdict", corruption="forge")])
-        peers[liar].averager.faults = plan
-        first = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
-        second = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
-    assert plan.fired[0] > 0
-    for result in first[:liar]:
-        assert isinstance(result, RoundAborted) and result.dissenters == {ids[liar]}, first
-    honest = second[:liar]
-    assert all(isinstance(r, AllReduceResult) for r in honest), second
-    assert_identical(honest)
-    assert ids[liar] not in {part.reducer for part in honest[0].report.parts}
+    forged = Fault(action="corrupt", phase="verdict", corruption="forge")
+    await _one_liar_named(lambda ids: forged, seed=11)
