@@ -426,18 +426,24 @@ class RoundRun:
 
     def _seal(self, part: int, epoch: int) -> None:
         """We sent every result chunk of ``part``: seal what we sent, and send the seal."""
-        message = self._seal_message(part, epoch, self.view.part_hash(part))
-        seal = pb.AggregateResponse.FromString(message).seal
+        seal = self._signed_seal(part, epoch, self.view.part_hash(part))
+        message = wire.response(seal=seal)
         self.seals_verified.add(seal.SerializeToString())
         self.reducing.sealed(part, message)
         self.incoming.send("seal", message, skip=self.struck)
         self.view.seal(seal)
 
-    def _seal_message(self, part: int, epoch: int, hash: bytes) -> bytes:
+    def _signed_seal(self, part: int, epoch: int, hash: bytes) -> pb.Seal:
         seal = pb.Seal(part=part, epoch=epoch, reducer=self.me, hash=hash)
+        self._sign_seal(seal)
+        return seal
+
+    def _sign_seal(self, seal: pb.Seal) -> None:
         payload = wire.seal_payload(self.group.group_id, self.group.round, seal)
         seal.signature = self.a.identity.sign(wire.SEAL_DOMAIN, payload)
-        return wire.response(seal=seal)
+
+    def _seal_message(self, part: int, epoch: int, hash: bytes) -> bytes:
+        return wire.response(seal=self._signed_seal(part, epoch, hash))
 
     def _landed(self, reducer: int, applied: bool) -> None:
         """A result chunk of ``reducer``'s went into the output (or was stale: not)."""
@@ -519,10 +525,12 @@ class RoundRun:
         self._drain(part)
 
     def _signed_done(self, digest: bytes, seq: int) -> pb.MemberDone:
+        return pb.MemberDone(digest=digest, seq=seq, signature=self._done_signature(digest, seq))
+
+    def _done_signature(self, digest: bytes, seq: int) -> bytes:
         group = self.group
         payload = wire.done_payload(group.group_id, group.round, self.me, seq, digest)
-        signature = self.a.identity.sign(wire.DONE_DOMAIN, payload)
-        return pb.MemberDone(digest=digest, seq=seq, signature=signature)
+        return self.a.identity.sign(wire.DONE_DOMAIN, payload)
 
     def _forged_done(self, done: pb.MemberDone) -> pb.MemberDone:
         """Another announcement under ``done``'s number, as a member lying about what it
@@ -536,13 +544,11 @@ class RoundRun:
         if own:
             seal = own[0]
             seal.hash = bytes(b ^ 0xFF for b in seal.hash)
-            payload = wire.seal_payload(group.group_id, group.round, seal)
-            seal.signature = self.a.identity.sign(wire.SEAL_DOMAIN, payload)
+            self._sign_seal(seal)
             forged.digest = digest_of(group.group_id, group.round, forged.seals)
         else:
             forged.digest = bytes(b ^ 0xFF for b in done.digest)
-        signed = self._signed_done(forged.digest, forged.seq)
-        forged.signature = signed.signature
+        forged.signature = self._done_signature(forged.digest, forged.seq)
         return forged
 
     def on_done(self, sender: int, done: pb.MemberDone) -> None:
