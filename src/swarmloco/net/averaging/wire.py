@@ -32,6 +32,7 @@ AGGREGATE_PATH = f"/{SERVICE_NAME}/Aggregate"
 HELLO_DOMAIN = b"swarmloco/v1/aggregate-hello\x00"
 DONE_DOMAIN = b"swarmloco/v1/member-done\x00"
 SEAL_DOMAIN = b"swarmloco/v1/part-seal\x00"
+STATEMENT_DOMAIN = b"swarmloco/v1/chunk-statement\x00"
 
 # Field numbers in averaging.proto.
 _REQUEST_CHUNK = 2  # AggregateRequest.chunk
@@ -294,6 +295,29 @@ def seal_payload(group_id: bytes, round: int, seal: pb.Seal) -> bytes:
     """What a reducer signs to seal a part: the group, the round, the part, the epoch, its
     own index and the hash of the part's result messages."""
     return group_id + struct.pack("<QIII", round, seal.part, seal.epoch, seal.reducer) + seal.hash
+
+
+def statement_payload(
+    group_id: bytes,
+    round: int,
+    reducer: int,
+    part: int,
+    epoch: int,
+    *,
+    sender: int,
+    index: int,
+    root: bytes,
+    norm_sq: float,
+) -> bytes:
+    """What a sender signs about one chunk it sent a reducer (its *statement*, see
+    ``audit.py``): the group, the round, the sender, the reducer, the part, the epoch, the
+    chunk's index, its root and its squared norm."""
+    return (
+        group_id
+        + struct.pack("<QIIIII", round, sender, reducer, part, epoch, index)
+        + root
+        + struct.pack("<d", norm_sq)
+    )
 
 
 def done_payload(group_id: bytes, round: int, member: int, seq: int, digest: bytes) -> bytes:

@@ -1,0 +1,298 @@
+"""Audits of a remote reducer's part: a random piece of it recomputed from its senders' own
+bytes (docs/DESIGN.md section 5, step 6). No I/O.
+
+Seals prove that every member got the same result of a part, not that the result is the
+aggregate of what its senders sent. An audit checks that: every chunk a sender sends comes
+with its *statement*, the sender's signature over the chunk's *root* (a hash of the hashes
+of its *segments*, :data:`SEGMENT_BLOCKS` codec blocks each, payload and scales) and its
+squared norm, and an auditor draws one chunk and one segment of it in private, once the
+part's results and seal are out, and recomputes that segment's aggregate from every
+contributor's segment, each checked against the root its sender signed.
+
+This module holds the pure pieces: segments and roots (:func:`segment_hashes`,
+:func:`root_of`), the statement (:class:`Statement`), the recomputation and its tolerance
+(:func:`recompute`, :func:`excess`), and one audit's state (:class:`Audit`), which names
+who lied, if anyone, once everything it asked for is in (the statements' signatures are
+checked through its ``verify``). Not driven by the round yet: the statements on the wire,
+the reducer's answer and the contributors' segments are the next step of the design.
+
+What the tolerance allows: the reducer's mean is a float32 sum in arrival order, then
+quantized; the auditor's, a float64 sum in member order. The decoded result is within
+half a quantization step of the reducer's mean, plus the rounding of the step itself when
+scales travel as 16-bit floats (a value may be clamped at 127 steps), plus the float32
+sum's rounding: :func:`excess` measures how far past that a result lies, 0 when within.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from swarmloco.core.aggregate import AggregatorConfig, trimmed_mean
+from swarmloco.core.codec import QMAX, CodecConfig, blocks_norm_sq
+from swarmloco.net.averaging.reduction import slice_bound
+
+SEGMENT_BLOCKS = 16
+"""Codec blocks per segment: the unit an auditor checks (16 KiB of int8 at 1,024 a block)."""
+ROOT_BYTES = 16
+"""A chunk's root, and each segment hash under it: SHA-256 cut to 16 bytes."""
+AUDITED_METHODS = ("mean", "trimmed_mean")
+"""Aggregators whose result is one coordinate at a time, so a segment recomputes alone."""
+_SUM_ROUNDING = 1e-5  # relative rounding of a float32 sum of a group's weighted values
+
+
+def segments_of(blocks: int) -> int:
+    """How many segments a chunk of ``blocks`` codec blocks has."""
+    return -(-blocks // SEGMENT_BLOCKS)
+
+
+def segment_hashes(
+    payload: bytes | memoryview, scales: bytes | memoryview, *, block_size: int, scale_bytes: int
+) -> list[bytes]:
+    """The hash of every segment of a chunk (its int8 payload and its scales, as sent)."""
+    data, scale_data = memoryview(payload).cast("B"), memoryview(scales).cast("B")
+    blocks = len(scale_data) // scale_bytes
+    hashes = []
+    for first in range(0, blocks, SEGMENT_BLOCKS):
+        last = min(blocks, first + SEGMENT_BLOCKS)
+        digest = hashlib.sha256(data[first * block_size : last * block_size])
+        digest.update(scale_data[first * scale_bytes : last * scale_bytes])
+        hashes.append(digest.digest()[:ROOT_BYTES])
+    return hashes
+
+
+def root_of(hashes: Sequence[bytes]) -> bytes:
+    """A chunk's root: the hash of its segments' hashes, in order."""
+    return hashlib.sha256(b"".join(hashes)).digest()[:ROOT_BYTES]
+
+
+def segment_span(segment: int, blocks: int) -> tuple[int, int]:
+    """The first block and the number of blocks of ``segment`` in a chunk of ``blocks``."""
+    first = segment * SEGMENT_BLOCKS
+    return first, max(0, min(SEGMENT_BLOCKS, blocks - first))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Statement:
+    """What a sender signed about one chunk it sent a reducer: the chunk's root and the
+    squared norm of what it decodes to."""
+
+    sender: int
+    index: int
+    root: bytes
+    norm_sq: float
+    signature: bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    """One contributor's audited segment: its int8 values and scales, and the hashes of
+    every segment of the chunk (to check it against the root its sender signed)."""
+
+    sender: int
+    payload: torch.Tensor
+    scales: torch.Tensor
+    hashes: tuple[bytes, ...]
+
+
+def decoded(payload: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """What int8 ``payload`` under its block ``scales`` decodes to, in float64."""
+    values = payload.to(torch.float64).view(-1, block_size)
+    return (values * scales.to(torch.float64).view(-1, 1)).view(-1)
+
+
+def recompute(
+    rows: Sequence[torch.Tensor], weights: Sequence[float], aggregator: AggregatorConfig
+) -> torch.Tensor:
+    """The aggregate of decoded segments (one row per contributor, float64), as the
+    reducer's aggregator makes it: the weighted mean, or the trimmed mean."""
+    if aggregator.method == "trimmed_mean":
+        return trimmed_mean(list(rows), aggregator.trim)
+    if aggregator.method != "mean":
+        raise ValueError(f"a {aggregator.method} result is not audited a segment at a time")
+    total = math.fsum(weights)
+    out = torch.zeros_like(rows[0])
+    for row, weight in zip(rows, weights, strict=True):
+        out.add_(row, alpha=weight)
+    return out.div_(total)
+
+
+def excess(
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    expected: torch.Tensor,
+    rows: Sequence[torch.Tensor],
+    codec: CodecConfig,
+) -> float:
+    """How far past the codec's rounding the result (``payload`` under ``scales``) lies
+    from ``expected``, the recomputed aggregate of ``rows``, at worst over its values, in
+    quantization steps of each value's own block (0: within; inf: a value off in a block
+    of scale 0; see the module docstring)."""
+    block = codec.block_size
+    got = decoded(payload, scales, block).view(-1, block)
+    want = expected.view(-1, block)
+    step = scales.to(torch.float64).view(-1, 1)
+    eps = torch.finfo(codec.scale_torch_dtype).eps
+    largest = torch.stack([row.abs() for row in rows]).amax(dim=0).view(-1, block)
+    largest = largest.amax(dim=1, keepdim=True)
+    allowed = step * (0.5 + (QMAX + 1) * eps) * 1.001 + _SUM_ROUNDING * largest
+    over = (got - want).abs() - allowed
+    if not over.numel() or float(over.max()) <= 0:
+        return 0.0
+    steps = torch.where(over > 0, over / step, torch.zeros_like(over))  # inf where step 0
+    return float(steps.max())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    """An audit's end: ``liar`` is None when the result is the senders' aggregate (or the
+    audit could not tell), else the member that lied (the reducer, or a contributor whose
+    segment did not match the root it signed) and why."""
+
+    liar: int | None
+    reason: str
+
+
+class Audit:
+    """One auditor's audit of chunk ``index``, segment ``segment``, of ``part`` at
+    ``epoch``, reduced by ``reducer`` (see the module docstring).
+
+    ``contributors``: the members chunk ``index``'s result names; ``included``: per sender
+    of the part, how many leading chunks include it (from the result bitmaps);
+    ``weights``: the group's; ``verify(sender, statement)``: whether ``sender`` signed
+    ``statement`` for this reducer, part and epoch."""
+
+    def __init__(
+        self,
+        *,
+        part: int,
+        epoch: int,
+        reducer: int,
+        index: int,
+        segment: int,
+        blocks: int,
+        contributors: Sequence[int],
+        included: Mapping[int, int],
+        weights: Sequence[float],
+        codec: CodecConfig,
+        aggregator: AggregatorConfig,
+        norm_bound: float,
+        verify: Callable[[int, Statement], bool],
+    ) -> None:
+        self.part = part
+        self.epoch = epoch
+        self.reducer = reducer
+        self.index = index
+        self.segment = segment
+        self.blocks = blocks
+        self.contributors = tuple(contributors)
+        self.included = dict(included)
+        self.weights = weights
+        self.codec = codec
+        self.aggregator = aggregator
+        self.norm_bound = norm_bound
+        self._verify = verify
+        self.statements: dict[int, list[Statement]] | None = None
+        self.pieces: dict[int, Piece] = {}
+
+    @property
+    def ready(self) -> bool:
+        """Whether every statement and every contributor's segment is in."""
+        return self.statements is not None and all(c in self.pieces for c in self.contributors)
+
+    def take_statements(self, statements: Sequence[Statement]) -> Outcome | None:
+        """The reducer's answer: every statement of every sender of the part. An answer
+        that is not exactly that, or a statement its sender did not sign, or a sender's
+        norms past the bound, is the reducer's lie (it checked them as they came)."""
+        by_sender: dict[int, list[Statement]] = {}
+        for statement in statements:
+            by_sender.setdefault(statement.sender, []).append(statement)
+        for sender, count in self.included.items():
+            mine = sorted(by_sender.get(sender, []), key=lambda s: s.index)
+            if [s.index for s in mine] != list(range(count)):
+                return Outcome(
+                    self.reducer,
+                    f"its audit answer lacks statements of member {sender}'s chunks "
+                    f"(it counted {count})",
+                )
+            for statement in mine:
+                if (
+                    len(statement.root) != ROOT_BYTES
+                    or not math.isfinite(statement.norm_sq)
+                    or statement.norm_sq < 0
+                    or not self._verify(sender, statement)
+                ):
+                    return Outcome(
+                        self.reducer,
+                        f"its audit answer shows a statement member {sender} did not sign",
+                    )
+            total = math.fsum(s.norm_sq for s in mine)
+            bound = slice_bound(self.norm_bound, self.codec.block_size)
+            if math.isfinite(bound) and math.sqrt(total) > bound:
+                return Outcome(
+                    self.reducer,
+                    f"it counted member {sender}'s slice of norm {math.sqrt(total):.3g}, above "
+                    f"the group's bound {self.norm_bound:.3g}",
+                )
+            by_sender[sender] = mine
+        extra = set(by_sender) - set(self.included)
+        if extra:
+            return Outcome(
+                self.reducer, f"its audit answer shows members it did not count: {extra}"
+            )
+        self.statements = by_sender
+        return None
+
+    def take_piece(self, piece: Piece) -> None:
+        if piece.sender in self.contributors:
+            self.pieces[piece.sender] = piece
+
+    def verdict(self, payload: torch.Tensor, scales: torch.Tensor) -> Outcome:
+        """Once :attr:`ready`: whether the result segment (``payload`` under ``scales``,
+        as received) is the aggregate of the contributors' segments."""
+        assert self.ready and self.statements is not None
+        codec = self.codec
+        first, count = segment_span(self.segment, self.blocks)
+        rows = []
+        for sender in self.contributors:
+            piece = self.pieces[sender]
+            signed = self.statements.get(sender, [])
+            if len(signed) <= self.index:
+                return Outcome(
+                    self.reducer, f"it named member {sender} in chunk {self.index} uncounted"
+                )
+            statement = signed[self.index]
+            if len(piece.hashes) != segments_of(self.blocks) or root_of(piece.hashes) != (
+                statement.root
+            ):
+                return Outcome(sender, "its segment hashes are not the chunk it signed")
+            mine = segment_hashes(
+                piece.payload.numpy().tobytes(),
+                piece.scales.numpy().tobytes(),
+                block_size=codec.block_size,
+                scale_bytes=codec.scale_bytes,
+            )
+            if (
+                piece.scales.numel() != count
+                or piece.payload.numel() != count * codec.block_size
+                or mine != [piece.hashes[self.segment]]
+            ):
+                return Outcome(sender, "its segment is not the one it signed")
+            norm_sq = blocks_norm_sq(piece.payload, piece.scales, codec.block_size)
+            if norm_sq > statement.norm_sq * (1 + 1e-5) + 1e-30:
+                return Outcome(sender, "its segment measures more than the chunk it signed")
+            rows.append(decoded(piece.payload, piece.scales, codec.block_size))
+        expected = recompute(rows, [self.weights[c] for c in self.contributors], self.aggregator)
+        off = excess(payload, scales, expected, rows, codec)
+        if off > 0:
+            return Outcome(
+                self.reducer,
+                f"chunk {self.index} of part {self.part} is not its senders' aggregate "
+                f"(segment {self.segment}, blocks {first}-{first + count - 1}: "
+                f"{off:.3g} steps past the rounding)",
+            )
+        return Outcome(None, "")

@@ -1,0 +1,321 @@
+"""Audits of a reducer's part (``net/averaging/audit.py``): a segment of a real
+PartReduction's result recomputed from its senders' signed bytes, passing when the reducer
+was honest, naming it when it was not, and naming a sender that shows other bytes than it
+signed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from swarmloco.core.aggregate import AggregatorConfig
+from swarmloco.core.codec import CodecConfig, blocks_norm_sq, chunk_spans, quantize
+from swarmloco.net.averaging import wire
+from swarmloco.net.averaging.audit import (
+    Audit,
+    Piece,
+    Statement,
+    decoded,
+    excess,
+    recompute,
+    root_of,
+    segment_hashes,
+    segment_span,
+    segments_of,
+)
+from swarmloco.net.averaging.reduction import PartReduction
+from swarmloco.net.identity import Identity, verify
+
+GROUP = b"g" * 16
+ROUND, PART, EPOCH, REDUCER = 7, 0, 0, 0
+MEMBERS = 4
+WEIGHTS = [1.0, 2.0, 1.0, 1.5]
+
+
+@dataclasses.dataclass
+class Reduced:
+    """One part reduced for real: every sender's chunks, statements and the results."""
+
+    codec: CodecConfig
+    aggregator: AggregatorConfig
+    spans: list
+    slices: dict  # sender -> [(payload, scales)] per chunk
+    statements: list[Statement]
+    results: list  # per chunk: (payload, scales, contributors)
+    keys: list[Identity]
+    bound: float
+
+
+def _statement(key: Identity, sender: int, index: int, payload, scales, codec) -> Statement:
+    hashes = segment_hashes(
+        payload.numpy().tobytes(),
+        scales.numpy().tobytes(),
+        block_size=codec.block_size,
+        scale_bytes=codec.scale_bytes,
+    )
+    root = root_of(hashes)
+    norm_sq = blocks_norm_sq(payload, scales, codec.block_size)
+    signed = wire.statement_payload(
+        GROUP, ROUND, REDUCER, PART, EPOCH, sender=sender, index=index, root=root, norm_sq=norm_sq
+    )
+    return Statement(sender, index, root, norm_sq, key.sign(wire.STATEMENT_DOMAIN, signed))
+
+
+def _reduce(method: str = "mean", *, scale_dtype: str = "float32", seed: int = 0) -> Reduced:
+    # 16-value blocks, 40 blocks a chunk (three segments, the last short), three chunks.
+    scale_bytes = 4 if scale_dtype == "float32" else 2
+    codec = CodecConfig(
+        block_size=16,
+        scale_dtype=scale_dtype,  # type: ignore[arg-type]
+        chunk_bytes=40 * (16 + scale_bytes),
+    )
+    aggregator = AggregatorConfig(method=method)  # type: ignore[arg-type]
+    numel = 16 * 100
+    spans = chunk_spans(numel, codec)
+    assert [s.blocks for s in spans] == [40, 40, 20]
+    keys = [Identity.generate() for _ in range(MEMBERS)]
+    generator = torch.Generator().manual_seed(seed)
+    bound = 1000.0
+    reduction = PartReduction(
+        part=PART,
+        epoch=EPOCH,
+        spans=spans,
+        weights=WEIGHTS,
+        senders=range(MEMBERS),
+        codec=codec,
+        aggregator=aggregator,
+        timeout=10.0,
+        now=0.0,
+        norm_bound=bound,
+    )
+    slices: dict[int, list] = {}
+    statements = []
+    for sender in range(MEMBERS):
+        vector = torch.randn(numel, generator=generator) * (sender + 1)
+        q, s = quantize(vector, codec)
+        chunks = []
+        for span in spans:
+            payload = q[span.start : span.stop]
+            scales = s[span.first_block : span.first_block + span.blocks]
+            chunks.append((payload, scales))
+            statements.append(_statement(keys[sender], sender, span.index, payload, scales, codec))
+            reduction.accept(sender, span.index, payload, scales, 0.0, remote=sender != REDUCER)
+        slices[sender] = chunks
+    results = []
+    while reduction.ready():
+        _index, payload, scales, contributors = reduction.finish()
+        results.append((payload, scales, contributors))
+    assert reduction.done
+    return Reduced(codec, aggregator, spans, slices, statements, results, keys, bound)
+
+
+def _audit(reduced: Reduced, index: int, segment: int) -> Audit:
+    def check(sender: int, statement: Statement) -> bool:
+        signed = wire.statement_payload(
+            GROUP,
+            ROUND,
+            REDUCER,
+            PART,
+            EPOCH,
+            sender=sender,
+            index=statement.index,
+            root=statement.root,
+            norm_sq=statement.norm_sq,
+        )
+        return verify(
+            reduced.keys[sender].public_key,
+            statement.signature,
+            wire.STATEMENT_DOMAIN,
+            signed,
+        )
+
+    return Audit(
+        part=PART,
+        epoch=EPOCH,
+        reducer=REDUCER,
+        index=index,
+        segment=segment,
+        blocks=reduced.spans[index].blocks,
+        contributors=reduced.results[index][2],
+        included=dict.fromkeys(range(MEMBERS), len(reduced.spans)),
+        weights=WEIGHTS,
+        codec=reduced.codec,
+        aggregator=reduced.aggregator,
+        norm_bound=reduced.bound,
+        verify=check,
+    )
+
+
+def _piece(reduced: Reduced, sender: int, index: int, segment: int) -> Piece:
+    block = reduced.codec.block_size
+    payload, scales = reduced.slices[sender][index]
+    first, count = segment_span(segment, reduced.spans[index].blocks)
+    hashes = segment_hashes(
+        payload.numpy().tobytes(),
+        scales.numpy().tobytes(),
+        block_size=block,
+        scale_bytes=reduced.codec.scale_bytes,
+    )
+    return Piece(
+        sender,
+        payload[first * block : (first + count) * block],
+        scales[first : first + count],
+        tuple(hashes),
+    )
+
+
+def _result_segment(reduced: Reduced, index: int, segment: int, payload=None, scales=None):
+    block = reduced.codec.block_size
+    got_payload, got_scales, _ = reduced.results[index]
+    payload = got_payload if payload is None else payload
+    scales = got_scales if scales is None else scales
+    first, count = segment_span(segment, reduced.spans[index].blocks)
+    return payload[first * block : (first + count) * block], scales[first : first + count]
+
+
+def _run(reduced: Reduced, index: int, segment: int, *, payload=None, scales=None, pieces=None):
+    audit = _audit(reduced, index, segment)
+    assert audit.take_statements(reduced.statements) is None
+    for sender in range(MEMBERS):
+        audit.take_piece((pieces or {}).get(sender) or _piece(reduced, sender, index, segment))
+    assert audit.ready
+    return audit.verdict(*_result_segment(reduced, index, segment, payload, scales))
+
+
+@pytest.mark.parametrize(
+    ("method", "scale_dtype"),
+    [("mean", "float32"), ("trimmed_mean", "float32"), ("mean", "float16")],
+)
+def test_every_segment_of_an_honest_reduction_passes(method: str, scale_dtype: str) -> None:
+    reduced = _reduce(method, scale_dtype=scale_dtype)
+    for index, span in enumerate(reduced.spans):
+        for segment in range(segments_of(span.blocks)):
+            outcome = _run(reduced, index, segment)
+            assert outcome.liar is None, (index, segment, outcome.reason)
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean"])
+def test_a_reversed_result_names_the_reducer_in_every_segment(method: str) -> None:
+    reduced = _reduce(method)
+    for index, span in enumerate(reduced.spans):
+        payload, _scales, _ = reduced.results[index]
+        for segment in range(segments_of(span.blocks)):
+            outcome = _run(reduced, index, segment, payload=-payload)
+            assert outcome.liar == REDUCER, (index, segment)
+            assert "not its senders' aggregate" in outcome.reason
+
+
+def test_two_steps_off_on_one_value_are_seen_in_its_segment_only() -> None:
+    reduced = _reduce()
+    payload, _scales, _ = reduced.results[1]
+    lied = payload.clone()
+    at = 16 * 20 + 3  # block 20: segment 1
+    lied[at] = lied[at] + (2 if lied[at] < 100 else -2)
+    outcomes = [_run(reduced, 1, segment, payload=lied) for segment in range(3)]
+    assert [o.liar for o in outcomes] == [None, REDUCER, None]
+
+
+def test_a_value_moved_two_steps_is_always_seen_and_one_step_may_not_be() -> None:
+    # An honest value is within half a step of the true aggregate; the tolerance allows
+    # half a step (and float rounding), so a liar moves each value unseen by at most one
+    # step from the honest rounding, never more than half a step from the true value.
+    reduced = _reduce()
+    _payload, _scales, _ = reduced.results[0]
+    block = reduced.codec.block_size
+    pieces = [_piece(reduced, sender, 0, 0) for sender in range(MEMBERS)]
+    rows = [decoded(p.payload, p.scales, block) for p in pieces]
+    expected = recompute(rows, WEIGHTS, reduced.aggregator)
+    segment = _result_segment(reduced, 0, 0)
+    assert excess(segment[0], segment[1], expected, rows, reduced.codec) == 0.0
+    for at in range(0, 16 * 16, 37):
+        lied = segment[0].clone()
+        lied[at] = lied[at] + (1 if lied[at] < 100 else -1)
+        assert 0.0 <= excess(lied, segment[1], expected, rows, reduced.codec) <= 1.001
+        lied[at] = lied[at] + (1 if lied[at] < 100 else -1)
+        assert excess(lied, segment[1], expected, rows, reduced.codec) >= 0.98
+
+
+def test_a_sender_showing_other_bytes_than_it_signed_is_named_not_the_reducer() -> None:
+    reduced = _reduce()
+    honest = _piece(reduced, 2, 0, 1)
+    other = Piece(2, -honest.payload, honest.scales, honest.hashes)
+    assert _run(reduced, 0, 1, pieces={2: other}).liar == 2
+    rehashed = list(honest.hashes)
+    rehashed[1] = segment_hashes(
+        other.payload.numpy().tobytes(),
+        other.scales.numpy().tobytes(),
+        block_size=16,
+        scale_bytes=4,
+    )[0]
+    outcome = _run(
+        reduced, 0, 1, pieces={2: Piece(2, other.payload, other.scales, tuple(rehashed))}
+    )
+    assert (outcome.liar, outcome.reason) == (2, "its segment hashes are not the chunk it signed")
+
+
+def test_the_reducers_answer_must_show_every_counted_chunk_signed_and_within_the_bound() -> None:
+    reduced = _reduce()
+    missing = [s for s in reduced.statements if (s.sender, s.index) != (3, 2)]
+    outcome = _audit(reduced, 0, 0).take_statements(missing)
+    assert outcome is not None and outcome.liar == REDUCER and "lacks" in outcome.reason
+    forged = [
+        dataclasses.replace(s, norm_sq=s.norm_sq / 4) if (s.sender, s.index) == (1, 0) else s
+        for s in reduced.statements
+    ]
+    outcome = _audit(reduced, 0, 0).take_statements(forged)
+    assert outcome is not None and outcome.liar == REDUCER and "did not sign" in outcome.reason
+    # The reducer's own slice made up after the fact, past the bound: its own statements
+    # sign it, and the sum of their norms gives it away.
+    key = reduced.keys[REDUCER]
+    big = []
+    for s in reduced.statements:
+        if s.sender == REDUCER:
+            norm_sq = (reduced.bound * 2) ** 2
+            signed = wire.statement_payload(
+                GROUP,
+                ROUND,
+                REDUCER,
+                PART,
+                EPOCH,
+                sender=REDUCER,
+                index=s.index,
+                root=s.root,
+                norm_sq=norm_sq,
+            )
+            s = Statement(
+                REDUCER, s.index, s.root, norm_sq, key.sign(wire.STATEMENT_DOMAIN, signed)
+            )
+        big.append(s)
+    outcome = _audit(reduced, 0, 0).take_statements(big)
+    assert outcome is not None and outcome.liar == REDUCER and "above" in outcome.reason
+
+
+def test_a_segment_larger_than_its_signed_chunk_norm_is_its_senders_lie() -> None:
+    reduced = _reduce()
+    key = reduced.keys[1]
+    small = []
+    for s in reduced.statements:
+        if (s.sender, s.index) == (1, 0):
+            signed = wire.statement_payload(
+                GROUP,
+                ROUND,
+                REDUCER,
+                PART,
+                EPOCH,
+                sender=1,
+                index=0,
+                root=s.root,
+                norm_sq=s.norm_sq / 1000,
+            )
+            s = Statement(1, 0, s.root, s.norm_sq / 1000, key.sign(wire.STATEMENT_DOMAIN, signed))
+        small.append(s)
+    audit = _audit(reduced, 0, 0)
+    assert audit.take_statements(small) is None
+    for sender in range(MEMBERS):
+        audit.take_piece(_piece(reduced, sender, 0, 0))
+    outcome = audit.verdict(*_result_segment(reduced, 0, 0))
+    assert outcome.liar == 1 and "measures more" in outcome.reason
+    assert math.isfinite(reduced.bound)
