@@ -49,6 +49,18 @@ class Reduced:
     bound: float
 
 
+def _signed_part(sender: int, index: int, root: bytes, norm_sq: float) -> bytes:
+    return wire.statement_payload(
+        GROUP, ROUND, REDUCER, PART, EPOCH, sender=sender, index=index, root=root, norm_sq=norm_sq
+    )
+
+
+def _signed(key: Identity, sender: int, index: int, root: bytes, norm_sq: float) -> Statement:
+    """``sender``'s statement of chunk ``index``, signed with ``key``."""
+    signature = key.sign(wire.STATEMENT_DOMAIN, _signed_part(sender, index, root, norm_sq))
+    return Statement(sender, index, root, norm_sq, signature)
+
+
 def _statement(key: Identity, sender: int, index: int, payload, scales, codec) -> Statement:
     hashes = segment_hashes(
         payload.numpy().tobytes(),
@@ -56,12 +68,9 @@ def _statement(key: Identity, sender: int, index: int, payload, scales, codec) -
         block_size=codec.block_size,
         scale_bytes=codec.scale_bytes,
     )
-    root = root_of(hashes)
-    norm_sq = blocks_norm_sq(payload, scales, codec.block_size)
-    signed = wire.statement_payload(
-        GROUP, ROUND, REDUCER, PART, EPOCH, sender=sender, index=index, root=root, norm_sq=norm_sq
+    return _signed(
+        key, sender, index, root_of(hashes), blocks_norm_sq(payload, scales, codec.block_size)
     )
-    return Statement(sender, index, root, norm_sq, key.sign(wire.STATEMENT_DOMAIN, signed))
 
 
 def _reduce(method: str = "mean", *, scale_dtype: str = "float32", seed: int = 0) -> Reduced:
@@ -114,23 +123,9 @@ def _reduce(method: str = "mean", *, scale_dtype: str = "float32", seed: int = 0
 
 def _audit(reduced: Reduced, index: int, segment: int) -> Audit:
     def check(sender: int, statement: Statement) -> bool:
-        signed = wire.statement_payload(
-            GROUP,
-            ROUND,
-            REDUCER,
-            PART,
-            EPOCH,
-            sender=sender,
-            index=statement.index,
-            root=statement.root,
-            norm_sq=statement.norm_sq,
-        )
-        return verify(
-            reduced.keys[sender].public_key,
-            statement.signature,
-            wire.STATEMENT_DOMAIN,
-            signed,
-        )
+        signed = _signed_part(sender, statement.index, statement.root, statement.norm_sq)
+        key = reduced.keys[sender].public_key
+        return verify(key, statement.signature, wire.STATEMENT_DOMAIN, signed)
 
     return Audit(
         part=PART,
@@ -270,25 +265,12 @@ def test_the_reducers_answer_must_show_every_counted_chunk_signed_and_within_the
     # The reducer's own slice made up after the fact, past the bound: its own statements
     # sign it, and the sum of their norms gives it away.
     key = reduced.keys[REDUCER]
-    big = []
-    for s in reduced.statements:
-        if s.sender == REDUCER:
-            norm_sq = (reduced.bound * 2) ** 2
-            signed = wire.statement_payload(
-                GROUP,
-                ROUND,
-                REDUCER,
-                PART,
-                EPOCH,
-                sender=REDUCER,
-                index=s.index,
-                root=s.root,
-                norm_sq=norm_sq,
-            )
-            s = Statement(
-                REDUCER, s.index, s.root, norm_sq, key.sign(wire.STATEMENT_DOMAIN, signed)
-            )
-        big.append(s)
+    big = [
+        _signed(key, REDUCER, s.index, s.root, (reduced.bound * 2) ** 2)
+        if s.sender == REDUCER
+        else s
+        for s in reduced.statements
+    ]
     outcome = _audit(reduced, 0, 0).take_statements(big)
     assert outcome is not None and outcome.liar == REDUCER and "above" in outcome.reason
 
@@ -296,22 +278,10 @@ def test_the_reducers_answer_must_show_every_counted_chunk_signed_and_within_the
 def test_a_segment_larger_than_its_signed_chunk_norm_is_its_senders_lie() -> None:
     reduced = _reduce()
     key = reduced.keys[1]
-    small = []
-    for s in reduced.statements:
-        if (s.sender, s.index) == (1, 0):
-            signed = wire.statement_payload(
-                GROUP,
-                ROUND,
-                REDUCER,
-                PART,
-                EPOCH,
-                sender=1,
-                index=0,
-                root=s.root,
-                norm_sq=s.norm_sq / 1000,
-            )
-            s = Statement(1, 0, s.root, s.norm_sq / 1000, key.sign(wire.STATEMENT_DOMAIN, signed))
-        small.append(s)
+    small = [
+        _signed(key, 1, 0, s.root, s.norm_sq / 1000) if (s.sender, s.index) == (1, 0) else s
+        for s in reduced.statements
+    ]
     audit = _audit(reduced, 0, 0)
     assert audit.take_statements(small) is None
     for sender in range(MEMBERS):
