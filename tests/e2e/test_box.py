@@ -68,8 +68,9 @@ def test_a_1_rank_a_ddp_and_an_fsdp_peer_average_in_one_swarm_and_agree_on_every
         rounds = [{e["round"]: e for e in p.of("round")}[r] for p in peers]
         assert {e["group"] for e in rounds} == {3}, rounds
         assert len({e["digest"] for e in rounds}) == 1, rounds
-    # One peer's bytes on the wire, whatever its ranks.
-    sent = [{e["bytes_sent"] for e in p.of("round")} for p in peers]
+    # One peer's bytes on the wire, whatever its ranks (but for its audits, whose segments
+    # are drawn at random: a large share of a model this small).
+    sent = [{e["bytes_sent"] - e["audit_bytes_sent"] for e in p.of("round")} for p in peers]
     assert max(max(s) for s in sent) < 1.1 * min(min(s) for s in sent), sent
 
 

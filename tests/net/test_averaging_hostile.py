@@ -26,6 +26,7 @@ from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.core.codec import chunk_spans
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import AllReduceResult, Fault, FaultPlan
+from swarmloco.net.averaging.allreduce import AveragingConfig
 from swarmloco.net.averaging.candidates import leader_rank
 from swarmloco.net.averaging.faults import Corruption, Phase
 
@@ -374,6 +375,9 @@ async def test_a_leaders_strangers_are_its_clients_and_a_forged_digest_aborts_no
     assert_exact(results[0], dict(zip(ids, vectors)), dict.fromkeys(ids, 1.0))
 
 
+NO_AUDIT = dataclasses.replace(PATIENT, audit=False)
+
+
 def _all_partners(peers) -> list[str]:
     """Make every peer the partner of every other; their ids."""
     ids = [p.peer_id for p in peers]
@@ -417,14 +421,14 @@ async def test_two_partners_lying_together_serve_no_more_and_the_retry_applies()
 
 
 async def _one_liar_named(
-    fault: Callable[[list[str]], Fault], seed: int
+    fault: Callable[[list[str]], Fault], seed: int, config: AveragingConfig = PATIENT
 ) -> tuple[list[str], list[RoundAborted]]:
     """Four partners; 3 lies as ``fault(ids)`` says. Every honest member's first attempt
     aborts naming 3 alone, and the next attempt applies without 3 serving. The peer ids and
     the first attempt's aborts, for more checks."""
     size, liar = 4, 3
     vectors = random_vectors(size, 64 * 40, seed=seed)
-    async with averaging_peers(size) as peers:
+    async with averaging_peers(size, config=config) as peers:
         ids = _all_partners(peers)
         round = _round_not_led_by(ids, {ids[liar]})
         plan = FaultPlan([fault(ids)])
@@ -443,13 +447,16 @@ async def _one_liar_named(
     return ids, aborts
 
 
-async def _lie_to_one_member(phase: Phase, corruption: Corruption, seed: int) -> None:
+async def _lie_to_one_member(
+    phase: Phase, corruption: Corruption, seed: int, config: AveragingConfig = PATIENT
+) -> None:
     """3 sends member 2 alone a ``corruption`` of its ``phase`` messages, signed as its own
     (the true ones to 0 and 1): every honest member names 3 (see :func:`_one_liar_named`),
     and none names 2."""
     ids, aborts = await _one_liar_named(
         lambda ids: Fault(action="corrupt", phase=phase, corruption=corruption, peer=ids[2]),
         seed,
+        config,
     )
     for result in aborts:
         assert ids[2] not in result.out_of_line, result
@@ -469,8 +476,40 @@ async def test_a_reducer_sending_one_member_other_results_is_named_and_applies_n
     sealed as it sent them, and the true results to 0 and 1: 2's seal of part 3 differs
     from everyone else's under one claim, both signed by 3. (Before, a digest covered only
     who counted in each chunk: all four digests agreed, and 2 applied another mean than the
-    others.)"""
-    await _lie_to_one_member("result", "negate", seed=14)
+    others.) Audits off: 2's audit would catch a lie this wide first (the next test); the
+    seals are what catches one on segments no audit drew."""
+    await _lie_to_one_member("result", "negate", seed=14, config=NO_AUDIT)
+
+
+async def test_a_reducer_sending_everyone_one_made_up_mean_fails_its_audits_and_is_rerun():
+    """3 sends every member its part's mean reversed (the same norm, within every bound),
+    the same to all and sealed: every seal and digest agrees. Each honest member audits a
+    random segment of part 3 against its senders' signed bytes, fails 3, and the part is
+    reduced again by a backup: the round applies with the senders' mean, 3 reducing
+    nothing. (Without audits, the three honest members agree on part 3 reversed; only the
+    liar's own copy, which this fault plan leaves true, disagreed and aborted the attempt:
+    a liar that keeps its lie itself has the round applied.)"""
+    size, liar = 4, 3
+    vectors = random_vectors(size, 64 * 40, seed=15)
+    async with averaging_peers(size) as peers:
+        ids = _all_partners(peers)
+        round = _round_not_led_by(ids, {ids[liar]})
+        plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="negate")])
+        peers[liar].averager.faults = plan
+        results = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+        failed = [peer.averager.rejections.counts["audit-failed"] for peer in peers[:liar]]
+        passed = [peer.averager.stats["audits-passed"] for peer in peers[:liar]]
+    assert plan.fired[0] > 0
+    honest = results[:liar]
+    assert all(isinstance(r, AllReduceResult) for r in honest), results
+    assert_identical(honest)
+    assert failed == [1, 1, 1] and min(passed) >= 1, (failed, passed)
+    report = honest[0].report
+    assert ids[liar] not in {p.reducer for p in report.parts}
+    (part,) = [p for p in report.parts if p.epoch == 1]  # the liar's, reduced again
+    got = honest[0].mean[part.start : part.stop]
+    senders = torch.stack(vectors)[:, part.start : part.stop]
+    assert torch.nn.functional.cosine_similarity(got, senders.mean(dim=0), dim=0) > 0.9
 
 
 async def test_a_partner_that_alone_aborts_a_round_serves_no_more_and_the_retry_applies():

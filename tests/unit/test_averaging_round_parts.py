@@ -361,7 +361,14 @@ def parts_of(g: Group, me: int = 0):
     view = RoundView(g, me, CODEC)
     ours = Contribution(group=g, view=view, codec=CODEC, norm_bound=float("inf"), take=take)
     reducing = Reductions(
-        group=g, view=view, me=me, config=CONFIG, contribution=ours, clock=lambda: 0.0, take=take
+        group=g,
+        view=view,
+        me=me,
+        config=CONFIG,
+        contribution=ours,
+        clock=lambda: 0.0,
+        take=take,
+        sign=Identity.generate().sign,
     )
     output = Output(result=torch.zeros(g.numel), group=g, view=view, codec=CODEC)
     return view, ours, reducing, output

@@ -31,6 +31,23 @@ def test_chunks_match_the_generated_code_byte_for_byte():
     assert ours == pb.AggregateRequest(chunk=chunk).SerializeToString()
     parsed = pb.AggregateRequest.FromString(ours)
     assert parsed.chunk == chunk
+    # With the sender's statement (a signature and the squared norm, a double).
+    stated = wire.encode_chunk(
+        group_id=b"g" * 16,
+        round=7,
+        part=2,
+        epoch=1,
+        index=300,
+        payload=payload,
+        scales=scales,
+        signature=b"s" * 64,
+        norm_sq=1234.5,
+    )
+    chunk.signature, chunk.norm_sq = b"s" * 64, 1234.5
+    assert stated == pb.AggregateRequest(chunk=chunk).SerializeToString()
+    back = wire.decode_request(stated)
+    assert isinstance(back, wire.ChunkMessage)
+    assert (back.signature, back.norm_sq, back.index) == (b"s" * 64, 1234.5, 300)
     # Zero fields (part 0, epoch 0, index 0) are left out, as protobuf does.
     zero = wire.encode_chunk(
         group_id=b"g", round=0, part=0, epoch=0, index=0, payload=payload, scales=scales

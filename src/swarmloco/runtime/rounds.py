@@ -317,6 +317,7 @@ class RoundDriver:
             "loss": p.progress.loss,
             "eval_loss": eval_loss,
             "bytes_sent": report.bytes_sent,
+            "audit_bytes_sent": report.audit_bytes_sent,
             "seconds": round(seconds, 3),
             "matchmaking_seconds": round(outcome.matchmaking_s, 3),
             # The training loop's own time so far (the share of wall time it trains,

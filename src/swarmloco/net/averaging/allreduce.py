@@ -98,6 +98,10 @@ class AveragingConfig:
     """How long an incoming stream waits for its round to start on this peer."""
     close_grace_s: float = 2.0
     """After a round, how long streams get to deliver the last verdicts and close."""
+    audit: bool = True
+    """A serving member recomputes one random segment of every part another member
+    reduced, from its senders' signed bytes, before it takes the part (``audit.py``;
+    under the mean and the trimmed mean). Off: only for measuring what it costs."""
 
     def __post_init__(self) -> None:
         for name in (

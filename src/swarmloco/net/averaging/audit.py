@@ -296,3 +296,70 @@ class Audit:
                 f"{off:.3g} steps past the rounding)",
             )
         return Outcome(None, "")
+
+
+@dataclasses.dataclass
+class Running:
+    """An audit under way, and the result segment it checks."""
+
+    audit: Audit
+    started: float
+    payload: torch.Tensor
+    scales: torch.Tensor
+
+
+class Auditor:
+    """The audits one member runs in a round (see the module docstring): which chunk and
+    segment of each claim it checks, drawn in private before any of the claim's results
+    arrived, the result chunk it keeps for that, and the audits under way by part.
+
+    ``draw(n)``: a random integer below ``n`` (the caller's source of randomness)."""
+
+    def __init__(self, *, draw: Callable[[int], int]) -> None:
+        self._draw = draw
+        self._picks: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self._kept: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._started: set[tuple[int, int, int]] = set()
+        self.running: dict[int, Running] = {}
+
+    def due(self, part: int, epoch: int, reducer: int) -> bool:
+        """Whether this claim's audit is still to start (once per claim: a seal sent twice
+        is audited once); True marks it started."""
+        key = (part, epoch, reducer)
+        if key in self._started or key not in self._kept:
+            return False
+        self._started.add(key)
+        return True
+
+    def pick(self, part: int, epoch: int, reducer: int, blocks: Sequence[int]) -> tuple[int, int]:
+        """The chunk and segment we audit of ``part`` at ``epoch`` from ``reducer``, whose
+        chunks have ``blocks`` codec blocks each."""
+        key = (part, epoch, reducer)
+        pick = self._picks.get(key)
+        if pick is None:
+            index = self._draw(len(blocks))
+            pick = self._picks[key] = (index, self._draw(segments_of(blocks[index])))
+        return pick
+
+    def keep(
+        self,
+        part: int,
+        epoch: int,
+        reducer: int,
+        index: int,
+        payload: torch.Tensor,
+        scales: torch.Tensor,
+        block_size: int,
+    ) -> None:
+        """A result chunk received: kept (its audited segment) if it is the one we picked."""
+        pick = self._picks.get((part, epoch, reducer))
+        if pick is None or pick[0] != index:
+            return
+        first, count = segment_span(pick[1], scales.numel())
+        self._kept[(part, epoch, reducer)] = (
+            payload[first * block_size : (first + count) * block_size],
+            scales[first : first + count],
+        )
+
+    def kept(self, part: int, epoch: int, reducer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kept[(part, epoch, reducer)]

@@ -10,6 +10,7 @@ quantization lost for the next round.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -20,10 +21,12 @@ from swarmloco.core.codec import (
     CodecConfig,
     Encoded,
     ErrorFeedback,
+    blocks_norm_sq,
     encoded_norm,
     l2_norm,
     quantize,
 )
+from swarmloco.net.averaging.audit import root_of, segment_hashes
 from swarmloco.net.averaging.group import Group
 from swarmloco.net.averaging.view import RoundView
 
@@ -31,6 +34,20 @@ from swarmloco.net.averaging.view import RoundView
 logger = logging.getLogger("swarmloco.net.averaging.allreduce")
 
 Take = Callable[[int, torch.dtype], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hashed:
+    """What a statement of one of our chunks says of it: its segments' hashes, its root and
+    its squared norm (``audit.py``)."""
+
+    hashes: tuple[bytes, ...]
+    root: bytes
+    norm_sq: float
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class Contribution:
@@ -55,6 +72,7 @@ class Contribution:
         """The factor our update was scaled by to stay within the norm bound (1: none)."""
         self.q = torch.empty(0, dtype=torch.int8)
         self.scales = torch.empty(0)
+        self._hashed: dict[tuple[int, int], Hashed] = {}
 
     def encode(self, vector: torch.Tensor | Encoded, error_feedback: ErrorFeedback | None) -> None:
         """Bound and quantize ``vector``, or take it as encoded and bound it by its scales
@@ -105,6 +123,24 @@ class Contribution:
             self.norm_bound,
             self.clipped,
         )
+
+    def chunk_hashes(self, part: int, index: int) -> Hashed:
+        """The segment hashes, root and squared norm of our chunk ``index`` of ``part``
+        (made once: every reducer of the part gets the same bytes)."""
+        hashed = self._hashed.get((part, index))
+        if hashed is None:
+            payload, scales = self.slice_of(part, index)
+            hashes = tuple(
+                segment_hashes(
+                    _bytes(payload),
+                    _bytes(scales),
+                    block_size=self._codec.block_size,
+                    scale_bytes=self._codec.scale_bytes,
+                )
+            )
+            norm_sq = blocks_norm_sq(payload, scales, self._codec.block_size)
+            hashed = self._hashed[(part, index)] = Hashed(hashes, root_of(hashes), norm_sq)
+        return hashed
 
     def slice_of(self, part: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Our quantized contribution to chunk ``index`` of ``part`` (views, no copy)."""

@@ -16,8 +16,9 @@ a broken or hostile peer:
   ``truncate``d payload, ``stale-round``, shifted ``index``; for ``done`` and ``verdict``
   messages, a ``bloat``ed digest of 1 MiB, or a ``forge``d one: the right length, other
   bytes). A peer signs what it forges, as a liar would: a forged ``done`` is signed anew,
-  and the seal of a part whose results to a member were altered seals what that member
-  was sent (see :class:`~.traffic.Traffic`);
+  a chunk it altered carries its statement of the altered bytes, and the seal of a part
+  whose results to a member were altered seals what that member was sent (see
+  :class:`~.traffic.Traffic`);
 * ``replay``: the message this peer sent at the same point of an earlier round goes out
   instead (an old chunk replayed into a new round);
 * ``stall``: the sending task, or the serving handler (phase ``handler``), blocks for
@@ -26,9 +27,10 @@ a broken or hostile peer:
   GIL: the whole process stops answering (heartbeats and every other stream included)
   while its sockets stay open, as a handler or extension that never yields would make it.
 
-Phases: ``join`` (the matchmaking request), ``hello``, ``chunk``, ``done``, ``heartbeat``
-(what a member sends on its streams), ``result``, ``seal``, ``rerun``, ``verdict`` (what a
-serving member sends back) and ``handler`` (every message a serving handler reads or writes).
+Phases: ``join`` (the matchmaking request), ``hello``, ``chunk``, ``done``, ``heartbeat``,
+``audit``, ``segment`` (what a member sends on its streams), ``result``, ``seal``,
+``rerun``, ``verdict``, ``statements``, ``fetch`` (what a serving member sends back) and
+``handler`` (every message a serving handler reads or writes).
 Tests read :attr:`FaultPlan.fired` to assert that the fault they scripted really fired.
 """
 
@@ -51,7 +53,20 @@ from swarmloco.proto.v1 import averaging_pb2 as pb
 
 Action = Literal["drop", "delay", "cut", "corrupt", "replay", "stall", "spin"]
 Phase = Literal[
-    "join", "hello", "chunk", "done", "heartbeat", "result", "seal", "rerun", "verdict", "handler"
+    "join",
+    "hello",
+    "chunk",
+    "done",
+    "heartbeat",
+    "result",
+    "seal",
+    "rerun",
+    "verdict",
+    "handler",
+    "audit",
+    "statements",
+    "fetch",
+    "segment",
 ]
 Corruption = Literal[
     "nan", "huge", "amplify", "flat", "negate", "truncate", "stale-round", "index", "bloat", "forge"
@@ -68,6 +83,10 @@ _PHASES = (
     "rerun",
     "verdict",
     "handler",
+    "audit",
+    "statements",
+    "fetch",
+    "segment",
 )
 _CORRUPTIONS = (
     "nan",

@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from swarmloco.core.codec import blocks_norm_sq
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import wire
+from swarmloco.net.averaging.audit import root_of, segment_hashes
 from swarmloco.net.averaging.contribution import Contribution
 from swarmloco.net.averaging.faults import Phase
 from swarmloco.net.averaging.group import Group
 from swarmloco.net.averaging.output import decode_chunk
 from swarmloco.net.averaging.reduction import PartReduction
 from swarmloco.net.averaging.view import RoundView
+from swarmloco.net.identity import verify
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
@@ -62,9 +66,12 @@ class Reductions:
         contribution: Contribution,
         clock: Callable[[], float],
         take: Callable[[int], torch.Tensor],
+        sign: Callable[[bytes, bytes], bytes],
     ) -> None:
-        """``take(numel)`` lends a float32 scratch buffer for the round."""
+        """``take(numel)`` lends a float32 scratch buffer for the round; ``sign(domain,
+        payload)`` signs as this member (the statements of its own chunks)."""
         self._group = group
+        self._sign = sign
         self._view = view
         self._me = me
         self._config = config
@@ -73,6 +80,8 @@ class Reductions:
         self._take = take
         self.active: dict[int, PartReduction] = {}
         self._backlog: dict[int, list[tuple[Phase, bytes]]] = {}
+        self._statements: dict[int, list[pb.Statement]] = {}
+        """Per part we reduce: the statement of every chunk we counted, ours included."""
 
     def start(self, part: int, epoch: int, senders: Sequence[int]) -> bytes | None:
         """Reduce ``part`` at ``epoch`` from ``senders``, ours fed in at once; the rerun
@@ -94,6 +103,7 @@ class Reductions:
         )
         self.active[part] = reduction
         self._backlog[part] = []
+        self._statements[part] = []
         notice = None
         if epoch > 0:
             logger.info(
@@ -114,7 +124,37 @@ class Reductions:
                     f"round {self._group.round}: this peer's own update cannot be averaged: "
                     f"{rejection.reason}"
                 ) from None
+            hashed = self._contribution.chunk_hashes(part, index)
+            signature = self._sign(
+                wire.STATEMENT_DOMAIN,
+                self._statement_payload(part, epoch, self._me, index, hashed.root, hashed.norm_sq),
+            )
+            self._statements[part].append(
+                pb.Statement(
+                    sender=self._me,
+                    index=index,
+                    root=hashed.root,
+                    norm_sq=hashed.norm_sq,
+                    signature=signature,
+                )
+            )
         return notice
+
+    def _statement_payload(
+        self, part: int, epoch: int, sender: int, index: int, root: bytes, norm_sq: float
+    ) -> bytes:
+        group = self._group
+        return wire.statement_payload(
+            group.group_id,
+            group.round,
+            self._me,
+            part,
+            epoch,
+            sender=sender,
+            index=index,
+            root=root,
+            norm_sq=norm_sq,
+        )
 
     def accept(self, sender: int, chunk: wire.ChunkMessage) -> None:
         """A remote sender's chunk of a part we reduce; Rejection if it must be struck."""
@@ -125,8 +165,53 @@ class Reductions:
                 f"part {chunk.part} has {reduction.chunks} chunks, not {chunk.index + 1}",
             )
         numel = reduction.spans[chunk.index].numel
-        payload, scales = decode_chunk(chunk.payload, chunk.scales, numel, self._config.codec)
-        reduction.accept(sender, chunk.index, payload, scales, self._clock())
+        codec = self._config.codec
+        payload, scales = decode_chunk(chunk.payload, chunk.scales, numel, codec)
+        root = root_of(
+            segment_hashes(
+                chunk.payload,
+                chunk.scales,
+                block_size=codec.block_size,
+                scale_bytes=codec.scale_bytes,
+            )
+        )
+        signed = self._statement_payload(
+            chunk.part, chunk.epoch, sender, chunk.index, root, chunk.norm_sq
+        )
+        if not verify(
+            self._group.members[sender].public_key, chunk.signature, wire.STATEMENT_DOMAIN, signed
+        ):
+            raise Rejection(
+                "bad-statement",
+                f"chunk {chunk.index} of part {chunk.part} is not the one its sender signed",
+            )
+        norm_sq = blocks_norm_sq(payload, scales, codec.block_size)
+        if math.isfinite(norm_sq) and not math.isclose(
+            norm_sq, chunk.norm_sq, rel_tol=1e-5, abs_tol=1e-30
+        ):
+            raise Rejection(
+                "bad-statement",
+                f"chunk {chunk.index} of part {chunk.part} measures {norm_sq:.6g} squared, "
+                f"its sender signed {chunk.norm_sq:.6g}",
+            )
+        if reduction.accept(sender, chunk.index, payload, scales, self._clock()):
+            self._statements[chunk.part].append(
+                pb.Statement(
+                    sender=sender,
+                    index=chunk.index,
+                    root=root,
+                    norm_sq=chunk.norm_sq,
+                    signature=chunk.signature,
+                )
+            )
+
+    def statements(self, part: int, epoch: int) -> pb.Statements | None:
+        """Our answer to an audit of ``part`` at ``epoch``: every statement we counted
+        (None: we do not reduce it at that epoch, or not yet to the end)."""
+        reduction = self.active.get(part)
+        if reduction is None or reduction.epoch != epoch or not reduction.done:
+            return None
+        return pb.Statements(part=part, epoch=epoch, statements=self._statements[part])
 
     def finish_next(self, part: int) -> Finished | None:
         """The next complete chunk of our reduction of ``part`` (None: none is). Raises
@@ -157,6 +242,7 @@ class Reductions:
         if old is not None and (old.epoch, self._me) != (claim_epoch, claim_reducer):
             del self.active[part]
             self._backlog.pop(part, None)
+            self._statements.pop(part, None)
 
     def expire(self, now: float) -> dict[int, str]:
         """Leave out of every reduction the senders whose chunk is overdue; who and why."""

@@ -59,6 +59,8 @@ class AllReduceReport:
     """The group's bound on every update's L2 norm (inf: none)."""
     clipped: float = 1.0
     """The factor our own update was scaled by to fit the bound (1.0: it fitted)."""
+    audit_bytes_sent: int = 0
+    """Of ``bytes_sent``, what audits took: our questions, statements and segments."""
 
     def counted_whole(self) -> dict[str, bool]:
         """Per member: whether every chunk of every part of the result included its

@@ -26,15 +26,31 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
+import secrets
 from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
-from swarmloco.core.codec import Encoded, ErrorFeedback
+from swarmloco.core.codec import Encoded, ErrorFeedback, blocks_norm_sq
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import wire
+from swarmloco.net.averaging.audit import (
+    AUDITED_METHODS,
+    ROOT_BYTES,
+    Audit,
+    Auditor,
+    Outcome,
+    Piece,
+    Running,
+    Statement,
+    root_of,
+    segment_hashes,
+    segment_span,
+    segments_of,
+)
 from swarmloco.net.averaging.contribution import Contribution
 from swarmloco.net.averaging.group import Group
 from swarmloco.net.averaging.incoming import Incoming
@@ -199,7 +215,12 @@ class RoundRun:
             contribution=self.ours,
             clock=averager.clock,
             take=lambda numel: self._take(numel, torch.float32),
+            sign=averager.identity.sign,
         )
+        self.auditor = Auditor(draw=secrets.randbelow)
+        self.auditing = cfg.audit and self.serving and cfg.aggregator.method in AUDITED_METHODS
+        """Whether we audit the parts other members reduce (``audit.py``)."""
+        self._answered: collections.Counter[tuple[str, int]] = collections.Counter()
         self.agreement = Agreement(
             me=me, serving=self.serving, patience=cfg.reducer_timeout_s, label=self.label
         )
@@ -218,6 +239,7 @@ class RoundRun:
             clock=averager.clock,
             forge_done=self._forged_done,
             seal=self._seal_message,
+            restate=self._restated_chunk,
         )
         self.timings: dict[str, float] = {}
         self.seals_verified: set[bytes] = set()
@@ -249,6 +271,34 @@ class RoundRun:
     def slice_of(self, part: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Our quantized contribution to chunk ``index`` of ``part`` (views, no copy)."""
         return self.ours.slice_of(part, index)
+
+    def chunk_message(self, reducer: int, part: int, epoch: int, index: int) -> bytes:
+        """Our chunk ``index`` of ``part`` for ``reducer`` at ``epoch``, with our statement."""
+        payload, scales = self.ours.slice_of(part, index)
+        hashed = self.ours.chunk_hashes(part, index)
+        group = self.group
+        signed = wire.statement_payload(
+            group.group_id,
+            group.round,
+            reducer,
+            part,
+            epoch,
+            sender=self.me,
+            index=index,
+            root=hashed.root,
+            norm_sq=hashed.norm_sq,
+        )
+        return wire.encode_chunk(
+            group_id=group.group_id,
+            round=group.round,
+            part=part,
+            epoch=epoch,
+            index=index,
+            payload=payload,
+            scales=scales,
+            signature=self.a.identity.sign(wire.STATEMENT_DOMAIN, signed),
+            norm_sq=hashed.norm_sq,
+        )
 
     # -- the driver ----------------------------------------------------------------------
 
@@ -356,6 +406,7 @@ class RoundRun:
                 continue
             for sender, reason in self.reducing.expire(now).items():
                 self.excluded.setdefault(sender, reason)
+            self._expire_audits(now)
             for part in list(self.reducing.active):
                 self._drain(part)
             for member in range(self.n):
@@ -456,6 +507,7 @@ class RoundRun:
     def _move(self, parts: list[int]) -> None:
         """Our view moved these parts to new claims: reset them and send them there."""
         for part in parts:
+            self.auditor.running.pop(part, None)
             claim = self.view.owner[part]
             self.reducing.drop(part, claim.epoch, claim.reducer)
             self.watch.heard_result(claim.reducer, self.a.clock())
@@ -561,7 +613,21 @@ class RoundRun:
     def on_result(self, reducer: int, result: wire.ResultMessage, raw: bytes) -> None:
         """A result chunk from ``reducer`` (``raw``: as it came); Rejection if the reducer
         sent nonsense."""
-        self._landed(reducer, self.output.receive(reducer, result, raw))
+        applied = self.output.receive(reducer, result, raw)
+        if applied and self.auditing:
+            spans = self.view.spans[result.part]
+            self.auditor.pick(result.part, result.epoch, reducer, [s.blocks for s in spans])
+            codec = self.cfg.codec
+            self.auditor.keep(
+                result.part,
+                result.epoch,
+                reducer,
+                result.index,
+                wire.tensor_from(result.payload, torch.int8),
+                wire.tensor_from(result.scales, codec.scale_torch_dtype),
+                codec.block_size,
+            )
+        self._landed(reducer, applied)
 
     def on_seal(self, reducer: int, seal: pb.Seal) -> None:
         """``reducer``'s seal of a part; Rejection unless it signed it, for itself, over the
@@ -571,9 +637,281 @@ class RoundRun:
         check_seal(seal, self.group)
         self.seals_verified.add(seal.SerializeToString())
         if self.view.seal(seal):
+            if self.auditing and self.auditor.due(seal.part, seal.epoch, seal.reducer):
+                self._start_audit(seal.part)
             self.changed.set()
         else:
             self.a.stats["stale-results"] += 1
+
+    # -- audits we run (audit.py) ---------------------------------------------------------
+
+    def _start_audit(self, part: int) -> None:
+        """``part`` is sealed: hold it, ask its reducer for its statements and every other
+        contributor of the chunk we picked for its segment."""
+        view = self.view
+        claim = view.owner[part]
+        spans = view.spans[part]
+        blocks = [s.blocks for s in spans]
+        index, segment = self.auditor.pick(part, claim.epoch, claim.reducer, blocks)
+        payload, scales = self.auditor.kept(part, claim.epoch, claim.reducer)
+        audit = Audit(
+            part=part,
+            epoch=claim.epoch,
+            reducer=claim.reducer,
+            index=index,
+            segment=segment,
+            blocks=spans[index].blocks,
+            contributors=view.contributors(part, index),
+            included=view.included(part),
+            weights=self.group.weights,
+            codec=self.cfg.codec,
+            aggregator=self.cfg.aggregator,
+            norm_bound=self.ours.norm_bound,
+            verify=functools.partial(self._stated, claim.reducer, part, claim.epoch),
+        )
+        now = self.a.clock()
+        view.held.add(part)
+        self.auditor.running[part] = Running(audit, now, payload, scales)
+        self.watch.heard_result(claim.reducer, now)
+        self.outgoing.streams[claim.reducer].send(
+            ("audit", wire.request(audit=pb.Audit(part=part, epoch=claim.epoch)))
+        )
+        fetch = wire.response(
+            fetch=pb.Fetch(
+                reducer=claim.reducer, part=part, epoch=claim.epoch, index=index, segment=segment
+            )
+        )
+        for member in audit.contributors:
+            if member == self.me:
+                audit.take_piece(self._own_piece(part, index, segment))
+                continue
+            inc = self.incoming.streams.get(member)
+            if inc is None:  # it never opened its stream to us, or it ended
+                self._end_audit(part, Outcome(None, f"member {self.label(member)} is not here"))
+                return
+            inc.send("fetch", fetch)
+
+    def _stated(
+        self, reducer: int, part: int, epoch: int, sender: int, statement: Statement
+    ) -> bool:
+        """Whether ``sender`` signed ``statement`` of a chunk it sent ``reducer``."""
+        group = self.group
+        signed = wire.statement_payload(
+            group.group_id,
+            group.round,
+            reducer,
+            part,
+            epoch,
+            sender=sender,
+            index=statement.index,
+            root=statement.root,
+            norm_sq=statement.norm_sq,
+        )
+        key = group.members[sender].public_key
+        return verify(key, statement.signature, wire.STATEMENT_DOMAIN, signed)
+
+    def _own_piece(self, part: int, index: int, segment: int) -> Piece:
+        payload, scales = self._segment_of(part, index, segment)
+        return Piece(self.me, payload, scales, self.ours.chunk_hashes(part, index).hashes)
+
+    def _segment_of(self, part: int, index: int, segment: int) -> tuple[torch.Tensor, torch.Tensor]:
+        payload, scales = self.ours.slice_of(part, index)
+        first, count = segment_span(segment, scales.numel())
+        block = self.cfg.codec.block_size
+        return payload[first * block : (first + count) * block], scales[first : first + count]
+
+    def on_statements(self, reducer: int, answer: pb.Statements) -> None:
+        """``reducer``'s statements for our audit of its part; Rejection if they show it
+        lied (we fail it, and the part is reduced again)."""
+        running = self.auditor.running.get(answer.part)
+        audit = running.audit if running is not None else None
+        if audit is None or (audit.epoch, audit.reducer) != (answer.epoch, reducer):
+            self.a.stats["stale-audits"] += 1
+            return
+        if audit.statements is not None:
+            raise Rejection("malformed", "a second answer to one audit")
+        outcome = audit.take_statements(
+            [
+                Statement(s.sender, s.index, s.root, s.norm_sq, s.signature)
+                for s in answer.statements
+            ]
+        )
+        if outcome is not None:
+            self.auditor.running.pop(answer.part, None)
+            raise Rejection("audit-failed", outcome.reason)
+        self.watch.heard_result(reducer, self.a.clock())
+        self._conclude(answer.part)
+
+    def on_segment(self, sender: int, segment: pb.Segment) -> None:
+        """``sender``'s segment for our audit of a part; Rejection if malformed or not what
+        it signed (we strike it)."""
+        running = self.auditor.running.get(segment.part)
+        audit = running.audit if running is not None else None
+        asked = (audit.reducer, audit.epoch, audit.index, audit.segment) if audit else None
+        key = (segment.reducer, segment.epoch, segment.index, segment.segment)
+        if audit is None or asked != key or sender not in audit.contributors:
+            self.a.stats["stale-audits"] += 1
+            return
+        if sender in audit.pieces:
+            raise Rejection("malformed", "a second segment for one audit")
+        codec = self.cfg.codec
+        _, count = segment_span(audit.segment, audit.blocks)
+        if (
+            len(segment.payload) != count * codec.block_size
+            or len(segment.scales) != count * codec.scale_bytes
+            or len(segment.hashes) != segments_of(audit.blocks) * ROOT_BYTES
+        ):
+            raise Rejection("malformed", "a segment of another size than its chunk's")
+        hashes = segment.hashes
+        audit.take_piece(
+            Piece(
+                sender,
+                wire.tensor_from(memoryview(segment.payload), torch.int8),
+                wire.tensor_from(memoryview(segment.scales), codec.scale_torch_dtype),
+                tuple(hashes[i : i + ROOT_BYTES] for i in range(0, len(hashes), ROOT_BYTES)),
+            )
+        )
+        self._conclude(segment.part)
+
+    def _conclude(self, part: int) -> None:
+        """Judge the audit of ``part`` once everything it asked for is in."""
+        running = self.auditor.running.get(part)
+        if running is None or not running.audit.ready:
+            return
+        self._end_audit(part, running.audit.verdict(running.payload, running.scales))
+
+    def _end_audit(self, part: int, outcome: Outcome) -> None:
+        running = self.auditor.running.pop(part)
+        audit = running.audit
+        if outcome.liar is None:
+            self.a.stats["audits-passed" if not outcome.reason else "audits-unanswered"] += 1
+            if outcome.reason:
+                logger.info(
+                    "round %d: audit of part %d left without a verdict: %s",
+                    self.group.round,
+                    part,
+                    outcome.reason,
+                )
+            self.view.held.discard(part)
+            self.changed.set()
+            return
+        rejection = Rejection("audit-failed", outcome.reason)
+        logger.warning(
+            "round %d: audit of part %d (reducer %s): member %s lied: %s",
+            self.group.round,
+            part,
+            self.label(audit.reducer),
+            self.label(outcome.liar),
+            outcome.reason,
+        )
+        if outcome.liar == audit.reducer:
+            self.a.rejections.record(rejection, self.group.members[audit.reducer].peer_id)
+            self.fail(audit.reducer, f"failed its audit: {outcome.reason}")
+            return
+        # A contributor showed other bytes than it signed to the reducer: its lie, and
+        # the audit cannot tell whether the reducer lied; the part is taken.
+        self.view.held.discard(part)
+        self.strike(outcome.liar, rejection)
+        self.changed.set()
+
+    def _expire_audits(self, now: float) -> None:
+        """Audits whose contributors have not all answered within the senders' timeout end
+        without a verdict (a reducer that does not answer is the watch's: it lacks a part)."""
+        for part, running in list(self.auditor.running.items()):
+            audit = running.audit
+            if audit.statements is not None and now - running.started > self.cfg.sender_timeout_s:
+                silent = [self.label(m) for m in audit.contributors if m not in audit.pieces]
+                self._end_audit(part, Outcome(None, f"no segment from {silent}"))
+
+    # -- audits of our parts and our chunks -----------------------------------------------
+
+    def on_audit(self, auditor: int, audit: pb.Audit) -> None:
+        """``auditor`` audits our reduction of a part: our statements of it."""
+        if not self._answer_allowed("audit", auditor):
+            return
+        answer = self.reducing.statements(audit.part, audit.epoch)
+        inc = self.incoming.streams.get(auditor)
+        if answer is None or inc is None:
+            self.a.stats["stale-audits"] += 1
+            return
+        inc.send("statements", wire.response(statements=answer))
+
+    def on_fetch(self, auditor: int, fetch: pb.Fetch) -> None:
+        """``auditor`` audits a part we sent a chunk of: the segment it asks for; Rejection
+        if there is no such segment."""
+        if not self._answer_allowed("fetch", auditor):
+            return
+        spans = self.view.spans[fetch.part] if fetch.part < len(self.view.spans) else []
+        if fetch.index >= len(spans) or fetch.segment >= segments_of(spans[fetch.index].blocks):
+            raise Rejection("malformed", f"no segment {fetch.segment} of chunk {fetch.index}")
+        payload, scales = self._segment_of(fetch.part, fetch.index, fetch.segment)
+        hashed = self.ours.chunk_hashes(fetch.part, fetch.index)
+        answer = pb.Segment(
+            reducer=fetch.reducer,
+            part=fetch.part,
+            epoch=fetch.epoch,
+            index=fetch.index,
+            segment=fetch.segment,
+            payload=payload.numpy().tobytes(),
+            scales=scales.numpy().tobytes(),
+            hashes=b"".join(hashed.hashes),
+        )
+        stream = self.outgoing.streams.get(auditor)
+        if stream is not None:
+            stream.send(("segment", wire.request(segment=answer)))
+
+    def _answer_allowed(self, kind: str, member: int) -> bool:
+        """At most two answers of a kind a part to one member a round (a rerun asks again)."""
+        key = (kind, member)
+        if self._answered[key] >= 2 * len(self.view.parts):
+            self.a.stats["audits-refused"] += 1
+            return False
+        self._answered[key] += 1
+        return True
+
+    def _restated_chunk(self, peer: str, message: bytes) -> bytes:
+        """A chunk message to ``peer`` that a fault plan altered, with our statement of the
+        bytes it now carries (fault plans only: a liar signs what it sends)."""
+        chunk = wire.decode_request(message)
+        if not isinstance(chunk, wire.ChunkMessage) or peer not in self.peer_ids:
+            return message
+        codec = self.cfg.codec
+        try:
+            payload = wire.tensor_from(chunk.payload, torch.int8)
+            scales = wire.tensor_from(chunk.scales, codec.scale_torch_dtype)
+            norm_sq = blocks_norm_sq(payload, scales, codec.block_size)
+        except (RuntimeError, ValueError):
+            return message  # its receiver refuses its sizes before any statement
+        root = root_of(
+            segment_hashes(
+                chunk.payload,
+                chunk.scales,
+                block_size=codec.block_size,
+                scale_bytes=codec.scale_bytes,
+            )
+        )
+        signed = wire.statement_payload(
+            chunk.group_id,
+            chunk.round,
+            self.peer_ids.index(peer),
+            chunk.part,
+            chunk.epoch,
+            sender=self.me,
+            index=chunk.index,
+            root=root,
+            norm_sq=norm_sq,
+        )
+        return wire.encode_chunk(
+            group_id=chunk.group_id,
+            round=chunk.round,
+            part=chunk.part,
+            epoch=chunk.epoch,
+            index=chunk.index,
+            payload=payload,
+            scales=scales,
+            signature=self.a.identity.sign(wire.STATEMENT_DOMAIN, signed),
+            norm_sq=norm_sq,
+        )
 
     def on_rerun(self, reducer: int, part: int, epoch: int) -> None:
         if self.view.notice(part, Claim(epoch, reducer)):
@@ -630,4 +968,5 @@ class RoundRun:
             digest=(self.agreement.my_done or b"").hex(),
             norm_bound=self.ours.norm_bound,
             clipped=self.ours.clipped,
+            audit_bytes_sent=self.traffic.audit_bytes_sent,
         )

@@ -19,6 +19,7 @@ from grpc._cython import cygrpc
 
 from swarmloco.errors import NetworkError
 from swarmloco.net.averaging import wire
+from swarmloco.net.averaging.audit import ROOT_BYTES
 from swarmloco.net.averaging.faults import FaultCut, Phase
 from swarmloco.net.averaging.view import PART_HASH_BYTES, RESULT_DIGEST_BYTES, Claim
 from swarmloco.net.identity import SIGNATURE_BYTES
@@ -27,6 +28,11 @@ from swarmloco.proto.v1 import averaging_pb2 as pb
 
 SEAL_BYTES = PART_HASH_BYTES + SIGNATURE_BYTES + 24
 """The most a ``Seal`` takes on the wire (three numbers, a hash and a signature)."""
+
+
+STATEMENT_BYTES = 2 * ROOT_BYTES + SIGNATURE_BYTES + 32
+"""The most a kept ``Statement`` takes on the wire (two numbers, a root, a norm and a
+signature, with room to spare)."""
 
 
 def announced_bytes(members: int) -> int:
@@ -141,17 +147,7 @@ class OutgoingStream:
         for index in range(len(rnd.view.spans[part])):
             if rnd.view.owner.get(part) != claim:
                 return  # the part moved on meanwhile
-            payload, scales = rnd.slice_of(part, index)
-            message = wire.encode_chunk(
-                group_id=rnd.group.group_id,
-                round=rnd.group.round,
-                part=part,
-                epoch=epoch,
-                index=index,
-                payload=payload,
-                scales=scales,
-            )
-            await self._send(call, "chunk", message)
+            await self._send(call, "chunk", rnd.chunk_message(self.member, part, epoch, index))
 
     async def _send(self, call: Any, phase: Phase, message: bytes) -> None:
         self.sent += await self.traffic.write_out(phase, self.peer, message, call.write, self.sent)
@@ -207,6 +203,14 @@ class OutgoingStream:
             self.verdict = True
             rnd.on_verdict(self.member, verdict)
             self.close()
+        elif kind == "statements":
+            answer = message.statements
+            chunks = max((len(spans) for spans in rnd.view.spans), default=0)
+            if answer.ByteSize() > rnd.n * chunks * STATEMENT_BYTES + 32:
+                raise Rejection("malformed", "an audit answer longer than its part's statements")
+            rnd.on_statements(self.member, answer)
+        elif kind == "fetch":
+            rnd.on_fetch(self.member, message.fetch)
         elif kind == "refusal":
             refusal = message.refusal
             if (
@@ -282,6 +286,10 @@ class IncomingStream:
                         if message.done.ByteSize() > announced_bytes(rnd.n):
                             raise Rejection("malformed", "an announcement longer than one")
                         rnd.on_done(self.sender, message.done)
+                    elif kind == "audit":
+                        rnd.on_audit(self.sender, message.audit)
+                    elif kind == "segment":
+                        rnd.on_segment(self.sender, message.segment)
                     elif kind != "heartbeat":
                         raise Rejection("malformed", f"unexpected {kind or 'empty'} message")
                 except Rejection as rejection:

@@ -17,6 +17,8 @@ from swarmloco.net.averaging.view import PartHasher
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
+AUDIT_PHASES = frozenset(("audit", "statements", "fetch", "segment"))
+
 
 class Heard(Protocol):
     last_heard: float
@@ -34,15 +36,18 @@ class Traffic:
         clock: Callable[[], float],
         forge_done: Callable[[pb.MemberDone], pb.MemberDone] | None = None,
         seal: Callable[[int, int, bytes], bytes] | None = None,
+        restate: Callable[[str, bytes], bytes] | None = None,
     ) -> None:
         """``forge_done(done)``: another announcement of ours under its number, signed;
-        ``seal(part, epoch, hash)``: our seal message of a part. With a fault plan, what a
-        fault forges is signed, as a member that lies would sign it: a forged announcement,
-        and the seal of a part whose result messages to a member a fault altered (it seals
-        what that member was sent)."""
+        ``seal(part, epoch, hash)``: our seal message of a part; ``restate(peer, chunk)``:
+        a chunk message to ``peer`` with our statement of the bytes it carries. With a
+        fault plan, what a fault forges is signed, as a member that lies would sign it: a
+        forged announcement, an altered chunk, and the seal of a part whose result messages
+        to a member a fault altered (it seals what that member was sent)."""
         self._round = round
         self._forge_done = forge_done
         self._seal = seal
+        self._restate = restate
         self._sent_results: dict[tuple[str, int, int], PartHasher] = {}
         self._altered: set[tuple[str, int, int]] = set()
         self._faults = faults
@@ -50,6 +55,8 @@ class Traffic:
         self._clock = clock
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.audit_bytes_sent = 0
+        """Of ``bytes_sent``, what audits took (questions, statements, segments)."""
 
     async def write_out(
         self,
@@ -74,6 +81,9 @@ class Traffic:
                 self._follow_result(peer, message, changed)
             elif phase == "seal" and changed is not None:
                 changed = self._reseal(peer, changed)
+            elif phase == "chunk" and changed not in (None, message) and self._restate:
+                assert changed is not None
+                changed = self._restate(peer, changed)
             if changed is None:
                 return 0
             message = changed
@@ -81,6 +91,8 @@ class Traffic:
             await self._limiter.upload(len(message))
         await write(message)
         self.bytes_sent += len(message)
+        if phase in AUDIT_PHASES:
+            self.audit_bytes_sent += len(message)
         return len(message)
 
     def _follow_result(self, peer: str, original: bytes, sent: bytes) -> None:

@@ -98,6 +98,8 @@ class RoundView:
         self._hashes = {p: PartHasher() for p in self.parts}
         self.sealed: dict[int, pb.Seal] = {}
         """The seal of each part whose every result chunk we hold, under its claim."""
+        self.held: set[int] = set()
+        """Sealed parts not whole yet: their audit is under way (``audit.py``)."""
 
     # -- who reduces what ---------------------------------------------------------------
 
@@ -160,6 +162,7 @@ class RoundView:
         self._received[part] = []
         self._hashes[part] = PartHasher()
         self.sealed.pop(part, None)
+        self.held.discard(part)
 
     # -- results -------------------------------------------------------------------------
 
@@ -218,7 +221,21 @@ class RoundView:
         return [self.sealed[p] for p in self.parts]
 
     def part_complete(self, part: int) -> bool:
-        return self.chunks_complete(part) and part in self.sealed
+        return self.chunks_complete(part) and part in self.sealed and part not in self.held
+
+    def contributors(self, part: int, index: int) -> list[int]:
+        """The members result chunk ``index`` of ``part`` names (call once received)."""
+        return members_of(self._received[part][index], self.group.size)
+
+    def included(self, part: int) -> dict[int, int]:
+        """Per member: how many leading result chunks of ``part`` we received name it."""
+        counts = dict.fromkeys(range(self.group.size), 0)
+        for member in counts:
+            for bits in self._received[part]:
+                if not bits[member // 8] >> (member % 8) & 1:
+                    break
+                counts[member] += 1
+        return counts
 
     @property
     def complete(self) -> bool:
@@ -242,15 +259,11 @@ class RoundView:
         reports = []
         for part in self.parts:
             claim = self.owner[part]
-            included: dict[str, int] = {}
-            for member in range(self.group.size):
-                count = 0
-                for bits in self._received[part]:
-                    if not bits[member // 8] >> (member % 8) & 1:
-                        break
-                    count += 1
-                if count:
-                    included[self.group.members[member].peer_id] = count
+            included = {
+                self.group.members[member].peer_id: count
+                for member, count in self.included(part).items()
+                if count
+            }
             start, stop = self.group.part_range(part)
             reports.append(
                 PartReport(

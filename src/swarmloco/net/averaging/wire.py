@@ -160,6 +160,9 @@ class ChunkMessage:
     index: int
     payload: memoryview
     scales: memoryview
+    signature: bytes = b""
+    norm_sq: float = 0.0
+    """The sender's statement of the chunk: its signature, and the squared norm it claims."""
 
 
 def encode_chunk(
@@ -171,6 +174,8 @@ def encode_chunk(
     index: int,
     payload: torch.Tensor,
     scales: torch.Tensor,
+    signature: bytes = b"",
+    norm_sq: float = 0.0,
 ) -> bytes:
     """``AggregateRequest{chunk: PartChunk{...}}`` with one copy of the tensors' bytes."""
     data, scale_data = _tensor_bytes(payload), _tensor_bytes(scales)
@@ -185,10 +190,18 @@ def encode_chunk(
             _bytes_header(6, len(data)),
         )
     )
-    scale_head = _bytes_header(7, len(scale_data))
-    inner = len(head) + len(data) + len(scale_head) + len(scale_data)
+    tail = b"".join(
+        (
+            _bytes_header(7, len(scale_data)),
+            scale_data,
+            _bytes_header(8, len(signature)),
+            signature,
+            _key(9, _FIXED64) + struct.pack("<d", norm_sq) if norm_sq else b"",
+        )
+    )
+    inner = len(head) + len(data) + len(tail)
     outer = _key(_REQUEST_CHUNK, _LENGTH) + _varint(inner)
-    return b"".join((outer, head, data, scale_head, scale_data))
+    return b"".join((outer, head, data, tail))
 
 
 def encode_result(
@@ -257,6 +270,8 @@ def decode_request(data: bytes) -> ChunkMessage | pb.AggregateRequest:
             index=_uint(f, 5),
             payload=_view(f, 6),
             scales=_view(f, 7),
+            signature=bytes(_view(f, 8)),
+            norm_sq=struct.unpack("<d", _uint(f, 9).to_bytes(8, "little"))[0],
         )
     try:
         return pb.AggregateRequest.FromString(data)

@@ -95,7 +95,7 @@ class StreamHello(_message.Message):
     def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., sender: _Optional[int] = ..., reducer: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PartChunk(_message.Message):
-    __slots__ = ("group_id", "round", "part", "epoch", "index", "payload", "scales")
+    __slots__ = ("group_id", "round", "part", "epoch", "index", "payload", "scales", "signature", "norm_sq")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class PartChunk(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    NORM_SQ_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     round: int
     part: int
@@ -110,7 +112,75 @@ class PartChunk(_message.Message):
     index: int
     payload: bytes
     scales: bytes
-    def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
+    signature: bytes
+    norm_sq: float
+    def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., norm_sq: _Optional[float] = ...) -> None: ...
+
+class Statement(_message.Message):
+    __slots__ = ("sender", "index", "root", "norm_sq", "signature")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    NORM_SQ_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    sender: int
+    index: int
+    root: bytes
+    norm_sq: float
+    signature: bytes
+    def __init__(self, sender: _Optional[int] = ..., index: _Optional[int] = ..., root: _Optional[bytes] = ..., norm_sq: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class Audit(_message.Message):
+    __slots__ = ("part", "epoch")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    epoch: int
+    def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class Statements(_message.Message):
+    __slots__ = ("part", "epoch", "statements")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATEMENTS_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    epoch: int
+    statements: _containers.RepeatedCompositeFieldContainer[Statement]
+    def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ..., statements: _Optional[_Iterable[_Union[Statement, _Mapping]]] = ...) -> None: ...
+
+class Fetch(_message.Message):
+    __slots__ = ("reducer", "part", "epoch", "index", "segment")
+    REDUCER_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    reducer: int
+    part: int
+    epoch: int
+    index: int
+    segment: int
+    def __init__(self, reducer: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., segment: _Optional[int] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("reducer", "part", "epoch", "index", "segment", "payload", "scales", "hashes")
+    REDUCER_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    reducer: int
+    part: int
+    epoch: int
+    index: int
+    segment: int
+    payload: bytes
+    scales: bytes
+    hashes: bytes
+    def __init__(self, reducer: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., segment: _Optional[int] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., hashes: _Optional[bytes] = ...) -> None: ...
 
 class MemberDone(_message.Message):
     __slots__ = ("digest", "seq", "signature", "seals")
@@ -137,16 +207,20 @@ class Heartbeat(_message.Message):
     def __init__(self) -> None: ...
 
 class AggregateRequest(_message.Message):
-    __slots__ = ("hello", "chunk", "done", "heartbeat")
+    __slots__ = ("hello", "chunk", "done", "heartbeat", "audit", "segment")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     hello: StreamHello
     chunk: PartChunk
     done: MemberDone
     heartbeat: Heartbeat
-    def __init__(self, hello: _Optional[_Union[StreamHello, _Mapping]] = ..., chunk: _Optional[_Union[PartChunk, _Mapping]] = ..., done: _Optional[_Union[MemberDone, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    audit: Audit
+    segment: Segment
+    def __init__(self, hello: _Optional[_Union[StreamHello, _Mapping]] = ..., chunk: _Optional[_Union[PartChunk, _Mapping]] = ..., done: _Optional[_Union[MemberDone, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., audit: _Optional[_Union[Audit, _Mapping]] = ..., segment: _Optional[_Union[Segment, _Mapping]] = ...) -> None: ...
 
 class ResultChunk(_message.Message):
     __slots__ = ("part", "epoch", "index", "payload", "scales", "contributors")
@@ -207,17 +281,21 @@ class Refusal(_message.Message):
     def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AggregateResponse(_message.Message):
-    __slots__ = ("result", "rerun", "verdict", "refusal", "heartbeat", "seal")
+    __slots__ = ("result", "rerun", "verdict", "refusal", "heartbeat", "seal", "statements", "fetch")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     RERUN_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     SEAL_FIELD_NUMBER: _ClassVar[int]
+    STATEMENTS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     result: ResultChunk
     rerun: Rerun
     verdict: Verdict
     refusal: Refusal
     heartbeat: Heartbeat
     seal: Seal
-    def __init__(self, result: _Optional[_Union[ResultChunk, _Mapping]] = ..., rerun: _Optional[_Union[Rerun, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., seal: _Optional[_Union[Seal, _Mapping]] = ...) -> None: ...
+    statements: Statements
+    fetch: Fetch
+    def __init__(self, result: _Optional[_Union[ResultChunk, _Mapping]] = ..., rerun: _Optional[_Union[Rerun, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., seal: _Optional[_Union[Seal, _Mapping]] = ..., statements: _Optional[_Union[Statements, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ...) -> None: ...
