@@ -512,6 +512,33 @@ async def test_a_reducer_sending_everyone_one_made_up_mean_fails_its_audits_and_
     assert torch.nn.functional.cosine_similarity(got, senders.mean(dim=0), dim=0) > 0.9
 
 
+async def test_a_member_answering_an_audit_with_other_bytes_than_it_signed_is_struck():
+    """3 answers every audit with its segment reversed (the hashes of what it signed kept):
+    a sender trying to frame the reducers it sent to. Each honest auditor finds the segment
+    is not the one 3 signed to the reducer, whose answer shows 3's own statement: it
+    strikes 3 (or fails it, where 3 reduced the part), never an honest reducer, and the
+    round applies among the others."""
+    size, liar = 4, 3
+    vectors = random_vectors(size, 64 * 40, seed=16)
+    async with averaging_peers(size) as peers:
+        ids = _all_partners(peers)
+        round = _round_not_led_by(ids, {ids[liar]})
+        plan = FaultPlan([Fault(action="corrupt", phase="segment", corruption="negate")])
+        peers[liar].averager.faults = plan
+        results = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+        failed = [peer.averager.rejections.counts["audit-failed"] for peer in peers[:liar]]
+    assert plan.fired[0] > 0
+    honest = results[:liar]
+    assert all(isinstance(r, AllReduceResult) for r in honest), results
+    assert_identical(honest)
+    assert all(n >= 1 for n in failed), failed
+    for result in honest:
+        excluded = result.report.excluded
+        assert set(excluded) == {ids[liar]}, excluded
+        # Struck as a sender, or failed as the reducer whose own segment it altered.
+        assert "its segment is not the one it signed" in excluded[ids[liar]], excluded
+
+
 async def test_a_partner_that_alone_aborts_a_round_serves_no_more_and_the_retry_applies():
     """Four partners; one answers every stream it serves with a forged verdict (another
     digest). The attempt aborts for all, and each honest member names it as the one server

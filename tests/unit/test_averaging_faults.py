@@ -98,3 +98,23 @@ def test_bad_faults_are_configuration_errors():
         Fault(action="explode", phase="chunk")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         Fault(action="corrupt", phase="done")
+
+
+def test_an_audits_segment_is_altered_with_its_hashes_kept():
+    segment = pb.Segment(
+        reducer=1,
+        part=2,
+        epoch=0,
+        index=3,
+        segment=4,
+        payload=bytes([1, 2, 3, 255]),
+        scales=b"\x00\x00\x80\x3f",
+        hashes=b"h" * 32,
+    )
+    message = pb.AggregateRequest(segment=segment).SerializeToString()
+    plan = FaultPlan([Fault(action="corrupt", phase="segment", corruption="negate")])
+    altered = asyncio.run(plan.outgoing("segment", peer="a", round=5, message=message))
+    assert altered is not None
+    got = pb.AggregateRequest.FromString(altered).segment
+    assert got.payload == bytes([255, 254, 253, 1])  # -1, -2, -3, 1 as int8
+    assert (got.hashes, got.scales, got.index, got.segment) == (b"h" * 32, segment.scales, 3, 4)

@@ -5,8 +5,8 @@ the members of a :class:`~swarmloco.net.averaging.group.Group` and returns the m
 every member that returns holds bit for bit, and a report of who counted where.
 
 How a round runs, for member i (the pure pieces live in ``reduction.py``, ``view.py``,
-``verdicts.py`` and ``liveness.py``, the driver in ``round.py``, the stream ends in
-``streams.py``):
+``audit.py``, ``verdicts.py`` and ``liveness.py``, the driver in ``round.py``, the stream
+ends in ``streams.py``):
 
 1. Quantize the whole vector once (the compiled codec amortizes best on big inputs), or
    take it as the peer encoded it; the chunks sent later are views of it.
@@ -17,7 +17,11 @@ How a round runs, for member i (the pure pieces live in ``reduction.py``, ``view
    mean once and sends the same bytes back on every stream, then a signed hash of them
    (``Seal``). Everybody, j included, decodes those bytes into its result (or keeps them,
    for a result kept encoded), so every member holds the same bits, and takes the part as
-   whole once the seal matches what it received.
+   whole once the seal matches what it received and, for a serving member under the mean
+   or the trimmed mean, once its *audit* passed: each chunk a member sends carries its
+   signed statement (the chunk's root and norm), and the auditor recomputes one random
+   segment of the part from its contributors' own bytes (``audit.py``); a reducer whose
+   result is not their aggregate fails.
 3. Failures (``view.py``): a member that goes silent, breaks its stream, stops making
    progress or refuses us is *failed* in our view; the parts it reduced move to the next
    serving member, which announces the rerun to everyone; senders that miss a chunk

@@ -13,8 +13,10 @@ This module holds the pure pieces: segments and roots (:func:`segment_hashes`,
 :func:`root_of`), the statement (:class:`Statement`), the recomputation and its tolerance
 (:func:`recompute`, :func:`excess`), and one audit's state (:class:`Audit`), which names
 who lied, if anyone, once everything it asked for is in (the statements' signatures are
-checked through its ``verify``). Not driven by the round yet: the statements on the wire,
-the reducer's answer and the contributors' segments are the next step of the design.
+checked through its ``verify``), and the draws and kept results of a round's audits
+(:class:`Auditor`). The round (``round.py``) sends the questions and takes the answers: the
+reducer's ``Statements`` on the auditor's stream to it, each contributor's ``Segment`` on
+the contributor's stream to the auditor.
 
 What the tolerance allows: the reducer's mean is a float32 sum in arrival order, then
 quantized; the auditor's, a float64 sum in member order. The decoded result is within

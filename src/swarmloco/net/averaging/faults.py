@@ -13,7 +13,8 @@ a broken or hostile peer:
 * ``corrupt``: the message is altered (``nan`` scales, ``huge`` finite scales whose
   values overflow float32 when decoded, ``amplify``: float32 scales x1000, ``flat``: every
   value +1 under scales of 1e4, ``negate``: every value reversed (the same norm),
-  ``truncate``d payload, ``stale-round``, shifted ``index``; for ``done`` and ``verdict``
+  ``truncate``d payload, ``stale-round``, shifted ``index``: of a chunk, a result or an
+  audit's ``segment`` (its hashes kept); for ``done`` and ``verdict``
   messages, a ``bloat``ed digest of 1 MiB, or a ``forge``d one: the right length, other
   bytes). A peer signs what it forges, as a liar would: a forged ``done`` is signed anew,
   a chunk it altered carries its statement of the altered bytes, and the seal of a part
@@ -125,7 +126,7 @@ class Fault:
     after_bytes: int = 0
     """``cut``: tear the call down once more than this many bytes went out on it."""
     corruption: Corruption = "nan"
-    """``corrupt``: what to do to a chunk or result message."""
+    """``corrupt``: what to do to a chunk, result or segment message."""
 
     def __post_init__(self) -> None:
         require(self.action in _ACTIONS, f"action must be one of {_ACTIONS}, got {self.action!r}")
@@ -141,7 +142,7 @@ class Fault:
         require_int("after_bytes", self.after_bytes, minimum=0)
         if self.action == "corrupt":
             digests = self.corruption in ("bloat", "forge")
-            phases = ("done", "verdict") if digests else ("chunk", "result")
+            phases = ("done", "verdict") if digests else ("chunk", "result", "segment")
             require(
                 self.phase in phases,
                 f"a {self.corruption} corruption applies to {' and '.join(phases)} messages",
@@ -289,6 +290,15 @@ def corrupt(
                 bytes(1 << 20) if how == "bloat" else bytes(b ^ 0xFF for b in old)
             )
         return response.SerializeToString()
+    if phase == "segment":  # an audit's answer: its bytes altered, its hashes kept
+        request = pb.AggregateRequest.FromString(message)
+        segment = request.segment
+        payload = torch.frombuffer(bytearray(segment.payload), dtype=torch.int8)
+        scales = torch.frombuffer(bytearray(segment.scales), dtype=torch.uint8)
+        payload, scales = _corrupt_tensors(payload, scales, how)
+        segment.payload = payload.numpy().tobytes()
+        segment.scales = scales.numpy().tobytes()
+        return request.SerializeToString()
     if phase == "chunk":
         chunk = wire.decode_request(message)
         assert isinstance(chunk, wire.ChunkMessage), "only chunk messages are corrupted"

@@ -9,8 +9,8 @@ A remote reducer's result is bounded like a sender's slice (:class:`ResultBound`
 the group's aggregator makes of slices within the group's norm bound cannot exceed a norm
 every member computes alike from the group and the chunk's contributors, and a result past
 it is refused (``too-large``), its reducer struck and its part reduced again by the next
-member. A reducer that lies within that bound is not caught: it sets its part of the mean
-to any vector no longer than an honest mean could be (docs/SECURITY.md, "Bounded
+member. A reducer that lies within that bound is left to the audits (``audit.py``), which
+recompute a random segment of its part from its senders' bytes (docs/SECURITY.md, "Bounded
 influence").
 """
 

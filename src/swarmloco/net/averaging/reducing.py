@@ -117,14 +117,22 @@ class Reductions:
             self._backlog[part].append(("rerun", notice))
         for index in range(reduction.chunks):
             payload, scales = self._contribution.slice_of(part, index)
+            hashed = self._contribution.chunk_hashes(part, index)
             try:
-                reduction.accept(self._me, index, payload, scales, self._clock(), remote=False)
+                reduction.accept(
+                    self._me,
+                    index,
+                    payload,
+                    scales,
+                    self._clock(),
+                    remote=False,
+                    norm_sq=hashed.norm_sq if math.isfinite(hashed.norm_sq) else None,
+                )
             except Rejection as rejection:  # what the others would refuse from us
                 raise RoundAborted(
                     f"round {self._group.round}: this peer's own update cannot be averaged: "
                     f"{rejection.reason}"
                 ) from None
-            hashed = self._contribution.chunk_hashes(part, index)
             signature = self._sign(
                 wire.STATEMENT_DOMAIN,
                 self._statement_payload(part, epoch, self._me, index, hashed.root, hashed.norm_sq),
@@ -194,7 +202,8 @@ class Reductions:
                 f"chunk {chunk.index} of part {chunk.part} measures {norm_sq:.6g} squared, "
                 f"its sender signed {chunk.norm_sq:.6g}",
             )
-        if reduction.accept(sender, chunk.index, payload, scales, self._clock()):
+        measured = norm_sq if math.isfinite(norm_sq) else None
+        if reduction.accept(sender, chunk.index, payload, scales, self._clock(), norm_sq=measured):
             self._statements[chunk.part].append(
                 pb.Statement(
                     sender=sender,

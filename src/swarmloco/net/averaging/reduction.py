@@ -179,8 +179,10 @@ class PartReduction:
         now: float,
         *,
         remote: bool = True,
+        norm_sq: float | None = None,
     ) -> bool:
         """Add ``sender``'s chunk ``index``; return False if it came too late to count.
+        ``norm_sq``: the squared norm it decodes to, when the caller measured it already.
 
         Raises Rejection (the caller strikes the sender) if the chunk is not the next one
         expected from this sender or does not decode to exactly that chunk.
@@ -205,7 +207,7 @@ class PartReduction:
                     "(weighted): the sum would overflow",
                 )
         if math.isfinite(self.norm_bound) and scales.numel():
-            self._check_norm(sender, index, payload, scales)
+            self._check_norm(sender, index, payload, scales, norm_sq)
         if remote:
             waiting = self._waiting.pop(index, None)
             if waiting is not None:  # the first other contribution: ours goes in first
@@ -270,12 +272,19 @@ class PartReduction:
         return storage
 
     def _check_norm(
-        self, sender: int, index: int, payload: torch.Tensor, scales: torch.Tensor
+        self,
+        sender: int,
+        index: int,
+        payload: torch.Tensor,
+        scales: torch.Tensor,
+        measured: float | None,
     ) -> None:
         block = self.codec.block_size
         if payload.numel() != scales.numel() * block or not bool(torch.isfinite(scales).all()):
             return  # the decoder refuses it below, with the precise reason
-        norm_sq = self._norm_sq[sender] + blocks_norm_sq(payload, scales, block)
+        if measured is None:
+            measured = blocks_norm_sq(payload, scales, block)
+        norm_sq = self._norm_sq[sender] + measured
         slack_sq = self._slack_sq[sender] + block * float(scales.double().square().sum())
         allowed = slice_bound(self.norm_bound, block, math.sqrt(slack_sq))
         if math.sqrt(norm_sq) > allowed:

@@ -12,6 +12,7 @@ the whole protocol). Its parts, each owning one job and its state:
 - :class:`~.reducing.Reductions`: the reducer side, the parts we reduce and what they sent;
 - :class:`~.output.Output`: the result, every chunk checked and decoded into it;
 - :class:`~.view.RoundView`: which member reduces which part, and what we hold of each;
+- :class:`~.audit.Auditor`: the audits we run of the parts others reduce;
 - :class:`~.liveness.Watch`: per-member deadlines, judged on the watchdog's ticks;
 - :class:`~.verdicts.Agreement`: digests and verdicts, and whether we may apply;
 - :class:`~.outgoing.Outgoing`, :class:`~.incoming.Incoming`: the streams each way, and
