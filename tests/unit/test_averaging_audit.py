@@ -122,7 +122,8 @@ def _reduce(method: str = "mean", *, scale_dtype: str = "float32", seed: int = 0
 
 
 def _audit(reduced: Reduced, index: int, segment: int) -> Audit:
-    def check(sender: int, statement: Statement) -> bool:
+    def check(statement: Statement) -> bool:
+        sender = statement.sender
         signed = _signed_part(sender, statement.index, statement.root, statement.norm_sq)
         key = reduced.keys[sender].public_key
         return verify(key, statement.signature, wire.STATEMENT_DOMAIN, signed)

@@ -36,7 +36,12 @@ import torch
 
 from swarmloco.core.aggregate import AggregatorConfig, trimmed_mean
 from swarmloco.core.codec import QMAX, CodecConfig, blocks_norm_sq
+from swarmloco.net.averaging import wire
+from swarmloco.net.averaging.group import Group
 from swarmloco.net.averaging.reduction import slice_bound
+from swarmloco.net.identity import verify
+from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import averaging_pb2 as pb
 
 SEGMENT_BLOCKS = 16
 """Codec blocks per segment: the unit an auditor checks (16 KiB of int8 at 1,024 a block)."""
@@ -90,6 +95,97 @@ class Statement:
     signature: bytes
 
 
+def stated(
+    group: Group,
+    reducer: int,
+    part: int,
+    epoch: int,
+    *,
+    sender: int,
+    index: int,
+    root: bytes,
+    norm_sq: float,
+) -> bytes:
+    """What ``sender`` of ``group`` signs about its chunk ``index`` of ``part`` at ``epoch``
+    for ``reducer`` (``wire.statement_payload`` under the group's id and round)."""
+    return wire.statement_payload(
+        group.group_id,
+        group.round,
+        reducer,
+        part,
+        epoch,
+        sender=sender,
+        index=index,
+        root=root,
+        norm_sq=norm_sq,
+    )
+
+
+def signed_by_sender(
+    group: Group, reducer: int, part: int, epoch: int, statement: Statement
+) -> bool:
+    """Whether ``statement`` carries its sender's signature for this reducer, part, epoch."""
+    signed = stated(
+        group,
+        reducer,
+        part,
+        epoch,
+        sender=statement.sender,
+        index=statement.index,
+        root=statement.root,
+        norm_sq=statement.norm_sq,
+    )
+    key = group.members[statement.sender].public_key
+    return verify(key, statement.signature, wire.STATEMENT_DOMAIN, signed)
+
+
+def restated(
+    message: bytes,
+    *,
+    sender: int,
+    reducer: int,
+    codec: CodecConfig,
+    sign: Callable[[bytes, bytes], bytes],
+) -> bytes:
+    """A chunk message (altered by a fault plan) with ``sender``'s statement of the bytes
+    it carries, signed by ``sign``: a liar signs what it sends. Left as it is where its
+    sizes do not even decode (its receiver refuses those before any statement)."""
+    chunk = wire.decode_request(message)
+    if not isinstance(chunk, wire.ChunkMessage):
+        return message
+    try:
+        payload = wire.tensor_from(chunk.payload, torch.int8)
+        scales = wire.tensor_from(chunk.scales, codec.scale_torch_dtype)
+        norm_sq = blocks_norm_sq(payload, scales, codec.block_size)
+    except (RuntimeError, ValueError):
+        return message
+    hashes = segment_hashes(
+        chunk.payload, chunk.scales, block_size=codec.block_size, scale_bytes=codec.scale_bytes
+    )
+    signed = wire.statement_payload(
+        chunk.group_id,
+        chunk.round,
+        reducer,
+        chunk.part,
+        chunk.epoch,
+        sender=sender,
+        index=chunk.index,
+        root=root_of(hashes),
+        norm_sq=norm_sq,
+    )
+    return wire.encode_chunk(
+        group_id=chunk.group_id,
+        round=chunk.round,
+        part=chunk.part,
+        epoch=chunk.epoch,
+        index=chunk.index,
+        payload=payload,
+        scales=scales,
+        signature=sign(wire.STATEMENT_DOMAIN, signed),
+        norm_sq=norm_sq,
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Piece:
     """One contributor's audited segment: its int8 values and scales, and the hashes of
@@ -99,6 +195,25 @@ class Piece:
     payload: torch.Tensor
     scales: torch.Tensor
     hashes: tuple[bytes, ...]
+
+
+def piece_of(sender: int, segment: pb.Segment, blocks: int, codec: CodecConfig) -> Piece:
+    """``sender``'s answer to a fetch of a segment of a chunk of ``blocks`` codec blocks;
+    Rejection if its sizes are not that segment's."""
+    _, count = segment_span(segment.segment, blocks)
+    hashes = segment.hashes
+    if (
+        len(segment.payload) != count * codec.block_size
+        or len(segment.scales) != count * codec.scale_bytes
+        or len(hashes) != segments_of(blocks) * ROOT_BYTES
+    ):
+        raise Rejection("malformed", "a segment of another size than its chunk's")
+    return Piece(
+        sender,
+        wire.tensor_from(memoryview(segment.payload), torch.int8),
+        wire.tensor_from(memoryview(segment.scales), codec.scale_torch_dtype),
+        tuple(hashes[i : i + ROOT_BYTES] for i in range(0, len(hashes), ROOT_BYTES)),
+    )
 
 
 def decoded(payload: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -165,7 +280,7 @@ class Audit:
 
     ``contributors``: the members chunk ``index``'s result names; ``included``: per sender
     of the part, how many leading chunks include it (from the result bitmaps);
-    ``weights``: the group's; ``verify(sender, statement)``: whether ``sender`` signed
+    ``weights``: the group's; ``verify(statement)``: whether its sender signed
     ``statement`` for this reducer, part and epoch."""
 
     def __init__(
@@ -183,7 +298,7 @@ class Audit:
         codec: CodecConfig,
         aggregator: AggregatorConfig,
         norm_bound: float,
-        verify: Callable[[int, Statement], bool],
+        verify: Callable[[Statement], bool],
     ) -> None:
         self.part = part
         self.epoch = epoch
@@ -226,7 +341,7 @@ class Audit:
                     len(statement.root) != ROOT_BYTES
                     or not math.isfinite(statement.norm_sq)
                     or statement.norm_sq < 0
-                    or not self._verify(sender, statement)
+                    or not self._verify(statement)
                 ):
                     return Outcome(
                         self.reducer,

@@ -26,9 +26,19 @@ from swarmloco.core.codec import (
     l2_norm,
     quantize,
 )
-from swarmloco.net.averaging.audit import root_of, segment_hashes
+from swarmloco.net.averaging import wire
+from swarmloco.net.averaging.audit import (
+    Piece,
+    root_of,
+    segment_hashes,
+    segment_span,
+    segments_of,
+    stated,
+)
 from swarmloco.net.averaging.group import Group
 from swarmloco.net.averaging.view import RoundView
+from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import averaging_pb2 as pb
 
 # The round's events are the all-reduce's: one logger for the whole round.
 logger = logging.getLogger("swarmloco.net.averaging.allreduce")
@@ -141,6 +151,71 @@ class Contribution:
             norm_sq = blocks_norm_sq(payload, scales, self._codec.block_size)
             hashed = self._hashed[(part, index)] = Hashed(hashes, root_of(hashes), norm_sq)
         return hashed
+
+    def chunk_message(
+        self,
+        reducer: int,
+        part: int,
+        epoch: int,
+        index: int,
+        *,
+        sender: int,
+        sign: Callable[[bytes, bytes], bytes],
+    ) -> bytes:
+        """Our chunk ``index`` of ``part`` for ``reducer`` at ``epoch``, with our statement
+        of it (``sender``: our member index; ``sign``: our key's)."""
+        payload, scales = self.slice_of(part, index)
+        hashed = self.chunk_hashes(part, index)
+        group = self._group
+        signed = stated(
+            group,
+            reducer,
+            part,
+            epoch,
+            sender=sender,
+            index=index,
+            root=hashed.root,
+            norm_sq=hashed.norm_sq,
+        )
+        return wire.encode_chunk(
+            group_id=group.group_id,
+            round=group.round,
+            part=part,
+            epoch=epoch,
+            index=index,
+            payload=payload,
+            scales=scales,
+            signature=sign(wire.STATEMENT_DOMAIN, signed),
+            norm_sq=hashed.norm_sq,
+        )
+
+    def piece(self, sender: int, part: int, index: int, segment: int) -> Piece:
+        """Our segment ``segment`` of chunk ``index`` of ``part``, for our own audit."""
+        payload, scales = self._segment(part, index, segment)
+        return Piece(sender, payload, scales, self.chunk_hashes(part, index).hashes)
+
+    def segment_answer(self, fetch: pb.Fetch) -> pb.Segment:
+        """Our answer to an auditor's fetch; Rejection if we have no such segment."""
+        spans = self._view.spans[fetch.part] if fetch.part < len(self._view.spans) else []
+        if fetch.index >= len(spans) or fetch.segment >= segments_of(spans[fetch.index].blocks):
+            raise Rejection("malformed", f"no segment {fetch.segment} of chunk {fetch.index}")
+        payload, scales = self._segment(fetch.part, fetch.index, fetch.segment)
+        return pb.Segment(
+            reducer=fetch.reducer,
+            part=fetch.part,
+            epoch=fetch.epoch,
+            index=fetch.index,
+            segment=fetch.segment,
+            payload=payload.numpy().tobytes(),
+            scales=scales.numpy().tobytes(),
+            hashes=b"".join(self.chunk_hashes(fetch.part, fetch.index).hashes),
+        )
+
+    def _segment(self, part: int, index: int, segment: int) -> tuple[torch.Tensor, torch.Tensor]:
+        payload, scales = self.slice_of(part, index)
+        first, count = segment_span(segment, scales.numel())
+        block = self._codec.block_size
+        return payload[first * block : (first + count) * block], scales[first : first + count]
 
     def slice_of(self, part: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Our quantized contribution to chunk ``index`` of ``part`` (views, no copy)."""

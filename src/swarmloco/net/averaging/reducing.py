@@ -22,7 +22,7 @@ import torch
 from swarmloco.core.codec import blocks_norm_sq
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import wire
-from swarmloco.net.averaging.audit import root_of, segment_hashes
+from swarmloco.net.averaging.audit import root_of, segment_hashes, stated
 from swarmloco.net.averaging.contribution import Contribution
 from swarmloco.net.averaging.faults import Phase
 from swarmloco.net.averaging.group import Group
@@ -151,10 +151,8 @@ class Reductions:
     def _statement_payload(
         self, part: int, epoch: int, sender: int, index: int, root: bytes, norm_sq: float
     ) -> bytes:
-        group = self._group
-        return wire.statement_payload(
-            group.group_id,
-            group.round,
+        return stated(
+            self._group,
             self._me,
             part,
             epoch,

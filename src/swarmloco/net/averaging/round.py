@@ -35,22 +35,19 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from swarmloco.core.codec import Encoded, ErrorFeedback, blocks_norm_sq
+from swarmloco.core.codec import Encoded, ErrorFeedback
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.audit import (
     AUDITED_METHODS,
-    ROOT_BYTES,
     Audit,
     Auditor,
     Outcome,
-    Piece,
     Running,
     Statement,
-    root_of,
-    segment_hashes,
-    segment_span,
-    segments_of,
+    piece_of,
+    restated,
+    signed_by_sender,
 )
 from swarmloco.net.averaging.contribution import Contribution
 from swarmloco.net.averaging.group import Group
@@ -275,30 +272,8 @@ class RoundRun:
 
     def chunk_message(self, reducer: int, part: int, epoch: int, index: int) -> bytes:
         """Our chunk ``index`` of ``part`` for ``reducer`` at ``epoch``, with our statement."""
-        payload, scales = self.ours.slice_of(part, index)
-        hashed = self.ours.chunk_hashes(part, index)
-        group = self.group
-        signed = wire.statement_payload(
-            group.group_id,
-            group.round,
-            reducer,
-            part,
-            epoch,
-            sender=self.me,
-            index=index,
-            root=hashed.root,
-            norm_sq=hashed.norm_sq,
-        )
-        return wire.encode_chunk(
-            group_id=group.group_id,
-            round=group.round,
-            part=part,
-            epoch=epoch,
-            index=index,
-            payload=payload,
-            scales=scales,
-            signature=self.a.identity.sign(wire.STATEMENT_DOMAIN, signed),
-            norm_sq=hashed.norm_sq,
+        return self.ours.chunk_message(
+            reducer, part, epoch, index, sender=self.me, sign=self.a.identity.sign
         )
 
     # -- the driver ----------------------------------------------------------------------
@@ -668,7 +643,9 @@ class RoundRun:
             codec=self.cfg.codec,
             aggregator=self.cfg.aggregator,
             norm_bound=self.ours.norm_bound,
-            verify=functools.partial(self._stated, claim.reducer, part, claim.epoch),
+            verify=functools.partial(
+                signed_by_sender, self.group, claim.reducer, part, claim.epoch
+            ),
         )
         now = self.a.clock()
         view.held.add(part)
@@ -684,42 +661,13 @@ class RoundRun:
         )
         for member in audit.contributors:
             if member == self.me:
-                audit.take_piece(self._own_piece(part, index, segment))
+                audit.take_piece(self.ours.piece(self.me, part, index, segment))
                 continue
             inc = self.incoming.streams.get(member)
             if inc is None:  # it never opened its stream to us, or it ended
                 self._end_audit(part, Outcome(None, f"member {self.label(member)} is not here"))
                 return
             inc.send("fetch", fetch)
-
-    def _stated(
-        self, reducer: int, part: int, epoch: int, sender: int, statement: Statement
-    ) -> bool:
-        """Whether ``sender`` signed ``statement`` of a chunk it sent ``reducer``."""
-        group = self.group
-        signed = wire.statement_payload(
-            group.group_id,
-            group.round,
-            reducer,
-            part,
-            epoch,
-            sender=sender,
-            index=statement.index,
-            root=statement.root,
-            norm_sq=statement.norm_sq,
-        )
-        key = group.members[sender].public_key
-        return verify(key, statement.signature, wire.STATEMENT_DOMAIN, signed)
-
-    def _own_piece(self, part: int, index: int, segment: int) -> Piece:
-        payload, scales = self._segment_of(part, index, segment)
-        return Piece(self.me, payload, scales, self.ours.chunk_hashes(part, index).hashes)
-
-    def _segment_of(self, part: int, index: int, segment: int) -> tuple[torch.Tensor, torch.Tensor]:
-        payload, scales = self.ours.slice_of(part, index)
-        first, count = segment_span(segment, scales.numel())
-        block = self.cfg.codec.block_size
-        return payload[first * block : (first + count) * block], scales[first : first + count]
 
     def on_statements(self, reducer: int, answer: pb.Statements) -> None:
         """``reducer``'s statements for our audit of its part; Rejection if they show it
@@ -755,23 +703,7 @@ class RoundRun:
             return
         if sender in audit.pieces:
             raise Rejection("malformed", "a second segment for one audit")
-        codec = self.cfg.codec
-        _, count = segment_span(audit.segment, audit.blocks)
-        if (
-            len(segment.payload) != count * codec.block_size
-            or len(segment.scales) != count * codec.scale_bytes
-            or len(segment.hashes) != segments_of(audit.blocks) * ROOT_BYTES
-        ):
-            raise Rejection("malformed", "a segment of another size than its chunk's")
-        hashes = segment.hashes
-        audit.take_piece(
-            Piece(
-                sender,
-                wire.tensor_from(memoryview(segment.payload), torch.int8),
-                wire.tensor_from(memoryview(segment.scales), codec.scale_torch_dtype),
-                tuple(hashes[i : i + ROOT_BYTES] for i in range(0, len(hashes), ROOT_BYTES)),
-            )
-        )
+        audit.take_piece(piece_of(sender, segment, audit.blocks, self.cfg.codec))
         self._conclude(segment.part)
 
     def _conclude(self, part: int) -> None:
@@ -842,21 +774,7 @@ class RoundRun:
         if there is no such segment."""
         if not self._answer_allowed("fetch", auditor):
             return
-        spans = self.view.spans[fetch.part] if fetch.part < len(self.view.spans) else []
-        if fetch.index >= len(spans) or fetch.segment >= segments_of(spans[fetch.index].blocks):
-            raise Rejection("malformed", f"no segment {fetch.segment} of chunk {fetch.index}")
-        payload, scales = self._segment_of(fetch.part, fetch.index, fetch.segment)
-        hashed = self.ours.chunk_hashes(fetch.part, fetch.index)
-        answer = pb.Segment(
-            reducer=fetch.reducer,
-            part=fetch.part,
-            epoch=fetch.epoch,
-            index=fetch.index,
-            segment=fetch.segment,
-            payload=payload.numpy().tobytes(),
-            scales=scales.numpy().tobytes(),
-            hashes=b"".join(hashed.hashes),
-        )
+        answer = self.ours.segment_answer(fetch)
         stream = self.outgoing.streams.get(auditor)
         if stream is not None:
             stream.send(("segment", wire.request(segment=answer)))
@@ -873,45 +791,14 @@ class RoundRun:
     def _restated_chunk(self, peer: str, message: bytes) -> bytes:
         """A chunk message to ``peer`` that a fault plan altered, with our statement of the
         bytes it now carries (fault plans only: a liar signs what it sends)."""
-        chunk = wire.decode_request(message)
-        if not isinstance(chunk, wire.ChunkMessage) or peer not in self.peer_ids:
+        if peer not in self.peer_ids:
             return message
-        codec = self.cfg.codec
-        try:
-            payload = wire.tensor_from(chunk.payload, torch.int8)
-            scales = wire.tensor_from(chunk.scales, codec.scale_torch_dtype)
-            norm_sq = blocks_norm_sq(payload, scales, codec.block_size)
-        except (RuntimeError, ValueError):
-            return message  # its receiver refuses its sizes before any statement
-        root = root_of(
-            segment_hashes(
-                chunk.payload,
-                chunk.scales,
-                block_size=codec.block_size,
-                scale_bytes=codec.scale_bytes,
-            )
-        )
-        signed = wire.statement_payload(
-            chunk.group_id,
-            chunk.round,
-            self.peer_ids.index(peer),
-            chunk.part,
-            chunk.epoch,
+        return restated(
+            message,
             sender=self.me,
-            index=chunk.index,
-            root=root,
-            norm_sq=norm_sq,
-        )
-        return wire.encode_chunk(
-            group_id=chunk.group_id,
-            round=chunk.round,
-            part=chunk.part,
-            epoch=chunk.epoch,
-            index=chunk.index,
-            payload=payload,
-            scales=scales,
-            signature=self.a.identity.sign(wire.STATEMENT_DOMAIN, signed),
-            norm_sq=norm_sq,
+            reducer=self.peer_ids.index(peer),
+            codec=self.cfg.codec,
+            sign=self.a.identity.sign,
         )
 
     def on_rerun(self, reducer: int, part: int, epoch: int) -> None:
