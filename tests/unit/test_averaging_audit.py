@@ -20,6 +20,7 @@ from swarmloco.net.averaging.audit import (
     Statement,
     decoded,
     excess,
+    piece_of,
     recompute,
     root_of,
     segment_hashes,
@@ -28,6 +29,8 @@ from swarmloco.net.averaging.audit import (
 )
 from swarmloco.net.averaging.reduction import PartReduction
 from swarmloco.net.identity import Identity, verify
+from swarmloco.net.rejections import Rejection
+from swarmloco.proto.v1 import averaging_pb2 as pb
 
 GROUP = b"g" * 16
 ROUND, PART, EPOCH, REDUCER = 7, 0, 0, 0
@@ -290,3 +293,20 @@ def test_a_segment_larger_than_its_signed_chunk_norm_is_its_senders_lie() -> Non
     outcome = audit.verdict(*_result_segment(reduced, 0, 0))
     assert outcome.liar == 1 and "measures more" in outcome.reason
     assert math.isfinite(reduced.bound)
+
+
+def test_a_segment_answer_of_another_size_is_refused():
+    codec = CodecConfig(block_size=16, chunk_bytes=40 * (16 + 4))
+    hashes = b"h" * (segments_of(40) * 16)
+    good = pb.Segment(segment=2, payload=bytes(8 * 16), scales=bytes(8 * 4), hashes=hashes)
+    piece = piece_of(3, good, 40, codec)  # the last segment of 40 blocks holds 8
+    assert (piece.sender, piece.payload.numel(), piece.scales.numel()) == (3, 128, 8)
+    assert len(piece.hashes) == 3
+    for bad in (
+        pb.Segment(segment=2, payload=bytes(16 * 16), scales=bytes(8 * 4), hashes=hashes),
+        pb.Segment(segment=2, payload=bytes(8 * 16), scales=bytes(16 * 4), hashes=hashes),
+        pb.Segment(segment=2, payload=bytes(8 * 16), scales=bytes(8 * 4), hashes=hashes[:-1]),
+    ):
+        with pytest.raises(Rejection) as refused:
+            piece_of(3, bad, 40, codec)
+        assert refused.value.code == "malformed"
