@@ -43,7 +43,7 @@ import math
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -72,35 +72,9 @@ Phase = Literal[
 Corruption = Literal[
     "nan", "huge", "amplify", "flat", "negate", "truncate", "stale-round", "index", "bloat", "forge"
 ]
-_ACTIONS = ("drop", "delay", "cut", "corrupt", "replay", "stall", "spin")
-_PHASES = (
-    "join",
-    "hello",
-    "chunk",
-    "done",
-    "heartbeat",
-    "result",
-    "seal",
-    "rerun",
-    "verdict",
-    "handler",
-    "audit",
-    "statements",
-    "fetch",
-    "segment",
-)
-_CORRUPTIONS = (
-    "nan",
-    "huge",
-    "amplify",
-    "flat",
-    "negate",
-    "truncate",
-    "stale-round",
-    "index",
-    "bloat",
-    "forge",
-)
+_ACTIONS = get_args(Action)
+_PHASES = get_args(Phase)
+_CORRUPTIONS = get_args(Corruption)
 
 
 class FaultCut(NetworkError):
