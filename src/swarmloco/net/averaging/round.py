@@ -651,9 +651,11 @@ class RoundRun:
         view.held.add(part)
         self.auditor.running[part] = Running(audit, now, payload, scales)
         self.watch.heard_result(claim.reducer, now)
-        self.outgoing.streams[claim.reducer].send(
-            ("audit", wire.request(audit=pb.Audit(part=part, epoch=claim.epoch)))
-        )
+        to_reducer = self.outgoing.streams.get(claim.reducer)
+        if to_reducer is None:  # (its seal came on that stream: not so far)
+            self._end_audit(part, Outcome(None, "no stream to its reducer"))
+            return
+        to_reducer.send(("audit", wire.request(audit=pb.Audit(part=part, epoch=claim.epoch))))
         fetch = wire.response(
             fetch=pb.Fetch(
                 reducer=claim.reducer, part=part, epoch=claim.epoch, index=index, segment=segment
