@@ -49,7 +49,8 @@ class RoundAborted(SwarmlocoError):
     (they may be out of step with it, or only claim to work on the round). ``dissenters``:
     the peer ids of the servers proven two-faced (each signed two digests under one number
     in the round), else of a lone server whose verdict or digest differed from every other
-    server's, which were all this peer's own (first-hand: it aborted the round alone).
+    server's, which were all this peer's own (first-hand: it aborted the round alone),
+    and of the members this peer's audits caught lying in the round.
     ``out_of_line``: every server whose digest differed from ours, or whose verdict
     disagreed while its digest was ours, when those holding ours (us included) were most
     of the servers (the lone dissenter among them)."""

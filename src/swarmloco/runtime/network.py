@@ -401,6 +401,7 @@ class SwarmNetwork:
         except RoundAborted as exc:
             self.matchmaker.aborted(exc)
             raise
+        self.matchmaker.demote(result.report.liars, why="was caught lying by an audit")
         declared = {m.peer_id: m.ranges for m in group.members if m.ranges}
         # Only what the result holds whole counts: a member struck or lost in the round
         # (a stranger that cut its streams at once, whatever weight it declared) added no

@@ -283,7 +283,8 @@ class Matchmaker:
         """Take ``peers`` as strangers for ``seconds`` (or longer, if already so): each was
         proven two-faced, or was the lone server whose verdict or digest differed from every
         other server's, in a round that aborted here (``RoundAborted.dissenters``), or
-        (``OUT_OF_LINE_S``) out of line with most of them (``RoundAborted.out_of_line``).
+        (``OUT_OF_LINE_S``) out of line with most of them (``RoundAborted.out_of_line``), or
+        was caught lying by this peer's audits (``AllReduceReport.liars``).
         This peer follows them no more, and makes them clients of the groups it leads:
         partners turned liars cannot abort every attempt at a round, however long they stay
         partners while no round applies."""

@@ -219,6 +219,8 @@ class RoundRun:
         self.auditing = cfg.audit and self.serving and cfg.aggregator.method in AUDITED_METHODS
         """Whether we audit the parts other members reduce (``audit.py``)."""
         self._answered: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.liars: set[int] = set()
+        """Members our audits caught lying this round."""
         self.agreement = Agreement(
             me=me, serving=self.serving, patience=cfg.reducer_timeout_s, label=self.label
         )
@@ -293,7 +295,11 @@ class RoundRun:
                 f"round {self.group.round} missed its deadline; still lacking parts "
                 f"{self.view.missing()}, failed members {[self.label(m) for m in self.view.failed]}"
             ) from None
-        except RoundAborted:
+        except RoundAborted as exc:
+            # Whoever our audits caught lying is named, as a two-faced member is.
+            caught = frozenset(self.peer_ids[m] for m in self.liars)
+            exc.dissenters |= caught
+            exc.out_of_line |= caught
             raise
         except Exception as exc:
             # Whatever other members sent, a round ends in RoundAborted: an error raised
@@ -731,6 +737,7 @@ class RoundRun:
             self.changed.set()
             return
         rejection = Rejection("audit-failed", outcome.reason)
+        self.liars.add(outcome.liar)
         logger.warning(
             "round %d: audit of part %d (reducer %s): member %s lied: %s",
             self.group.round,
@@ -859,4 +866,5 @@ class RoundRun:
             norm_bound=self.ours.norm_bound,
             clipped=self.ours.clipped,
             audit_bytes_sent=self.traffic.audit_bytes_sent,
+            liars=frozenset(self.peer_ids[m] for m in self.liars),
         )
