@@ -504,7 +504,7 @@ async def test_a_reducer_sending_everyone_one_made_up_mean_fails_its_audits_and_
     assert all(isinstance(r, AllReduceResult) for r in honest), results
     assert_identical(honest)
     assert failed == [1, 1, 1] and min(passed) >= 1, (failed, passed)
-    assert all(r.report.liars == {ids[liar]} for r in honest), [r.report.liars for r in honest]
+    assert all(r.report.liars == (ids[liar],) for r in honest), [r.report.liars for r in honest]
     report = honest[0].report
     assert ids[liar] not in {p.reducer for p in report.parts}
     (part,) = [p for p in report.parts if p.epoch == 1]  # the liar's, reduced again
@@ -534,7 +534,7 @@ async def test_a_member_answering_an_audit_with_other_bytes_than_it_signed_is_st
     assert_identical(honest)
     assert all(n >= 1 for n in failed), failed
     for result in honest:
-        assert result.report.liars == {ids[liar]}, result.report.liars
+        assert result.report.liars == (ids[liar],), result.report.liars
         excluded = result.report.excluded
         assert set(excluded) == {ids[liar]}, excluded
         # Struck as a sender, or failed as the reducer whose own segment it altered.

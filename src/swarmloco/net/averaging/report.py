@@ -61,7 +61,7 @@ class AllReduceReport:
     """The factor our own update was scaled by to fit the bound (1.0: it fitted)."""
     audit_bytes_sent: int = 0
     """Of ``bytes_sent``, what audits took: our questions, statements and segments."""
-    liars: frozenset[str] = frozenset()
+    liars: tuple[str, ...] = ()
     """Members our audits caught lying (a reducer whose result was not its senders'
     aggregate, a sender showing other bytes than it signed): seen first-hand."""
 

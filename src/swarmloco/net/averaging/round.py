@@ -866,5 +866,5 @@ class RoundRun:
             norm_bound=self.ours.norm_bound,
             clipped=self.ours.clipped,
             audit_bytes_sent=self.traffic.audit_bytes_sent,
-            liars=frozenset(self.peer_ids[m] for m in self.liars),
+            liars=tuple(sorted(self.peer_ids[m] for m in self.liars)),
         )
