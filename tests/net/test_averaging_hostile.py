@@ -513,6 +513,43 @@ async def test_a_reducer_sending_everyone_one_made_up_mean_fails_its_audits_and_
     assert torch.nn.functional.cosine_similarity(got, senders.mean(dim=0), dim=0) > 0.9
 
 
+async def test_a_reducer_whose_colluder_never_answers_audits_still_fails_them():
+    """3 sends every member its part's mean reversed, as above, and 4, its colluder, never
+    answers an audit's fetch (nor audits). An honest auditor waits the senders' timeout for
+    4's segment, then holds 3's result to what 4's signed segment norm could move it: a
+    reversed mean is far past that, so 3 fails and its part is reduced again (the first
+    auditor to judge fails it; the others' audits of that claim end with the rerun). The
+    parts of honest reducers pass with 4 silent. (Before, a silent contributor left every
+    audit without a verdict and the honest members took the reversed part: two keys
+    defeated the audits, and only the liar's own copy, left true, aborted the attempt.)"""
+    size, liar, colluder = 5, 3, 4
+    vectors = random_vectors(size, 64 * 40, seed=17)
+    async with averaging_peers(size, configs={colluder: NO_AUDIT}) as peers:
+        ids = _all_partners(peers)
+        round = _round_not_led_by(ids, {ids[liar]})
+        plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="negate")])
+        silence = FaultPlan([Fault(action="drop", phase="segment")])
+        peers[liar].averager.faults = plan
+        peers[colluder].averager.faults = silence
+        results = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=60))
+        failed = [peer.averager.rejections.counts["audit-failed"] for peer in peers[:liar]]
+        bounded = [peer.averager.stats["audits-unanswered"] for peer in peers[:liar]]
+    assert plan.fired[0] > 0 and silence.fired[0] > 0
+    honest = results[:liar]
+    assert all(isinstance(r, AllReduceResult) for r in honest), results
+    assert_identical(honest)
+    assert sum(failed) >= 1 and min(bounded) >= 1, (failed, bounded)
+    for n, result in zip(failed, honest, strict=True):
+        assert result.report.liars == ((ids[liar],) if n else ()), result.report.liars
+    report = honest[0].report
+    assert ids[liar] not in {p.reducer for p in report.parts}
+    (part,) = [p for p in report.parts if p.part == report.members.index(ids[liar])]
+    assert part.epoch >= 1
+    got = honest[0].mean[part.start : part.stop]
+    senders = torch.stack(vectors)[:, part.start : part.stop]
+    assert torch.nn.functional.cosine_similarity(got, senders.mean(dim=0), dim=0) > 0.9
+
+
 async def test_a_member_answering_an_audit_with_other_bytes_than_it_signed_is_struck():
     """3 answers every audit with its segment reversed (the hashes of what it signed kept):
     a sender trying to frame the reducers it sent to. Each honest auditor finds the segment

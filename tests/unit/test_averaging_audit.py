@@ -1,18 +1,17 @@
 """Audits of a reducer's part (``net/averaging/audit.py``): a segment of a real
 PartReduction's result recomputed from its senders' signed bytes, passing when the reducer
 was honest, naming it when it was not, and naming a sender that shows other bytes than it
-signed."""
+signed; with silent contributors, the result held within what their signed norms allow."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
 from swarmloco.core.aggregate import AggregatorConfig
-from swarmloco.core.codec import CodecConfig, blocks_norm_sq, chunk_spans, quantize
+from swarmloco.core.codec import CodecConfig, chunk_spans, quantize
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.audit import (
     Audit,
@@ -24,6 +23,7 @@ from swarmloco.net.averaging.audit import (
     recompute,
     root_of,
     segment_hashes,
+    segment_norms,
     segment_span,
     segments_of,
 )
@@ -52,16 +52,24 @@ class Reduced:
     bound: float
 
 
-def _signed_part(sender: int, index: int, root: bytes, norm_sq: float) -> bytes:
+def _signed_part(sender: int, index: int, root: bytes, norms) -> bytes:
     return wire.statement_payload(
-        GROUP, ROUND, REDUCER, PART, EPOCH, sender=sender, index=index, root=root, norm_sq=norm_sq
+        GROUP,
+        ROUND,
+        REDUCER,
+        PART,
+        EPOCH,
+        sender=sender,
+        index=index,
+        root=root,
+        norms=wire.packed_norms(norms),
     )
 
 
-def _signed(key: Identity, sender: int, index: int, root: bytes, norm_sq: float) -> Statement:
+def _signed(key: Identity, sender: int, index: int, root: bytes, norms) -> Statement:
     """``sender``'s statement of chunk ``index``, signed with ``key``."""
-    signature = key.sign(wire.STATEMENT_DOMAIN, _signed_part(sender, index, root, norm_sq))
-    return Statement(sender, index, root, norm_sq, signature)
+    signature = key.sign(wire.STATEMENT_DOMAIN, _signed_part(sender, index, root, norms))
+    return Statement(sender, index, root, tuple(norms), signature)
 
 
 def _statement(key: Identity, sender: int, index: int, payload, scales, codec) -> Statement:
@@ -72,11 +80,19 @@ def _statement(key: Identity, sender: int, index: int, payload, scales, codec) -
         scale_bytes=codec.scale_bytes,
     )
     return _signed(
-        key, sender, index, root_of(hashes), blocks_norm_sq(payload, scales, codec.block_size)
+        key, sender, index, root_of(hashes), segment_norms(payload, scales, codec.block_size)
     )
 
 
-def _reduce(method: str = "mean", *, scale_dtype: str = "float32", seed: int = 0) -> Reduced:
+def _reduce(
+    method: str = "mean",
+    *,
+    scale_dtype: str = "float32",
+    seed: int = 0,
+    reversed_by_reducer: int | None = None,
+) -> Reduced:
+    """One part reduced; ``reversed_by_reducer``: a sender whose slice the reducer counts
+    reversed (the same norm), its statements and slices left as it signed them."""
     # 16-value blocks, 40 blocks a chunk (three segments, the last short), three chunks.
     scale_bytes = 4 if scale_dtype == "float32" else 2
     codec = CodecConfig(
@@ -114,7 +130,8 @@ def _reduce(method: str = "mean", *, scale_dtype: str = "float32", seed: int = 0
             scales = s[span.first_block : span.first_block + span.blocks]
             chunks.append((payload, scales))
             statements.append(_statement(keys[sender], sender, span.index, payload, scales, codec))
-            reduction.accept(sender, span.index, payload, scales, 0.0, remote=sender != REDUCER)
+            counted = -payload if sender == reversed_by_reducer else payload
+            reduction.accept(sender, span.index, counted, scales, 0.0, remote=sender != REDUCER)
         slices[sender] = chunks
     results = []
     while reduction.ready():
@@ -127,7 +144,7 @@ def _reduce(method: str = "mean", *, scale_dtype: str = "float32", seed: int = 0
 def _audit(reduced: Reduced, index: int, segment: int) -> Audit:
     def check(statement: Statement) -> bool:
         sender = statement.sender
-        signed = _signed_part(sender, statement.index, statement.root, statement.norm_sq)
+        signed = _signed_part(sender, statement.index, statement.root, statement.norms)
         key = reduced.keys[sender].public_key
         return verify(key, statement.signature, wire.STATEMENT_DOMAIN, signed)
 
@@ -175,11 +192,23 @@ def _result_segment(reduced: Reduced, index: int, segment: int, payload=None, sc
     return payload[first * block : (first + count) * block], scales[first : first + count]
 
 
-def _run(reduced: Reduced, index: int, segment: int, *, payload=None, scales=None, pieces=None):
+def _run(
+    reduced: Reduced,
+    index: int,
+    segment: int,
+    *,
+    payload=None,
+    scales=None,
+    pieces=None,
+    silent=(),
+):
     audit = _audit(reduced, index, segment)
     assert audit.take_statements(reduced.statements) is None
     for sender in range(MEMBERS):
-        audit.take_piece((pieces or {}).get(sender) or _piece(reduced, sender, index, segment))
+        if sender not in silent:
+            audit.take_piece((pieces or {}).get(sender) or _piece(reduced, sender, index, segment))
+    assert audit.ready == (not silent)
+    audit.hush(silent)
     assert audit.ready
     return audit.verdict(*_result_segment(reduced, index, segment, payload, scales))
 
@@ -261,7 +290,9 @@ def test_the_reducers_answer_must_show_every_counted_chunk_signed_and_within_the
     outcome = _audit(reduced, 0, 0).take_statements(missing)
     assert outcome is not None and outcome.liar == REDUCER and "lacks" in outcome.reason
     forged = [
-        dataclasses.replace(s, norm_sq=s.norm_sq / 4) if (s.sender, s.index) == (1, 0) else s
+        dataclasses.replace(s, norms=tuple(n / 4 for n in s.norms))
+        if (s.sender, s.index) == (1, 0)
+        else s
         for s in reduced.statements
     ]
     outcome = _audit(reduced, 0, 0).take_statements(forged)
@@ -270,7 +301,7 @@ def test_the_reducers_answer_must_show_every_counted_chunk_signed_and_within_the
     # sign it, and the sum of their norms gives it away.
     key = reduced.keys[REDUCER]
     big = [
-        _signed(key, REDUCER, s.index, s.root, (reduced.bound * 2) ** 2)
+        _signed(key, REDUCER, s.index, s.root, [(reduced.bound * 2) ** 2, *s.norms[1:]])
         if s.sender == REDUCER
         else s
         for s in reduced.statements
@@ -279,11 +310,16 @@ def test_the_reducers_answer_must_show_every_counted_chunk_signed_and_within_the
     assert outcome is not None and outcome.liar == REDUCER and "above" in outcome.reason
 
 
-def test_a_segment_larger_than_its_signed_chunk_norm_is_its_senders_lie() -> None:
+def test_a_segment_measuring_other_than_its_signed_norm_names_the_reducer_that_counted_it():
+    # The sender signed its bytes' root with norms a thousand times too small: an honest
+    # reducer measures every segment it takes in and strikes such a sender, so one that
+    # counted the chunk did not check it (a silent sender's signed norms bound the result).
     reduced = _reduce()
     key = reduced.keys[1]
     small = [
-        _signed(key, 1, 0, s.root, s.norm_sq / 1000) if (s.sender, s.index) == (1, 0) else s
+        _signed(key, 1, 0, s.root, [n / 1000 for n in s.norms])
+        if (s.sender, s.index) == (1, 0)
+        else s
         for s in reduced.statements
     ]
     audit = _audit(reduced, 0, 0)
@@ -291,8 +327,49 @@ def test_a_segment_larger_than_its_signed_chunk_norm_is_its_senders_lie() -> Non
     for sender in range(MEMBERS):
         audit.take_piece(_piece(reduced, sender, 0, 0))
     outcome = audit.verdict(*_result_segment(reduced, 0, 0))
-    assert outcome.liar == 1 and "measures more" in outcome.reason
-    assert math.isfinite(reduced.bound)
+    assert outcome.liar == REDUCER and "where its sender signed" in outcome.reason
+    # A statement with another number of segment norms than the chunk has, alike.
+    short = [
+        _signed(key, 1, 0, s.root, s.norms[:-1]) if (s.sender, s.index) == (1, 0) else s
+        for s in reduced.statements
+    ]
+    audit = _audit(reduced, 0, 0)
+    assert audit.take_statements(short) is None
+    for sender in range(MEMBERS):
+        audit.take_piece(_piece(reduced, sender, 0, 0))
+    outcome = audit.verdict(*_result_segment(reduced, 0, 0))
+    assert outcome.liar == REDUCER and "segment norms" in outcome.reason
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean"])
+@pytest.mark.parametrize("silent", [(1,), (1, 3), (0, 2, 3)])
+def test_every_segment_of_an_honest_reduction_passes_with_silent_contributors(
+    method: str, silent: tuple[int, ...]
+) -> None:
+    reduced = _reduce(method)
+    for index, span in enumerate(reduced.spans):
+        for segment in range(segments_of(span.blocks)):
+            outcome = _run(reduced, index, segment, silent=silent)
+            assert outcome.liar is None, (index, segment, outcome.reason)
+            assert "silent members" in outcome.reason
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean"])
+def test_a_silent_member_buys_the_reducer_no_more_than_its_own_slice(method: str) -> None:
+    # The reducer counts member 2's slice reversed (what a colluder could have sent, the
+    # same norm) and member 2 never answers: every segment passes. Had member 2 answered,
+    # its segment would give the lie away; a reversed result is past any silent reach.
+    reduced = _reduce(method, reversed_by_reducer=2)
+    caught = 0
+    for index, span in enumerate(reduced.spans):
+        for segment in range(segments_of(span.blocks)):
+            assert _run(reduced, index, segment, silent=(2,)).liar is None
+            caught += _run(reduced, index, segment).liar == REDUCER
+            payload, _scales, _ = reduced.results[index]
+            outcome = _run(reduced, index, segment, payload=-payload, silent=(0,))
+            assert outcome.liar == REDUCER, (index, segment)
+            assert "past the" in outcome.reason
+    assert caught == sum(segments_of(span.blocks) for span in reduced.spans)
 
 
 def test_a_segment_answer_of_another_size_is_refused():

@@ -31,7 +31,8 @@ def test_chunks_match_the_generated_code_byte_for_byte():
     assert ours == pb.AggregateRequest(chunk=chunk).SerializeToString()
     parsed = pb.AggregateRequest.FromString(ours)
     assert parsed.chunk == chunk
-    # With the sender's statement (a signature and the squared norm, a double).
+    # With the sender's statement (a signature and its segments' squared norms, doubles).
+    norms = wire.packed_norms([1234.5, 0.0, 2.5e-7])
     stated = wire.encode_chunk(
         group_id=b"g" * 16,
         round=7,
@@ -41,13 +42,16 @@ def test_chunks_match_the_generated_code_byte_for_byte():
         payload=payload,
         scales=scales,
         signature=b"s" * 64,
-        norm_sq=1234.5,
+        norms=norms,
     )
-    chunk.signature, chunk.norm_sq = b"s" * 64, 1234.5
+    chunk.signature, chunk.norms = b"s" * 64, norms
     assert stated == pb.AggregateRequest(chunk=chunk).SerializeToString()
     back = wire.decode_request(stated)
     assert isinstance(back, wire.ChunkMessage)
-    assert (back.signature, back.norm_sq, back.index) == (b"s" * 64, 1234.5, 300)
+    assert (back.signature, back.norms, back.index) == (b"s" * 64, norms, 300)
+    assert wire.norms_of(back.norms) == (1234.5, 0.0, 2.5e-7)
+    with pytest.raises(Rejection):
+        wire.norms_of(norms[:-1])
     # Zero fields (part 0, epoch 0, index 0) are left out, as protobuf does.
     zero = wire.encode_chunk(
         group_id=b"g", round=0, part=0, epoch=0, index=0, payload=payload, scales=scales

@@ -4,10 +4,13 @@ bytes (docs/DESIGN.md section 5, step 6). No I/O.
 Seals prove that every member got the same result of a part, not that the result is the
 aggregate of what its senders sent. An audit checks that: every chunk a sender sends comes
 with its *statement*, the sender's signature over the chunk's *root* (a hash of the hashes
-of its *segments*, :data:`SEGMENT_BLOCKS` codec blocks each, payload and scales) and its
-squared norm, and an auditor draws one chunk and one segment of it in private, once the
-part's results and seal are out, and recomputes that segment's aggregate from every
-contributor's segment, each checked against the root its sender signed.
+of its *segments*, :data:`SEGMENT_BLOCKS` codec blocks each, payload and scales) and the
+squared norm of each segment, and an auditor draws one chunk and one segment of it in
+private, once the part's results and seal are out, and recomputes that segment's
+aggregate from every contributor's segment, each checked against the root and the norm
+its sender signed. A contributor that does not answer is *silent*: its row counts as zeros
+and the result may lie as far from that as its signed norm lets it move the aggregate
+(:func:`reach`).
 
 This module holds the pure pieces: segments and roots (:func:`segment_hashes`,
 :func:`root_of`), the statement (:class:`Statement`), the recomputation and its tolerance
@@ -23,6 +26,8 @@ quantized; the auditor's, a float64 sum in member order. The decoded result is w
 half a quantization step of the reducer's mean, plus the rounding of the step itself when
 scales travel as 16-bit floats (a value may be clamped at 127 steps), plus the float32
 sum's rounding: :func:`excess` measures how far past that a result lies, 0 when within.
+With silent contributors, :func:`beyond` holds the result to the recomputed aggregate in L2
+within their reach plus the L2 norm of that rounding.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -72,6 +77,24 @@ def segment_hashes(
     return hashes
 
 
+def segment_norms(payload: torch.Tensor, scales: torch.Tensor, block_size: int) -> list[float]:
+    """The squared norm of what each segment of a chunk (int8 ``payload`` under its block
+    ``scales``) decodes to, as :func:`~swarmloco.core.codec.blocks_norm_sq` measures a
+    chunk's."""
+    per_block = torch.linalg.vector_norm(payload.view(-1, block_size).to(torch.float32), dim=1)
+    squares = per_block.double().square().mul_(scales.double().square())
+    pad = -squares.numel() % SEGMENT_BLOCKS
+    if pad:
+        squares = torch.nn.functional.pad(squares, (0, pad))
+    return squares.view(-1, SEGMENT_BLOCKS).sum(dim=1).tolist()
+
+
+def norms_match(measured: float, signed: float) -> bool:
+    """Whether a squared norm measured from bytes is the one their sender signed, to the
+    rounding of two machines' sums."""
+    return math.isclose(measured, signed, rel_tol=1e-5, abs_tol=1e-30)
+
+
 def root_of(hashes: Sequence[bytes]) -> bytes:
     """A chunk's root: the hash of its segments' hashes, in order."""
     return hashlib.sha256(b"".join(hashes)).digest()[:ROOT_BYTES]
@@ -86,13 +109,18 @@ def segment_span(segment: int, blocks: int) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Statement:
     """What a sender signed about one chunk it sent a reducer: the chunk's root and the
-    squared norm of what it decodes to."""
+    squared norm of what each of its segments decodes to."""
 
     sender: int
     index: int
     root: bytes
-    norm_sq: float
+    norms: tuple[float, ...]
     signature: bytes
+
+    @property
+    def norm_sq(self) -> float:
+        """The chunk's squared norm: its segments'."""
+        return math.fsum(self.norms)
 
 
 def stated(
@@ -104,7 +132,7 @@ def stated(
     sender: int,
     index: int,
     root: bytes,
-    norm_sq: float,
+    norms: Sequence[float],
 ) -> bytes:
     """What ``sender`` of ``group`` signs about its chunk ``index`` of ``part`` at ``epoch``
     for ``reducer`` (``wire.statement_payload`` under the group's id and round)."""
@@ -117,7 +145,7 @@ def stated(
         sender=sender,
         index=index,
         root=root,
-        norm_sq=norm_sq,
+        norms=wire.packed_norms(norms),
     )
 
 
@@ -133,7 +161,7 @@ def signed_by_sender(
         sender=statement.sender,
         index=statement.index,
         root=statement.root,
-        norm_sq=statement.norm_sq,
+        norms=statement.norms,
     )
     key = group.members[statement.sender].public_key
     return verify(key, statement.signature, wire.STATEMENT_DOMAIN, signed)
@@ -156,7 +184,7 @@ def restated(
     try:
         payload = wire.tensor_from(chunk.payload, torch.int8)
         scales = wire.tensor_from(chunk.scales, codec.scale_torch_dtype)
-        norm_sq = blocks_norm_sq(payload, scales, codec.block_size)
+        norms = wire.packed_norms(segment_norms(payload, scales, codec.block_size))
     except (RuntimeError, ValueError):
         return message
     hashes = segment_hashes(
@@ -171,7 +199,7 @@ def restated(
         sender=sender,
         index=chunk.index,
         root=root_of(hashes),
-        norm_sq=norm_sq,
+        norms=norms,
     )
     return wire.encode_chunk(
         group_id=chunk.group_id,
@@ -182,7 +210,7 @@ def restated(
         payload=payload,
         scales=scales,
         signature=sign(wire.STATEMENT_DOMAIN, signed),
-        norm_sq=norm_sq,
+        norms=norms,
     )
 
 
@@ -238,6 +266,21 @@ def recompute(
     return out.div_(total)
 
 
+def _rounding(scales: torch.Tensor, largest: torch.Tensor, codec: CodecConfig) -> torch.Tensor:
+    """How far the codec may round each value of a result under ``scales`` (one row per
+    block), whose inputs reach ``largest`` in absolute value per block."""
+    step = scales.to(torch.float64).view(-1, 1)
+    eps = torch.finfo(codec.scale_torch_dtype).eps
+    return step * (0.5 + (QMAX + 1) * eps) * 1.001 + _SUM_ROUNDING * largest
+
+
+def _largest(rows: Sequence[torch.Tensor], block_size: int, floor: float = 0.0) -> torch.Tensor:
+    """Per block of ``rows``, the largest absolute value any of them holds (at least
+    ``floor``)."""
+    largest = torch.stack([row.abs() for row in rows]).amax(dim=0).view(-1, block_size)
+    return largest.amax(dim=1, keepdim=True).clamp_(min=floor)
+
+
 def excess(
     payload: torch.Tensor,
     scales: torch.Tensor,
@@ -253,15 +296,51 @@ def excess(
     got = decoded(payload, scales, block).view(-1, block)
     want = expected.view(-1, block)
     step = scales.to(torch.float64).view(-1, 1)
-    eps = torch.finfo(codec.scale_torch_dtype).eps
-    largest = torch.stack([row.abs() for row in rows]).amax(dim=0).view(-1, block)
-    largest = largest.amax(dim=1, keepdim=True)
-    allowed = step * (0.5 + (QMAX + 1) * eps) * 1.001 + _SUM_ROUNDING * largest
+    allowed = _rounding(scales, _largest(rows, block), codec)
     over = (got - want).abs() - allowed
     if not over.numel() or float(over.max()) <= 0:
         return 0.0
     steps = torch.where(over > 0, over / step, torch.zeros_like(over))  # inf where step 0
     return float(steps.max())
+
+
+def reach(
+    silent: Mapping[int, float],
+    contributors: Sequence[int],
+    weights: Sequence[float],
+    aggregator: AggregatorConfig,
+) -> float:
+    """How far (L2) the aggregate of a segment can move when each ``silent`` contributor's
+    row, of squared norm at most ``silent[member]``, is taken as zeros: its weight's share
+    of its norm under the mean; under the trimmed mean, its norm over the number of values
+    kept (moving one input by ``d`` moves a kept sum by at most ``d``)."""
+    if aggregator.method == "trimmed_mean":
+        m = len(contributors)
+        kept = m - 2 * min(aggregator.trim, (m - 1) // 2)
+        return math.fsum(math.sqrt(n) for n in silent.values()) / kept
+    total = math.fsum(weights[c] for c in contributors)
+    return math.fsum(weights[c] * math.sqrt(n) for c, n in silent.items()) / total
+
+
+def beyond(
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    expected: torch.Tensor,
+    rows: Sequence[torch.Tensor],
+    codec: CodecConfig,
+    *,
+    within: float,
+    largest: float,
+) -> tuple[float, float]:
+    """The L2 distance of the result (``payload`` under ``scales``) from ``expected`` and
+    the most it may be: ``within`` (a :func:`reach`) plus the L2 norm of the codec's
+    rounding of every value (``rows``: the rows recomputed from, silent ones as zeros,
+    whose values reach at most ``largest``)."""
+    block = codec.block_size
+    got = decoded(payload, scales, block)
+    distance = float(torch.linalg.vector_norm(got - expected))
+    rounding = _rounding(scales, _largest(rows, block, largest), codec).expand(-1, block)
+    return distance, within * (1 + 1e-6) + float(torch.linalg.vector_norm(rounding))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -315,11 +394,19 @@ class Audit:
         self._verify = verify
         self.statements: dict[int, list[Statement]] | None = None
         self.pieces: dict[int, Piece] = {}
+        self.silent: set[int] = set()
+        """Contributors that will not answer (no stream to us, or out of time)."""
 
     @property
     def ready(self) -> bool:
-        """Whether every statement and every contributor's segment is in."""
-        return self.statements is not None and all(c in self.pieces for c in self.contributors)
+        """Whether every statement is in, and every contributor's segment or silence."""
+        return self.statements is not None and all(
+            c in self.pieces or c in self.silent for c in self.contributors
+        )
+
+    def hush(self, members: Iterable[int]) -> None:
+        """``members`` will not answer: the verdict bounds their segments by their norms."""
+        self.silent.update(m for m in members if m in self.contributors and m not in self.pieces)
 
     def take_statements(self, statements: Sequence[Statement]) -> Outcome | None:
         """The reducer's answer: every statement of every sender of the part. An answer
@@ -339,8 +426,7 @@ class Audit:
             for statement in mine:
                 if (
                     len(statement.root) != ROOT_BYTES
-                    or not math.isfinite(statement.norm_sq)
-                    or statement.norm_sq < 0
+                    or not all(math.isfinite(n) and n >= 0 for n in statement.norms)
                     or not self._verify(statement)
                 ):
                     return Outcome(
@@ -365,54 +451,99 @@ class Audit:
         return None
 
     def take_piece(self, piece: Piece) -> None:
-        if piece.sender in self.contributors:
+        if piece.sender in self.contributors and piece.sender not in self.silent:
             self.pieces[piece.sender] = piece
 
     def verdict(self, payload: torch.Tensor, scales: torch.Tensor) -> Outcome:
         """Once :attr:`ready`: whether the result segment (``payload`` under ``scales``,
-        as received) is the aggregate of the contributors' segments."""
+        as received) is the aggregate of the contributors' segments, or, with silent
+        contributors, within their reach of the aggregate of the others'."""
         assert self.ready and self.statements is not None
         codec = self.codec
         first, count = segment_span(self.segment, self.blocks)
         rows = []
+        silent: dict[int, float] = {}
         for sender in self.contributors:
-            piece = self.pieces[sender]
             signed = self.statements.get(sender, [])
             if len(signed) <= self.index:
                 return Outcome(
                     self.reducer, f"it named member {sender} in chunk {self.index} uncounted"
                 )
             statement = signed[self.index]
-            if len(piece.hashes) != segments_of(self.blocks) or root_of(piece.hashes) != (
-                statement.root
-            ):
-                return Outcome(sender, "its segment hashes are not the chunk it signed")
-            mine = segment_hashes(
-                piece.payload.numpy().tobytes(),
-                piece.scales.numpy().tobytes(),
-                block_size=codec.block_size,
-                scale_bytes=codec.scale_bytes,
-            )
-            if (
-                piece.scales.numel() != count
-                or piece.payload.numel() != count * codec.block_size
-                or mine != [piece.hashes[self.segment]]
-            ):
-                return Outcome(sender, "its segment is not the one it signed")
-            norm_sq = blocks_norm_sq(piece.payload, piece.scales, codec.block_size)
-            if norm_sq > statement.norm_sq * (1 + 1e-5) + 1e-30:
-                return Outcome(sender, "its segment measures more than the chunk it signed")
+            if len(statement.norms) != segments_of(self.blocks):
+                return Outcome(
+                    self.reducer,
+                    f"it counted member {sender}'s chunk {self.index} with "
+                    f"{len(statement.norms)} segment norms, not {segments_of(self.blocks)}",
+                )
+            norm_sq = statement.norms[self.segment]
+            piece = self.pieces.get(sender)
+            if piece is None:  # silent: zeros, within its signed norm
+                silent[sender] = norm_sq
+                rows.append(torch.zeros(count * codec.block_size, dtype=torch.float64))
+                continue
+            outcome = self._check_piece(piece, statement, count)
+            if outcome is not None:
+                return outcome
             rows.append(decoded(piece.payload, piece.scales, codec.block_size))
         expected = recompute(rows, [self.weights[c] for c in self.contributors], self.aggregator)
-        off = excess(payload, scales, expected, rows, codec)
-        if off > 0:
+        where = (
+            f"chunk {self.index} of part {self.part} (segment {self.segment}, "
+            f"blocks {first}-{first + count - 1})"
+        )
+        if not silent:
+            off = excess(payload, scales, expected, rows, codec)
+            if off > 0:
+                return Outcome(
+                    self.reducer,
+                    f"{where} is not its senders' aggregate ({off:.3g} steps past the rounding)",
+                )
+            return Outcome(None, "")
+        within = reach(silent, self.contributors, self.weights, self.aggregator)
+        largest = math.sqrt(max(silent.values()))
+        distance, allowed = beyond(
+            payload, scales, expected, rows, codec, within=within, largest=largest
+        )
+        if distance > allowed:
             return Outcome(
                 self.reducer,
-                f"chunk {self.index} of part {self.part} is not its senders' aggregate "
-                f"(segment {self.segment}, blocks {first}-{first + count - 1}: "
-                f"{off:.3g} steps past the rounding)",
+                f"{where} lies {distance:.3g} from its answering senders' aggregate, past the "
+                f"{allowed:.3g} its silent members {sorted(silent)} can move it",
             )
-        return Outcome(None, "")
+        return Outcome(None, f"within what silent members {sorted(silent)} can move it")
+
+    def _check_piece(self, piece: Piece, statement: Statement, count: int) -> Outcome | None:
+        """Whether ``piece`` is the segment its sender signed in ``statement``: a liar
+        named if not (the sender where its bytes are not those it signed; the reducer
+        where they are but their norm is not: it counted them all the same)."""
+        codec = self.codec
+        sender = piece.sender
+        if len(piece.hashes) != segments_of(self.blocks) or root_of(piece.hashes) != (
+            statement.root
+        ):
+            return Outcome(sender, "its segment hashes are not the chunk it signed")
+        mine = segment_hashes(
+            piece.payload.numpy().tobytes(),
+            piece.scales.numpy().tobytes(),
+            block_size=codec.block_size,
+            scale_bytes=codec.scale_bytes,
+        )
+        if (
+            piece.scales.numel() != count
+            or piece.payload.numel() != count * codec.block_size
+            or mine != [piece.hashes[self.segment]]
+        ):
+            return Outcome(sender, "its segment is not the one it signed")
+        norm_sq = blocks_norm_sq(piece.payload, piece.scales, codec.block_size)
+        signed = statement.norms[self.segment]
+        if not norms_match(norm_sq, signed):
+            return Outcome(
+                self.reducer,
+                f"it counted member {sender}'s chunk {self.index}, whose segment "
+                f"{self.segment} measures {norm_sq:.6g} squared where its sender signed "
+                f"{signed:.6g}",
+            )
+        return None
 
 
 @dataclasses.dataclass

@@ -21,7 +21,6 @@ from swarmloco.core.codec import (
     CodecConfig,
     Encoded,
     ErrorFeedback,
-    blocks_norm_sq,
     encoded_norm,
     l2_norm,
     quantize,
@@ -31,6 +30,7 @@ from swarmloco.net.averaging.audit import (
     Piece,
     root_of,
     segment_hashes,
+    segment_norms,
     segment_span,
     segments_of,
     stated,
@@ -49,11 +49,16 @@ Take = Callable[[int, torch.dtype], torch.Tensor]
 @dataclasses.dataclass(frozen=True, slots=True)
 class Hashed:
     """What a statement of one of our chunks says of it: its segments' hashes, its root and
-    its squared norm (``audit.py``)."""
+    its segments' squared norms (``audit.py``)."""
 
     hashes: tuple[bytes, ...]
     root: bytes
-    norm_sq: float
+    norms: tuple[float, ...]
+
+    @property
+    def norm_sq(self) -> float:
+        """The chunk's squared norm."""
+        return math.fsum(self.norms)
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
@@ -135,7 +140,7 @@ class Contribution:
         )
 
     def chunk_hashes(self, part: int, index: int) -> Hashed:
-        """The segment hashes, root and squared norm of our chunk ``index`` of ``part``
+        """The segment hashes, root and squared norms of our chunk ``index`` of ``part``
         (made once: every reducer of the part gets the same bytes)."""
         hashed = self._hashed.get((part, index))
         if hashed is None:
@@ -148,8 +153,8 @@ class Contribution:
                     scale_bytes=self._codec.scale_bytes,
                 )
             )
-            norm_sq = blocks_norm_sq(payload, scales, self._codec.block_size)
-            hashed = self._hashed[(part, index)] = Hashed(hashes, root_of(hashes), norm_sq)
+            norms = tuple(segment_norms(payload, scales, self._codec.block_size))
+            hashed = self._hashed[(part, index)] = Hashed(hashes, root_of(hashes), norms)
         return hashed
 
     def chunk_message(
@@ -175,7 +180,7 @@ class Contribution:
             sender=sender,
             index=index,
             root=hashed.root,
-            norm_sq=hashed.norm_sq,
+            norms=hashed.norms,
         )
         return wire.encode_chunk(
             group_id=group.group_id,
@@ -186,7 +191,7 @@ class Contribution:
             payload=payload,
             scales=scales,
             signature=sign(wire.STATEMENT_DOMAIN, signed),
-            norm_sq=hashed.norm_sq,
+            norms=wire.packed_norms(hashed.norms),
         )
 
     def piece(self, sender: int, part: int, index: int, segment: int) -> Piece:

@@ -19,10 +19,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarmloco.core.codec import blocks_norm_sq
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import wire
-from swarmloco.net.averaging.audit import root_of, segment_hashes, stated
+from swarmloco.net.averaging.audit import (
+    norms_match,
+    root_of,
+    segment_hashes,
+    segment_norms,
+    stated,
+)
 from swarmloco.net.averaging.contribution import Contribution
 from swarmloco.net.averaging.faults import Phase
 from swarmloco.net.averaging.group import Group
@@ -135,21 +140,21 @@ class Reductions:
                 ) from None
             signature = self._sign(
                 wire.STATEMENT_DOMAIN,
-                self._statement_payload(part, epoch, self._me, index, hashed.root, hashed.norm_sq),
+                self._statement_payload(part, epoch, self._me, index, hashed.root, hashed.norms),
             )
             self._statements[part].append(
                 pb.Statement(
                     sender=self._me,
                     index=index,
                     root=hashed.root,
-                    norm_sq=hashed.norm_sq,
+                    norms=wire.packed_norms(hashed.norms),
                     signature=signature,
                 )
             )
         return notice
 
     def _statement_payload(
-        self, part: int, epoch: int, sender: int, index: int, root: bytes, norm_sq: float
+        self, part: int, epoch: int, sender: int, index: int, root: bytes, norms: Sequence[float]
     ) -> bytes:
         return stated(
             self._group,
@@ -159,7 +164,7 @@ class Reductions:
             sender=sender,
             index=index,
             root=root,
-            norm_sq=norm_sq,
+            norms=norms,
         )
 
     def accept(self, sender: int, chunk: wire.ChunkMessage) -> None:
@@ -181,8 +186,9 @@ class Reductions:
                 scale_bytes=codec.scale_bytes,
             )
         )
+        signed_norms = wire.norms_of(chunk.norms)
         signed = self._statement_payload(
-            chunk.part, chunk.epoch, sender, chunk.index, root, chunk.norm_sq
+            chunk.part, chunk.epoch, sender, chunk.index, root, signed_norms
         )
         if not verify(
             self._group.members[sender].public_key, chunk.signature, wire.STATEMENT_DOMAIN, signed
@@ -191,14 +197,16 @@ class Reductions:
                 "bad-statement",
                 f"chunk {chunk.index} of part {chunk.part} is not the one its sender signed",
             )
-        norm_sq = blocks_norm_sq(payload, scales, codec.block_size)
-        if math.isfinite(norm_sq) and not math.isclose(
-            norm_sq, chunk.norm_sq, rel_tol=1e-5, abs_tol=1e-30
+        norms = segment_norms(payload, scales, codec.block_size)
+        norm_sq = math.fsum(norms)
+        if math.isfinite(norm_sq) and (
+            len(signed_norms) != len(norms) or not all(map(norms_match, norms, signed_norms))
         ):
             raise Rejection(
                 "bad-statement",
                 f"chunk {chunk.index} of part {chunk.part} measures {norm_sq:.6g} squared, "
-                f"its sender signed {chunk.norm_sq:.6g}",
+                f"its sender signed {math.fsum(signed_norms):.6g} over "
+                f"{len(signed_norms)} segments (not each as measured)",
             )
         measured = norm_sq if math.isfinite(norm_sq) else None
         if reduction.accept(sender, chunk.index, payload, scales, self._clock(), norm_sq=measured):
@@ -207,7 +215,7 @@ class Reductions:
                     sender=sender,
                     index=chunk.index,
                     root=root,
-                    norm_sq=chunk.norm_sq,
+                    norms=chunk.norms,
                     signature=chunk.signature,
                 )
             )

@@ -672,9 +672,9 @@ class RoundRun:
                 audit.take_piece(self.ours.piece(self.me, part, index, segment))
                 continue
             inc = self.incoming.streams.get(member)
-            if inc is None:  # it never opened its stream to us, or it ended
-                self._end_audit(part, Outcome(None, f"member {self.label(member)} is not here"))
-                return
+            if inc is None:  # it never opened its stream to us, or it ended: silent
+                audit.hush([member])
+                continue
             inc.send("fetch", fetch)
 
     def on_statements(self, reducer: int, answer: pb.Statements) -> None:
@@ -687,12 +687,15 @@ class RoundRun:
             return
         if audit.statements is not None:
             raise Rejection("malformed", "a second answer to one audit")
-        outcome = audit.take_statements(
-            [
-                Statement(s.sender, s.index, s.root, s.norm_sq, s.signature)
+        try:
+            statements = [
+                Statement(s.sender, s.index, s.root, wire.norms_of(s.norms), s.signature)
                 for s in answer.statements
             ]
-        )
+        except Rejection as rejection:
+            self.auditor.running.pop(answer.part, None)
+            raise Rejection("audit-failed", f"its audit answer: {rejection.reason}") from None
+        outcome = audit.take_statements(statements)
         if outcome is not None:
             self.auditor.running.pop(answer.part, None)
             raise Rejection("audit-failed", outcome.reason)
@@ -728,9 +731,10 @@ class RoundRun:
             self.a.stats["audits-passed" if not outcome.reason else "audits-unanswered"] += 1
             if outcome.reason:
                 logger.info(
-                    "round %d: audit of part %d left without a verdict: %s",
+                    "round %d: audit of part %d (reducer %s) passed, not whole: %s",
                     self.group.round,
                     part,
+                    self.label(audit.reducer),
                     outcome.reason,
                 )
             self.view.held.discard(part)
@@ -757,13 +761,14 @@ class RoundRun:
         self.changed.set()
 
     def _expire_audits(self, now: float) -> None:
-        """Audits whose contributors have not all answered within the senders' timeout end
-        without a verdict (a reducer that does not answer is the watch's: it lacks a part)."""
+        """Contributors that have not answered an audit within the senders' timeout are
+        silent, and the audit judged without their segments (a reducer that does not answer
+        is the watch's: it lacks a part)."""
         for part, running in list(self.auditor.running.items()):
             audit = running.audit
             if audit.statements is not None and now - running.started > self.cfg.sender_timeout_s:
-                silent = [self.label(m) for m in audit.contributors if m not in audit.pieces]
-                self._end_audit(part, Outcome(None, f"no segment from {silent}"))
+                audit.hush(audit.contributors)
+                self._conclude(part)
 
     # -- audits of our parts and our chunks -----------------------------------------------
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -161,8 +161,9 @@ class ChunkMessage:
     payload: memoryview
     scales: memoryview
     signature: bytes = b""
-    norm_sq: float = 0.0
-    """The sender's statement of the chunk: its signature, and the squared norm it claims."""
+    norms: bytes = b""
+    """The sender's statement of the chunk: its signature, and the squared norms it claims of
+    its segments (float64 little-endian, :func:`norms_of`)."""
 
 
 def encode_chunk(
@@ -175,7 +176,7 @@ def encode_chunk(
     payload: torch.Tensor,
     scales: torch.Tensor,
     signature: bytes = b"",
-    norm_sq: float = 0.0,
+    norms: bytes = b"",
 ) -> bytes:
     """``AggregateRequest{chunk: PartChunk{...}}`` with one copy of the tensors' bytes."""
     data, scale_data = _tensor_bytes(payload), _tensor_bytes(scales)
@@ -196,7 +197,8 @@ def encode_chunk(
             scale_data,
             _bytes_header(8, len(signature)),
             signature,
-            _key(9, _FIXED64) + struct.pack("<d", norm_sq) if norm_sq else b"",
+            _bytes_header(10, len(norms)),
+            norms,
         )
     )
     inner = len(head) + len(data) + len(tail)
@@ -271,7 +273,7 @@ def decode_request(data: bytes) -> ChunkMessage | pb.AggregateRequest:
             payload=_view(f, 6),
             scales=_view(f, 7),
             signature=bytes(_view(f, 8)),
-            norm_sq=struct.unpack("<d", _uint(f, 9).to_bytes(8, "little"))[0],
+            norms=bytes(_view(f, 10)),
         )
     try:
         return pb.AggregateRequest.FromString(data)
@@ -322,17 +324,29 @@ def statement_payload(
     sender: int,
     index: int,
     root: bytes,
-    norm_sq: float,
+    norms: bytes,
 ) -> bytes:
     """What a sender signs about one chunk it sent a reducer (its *statement*, see
     ``audit.py``): the group, the round, the sender, the reducer, the part, the epoch, the
-    chunk's index, its root and its squared norm."""
+    chunk's index, its root and its segments' squared norms (:func:`norms_of`)."""
     return (
         group_id
-        + struct.pack("<QIIIII", round, sender, reducer, part, epoch, index)
+        + struct.pack("<QIIIIIH", round, sender, reducer, part, epoch, index, len(root))
         + root
-        + struct.pack("<d", norm_sq)
+        + norms
     )
+
+
+def packed_norms(norms: Sequence[float]) -> bytes:
+    """Segments' squared norms as a statement carries them: float64 little-endian."""
+    return struct.pack(f"<{len(norms)}d", *norms)
+
+
+def norms_of(data: bytes) -> tuple[float, ...]:
+    """The squared norms a statement carries; Rejection if they are not whole float64s."""
+    if len(data) % 8:
+        raise Rejection("malformed", f"segment norms of {len(data)} bytes, not float64s")
+    return struct.unpack(f"<{len(data) // 8}d", data)
 
 
 def done_payload(group_id: bytes, round: int, member: int, seq: int, digest: bytes) -> bytes:

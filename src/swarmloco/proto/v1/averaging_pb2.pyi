@@ -95,7 +95,7 @@ class StreamHello(_message.Message):
     def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., sender: _Optional[int] = ..., reducer: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PartChunk(_message.Message):
-    __slots__ = ("group_id", "round", "part", "epoch", "index", "payload", "scales", "signature", "norm_sq")
+    __slots__ = ("group_id", "round", "part", "epoch", "index", "payload", "scales", "signature", "norms")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +104,7 @@ class PartChunk(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
-    NORM_SQ_FIELD_NUMBER: _ClassVar[int]
+    NORMS_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     round: int
     part: int
@@ -113,22 +113,22 @@ class PartChunk(_message.Message):
     payload: bytes
     scales: bytes
     signature: bytes
-    norm_sq: float
-    def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., norm_sq: _Optional[float] = ...) -> None: ...
+    norms: bytes
+    def __init__(self, group_id: _Optional[bytes] = ..., round: _Optional[int] = ..., part: _Optional[int] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., norms: _Optional[bytes] = ...) -> None: ...
 
 class Statement(_message.Message):
-    __slots__ = ("sender", "index", "root", "norm_sq", "signature")
+    __slots__ = ("sender", "index", "root", "signature", "norms")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
-    NORM_SQ_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    NORMS_FIELD_NUMBER: _ClassVar[int]
     sender: int
     index: int
     root: bytes
-    norm_sq: float
     signature: bytes
-    def __init__(self, sender: _Optional[int] = ..., index: _Optional[int] = ..., root: _Optional[bytes] = ..., norm_sq: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    norms: bytes
+    def __init__(self, sender: _Optional[int] = ..., index: _Optional[int] = ..., root: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., norms: _Optional[bytes] = ...) -> None: ...
 
 class Audit(_message.Message):
     __slots__ = ("part", "epoch")
