@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from avgutil import (
+    CODEC,
     FAST,
     PATIENT,
     SWARM,
@@ -548,6 +549,40 @@ async def test_a_reducer_whose_colluder_never_answers_audits_still_fails_them():
     got = honest[0].mean[part.start : part.stop]
     senders = torch.stack(vectors)[:, part.start : part.stop]
     assert torch.nn.functional.cosine_similarity(got, senders.mean(dim=0), dim=0) > 0.9
+
+
+async def test_a_reducer_spiking_one_chunk_of_a_large_part_fails_every_audit():
+    """3 sends every member the first of its part's 40 result chunks x20, the rest true:
+    within the part's bound (the part measures about 3.3 times the honest one), and on a
+    chunk an audit's recomputation draws 1 time in 40. Every auditor holds every segment
+    of the part to what its senders' signed norms allow there, whichever it drew, so 3
+    fails and its part is reduced again. (Before, the three honest auditors all missed it
+    about 93% of the time, and the round applied the spike.)"""
+    size, liar = 4, 3
+    spans = chunk_spans(64 * 4 * 40, CODEC)
+    assert len(spans) == 40
+    vectors = random_vectors(size, 64 * 4 * 40 * size, seed=18)
+    async with averaging_peers(size) as peers:
+        ids = _all_partners(peers)
+        round = _round_not_led_by(ids, {ids[liar]})
+        plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="spike")])
+        peers[liar].averager.faults = plan
+        results = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=30))
+        failed = [peer.averager.rejections.counts["audit-failed"] for peer in peers[:liar]]
+    assert plan.fired[0] > 0
+    honest = results[:liar]
+    assert all(isinstance(r, AllReduceResult) for r in honest), results
+    assert_identical(honest)
+    assert sum(failed) >= 1, failed
+    report = honest[0].report
+    assert ids[liar] not in {p.reducer for p in report.parts}
+    (part,) = [p for p in report.parts if p.part == report.members.index(ids[liar])]
+    assert part.epoch >= 1
+    counted = [i for i, peer in enumerate(ids) if part.included.get(peer) == part.chunks]
+    assert liar not in counted and len(counted) >= 2, part.included
+    got = honest[0].mean[part.start : part.stop]
+    senders = torch.stack([vectors[i] for i in counted])[:, part.start : part.stop].mean(dim=0)
+    assert torch.linalg.vector_norm(got - senders) < 0.02 * torch.linalg.vector_norm(senders)
 
 
 async def test_a_member_answering_an_audit_with_other_bytes_than_it_signed_is_struck():

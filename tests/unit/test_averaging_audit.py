@@ -15,10 +15,12 @@ from swarmloco.core.codec import CodecConfig, chunk_spans, quantize
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.audit import (
     Audit,
+    Claimed,
     Piece,
     Statement,
     decoded,
     excess,
+    measured,
     piece_of,
     recompute,
     root_of,
@@ -90,9 +92,11 @@ def _reduce(
     scale_dtype: str = "float32",
     seed: int = 0,
     reversed_by_reducer: int | None = None,
+    parallel: bool = False,
 ) -> Reduced:
     """One part reduced; ``reversed_by_reducer``: a sender whose slice the reducer counts
-    reversed (the same norm), its statements and slices left as it signed them."""
+    reversed (the same norm), its statements and slices left as it signed them;
+    ``parallel``: every sender's update one direction (its norm the sum of theirs)."""
     # 16-value blocks, 40 blocks a chunk (three segments, the last short), three chunks.
     scale_bytes = 4 if scale_dtype == "float32" else 2
     codec = CodecConfig(
@@ -121,8 +125,11 @@ def _reduce(
     )
     slices: dict[int, list] = {}
     statements = []
+    direction = torch.randn(numel, generator=generator)
     for sender in range(MEMBERS):
-        vector = torch.randn(numel, generator=generator) * (sender + 1)
+        if not parallel:
+            direction = torch.randn(numel, generator=generator)
+        vector = direction * (sender + 1)
         q, s = quantize(vector, codec)
         chunks = []
         for span in spans:
@@ -141,7 +148,11 @@ def _reduce(
     return Reduced(codec, aggregator, spans, slices, statements, results, keys, bound)
 
 
-def _audit(reduced: Reduced, index: int, segment: int) -> Audit:
+def _audit(reduced: Reduced, index: int, segment: int, received=None) -> Audit:
+    """The audit of ``segment`` of chunk ``index``; ``received``: per chunk, the result
+    the auditor got where it is not the reduction's (a lie)."""
+    received = received or {}
+
     def check(statement: Statement) -> bool:
         sender = statement.sender
         signed = _signed_part(sender, statement.index, statement.root, statement.norms)
@@ -154,8 +165,14 @@ def _audit(reduced: Reduced, index: int, segment: int) -> Audit:
         reducer=REDUCER,
         index=index,
         segment=segment,
-        blocks=reduced.spans[index].blocks,
-        contributors=reduced.results[index][2],
+        chunks=[
+            Claimed(
+                span.blocks,
+                tuple(reduced.results[i][2]),
+                measured(*received.get(i, reduced.results[i][:2]), reduced.codec.block_size),
+            )
+            for i, span in enumerate(reduced.spans)
+        ],
         included=dict.fromkeys(range(MEMBERS), len(reduced.spans)),
         weights=WEIGHTS,
         codec=reduced.codec,
@@ -202,7 +219,14 @@ def _run(
     pieces=None,
     silent=(),
 ):
-    audit = _audit(reduced, index, segment)
+    got_payload, got_scales, _ = reduced.results[index]
+    received = {
+        index: (
+            got_payload if payload is None else payload,
+            got_scales if scales is None else scales,
+        )
+    }
+    audit = _audit(reduced, index, segment, received)
     assert audit.take_statements(reduced.statements) is None
     for sender in range(MEMBERS):
         if sender not in silent:
@@ -214,11 +238,22 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    ("method", "scale_dtype"),
-    [("mean", "float32"), ("trimmed_mean", "float32"), ("mean", "float16")],
+    ("method", "scale_dtype", "parallel"),
+    [
+        ("mean", "float32", False),
+        ("trimmed_mean", "float32", False),
+        ("mean", "float16", False),
+        ("mean", "float32", True),
+        ("mean", "float16", True),
+        ("trimmed_mean", "float16", True),
+    ],
 )
-def test_every_segment_of_an_honest_reduction_passes(method: str, scale_dtype: str) -> None:
-    reduced = _reduce(method, scale_dtype=scale_dtype)
+def test_every_segment_of_an_honest_reduction_passes(
+    method: str, scale_dtype: str, parallel: bool
+) -> None:
+    # Parallel updates make the mean as long as its senders' norms allow (the tightest
+    # case of every segment's bound), to the rounding.
+    reduced = _reduce(method, scale_dtype=scale_dtype, parallel=parallel)
     for index, span in enumerate(reduced.spans):
         for segment in range(segments_of(span.blocks)):
             outcome = _run(reduced, index, segment)
@@ -264,6 +299,37 @@ def test_a_value_moved_two_steps_is_always_seen_and_one_step_may_not_be() -> Non
         assert 0.0 <= excess(lied, segment[1], expected, rows, reduced.codec) <= 1.001
         lied[at] = lied[at] + (1 if lied[at] < 100 else -1)
         assert excess(lied, segment[1], expected, rows, reduced.codec) >= 0.98
+
+
+@pytest.mark.parametrize("silent", [(), (2,)])
+def test_a_segment_zeroed_under_huge_scales_names_the_reducer(silent) -> None:
+    # Every value of a segment 0 under scales 1e4 times the honest ones is within half a
+    # step of anything: the rounding an audit allows counts no larger a step than an
+    # honest reducer's scale (the aggregate's largest value over 127).
+    reduced = _reduce()
+    payload, scales, _ = reduced.results[0]
+    for segment in range(3):
+        zeroed = torch.zeros_like(payload)
+        outcome = _run(reduced, 0, segment, payload=zeroed, scales=scales * 1e4, silent=silent)
+        assert outcome.liar == REDUCER, (segment, outcome.reason)
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean"])
+def test_a_segment_past_its_senders_signed_norms_names_the_reducer_in_every_audit(method):
+    # One segment of one chunk x20, the rest true: every audit, whichever chunk and segment
+    # it drew, holds every segment of the part to what its senders' signed norms allow.
+    # (The part's own bound let a lie on a few segments take the whole part's budget.)
+    reduced = _reduce(method)
+    payload, scales, _ = reduced.results[1]
+    values = decoded(payload, scales, reduced.codec.block_size)
+    values[16 * 16 : 32 * 16] *= 20  # segment 1 of chunk 1
+    lied = quantize(values.float(), reduced.codec)
+    for index, span in enumerate(reduced.spans):
+        for segment in range(segments_of(span.blocks)):
+            audit = _audit(reduced, index, segment, received={1: lied})
+            outcome = audit.take_statements(reduced.statements)
+            assert outcome is not None and outcome.liar == REDUCER, (index, segment)
+            assert "chunk 1 of part 0, segment 1, measures" in outcome.reason
 
 
 def test_a_sender_showing_other_bytes_than_it_signed_is_named_not_the_reducer() -> None:
@@ -333,12 +399,8 @@ def test_a_segment_measuring_other_than_its_signed_norm_names_the_reducer_that_c
         _signed(key, 1, 0, s.root, s.norms[:-1]) if (s.sender, s.index) == (1, 0) else s
         for s in reduced.statements
     ]
-    audit = _audit(reduced, 0, 0)
-    assert audit.take_statements(short) is None
-    for sender in range(MEMBERS):
-        audit.take_piece(_piece(reduced, sender, 0, 0))
-    outcome = audit.verdict(*_result_segment(reduced, 0, 0))
-    assert outcome.liar == REDUCER and "segment norms" in outcome.reason
+    outcome = _audit(reduced, 1, 0).take_statements(short)
+    assert outcome is not None and outcome.liar == REDUCER and "segment norms" in outcome.reason
 
 
 @pytest.mark.parametrize("method", ["mean", "trimmed_mean"])

@@ -10,7 +10,9 @@ private, once the part's results and seal are out, and recomputes that segment's
 aggregate from every contributor's segment, each checked against the root and the norm
 its sender signed. A contributor that does not answer is *silent*: its row counts as zeros
 and the result may lie as far from that as its signed norm lets it move the aggregate
-(:func:`reach`).
+(:func:`reach`). Before any segment comes, every segment of every result chunk of the part
+is held to what its contributors' signed norms let it measure (all of them silent), so
+a lie on segments no audit draws moves each no further than its senders could.
 
 This module holds the pure pieces: segments and roots (:func:`segment_hashes`,
 :func:`root_of`), the statement (:class:`Statement`), the recomputation and its tolerance
@@ -27,7 +29,9 @@ half a quantization step of the reducer's mean, plus the rounding of the step it
 scales travel as 16-bit floats (a value may be clamped at 127 steps), plus the float32
 sum's rounding: :func:`excess` measures how far past that a result lies, 0 when within.
 With silent contributors, :func:`beyond` holds the result to the recomputed aggregate in L2
-within their reach plus the L2 norm of that rounding.
+within their reach plus the L2 norm of that rounding (:func:`allowed_distance`). The step
+counted is never larger than an honest reducer's (the block's largest value over 127): a
+segment zeroed under huge scales is within half a step of anything.
 """
 
 from __future__ import annotations
@@ -266,12 +270,21 @@ def recompute(
     return out.div_(total)
 
 
-def _rounding(scales: torch.Tensor, largest: torch.Tensor, codec: CodecConfig) -> torch.Tensor:
-    """How far the codec may round each value of a result under ``scales`` (one row per
-    block), whose inputs reach ``largest`` in absolute value per block."""
-    step = scales.to(torch.float64).view(-1, 1)
+def _rounding(step: torch.Tensor, largest: torch.Tensor, codec: CodecConfig) -> torch.Tensor:
+    """How far the codec may round each value of a result block of scale ``step`` (one
+    row per block), whose inputs reach ``largest`` in absolute value per block."""
     eps = torch.finfo(codec.scale_torch_dtype).eps
     return step * (0.5 + (QMAX + 1) * eps) * 1.001 + _SUM_ROUNDING * largest
+
+
+def _honest_step(absmax: torch.Tensor | float, codec: CodecConfig) -> torch.Tensor | float:
+    """The most an honest reducer's scale can be for a block whose aggregate reaches
+    ``absmax`` (within the float32 sum's rounding, which the caller adds): its largest
+    value over :data:`QMAX`, rounded to the scales' dtype. A larger scale would widen the
+    rounding an audit allows (a segment zeroed under huge scales is within half a step of
+    anything), so the allowance never counts more than this."""
+    eps = torch.finfo(codec.scale_torch_dtype).eps
+    return absmax / QMAX * (1 + eps) * 1.001
 
 
 def _largest(rows: Sequence[torch.Tensor], block_size: int, floor: float = 0.0) -> torch.Tensor:
@@ -290,18 +303,43 @@ def excess(
 ) -> float:
     """How far past the codec's rounding the result (``payload`` under ``scales``) lies
     from ``expected``, the recomputed aggregate of ``rows``, at worst over its values, in
-    quantization steps of each value's own block (0: within; inf: a value off in a block
-    of scale 0; see the module docstring)."""
+    quantization steps of each value's own block, no larger than an honest one (0: within;
+    inf: a value off in a block of step 0; see the module docstring)."""
     block = codec.block_size
     got = decoded(payload, scales, block).view(-1, block)
     want = expected.view(-1, block)
-    step = scales.to(torch.float64).view(-1, 1)
-    allowed = _rounding(scales, _largest(rows, block), codec)
-    over = (got - want).abs() - allowed
+    largest = _largest(rows, block)
+    honest = _honest_step(want.abs().amax(dim=1, keepdim=True) + _SUM_ROUNDING * largest, codec)
+    step = torch.minimum(scales.to(torch.float64).view(-1, 1), honest)  # type: ignore[arg-type]
+    over = (got - want).abs() - _rounding(step, largest, codec)
     if not over.numel() or float(over.max()) <= 0:
         return 0.0
     steps = torch.where(over > 0, over / step, torch.zeros_like(over))  # inf where step 0
     return float(steps.max())
+
+
+def allowed_distance(
+    within: torch.Tensor,
+    *,
+    center: torch.Tensor,
+    scales_sq: torch.Tensor,
+    blocks: torch.Tensor,
+    largest: torch.Tensor,
+    codec: CodecConfig,
+) -> torch.Tensor:
+    """The most (L2) an honest result segment of ``blocks`` blocks, whose scales' squares
+    sum to ``scales_sq``, lies from an aggregate ``T0`` when the true aggregate is within
+    ``within`` of it: ``within``, plus the codec's rounding of every value under the
+    result's scales, counted no larger than an honest reducer's (``center``: the L2 norm
+    of ``T0``'s largest absolute value per block; ``largest``: the most any input value
+    reaches). One value per segment (float64 tensors of one shape)."""
+    block = codec.block_size
+    sum_rounding = _SUM_ROUNDING * largest
+    honest = _honest_step(center + within + sum_rounding * blocks.sqrt(), codec)
+    steps = torch.minimum(scales_sq.sqrt(), honest)  # type: ignore[arg-type]
+    eps = float(torch.finfo(codec.scale_torch_dtype).eps)
+    rounding = math.sqrt(block) * steps * (0.5 + (QMAX + 1) * eps) * 1.001
+    return within * (1 + 1e-6) + rounding + sum_rounding * (blocks * block).sqrt()
 
 
 def reach(
@@ -326,21 +364,48 @@ def beyond(
     payload: torch.Tensor,
     scales: torch.Tensor,
     expected: torch.Tensor,
-    rows: Sequence[torch.Tensor],
     codec: CodecConfig,
     *,
     within: float,
     largest: float,
 ) -> tuple[float, float]:
     """The L2 distance of the result (``payload`` under ``scales``) from ``expected`` and
-    the most it may be: ``within`` (a :func:`reach`) plus the L2 norm of the codec's
-    rounding of every value (``rows``: the rows recomputed from, silent ones as zeros,
-    whose values reach at most ``largest``)."""
+    the most it may be (:func:`allowed_distance`): ``within`` (a :func:`reach`) plus the
+    codec's rounding (``largest``: the most any input value reaches)."""
     block = codec.block_size
     got = decoded(payload, scales, block)
     distance = float(torch.linalg.vector_norm(got - expected))
-    rounding = _rounding(scales, _largest(rows, block, largest), codec).expand(-1, block)
-    return distance, within * (1 + 1e-6) + float(torch.linalg.vector_norm(rounding))
+    one = torch.ones((), dtype=torch.float64)
+    allowed = allowed_distance(
+        one * within,
+        center=torch.linalg.vector_norm(expected.view(-1, block).abs().amax(dim=1)),
+        scales_sq=scales.double().square().sum(),
+        blocks=one * scales.numel(),
+        largest=one * largest,
+        codec=codec,
+    )
+    return distance, float(allowed)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Measured:
+    """A result chunk as an auditor received it, per segment: the squared norm of what it
+    decodes to and the sum of its scales' squares."""
+
+    norms: torch.Tensor
+    scales_sq: torch.Tensor
+
+
+def measured(payload: torch.Tensor, scales: torch.Tensor, block_size: int) -> Measured:
+    """``payload`` under ``scales`` (a result chunk) measured per segment."""
+    squares = scales.double().square()
+    pad = -squares.numel() % SEGMENT_BLOCKS
+    if pad:
+        squares = torch.nn.functional.pad(squares, (0, pad))
+    return Measured(
+        torch.tensor(segment_norms(payload, scales, block_size), dtype=torch.float64),
+        squares.view(-1, SEGMENT_BLOCKS).sum(dim=1),
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -353,14 +418,29 @@ class Outcome:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Claimed:
+    """One result chunk of an audited part: its codec blocks, the members it names, and
+    what it measures (None: not received)."""
+
+    blocks: int
+    contributors: tuple[int, ...]
+    measured: Measured | None
+
+
 class Audit:
     """One auditor's audit of chunk ``index``, segment ``segment``, of ``part`` at
     ``epoch``, reduced by ``reducer`` (see the module docstring).
 
-    ``contributors``: the members chunk ``index``'s result names; ``included``: per sender
-    of the part, how many leading chunks include it (from the result bitmaps);
-    ``weights``: the group's; ``verify(statement)``: whether its sender signed
-    ``statement`` for this reducer, part and epoch."""
+    ``chunks``: every result chunk of the part; ``included``: per sender of the part, how
+    many leading chunks include it (from the result bitmaps); ``weights``: the group's;
+    ``verify(statement)``: whether its sender signed ``statement`` for this reducer, part
+    and epoch.
+
+    Two checks: once the reducer's statements are in, every segment of every result chunk
+    against what its contributors' signed norms let it measure (:meth:`take_statements`);
+    once every contributor of chunk ``index`` answered or fell silent, segment
+    ``segment`` recomputed from their bytes (:meth:`verdict`)."""
 
     def __init__(
         self,
@@ -370,8 +450,7 @@ class Audit:
         reducer: int,
         index: int,
         segment: int,
-        blocks: int,
-        contributors: Sequence[int],
+        chunks: Sequence[Claimed],
         included: Mapping[int, int],
         weights: Sequence[float],
         codec: CodecConfig,
@@ -384,8 +463,9 @@ class Audit:
         self.reducer = reducer
         self.index = index
         self.segment = segment
-        self.blocks = blocks
-        self.contributors = tuple(contributors)
+        self.chunks = tuple(chunks)
+        self.blocks = chunks[index].blocks
+        self.contributors = chunks[index].contributors
         self.included = dict(included)
         self.weights = weights
         self.codec = codec
@@ -448,6 +528,59 @@ class Audit:
                 self.reducer, f"its audit answer shows members it did not count: {extra}"
             )
         self.statements = by_sender
+        return self._bounded(by_sender)
+
+    def _bounded(self, by_sender: Mapping[int, list[Statement]]) -> Outcome | None:
+        """Every segment of every result chunk against the most its contributors' signed
+        norms let it measure (its aggregate within :func:`reach` of zeros, all silent),
+        plus the codec's rounding: a lie on a segment no audit draws is bounded by what
+        its senders sent there, not by what the whole part may measure."""
+        method = self.aggregator.method
+        for index, chunk in enumerate(self.chunks):
+            segments = segments_of(chunk.blocks)
+            signed = []
+            for member in chunk.contributors:
+                mine = by_sender.get(member, [])
+                if len(mine) <= index:
+                    return Outcome(
+                        self.reducer, f"it named member {member} in chunk {index} uncounted"
+                    )
+                if len(mine[index].norms) != segments:
+                    return Outcome(
+                        self.reducer,
+                        f"it counted member {member}'s chunk {index} with "
+                        f"{len(mine[index].norms)} segment norms, not {segments}",
+                    )
+                signed.append(mine[index].norms)
+            if chunk.measured is None or not signed:
+                continue
+            norms = torch.tensor(signed, dtype=torch.float64).sqrt_()  # contributors x segments
+            if method == "trimmed_mean":
+                m = len(signed)
+                within = norms.sum(dim=0) / (m - 2 * min(self.aggregator.trim, (m - 1) // 2))
+            else:
+                shares = torch.tensor([self.weights[c] for c in chunk.contributors])
+                within = (shares.double() / shares.double().sum()) @ norms
+            blocks = torch.full((segments,), float(SEGMENT_BLOCKS), dtype=torch.float64)
+            blocks[-1] = segment_span(segments - 1, chunk.blocks)[1]
+            allowed = allowed_distance(
+                within,
+                center=torch.zeros_like(within),
+                scales_sq=chunk.measured.scales_sq,
+                blocks=blocks,
+                largest=norms.amax(dim=0),
+                codec=self.codec,
+            )
+            got = chunk.measured.norms.sqrt()
+            over = (got > allowed).nonzero()
+            if over.numel():
+                segment = int(over[0])
+                return Outcome(
+                    self.reducer,
+                    f"chunk {index} of part {self.part}, segment {segment}, measures "
+                    f"{float(got[segment]):.3g}, past the {float(allowed[segment]):.3g} its "
+                    f"senders' signed norms allow",
+                )
         return None
 
     def take_piece(self, piece: Piece) -> None:
@@ -500,10 +633,8 @@ class Audit:
                 )
             return Outcome(None, "")
         within = reach(silent, self.contributors, self.weights, self.aggregator)
-        largest = math.sqrt(max(silent.values()))
-        distance, allowed = beyond(
-            payload, scales, expected, rows, codec, within=within, largest=largest
-        )
+        largest = max(math.sqrt(max(silent.values())), *(float(r.abs().max()) for r in rows))
+        distance, allowed = beyond(payload, scales, expected, codec, within=within, largest=largest)
         if distance > allowed:
             return Outcome(
                 self.reducer,
@@ -567,6 +698,7 @@ class Auditor:
         self._draw = draw
         self._picks: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._kept: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._measured: dict[tuple[int, int, int], dict[int, Measured]] = {}
         self._started: set[tuple[int, int, int]] = set()
         self.running: dict[int, Running] = {}
 
@@ -599,8 +731,11 @@ class Auditor:
         scales: torch.Tensor,
         block_size: int,
     ) -> None:
-        """A result chunk received: kept (its audited segment) if it is the one we picked."""
-        pick = self._picks.get((part, epoch, reducer))
+        """A result chunk received: measured per segment, and its audited segment kept if
+        it is the chunk we picked."""
+        key = (part, epoch, reducer)
+        self._measured.setdefault(key, {})[index] = measured(payload, scales, block_size)
+        pick = self._picks.get(key)
         if pick is None or pick[0] != index:
             return
         first, count = segment_span(pick[1], scales.numel())
@@ -611,3 +746,7 @@ class Auditor:
 
     def kept(self, part: int, epoch: int, reducer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._kept[(part, epoch, reducer)]
+
+    def measured(self, part: int, epoch: int, reducer: int, index: int) -> Measured | None:
+        """Result chunk ``index`` of this claim, as we measured it (None: not received)."""
+        return self._measured.get((part, epoch, reducer), {}).get(index)

@@ -11,7 +11,8 @@ a broken or hostile peer:
 * ``delay``: the message is sent ``seconds`` late;
 * ``cut``: the stream is torn down once more than ``after_bytes`` went out on it;
 * ``corrupt``: the message is altered (``nan`` scales, ``huge`` finite scales whose
-  values overflow float32 when decoded, ``amplify``: float32 scales x1000, ``flat``: every
+  values overflow float32 when decoded, ``amplify``: float32 scales x1000, ``spike``: a
+  part's first result chunk alone under float32 scales x20, ``flat``: every
   value +1 under scales of 1e4, ``negate``: every value reversed (the same norm),
   ``truncate``d payload, ``stale-round``, shifted ``index``: of a chunk, a result or an
   audit's ``segment`` (its hashes kept); for ``done`` and ``verdict``
@@ -70,7 +71,17 @@ Phase = Literal[
     "segment",
 ]
 Corruption = Literal[
-    "nan", "huge", "amplify", "flat", "negate", "truncate", "stale-round", "index", "bloat", "forge"
+    "nan",
+    "huge",
+    "amplify",
+    "spike",
+    "flat",
+    "negate",
+    "truncate",
+    "stale-round",
+    "index",
+    "bloat",
+    "forge",
 ]
 _ACTIONS = get_args(Action)
 _PHASES = get_args(Phase)
@@ -116,7 +127,11 @@ class Fault:
         require_int("after_bytes", self.after_bytes, minimum=0)
         if self.action == "corrupt":
             digests = self.corruption in ("bloat", "forge")
-            phases = ("done", "verdict") if digests else ("chunk", "result", "segment")
+            phases: tuple[str, ...] = (
+                ("done", "verdict") if digests else ("chunk", "result", "segment")
+            )
+            if self.corruption == "spike":
+                phases = ("result",)
             require(
                 self.phase in phases,
                 f"a {self.corruption} corruption applies to {' and '.join(phases)} messages",
@@ -295,6 +310,8 @@ def corrupt(
         )
     result = wire.decode_response(message)
     assert isinstance(result, wire.ResultMessage), "only result messages are corrupted"
+    if how == "spike" and result.index != 0:
+        return message
     payload = wire.tensor_from(result.payload, torch.int8)
     scales = wire.tensor_from(result.scales, torch.uint8)
     payload, scales = _corrupt_tensors(payload, scales, how)
@@ -318,6 +335,8 @@ def _corrupt_tensors(
         return payload, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if how == "amplify":  # float32 scales: the same values, a thousand times larger
         return payload, (scales.clone().view(torch.float32) * 1000).view(torch.uint8)
+    if how == "spike":  # float32 scales: the same values, twenty times larger
+        return payload, (scales.clone().view(torch.float32) * 20).view(torch.uint8)
     if how == "flat":  # +1 everywhere under large scales (float32, or float16's 1e4)
         word = struct.pack("<f", 1e4) if scales.numel() % 4 == 0 else struct.pack("<e", 1e4)
         raw = word * (scales.numel() // len(word))

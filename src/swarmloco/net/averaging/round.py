@@ -42,6 +42,7 @@ from swarmloco.net.averaging.audit import (
     AUDITED_METHODS,
     Audit,
     Auditor,
+    Claimed,
     Outcome,
     Running,
     Statement,
@@ -636,14 +637,21 @@ class RoundRun:
         blocks = [s.blocks for s in spans]
         index, segment = self.auditor.pick(part, claim.epoch, claim.reducer, blocks)
         payload, scales = self.auditor.kept(part, claim.epoch, claim.reducer)
+        chunks = [
+            Claimed(
+                span.blocks,
+                tuple(view.contributors(part, i)),
+                self.auditor.measured(part, claim.epoch, claim.reducer, i),
+            )
+            for i, span in enumerate(spans)
+        ]
         audit = Audit(
             part=part,
             epoch=claim.epoch,
             reducer=claim.reducer,
             index=index,
             segment=segment,
-            blocks=spans[index].blocks,
-            contributors=view.contributors(part, index),
+            chunks=chunks,
             included=view.included(part),
             weights=self.group.weights,
             codec=self.cfg.codec,
@@ -694,10 +702,12 @@ class RoundRun:
             ]
         except Rejection as rejection:
             self.auditor.running.pop(answer.part, None)
+            self.liars.add(reducer)
             raise Rejection("audit-failed", f"its audit answer: {rejection.reason}") from None
         outcome = audit.take_statements(statements)
-        if outcome is not None:
+        if outcome is not None:  # its answer, or a segment past its senders' norms
             self.auditor.running.pop(answer.part, None)
+            self.liars.add(reducer)
             raise Rejection("audit-failed", outcome.reason)
         self.watch.heard_result(reducer, self.a.clock())
         self._conclude(answer.part)
