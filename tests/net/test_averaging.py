@@ -23,10 +23,12 @@ from avgutil import (
     run_round,
 )
 
-from swarmloco.core.codec import ErrorFeedback, chunk_spans, dequantize, quantize
+from swarmloco.core.aggregate import AggregatorConfig
+from swarmloco.core.codec import CodecConfig, ErrorFeedback, chunk_spans, dequantize, quantize
 from swarmloco.core.grouping import capped_weights
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import AllReduceResult, Fault, FaultPlan, MatchmakingConfig
+from swarmloco.net.averaging.allreduce import AveragingConfig
 from swarmloco.net.averaging.matchmaking import leader_rank
 from swarmloco.net.deadline import Deadline
 
@@ -57,6 +59,25 @@ async def test_every_member_ends_with_the_same_exact_mean(size):
             assert all(n == p.chunks for p in report.parts for n in p.included.values())
             assert report.agreed == size and report.bytes_sent > 0
     await baseline.assert_back()
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean", "centered_clip"])
+async def test_parts_in_the_default_codecs_chunks_are_audited_under_every_aggregator(method):
+    """The default codec's chunks (1 MiB, 64 segments each, whose norms every statement
+    carries): every serving member audits each part another member reduced, every audit
+    passes, nothing is refused, and the round applies one result."""
+    codec = CodecConfig(backend="eager")
+    config = AveragingConfig(codec=codec, aggregator=AggregatorConfig(method=method))
+    size = 3
+    vectors = random_vectors(size, 3 * (1 << 20) + 4096, seed=21, block=codec.block_size)
+    async with averaging_peers(size, config=config) as peers:
+        results = ok(await run_round(peers, 1, vectors, [1.0] * size, timeout=60))
+        passed = [p.averager.stats["audits-passed"] for p in peers]
+        refused = [sum(p.averager.rejections.counts.values()) for p in peers]
+    assert_identical(results)
+    assert all(not r.report.excluded and not r.report.liars for r in results)
+    assert all(len(chunk_spans(p.stop - p.start, codec)) >= 2 for p in results[0].report.parts)
+    assert passed == [size - 1] * size and refused == [0] * size, (passed, refused)
 
 
 async def test_uneven_parts_and_client_mode_members():

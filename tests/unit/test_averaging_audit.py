@@ -246,6 +246,8 @@ def _run(
         ("mean", "float32", True),
         ("mean", "float16", True),
         ("trimmed_mean", "float16", True),
+        ("centered_clip", "float32", False),
+        ("centered_clip", "float16", True),
     ],
 )
 def test_every_segment_of_an_honest_reduction_passes(
@@ -314,11 +316,12 @@ def test_a_segment_zeroed_under_huge_scales_names_the_reducer(silent) -> None:
         assert outcome.liar == REDUCER, (segment, outcome.reason)
 
 
-@pytest.mark.parametrize("method", ["mean", "trimmed_mean"])
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean", "centered_clip"])
 def test_a_segment_past_its_senders_signed_norms_names_the_reducer_in_every_audit(method):
     # One segment of one chunk x20, the rest true: every audit, whichever chunk and segment
     # it drew, holds every segment of the part to what its senders' signed norms allow.
-    # (The part's own bound let a lie on a few segments take the whole part's budget.)
+    # (The part's own bound let a lie on a few segments take the whole part's budget;
+    # CenteredClip's parts were not audited at all.)
     reduced = _reduce(method)
     payload, scales, _ = reduced.results[1]
     values = decoded(payload, scales, reduced.codec.block_size)

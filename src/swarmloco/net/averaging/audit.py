@@ -56,8 +56,10 @@ SEGMENT_BLOCKS = 16
 """Codec blocks per segment: the unit an auditor checks (16 KiB of int8 at 1,024 a block)."""
 ROOT_BYTES = 16
 """A chunk's root, and each segment hash under it: SHA-256 cut to 16 bytes."""
-AUDITED_METHODS = ("mean", "trimmed_mean")
-"""Aggregators whose result is one coordinate at a time, so a segment recomputes alone."""
+RECOMPUTED_METHODS = ("mean", "trimmed_mean")
+"""Aggregators whose result is one coordinate at a time, so a segment recomputes alone.
+CenteredClip's parts are audited by their segments' bounds only (a convex combination of
+the rows, weighted alike in every segment of a chunk)."""
 _SUM_ROUNDING = 1e-5  # relative rounding of a float32 sum of a group's weighted values
 
 
@@ -435,7 +437,8 @@ class Audit:
     ``chunks``: every result chunk of the part; ``included``: per sender of the part, how
     many leading chunks include it (from the result bitmaps); ``weights``: the group's;
     ``verify(statement)``: whether its sender signed ``statement`` for this reducer, part
-    and epoch.
+    and epoch. Under an aggregator not in :data:`RECOMPUTED_METHODS`, only the first
+    check runs (:attr:`recomputed` is False).
 
     Two checks: once the reducer's statements are in, every segment of every result chunk
     against what its contributors' signed norms let it measure (:meth:`take_statements`);
@@ -472,6 +475,7 @@ class Audit:
         self.aggregator = aggregator
         self.norm_bound = norm_bound
         self._verify = verify
+        self.recomputed = aggregator.method in RECOMPUTED_METHODS
         self.statements: dict[int, list[Statement]] | None = None
         self.pieces: dict[int, Piece] = {}
         self.silent: set[int] = set()
@@ -479,9 +483,11 @@ class Audit:
 
     @property
     def ready(self) -> bool:
-        """Whether every statement is in, and every contributor's segment or silence."""
-        return self.statements is not None and all(
-            c in self.pieces or c in self.silent for c in self.contributors
+        """Whether every statement is in, and every contributor's segment or silence
+        (where the segment is recomputed)."""
+        return self.statements is not None and (
+            not self.recomputed
+            or all(c in self.pieces or c in self.silent for c in self.contributors)
         )
 
     def hush(self, members: Iterable[int]) -> None:
@@ -555,7 +561,9 @@ class Audit:
             if chunk.measured is None or not signed:
                 continue
             norms = torch.tensor(signed, dtype=torch.float64).sqrt_()  # contributors x segments
-            if method == "trimmed_mean":
+            if method == "centered_clip":  # a convex combination: no longer than its longest
+                within = norms.amax(dim=0)
+            elif method == "trimmed_mean":
                 m = len(signed)
                 within = norms.sum(dim=0) / (m - 2 * min(self.aggregator.trim, (m - 1) // 2))
             else:
@@ -592,6 +600,8 @@ class Audit:
         as received) is the aggregate of the contributors' segments, or, with silent
         contributors, within their reach of the aggregate of the others'."""
         assert self.ready and self.statements is not None
+        if not self.recomputed:
+            return Outcome(None, "")
         codec = self.codec
         first, count = segment_span(self.segment, self.blocks)
         rows = []

@@ -39,7 +39,6 @@ from swarmloco.core.codec import Encoded, ErrorFeedback
 from swarmloco.errors import RoundAborted
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.audit import (
-    AUDITED_METHODS,
     Audit,
     Auditor,
     Claimed,
@@ -217,7 +216,7 @@ class RoundRun:
             sign=averager.identity.sign,
         )
         self.auditor = Auditor(draw=secrets.randbelow)
-        self.auditing = cfg.audit and self.serving and cfg.aggregator.method in AUDITED_METHODS
+        self.auditing = cfg.audit and self.serving
         """Whether we audit the parts other members reduce (``audit.py``)."""
         self._answered: collections.Counter[tuple[str, int]] = collections.Counter()
         self.liars: set[int] = set()
@@ -629,8 +628,9 @@ class RoundRun:
     # -- audits we run (audit.py) ---------------------------------------------------------
 
     def _start_audit(self, part: int) -> None:
-        """``part`` is sealed: hold it, ask its reducer for its statements and every other
-        contributor of the chunk we picked for its segment."""
+        """``part`` is sealed: hold it, ask its reducer for its statements and (where the
+        aggregator's result recomputes a segment at a time) every other contributor of the
+        chunk we picked for its segment."""
         view = self.view
         claim = view.owner[part]
         spans = view.spans[part]
@@ -670,6 +670,8 @@ class RoundRun:
             self._end_audit(part, Outcome(None, "no stream to its reducer"))
             return
         to_reducer.send(("audit", wire.request(audit=pb.Audit(part=part, epoch=claim.epoch))))
+        if not audit.recomputed:  # CenteredClip: its segments' bounds alone
+            return
         fetch = wire.response(
             fetch=pb.Fetch(
                 reducer=claim.reducer, part=part, epoch=claim.epoch, index=index, segment=segment

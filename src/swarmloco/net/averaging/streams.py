@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc._cython import cygrpc
 
+from swarmloco.core.codec import ChunkSpan
 from swarmloco.errors import NetworkError
 from swarmloco.net.averaging import wire
-from swarmloco.net.averaging.audit import ROOT_BYTES
+from swarmloco.net.averaging.audit import ROOT_BYTES, segments_of
 from swarmloco.net.averaging.faults import FaultCut, Phase
 from swarmloco.net.averaging.view import PART_HASH_BYTES, RESULT_DIGEST_BYTES, Claim
 from swarmloco.net.identity import SIGNATURE_BYTES
@@ -31,8 +32,16 @@ SEAL_BYTES = PART_HASH_BYTES + SIGNATURE_BYTES + 24
 
 
 STATEMENT_BYTES = 2 * ROOT_BYTES + SIGNATURE_BYTES + 32
-"""The most a kept ``Statement`` takes on the wire (two numbers, a root, a norm and a
-signature, with room to spare)."""
+"""The most a kept ``Statement`` takes on the wire beside its segments' norms (two
+numbers, a root and a signature, with room to spare)."""
+
+
+def statements_bytes(members: int, spans: list[list[ChunkSpan]]) -> int:
+    """The most a reducer's answer to an audit of a part takes on the wire: a statement of
+    every chunk of the longest part from every member, each with 8 bytes a segment."""
+    chunks = max((len(part) for part in spans), default=0)
+    segments = max((segments_of(s.blocks) for part in spans for s in part), default=0)
+    return members * chunks * (STATEMENT_BYTES + 8 * segments + 4) + 32
 
 
 def announced_bytes(members: int) -> int:
@@ -205,8 +214,7 @@ class OutgoingStream:
             self.close()
         elif kind == "statements":
             answer = message.statements
-            chunks = max((len(spans) for spans in rnd.view.spans), default=0)
-            if answer.ByteSize() > rnd.n * chunks * STATEMENT_BYTES + 32:
+            if answer.ByteSize() > statements_bytes(rnd.n, rnd.view.spans):
                 raise Rejection("malformed", "an audit answer longer than its part's statements")
             rnd.on_statements(self.member, answer)
         elif kind == "fetch":
