@@ -522,7 +522,9 @@ async def test_a_reducer_whose_colluder_never_answers_audits_still_fails_them():
     auditor to judge fails it; the others' audits of that claim end with the rerun). The
     parts of honest reducers pass with 4 silent. (Before, a silent contributor left every
     audit without a verdict and the honest members took the reversed part: two keys
-    defeated the audits, and only the liar's own copy, left true, aborted the attempt.)"""
+    defeated the audits, and only the liar's own copy, left true, aborted the attempt.)
+    In the next round nobody asks 4 again: its segments are bounded at once, so it costs
+    each auditor one wait, not one a round."""
     size, liar, colluder = 5, 3, 4
     vectors = random_vectors(size, 64 * 40, seed=17)
     async with averaging_peers(size, configs={colluder: NO_AUDIT}) as peers:
@@ -535,7 +537,17 @@ async def test_a_reducer_whose_colluder_never_answers_audits_still_fails_them():
         results = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=60))
         failed = [peer.averager.rejections.counts["audit-failed"] for peer in peers[:liar]]
         bounded = [peer.averager.stats["audits-unanswered"] for peer in peers[:liar]]
-    assert plan.fired[0] > 0 and silence.fired[0] > 0
+        dropped = silence.fired[0]
+        later = next(
+            r
+            for r in range(round + 1, 1000)
+            if min(ids, key=lambda i: leader_rank(SWARM, r, i)) != ids[liar]
+        )
+        again = _outcomes(await run_round(peers, later, vectors, [1.0] * size, timeout=60))
+        skipped = [peer.averager.stats["audit-fetches-skipped"] for peer in peers[:liar]]
+    assert plan.fired[0] > 0 and dropped > 0
+    assert all(isinstance(r, AllReduceResult) for r in again[:liar]), again
+    assert silence.fired[0] == dropped and min(skipped) >= 1, (silence.fired, skipped)
     honest = results[:liar]
     assert all(isinstance(r, AllReduceResult) for r in honest), results
     assert_identical(honest)

@@ -14,9 +14,12 @@ from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.core.codec import CodecConfig, chunk_spans, quantize
 from swarmloco.net.averaging import wire
 from swarmloco.net.averaging.audit import (
+    SILENT_KEPT,
+    SILENT_S,
     Audit,
     Claimed,
     Piece,
+    Silent,
     Statement,
     decoded,
     excess,
@@ -452,3 +455,14 @@ def test_a_segment_answer_of_another_size_is_refused():
         with pytest.raises(Rejection) as refused:
             piece_of(3, bad, 40, codec)
         assert refused.value.code == "malformed"
+
+
+def test_a_peer_that_left_an_audit_unanswered_is_not_asked_again_for_an_hour():
+    silent = Silent()
+    silent.add("a", now=100.0)
+    assert silent.quiet("a", 100.0 + SILENT_S - 1) and not silent.quiet("b", 100.0)
+    assert not silent.quiet("a", 100.0 + SILENT_S)
+    assert not silent.quiet("a", 100.0)  # forgotten once it expired
+    for i in range(SILENT_KEPT + 5):  # many keys: the oldest are forgotten first
+        silent.add(f"k{i}", now=0.0)
+    assert not silent.quiet("k0", 1.0) and silent.quiet(f"k{SILENT_KEPT + 4}", 1.0)

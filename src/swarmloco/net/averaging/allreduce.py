@@ -62,6 +62,7 @@ from swarmloco.core.aggregate import AggregatorConfig
 from swarmloco.core.codec import CodecConfig, Encoded, ErrorFeedback
 from swarmloco.core.config import require, require_positive
 from swarmloco.net.averaging import wire
+from swarmloco.net.averaging.audit import Silent
 from swarmloco.net.averaging.faults import FaultPlan
 from swarmloco.net.averaging.group import GROUP_ID_BYTES, Group
 from swarmloco.net.averaging.limiter import BandwidthLimiter
@@ -152,6 +153,8 @@ class Averager:
         self.clock = clock
         self.rejections = RejectionLog(logger)
         self.stats: collections.Counter[str] = collections.Counter()
+        self.silent = Silent()
+        """Peers that left one of our audits unanswered (``audit.py``)."""
         self._rounds: dict[bytes, RoundRun] = {}
         self._finished: collections.deque[bytes] = collections.deque(maxlen=256)
         self._rounds_changed: asyncio.Condition | None = None

@@ -36,6 +36,7 @@ segment zeroed under huge scales is within half a step of anything.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import math
@@ -685,6 +686,36 @@ class Audit:
                 f"{signed:.6g}",
             )
         return None
+
+
+SILENT_S = 3600.0
+"""How long a peer that left one of our audits unanswered is not asked again."""
+SILENT_KEPT = 4096
+"""How many such peers we remember at most (the oldest forgotten first)."""
+
+
+class Silent:
+    """Peers that left one of our audits unanswered within the senders' timeout: for
+    :data:`SILENT_S` our audits take them as silent at once, without asking (their segments
+    bounded by their signed norms, as after the timeout), so a member that never answers
+    costs each auditor one wait, not one a round."""
+
+    def __init__(self) -> None:
+        self._until: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def add(self, peer_id: str, now: float) -> None:
+        self._until[peer_id] = now + SILENT_S
+        self._until.move_to_end(peer_id)
+        while len(self._until) > SILENT_KEPT:
+            self._until.popitem(last=False)
+
+    def quiet(self, peer_id: str, now: float) -> bool:
+        """Whether ``peer_id`` is to be taken as silent without asking."""
+        until = self._until.get(peer_id)
+        if until is not None and until <= now:
+            del self._until[peer_id]
+            return False
+        return until is not None
 
 
 @dataclasses.dataclass

@@ -682,8 +682,11 @@ class RoundRun:
                 audit.take_piece(self.ours.piece(self.me, part, index, segment))
                 continue
             inc = self.incoming.streams.get(member)
-            if inc is None:  # it never opened its stream to us, or it ended: silent
+            if inc is None or self.a.silent.quiet(self.group.members[member].peer_id, now):
+                # It never opened its stream to us, or it ended, or it left an audit of
+                # ours unanswered before: silent, not waited for.
                 audit.hush([member])
+                self.a.stats["audit-fetches-skipped"] += 1
                 continue
             inc.send("fetch", fetch)
 
@@ -779,6 +782,9 @@ class RoundRun:
         for part, running in list(self.auditor.running.items()):
             audit = running.audit
             if audit.statements is not None and now - running.started > self.cfg.sender_timeout_s:
+                for member in audit.contributors:
+                    if member not in audit.pieces and member not in audit.silent:
+                        self.a.silent.add(self.group.members[member].peer_id, now)
                 audit.hush(audit.contributors)
                 self._conclude(part)
 
