@@ -6,6 +6,7 @@ round ends in a result or in RoundAborted (never another error, which would take
 process down), the offender is counted, and the next round completes for everyone.
 """
 
+import collections
 import dataclasses
 from collections.abc import Callable
 
@@ -387,10 +388,13 @@ def _all_partners(peers) -> list[str]:
     return ids
 
 
-def _round_not_led_by(ids: list[str], liars: set[str]) -> int:
-    """The first round whose leader (the lowest rank of ``ids``) is none of ``liars``."""
+def _round_not_led_by(ids: list[str], liars: set[str], after: int = 0) -> int:
+    """The first round past ``after`` whose leader (the lowest rank of ``ids``) is none of
+    ``liars``."""
     return next(
-        r for r in range(1, 1000) if min(ids, key=lambda i: leader_rank(SWARM, r, i)) not in liars
+        r
+        for r in range(after + 1, 1000)
+        if min(ids, key=lambda i: leader_rank(SWARM, r, i)) not in liars
     )
 
 
@@ -482,6 +486,75 @@ async def test_a_reducer_sending_one_member_other_results_is_named_and_applies_n
     await _lie_to_one_member("result", "negate", seed=14, config=NO_AUDIT)
 
 
+@dataclasses.dataclass
+class _Round:
+    """One round of :func:`_audited_rounds`: every member's outcome, and after it, per
+    honest member, its ``audit-failed`` count and its averager's counters, and how many
+    times each misbehaving member's fault fired so far."""
+
+    results: list[AllReduceResult | RoundAborted]
+    failed: list[int]
+    stats: list[collections.Counter[str]]
+    fired: dict[int, int]
+
+
+async def _audited_rounds(
+    faults: dict[int, Fault],
+    *,
+    size: int,
+    seed: int,
+    numel: int = 64 * 40,
+    configs: dict[int, AveragingConfig] | None = None,
+    rounds: int = 1,
+) -> tuple[list[str], list[torch.Tensor], list[_Round]]:
+    """``size`` partners, the last ones misbehaving as ``faults`` says (by index), in
+    ``rounds`` rounds that none of them leads; the peer ids, the vectors and each round."""
+    honest = min(faults)
+    vectors = random_vectors(size, numel, seed=seed)
+    plans = {i: FaultPlan([fault]) for i, fault in faults.items()}
+    done = []
+    async with averaging_peers(size, configs=configs) as peers:
+        ids = _all_partners(peers)
+        for i, plan in plans.items():
+            peers[i].averager.faults = plan
+        liars = {ids[i] for i in faults}
+        number = 0
+        for _ in range(rounds):
+            number = _round_not_led_by(ids, liars, after=number)
+            results = _outcomes(await run_round(peers, number, vectors, [1.0] * size, timeout=60))
+            done.append(
+                _Round(
+                    results,
+                    [p.averager.rejections.counts["audit-failed"] for p in peers[:honest]],
+                    [collections.Counter(p.averager.stats) for p in peers[:honest]],
+                    {i: plan.fired[0] for i, plan in plans.items()},
+                )
+            )
+    return ids, vectors, done
+
+
+def _applied_without(round: _Round, ids: list[str], liar: int, vectors) -> None:
+    """Every honest member applied one result, ``liar`` reduces nothing in it, its part was
+    reduced again by another member, and that part is the mean of the senders counted in
+    it (the liar's own slice among them where the new reducer still took it: its lie was
+    its reduction), to the codec's rounding."""
+    honest = round.results[: len(round.failed)]
+    assert all(isinstance(r, AllReduceResult) for r in honest), round.results
+    assert_identical(honest)
+    report = honest[0].report
+    assert ids[liar] not in {p.reducer for p in report.parts}
+    (part,) = [p for p in report.parts if p.part == report.members.index(ids[liar])]
+    assert part.epoch >= 1
+    counted = [i for i, peer in enumerate(ids) if part.included.get(peer) == part.chunks]
+    assert len(counted) >= 2, part.included
+    got = honest[0].mean[part.start : part.stop]
+    senders = torch.stack([vectors[i] for i in counted])[:, part.start : part.stop].mean(dim=0)
+    assert torch.linalg.vector_norm(got - senders) < 0.02 * torch.linalg.vector_norm(senders)
+
+
+_REVERSED = Fault(action="corrupt", phase="result", corruption="negate")
+
+
 async def test_a_reducer_sending_everyone_one_made_up_mean_fails_its_audits_and_is_rerun():
     """3 sends every member its part's mean reversed (the same norm, within every bound),
     the same to all and sealed: every seal and digest agrees. Each honest member audits a
@@ -490,28 +563,14 @@ async def test_a_reducer_sending_everyone_one_made_up_mean_fails_its_audits_and_
     nothing. (Without audits, the three honest members agree on part 3 reversed; only the
     liar's own copy, which this fault plan leaves true, disagreed and aborted the attempt:
     a liar that keeps its lie itself has the round applied.)"""
-    size, liar = 4, 3
-    vectors = random_vectors(size, 64 * 40, seed=15)
-    async with averaging_peers(size) as peers:
-        ids = _all_partners(peers)
-        round = _round_not_led_by(ids, {ids[liar]})
-        plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="negate")])
-        peers[liar].averager.faults = plan
-        results = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
-        failed = [peer.averager.rejections.counts["audit-failed"] for peer in peers[:liar]]
-        passed = [peer.averager.stats["audits-passed"] for peer in peers[:liar]]
-    assert plan.fired[0] > 0
-    honest = results[:liar]
-    assert all(isinstance(r, AllReduceResult) for r in honest), results
-    assert_identical(honest)
-    assert failed == [1, 1, 1] and min(passed) >= 1, (failed, passed)
-    assert all(r.report.liars == (ids[liar],) for r in honest), [r.report.liars for r in honest]
-    report = honest[0].report
-    assert ids[liar] not in {p.reducer for p in report.parts}
-    (part,) = [p for p in report.parts if p.epoch == 1]  # the liar's, reduced again
-    got = honest[0].mean[part.start : part.stop]
-    senders = torch.stack(vectors)[:, part.start : part.stop]
-    assert torch.nn.functional.cosine_similarity(got, senders.mean(dim=0), dim=0) > 0.9
+    liar = 3
+    ids, vectors, (round,) = await _audited_rounds({liar: _REVERSED}, size=4, seed=15)
+    assert round.fired[liar] > 0
+    _applied_without(round, ids, liar, vectors)
+    passed = [stats["audits-passed"] for stats in round.stats]
+    assert round.failed == [1, 1, 1] and min(passed) >= 1, (round.failed, passed)
+    for result in round.results[:liar]:
+        assert result.report.liars == (ids[liar],), result.report.liars
 
 
 async def test_a_reducer_whose_colluder_never_answers_audits_still_fails_them():
@@ -525,42 +584,24 @@ async def test_a_reducer_whose_colluder_never_answers_audits_still_fails_them():
     defeated the audits, and only the liar's own copy, left true, aborted the attempt.)
     In the next round nobody asks 4 again: its segments are bounded at once, so it costs
     each auditor one wait, not one a round."""
-    size, liar, colluder = 5, 3, 4
-    vectors = random_vectors(size, 64 * 40, seed=17)
-    async with averaging_peers(size, configs={colluder: NO_AUDIT}) as peers:
-        ids = _all_partners(peers)
-        round = _round_not_led_by(ids, {ids[liar]})
-        plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="negate")])
-        silence = FaultPlan([Fault(action="drop", phase="segment")])
-        peers[liar].averager.faults = plan
-        peers[colluder].averager.faults = silence
-        results = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=60))
-        failed = [peer.averager.rejections.counts["audit-failed"] for peer in peers[:liar]]
-        bounded = [peer.averager.stats["audits-unanswered"] for peer in peers[:liar]]
-        dropped = silence.fired[0]
-        later = next(
-            r
-            for r in range(round + 1, 1000)
-            if min(ids, key=lambda i: leader_rank(SWARM, r, i)) != ids[liar]
-        )
-        again = _outcomes(await run_round(peers, later, vectors, [1.0] * size, timeout=60))
-        skipped = [peer.averager.stats["audit-fetches-skipped"] for peer in peers[:liar]]
-    assert plan.fired[0] > 0 and dropped > 0
-    assert all(isinstance(r, AllReduceResult) for r in again[:liar]), again
-    assert silence.fired[0] == dropped and min(skipped) >= 1, (silence.fired, skipped)
-    honest = results[:liar]
-    assert all(isinstance(r, AllReduceResult) for r in honest), results
-    assert_identical(honest)
-    assert sum(failed) >= 1 and min(bounded) >= 1, (failed, bounded)
-    for n, result in zip(failed, honest, strict=True):
+    liar, colluder = 3, 4
+    silence = Fault(action="drop", phase="segment")
+    ids, vectors, (first, second) = await _audited_rounds(
+        {liar: _REVERSED, colluder: silence},
+        size=5,
+        seed=17,
+        configs={colluder: NO_AUDIT},
+        rounds=2,
+    )
+    assert first.fired[liar] > 0 and first.fired[colluder] > 0
+    _applied_without(first, ids, liar, vectors)
+    bounded = [stats["audits-unanswered"] for stats in first.stats]
+    assert sum(first.failed) >= 1 and min(bounded) >= 1, (first.failed, bounded)
+    for n, result in zip(first.failed, first.results, strict=False):
         assert result.report.liars == ((ids[liar],) if n else ()), result.report.liars
-    report = honest[0].report
-    assert ids[liar] not in {p.reducer for p in report.parts}
-    (part,) = [p for p in report.parts if p.part == report.members.index(ids[liar])]
-    assert part.epoch >= 1
-    got = honest[0].mean[part.start : part.stop]
-    senders = torch.stack(vectors)[:, part.start : part.stop]
-    assert torch.nn.functional.cosine_similarity(got, senders.mean(dim=0), dim=0) > 0.9
+    assert all(isinstance(r, AllReduceResult) for r in second.results[:liar]), second.results
+    skipped = [stats["audit-fetches-skipped"] for stats in second.stats]
+    assert second.fired[colluder] == first.fired[colluder] and min(skipped) >= 1, skipped
 
 
 async def test_a_reducer_spiking_one_chunk_of_a_large_part_fails_every_audit():
@@ -571,30 +612,14 @@ async def test_a_reducer_spiking_one_chunk_of_a_large_part_fails_every_audit():
     fails and its part is reduced again. (Before, the three honest auditors all missed it
     about 93% of the time, and the round applied the spike.)"""
     size, liar = 4, 3
-    spans = chunk_spans(64 * 4 * 40, CODEC)
-    assert len(spans) == 40
-    vectors = random_vectors(size, 64 * 4 * 40 * size, seed=18)
-    async with averaging_peers(size) as peers:
-        ids = _all_partners(peers)
-        round = _round_not_led_by(ids, {ids[liar]})
-        plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="spike")])
-        peers[liar].averager.faults = plan
-        results = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=30))
-        failed = [peer.averager.rejections.counts["audit-failed"] for peer in peers[:liar]]
-    assert plan.fired[0] > 0
-    honest = results[:liar]
-    assert all(isinstance(r, AllReduceResult) for r in honest), results
-    assert_identical(honest)
-    assert sum(failed) >= 1, failed
-    report = honest[0].report
-    assert ids[liar] not in {p.reducer for p in report.parts}
-    (part,) = [p for p in report.parts if p.part == report.members.index(ids[liar])]
-    assert part.epoch >= 1
-    counted = [i for i, peer in enumerate(ids) if part.included.get(peer) == part.chunks]
-    assert liar not in counted and len(counted) >= 2, part.included
-    got = honest[0].mean[part.start : part.stop]
-    senders = torch.stack([vectors[i] for i in counted])[:, part.start : part.stop].mean(dim=0)
-    assert torch.linalg.vector_norm(got - senders) < 0.02 * torch.linalg.vector_norm(senders)
+    assert len(chunk_spans(64 * 4 * 40, CODEC)) == 40
+    spike = Fault(action="corrupt", phase="result", corruption="spike")
+    ids, vectors, (round,) = await _audited_rounds(
+        {liar: spike}, size=size, seed=18, numel=64 * 4 * 40 * size
+    )
+    assert round.fired[liar] > 0
+    _applied_without(round, ids, liar, vectors)
+    assert sum(round.failed) >= 1, round.failed
 
 
 async def test_a_member_answering_an_audit_with_other_bytes_than_it_signed_is_struck():
@@ -603,20 +628,14 @@ async def test_a_member_answering_an_audit_with_other_bytes_than_it_signed_is_st
     is not the one 3 signed to the reducer, whose answer shows 3's own statement: it
     strikes 3 (or fails it, where 3 reduced the part), never an honest reducer, and the
     round applies among the others."""
-    size, liar = 4, 3
-    vectors = random_vectors(size, 64 * 40, seed=16)
-    async with averaging_peers(size) as peers:
-        ids = _all_partners(peers)
-        round = _round_not_led_by(ids, {ids[liar]})
-        plan = FaultPlan([Fault(action="corrupt", phase="segment", corruption="negate")])
-        peers[liar].averager.faults = plan
-        results = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
-        failed = [peer.averager.rejections.counts["audit-failed"] for peer in peers[:liar]]
-    assert plan.fired[0] > 0
-    honest = results[:liar]
-    assert all(isinstance(r, AllReduceResult) for r in honest), results
+    liar = 3
+    framing = Fault(action="corrupt", phase="segment", corruption="negate")
+    ids, _vectors, (round,) = await _audited_rounds({liar: framing}, size=4, seed=16)
+    assert round.fired[liar] > 0
+    honest = round.results[:liar]
+    assert all(isinstance(r, AllReduceResult) for r in honest), round.results
     assert_identical(honest)
-    assert all(n >= 1 for n in failed), failed
+    assert all(n >= 1 for n in round.failed), round.failed
     for result in honest:
         assert result.report.liars == (ids[liar],), result.report.liars
         excluded = result.report.excluded
