@@ -173,10 +173,12 @@ async def average(
         norm=float(vector.double().norm()) if norm is None else norm,
     )
     try:
-        return await peer.averager.all_reduce(group, vector, deadline=deadline)
+        result = await peer.averager.all_reduce(group, vector, deadline=deadline)
     except RoundAborted as exc:
         peer.matchmaker.aborted(exc)  # as a peer's network does
         raise
+    peer.matchmaker.demote(result.report.liars, why="was caught lying by an audit")  # likewise
+    return result
 
 
 async def run_round(

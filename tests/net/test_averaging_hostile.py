@@ -490,12 +490,14 @@ async def test_a_reducer_sending_one_member_other_results_is_named_and_applies_n
 class _Round:
     """One round of :func:`_audited_rounds`: every member's outcome, and after it, per
     honest member, its ``audit-failed`` count and its averager's counters, and how many
-    times each misbehaving member's fault fired so far."""
+    times each misbehaving member's fault fired so far; with ``retry``, the honest members'
+    aborts of a first attempt that did not apply."""
 
     results: list[AllReduceResult | RoundAborted]
     failed: list[int]
     stats: list[collections.Counter[str]]
     fired: dict[int, int]
+    aborted: list[RoundAborted] = dataclasses.field(default_factory=list)
 
 
 async def _audited_rounds(
@@ -506,9 +508,16 @@ async def _audited_rounds(
     numel: int = 64 * 40,
     configs: dict[int, AveragingConfig] | None = None,
     rounds: int = 1,
+    retry: bool = False,
 ) -> tuple[list[str], list[torch.Tensor], list[_Round]]:
     """``size`` partners, the last ones misbehaving as ``faults`` says (by index), in
-    ``rounds`` rounds that none of them leads; the peer ids, the vectors and each round."""
+    ``rounds`` rounds that none of them leads; the peer ids, the vectors and each round.
+    With ``retry``, an attempt that every honest member aborted, each naming someone, is
+    tried once more: misbehaving servers may abort one attempt (a server's verdict is
+    every member's to heed), and whoever each honest member named is a client of its next
+    (see :func:`_one_liar_named`); a liar caught by one auditor first may have framed that
+    auditor (docs/SECURITY.md, "Bounded influence", Limits), so the names are not checked
+    here."""
     honest = min(faults)
     vectors = random_vectors(size, numel, seed=seed)
     plans = {i: FaultPlan([fault]) for i, fault in faults.items()}
@@ -522,12 +531,20 @@ async def _audited_rounds(
         for _ in range(rounds):
             number = _round_not_led_by(ids, liars, after=number)
             results = _outcomes(await run_round(peers, number, vectors, [1.0] * size, timeout=60))
+            aborted: list[RoundAborted] = []
+            if retry and all(isinstance(r, RoundAborted) for r in results[:honest]):
+                aborted = results[:honest]
+                assert all(exc.dissenters | exc.out_of_line for exc in aborted), aborted
+                results = _outcomes(
+                    await run_round(peers, number, vectors, [1.0] * size, timeout=60)
+                )
             done.append(
                 _Round(
                     results,
                     [p.averager.rejections.counts["audit-failed"] for p in peers[:honest]],
                     [collections.Counter(p.averager.stats) for p in peers[:honest]],
                     {i: plan.fired[0] for i, plan in plans.items()},
+                    aborted,
                 )
             )
     return ids, vectors, done
@@ -583,7 +600,13 @@ async def test_a_reducer_whose_colluder_never_answers_audits_still_fails_them():
     audit without a verdict and the honest members took the reversed part: two keys
     defeated the audits, and only the liar's own copy, left true, aborted the attempt.)
     In the next round nobody asks 4 again: its segments are bounded at once, so it costs
-    each auditor one wait, not one a round."""
+    each auditor one wait, not one a round.
+    The first attempt may abort: 3 may send a verdict that disagrees; 4, which takes every
+    part unaudited, may hold the reruns 3 made of an honest member's part once that member
+    failed 3 and cut its stream to it (a rerun the members that failed 3 do not take); or
+    the honest members that have not caught 3 yet may take such a rerun while the one that
+    caught it keeps its part. Every honest member then aborts, names who was out of line
+    with it and makes them clients of its next attempt, which applies."""
     liar, colluder = 3, 4
     silence = Fault(action="drop", phase="segment")
     ids, vectors, (first, second) = await _audited_rounds(
@@ -592,13 +615,20 @@ async def test_a_reducer_whose_colluder_never_answers_audits_still_fails_them():
         seed=17,
         configs={colluder: NO_AUDIT},
         rounds=2,
+        retry=True,
     )
     assert first.fired[liar] > 0 and first.fired[colluder] > 0
-    _applied_without(first, ids, liar, vectors)
     bounded = [stats["audits-unanswered"] for stats in first.stats]
     assert sum(first.failed) >= 1 and min(bounded) >= 1, (first.failed, bounded)
-    for n, result in zip(first.failed, first.results, strict=False):
-        assert result.report.liars == ((ids[liar],) if n else ()), result.report.liars
+    if first.aborted:  # the retry applied, 3 reducing nothing in it
+        honest = first.results[:liar]
+        assert all(isinstance(r, AllReduceResult) for r in honest), first.results
+        assert_identical(honest)
+        assert ids[liar] not in {p.reducer for p in honest[0].report.parts}
+    else:
+        _applied_without(first, ids, liar, vectors)
+        for n, result in zip(first.failed, first.results, strict=False):
+            assert result.report.liars == ((ids[liar],) if n else ()), result.report.liars
     assert all(isinstance(r, AllReduceResult) for r in second.results[:liar]), second.results
     skipped = [stats["audit-fetches-skipped"] for stats in second.stats]
     assert second.fired[colluder] == first.fired[colluder] and min(skipped) >= 1, skipped

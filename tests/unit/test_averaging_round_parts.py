@@ -15,7 +15,7 @@ from swarmloco.net.averaging.liveness import Watch
 from swarmloco.net.averaging.output import Output
 from swarmloco.net.averaging.reducing import Reductions
 from swarmloco.net.averaging.round import check_done
-from swarmloco.net.averaging.verdicts import Agreement
+from swarmloco.net.averaging.verdicts import PATIENCE_SPAN, Agreement
 from swarmloco.net.averaging.view import RoundView, digest_of
 from swarmloco.net.averaging.wire import ChunkMessage, ResultMessage
 from swarmloco.net.identity import Identity
@@ -73,6 +73,30 @@ def test_a_serving_member_waits_its_patience_before_declaring_a_disagreement():
     step = agreement.step(b"d", servers=[0, 1], now=15.0)
     assert not step.verdict.agreed and "['m1'] hold another result" in step.verdict.reason
     assert step.disagreement == "member m0 disagrees (members ['m1'] hold another result)"
+
+
+def test_the_patience_starts_again_while_the_round_moves_on_within_its_span():
+    """Member 1 holds an older result while the round moves on here (a rerun sealed, an
+    audit judged): member 0 waits a patience from the last progress, not from the first
+    disagreement, and PATIENCE_SPAN patiences at most however long progress goes on."""
+    agreement = Agreement(me=0, serving=True, patience=5.0, label=label)
+    agreement.done[1] = b"old"
+    assert agreement.step(b"d", servers=[0, 1], now=10.0).verdict is None
+    agreement.progressed(14.0)
+    assert agreement.step(b"d", servers=[0, 1], now=18.9).verdict is None
+    step = agreement.step(b"d", servers=[0, 1], now=19.0)
+    assert not step.verdict.agreed, step
+    endless = Agreement(me=0, serving=True, patience=5.0, label=label)
+    endless.done[1] = b"old"
+    assert endless.step(b"d", servers=[0, 1], now=10.0).verdict is None
+    now = 10.0
+    while now < 10.0 + PATIENCE_SPAN * 5.0 - 1.0:
+        now += 1.0
+        endless.progressed(now)
+        assert endless.step(b"d", servers=[0, 1], now=now).verdict is None, now
+    endless.progressed(10.0 + PATIENCE_SPAN * 5.0)
+    step = endless.step(b"d", servers=[0, 1], now=10.0 + PATIENCE_SPAN * 5.0)
+    assert not step.verdict.agreed, step
 
 
 def test_a_clients_digest_decides_nothing_but_what_the_client_applies():

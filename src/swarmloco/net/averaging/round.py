@@ -497,6 +497,11 @@ class RoundRun:
                 self._start_reduction(part, claim.epoch)
             elif claim.reducer in self.outgoing.streams:
                 self.outgoing.streams[claim.reducer].send(("part", part, claim.epoch))
+        self._progressed()
+
+    def _progressed(self) -> None:
+        """The round moved on here: the agreement's patience starts again."""
+        self.agreement.progressed(self.a.clock())
         self.changed.set()
 
     # -- events ---------------------------------------------------------------------------
@@ -589,7 +594,10 @@ class RoundRun:
         """``sender`` announced its digest; Rejection unless it signed it, with a seal of
         every part signed by its reducer."""
         check_done(done, self.group, sender, self.seals_verified)
+        moved = self.agreement.done.get(sender) != done.digest
         self.agreement.heard(sender, done)
+        if moved:
+            self._progressed()
         self.changed.set()
 
     def on_result(self, reducer: int, result: wire.ResultMessage, raw: bytes) -> None:
@@ -621,7 +629,7 @@ class RoundRun:
         if self.view.seal(seal):
             if self.auditing and self.auditor.due(seal.part, seal.epoch, seal.reducer):
                 self._start_audit(seal.part)
-            self.changed.set()
+            self._progressed()
         else:
             self.a.stats["stale-results"] += 1
 
@@ -741,6 +749,7 @@ class RoundRun:
 
     def _end_audit(self, part: int, outcome: Outcome) -> None:
         running = self.auditor.running.pop(part)
+        self._progressed()
         audit = running.audit
         if outcome.liar is None:
             self.a.stats["audits-passed" if not outcome.reason else "audits-unanswered"] += 1

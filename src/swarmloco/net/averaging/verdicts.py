@@ -7,7 +7,12 @@ stream with a ``Verdict`` (agreed only if they are all the same). A member appli
 result only once every live serving member's verdict agrees with its own digest. A member
 may hold an older result while a rerun notice is on its way to it, so a serving member
 waits up to ``patience`` seconds for the digests to match before it declares a
-disagreement.
+disagreement; that wait starts again each time the round moves on here (a part moved, a
+result sealed, an audit judged, a member's digest changed: :meth:`Agreement.progressed`),
+and lasts ``PATIENCE_SPAN`` times the patience at most. A rerun takes an audit's wait, the
+re-reduction and the audit of its result, each its own deadline: a fixed wait from the
+first disagreement was shorter than that chain, and on a loaded machine a member sent a
+disagreeing verdict while the round was still converging, which aborted it for everyone.
 
 A client's digest decides nothing but what the client itself applies: it sends no verdict,
 and a client that holds another result than the servers applies nothing (the servers'
@@ -36,6 +41,11 @@ from swarmloco.proto.v1 import averaging_pb2 as pb
 
 MAX_ANNOUNCEMENTS = 64
 """Announcements kept per member (an honest one makes one per change of what it holds)."""
+
+PATIENCE_SPAN = 4.0
+"""The longest a member waits for digests to match, in patiences since the disagreement
+began, however the round moves on meanwhile (a member making our view move without end
+delays the verdict this long, no longer)."""
 
 
 @dataclasses.dataclass
@@ -110,6 +120,7 @@ class Agreement:
         self.decided = False
         self._disagree_since: float | None = None
         self._dissent_since: float | None = None
+        self._progress_at: float | None = None
 
     def step(
         self,
@@ -275,18 +286,31 @@ class Agreement:
         said = self.verdicts[member]
         return said.agreed and said.digest == digest
 
+    def progressed(self, now: float) -> None:
+        """The round moved on here at ``now`` (a part moved, a result sealed, an audit
+        judged, a member's digest changed): the patience with a disagreement starts again,
+        within ``PATIENCE_SPAN`` patiences of its beginning."""
+        self._progress_at = now
+
     def _waiting_for_digests(self, now: float) -> bool:
         """Whether to wait longer for servers' digests (and verdicts) after a verdict
         disagreed."""
         if self._dissent_since is None:
             self._dissent_since = now
-        return now - self._dissent_since < self._patience
+        return self._within_patience(self._dissent_since, now)
 
     def _patient(self, now: float) -> bool:
         """Whether to wait longer for members whose digest differs from ours: one may hold
         an older result while a rerun notice is on its way to it."""
-        self._disagree_since = self._disagree_since or now
-        return now - self._disagree_since < self._patience
+        if self._disagree_since is None:
+            self._disagree_since = now
+        return self._within_patience(self._disagree_since, now)
+
+    def _within_patience(self, since: float, now: float) -> bool:
+        """Less than a patience since ``since`` or the round's last progress after it, and
+        less than ``PATIENCE_SPAN`` patiences since ``since``."""
+        last = max(since, self._progress_at if self._progress_at is not None else since)
+        return now - last < self._patience and now - since < PATIENCE_SPAN * self._patience
 
     def _make_verdict(self, digest: bytes, differ: list[int]) -> pb.Verdict:
         names = [self._label(x) for x in differ]
