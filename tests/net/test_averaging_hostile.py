@@ -501,7 +501,7 @@ class _Round:
 
 
 async def _audited_rounds(
-    faults: dict[int, Fault],
+    faults: dict[int, Fault | list[Fault]],
     *,
     size: int,
     seed: int,
@@ -509,22 +509,24 @@ async def _audited_rounds(
     configs: dict[int, AveragingConfig] | None = None,
     rounds: int = 1,
     retry: bool = False,
+    plans: dict[int, FaultPlan] | None = None,
 ) -> tuple[list[str], list[torch.Tensor], list[_Round]]:
     """``size`` partners, the last ones misbehaving as ``faults`` says (by index), in
-    ``rounds`` rounds that none of them leads; the peer ids, the vectors and each round.
+    ``rounds`` rounds that none of them leads (``plans``: faults of honest members too, not
+    counted as misbehaving); the peer ids, the vectors and each round.
     With ``retry``, an attempt that every honest member aborted, each naming someone, is
     tried once more: misbehaving servers may abort one attempt (a server's verdict is
     every member's to heed), and whoever each honest member named is a client of its next
-    (see :func:`_one_liar_named`); a liar caught by one auditor first may have framed that
-    auditor (docs/SECURITY.md, "Bounded influence", Limits), so the names are not checked
-    here."""
+    (see :func:`_one_liar_named`); who is named depends on the order in which notices and
+    proofs arrived (a member that took a liar's rerun before the proof that it lied holds
+    another part than the auditor), so the names are not checked here."""
     honest = min(faults)
     vectors = random_vectors(size, numel, seed=seed)
-    plans = {i: FaultPlan([fault]) for i, fault in faults.items()}
+    faulty = {i: FaultPlan(f if isinstance(f, list) else [f]) for i, f in faults.items()}
     done = []
     async with averaging_peers(size, configs=configs) as peers:
         ids = _all_partners(peers)
-        for i, plan in plans.items():
+        for i, plan in {**(plans or {}), **faulty}.items():
             peers[i].averager.faults = plan
         liars = {ids[i] for i in faults}
         number = 0
@@ -543,7 +545,7 @@ async def _audited_rounds(
                     results,
                     [p.averager.rejections.counts["audit-failed"] for p in peers[:honest]],
                     [collections.Counter(p.averager.stats) for p in peers[:honest]],
-                    {i: plan.fired[0] for i, plan in plans.items()},
+                    {i: plan.fired[0] for i, plan in faulty.items()},
                     aborted,
                 )
             )
@@ -601,12 +603,12 @@ async def test_a_reducer_whose_colluder_never_answers_audits_still_fails_them():
     defeated the audits, and only the liar's own copy, left true, aborted the attempt.)
     In the next round nobody asks 4 again: its segments are bounded at once, so it costs
     each auditor one wait, not one a round.
-    The first attempt may abort: 3 may send a verdict that disagrees; 4, which takes every
-    part unaudited, may hold the reruns 3 made of an honest member's part once that member
-    failed 3 and cut its stream to it (a rerun the members that failed 3 do not take); or
-    the honest members that have not caught 3 yet may take such a rerun while the one that
-    caught it keeps its part. Every honest member then aborts, names who was out of line
-    with it and makes them clients of its next attempt, which applies."""
+    The first attempt may abort: 3 may send a verdict that disagrees, or a member (4
+    above all, which takes every part unaudited) may take the rerun 3 makes of an honest
+    member's part once that member failed 3 and cut its stream to it, if the rerun
+    reaches it before the proof that 3 lied (the members that failed 3 do not take it).
+    Every honest member then aborts, names who was out of line with it and makes them
+    clients of its next attempt, which applies."""
     liar, colluder = 3, 4
     silence = Fault(action="drop", phase="segment")
     ids, vectors, (first, second) = await _audited_rounds(
@@ -632,6 +634,54 @@ async def test_a_reducer_whose_colluder_never_answers_audits_still_fails_them():
     assert all(isinstance(r, AllReduceResult) for r in second.results[:liar]), second.results
     skipped = [stats["audit-fetches-skipped"] for stats in second.stats]
     assert second.fired[colluder] == first.fired[colluder] and min(skipped) >= 1, skipped
+
+
+async def test_an_audit_that_catches_a_reducer_proves_it_to_the_other_members():
+    """3 sends every member its part's mean reversed and answers no audit's fetch of its
+    own segment. Member 0 waits a second for it, 1 and 2 ten: 0 fails 3 first and shows
+    them what it found (3's signed answer, the segments of 0, 1 and 2), and each judges it
+    on the result it holds and fails 3 at once, its own audit not over. So none of them
+    takes the rerun 3 then makes of 0's part (0 cut its stream to 3): the first attempt
+    applies, 3 reducing nothing. (Before, 1 and 2 waited out their own audits meanwhile,
+    took that rerun while 0 kept its part, and the attempt could end with two digests.)"""
+    liar = 3
+    quick = dataclasses.replace(PATIENT, sender_timeout_s=1.0)
+    silent = Fault(action="drop", phase="segment")
+    ids, vectors, (round,) = await _audited_rounds(
+        {liar: [_REVERSED, silent]}, size=4, seed=19, configs={0: quick}
+    )
+    assert round.fired[liar] > 0
+    _applied_without(round, ids, liar, vectors)
+    assert round.stats[0]["proofs-shown"] >= 1, round.stats[0]
+    for member in (1, 2):
+        assert round.stats[member]["proofs-taken"] == 1, round.stats[member]
+        assert round.results[member].report.liars == (ids[liar],)
+
+
+async def test_a_proof_showing_other_bytes_than_a_contributor_signed_fails_nobody():
+    """As above, but 0 alters the first segment of every proof it shows (its hashes kept):
+    each member judging it finds that segment is not the one its sender signed, so the
+    proof proves nothing, and neither the reducer nor that sender is failed on it. 1 and 2
+    fail 3 on their own audits (or take its part's rerun), and the round applies, within
+    one more attempt (see the colluder test)."""
+    liar = 3
+    quick = dataclasses.replace(PATIENT, sender_timeout_s=1.0)
+    silent = Fault(action="drop", phase="segment")
+    altered = Fault(action="corrupt", phase="proof", corruption="negate")
+    _ids, _vectors, (round,) = await _audited_rounds(
+        {liar: [_REVERSED, silent]},
+        size=4,
+        seed=19,
+        configs={0: quick},
+        retry=True,
+        plans={0: FaultPlan([altered])},
+    )
+    assert all(isinstance(r, AllReduceResult) for r in round.results[:liar]), round.results
+    for member in (1, 2):
+        stats = round.stats[member]
+        assert stats["proofs-unproven"] >= 1 and stats["proofs-taken"] == 0, stats
+        excluded = round.results[member].report.excluded
+        assert not any("audit shows" in why for why in excluded.values()), excluded
 
 
 async def test_a_reducer_spiking_one_chunk_of_a_large_part_fails_every_audit():

@@ -1,5 +1,7 @@
 """One member's view of a round: failover claims, convergence, digest and report."""
 
+import hashlib
+
 import pytest
 
 from swarmloco.core.codec import CodecConfig
@@ -101,6 +103,29 @@ def test_a_move_forgets_what_was_received_of_the_part():
     assert view.part_complete(1)
     view.notice(1, Claim(1, 2))
     assert view.received(1) == 0 and not view.expects(1, 0, 1) and view.expects(1, 1, 2)
+
+
+def test_what_was_sealed_of_a_claim_stays_to_judge_proofs_after_the_part_moved_on():
+    """An auditor's proof of part 1 as member 1 reduced it may come after the part moved
+    on: what we received of that claim, sealed, is kept (each chunk's contributors and
+    message hash); a claim we never held whole has nothing."""
+    view = RoundView(group(), me=0, codec=CODEC)
+    fill(view, 1, contributors=(0, 2))
+    first = Claim(0, 1)
+    sealed = view.sealed_result(1, first)
+    assert sealed is not None and len(sealed.hashes) == len(view.spans[1])
+    bits = bitmap((0, 2), 4)
+    assert sealed.hashes[0] == hashlib.sha256(message(1, 0, bits)).digest()
+    assert sealed.contributors(0, 4) == [0, 2] and sealed.included(4) == {
+        0: len(view.spans[1]),
+        1: 0,
+        2: len(view.spans[1]),
+        3: 0,
+    }
+    assert view.notice(1, Claim(1, 2))
+    assert view.sealed_result(1, first) == sealed
+    assert view.sealed_result(1, Claim(1, 2)) is None  # nothing of it received yet
+    assert view.sealed_result(2, Claim(0, 2)) is None  # never sealed
 
 
 def test_results_must_come_in_order_and_name_somebody():

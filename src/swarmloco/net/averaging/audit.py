@@ -107,6 +107,14 @@ def root_of(hashes: Sequence[bytes]) -> bytes:
     return hashlib.sha256(b"".join(hashes)).digest()[:ROOT_BYTES]
 
 
+def segment_of(
+    payload: torch.Tensor, scales: torch.Tensor, segment: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment ``segment`` of a chunk's int8 ``payload`` under its block ``scales``."""
+    first, count = segment_span(segment, scales.numel())
+    return payload[first * block_size : (first + count) * block_size], scales[first : first + count]
+
+
 def segment_span(segment: int, blocks: int) -> tuple[int, int]:
     """The first block and the number of blocks of ``segment`` in a chunk of ``blocks``."""
     first = segment * SEGMENT_BLOCKS
@@ -720,12 +728,16 @@ class Silent:
 
 @dataclasses.dataclass
 class Running:
-    """An audit under way, and the result segment it checks."""
+    """An audit under way, and the result segment it checks; the reducer's signed answer
+    and the contributors' segments as they came (what a :class:`pb.Proof` shows)."""
 
     audit: Audit
     started: float
     payload: torch.Tensor
     scales: torch.Tensor
+    result: bytes = b""
+    answer: pb.Statements | None = None
+    segments: dict[int, pb.Segment] = dataclasses.field(default_factory=dict)
 
 
 class Auditor:
@@ -739,6 +751,7 @@ class Auditor:
         self._draw = draw
         self._picks: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._kept: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._raw: dict[tuple[int, int, int], bytes] = {}
         self._measured: dict[tuple[int, int, int], dict[int, Measured]] = {}
         self._started: set[tuple[int, int, int]] = set()
         self.running: dict[int, Running] = {}
@@ -771,19 +784,21 @@ class Auditor:
         payload: torch.Tensor,
         scales: torch.Tensor,
         block_size: int,
+        raw: bytes = b"",
     ) -> None:
-        """A result chunk received: measured per segment, and its audited segment kept if
-        it is the chunk we picked."""
+        """A result chunk received (``raw``: its message as it came): measured per
+        segment, and its audited segment and message kept if it is the chunk we picked."""
         key = (part, epoch, reducer)
         self._measured.setdefault(key, {})[index] = measured(payload, scales, block_size)
         pick = self._picks.get(key)
         if pick is None or pick[0] != index:
             return
-        first, count = segment_span(pick[1], scales.numel())
-        self._kept[(part, epoch, reducer)] = (
-            payload[first * block_size : (first + count) * block_size],
-            scales[first : first + count],
-        )
+        self._kept[(part, epoch, reducer)] = segment_of(payload, scales, pick[1], block_size)
+        self._raw[key] = raw
+
+    def raw(self, part: int, epoch: int, reducer: int) -> bytes:
+        """The result message we picked of ``reducer``'s ``part`` at ``epoch``, as it came."""
+        return self._raw.get((part, epoch, reducer), b"")
 
     def kept(self, part: int, epoch: int, reducer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._kept[(part, epoch, reducer)]

@@ -30,7 +30,7 @@ a broken or hostile peer:
   while its sockets stay open, as a handler or extension that never yields would make it.
 
 Phases: ``join`` (the matchmaking request), ``hello``, ``chunk``, ``done``, ``heartbeat``,
-``audit``, ``segment`` (what a member sends on its streams), ``result``, ``seal``,
+``audit``, ``segment``, ``proof`` (what a member sends on its streams), ``result``, ``seal``,
 ``rerun``, ``verdict``, ``statements``, ``fetch`` (what a serving member sends back) and
 ``handler`` (every message a serving handler reads or writes).
 Tests read :attr:`FaultPlan.fired` to assert that the fault they scripted really fired.
@@ -69,6 +69,7 @@ Phase = Literal[
     "statements",
     "fetch",
     "segment",
+    "proof",
 ]
 Corruption = Literal[
     "nan",
@@ -111,7 +112,7 @@ class Fault:
     after_bytes: int = 0
     """``cut``: tear the call down once more than this many bytes went out on it."""
     corruption: Corruption = "nan"
-    """``corrupt``: what to do to a chunk, result or segment message."""
+    """``corrupt``: what to do to a chunk, result, segment or proof message."""
 
     def __post_init__(self) -> None:
         require(self.action in _ACTIONS, f"action must be one of {_ACTIONS}, got {self.action!r}")
@@ -128,7 +129,7 @@ class Fault:
         if self.action == "corrupt":
             digests = self.corruption in ("bloat", "forge")
             phases: tuple[str, ...] = (
-                ("done", "verdict") if digests else ("chunk", "result", "segment")
+                ("done", "verdict") if digests else ("chunk", "result", "segment", "proof")
             )
             if self.corruption == "spike":
                 phases = ("result",)
@@ -288,6 +289,17 @@ def corrupt(
         segment.payload = payload.numpy().tobytes()
         segment.scales = scales.numpy().tobytes()
         return request.SerializeToString()
+    if phase == "proof":  # an audit's proof, either way: its first segment altered
+        shown: pb.AggregateRequest | pb.AggregateResponse = pb.AggregateRequest.FromString(message)
+        if not shown.HasField("proof"):
+            shown = pb.AggregateResponse.FromString(message)
+        for segment in shown.proof.segments[:1]:
+            payload = torch.frombuffer(bytearray(segment.payload), dtype=torch.int8)
+            scales = torch.frombuffer(bytearray(segment.scales), dtype=torch.uint8)
+            payload, scales = _corrupt_tensors(payload, scales, how)
+            segment.payload = payload.numpy().tobytes()
+            segment.scales = scales.numpy().tobytes()
+        return shown.SerializeToString()
     if phase == "chunk":
         chunk = wire.decode_request(message)
         assert isinstance(chunk, wire.ChunkMessage), "only chunk messages are corrupted"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import hashlib
 import logging
 import secrets
 from typing import TYPE_CHECKING
@@ -47,6 +48,8 @@ from swarmloco.net.averaging.audit import (
     Statement,
     piece_of,
     restated,
+    segment_of,
+    segments_of,
     signed_by_sender,
 )
 from swarmloco.net.averaging.contribution import Contribution
@@ -54,7 +57,7 @@ from swarmloco.net.averaging.group import Group
 from swarmloco.net.averaging.incoming import Incoming
 from swarmloco.net.averaging.liveness import Watch
 from swarmloco.net.averaging.outgoing import Outgoing
-from swarmloco.net.averaging.output import Output
+from swarmloco.net.averaging.output import Output, decode_chunk
 from swarmloco.net.averaging.reducing import Reductions
 from swarmloco.net.averaging.report import AllReduceReport, AllReduceResult
 from swarmloco.net.averaging.streams import IncomingStream, OutgoingStream
@@ -65,6 +68,7 @@ from swarmloco.net.averaging.view import (
     RESULT_DIGEST_BYTES,
     Claim,
     RoundView,
+    SealedResult,
     digest_of,
 )
 from swarmloco.net.deadline import Deadline
@@ -103,6 +107,14 @@ def check_seal(seal: pb.Seal, group: Group) -> None:
         group.members[seal.reducer].public_key, seal.signature, wire.SEAL_DOMAIN, payload
     ):
         raise Rejection("bad-signature", "a seal not signed by its reducer")
+
+
+def check_statements(answer: pb.Statements, group: Group, reducer: int) -> bool:
+    """Whether ``reducer`` signed ``answer``, its answer to an audit."""
+    payload = wire.statements_payload(group.group_id, group.round, reducer, answer)
+    return verify(
+        group.members[reducer].public_key, answer.signature, wire.STATEMENTS_DOMAIN, payload
+    )
 
 
 def check_done(
@@ -220,7 +232,13 @@ class RoundRun:
         """Whether we audit the parts other members reduce (``audit.py``)."""
         self._answered: collections.Counter[tuple[str, int]] = collections.Counter()
         self.liars: set[int] = set()
-        """Members our audits caught lying this round."""
+        """Members our audits caught lying this round (or another auditor's proof)."""
+        self._proofs: set[tuple[int, int, int, bool]] = set()
+        """(prover, part, epoch, on our stream to it) of every proof shown us: one each."""
+        self._judged_proofs: set[tuple[int, int, int]] = set()
+        """(prover, part, epoch) of the proofs we judged (or could not)."""
+        self._waiting_proofs: dict[int, dict[int, pb.Proof]] = {}
+        """Per part, per prover: proofs of the part's claim that wait for its seal."""
         self.agreement = Agreement(
             me=me, serving=self.serving, patience=cfg.reducer_timeout_s, label=self.label
         )
@@ -616,6 +634,7 @@ class RoundRun:
                 wire.tensor_from(result.payload, torch.int8),
                 wire.tensor_from(result.scales, codec.scale_torch_dtype),
                 codec.block_size,
+                raw,
             )
         self._landed(reducer, applied)
 
@@ -629,6 +648,7 @@ class RoundRun:
         if self.view.seal(seal):
             if self.auditing and self.auditor.due(seal.part, seal.epoch, seal.reducer):
                 self._start_audit(seal.part)
+            self._judge_waiting_proofs(seal.part)
             self._progressed()
         else:
             self.a.stats["stale-results"] += 1
@@ -641,37 +661,16 @@ class RoundRun:
         chunk we picked for its segment."""
         view = self.view
         claim = view.owner[part]
-        spans = view.spans[part]
-        blocks = [s.blocks for s in spans]
+        blocks = [s.blocks for s in view.spans[part]]
         index, segment = self.auditor.pick(part, claim.epoch, claim.reducer, blocks)
         payload, scales = self.auditor.kept(part, claim.epoch, claim.reducer)
-        chunks = [
-            Claimed(
-                span.blocks,
-                tuple(view.contributors(part, i)),
-                self.auditor.measured(part, claim.epoch, claim.reducer, i),
-            )
-            for i, span in enumerate(spans)
-        ]
-        audit = Audit(
-            part=part,
-            epoch=claim.epoch,
-            reducer=claim.reducer,
-            index=index,
-            segment=segment,
-            chunks=chunks,
-            included=view.included(part),
-            weights=self.group.weights,
-            codec=self.cfg.codec,
-            aggregator=self.cfg.aggregator,
-            norm_bound=self.ours.norm_bound,
-            verify=functools.partial(
-                signed_by_sender, self.group, claim.reducer, part, claim.epoch
-            ),
-        )
+        held = view.sealed_result(part, claim)
+        assert held is not None  # (sealed: its seal just came)
+        audit = self._audit_of(part, claim, index, segment, held)
         now = self.a.clock()
         view.held.add(part)
-        self.auditor.running[part] = Running(audit, now, payload, scales)
+        result = self.auditor.raw(part, claim.epoch, claim.reducer)
+        self.auditor.running[part] = Running(audit, now, payload, scales, result)
         self.watch.heard_result(claim.reducer, now)
         to_reducer = self.outgoing.streams.get(claim.reducer)
         if to_reducer is None:  # (its seal came on that stream: not so far)
@@ -698,6 +697,164 @@ class RoundRun:
                 continue
             inc.send("fetch", fetch)
 
+    def _audit_of(
+        self, part: int, claim: Claim, index: int, segment: int, held: SealedResult
+    ) -> Audit:
+        """An audit of segment ``segment`` of chunk ``index`` of ``part`` as ``claim``
+        reduced it, from what we received of it (``held``)."""
+        n = self.n
+        chunks = [
+            Claimed(
+                span.blocks,
+                tuple(held.contributors(i, n)),
+                self.auditor.measured(part, claim.epoch, claim.reducer, i),
+            )
+            for i, span in enumerate(self.view.spans[part])
+        ]
+        return Audit(
+            part=part,
+            epoch=claim.epoch,
+            reducer=claim.reducer,
+            index=index,
+            segment=segment,
+            chunks=chunks,
+            included=held.included(n),
+            weights=self.group.weights,
+            codec=self.cfg.codec,
+            aggregator=self.cfg.aggregator,
+            norm_bound=self.ours.norm_bound,
+            verify=functools.partial(
+                signed_by_sender, self.group, claim.reducer, part, claim.epoch
+            ),
+        )
+
+    def _show_proof(self, running: Running) -> None:
+        """Our audit found its reducer lying: show every other live server what it found
+        (:class:`pb.Proof`: the reducer's signed answer, the segments its contributors
+        answered with), so that each judges it on the result it holds and fails the reducer
+        itself, before the reducer's next claims reach it. (Without it, a caught reducer
+        told the others that the auditor had failed, and those that had not judged it yet
+        took its rerun of the auditor's part: the attempt ended with two digests.)"""
+        audit = running.audit
+        if running.answer is None or not running.result:
+            return  # nothing it signed to show
+        senders = sorted(running.segments)
+        proof = pb.Proof(
+            part=audit.part,
+            epoch=audit.epoch,
+            reducer=audit.reducer,
+            index=audit.index,
+            segment=audit.segment,
+            statements=running.answer,
+            segments=[running.segments[s] for s in senders],
+            senders=senders,
+            result=running.result,
+        )
+        # Both ways: on our streams to the servers, before the chunks we send a part's new
+        # reducer, and on every member's stream to us, before the rerun we announce on it.
+        skip = {*self.view.failed, audit.reducer}
+        self.outgoing.send(("proof", wire.request(proof=proof)), skip=skip)
+        self.incoming.send("proof", wire.response(proof=proof), skip=skip)
+        self.a.stats["proofs-shown"] += 1
+
+    def on_proof(self, sender: int, proof: pb.Proof, *, answer: bool) -> None:
+        """``sender`` shows what its audit of a part found (``answer``: on our stream to
+        it): we judge the same segment on the result we hold of it, and fail its reducer if
+        that proves it lied. A proof that proves nothing changes nothing (our view may
+        differ from the auditor's); one of a part whose result we do not hold whole yet
+        waits for its seal; one of a claim we hold no more is not judged. Rejection if it
+        is malformed or shows an answer its reducer did not sign."""
+        part, epoch, reducer = proof.part, proof.epoch, proof.reducer
+        view = self.view
+        if part not in view.owner or reducer >= self.n:
+            raise Rejection("malformed", "a proof of no part, or of no member")
+        if reducer == self.me or reducer in view.failed or self.decided:
+            self.a.stats["proofs-late"] += 1
+            return
+        claim = Claim(epoch, reducer)
+        current = view.owner[part] == claim
+        held = view.sealed_result(part, claim)
+        if held is None and not current:
+            self.a.stats["proofs-unjudged"] += 1  # a claim we never held whole
+            return
+        if (sender, part, epoch, answer) in self._proofs:
+            raise Rejection("malformed", "a second proof of one claim")
+        self._proofs.add((sender, part, epoch, answer))
+        if (sender, part, epoch) in self._judged_proofs:
+            return  # (it came the other way first)
+        if held is None:
+            self._waiting_proofs.setdefault(part, {})[sender] = proof  # judged once sealed
+            return
+        self._judged_proofs.add((sender, part, epoch))
+        spans = view.spans[part]
+        if proof.index >= len(spans) or proof.segment >= segments_of(spans[proof.index].blocks):
+            raise Rejection("malformed", "a proof of no segment of its part")
+        if hashlib.sha256(proof.result).digest() != held.hashes[proof.index]:
+            raise Rejection("malformed", "a proof showing a result its reducer did not seal")
+        if not check_statements(proof.statements, self.group, reducer):
+            raise Rejection("malformed", "a proof showing an answer its reducer did not sign")
+        audit = self._audit_of(part, claim, proof.index, proof.segment, held)
+        outcome = self._judged(audit, proof)
+        if outcome.liar != reducer:
+            self.a.stats["proofs-unproven"] += 1
+            return
+        self.a.stats["proofs-taken"] += 1
+        self.liars.add(reducer)
+        reason = f"{self.label(sender)}'s audit shows it: {outcome.reason}"
+        self.a.rejections.record(
+            Rejection("audit-failed", reason), self.group.members[reducer].peer_id
+        )
+        logger.warning(
+            "round %d: member %s lied about part %d: %s",
+            self.group.round,
+            self.label(reducer),
+            part,
+            reason,
+        )
+        self.fail(reducer, f"failed an audit: {reason}")
+
+    def _judge_waiting_proofs(self, part: int) -> None:
+        """``part`` is sealed: the proofs of its claim that came before, judged now (one
+        that proves nothing changes nothing; a malformed one strikes its prover)."""
+        for prover, proof in self._waiting_proofs.pop(part, {}).items():
+            if prover in self.view.failed or prover in self.struck:
+                continue
+            self._proofs.discard((prover, proof.part, proof.epoch, False))
+            self._proofs.discard((prover, proof.part, proof.epoch, True))
+            try:
+                self.on_proof(prover, proof, answer=False)
+            except Rejection as rejection:
+                self.strike(prover, rejection)
+
+    def _judged(self, audit: Audit, proof: pb.Proof) -> Outcome:
+        """``audit`` judged on what ``proof`` shows; Rejection if a segment it shows is not
+        one of that chunk's (the prover's fault: a contributor's would have been struck)."""
+        try:
+            statements = [
+                Statement(s.sender, s.index, s.root, wire.norms_of(s.norms), s.signature)
+                for s in proof.statements.statements
+            ]
+        except Rejection as rejection:  # it signed an answer no audit could take
+            return Outcome(audit.reducer, f"its audit answer: {rejection.reason}")
+        outcome = audit.take_statements(statements)
+        if outcome is not None or not audit.recomputed:
+            return outcome or Outcome(None, "")
+        if len(proof.senders) != len(proof.segments):
+            raise Rejection("malformed", "a proof's segments and senders do not pair")
+        asked = (audit.reducer, audit.part, audit.epoch, audit.index, audit.segment)
+        for member, segment in zip(proof.senders, proof.segments, strict=True):
+            key = (segment.reducer, segment.part, segment.epoch, segment.index, segment.segment)
+            if key != asked or member not in audit.contributors or member in audit.pieces:
+                raise Rejection("malformed", "a proof's segment of another chunk, or twice")
+            audit.take_piece(piece_of(member, segment, audit.blocks, self.cfg.codec))
+        audit.hush(audit.contributors)
+        result = wire.decode_response(proof.result)
+        assert isinstance(result, wire.ResultMessage)  # (its hash is a sealed message's)
+        numel = self.view.spans[audit.part][audit.index].numel
+        payload, scales = decode_chunk(result.payload, result.scales, numel, self.cfg.codec)
+        block = self.cfg.codec.block_size
+        return audit.verdict(*segment_of(payload, scales, audit.segment, block))
+
     def on_statements(self, reducer: int, answer: pb.Statements) -> None:
         """``reducer``'s statements for our audit of its part; Rejection if they show it
         lied (we fail it, and the part is reduced again)."""
@@ -708,6 +865,12 @@ class RoundRun:
             return
         if audit.statements is not None:
             raise Rejection("malformed", "a second answer to one audit")
+        assert running is not None
+        if not check_statements(answer, self.group, reducer):
+            self.auditor.running.pop(answer.part, None)
+            self.liars.add(reducer)
+            raise Rejection("audit-failed", "its audit answer is not signed by it")
+        running.answer = answer
         try:
             statements = [
                 Statement(s.sender, s.index, s.root, wire.norms_of(s.norms), s.signature)
@@ -716,11 +879,13 @@ class RoundRun:
         except Rejection as rejection:
             self.auditor.running.pop(answer.part, None)
             self.liars.add(reducer)
+            self._show_proof(running)
             raise Rejection("audit-failed", f"its audit answer: {rejection.reason}") from None
         outcome = audit.take_statements(statements)
         if outcome is not None:  # its answer, or a segment past its senders' norms
             self.auditor.running.pop(answer.part, None)
             self.liars.add(reducer)
+            self._show_proof(running)
             raise Rejection("audit-failed", outcome.reason)
         self.watch.heard_result(reducer, self.a.clock())
         self._conclude(answer.part)
@@ -738,6 +903,8 @@ class RoundRun:
         if sender in audit.pieces:
             raise Rejection("malformed", "a second segment for one audit")
         audit.take_piece(piece_of(sender, segment, audit.blocks, self.cfg.codec))
+        if sender in audit.pieces and running is not None:
+            running.segments[sender] = segment
         self._conclude(segment.part)
 
     def _conclude(self, part: int) -> None:
@@ -776,6 +943,7 @@ class RoundRun:
         )
         if outcome.liar == audit.reducer:
             self.a.rejections.record(rejection, self.group.members[audit.reducer].peer_id)
+            self._show_proof(running)
             self.fail(audit.reducer, f"failed its audit: {outcome.reason}")
             return
         # A contributor showed other bytes than it signed to the reducer: its lie, and
@@ -800,7 +968,7 @@ class RoundRun:
     # -- audits of our parts and our chunks -----------------------------------------------
 
     def on_audit(self, auditor: int, audit: pb.Audit) -> None:
-        """``auditor`` audits our reduction of a part: our statements of it."""
+        """``auditor`` audits our reduction of a part: our statements of it, signed."""
         if not self._answer_allowed("audit", auditor):
             return
         answer = self.reducing.statements(audit.part, audit.epoch)
@@ -808,6 +976,9 @@ class RoundRun:
         if answer is None or inc is None:
             self.a.stats["stale-audits"] += 1
             return
+        g = self.group
+        payload = wire.statements_payload(g.group_id, g.round, self.me, answer)
+        answer.signature = self.a.identity.sign(wire.STATEMENTS_DOMAIN, payload)
         inc.send("statements", wire.response(statements=answer))
 
     def on_fetch(self, auditor: int, fetch: pb.Fetch) -> None:

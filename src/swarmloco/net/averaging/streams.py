@@ -20,7 +20,7 @@ from grpc._cython import cygrpc
 from swarmloco.core.codec import ChunkSpan
 from swarmloco.errors import NetworkError
 from swarmloco.net.averaging import wire
-from swarmloco.net.averaging.audit import ROOT_BYTES, segments_of
+from swarmloco.net.averaging.audit import ROOT_BYTES, SEGMENT_BLOCKS, segments_of
 from swarmloco.net.averaging.faults import FaultCut, Phase
 from swarmloco.net.averaging.view import PART_HASH_BYTES, RESULT_DIGEST_BYTES, Claim
 from swarmloco.net.identity import SIGNATURE_BYTES
@@ -38,10 +38,32 @@ numbers, a root and a signature, with room to spare)."""
 
 def statements_bytes(members: int, spans: list[list[ChunkSpan]]) -> int:
     """The most a reducer's answer to an audit of a part takes on the wire: a statement of
-    every chunk of the longest part from every member, each with 8 bytes a segment."""
+    every chunk of the longest part from every member, each with 8 bytes a segment, and
+    the reducer's signature of it."""
     chunks = max((len(part) for part in spans), default=0)
     segments = max((segments_of(s.blocks) for part in spans for s in part), default=0)
-    return members * chunks * (STATEMENT_BYTES + 8 * segments + 4) + 32
+    return members * chunks * (STATEMENT_BYTES + 8 * segments + 4) + SIGNATURE_BYTES + 32
+
+
+def proof_bytes(members: int, spans: list[list[ChunkSpan]], block_bytes: int) -> int:
+    """The most a ``Proof`` of a part takes on the wire: the reducer's answer (see
+    :func:`statements_bytes`, with its signature), a segment from every member (up to
+    ``SEGMENT_BLOCKS`` codec blocks of ``block_bytes``, payload and scales, and a hash of
+    every segment of its chunk) and the result message of the chunk (its blocks, and the
+    bitmap of its contributors)."""
+    segments = max((segments_of(s.blocks) for part in spans for s in part), default=0)
+    segment = SEGMENT_BLOCKS * block_bytes + segments * ROOT_BYTES + 48
+    blocks = max((s.blocks for part in spans for s in part), default=0)
+    result = blocks * block_bytes + members // 8 + 64
+    return statements_bytes(members, spans) + members * segment + result + 64
+
+
+def check_proof_size(rnd: RoundRun, proof: pb.Proof) -> None:
+    """Rejection if ``proof`` is longer than any of the round's parts takes."""
+    codec = rnd.cfg.codec
+    most = proof_bytes(rnd.n, rnd.view.spans, codec.block_size + codec.scale_bytes)
+    if proof.ByteSize() > most:
+        raise Rejection("malformed", "a proof longer than its part's")
 
 
 def announced_bytes(members: int) -> int:
@@ -219,6 +241,9 @@ class OutgoingStream:
             rnd.on_statements(self.member, answer)
         elif kind == "fetch":
             rnd.on_fetch(self.member, message.fetch)
+        elif kind == "proof":
+            check_proof_size(rnd, message.proof)
+            rnd.on_proof(self.member, message.proof, answer=True)
         elif kind == "refusal":
             refusal = message.refusal
             if (
@@ -298,6 +323,9 @@ class IncomingStream:
                         rnd.on_audit(self.sender, message.audit)
                     elif kind == "segment":
                         rnd.on_segment(self.sender, message.segment)
+                    elif kind == "proof":
+                        check_proof_size(rnd, message.proof)
+                        rnd.on_proof(self.sender, message.proof, answer=False)
                     elif kind != "heartbeat":
                         raise Rejection("malformed", f"unexpected {kind or 'empty'} message")
                 except Rejection as rejection:

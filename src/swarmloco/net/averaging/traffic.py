@@ -17,7 +17,7 @@ from swarmloco.net.averaging.view import PartHasher
 from swarmloco.net.rejections import Rejection
 from swarmloco.proto.v1 import averaging_pb2 as pb
 
-AUDIT_PHASES = frozenset(("audit", "statements", "fetch", "segment"))
+AUDIT_PHASES = frozenset(("audit", "statements", "fetch", "segment", "proof"))
 
 
 class Heard(Protocol):

@@ -44,15 +44,20 @@ PART_HASH_BYTES = 16
 
 
 class PartHasher:
-    """The running hash of one part's result messages, each fed in whole, in order: SHA-256
-    (the CPU's SHA instructions make it the fastest of hashlib's where they exist, twice
-    BLAKE2b's speed here), cut to ``PART_HASH_BYTES``."""
+    """The hash of one part's result messages, in order: the SHA-256 of each message's
+    SHA-256 (the CPU's SHA instructions make it the fastest of hashlib's where they exist,
+    twice BLAKE2b's speed here), cut to ``PART_HASH_BYTES``. One pass over the bytes, and
+    each message's own hash is kept (``chunks``): one result message can then be shown to
+    be the one sealed, without the rest (an auditor's :class:`pb.Proof`)."""
 
     def __init__(self) -> None:
         self._h = hashlib.sha256(b"swarmloco/v1/part-results\x00")
+        self.chunks: list[bytes] = []
 
     def update(self, message: bytes) -> None:
-        self._h.update(message)
+        chunk = hashlib.sha256(message).digest()
+        self.chunks.append(chunk)
+        self._h.update(chunk)
 
     def digest(self) -> bytes:
         return self._h.digest()[:PART_HASH_BYTES]
@@ -84,6 +89,29 @@ def part_spans(group: Group, codec: CodecConfig) -> list[list[ChunkSpan]]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class SealedResult:
+    """What we received of one claim of a part, sealed: each result chunk's contributor
+    bitmap and the SHA-256 of its message (enough to judge an auditor's proof of it after
+    the part moved on)."""
+
+    bits: tuple[bytes, ...]
+    hashes: tuple[bytes, ...]
+
+    def contributors(self, index: int, size: int) -> list[int]:
+        return members_of(self.bits[index], size)
+
+    def included(self, size: int) -> dict[int, int]:
+        """Per member: how many leading result chunks name it."""
+        counts = dict.fromkeys(range(size), 0)
+        for member in counts:
+            for bits in self.bits:
+                if not bits[member // 8] >> (member % 8) & 1:
+                    break
+                counts[member] += 1
+        return counts
+
+
 class RoundView:
     """What member ``me`` knows about the parts of a round."""
 
@@ -97,6 +125,8 @@ class RoundView:
         self._received: dict[int, list[bytes]] = {p: [] for p in self.parts}
         self._hashes = {p: PartHasher() for p in self.parts}
         self.sealed: dict[int, pb.Seal] = {}
+        self._former: dict[tuple[int, Claim], SealedResult] = {}
+        """Per part and claim it moved on from: what we held of it sealed."""
         """The seal of each part whose every result chunk we hold, under its claim."""
         self.held: set[int] = set()
         """Sealed parts not whole yet: their audit is under way (``audit.py``)."""
@@ -158,6 +188,9 @@ class RoundView:
         return True
 
     def _move(self, part: int, claim: Claim) -> None:
+        former = self.sealed_result(part, self.owner[part])
+        if former is not None:
+            self._former[(part, self.owner[part])] = former
         self.owner[part] = claim
         self._received[part] = []
         self._hashes[part] = PartHasher()
@@ -199,6 +232,15 @@ class RoundView:
     def part_hash(self, part: int) -> bytes:
         """The hash of the result messages of ``part`` we hold, in order."""
         return self._hashes[part].digest()
+
+    def sealed_result(self, part: int, claim: Claim) -> SealedResult | None:
+        """What we received of ``part`` under ``claim``, once its seal matched (None: not
+        all of it, not sealed, or never that claim's)."""
+        if self.owner[part] != claim:
+            return self._former.get((part, claim))
+        if not self.chunks_complete(part) or part not in self.sealed:
+            return None
+        return SealedResult(tuple(self._received[part]), tuple(self._hashes[part].chunks))
 
     def seal(self, seal: pb.Seal) -> bool:
         """Take the seal of a part's results (its signature checked by the caller); False

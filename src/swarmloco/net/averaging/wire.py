@@ -33,6 +33,7 @@ HELLO_DOMAIN = b"swarmloco/v1/aggregate-hello\x00"
 DONE_DOMAIN = b"swarmloco/v1/member-done\x00"
 SEAL_DOMAIN = b"swarmloco/v1/part-seal\x00"
 STATEMENT_DOMAIN = b"swarmloco/v1/chunk-statement\x00"
+STATEMENTS_DOMAIN = b"swarmloco/v1/audit-answer\x00"
 
 # Field numbers in averaging.proto.
 _REQUEST_CHUNK = 2  # AggregateRequest.chunk
@@ -335,6 +336,22 @@ def statement_payload(
         + root
         + norms
     )
+
+
+def statements_payload(group_id: bytes, round: int, reducer: int, answer: pb.Statements) -> bytes:
+    """What a reducer signs of its answer to an audit (``answer``'s signature aside): the
+    group, the round, its own index, the part, the epoch and every statement it holds, each
+    with its sender's signature."""
+    out = [
+        group_id,
+        struct.pack("<QIIII", round, reducer, answer.part, answer.epoch, len(answer.statements)),
+    ]
+    for s in answer.statements:
+        out.append(
+            struct.pack("<IIIII", s.sender, s.index, len(s.root), len(s.norms), len(s.signature))
+        )
+        out += [s.root, s.norms, s.signature]
+    return b"".join(out)
 
 
 def packed_norms(norms: Sequence[float]) -> bytes:

@@ -139,14 +139,38 @@ class Audit(_message.Message):
     def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Statements(_message.Message):
-    __slots__ = ("part", "epoch", "statements")
+    __slots__ = ("part", "epoch", "statements", "signature")
     PART_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STATEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     part: int
     epoch: int
     statements: _containers.RepeatedCompositeFieldContainer[Statement]
-    def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ..., statements: _Optional[_Iterable[_Union[Statement, _Mapping]]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ..., statements: _Optional[_Iterable[_Union[Statement, _Mapping]]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class Proof(_message.Message):
+    __slots__ = ("part", "epoch", "reducer", "index", "segment", "statements", "segments", "senders", "result")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REDUCER_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    STATEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SENDERS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    epoch: int
+    reducer: int
+    index: int
+    segment: int
+    statements: Statements
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    senders: _containers.RepeatedScalarFieldContainer[int]
+    result: bytes
+    def __init__(self, part: _Optional[int] = ..., epoch: _Optional[int] = ..., reducer: _Optional[int] = ..., index: _Optional[int] = ..., segment: _Optional[int] = ..., statements: _Optional[_Union[Statements, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., senders: _Optional[_Iterable[int]] = ..., result: _Optional[bytes] = ...) -> None: ...
 
 class Fetch(_message.Message):
     __slots__ = ("reducer", "part", "epoch", "index", "segment")
@@ -207,20 +231,22 @@ class Heartbeat(_message.Message):
     def __init__(self) -> None: ...
 
 class AggregateRequest(_message.Message):
-    __slots__ = ("hello", "chunk", "done", "heartbeat", "audit", "segment")
+    __slots__ = ("hello", "chunk", "done", "heartbeat", "audit", "segment", "proof")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     hello: StreamHello
     chunk: PartChunk
     done: MemberDone
     heartbeat: Heartbeat
     audit: Audit
     segment: Segment
-    def __init__(self, hello: _Optional[_Union[StreamHello, _Mapping]] = ..., chunk: _Optional[_Union[PartChunk, _Mapping]] = ..., done: _Optional[_Union[MemberDone, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., audit: _Optional[_Union[Audit, _Mapping]] = ..., segment: _Optional[_Union[Segment, _Mapping]] = ...) -> None: ...
+    proof: Proof
+    def __init__(self, hello: _Optional[_Union[StreamHello, _Mapping]] = ..., chunk: _Optional[_Union[PartChunk, _Mapping]] = ..., done: _Optional[_Union[MemberDone, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., audit: _Optional[_Union[Audit, _Mapping]] = ..., segment: _Optional[_Union[Segment, _Mapping]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ...) -> None: ...
 
 class ResultChunk(_message.Message):
     __slots__ = ("part", "epoch", "index", "payload", "scales", "contributors")
@@ -281,7 +307,7 @@ class Refusal(_message.Message):
     def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AggregateResponse(_message.Message):
-    __slots__ = ("result", "rerun", "verdict", "refusal", "heartbeat", "seal", "statements", "fetch")
+    __slots__ = ("result", "rerun", "verdict", "refusal", "heartbeat", "seal", "statements", "fetch", "proof")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     RERUN_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +316,7 @@ class AggregateResponse(_message.Message):
     SEAL_FIELD_NUMBER: _ClassVar[int]
     STATEMENTS_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     result: ResultChunk
     rerun: Rerun
     verdict: Verdict
@@ -298,4 +325,5 @@ class AggregateResponse(_message.Message):
     seal: Seal
     statements: Statements
     fetch: Fetch
-    def __init__(self, result: _Optional[_Union[ResultChunk, _Mapping]] = ..., rerun: _Optional[_Union[Rerun, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., seal: _Optional[_Union[Seal, _Mapping]] = ..., statements: _Optional[_Union[Statements, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ...) -> None: ...
+    proof: Proof
+    def __init__(self, result: _Optional[_Union[ResultChunk, _Mapping]] = ..., rerun: _Optional[_Union[Rerun, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., seal: _Optional[_Union[Seal, _Mapping]] = ..., statements: _Optional[_Union[Statements, _Mapping]] = ..., fetch: _Optional[_Union[Fetch, _Mapping]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ...) -> None: ...
