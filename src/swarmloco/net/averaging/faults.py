@@ -282,23 +282,14 @@ def corrupt(
         return response.SerializeToString()
     if phase == "segment":  # an audit's answer: its bytes altered, its hashes kept
         request = pb.AggregateRequest.FromString(message)
-        segment = request.segment
-        payload = torch.frombuffer(bytearray(segment.payload), dtype=torch.int8)
-        scales = torch.frombuffer(bytearray(segment.scales), dtype=torch.uint8)
-        payload, scales = _corrupt_tensors(payload, scales, how)
-        segment.payload = payload.numpy().tobytes()
-        segment.scales = scales.numpy().tobytes()
+        _corrupt_segment(request.segment, how)
         return request.SerializeToString()
     if phase == "proof":  # an audit's proof, either way: its first segment altered
         shown: pb.AggregateRequest | pb.AggregateResponse = pb.AggregateRequest.FromString(message)
         if not shown.HasField("proof"):
             shown = pb.AggregateResponse.FromString(message)
         for segment in shown.proof.segments[:1]:
-            payload = torch.frombuffer(bytearray(segment.payload), dtype=torch.int8)
-            scales = torch.frombuffer(bytearray(segment.scales), dtype=torch.uint8)
-            payload, scales = _corrupt_tensors(payload, scales, how)
-            segment.payload = payload.numpy().tobytes()
-            segment.scales = scales.numpy().tobytes()
+            _corrupt_segment(segment, how)
         return shown.SerializeToString()
     if phase == "chunk":
         chunk = wire.decode_request(message)
@@ -335,6 +326,15 @@ def corrupt(
         scales=scales,
         contributors=result.contributors,
     )
+
+
+def _corrupt_segment(segment: pb.Segment, how: Corruption) -> None:
+    """Alter an audited segment's bytes in place (its hashes kept)."""
+    payload = torch.frombuffer(bytearray(segment.payload), dtype=torch.int8)
+    scales = torch.frombuffer(bytearray(segment.scales), dtype=torch.uint8)
+    payload, scales = _corrupt_tensors(payload, scales, how)
+    segment.payload = payload.numpy().tobytes()
+    segment.scales = scales.numpy().tobytes()
 
 
 def _corrupt_tensors(
