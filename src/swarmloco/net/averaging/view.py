@@ -103,13 +103,19 @@ class SealedResult:
 
     def included(self, size: int) -> dict[int, int]:
         """Per member: how many leading result chunks name it."""
-        counts = dict.fromkeys(range(size), 0)
-        for member in counts:
-            for bits in self.bits:
-                if not bits[member // 8] >> (member % 8) & 1:
-                    break
-                counts[member] += 1
-        return counts
+        return included_in(self.bits, size)
+
+
+def included_in(chunks: Sequence[bytes], size: int) -> dict[int, int]:
+    """Per member of a group of ``size``: how many leading contributor bitmaps of
+    ``chunks`` name it."""
+    counts = dict.fromkeys(range(size), 0)
+    for member in counts:
+        for bits in chunks:
+            if not bits[member // 8] >> (member % 8) & 1:
+                break
+            counts[member] += 1
+    return counts
 
 
 class RoundView:
@@ -265,19 +271,9 @@ class RoundView:
     def part_complete(self, part: int) -> bool:
         return self.chunks_complete(part) and part in self.sealed and part not in self.held
 
-    def contributors(self, part: int, index: int) -> list[int]:
-        """The members result chunk ``index`` of ``part`` names (call once received)."""
-        return members_of(self._received[part][index], self.group.size)
-
     def included(self, part: int) -> dict[int, int]:
         """Per member: how many leading result chunks of ``part`` we received name it."""
-        counts = dict.fromkeys(range(self.group.size), 0)
-        for member in counts:
-            for bits in self._received[part]:
-                if not bits[member // 8] >> (member % 8) & 1:
-                    break
-                counts[member] += 1
-        return counts
+        return included_in(self._received[part], self.group.size)
 
     @property
     def complete(self) -> bool:
