@@ -234,8 +234,7 @@ def bench_swarm(args: argparse.Namespace, run_dir: Path, on_cuda: bool) -> dict[
     }
     if swarm.returncode != 0:
         out["stderr_tail"] = stderr[-3000:]
-    dirs = sorted(d for d in run_dir.iterdir() if d.is_dir()) if run_dir.is_dir() else []
-    out["per_peer"] = per_peer(dirs[-1] if dirs else run_dir, sampler)
+    out["per_peer"] = per_peer(run_dir, sampler)
     return out
 
 
@@ -246,7 +245,11 @@ def _median(events: list[dict[str, Any]], field: str) -> float | None:
 
 def per_peer(run_dir: Path, sampler: GpuSampler | None = None) -> list[dict[str, Any]]:
     """Each peer's figures between its first and last applied round, from the events in
-    ``run_dir`` (peer0.events, peer1.events, ...)."""
+    ``run_dir`` (peer0.events, peer1.events, ...), or in the newest run folder under it
+    (``scripts/local_swarm.py --dir`` makes one a run)."""
+    if not any(run_dir.glob("peer*.events")) and run_dir.is_dir():
+        runs = sorted(d for d in run_dir.iterdir() if d.is_dir())
+        run_dir = runs[-1] if runs else run_dir
     out = []
     for path in sorted(run_dir.glob("peer*.events")):
         rounds = [e for e in _events(path) if e["event"] == "round"]
@@ -313,11 +316,15 @@ def main() -> int:
         "--from-events",
         type=Path,
         default=None,
-        help="only the swarm figures, from the peer*.events of an earlier run in this folder",
+        help="only the swarm figures, from the peer*.events of an earlier run in this folder "
+        "(or a --swarm-dir: its newest run)",
     )
     args = p.parse_args()
     if args.from_events is not None:
-        print(json.dumps({"per_peer": per_peer(args.from_events)}, indent=2))
+        figures = per_peer(args.from_events)
+        if not figures:
+            p.error(f"--from-events: no peer*.events in {args.from_events} nor in a run under it")
+        print(json.dumps({"per_peer": figures}, indent=2))
         return 0
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
