@@ -62,6 +62,20 @@ FAST_PEER = (
 Event = dict[str, Any]
 
 
+# A user's script as `python SCRIPT ARGS` runs it (its folder first on sys.path, its
+# arguments in sys.argv), with SIGUSR1 writing every thread's stack to stderr.
+_SCRIPT = (
+    "import faulthandler, os, runpy, signal, sys; "
+    "faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "sys.argv = sys.argv[1:]; sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0])); "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+class PeerStillRunning(AssertionError):
+    """A peer did not exit in the time a test gave it."""
+
+
 class PeerProcess:
     """One `swarmloco create|join ... --events -` process."""
 
@@ -87,8 +101,10 @@ class PeerProcess:
 
     @classmethod
     def script(cls, path: Path, data_dir: Path, *args: str) -> PeerProcess:
-        """A user's own training script that takes --data-dir and --events -."""
-        return cls(list(args), data_dir, command=[sys.executable, str(path)])
+        """A user's own training script that takes --data-dir and --events -, run as
+        ``python path`` runs it, and with the command's SIGUSR1 (every thread's stack on
+        stderr: ``dump_stacks``), which a script of its own does not set."""
+        return cls(list(args), data_dir, command=[sys.executable, "-c", _SCRIPT, str(path)])
 
     @classmethod
     def create(cls, data_dir: Path, *extra: str) -> PeerProcess:
@@ -182,7 +198,19 @@ class PeerProcess:
         return "".join(self.log[-lines:])
 
     def wait(self, timeout: float = 180) -> int:
-        code = self.process.wait(timeout=timeout)
+        """The peer's exit code. One still running after ``timeout`` fails the test with
+        where its threads were (their stacks) and its log before that."""
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with self._changed:
+                before = len(self.log)
+            self.dump_stacks()
+            self.kill()  # (the dump is written at once; the log is read to its end)
+            raise PeerStillRunning(
+                f"the peer was still running {timeout:.0f} s later; its log, then where "
+                f"each of its threads was:\n{''.join(self.log[max(0, before - 40) :])[-40_000:]}"
+            ) from None
         for t in self._threads:
             t.join(timeout=5)
         self._keep_record()
