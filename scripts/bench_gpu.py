@@ -22,7 +22,8 @@ loop's time starting each round, waiting for its exchange at the landing, applyi
 evaluating (the checkpoint's copy is in its own event), and the rounds' own
 seconds; ``--delay`` (tau) overlaps each exchange with that many steps; ``gpu_busy``
 from ``nvidia-smi`` samples over the same stretch.
-Without CUDA both parts run on the CPU at --presets tiny:4 so that the script is tested.
+Without CUDA both parts run on the CPU at the tiny preset, a few steps and H = 10, so that
+the script is tested (the report's settings say what ran).
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ from swarmloco.train.spec import LlamaConfig
 from swarmloco.train.tasks import get_task, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
+# Without CUDA the script runs at a size the CPU takes in seconds (so that it is tested), in
+# place of the options given; the report's settings are these then.
+CPU_SETTINGS = {
+    "presets": "tiny:4", "steps": 3, "warmup": 1,
+    "swarm_preset": "tiny", "swarm_batch": 4, "sync_every": 10,
+}  # fmt: skip
 
 
 def matmul_tflops(device: torch.device) -> float | None:
@@ -197,15 +204,15 @@ class GpuSampler:
         return round(statistics.fmean(inside) / 100, 3) if inside else None
 
 
-def bench_swarm(args: argparse.Namespace, run_dir: Path, on_cuda: bool) -> dict[str, Any]:
-    preset = args.swarm_preset if on_cuda else "tiny"
-    extra = ("--device cuda" if on_cuda else "--device cpu") + f" --eval-every {args.eval_every}"
+def bench_swarm(args: argparse.Namespace, run_dir: Path, device: torch.device) -> dict[str, Any]:
+    preset = args.swarm_preset
+    extra = f"--device {device.type} --eval-every {args.eval_every}"
     extra += " --min-group 2"  # every round averaged by both: what the figures are of
     command = [
         sys.executable, str(REPO / "scripts" / "local_swarm.py"),
         "--task", "llama", "--preset", preset, "--peers", "2",
-        "--rounds", str(args.rounds), "--sync-every", str(args.sync_every if on_cuda else 10),
-        "--batch-size", str(args.swarm_batch if on_cuda else 4), "--threads", "1",
+        "--rounds", str(args.rounds), "--sync-every", str(args.sync_every),
+        "--batch-size", str(args.swarm_batch), "--threads", "1",
         "--dashboard-port", "-1", "--dir", str(run_dir), "--extra", extra,
         "--create-extra", f"--delay {args.delay}",
     ]  # fmt: skip
@@ -224,8 +231,8 @@ def bench_swarm(args: argparse.Namespace, run_dir: Path, on_cuda: bool) -> dict[
     out: dict[str, Any] = {
         "preset": preset,
         "peers": 2,
-        "sync_every": args.sync_every if on_cuda else 10,
-        "micro_batch": args.swarm_batch if on_cuda else 4,
+        "sync_every": args.sync_every,
+        "micro_batch": args.swarm_batch,
         "rounds": args.rounds,
         "delay": args.delay,
         "eval_every": args.eval_every,
@@ -328,6 +335,8 @@ def main() -> int:
         return 0
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
+    if not on_cuda:  # what runs without CUDA, in place of what was asked (its settings say so)
+        vars(args).update(CPU_SETTINGS)
     parts = set(args.parts.split(","))
     report: dict[str, Any] = {
         "bench": "gpu",
@@ -347,16 +356,12 @@ def main() -> int:
         peaks["measured_tflops"] = round(measured, 1) if measured else None
         report["peaks"] = peaks
         report["mfu"] = []
-        specs = args.presets.split(",") if on_cuda else ["tiny:4"]
-        for spec in specs:
+        for spec in args.presets.split(","):
             preset, _, batch = spec.partition(":")
             try:
                 report["mfu"].append(
-                    bench_mfu(
-                        preset, int(batch or 8), args.steps if on_cuda else 3,
-                        args.warmup if on_cuda else 1, device, peaks,
-                    )
-                )  # fmt: skip
+                    bench_mfu(preset, int(batch or 8), args.steps, args.warmup, device, peaks)
+                )
             except Exception as exc:  # one preset's failure (memory) leaves the others
                 report["mfu"].append({"preset": preset, "error": repr(exc)[:500]})
             print(json.dumps(report["mfu"][-1]), file=sys.stderr, flush=True)
@@ -364,7 +369,7 @@ def main() -> int:
     if "swarm" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                report["swarm"] = bench_swarm(args, args.swarm_dir or Path(tmp), on_cuda)
+                report["swarm"] = bench_swarm(args, args.swarm_dir or Path(tmp), device)
             except Exception as exc:
                 report["swarm"] = {"error": repr(exc)[:1000]}
         save()

@@ -20,8 +20,7 @@ def test_the_gpu_bench_measures_the_inner_loop_and_two_peers_rounds_on_the_cpu(t
     kept = tmp_path / "swarm"
     done = subprocess.run(
         [
-            *(sys.executable, str(SCRIPT), "--steps", "3", "--warmup", "1"),
-            *("--sync-every", "10", "--rounds", "2", "--swarm-timeout", "240"),
+            *(sys.executable, str(SCRIPT), "--rounds", "2", "--swarm-timeout", "240"),
             *("--swarm-dir", str(kept), "--out", str(tmp_path / "gpu.json")),
         ],
         capture_output=True,
@@ -32,6 +31,11 @@ def test_the_gpu_bench_measures_the_inner_loop_and_two_peers_rounds_on_the_cpu(t
     report = json.loads(done.stdout)
     assert report == json.loads((tmp_path / "gpu.json").read_text())
     assert report["bench"] == "gpu" and report["machine"]["cuda"] is None
+    # Without CUDA, what ran (not the GPU's defaults) is what the settings say.
+    settings = report["settings"]
+    assert (settings["presets"], settings["swarm_preset"], settings["sync_every"]) == (
+        "tiny:4", "tiny", 10,
+    )  # fmt: skip
     (mfu,) = report["mfu"]  # without CUDA: the tiny preset alone
     assert mfu["preset"] == "tiny" and mfu["steps"] == 3 and mfu["params"] > 0
     assert mfu["step_s_min"] <= mfu["step_s"] <= mfu["step_s_max"]
