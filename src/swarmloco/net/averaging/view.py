@@ -131,9 +131,9 @@ class RoundView:
         self._received: dict[int, list[bytes]] = {p: [] for p in self.parts}
         self._hashes = {p: PartHasher() for p in self.parts}
         self.sealed: dict[int, pb.Seal] = {}
+        """The seal of each part whose every result chunk we hold, under its claim."""
         self._former: dict[tuple[int, Claim], SealedResult] = {}
         """Per part and claim it moved on from: what we held of it sealed."""
-        """The seal of each part whose every result chunk we hold, under its claim."""
         self.held: set[int] = set()
         """Sealed parts not whole yet: their audit is under way (``audit.py``)."""
 
