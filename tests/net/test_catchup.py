@@ -19,7 +19,8 @@ import torch
 from netutil import catch_up_of
 
 from swarmloco.core.adoption import AdoptionConfig, Evidence, Reference
-from swarmloco.core.state import MOMENTUM, THETA_G, StateSnapshot
+from swarmloco.core.state import LANDED, MOMENTUM, THETA_G, StateSnapshot
+from swarmloco.dataset.ledger import Landed, Range
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import digest_key, progress_key
@@ -204,6 +205,38 @@ async def test_an_honest_peer_stopped_for_ten_rounds_still_heals():
         )
     assert found.adopted is not None and found.adopted.snapshot.round == 20
     assert "round 20" in found.why
+
+
+@pytest.mark.parametrize("well_formed", [True, False])
+async def test_a_state_brings_what_landed_in_it_and_a_malformed_account_is_refused(well_formed):
+    """A witness serves round 20 with the sequences of a pinned dataset that landed in it:
+    well formed, the taker has them with the state (DESIGN section 11, "What landed travels
+    with the state"); overlapping ranges, or more sequences than it counts, and the state
+    is refused and its holder distrusted, whatever its weights."""
+    theta = torch.randn(NUMEL)
+    landed = Landed([Range(0, 3, 0, 40), Range(0, 7, 10, 5)], [45])
+    account = landed.to_tensor()
+    if not well_formed:
+        account = torch.tensor([1, 44, 0, 3, 0, 40, 0, 7, 10, 5], dtype=torch.int64)
+    tensors = {THETA_G: state_after(theta, 10, seed=2), MOMENTUM: torch.zeros(NUMEL)}
+    ahead = StateSnapshot.of(swarm_id=SWARM, round=20, tensors={**tensors, LANDED: account})
+    async with AsyncExitStack() as stack:
+        boot = await node(stack)
+        a = await holder(stack, boot)
+        me = await node(stack, boot.endpoint)
+        a.state = ahead
+        await a.publish(claim=21, state=ahead)
+        evidence = seasoned([a.peer_id], last_round_at=time.time() - 110.0)
+        found = await catchup(me, evidence).find(
+            round=10, digest=None, reference=reference(theta), distrusted=set()
+        )
+    if well_formed:
+        assert found.adopted is not None and found.adopted.snapshot.round == 20
+        assert Landed.from_tensor(found.adopted.snapshot.tensor(LANDED)) == landed
+        return
+    assert found.adopted is None and a.peer_id in found.distrusted
+    refused = [r for r in found.refused if r.digest == ahead.digest.hex()]
+    assert refused and "what it says landed of the dataset is malformed" in refused[0].reason
 
 
 @pytest.mark.parametrize("fresh", [False, True])

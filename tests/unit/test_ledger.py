@@ -4,9 +4,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from swarmloco.dataset.ledger import (
     Audit,
+    Landed,
     Landing,
     Ledger,
     Range,
@@ -139,3 +141,83 @@ def test_the_audit_survives_a_torn_last_line_and_coverage_counts_each_contributi
     again = [Landing(5, "c", (r(0, 2, 2),))]
     cover = coverage([read_audit(path), again], counts=[6, 4], epoch=0)
     assert cover.duplicated == 2 and cover.missing == 1
+
+
+def test_what_landed_in_a_state_counts_repeats_and_round_trips_through_its_tensor():
+    landed = Landed()
+    assert not landed and Landed.from_tensor(landed.to_tensor()) == landed
+    landed.add([r(0, 0, 4), r(1, 0, 3)])
+    landed.add([r(0, 4, 6), r(2, 1, 2, epoch=1)])
+    assert landed.ranges == [r(0, 0, 10), r(1, 0, 3), r(2, 1, 2, epoch=1)]
+    assert landed.counted == [13, 2] and landed.of(0, 0) == [(0, 10)]
+    back = Landed.from_tensor(landed.to_tensor())
+    assert back == landed and back.copy() == landed
+    assert landed.coverage([10, 5, 4], epoch=0).to_json() == {
+        "sequences": 19, "landed": 13, "duplicated": 0, "missing": 6
+    }  # fmt: skip
+    landed.add([r(1, 2, 2)])  # sequence 2 of shard 1 lands a second time
+    cover = landed.coverage([10, 5, 4], epoch=0)
+    assert (cover.landed, cover.duplicated, cover.missing) == (14, 1, 5)
+
+
+@pytest.mark.parametrize(
+    "values, problem",
+    [
+        ([], "vector"),
+        ([1, 5, 0, 0, 0], "not ranges"),  # a row cut short
+        ([1, -1], "not ranges"),  # a negative count
+        ([2, 4], "epoch"),  # counts for fewer epochs than it says
+        ([1, 3, 0, 0, 0, 4], "more sequences"),  # holds 4, counts 3
+        ([1, 8, 0, 0, 4, 4, 0, 0, 0, 4], "sorted"),  # out of order
+        ([1, 8, 0, 0, 0, 4, 0, 0, 4, 4], "merged"),  # touching, not merged
+        ([1, 4, 1, 0, 0, 4], "does not count"),  # a range of epoch 1, one epoch counted
+        ([1, 4, 0, 0, -2, 4], "not a range"),
+        ([1, 0], "more sequences"),  # an epoch counted with nothing
+    ],
+)
+def test_a_malformed_landed_tensor_is_refused(values, problem):
+    with pytest.raises(ValueError, match=problem):
+        Landed.from_tensor(torch.tensor(values, dtype=torch.int64))
+    assert Landed.from_tensor(torch.tensor([1, 4, 0, 0, 0, 4])).counted == [4]
+
+
+def test_what_a_round_landed_is_part_of_the_state_its_digest_and_its_checkpoint():
+    from swarmloco.core.codec import CodecConfig
+    from swarmloco.core.flat import FlatLayout
+    from swarmloco.core.outer import OuterConfig
+    from swarmloco.core.state import LANDED, StateSnapshot
+    from swarmloco.train.diloco import DilocoState
+
+    def state() -> DilocoState:
+        layout = FlatLayout([("w", (8, 16))], [0], 64)
+        return DilocoState(layout, OuterConfig(), CodecConfig(block_size=64, backend="eager"))
+
+    a, b = state(), state()
+    for s in (a, b):
+        s.apply(0, 1, torch.zeros(128), landed=[r(0, 0, 4)])
+    assert LANDED in a.committed() and a.landed.counted == [4]
+    digest = StateSnapshot.of(swarm_id="5a" * 20, round=1, tensors=a.committed()).digest
+    b.apply(0, 2, torch.zeros(128), landed=[r(1, 0, 2, epoch=1)])
+    b.round = 1  # the same weights and round, another landing: another state
+    assert StateSnapshot.of(swarm_id="5a" * 20, round=1, tensors=b.committed()).digest != digest
+    # A peer that takes the state takes what landed in it; a checkpoint keeps it.
+    taker = state()
+    taker.adopt(StateSnapshot.of(swarm_id="5a" * 20, round=1, tensors=a.committed()))
+    assert taker.landed == a.landed
+    restored = state()
+    restored.load_state_dict(b.state_dict())
+    assert restored.landed == b.landed and restored.landed.counted == [4, 2]
+    assert (
+        DilocoState.snapshot_tensors(b.state_dict())[LANDED].tolist()
+        == b.landed.to_tensor().tolist()
+    )
+    # Nothing landed (no pinned dataset): the state is what it always was.
+    plain = state()
+    plain.apply(0, 1, torch.zeros(128))
+    assert LANDED not in plain.committed() and LANDED not in DilocoState.snapshot_tensors(
+        plain.state_dict()
+    )
+    bad = b.state_dict() | {"landed": torch.tensor([1, 0], dtype=torch.int64)}
+    with pytest.raises(ValueError, match="more sequences"):
+        restored.load_state_dict(bad)
+    assert restored.landed == b.landed  # nothing changed

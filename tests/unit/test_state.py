@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from swarmloco.core.state import (
+    LANDED,
+    MAX_LANDED_VALUES,
     MOMENTUM,
     THETA_G,
     StateHasher,
@@ -79,6 +81,13 @@ def test_the_diloco_schema():
     assert "lacks theta_g" in (schema.mismatch(full[:1]) or "")
     assert "float16[1001]" in (schema.mismatch([TensorSpec(THETA_G, "float16", 1001)]) or "")
     assert "'extra'" in (schema.mismatch([*full, TensorSpec("extra", "uint8", 1)]) or "")
+    # What landed of a pinned dataset: int64 of any length from 1 up to its bound.
+    for n in (1, 9, MAX_LANDED_VALUES):
+        assert schema.mismatch([*full, TensorSpec(LANDED, "int64", n)]) is None
+    too_long = schema.mismatch([*full, TensorSpec(LANDED, "int64", MAX_LANDED_VALUES + 1)])
+    assert f"at most {MAX_LANDED_VALUES}" in (too_long or "")
+    assert "float32[9]" in (schema.mismatch([*full, TensorSpec(LANDED, "float32", 9)]) or "")
+    assert "at most" in (schema.mismatch([*full, TensorSpec(LANDED, "int64", 0)]) or "")
 
 
 def signed(identity: Identity, snapshot: StateSnapshot, nonce: bytes = bytes(16), chunk: int = 100):

@@ -34,6 +34,11 @@ THETA_G = "theta_g"
 """Name of the global parameters (flat fp32) in a snapshot."""
 MOMENTUM = "momentum"
 """Name of the outer optimizer's momentum buffer (flat fp32, absent in a fresh swarm)."""
+LANDED = "landed"
+"""Name of the sequences of a pinned dataset that landed in the state (int64, of any length
+up to :data:`MAX_LANDED_VALUES`; absent until some did: ``dataset.ledger.Landed``)."""
+MAX_LANDED_VALUES = 1 << 22
+"""Values a state's landed sequences hold at most (32 MiB: a million ranges)."""
 TOKENS = "tokens"
 """Name of the swarm's token count (int64[1]: the summed weights of every round's group;
 absent in a fresh swarm)."""
@@ -330,6 +335,8 @@ class StateSchema:
 
     tensors: tuple[TensorSpec, ...]
     optional: frozenset[str] = frozenset()
+    sized: frozenset[str] = frozenset()
+    """Tensors of any length up to their spec's (the others have exactly theirs)."""
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.tensors]
@@ -341,21 +348,23 @@ class StateSchema:
                 raise ValueError(problem)
             if spec.dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {spec.dtype!r}; known: {', '.join(DTYPES)}")
-        unknown = self.optional - set(names)
+        unknown = (self.optional | self.sized) - set(names)
         if unknown:
-            raise ValueError(f"optional tensors {sorted(unknown)} are not in the schema")
+            raise ValueError(f"tensors {sorted(unknown)} are not in the schema")
 
     @classmethod
     def diloco(cls, numel: int) -> StateSchema:
         """``theta_g`` (fp32, ``numel``) and, except in a fresh swarm, the outer momentum
-        and the swarm's token count."""
+        and the swarm's token count; on a pinned dataset, the sequences that landed."""
         return cls(
             (
                 TensorSpec(THETA_G, "float32", numel),
                 TensorSpec(MOMENTUM, "float32", numel),
                 TensorSpec(TOKENS, "int64", 1),
+                TensorSpec(LANDED, "int64", MAX_LANDED_VALUES),
             ),
-            optional=frozenset({MOMENTUM, TOKENS}),
+            optional=frozenset({MOMENTUM, TOKENS, LANDED}),
+            sized=frozenset({LANDED}),
         )
 
     def mismatch(self, specs: Iterable[TensorSpec]) -> str | None:
@@ -366,6 +375,11 @@ class StateSchema:
             want = expected.get(spec.name)
             if want is None:
                 return f"it holds a tensor {spec.name!r} that this swarm's state has not"
+            if spec.name in self.sized and spec.dtype == want.dtype:
+                if 0 < spec.numel <= want.numel:
+                    seen.add(spec.name)
+                    continue
+                return f"its {spec.name} holds {spec.numel} values, at most {want.numel} fit"
             if spec != want:
                 return (
                     f"its {spec.name} is {spec.dtype}[{spec.numel}], this swarm's is "

@@ -38,6 +38,7 @@ import torch
 
 from swarmloco.dataset.ledger import (
     Audit,
+    Landed,
     Landing,
     Ledger,
     Range,
@@ -324,13 +325,16 @@ class LeasedData:
         if given:
             logger.info("%d sequence(s) given back to be read again", sum(r.count for r in given))
 
-    def adopted(self, donors: Collection[str]) -> None:
-        """This peer took a state the ``donors`` served (and it passed the checks): their word
-        on what landed in it decides what this peer reads (else it would read again what
-        landed before it came). It is not passed on: whoever serves a state that passes is
-        no partner, and a joiner may have only strangers to take one from."""
+    def adopted(self, donors: Collection[str], landed: Landed | None = None) -> None:
+        """This peer took a state the ``donors`` served (and it passed the checks): what
+        landed in it (``landed``, part of the state and its digest) and their word on it
+        decide what this peer reads (else it would read again what landed before it came).
+        Neither is passed on: whoever serves a state that passes is no partner, and a
+        joiner may have only strangers to take one from."""
         with self._lock:
             self.donors.update(donors)
+            if landed is not None:
+                self._know(landed.ranges, passed_on=False)
             self._relearn = True
 
     def pending(self) -> bool:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from swarmloco.errors import DataError
 from swarmloco.net.averaging.group import MAX_RANGES
@@ -274,6 +275,99 @@ def _within(inner: Range, outer: Range) -> bool:
     return (inner.epoch, inner.shard) == (outer.epoch, outer.shard) and (
         outer.first <= inner.first and inner.end <= outer.end
     )
+
+
+# -- what landed in a state ------------------------------------------------------------------
+
+MAX_LANDED_EPOCHS = 1 << 16
+"""Epochs a state's landed sequences may name (a state naming more is malformed)."""
+
+
+class Landed:
+    """The sequences of a pinned dataset that landed in one global state: the union of the
+    ranges every round of its lineage landed (merged), and per epoch how many sequences
+    those landings held, repeats counted (so a sequence that landed twice in the state
+    shows). It travels with the state: held by ``DilocoState``, in its digest, its
+    checkpoints and what its donors serve (DESIGN section 11, "What landed travels with
+    the state"). The tensor form (:meth:`to_tensor`) is int64 ``[E, n_0 .. n_{E-1}, epoch,
+    shard, first, count, ...]``."""
+
+    def __init__(self, ranges: Iterable[Range] = (), counted: Sequence[int] = ()) -> None:
+        self.ranges: list[Range] = merged(ranges)
+        self.counted: list[int] = list(counted)
+        """Epoch -> sequences its landings held, repeats counted."""
+
+    def add(self, ranges: Iterable[Range]) -> None:
+        """Ranges a round landed in this state (each member's declared ranges, as given)."""
+        ranges = list(ranges)
+        for r in ranges:
+            if r.epoch >= MAX_LANDED_EPOCHS:
+                raise ValueError(f"{r} names an epoch past {MAX_LANDED_EPOCHS}")
+            if r.epoch >= len(self.counted):
+                self.counted += [0] * (r.epoch + 1 - len(self.counted))
+            self.counted[r.epoch] += r.count
+        if ranges:
+            self.ranges = merged([*self.ranges, *ranges])
+
+    def __bool__(self) -> bool:
+        return bool(self.counted)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Landed):
+            return NotImplemented
+        return (self.ranges, self.counted) == (other.ranges, other.counted)
+
+    def __repr__(self) -> str:
+        return f"Landed({len(self.ranges)} range(s), counted per epoch {self.counted})"
+
+    def copy(self) -> Landed:
+        return Landed(self.ranges, self.counted)
+
+    def of(self, epoch: int, shard: int) -> list[tuple[int, int]]:
+        """The spans ``[first, end)`` of ``shard`` that landed in ``epoch``."""
+        return [(r.first, r.end) for r in self.ranges if (r.epoch, r.shard) == (epoch, shard)]
+
+    def coverage(self, counts: Sequence[int], epoch: int) -> Coverage:
+        """Epoch ``epoch`` of shards of ``counts`` sequences, as this state holds it."""
+        inside = [r for r in self.ranges if r.epoch == epoch and r.shard < len(counts)]
+        landed = sum(
+            min(r.end, counts[r.shard]) - r.first for r in inside if r.first < counts[r.shard]
+        )
+        held = sum(r.count for r in self.ranges if r.epoch == epoch)
+        counted = self.counted[epoch] if epoch < len(self.counted) else 0
+        total = sum(counts)
+        return Coverage(total, landed, counted - held, total - landed)
+
+    def to_tensor(self) -> torch.Tensor:
+        values = [len(self.counted), *self.counted]
+        for r in self.ranges:
+            values += r.to_list()
+        return torch.tensor(values, dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> Landed:
+        """The landed sequences a state's tensor holds; ValueError when it is not one (a
+        donor's state, a checkpoint: nothing is taken on trust)."""
+        if tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.numel() < 1:
+            raise ValueError("a state's landed sequences are a vector of int64")
+        values = tensor.tolist()
+        epochs = values[0]
+        if not 0 <= epochs <= MAX_LANDED_EPOCHS or len(values) < 1 + epochs:
+            raise ValueError(f"a state's landed sequences name {epochs} epoch(s)")
+        counted, rows = values[1 : 1 + epochs], values[1 + epochs :]
+        if len(rows) % 4 or min(counted, default=0) < 0:
+            raise ValueError("a state's landed sequences are not ranges and counts")
+        ranges = [Range.from_list(rows[i : i + 4]) for i in range(0, len(rows), 4)]
+        if merged(ranges) != ranges:
+            raise ValueError("a state's landed ranges are not sorted, apart and merged")
+        held = [0] * epochs
+        for r in ranges:
+            if r.epoch >= epochs:
+                raise ValueError(f"a state's landed range {r} is of an epoch it does not count")
+            held[r.epoch] += r.count
+        if any(h > n for h, n in zip(held, counted, strict=True)) or (epochs and not counted[-1]):
+            raise ValueError("a state's landed ranges hold more sequences than it counts")
+        return cls(ranges, counted)
 
 
 # -- the audit ---------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ from swarmloco.core.adoption import (
     round_plausible,
 )
 from swarmloco.core.config import require_int, require_positive
-from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema
+from swarmloco.core.state import LANDED, MOMENTUM, THETA_G, TOKENS, StateSchema, StateSnapshot
+from swarmloco.dataset.ledger import Landed
 from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.node import DHTNode
@@ -505,8 +506,9 @@ class CatchUp:
             )
             found.distance, found.bound = checked.distance, checked.bound
             found.momentum, found.momentum_bound = checked.momentum, checked.momentum_bound
-            if checked.reason is not None:
-                self._refuse(found, c, checked.reason)
+            reason = checked.reason or _landed_problem(got.snapshot)
+            if reason is not None:
+                self._refuse(found, c, reason)
                 found.distrusted |= set(c.holders)
                 continue
             found.adopted = got
@@ -621,3 +623,14 @@ def describe(found: Found) -> dict[str, Any]:
         "refused": [dataclasses.asdict(r) | {"holders": len(r.holders)} for r in found.refused],
         "failed": len(found.failed),
     }
+
+
+def _landed_problem(snapshot: StateSnapshot) -> str | None:
+    """Why the sequences a state says landed in it cannot be taken, or None."""
+    if snapshot.spec(LANDED) is None:
+        return None
+    try:
+        Landed.from_tensor(snapshot.tensor(LANDED))
+    except ValueError as exc:
+        return f"what it says landed of the dataset is malformed: {exc}"
+    return None

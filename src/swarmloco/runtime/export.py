@@ -32,13 +32,14 @@ from safetensors.torch import save_file
 from swarmloco.core.adoption import Evidence, Reference
 from swarmloco.core.manifest import SwarmManifest, check_swarm_id
 from swarmloco.core.signature import ModelSignature
-from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema, state_digest
+from swarmloco.core.state import THETA_G, StateSchema, state_digest
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.admission import AdmissionError, Gate, gate_of
 from swarmloco.net.identity import KEY_FILE_NAME, Identity
 from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
 from swarmloco.runtime.checkpoint import CheckpointStore
 from swarmloco.runtime.swarm import manifest_signature, manifest_spec
+from swarmloco.train.diloco import DilocoState
 
 logger = logging.getLogger(__name__)
 
@@ -220,21 +221,15 @@ def from_checkpoint(manifest: SwarmManifest, local: Path) -> Latest:
 
 def _committed_digest(state: dict[str, Any], round: int, numel: int) -> tuple[torch.Tensor, str]:
     """A checkpoint's ``theta_g`` and the digest peers publish for it: of the committed
-    state as a donor serves it (with the momentum and token count once a round was
-    applied)."""
+    state as a donor serves it (with the momentum, token count and landed sequences once a
+    round was applied)."""
     diloco = state["diloco"]
-    theta, momentum = diloco["theta_g"], diloco["momentum"]
-    for name, t in (("theta_g", theta), ("momentum", momentum)):
+    for name in ("theta_g", "momentum"):
+        t = diloco[name]
         if not isinstance(t, torch.Tensor) or t.shape != (numel,):
             raise ValueError(f"{name} is not a vector of the model's {numel} values")
-    if round == 0:
-        return theta, state_digest({THETA_G: theta}).hex()
-    tensors = {
-        THETA_G: theta,
-        MOMENTUM: momentum,
-        TOKENS: torch.tensor([int(diloco.get("tokens", 0))], dtype=torch.int64),
-    }
-    return theta, state_digest(tensors).hex()
+    tensors = DilocoState.snapshot_tensors({**diloco, "round": round})
+    return diloco["theta_g"], state_digest(tensors).hex()
 
 
 def local_manifest(swarm_id: str, local: Path | None) -> SwarmManifest | None:

@@ -168,8 +168,8 @@ class Follower:
             p.trial.adopt(snap, holders, own=p.snapshots.current)
             p.keeper.verified = False  # its checkpoints never replace the verified one
         p.diloco.adopt(snap)
-        if p.ranges is not None:  # its donor's word on what landed in it decides what it reads
-            p.ranges.adopted({got.donor.peer_id})
+        if p.ranges is not None:  # what landed in it decides what this peer reads
+            p.ranges.adopted({got.donor.peer_id}, p.diloco.landed.copy())
         self.restart_from_global()
         p.progress.global_step = max(p.progress.global_step, int(p.diloco.round * p.h))
         p.snapshots.publish(snap)  # served from where it was received

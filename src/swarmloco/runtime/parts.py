@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from swarmloco.core.adoption import Evidence
 from swarmloco.core.runspec import RunSpec
+from swarmloco.dataset.ledger import Landed
 from swarmloco.runtime.box import Box, BoxParams
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.keeper import CheckpointKeeper
@@ -52,8 +53,9 @@ class RangeKeeper(Protocol):
     def discard(self) -> None:
         """The local work was thrown away: what it read is read again."""
 
-    def adopted(self, peers: Collection[str]) -> None:
-        """This peer took a state these peers gave and vouched for."""
+    def adopted(self, peers: Collection[str], landed: Landed | None = None) -> None:
+        """This peer took a state these peers gave and vouched for, in which ``landed``
+        landed."""
 
     def pending(self) -> bool:
         """Whether ranges were read (before a restart) that have not landed."""

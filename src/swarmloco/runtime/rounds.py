@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 
+from swarmloco.dataset.ledger import Range
 from swarmloco.errors import RoundAborted, SwarmlocoError
 from swarmloco.net.heap import release_now
 from swarmloco.runtime.network import RoundOutcome
@@ -157,7 +158,14 @@ class RoundDriver:
         # not count as a partner's (leadership, pacing, adoption, the dataset's spans).
         whole = outcome.whole
         partners = frozenset(m for m, counted in whole.items() if counted) - {p.peer_id}
-        self._apply(x, outcome.group_tokens, partners)
+        # On a pinned dataset, what the round landed joins the state (every member adds the
+        # same: the declarations of the members the result holds whole).
+        landed = (
+            [Range(*r) for m, ranges in outcome.ranges.items() if whole.get(m) for r in ranges]
+            if p.ranges is not None
+            else []
+        )
+        self._apply(x, outcome.group_tokens, partners, landed)
         if p.ranges is not None:
             p.ranges.landed(x.round, outcome.ranges, whole, p.peer_id)
         applied = time.monotonic() - landing - waited
@@ -207,12 +215,21 @@ class RoundDriver:
         )
         return True
 
-    def _apply(self, x: Exchange, group_tokens: float, partners: Collection[str]) -> None:
+    def _apply(
+        self,
+        x: Exchange,
+        group_tokens: float,
+        partners: Collection[str],
+        landed: Sequence[Range] = (),
+    ) -> None:
         """The outer step on the fragment, its local copy mixed back, the round counted
-        (``partners``: the other members the result holds whole)."""
+        (``partners``: the other members the result holds whole; ``landed``: the ranges of
+        a pinned dataset the round landed)."""
         p = self.parts
         self.consistent = False
-        movement = p.diloco.apply(x.fragment, x.round, weight=x.weight, group_tokens=group_tokens)
+        movement = p.diloco.apply(
+            x.fragment, x.round, weight=x.weight, group_tokens=group_tokens, landed=landed
+        )
         alpha = p.spec.streaming.alpha
         with p.params.view(x.fragment, read=alpha != 0.0, write=True) as whole:
             p.diloco.land(x.fragment, whole, alpha)

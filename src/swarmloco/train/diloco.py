@@ -29,7 +29,8 @@ from swarmloco.core.codec import (
 )
 from swarmloco.core.flat import FlatLayout
 from swarmloco.core.outer import SLAB_VALUES, OuterConfig, OuterOptimizer
-from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSchema, StateSnapshot
+from swarmloco.core.state import LANDED, MOMENTUM, THETA_G, TOKENS, StateSchema, StateSnapshot
+from swarmloco.dataset.ledger import Landed, Range
 
 
 def fragment_of_round(round: int, fragments: int) -> int:
@@ -71,6 +72,9 @@ class DilocoState:
         self.tokens = 0
         """Tokens the swarm trained on: the summed weights of every round's group (part of
         the state, so that every member of a group holds the same count)."""
+        self.landed = Landed()
+        """The sequences of a pinned dataset that landed in ``theta_g`` (part of the state:
+        every member of a group adds the same landings; a state taken brings its own)."""
         self.schema = StateSchema.diloco(layout.numel)
         self.lock = threading.Lock()
         """Held while another thread reads the committed state in place (the state file
@@ -170,12 +174,14 @@ class DilocoState:
         *,
         weight: float = 0.0,
         group_tokens: float = 0.0,
+        landed: Sequence[Range] = (),
     ) -> float:
         """The outer step of ``round`` on ``fragment`` with the group's ``mean`` (fp32, or
         encoded; by default the fragment's mean as received); this peer's tokens counted in
         ``weight`` are spent and the group's (``group_tokens``, the sum of its weights)
-        added to the swarm's count. Returns the norm of the step (what the round moved
-        ``theta_g``)."""
+        added to the swarm's count, and the ranges of a pinned dataset the round landed
+        (``landed``: every included member's declared ranges) to :attr:`landed`. Returns
+        the norm of the step (what the round moved ``theta_g``)."""
         outer = self.outers[fragment]
         with self.lock:
             outer.step(
@@ -184,6 +190,7 @@ class DilocoState:
             )
             self.round = round
             self.tokens += int(group_tokens)
+            self.landed.add(landed)
         self.fragment_tokens[fragment] = max(0, self.fragment_tokens[fragment] - int(weight))
         return outer.last_norm
 
@@ -209,11 +216,13 @@ class DilocoState:
     def committed(self) -> dict[str, torch.Tensor]:
         """The committed global state as a snapshot holds it: ``theta_g`` and, once a round
         was applied, the momentum (views, no copy: read them under :attr:`lock`, or on the
-        training thread) and the token count."""
+        training thread), the token count and what landed of a pinned dataset."""
         tensors = {THETA_G: self.theta_g}
         if self.round > 0:
             tensors[MOMENTUM] = self.momentum
             tensors[TOKENS] = torch.tensor([self.tokens], dtype=torch.int64)
+        if self.landed:
+            tensors[LANDED] = self.landed.to_tensor()
         return tensors
 
     @staticmethod
@@ -223,12 +232,17 @@ class DilocoState:
         if int(state["round"]) > 0:
             tensors[MOMENTUM] = state["momentum"]
             tensors[TOKENS] = torch.tensor([int(state.get("tokens", 0))], dtype=torch.int64)
+        landed = state.get("landed")
+        if isinstance(landed, torch.Tensor) and int(landed[0]) > 0:
+            tensors[LANDED] = landed
         return tensors
 
     def adopt(self, snapshot: StateSnapshot) -> None:
-        """Take a downloaded global state: ``theta_g``, the momentum, the round, and each
-        fragment's outer step count as if this peer had applied rounds 1..r itself. Read
-        straight into place (a snapshot in a file is never held whole besides)."""
+        """Take a downloaded global state: ``theta_g``, the momentum, the round, what landed
+        in it, and each fragment's outer step count as if this peer had applied rounds
+        1..r itself. Read straight into place (a snapshot in a file is never held whole
+        besides). ValueError, before anything changes, when what landed is malformed."""
+        landed = Landed.from_tensor(snapshot.tensor(LANDED)) if snapshot.spec(LANDED) else Landed()
         with self.lock:
             snapshot.read_into(THETA_G, self.theta_g)
             if snapshot.spec(MOMENTUM) is None:
@@ -239,6 +253,7 @@ class DilocoState:
                 outer.steps = rounds_of_fragment(snapshot.round, f, self.fragments)
             self.round = snapshot.round
             self.tokens = int(snapshot.tensor(TOKENS)[0]) if snapshot.spec(TOKENS) else 0
+            self.landed = landed
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -250,6 +265,7 @@ class DilocoState:
             "fragment_tokens": list(self.fragment_tokens),
             "round": self.round,
             "tokens": self.tokens,
+            "landed": self.landed.to_tensor(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -273,6 +289,8 @@ class DilocoState:
                 f"tokens, the swarm has {self.fragments} fragments"
             )
         round_, tokens = int(state["round"]), int(state.get("tokens", 0))
+        landed = state.get("landed")  # (absent from a checkpoint of before it was kept)
+        landed = Landed() if landed is None else Landed.from_tensor(landed)
         if round_ < 0 or tokens < 0 or min(steps + fragment_tokens) < 0:
             raise ValueError("a negative round, step or token count")
         with self.lock:
@@ -283,3 +301,4 @@ class DilocoState:
             self.fragment_tokens = fragment_tokens
             self.round = round_
             self.tokens = tokens
+            self.landed = landed
