@@ -20,7 +20,6 @@ from swarmloco.net.records import (
     peers_key,
     progress_key,
     progress_report,
-    shard_key,
     sign,
     swarm_key,
     validate,
@@ -254,24 +253,17 @@ def test_checked_records_are_remembered_within_their_budget_and_still_expire():
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ({"epoch": 0, "landed": [[5]], "at": NOW}, "at least 2"),
-        ({"epoch": 0, "landed": [[]], "at": NOW}, "at least 2"),
-        ({"epoch": 0, "landed": [[1, 2, 3]], "at": NOW}, "at most 2"),
-        ({"epoch": 0, "landed": [[0, 4], [7, 3]], "at": NOW}, "below its end"),
-        ({"epoch": 0, "landed": [[4, 4]], "at": NOW}, "below its end"),
-        ({"epoch": 0, "landed": [[-1, 4]], "at": NOW}, "outside"),
-        ({"epoch": 0, "landed": [5], "at": NOW}, "must be a list"),
         ({"shards": [[0]], "at": NOW}, "at least 2"),
         ({"shards": [[0, 1], []], "at": NOW}, "at least 2"),
         ({"shards": [[0, 1, 2]], "at": NOW}, "at most 2"),
     ],
 )
-def test_dataset_spans_and_leases_are_pairs_their_readers_can_unpack(value, message):
-    """A ``shard/<s>`` span is [first, end) with first below end, a lease [epoch, shard]:
-    any other shape stopped every reader that counted the entry."""
+def test_dataset_leases_are_pairs_their_readers_can_unpack(value, message):
+    """A lease is [epoch, shard]: any other shape stopped every reader that counted the
+    entry."""
     owner = Identity.generate()
-    key = shard_key(SWARM, 3) if "landed" in value else leases_key(SWARM)
-    good = {"epoch": 0, "landed": [[0, 4], [7, 9]]} if "landed" in value else {"shards": [[0, 1]]}
+    key = leases_key(SWARM)
+    good = {"shards": [[0, 1]]}
     record = make_record(key, good | {"at": NOW}, expiration=NOW + 60, owner=owner)
     assert validate(record, now=NOW) == good | {"at": NOW}
     forged = _resign(owner, dataclasses.replace(record, value=msgpack.packb(value)))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from swarmloco.dataset.leases import LeasedData
-from swarmloco.dataset.ledger import Sequences
+from swarmloco.dataset.ledger import Landed, Range, Sequences
 
 IDLE = 100.0
 
@@ -69,16 +69,21 @@ def test_a_peer_refuses_an_idle_time_shorter_than_two_lease_lives(tmp_path):
         DaemonConfig(peer=peer, lease_s=60.0, lease_idle_s=100.0)
 
 
-def test_partners_and_donors_are_kept_apart_in_a_checkpoint_and_an_older_one_loads(tmp_path):
+def test_what_landed_is_the_states_and_a_state_taken_replaces_it(tmp_path):
     data = reader(tmp_path)
-    data.landed(1, {"p": []}, {"p": True}, "me")
-    data.adopted({"d"})
+    declared = {"p": [(0, 1, 0, 4)], "me": [(0, 2, 0, 10)]}
+    data.landed(1, declared, {"p": True, "me": True}, "me")
+    assert data.account.ranges == [Range(0, 1, 0, 4), Range(0, 2, 0, 10)]
+    assert (data._todo(0, 1), data._todo(0, 2)) == ([(4, 10)], [])
+    # Another state is taken, in which shard 3 landed and shard 2 did not: shard 2 is read
+    # again (what landed in the state left behind left with it), shard 3 is not.
+    data.adopted(Landed([Range(0, 3, 0, 10)], [10]))
+    assert (data._todo(0, 2), data._todo(0, 3)) == ([(0, 10)], [])
+    assert data.progress()["landed"] == 10 and data.progress()["done"] == 1
+    # The checkpoint keeps what was read, not what landed (that is the state's); one of
+    # before, with the partners and donors whose word counted then, loads.
     state = data.state_dict()
-    assert (state["partners"], state["donors"]) == (["p"], ["d"])
+    assert set(state) == {"epoch", "open_epoch", "ledger"}
     again = reader(tmp_path)
-    again.load_state_dict(state)
-    assert (again.partners, again.donors) == ({"p"}, {"d"})
-    # A checkpoint from before kept one "trusted" set: its peers count as partners, as then.
-    older = {k: v for k, v in state.items() if k not in ("partners", "donors")}
-    again.load_state_dict({**older, "trusted": ["p", "d"]})
-    assert (again.partners, again.donors) == ({"p", "d"}, set())
+    again.load_state_dict({**state, "partners": ["p"], "donors": ["d"], "trusted": ["t"]})
+    assert again.epoch == data.epoch and not again.account

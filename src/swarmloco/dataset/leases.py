@@ -3,21 +3,19 @@ sequence landing once (DESIGN section 11, "Exactly once"): :class:`LeasedData`.
 
 The training thread reads batches (:meth:`LeasedData.ready`, :meth:`LeasedData.next_batch`)
 and the round driver tells it what became of them (:meth:`declare`, :meth:`landed`,
-:meth:`failed`, :meth:`discard`); a task on the peer's event loop (:meth:`run`) keeps the
-leases: it claims (and fetches) a shard when the reader runs short, renews the peer's
-``leases`` record, releases a shard once all of it landed and that is published, publishes
-what this peer saw land (``shard/<s>``) and moves to the next epoch when nothing of the
-current one is free.
+:meth:`failed`, :meth:`discard`) and of the state (:meth:`adopted`, :meth:`restored`); a
+task on the peer's event loop (:meth:`run`) keeps the leases: it claims (and fetches) a
+shard when the reader runs short, renews the peer's ``leases`` record, releases a shard
+once all of it landed and moves to the next epoch when nothing of the current one is free.
 
-Whom it believes: a shard's landed spans count when this peer saw them land itself (its
-audit), or a peer it averaged with in a round it applied, or the donor of a state it
-adopted, says so; a stranger's entry is not read. It passes on (publishes) only what it saw
-land and what its partners say: a donor's word decides what this peer reads, no more. A peer
-holds at most :data:`MAX_LEASES` shards (the ``leases`` record holds no more); a claim is
-stored, then the record read again: a claimant that finds another peer listing the same
-shard withdraws. Another peer's listing counts only while it shows work (:data:`IDLE_S`): a
-key that lists shards and never reads them holds nothing past that. An entry this peer
-cannot read (its schema is checked again here) is passed over, the others counted.
+What landed is the account of the state this peer holds (``ledger.Landed``: the rounds it
+applied add to it, a state it takes brings its own): it reads what has not landed there.
+Nobody's word on what landed is read, a stranger's or a partner's. A peer holds at most
+:data:`MAX_LEASES` shards (the ``leases`` record holds no more); a claim is stored, then the
+record read again: a claimant that finds another peer listing the same shard withdraws.
+Another peer's listing counts only while it shows work (:data:`IDLE_S`): a key that lists
+shards and never reads them holds nothing past that. An entry this peer cannot read (its
+schema is checked again here) is passed over, the others counted.
 """
 
 from __future__ import annotations
@@ -45,17 +43,9 @@ from swarmloco.dataset.ledger import (
     Sequences,
     epoch_order,
     merged,
-    read_audit,
 )
 from swarmloco.errors import DataError
-from swarmloco.net.records import (
-    LEASES,
-    MAX_LANDED_SPANS,
-    MAX_LEASES,
-    SHARD,
-    leases_key,
-    shard_key,
-)
+from swarmloco.net.records import LEASES, MAX_LEASES, leases_key
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +58,6 @@ IDLE_S = 1800.0
 knows it) within this long of this peer first finding it listed, or while one of its
 listers averaged with this peer in a round it applied within as long; past that the
 listing is idle and the shard free to this peer (docs/SECURITY.md, "Datasets")."""
-SHARD_ENTRY_TTL_S = 86400.0
-"""How long a peer's word on a shard's landed spans lives in the DHT."""
 
 Span = tuple[int, int]
 """Sequences ``[first, end)`` of one shard."""
@@ -103,14 +91,6 @@ Lease = tuple[int, int]
 """``(epoch, shard)``."""
 
 _T = TypeVar("_T")
-
-
-def landed_in(value: Any, epoch: int) -> list[Span]:
-    """The spans a ``shard/<s>`` entry's ``value`` says landed in ``epoch``. The schema is
-    checked again (SchemaError): a node's checks are not this peer's, and the spans are
-    unpacked here."""
-    SHARD.schema.check(value, "shard entry")
-    return [(a, b) for a, b in value["landed"]] if value["epoch"] == epoch else []
 
 
 def listed_in(value: Any) -> list[Lease]:
@@ -156,18 +136,11 @@ class LeasedData:
         """The newest epoch this peer claims shards of."""
         self.open_epoch = 0
         """The oldest epoch with a shard not known to have landed (claimed first)."""
-        self.partners: set[str] = set()
-        """Peers this one averaged with in rounds it applied: their word on landed spans
-        counts, and is passed on."""
-        self.donors: set[str] = set()
-        """Peers whose state this one adopted: their word on landed spans decides what this
-        peer reads, and is not passed on (a joiner's donor may be a stranger)."""
+        self.account = Landed()
+        """What landed in the state this peer holds (the rounds it applied add to it; a state
+        it takes, or restores, brings its own)."""
         self.known: dict[Lease, list[Span]] = {}
-        """(epoch, shard) -> the spans this peer knows landed (first-hand, its partners'
-        word or its donors')."""
-        self.vouched: dict[Lease, list[Span]] = {}
-        """(epoch, shard) -> what of :attr:`known` this peer publishes: first-hand or its
-        partners' word."""
+        """(epoch, shard) -> the spans of :attr:`account`, by shard."""
         self.reading: dict[Lease, list[Span]] = {}
         """(epoch, shard) this peer leases -> the spans it has still to read."""
         self.ended = ""
@@ -180,8 +153,6 @@ class LeasedData:
         """Set when batches may have become available (a shard leased, an epoch ended)."""
         self._lock = threading.Lock()
         self._short = asyncio.Event()  # set from the reader (through the loop) when short
-        self._dirty: set[Lease] = set()
-        self._relearn = False
         self._unavailable: set[int] = set()  # shards no source served (tried again later)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -190,8 +161,6 @@ class LeasedData:
         self._quiet: dict[Lease, float] = {}  # listed by others -> since when nothing landed
         self._idle: set[Lease] = set()  # listed by others, idle at the last look
         self._malformed: set[str] = set()  # peers with an entry passed over (logged once)
-        for landing in read_audit(audit):  # what this peer saw land before a restart
-            self._know(landing.ranges)
 
     # -- the training thread -----------------------------------------------------------------
 
@@ -243,12 +212,17 @@ class LeasedData:
         return redo + sum(end - first for spans in self.reading.values() for first, end in spans)
 
     def _prune_redo(self) -> None:
-        """Forget the given-back sequences known to have landed meanwhile."""
+        """Forget the given-back sequences, and those of the leased shards still to read,
+        that landed in the state meanwhile (a state taken brought them)."""
         kept = []
         for r in self.ledger.redo:
             for first, end in spans_minus((r.first, r.end), self.known.get((r.epoch, r.shard), [])):
                 kept.append(Range(r.epoch, r.shard, first, end - first))
         self.ledger.redo = kept
+        for lease, spans in self.reading.items():
+            landed = self.known.get(lease)
+            if spans and landed:
+                spans[:] = [s for span in spans for s in spans_minus(span, landed)]
 
     def _take(self, limit: int) -> list[Range]:
         """Up to ``limit`` sequences: those given back first (of the shards this peer still
@@ -293,7 +267,8 @@ class LeasedData:
         me: str,
     ) -> None:
         """Round ``round`` was applied: ``declared`` is what each member said its update
-        completes, ``included`` whether each member's contribution counted whole."""
+        completes, ``included`` whether each member's contribution counted whole. What the
+        included members declared landed in the state (as ``DilocoState.apply`` adds it)."""
         landings = [
             Landing(round, peer, tuple(merged(Range(*r) for r in ranges)))
             for peer, ranges in declared.items()
@@ -301,15 +276,15 @@ class LeasedData:
         ]
         self.audit.append(landings)  # before the round's checkpoint
         now = time.monotonic()
+        ranges = [Range(*r) for p, rs in declared.items() if included.get(p, False) for r in rs]
         with self._lock:
             partners = [p for p, ok in included.items() if ok and p != me]
-            self.partners.update(partners)
             for peer in [p for p, t in self._partnered.items() if now - t >= self.idle_s]:
                 del self._partnered[peer]
             self._partnered.update(dict.fromkeys(partners, now))
             self.ledger.landed(round, included=included.get(me, False))
-            for landing in landings:
-                self._know(landing.ranges)
+            self.account.add(ranges)
+            self._know(ranges)
         self._ask()
 
     def failed(self, round: int) -> None:
@@ -317,46 +292,47 @@ class LeasedData:
             self.ledger.failed(round)
 
     def discard(self) -> None:
-        """The local work is thrown away: what it read is read again (what of it is known to
-        have landed meanwhile is not)."""
+        """The local work is thrown away: what it read is read again (what of it landed in
+        the state meanwhile is not)."""
         with self._lock:
             given = self.ledger.discard()
-            self._relearn = True
         if given:
             logger.info("%d sequence(s) given back to be read again", sum(r.count for r in given))
 
-    def adopted(self, donors: Collection[str], landed: Landed | None = None) -> None:
-        """This peer took a state the ``donors`` served (and it passed the checks): what
-        landed in it (``landed``, part of the state and its digest) and their word on it
-        decide what this peer reads (else it would read again what landed before it came).
-        Neither is passed on: whoever serves a state that passes is no partner, and a
-        joiner may have only strangers to take one from."""
+    def adopted(self, landed: Landed) -> None:
+        """This peer took another state (downloaded, or its own again after a roll-back):
+        what landed in it (``landed``, part of the state and its digest) decides what this
+        peer reads. What landed only in the state left behind is read again; what landed in
+        this one and was still to read is not."""
+        self.restored(landed)
+
+    def restored(self, landed: Landed) -> None:
+        """The state this peer holds (restored from a checkpoint, or taken) has ``landed``."""
+        known: dict[Lease, list[Span]] = {}
+        for r in landed.ranges:  # (merged: in order, apart)
+            known.setdefault((r.epoch, r.shard), []).append((r.first, r.end))
         with self._lock:
-            self.donors.update(donors)
-            if landed is not None:
-                self._know(landed.ranges, passed_on=False)
-            self._relearn = True
+            for lease in set(self.known) | set(known):
+                if self.known.get(lease) != known.get(lease):
+                    self._quiet.pop(lease, None)  # what landed of it changed
+            self.account, self.known = landed.copy(), known
+        self._ask()
 
     def pending(self) -> bool:
         with self._lock:
             return bool(self.ledger.pending)
 
-    def _know(self, ranges: Sequence[Range], *, passed_on: bool = True) -> None:
-        """``ranges`` landed; ``passed_on``: first-hand or a partner's word (published)."""
+    def _know(self, ranges: Sequence[Range]) -> None:
+        """``ranges`` landed in the state (:attr:`known` follows :attr:`account`)."""
         for r in ranges:
             key = (r.epoch, r.shard)
             spans = spans_union([*self.known.get(key, []), (r.first, r.end)])
             if spans != self.known.get(key):
                 self._quiet.pop(key, None)  # something of it landed: its listers read it
             self.known[key] = spans
-            if passed_on:
-                vouched = spans_union([*self.vouched.get(key, []), (r.first, r.end)])
-                if vouched != self.vouched.get(key):
-                    self.vouched[key] = vouched
-                    self._dirty.add(key)
 
     def _todo(self, epoch: int, shard: int) -> list[Span]:
-        """What of a shard is not known to have landed."""
+        """What of a shard has not landed in the state."""
         return spans_minus((0, self.sequences.counts[shard]), self.known.get((epoch, shard), []))
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -367,23 +343,19 @@ class LeasedData:
                 "epoch": self.epoch,
                 "open_epoch": self.open_epoch,
                 "ledger": self.ledger.state_dict(),
-                "partners": sorted(self.partners),
-                "donors": sorted(self.donors),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """(What landed is the state's: :meth:`restored`. An older checkpoint's partners and
+        donors, whose word on what landed counted then, are not read.)"""
         try:
             epoch = int(state["epoch"])
             open_epoch = min(epoch, int(state.get("open_epoch", 0)))
-            # (A checkpoint from before donors were told apart kept both as "trusted".)
-            partners = {str(p) for p in state.get("partners", state.get("trusted", ()))}
-            donors = {str(p) for p in state.get("donors", ())}
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"the leased data's state is malformed: {exc}") from exc
         with self._lock:
             self.ledger.load_state_dict(state["ledger"])
             self.epoch, self.open_epoch = epoch, open_epoch
-            self.partners, self.donors = partners, donors
 
     # -- the leases (the peer's event loop) --------------------------------------------------
 
@@ -438,13 +410,6 @@ class LeasedData:
             )
 
     async def _tend(self, dht: Any, swarm_id: str, peer_id: str) -> None:
-        await self._publish_landed(dht, swarm_id)
-        with self._lock:
-            relearn, self._relearn = self._relearn, False
-            held = sorted(self.reading)
-        if relearn:
-            for epoch, shard in held:
-                await self._learn(dht, swarm_id, epoch, shard)
         with self._lock:
             self._release_done()
             # The next shard is leased (and fetched) while half a shard is left to read.
@@ -470,11 +435,11 @@ class LeasedData:
             self.stop_peer(self.ended)
 
     def _release_done(self) -> None:
-        """Give up the shards read to the end whose every range landed, once what landed of
-        them is published (the next reader must not find it free and not landed)."""
+        """Give up the shards read to the end whose every range landed."""
+        self._prune_redo()
         held = self.ledger.held_shards()
         for lease in [k for k, spans in self.reading.items() if not spans]:
-            if lease not in held and lease not in self._dirty:
+            if lease not in held:
                 del self.reading[lease]
                 logger.info("shard %d of epoch %d read and landed: released", lease[1], lease[0])
 
@@ -503,8 +468,6 @@ class LeasedData:
             self.open_epoch += 1
         # Nothing is free: every shard landed, or is another's to read.
         if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
-            for lease in others:  # has what they read landed?
-                await self._learn(dht, swarm_id, *lease)
             with self._lock:
                 self.last_epoch = True
             self.changed.set()
@@ -523,7 +486,6 @@ class LeasedData:
     async def _take_lease(self, dht: Any, swarm_id: str, peer_id: str, lease: Lease) -> bool:
         """Claim ``lease`` (stored, then read back: of two claimants, one that finds the
         other's claim withdraws); False when it is not to be had."""
-        await self._learn(dht, swarm_id, *lease)
         with self._lock:
             todo = self._todo(*lease)
             mine = sorted(self.reading)
@@ -600,22 +562,6 @@ class LeasedData:
         self._idle = idle
         return held
 
-    async def _learn(self, dht: Any, swarm_id: str, epoch: int, shard: int) -> None:
-        """What this peer's partners and donors say landed of ``shard`` in ``epoch`` (the
-        others' entries are not read: a stranger saying a shard landed moves nothing)."""
-        result = await dht.get(shard_key(swarm_id, shard))
-        with self._lock:
-            for passed_on, peers in ((True, self.partners), (False, self.donors)):
-                spans = [
-                    span
-                    for entry in result.entries.values()
-                    if entry.subkey in peers
-                    for span in self._read(entry, lambda value: landed_in(value, epoch))
-                ]
-                if spans:
-                    ranges = [Range(epoch, shard, a, b - a) for a, b in spans_union(spans)]
-                    self._know(ranges, passed_on=passed_on)
-
     def _read(self, entry: Any, read: Callable[[Any], list[_T]]) -> list[_T]:
         """``read`` of ``entry``'s value; nothing when it cannot be read (passed over, logged
         once a peer): one peer's entry must not stop the lease task, which would retry on
@@ -628,19 +574,6 @@ class LeasedData:
                 logger.warning("peer %s's entry is passed over: %s", entry.subkey[:8], exc)
             return []
 
-    async def _publish_landed(self, dht: Any, swarm_id: str) -> None:
-        with self._lock:
-            dirty, self._dirty = sorted(self._dirty), set()
-            entries = [(key, self.vouched[key][:MAX_LANDED_SPANS]) for key in dirty]
-        for (epoch, shard), spans in entries:
-            value = {"epoch": epoch, "landed": [list(s) for s in spans], "at": dht.clock()}
-            try:
-                await dht.store(shard_key(swarm_id, shard), value, ttl=SHARD_ENTRY_TTL_S)
-            except Exception:
-                with self._lock:
-                    self._dirty.add((epoch, shard))
-                raise
-
     async def _store_leases(self, dht: Any, swarm_id: str, leases: Sequence[Lease]) -> None:
         value = {"shards": [list(x) for x in leases], "at": dht.clock()}
         if await dht.store(leases_key(swarm_id), value, ttl=self.lease_s) > 0:
@@ -649,7 +582,7 @@ class LeasedData:
     # -- what the dashboard shows --------------------------------------------------------------
 
     def progress(self) -> dict[str, int]:
-        """The epoch's progress as this peer knows it (its ``status`` record's ``data``)."""
+        """The epoch's progress in this peer's state (its ``status`` record's ``data``)."""
         with self._lock:
             epoch = self.epoch
             landed = sum(

@@ -160,19 +160,6 @@ class ListOf(Schema):
 
 
 @dataclasses.dataclass(frozen=True)
-class Span(Schema):
-    """``[first, end)``: two integers in [0, ``maximum``] with first below end (an empty or
-    reversed span says nothing landed, and only costs its readers)."""
-
-    maximum: int = 2**63 - 1
-
-    def check(self, value: Any, where: str) -> None:
-        ListOf(Int(minimum=0, maximum=self.maximum), max_items=2, min_items=2).check(value, where)
-        if value[0] >= value[1]:
-            raise SchemaError(f"{where} = {value} is empty: its first must be below its end")
-
-
-@dataclasses.dataclass(frozen=True)
 class Struct(Schema):
     """A map with exactly these string keys (those in ``optional`` may be missing).
 
@@ -895,8 +882,6 @@ def stage_load_key(swarm_id: str) -> str:
 
 MAX_DATASET_SHARDS = 1 << 20
 """Shards a pinned dataset has at most."""
-MAX_LANDED_SPANS = 16
-"""Spans of landed sequences one shard entry lists at most."""
 
 LEASES = register(
     RecordKind(
@@ -924,31 +909,3 @@ LEASES = register(
 
 def leases_key(swarm_id: str) -> str:
     return swarm_key(swarm_id, "leases")
-
-
-SHARD = register(
-    RecordKind(
-        name="shard/<s>",
-        pattern="shard/(0|[1-9][0-9]{0,6})",
-        # One signed entry per peer that saw sequences of shard s land (in rounds it applied
-        # or as its lessee): the spans [first, end) it knows landed in the epoch. First-hand
-        # for its owner; a reader counts only the entries of peers it trusts.
-        schema=owned_value(
-            {
-                "epoch": Int(minimum=0),
-                "landed": ListOf(Span(), MAX_LANDED_SPANS),
-                "at": Float(minimum=0.0),
-            }
-        ),
-        owned=True,
-        max_ttl=86400.0,
-        max_value_bytes=512,
-        max_subkeys=4096,
-    )
-)
-
-
-def shard_key(swarm_id: str, shard: int) -> str:
-    if not 0 <= shard < MAX_DATASET_SHARDS:
-        raise ValueError(f"shard {shard} is out of range")
-    return swarm_key(swarm_id, f"shard/{shard}")

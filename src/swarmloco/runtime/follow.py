@@ -169,7 +169,7 @@ class Follower:
             p.keeper.verified = False  # its checkpoints never replace the verified one
         p.diloco.adopt(snap)
         if p.ranges is not None:  # what landed in it decides what this peer reads
-            p.ranges.adopted({got.donor.peer_id}, p.diloco.landed.copy())
+            p.ranges.adopted(p.diloco.landed)
         self.restart_from_global()
         p.progress.global_step = max(p.progress.global_step, int(p.diloco.round * p.h))
         p.snapshots.publish(snap)  # served from where it was received
@@ -214,6 +214,8 @@ class Follower:
         )
         self.reset_optimizer()  # its moments came from the condemned state
         p.diloco.adopt(verified)
+        if p.ranges is not None:  # what landed only in the condemned state is read again
+            p.ranges.adopted(p.diloco.landed)
         p.progress.global_step = int(p.diloco.round * p.h)
         self.restart_from_global()
         p.snapshots.publish(verified)

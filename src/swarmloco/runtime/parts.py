@@ -10,7 +10,7 @@ its own state; this is only how they reach each other.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from swarmloco.core.adoption import Evidence
@@ -53,9 +53,13 @@ class RangeKeeper(Protocol):
     def discard(self) -> None:
         """The local work was thrown away: what it read is read again."""
 
-    def adopted(self, peers: Collection[str], landed: Landed | None = None) -> None:
-        """This peer took a state these peers gave and vouched for, in which ``landed``
-        landed."""
+    def adopted(self, landed: Landed) -> None:
+        """This peer took another state (downloaded, or its own after a roll-back), in
+        which ``landed`` landed."""
+
+    def restored(self, landed: Landed) -> None:
+        """The state this peer starts from (its checkpoint's, or its first taken) holds
+        ``landed``."""
 
     def pending(self) -> bool:
         """Whether ranges were read (before a restart) that have not landed."""

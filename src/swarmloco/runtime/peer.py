@@ -227,6 +227,7 @@ class Peer:
             return
         if ranges.pending():
             self.follower.restart_from_global()
+        ranges.restored(self.diloco.landed)  # what it reads: what has not landed in its state
         self.loop.submit(ranges.run(network.node.dht, self.swarm_id, self.peer_id))
 
         def stop() -> None:
