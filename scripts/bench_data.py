@@ -18,20 +18,24 @@ fetches a pinned dataset. Prints ONE JSON object.
   ``swarmloco join`` peers of the tiny preset (sequences of 64 tokens) around a bootstrap
   node, up to ``--churn-kills`` SIGKILLs of a peer at random moments (seeded: after 0 to
   2 more of its rounds and up to 1.5 s; each killed peer started again from its data
-  directory; a peer that already left is not killed), leases of 4 s, ``--max-epochs 1``; then the
-  union of the peers' audits against the epoch: ``tokens_duplicated`` and
-  ``tokens_missing`` (targets 0 and 0; a sequence of 64 targets counts 64 tokens), with
-  ``tokens_wasted`` (trained and never landed: what the peers' ``--read-log`` files say
-  they read, killed runs included, less what landed), ``tokens_given_back`` (read again
-  after a download, a discard or a left-out contribution, as the peers logged it) and the
-  seconds the epoch took.
+  directory; a peer that already left is not killed), leases of 4 s, ``--max-epochs 1``; then
+  what landed in the state the run ends on (of the peers' last checkpoints, the newest
+  round's; ``final_round``, and ``states_agree`` when every peer's last state holds the
+  same) against the epoch: ``tokens_duplicated`` and ``tokens_missing`` (targets 0 and 0;
+  a sequence of 64 targets counts 64 tokens), with ``tokens_wasted`` (trained and never
+  landed in it: what the peers' ``--read-log`` files say they read, killed runs included,
+  less what landed), ``tokens_given_back`` (read again after a download, a discard or a
+  left-out contribution, as the peers logged it), the seconds the epoch took, and
+  ``audits`` (the union of the peers' audits, each contribution once: what the peers saw
+  land, in states later dropped too).
 - ``squat``: keys that list shards and never read them (docs/SECURITY.md, "Datasets"): the
   churn soak's dataset and peers with no kill, twice in one run of the bench: ``clean``,
   and ``squatted``, where a stranger's key (a DHT node of its own, its proof of work
   solved) lists the dataset's last ``--squat-shards`` shards before the peers start and
   renews the listing every second until they end, reading nothing; the peers run with
   ``--lease-idle-seconds`` ``--squat-idle``. For each arm: the peers' exit codes, the
-  seconds the epoch took, ``tokens_duplicated`` and ``tokens_missing`` (targets 0 and 0),
+  seconds the epoch took, ``tokens_duplicated`` and ``tokens_missing`` in the final state
+  (targets 0 and 0),
   and for the squatted arm whether the listed shards landed whole
   (``squat_listed_landed``) and ``squat_extra_seconds`` (the squatted epoch's seconds less
   the clean one's: the idle wait and the listed shards' reading, about ``--squat-idle``).
@@ -289,7 +293,9 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 if p.process.poll() is None:
                     p.kill()
     seconds = time.monotonic() - started
-    cover = coverage([read_audit(work / n / "audit.jsonl") for n in "abc"], counts, epoch=0)
+    final, final_round, agree = final_state(work)
+    cover = final.coverage(counts, epoch=0)
+    audits = coverage([read_audit(work / n / "audit.jsonl") for n in "abc"], counts, epoch=0)
     read = sum(
         count
         for n in "abc"
@@ -316,6 +322,13 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "tokens_given_back": given * seq_len,
         "tokens_read": read * seq_len,
         "tokens_wasted": (read - cover.landed - cover.duplicated) * seq_len,
+        "final_round": final_round,
+        "states_agree": agree,
+        "audits": {
+            "tokens_landed": audits.landed * seq_len,
+            "tokens_duplicated": audits.duplicated * seq_len,
+            "tokens_missing": audits.missing * seq_len,
+        },
     }
 
 
@@ -367,12 +380,33 @@ class Squatter:
             self.error = f"{type(exc).__name__}: {exc}"
 
 
+def final_state(where: Path, names: str = "abc") -> tuple[Any, int, bool]:
+    """What landed in the state the run ends on (``dataset.ledger.Landed``): of the peers'
+    last checkpoints under ``where``, the newest round's (the most landed of equal rounds);
+    its round, and whether every peer's last state holds the same."""
+    from swarmloco.dataset.ledger import Landed
+    from swarmloco.runtime.checkpoint import CheckpointStore
+
+    last: list[tuple[int, int, Landed]] = []
+    for n in names:
+        for swarm_dir in (where / n / "swarms").iterdir():
+            with CheckpointStore(
+                swarm_dir / "checkpoints", swarm_id=swarm_dir.name, readonly=True
+            ) as store:
+                found = store.latest()
+            if found is not None:
+                landed = Landed.from_tensor(found.state["diloco"]["landed"])
+                last.append((found.round, sum(r.count for r in landed.ranges), landed))
+    if not last:
+        return Landed(), 0, False
+    round_, _, landed = max(last, key=lambda x: (x[0], x[1]))
+    return landed, round_, all(x[2] == landed for x in last)
+
+
 def squat(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Keys that list shards and never read them (see the module)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
     from swarmutil import Bootstrap, PeerProcess
-
-    from swarmloco.dataset.ledger import coverage, read_audit
 
     data, counts = soak_dataset(args, work)
     report: dict[str, Any] = {"squat_sequences": sum(counts), "squat_shards": len(counts)}
@@ -411,24 +445,19 @@ def squat(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     if p.process.poll() is None:
                         p.kill()
         seconds[arm] = time.monotonic() - started
-        cover = coverage([read_audit(where / n / "audit.jsonl") for n in "abc"], counts, epoch=0)
+        final, final_round, agree = final_state(where)
+        cover = final.coverage(counts, epoch=0)
         report[f"squat_{arm}"] = {
             "exit_codes": codes,
             "seconds": round(seconds[arm], 1),
             "tokens_landed": cover.landed * SEQ_LEN,
             "tokens_duplicated": cover.duplicated * SEQ_LEN,
             "tokens_missing": cover.missing * SEQ_LEN,
+            "final_round": final_round,
+            "states_agree": agree,
         }
         if squatter is not None:
-            from swarmloco.dataset.leases import spans_union
-
-            spans: dict[int, list[tuple[int, int]]] = {s: [] for s in listed}
-            for n in "abc":
-                for landing in read_audit(where / n / "audit.jsonl"):
-                    for r in landing.ranges:
-                        if r.epoch == 0 and r.shard in spans:
-                            spans[r.shard].append((r.first, r.end))
-            whole = {s: sum(b - a for a, b in spans_union(spans[s])) for s in listed}
+            whole = {s: sum(b - a for a, b in final.of(0, s)) for s in listed}
             report["squat_listed_shards"] = listed
             report["squat_listed_landed"] = all(whole[s] == counts[s] for s in listed)
             report["squat_listings_stored"] = squatter.stored

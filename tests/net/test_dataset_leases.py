@@ -230,7 +230,6 @@ async def test_what_landed_in_the_state_taken_decides_what_is_read_not_a_union(t
         assert not first.gave_up
         assert {r.shard for r in first.read} == set(range(len(COUNTS))) - set(half)
         joiner.adopted(Landed([Range(0, 0, 0, COUNTS[0])], [COUNTS[0]]))
-        joiner.last_epoch = False  # (it had found nothing left: it looks again)
         again = Trainer(joiner, me, give_up_s=60.0)
         await asyncio.to_thread(again)
         await joiner.close()

@@ -87,3 +87,14 @@ def test_what_landed_is_the_states_and_a_state_taken_replaces_it(tmp_path):
     again = reader(tmp_path)
     again.load_state_dict({**state, "partners": ["p"], "donors": ["d"], "trusted": ["t"]})
     assert again.epoch == data.epoch and not again.account
+
+
+def test_what_a_state_taken_says_landed_of_a_shard_being_read_is_not_read(tmp_path):
+    data = reader(tmp_path)
+    data.reading[(0, 1)] = [(0, 10)]  # leased, nothing of it read yet
+    data.adopted(Landed([Range(0, 1, 2, 4)], [4]))  # sequences 2..5 landed in the state taken
+    assert data.ready(1)  # 6 left, a batch of 4
+    x, _ = data.next_batch()
+    assert x.shape[0] == 4
+    assert data.reading[(0, 1)] == [(8, 10)]
+    assert [e.range for e in data.ledger.pending] == [Range(0, 1, 0, 2), Range(0, 1, 6, 2)]

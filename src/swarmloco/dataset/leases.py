@@ -316,6 +316,7 @@ class LeasedData:
                 if self.known.get(lease) != known.get(lease):
                     self._quiet.pop(lease, None)  # what landed of it changed
             self.account, self.known = landed.copy(), known
+            self.last_epoch = False  # (something may be left to read again: looked for anew)
         self._ask()
 
     def pending(self) -> bool:
