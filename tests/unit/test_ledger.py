@@ -158,6 +158,13 @@ def test_what_landed_in_a_state_counts_repeats_and_round_trips_through_its_tenso
     landed.add([r(1, 2, 2)])  # sequence 2 of shard 1 lands a second time
     cover = landed.coverage([10, 5, 4], epoch=0)
     assert (cover.landed, cover.duplicated, cover.missing) == (14, 1, 5)
+    # An epoch past the one after the newest counted is left out (a declaration cannot grow
+    # the state by epochs at will); the one after is taken.
+    before = landed.copy()
+    landed.add([r(0, 0, 1, epoch=3), r(0, 0, 1, epoch=2**31)])
+    assert landed == before
+    landed.add([r(0, 0, 1, epoch=2)])
+    assert landed.counted == [15, 2, 1]
 
 
 @pytest.mark.parametrize(

@@ -298,16 +298,20 @@ class Landed:
         """Epoch -> sequences its landings held, repeats counted."""
 
     def add(self, ranges: Iterable[Range]) -> None:
-        """Ranges a round landed in this state (each member's declared ranges, as given)."""
-        ranges = list(ranges)
-        for r in ranges:
-            if r.epoch >= MAX_LANDED_EPOCHS:
-                raise ValueError(f"{r} names an epoch past {MAX_LANDED_EPOCHS}")
+        """Ranges a round landed in this state (each included member's declared ranges, as
+        given). A range of an epoch past the one after the newest this state counts (or
+        past :data:`MAX_LANDED_EPOCHS`) is left out: no honest reader gets there, and a
+        declaration must not grow every member's state by an epoch a round at will. Every
+        member of a round holds the same state and adds the same, so what is left out is
+        the same for all (its sequences are read again)."""
+        newest = min(len(self.counted), MAX_LANDED_EPOCHS - 1)
+        kept = [r for r in ranges if r.epoch <= newest]
+        for r in kept:
             if r.epoch >= len(self.counted):
                 self.counted += [0] * (r.epoch + 1 - len(self.counted))
             self.counted[r.epoch] += r.count
-        if ranges:
-            self.ranges = merged([*self.ranges, *ranges])
+        if kept:
+            self.ranges = merged([*self.ranges, *kept])
 
     def __bool__(self) -> bool:
         return bool(self.counted)

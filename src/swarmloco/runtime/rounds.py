@@ -158,13 +158,10 @@ class RoundDriver:
         # not count as a partner's (leadership, pacing, adoption, the dataset's spans).
         whole = outcome.whole
         partners = frozenset(m for m, counted in whole.items() if counted) - {p.peer_id}
-        # On a pinned dataset, what the round landed joins the state (every member adds the
-        # same: the declarations of the members the result holds whole).
-        landed = (
-            [Range(*r) for m, ranges in outcome.ranges.items() if whole.get(m) for r in ranges]
-            if p.ranges is not None
-            else []
-        )
+        # What the round landed of a pinned dataset joins the state: every member adds the
+        # same (the declarations of the members the result holds whole), a peer that reads
+        # at random (a box) as one that leases; without a dataset nobody declares any.
+        landed = [Range(*r) for m, ranges in outcome.ranges.items() if whole.get(m) for r in ranges]
         self._apply(x, outcome.group_tokens, partners, landed)
         if p.ranges is not None:
             p.ranges.landed(x.round, outcome.ranges, whole, p.peer_id)
