@@ -87,3 +87,45 @@ def test_three_peers_and_a_sigkill_land_every_sequence_of_the_epoch_once(tmp_pat
         for landing in audit:
             key = (landing.round, landing.contributor)
             assert seen.setdefault(key, landing.ranges) == landing.ranges, key
+
+
+def last_landed(data_dir: Path) -> tuple[int, Landed]:
+    [swarm_dir] = (data_dir / "swarms").iterdir()
+    with CheckpointStore(swarm_dir / "checkpoints", swarm_id=swarm_dir.name) as store:
+        found = store.latest()
+    assert found is not None, data_dir
+    return found.round, Landed.from_tensor(found.state["diloco"]["landed"])
+
+
+def test_a_box_that_reads_at_random_and_a_peer_that_leases_hold_one_state(tmp_path, capsys):
+    """What landed is part of the state: a box of two ranks (it reads the dataset at random,
+    declaring nothing) adds the ranges the leasing peer's updates land as that peer does,
+    so the two apply every round on one digest, and their last states hold the same."""
+    data = prepared(tmp_path, capsys)
+    rounds = ("--dataset", str(data), "--min-group", "2", "--max-rounds", "3")
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(
+            tmp_path / "creator", boot.endpoint, "--dataset", str(data), "--seq-len", str(SEQ_LEN)
+        )
+        peers = {
+            "leases": PeerProcess.join(swarm, boot.endpoint, tmp_path / "leases", *rounds),
+            "box": PeerProcess.join(
+                swarm, boot.endpoint, tmp_path / "box", *rounds, "--nproc-per-node", "2"
+            ),
+        }
+        try:
+            for name, p in peers.items():
+                assert p.wait(300) == 0, (name, p.log_tail())
+        finally:
+            for p in peers.values():
+                if p.process.poll() is None:
+                    p.kill()
+    applied = [{e["round"]: e for e in p.of("round")} for p in peers.values()]
+    assert sorted(applied[0]) == sorted(applied[1]) == [1, 2, 3], applied
+    for r in (1, 2, 3):
+        a, b = applied[0][r], applied[1][r]
+        assert a["group"] == b["group"] == 2 and a["digest"] == b["digest"], (r, applied)
+    mine, box = last_landed(tmp_path / "leases"), last_landed(tmp_path / "box")
+    assert mine[0] == box[0] == 3 and mine[1] == box[1]
+    landed = mine[1]
+    assert landed and sum(r.count for r in landed.ranges) == sum(landed.counted)  # once
