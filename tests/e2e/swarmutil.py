@@ -280,3 +280,16 @@ def load_export_in_transformers(probe: str, out: Path) -> dict[str, Any]:
     assert not found["missing"] and not found["unexpected"], found
     assert found["gap"] < 1e-4, found
     return found
+
+
+def last_landed(data_dir: Path) -> tuple[int, Any]:
+    """The round of a peer's newest checkpoint and what landed of a pinned dataset in its
+    state (``dataset.ledger.Landed``)."""
+    from swarmloco.dataset.ledger import Landed
+    from swarmloco.runtime.checkpoint import CheckpointStore
+
+    [swarm_dir] = (data_dir / "swarms").iterdir()
+    with CheckpointStore(swarm_dir / "checkpoints", swarm_id=swarm_dir.name) as store:
+        found = store.latest()
+    assert found is not None, f"no checkpoint under {data_dir}"
+    return found.round, Landed.from_tensor(found.state["diloco"]["landed"])

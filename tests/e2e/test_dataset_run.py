@@ -14,14 +14,12 @@ import signal
 from pathlib import Path
 
 import pytest
-from swarmutil import PeerProcess
+from swarmutil import PeerProcess, last_landed
 
 from swarmloco.cli import main
 from swarmloco.dataset.fetch import EVAL_SHARDS
 from swarmloco.dataset.index import read_index, sha256_of
-from swarmloco.dataset.ledger import Landed
 from swarmloco.dataset.serve import serve_dataset
-from swarmloco.runtime.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,9 +70,5 @@ def test_a_run_on_a_pinned_dataset_fetched_from_its_mirror_then_from_its_peers(t
     # What landed travels with the state (its digest, agreed above, covers it): each peer's
     # last state holds sequences of the dataset, none twice, the late joiner's included.
     for peer in "abc":
-        [swarm_dir] = (tmp_path / peer / "swarms").iterdir()
-        with CheckpointStore(swarm_dir / "checkpoints", swarm_id=swarm_dir.name) as store:
-            found = store.latest()
-        assert found is not None, peer
-        landed = Landed.from_tensor(found.state["diloco"]["landed"])
+        _, landed = last_landed(tmp_path / peer)
         assert landed and sum(r.count for r in landed.ranges) == sum(landed.counted), peer

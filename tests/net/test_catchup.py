@@ -26,7 +26,7 @@ from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import digest_key, progress_key
 from swarmloco.net.server import ServerConfig, Service
 from swarmloco.net.state import DownloadConfig, StateDonor, state_service, wire
-from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
+from swarmloco.runtime.catchup import CatchUp, CatchUpConfig, Found
 
 SWARM = "c7" * 20
 NUMEL = 4096
@@ -189,20 +189,26 @@ async def test_a_liar_serving_a_poisoned_state_that_matches_its_digest_is_never_
         assert again.adopted.snapshot.digest == honest_state.digest
 
 
-async def test_an_honest_peer_stopped_for_ten_rounds_still_heals():
-    theta = torch.randn(NUMEL)
-    ahead = snapshot(20, state_after(theta, 10, seed=2))
+async def after_ten_rounds_away(theta: torch.Tensor, ahead: StateSnapshot) -> tuple[Found, str]:
+    """What the peer at round 10 (``theta``) finds when its one witness serves ``ahead``
+    (round 20) and the peer was frozen for 110 s (ten rounds of 10 s went by); and the
+    witness's id."""
     async with AsyncExitStack() as stack:
         boot = await node(stack)
         a = await holder(stack, boot)
         me = await node(stack, boot.endpoint)
         a.state = ahead
         await a.publish(claim=21, state=ahead)
-        # Frozen for 110 s: ten rounds of 10 s went by.
         evidence = seasoned([a.peer_id], last_round_at=time.time() - 110.0)
         found = await catchup(me, evidence).find(
             round=10, digest=None, reference=reference(theta), distrusted=set()
         )
+    return found, a.peer_id
+
+
+async def test_an_honest_peer_stopped_for_ten_rounds_still_heals():
+    theta = torch.randn(NUMEL)
+    found, _ = await after_ten_rounds_away(theta, snapshot(20, state_after(theta, 10, seed=2)))
     assert found.adopted is not None and found.adopted.snapshot.round == 20
     assert "round 20" in found.why
 
@@ -220,21 +226,12 @@ async def test_a_state_brings_what_landed_in_it_and_a_malformed_account_is_refus
         account = torch.tensor([1, 44, 0, 3, 0, 40, 0, 7, 10, 5], dtype=torch.int64)
     tensors = {THETA_G: state_after(theta, 10, seed=2), MOMENTUM: torch.zeros(NUMEL)}
     ahead = StateSnapshot.of(swarm_id=SWARM, round=20, tensors={**tensors, LANDED: account})
-    async with AsyncExitStack() as stack:
-        boot = await node(stack)
-        a = await holder(stack, boot)
-        me = await node(stack, boot.endpoint)
-        a.state = ahead
-        await a.publish(claim=21, state=ahead)
-        evidence = seasoned([a.peer_id], last_round_at=time.time() - 110.0)
-        found = await catchup(me, evidence).find(
-            round=10, digest=None, reference=reference(theta), distrusted=set()
-        )
+    found, holder_id = await after_ten_rounds_away(theta, ahead)
     if well_formed:
         assert found.adopted is not None and found.adopted.snapshot.round == 20
         assert Landed.from_tensor(found.adopted.snapshot.tensor(LANDED)) == landed
         return
-    assert found.adopted is None and a.peer_id in found.distrusted
+    assert found.adopted is None and holder_id in found.distrusted
     refused = [r for r in found.refused if r.digest == ahead.digest.hex()]
     assert refused and "what it says landed of the dataset is malformed" in refused[0].reason
 

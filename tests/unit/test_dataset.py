@@ -228,3 +228,33 @@ def test_a_full_disk_is_said_and_leaves_no_dataset(tmp_path, small_tmpfs):
                 config=PrepareConfig(shard_tokens=100_000), progress=False)  # fmt: skip
     with pytest.raises(DataError, match="holds no dataset"):
         read_index(out)
+
+
+def _write_often(path: str, data: bytes, times: int, start) -> str:  # type: ignore[no-untyped-def]
+    from swarmloco.dataset.index import write_whole
+
+    start.wait()
+    try:
+        for _ in range(times):
+            write_whole(Path(path), data)
+    except OSError as exc:
+        return repr(exc)
+    return ""
+
+
+def test_processes_keeping_the_same_file_at_once_each_write_it_whole(tmp_path):
+    """The ranks of a box fill one dataset cache at once: each writes every file under a
+    name of its own and renames it whole (with one temporary name for all, a rank's rename
+    found the file gone and the box stopped)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    data = bytes(range(256)) * 4096  # 1 MiB
+    path = tmp_path / "index.json"
+    with ctx.Manager() as manager:
+        start = manager.Barrier(2)
+        with ctx.Pool(2) as pool:
+            errors = pool.starmap(_write_often, [(str(path), data, 40, start)] * 2)
+    assert errors == ["", ""]
+    assert path.read_bytes() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["index.json"]  # no part left behind

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -132,13 +133,19 @@ def read_index(directory: Path) -> DatasetIndex:
 
 
 def write_whole(path: Path, data: bytes) -> None:
-    """``data`` as ``path``, written under a temporary name and renamed when whole."""
-    partial = path.with_name(f".{path.name}.partial")
-    with partial.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    """``data`` as ``path``, written under a temporary name of this writer's own and renamed
+    when whole: writers of the same file at once (the ranks of a box filling one cache) each
+    rename a whole file of their own, and a reader never sees a part."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+    try:
+        with partial.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def sha256_of(path: Path) -> str:
