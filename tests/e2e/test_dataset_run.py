@@ -20,6 +20,7 @@ from swarmloco.cli import main
 from swarmloco.dataset.fetch import EVAL_SHARDS
 from swarmloco.dataset.index import read_index, sha256_of
 from swarmloco.dataset.serve import serve_dataset
+from swarmloco.runtime.export import export
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,3 +73,8 @@ def test_a_run_on_a_pinned_dataset_fetched_from_its_mirror_then_from_its_peers(t
     for peer in "abc":
         _, landed = last_landed(tmp_path / peer)
         assert landed and sum(r.count for r in landed.ranges) == sum(landed.counted), peer
+    # `swarmloco export` from a checkpoint names the digest the peer published for its
+    # round: what landed is hashed with the state there too.
+    out = export(swarm_id, tmp_path / "model", data_dir=tmp_path / "b")
+    published = {e["round"]: e["digest"] for e in first.of("round")}
+    assert out.digest == published[out.round], (out, published)
