@@ -129,8 +129,8 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="on a pinned dataset: append the sequences each batch reads to FILE, one JSON "
-        "line a batch (with the peers' audits, what was trained and never landed; "
-        "default: none)",
+        "line a batch (against what landed in the final state, what was trained and never "
+        "landed; default: none)",
     )
     _add_network_options(g)
     _add_compute_options(g)
