@@ -59,6 +59,9 @@ knows it) within this long of this peer first finding it listed, or while one of
 listers averaged with this peer in a round it applied within as long; past that the
 listing is idle and the shard free to this peer (docs/SECURITY.md, "Datasets")."""
 
+CLOSE_WAIT_S = 5.0
+"""How long :meth:`LeasedData.close` waits for the lease task to end by itself."""
+
 Span = tuple[int, int]
 """Sequences ``[first, end)`` of one shard."""
 
@@ -153,6 +156,7 @@ class LeasedData:
         """Set when batches may have become available (a shard leased, an epoch ended)."""
         self._lock = threading.Lock()
         self._short = asyncio.Event()  # set from the reader (through the loop) when short
+        self._stopping = False  # close() asked the lease task to end
         self._unavailable: set[int] = set()  # shards no source served (tried again later)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -366,13 +370,15 @@ class LeasedData:
         self._task = asyncio.current_task()
         try:
             await self._reclaim(dht, swarm_id, peer_id)
-            while True:
+            while not self._stopping:
                 try:
                     await self._tend(dht, swarm_id, peer_id)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # the network may be away for a while
                     logger.warning("could not tend the dataset's leases: %s", exc)
+                if self._stopping:
+                    break
                 self._short.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._short.wait(), timeout=self.lease_s / 4)
@@ -381,8 +387,17 @@ class LeasedData:
                 await self._store_leases(dht, swarm_id, [])
 
     async def close(self) -> None:
+        """Stop keeping the leases (and release them): the task is asked to end where it
+        waits, not cut in the middle of a DHT call (whose grpc task a closing loop would
+        then find pending); cancelled only if it has not ended within :data:`CLOSE_WAIT_S`."""
         task, self._task = self._task, None
-        if task is not None and not task.done():
+        if task is None or task.done():
+            return
+        self._stopping = True
+        self._short.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=CLOSE_WAIT_S)
+        except Exception:  # (TimeoutError among them)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
