@@ -84,35 +84,49 @@ def test_three_peers_and_a_sigkill_land_every_sequence_of_the_epoch_once(tmp_pat
             assert seen.setdefault(key, landing.ranges) == landing.ranges, key
 
 
-def test_a_box_that_reads_at_random_and_a_peer_that_leases_hold_one_state(tmp_path, capsys):
-    """What landed is part of the state: a box of two ranks (it reads the dataset at random,
-    declaring nothing) adds the ranges the leasing peer's updates land as that peer does,
-    so the two apply every round on one digest, and their last states hold the same."""
+def test_a_box_and_a_peer_lease_one_dataset_and_land_every_sequence_once(tmp_path, capsys):
+    """A box of two ranks leases through its rank 0, which deals each rank its ranges
+    before each step (DESIGN section 2, "A box of ranks"), beside a peer of one rank: both
+    leave once the epoch landed, each one's last state holds no sequence twice, the run
+    ends on one that holds the whole epoch, and the box's landings are in it."""
     data = prepared(tmp_path, capsys)
-    rounds = ("--dataset", str(data), "--min-group", "2", "--max-rounds", "3")
+    counts = epoch_sequences(data)
+    peer = ("--dataset", str(data), "--max-epochs", "1", "--lease-seconds", "4")
     with Bootstrap(tmp_path / "boot") as boot:
         swarm = PeerProcess.publish(
             tmp_path / "creator", boot.endpoint, "--dataset", str(data), "--seq-len", str(SEQ_LEN)
         )
         peers = {
-            "leases": PeerProcess.join(swarm, boot.endpoint, tmp_path / "leases", *rounds),
             "box": PeerProcess.join(
-                swarm, boot.endpoint, tmp_path / "box", *rounds, "--nproc-per-node", "2"
+                swarm, boot.endpoint, tmp_path / "box", *peer, "--nproc-per-node", "2"
             ),
+            "peer": PeerProcess.join(swarm, boot.endpoint, tmp_path / "peer", *peer),
         }
         try:
-            for name in ("box", "leases"):  # (the box, slower to start, first)
+            for name in ("box", "peer"):
                 assert peers[name].wait(300) == 0, (name, peers[name].log_tail())
         finally:
             for p in peers.values():
                 if p.process.poll() is None:
                     p.kill()
-    applied = [{e["round"]: e for e in p.of("round")} for p in peers.values()]
-    assert sorted(applied[0]) == sorted(applied[1]) == [1, 2, 3], applied
-    for r in (1, 2, 3):
-        a, b = applied[0][r], applied[1][r]
-        assert a["group"] == b["group"] == 2 and a["digest"] == b["digest"], (r, applied)
-    mine, box = last_landed(tmp_path / "leases"), last_landed(tmp_path / "box")
-    assert mine[0] == box[0] == 3 and mine[1] == box[1]
-    landed = mine[1]
-    assert landed and sum(r.count for r in landed.ranges) == sum(landed.counted)  # once
+    for p in peers.values():
+        assert "every shard of the dataset's 1 epoch(s) landed" in "".join(p.log), p.log_tail()
+    covers = {}
+    for name in peers:
+        round_, landed = last_landed(tmp_path / name)
+        covers[name] = (round_, landed.coverage(counts, epoch=0))
+    assert all(c.duplicated == 0 for _, c in covers.values()), covers
+    assert any((c.landed, c.missing) == (sum(counts), 0) for _, c in covers.values()), covers
+    # Rounds both applied with the other: one digest (what landed is part of it).
+    applied = [{e["round"]: e for e in p.of("round") if e["group"] == 2} for p in peers.values()]
+    both = sorted(set(applied[0]) & set(applied[1]))
+    assert both, applied
+    assert all(applied[0][r]["digest"] == applied[1][r]["digest"] for r in both), applied
+    # The box read through its leases: its own landings hold sequences of both ranks'
+    # steps (it declared what it dealt).
+    box_id = peers["box"].of("ready")[0]["peer_id"]
+    mine = [
+        r for landing in read_audit(tmp_path / "box" / "audit.jsonl")
+        if landing.contributor == box_id for r in landing.ranges
+    ]  # fmt: skip
+    assert sum(r.count for r in mine) >= 2 * 4, mine

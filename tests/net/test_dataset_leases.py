@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from netutil import SWARM, loopback_network
 
-from swarmloco.dataset.leases import LeasedData
-from swarmloco.dataset.ledger import Landed, Landing, Range, Sequences, coverage
+from swarmloco.dataset.leases import LeasedData, read_batch
+from swarmloco.dataset.ledger import Landed, Landing, Range, Sequences, coverage, merged
 from swarmloco.net import records
 from swarmloco.net.records import (
     LEASES,
@@ -84,8 +84,11 @@ class Trainer:
         steps: int | None = None,
         give_up_s: float = 90.0,
         group: Group | None = None,
+        box: tuple[int, int] | None = None,
     ) -> None:
         self.data, self.me, self.steps = data, me, steps
+        self.box = box  # (ranks, micro-batches): a box's rank 0, dealing each step
+        self.dealt: list[list[list[list[Range]]]] = []
         self.group = group or Group(**{me: data})
         self.stopped = threading.Event()
         self.read: list[Range] = []
@@ -101,11 +104,14 @@ class Trainer:
             if time.monotonic() > deadline:
                 self.gave_up = True
                 return
-            if not self.data.ready():
+            if not self.data.ready(1 if self.box is None else self.box[0] * self.box[1]):
                 self.data.changed.wait(0.2)
                 self.data.changed.clear()
                 continue
-            self.data.next_batch()
+            if self.box is None:
+                self.data.next_batch()
+            else:
+                self.dealt.append(self.data.deal(*self.box))
             with self.group.lock:  # the round this reader declares for is the group's next
                 declared = self.data.declare(self.group.round + 1, 0)
                 self.group.land(self.me, declared)
@@ -138,6 +144,33 @@ async def test_two_readers_share_an_epoch_and_land_every_sequence_once(tmp_path)
         # The leases were released on leaving.
         result = await nodes[2].dht.get(leases_key(SWARM))
         assert all(e.value["shards"] == [] for e in result.entries.values())
+
+
+async def test_a_box_deals_its_ranks_every_sequence_once_and_the_last_step_short(tmp_path):
+    """A box's rank 0 (2 ranks, 2 micro-batches of 4 a step) reads the epoch alone: each
+    step deals every rank its ranges, nothing twice; the last step (56 = 3 x 16 + 8
+    sequences) is short, its second micro-batches empty, rank 0's first one full."""
+    async with loopback_network(2) as nodes:
+        me = nodes[0].identity.peer_id_hex
+        box = reader(tmp_path, "box", lease_s=4.0)
+        run = asyncio.create_task(box.run(nodes[0].dht, SWARM, me))
+        trainer = Trainer(box, me, box=(2, 2))
+        await asyncio.to_thread(trainer)
+        await box.close()
+        assert run.done() and not trainer.gave_up
+    dealt = [r for step in trainer.dealt for rank in step for micro in rank for r in micro]
+    assert merged(dealt) == merged(trainer.read)  # what rank 0 declares is all it dealt
+    cover = coverage([[Landing(1, "box", tuple(dealt))]], COUNTS, epoch=0)
+    assert (cover.duplicated, cover.missing) == (0, 0), cover
+    sizes = [[[sum(r.count for r in m) for m in rank] for rank in step] for step in trainer.dealt]
+    assert sizes[:-1] == [[[4, 4], [4, 4]]] * (len(sizes) - 1), sizes
+    assert sizes[-1] == [[4, 0], [4, 0]], sizes
+    x, y = read_batch(box.sequences, [], box.vocab_size)  # an empty micro-batch
+    assert x.shape == y.shape == (0, SEQ)
+    for part in trainer.dealt[-1]:
+        for ranges in part:
+            x, y = read_batch(box.sequences, ranges, box.vocab_size)
+            assert x.shape == (sum(r.count for r in ranges), SEQ)
 
 
 async def test_a_dead_readers_shard_goes_to_another_from_where_it_landed(tmp_path):

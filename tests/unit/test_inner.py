@@ -53,6 +53,36 @@ def test_two_accumulated_halves_equal_one_full_batch():
     torch.testing.assert_close(params(halves.model), params(whole.model), rtol=1e-4, atol=1e-6)
 
 
+def grads_at_step(loop: InnerLoop) -> list[torch.Tensor]:
+    """The gradients the optimizer steps on (kept at each step)."""
+    seen: list[torch.Tensor] = []
+
+    def keep(optimizer, args, kwargs):
+        seen[:] = [p.grad.clone() for p in loop.model.parameters()]
+
+    loop.optimizer.register_step_pre_hook(keep)
+    return seen
+
+
+def test_an_empty_micro_batch_trains_nothing():
+    """The last sequences of a dataset ran out: an empty micro-batch adds no gradient (it
+    runs on one row with weight 0, as a rank of a box must) and the loss is the others'."""
+    x, y = tokens(4, seed=3)
+    empty = (x[:0], y[:0])
+    alone = InnerLoop(make_model(), config(batch_size=4, grad_clip=0.0), CPU)  # (unclipped)
+    short = InnerLoop(make_model(), config(batch_size=4, grad_accum=2, grad_clip=0.0), CPU)
+    g_alone, g_short = grads_at_step(alone), grads_at_step(short)
+    loss_alone = alone.train_step(iter([(x, y)]))
+    loss_short = short.train_step(iter([(x, y), empty]))
+    assert loss_short == pytest.approx(loss_alone, rel=1e-6)
+    for a, b in zip(g_alone, g_short, strict=True):
+        torch.testing.assert_close(b, a / 2)  # one micro-batch of two, the other nothing
+    nothing = InnerLoop(make_model(), config(batch_size=4), CPU)
+    g_nothing = grads_at_step(nothing)
+    assert nothing.train_step(iter([empty])) == 0.0
+    assert all(not g.any() for g in g_nothing)
+
+
 def test_warmup_then_cosine_sets_the_optimizer_lr():
     loop = InnerLoop(make_model(), config(warmup_steps=4, total_steps=20, min_lr_ratio=0.1), CPU)
     seen = []

@@ -96,6 +96,37 @@ Lease = tuple[int, int]
 _T = TypeVar("_T")
 
 
+def read_batch(
+    sequences: Sequences, ranges: Sequence[Range], vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs and targets of the sequences of ``ranges`` (no rows for none)."""
+    if not ranges:
+        empty = torch.empty((0, sequences.seq_len), dtype=torch.int64)
+        return empty, empty.clone()
+    batch = torch.from_numpy(np.concatenate([sequences.read(r) for r in ranges]))
+    top = int(batch.max())
+    if top >= vocab_size or int(batch.min()) < 0:
+        raise DataError(f"token id {top} is outside the vocabulary of {vocab_size}")
+    return batch[:, :-1], batch[:, 1:]
+
+
+class DealtData:
+    """The data of a rank of a box other than 0, on a pinned dataset: rank 0 leases for
+    the box and deals each rank the ranges of its micro-batches before each step
+    (:meth:`LeasedData.deal`); this rank reads them (:func:`read_batch`) from its own copy
+    of the shards."""
+
+    def __init__(self, sequences: Sequences, *, vocab_size: int) -> None:
+        self.sequences = sequences
+        self.vocab_size = vocab_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # what was read is rank 0's to keep
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
 def listed_in(value: Any) -> list[Lease]:
     """The leases a ``leases`` entry's ``value`` lists (its schema checked again)."""
     LEASES.schema.check(value, "leases entry")
@@ -156,6 +187,7 @@ class LeasedData:
         """Set when batches may have become available (a shard leased, an epoch ended)."""
         self._lock = threading.Lock()
         self._short = asyncio.Event()  # set from the reader (through the loop) when short
+        self._step = batch_size  # the sequences of a step, as ready() was last asked
         self._stopping = False  # close() asked the lease task to end
         self._unavailable: set[int] = set()  # shards no source served (tried again later)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -178,8 +210,9 @@ class LeasedData:
                 # take them soon; nothing more is read of them until they are renewed.
                 self._ask()
                 return False
+            self._step = batches * self.batch_size
             have = self._available()
-            if have >= batches * self.batch_size:
+            if have >= self._step:
                 return True
             self._ask()
             return have > 0 and self.last_epoch
@@ -191,20 +224,33 @@ class LeasedData:
         return self.last_epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch (empty once the last epoch's last sequences are read: the
+        rest of a step's micro-batches)."""
+        return read_batch(self.sequences, self.next_ranges(), self.vocab_size)
+
+    def next_ranges(self) -> list[Range]:
+        """The ranges of the next micro-batch, recorded as read (none once the last
+        epoch's last sequences are read)."""
         with self._lock:
             ranges = self._take(self.batch_size)
-            if not ranges:
+            if not ranges and not self.last_epoch:
                 raise DataError("no sequence is to be read: call ready() first")
             self.ledger.read(ranges)
-        if self.read_log is not None:  # flushed, not synced: it outlives a SIGKILL
+        if self.read_log is not None and ranges:  # flushed, not synced: outlives a SIGKILL
             with self.read_log.open("a", encoding="utf-8") as fh:
                 fh.write(json.dumps([r.to_list() for r in ranges]) + "\n")
-        windows = np.concatenate([self.sequences.read(r) for r in ranges])
-        batch = torch.from_numpy(windows)
-        top = int(batch.max())
-        if top >= self.vocab_size or int(batch.min()) < 0:
-            raise DataError(f"token id {top} is outside the vocabulary of {self.vocab_size}")
-        return batch[:, :-1], batch[:, 1:]
+        return ranges
+
+    def deal(self, ranks: int, micro_batches: int) -> list[list[list[Range]]]:
+        """A box's step: for each of ``ranks`` ranks, the ranges of its ``micro_batches``
+        micro-batches, all recorded as read by this peer (dealt micro-batch by micro-batch,
+        so rank 0 has the first sequences: a short last step trains on rank 0 at least).
+        Call :meth:`ready` with ``ranks * micro_batches`` first."""
+        dealt: list[list[list[Range]]] = [[] for _ in range(ranks)]
+        for _ in range(micro_batches):
+            for rank in range(ranks):
+                dealt[rank].append(self.next_ranges())
+        return dealt
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -428,10 +474,9 @@ class LeasedData:
     async def _tend(self, dht: Any, swarm_id: str, peer_id: str) -> None:
         with self._lock:
             self._release_done()
-            # The next shard is leased (and fetched) while half a shard is left to read.
-            ahead = max(
-                2 * self.batch_size, self.sequences.total // len(self.sequences.counts) // 2
-            )
+            # The next shard is leased (and fetched) while half a shard is left to read, or
+            # two steps (of a box, with their accumulation: as ready() was last asked).
+            ahead = max(2 * self._step, self.sequences.total // len(self.sequences.counts) // 2)
             short = self._available() < ahead and len(self.reading) < MAX_LEASES
         if not short:
             self._unavailable.clear()  # (what could not be had is tried again later)

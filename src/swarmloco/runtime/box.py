@@ -68,6 +68,11 @@ class Op(enum.IntEnum):
     """Rank 0 failed: its message follows."""
     RESET = 8
     """Clear the optimizer's state (NaN was discarded; the parameters follow)."""
+    STEP = 9
+    """Train a step on what follows: each rank's part, scattered (a pinned dataset's
+    ranges, dealt by rank 0)."""
+    IDLE = 10
+    """Rank 0 has no batch yet (it does the swarm's work between steps): wait on."""
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -187,6 +192,19 @@ class BoxLead:
         if self.box is not None:
             self.told_stopping = stopping
             self.box.tell(Op.END, global_step, round, stopping, raised)
+
+    def deal(self, parts: Sequence[Any]) -> Any:
+        """Tell the box's other ranks to train a step, each on its part of ``parts`` (one a
+        rank, rank 0's first); rank 0's own part."""
+        assert self.box is not None
+        self.box.tell(Op.STEP)
+        return self.box.scatter(parts)
+
+    def idle(self) -> None:
+        """Tell the box's other ranks that rank 0 has no batch yet: they wait on (a word
+        now and then keeps their wait within the process group's timeout)."""
+        if self.box is not None:
+            self.box.tell(Op.IDLE)
 
     def around_step(self, work: Callable[[], None], end: Callable[[bool], None]) -> None:
         """Run ``work`` (what rank 0 does between two steps), then ``end(raised)``: the
@@ -433,6 +451,7 @@ class BoxRank:
         self._round = 0
         self._global_step = 0
         self._stopping = False
+        self._exited = False  # rank 0's EXIT was heard (waiting for a step's part)
         self._entered = False
         self._params: BoxParams | None = None
         self._hook: Any = None
@@ -513,12 +532,24 @@ class BoxRank:
         self.steps += 1
         op, args = self._serve()
         if op is Op.EXIT:
-            self._stopping = True
+            self._stopping = self._exited = True
             raise Stopped("rank 0 of the box left the swarm")
         self._global_step, self._round = args[0], args[1]
         self._stopping = bool(args[2])
         if args[3]:
             raise Stopped("the box's peer stopped")
+
+    def dealt(self) -> Any:
+        """This rank's part of the next step, as rank 0 deals it (:meth:`BoxLead.deal`),
+        serving what rank 0 asks meanwhile; None once rank 0 left the swarm (the loop
+        ends: :attr:`stopping`)."""
+        op, _ = self._serve()
+        if op is Op.EXIT:
+            self._stopping = self._exited = True
+            return None
+        if op is not Op.STEP:
+            raise BoxError(f"rank 0 of the box said {op.name} where a step's part was due")
+        return self.box.scatter(None)
 
     def wait_for_peers(self, n: int, *, timeout_s: float = 600.0) -> int:
         """Rank 0 waits for the swarm's peers; this rank for its word."""
@@ -540,7 +571,7 @@ class BoxRank:
                 self._hook.remove()
                 self._hook = None
             if exc_type is None or issubclass(exc_type, Stopped):
-                while not self.box.broken:
+                while not self.box.broken and not self._exited:
                     op, _ = self._serve()
                     if op is Op.EXIT:
                         break
@@ -563,6 +594,8 @@ class BoxRank:
                 self._load(self.box.scatter(None))
             elif op is Op.RESET:
                 self.optimizer.state.clear()
+            elif op is Op.IDLE:
+                pass
             elif op is Op.ABORT:
                 message = self.box.share()
                 raise SwarmlocoError(f"rank 0 of the box failed: {message}")

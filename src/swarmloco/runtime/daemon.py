@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +19,15 @@ import torch
 
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.dataset.fetch import LazyDataset
-from swarmloco.dataset.leases import LeasedData
+from swarmloco.dataset.leases import DealtData, LeasedData, read_batch
+from swarmloco.dataset.ledger import Range, Sequences
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.identity import Identity
 from swarmloco.net.server import Service
 from swarmloco.runtime.box import Box, BoxRank
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.swarm import EventSink, Summary, Swarm
-from swarmloco.train.data import BatchStream, eval_windows
+from swarmloco.train.data import BatchStream, eval_windows, load_token_file
 from swarmloco.train.fit import (
     Fit,
     choose_fit,
@@ -179,12 +180,18 @@ def train_task(
         inner = loop.config
     services: list[Service] = []  # more the peer's server carries
     with contextlib.ExitStack() as stack:
-        leased = None
+        leased: LeasedData | None = None
+        dealt: DealtData | None = None
         if data_spec.source == "dataset":
+            val_fraction = data_spec.val_fraction
             data_spec, server, lazy = _pinned(stack, manifest, data_spec, config, model_config, box)
             services.append(server.service())
-            if lazy is not None:
-                leased = _leased_data(lazy, config, run, seq_len, inner.batch_size)
+            vocab = int(model_config["vocab_size"])
+            sequences = _sequences(lazy, data_spec, seq_len, val_fraction)
+            if box is None or box.leader:  # rank 0 leases for the box
+                leased = _leased_data(sequences, vocab, config, run, inner.batch_size)
+            else:
+                dealt = DealtData(sequences, vocab_size=vocab)
         data = task.load_data(model_config, data_spec)
         evalset = eval_windows(data.val, seq_len=seq_len, count=data_spec.eval_sequences)
         ranks = box.size if box is not None else 1
@@ -218,12 +225,14 @@ def train_task(
             services=services,
             ranges=leased,
         )
-        stream: BatchStream | LeasedData
+        stream: BatchStream | LeasedData | DealtData
         if leased is not None:
             stream = leased
             leased.stop_peer = swarm.stop
             if isinstance(swarm, Swarm):
                 swarm.sheet.data = leased.progress
+        elif dealt is not None:
+            stream = dealt
         else:
             stream = BatchStream(
                 data.train,
@@ -262,7 +271,7 @@ def _pinned(
 
     cache = config.peer.directory / "datasets"
     server = FileServer(holdings_in(config.dataset_copies, cache), rejections=RejectionLog(logger))
-    if box is not None:
+    if box is not None:  # every rank reads what rank 0 leases: all shards at hand first
         return _pinned_dataset(manifest, spec, config, model), server, None
     lazy = stack.enter_context(
         LazyDataset(
@@ -278,24 +287,36 @@ def _pinned(
     return tokens, server, lazy
 
 
+def _sequences(
+    lazy: LazyDataset | None, tokens: DataSpec, seq_len: int, val_fraction: float
+) -> Sequences:
+    """The training sequences of the pinned dataset: each shard fetched when first read
+    (``lazy``), or the shards ``tokens`` names, all at hand (a box's)."""
+    if lazy is not None:
+        index = lazy.cache.index()
+        return Sequences(
+            seq_len=seq_len,
+            val_fraction=val_fraction,
+            tokens=[s.tokens for s in index.shards],
+            opener=lazy.shard_tokens,
+        )
+    shards = [load_token_file(Path(path), tokens.token_dtype) for path in tokens.paths]
+    return Sequences(shards, seq_len=seq_len, val_fraction=val_fraction)
+
+
 def _leased_data(
-    lazy: LazyDataset, config: DaemonConfig, run: RunConfig, seq_len: int, batch_size: int
+    sequences: Sequences,
+    vocab_size: int,
+    config: DaemonConfig,
+    run: RunConfig,
+    batch_size: int,
 ) -> LeasedData:
     """The reader of a pinned dataset's shards through leases, every sequence landing once
-    (``dataset/leases.py``); each shard fetched when first leased."""
-    from swarmloco.dataset.ledger import Sequences
-
-    index = lazy.cache.index()
-    sequences = Sequences(
-        seq_len=seq_len,
-        val_fraction=lazy.spec.val_fraction,
-        tokens=[s.tokens for s in index.shards],
-        opener=lazy.shard_tokens,
-    )
+    (``dataset/leases.py``)."""
     return LeasedData(
         sequences,
         batch_size=batch_size,
-        vocab_size=lazy.vocab_size,
+        vocab_size=vocab_size,
         seed=run.spec.seed,
         fragments=run.spec.fragments,
         audit=config.peer.directory / "audit.jsonl",
@@ -435,21 +456,39 @@ def _describe_compute(
 
 
 def _train(
-    swarm: Swarm | BoxRank, loop: InnerLoop, stream: BatchStream | LeasedData, box: Box | None
+    swarm: Swarm | BoxRank,
+    loop: InnerLoop,
+    stream: BatchStream | LeasedData | DealtData,
+    box: Box | None,
 ) -> None:
     """Train until the peer is asked to stop; a step that meets NaN/Inf is discarded (by
     every rank of a box, or none). On leased shards, while no batch is to be had (every
     shard left leased by others) the peer idles: the round in flight lands, the swarm's
-    work goes on."""
-    batches = iter(stream)
+    work goes on. In a box on leased shards, rank 0 deals each rank its ranges before
+    each step (the others wait for them, serving rank 0 while it idles)."""
+    accum = loop.config.grad_accum
+    batches = iter(stream) if isinstance(stream, BatchStream) else iter(())
     with swarm:
         while not swarm.stopping:
-            if isinstance(stream, LeasedData) and not stream.ready(loop.config.grad_accum):
+            if isinstance(stream, LeasedData):
                 assert isinstance(swarm, Swarm)
-                swarm.idle(flush=stream.exhausted)
-                stream.changed.wait(IDLE_WAKE_S)
-                stream.changed.clear()
-                continue
+                ranks = box.size if box is not None else 1
+                if not stream.ready(accum * ranks):
+                    swarm.idle(flush=stream.exhausted)
+                    stream.changed.wait(IDLE_WAKE_S)
+                    stream.changed.clear()
+                    continue
+                if box is None:
+                    batches = iter(stream)
+                else:
+                    mine = swarm.deal([_wire(part) for part in stream.deal(ranks, accum)])
+                    batches = _dealt_batches(stream, mine)
+            elif isinstance(stream, DealtData):
+                assert isinstance(swarm, BoxRank)
+                mine = swarm.dealt()
+                if mine is None:  # rank 0 left the swarm
+                    break
+                batches = _dealt_batches(stream, mine)
             try:
                 loss = loop.train_step(batches)
                 failed = ""
@@ -461,6 +500,19 @@ def _train(
                 swarm.discard_local(failed)
                 continue
             swarm.log(loss=loss)
+
+
+def _wire(part: list[list[Range]]) -> list[list[list[int]]]:
+    """A rank's ranges as plain lists (what the box scatters)."""
+    return [[r.to_list() for r in ranges] for ranges in part]
+
+
+def _dealt_batches(
+    stream: LeasedData | DealtData, part: list[list[list[int]]]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches of the ranges dealt to this rank."""
+    for ranges in part:
+        yield read_batch(stream.sequences, [Range.from_list(r) for r in ranges], stream.vocab_size)
 
 
 def fit_batch(

@@ -376,16 +376,23 @@ class Swarm:
         self.lead.end_step(self.global_step, self.round, self._stop.is_set(), raised=raised)
 
     def idle(self, *, flush: bool = False) -> None:
-        """No batch to train on now (a peer of one rank whose data is not to be had yet):
-        do the swarm's work between steps without a step (the round in flight lands once
-        its exchange ended). ``flush``: none is coming for a while (the data is read to
-        its end): average the steps not averaged yet now. Raises :class:`Stopped` once the
-        peer is asked to stop."""
+        """No batch to train on now (the data is not to be had yet): do the swarm's work
+        between steps without a step (the round in flight lands once its exchange ended).
+        ``flush``: none is coming for a while (the data is read to its end): average the
+        steps not averaged yet now. Raises :class:`Stopped` once the peer is asked to
+        stop. In a box, the other ranks wait for their part of the next step meanwhile
+        (:meth:`BoxRank.dealt`)."""
         if self._stack is None:
             raise SwarmlocoError("idle() inside `with swarm:`")
-        if self.box is not None:
-            raise SwarmlocoError("idle() is for a peer of one rank")
+        self.lead.idle()
         self.peer.hook.wait(flush=flush)
+
+    def deal(self, parts: Sequence[Any]) -> Any:
+        """A box's rank 0: the next step trains each rank on its part of ``parts`` (one a
+        rank), each other rank waiting for it in :meth:`BoxRank.dealt`; rank 0's own."""
+        if self._stack is None or self.box is None:
+            raise SwarmlocoError("deal() is for rank 0 of a box, inside `with swarm:`")
+        return self.lead.deal(parts)
 
     def discard_local(self, why: str) -> None:
         """NaN or Inf in training: nothing of it may reach the swarm. Drop the local steps

@@ -156,17 +156,31 @@ class InnerLoop:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def train_step(self, batches: Iterator[Batch]) -> float:
-        """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
+        """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss of
+        those it trained (0.0 if every one was empty).
+
+        An empty micro-batch (no rows: the last sequences of a dataset ran out) trains
+        nothing: it runs on one row of zeros with weight 0, so that a model whose backward
+        is a collective of several ranks (DDP, FSDP) is joined by every rank."""
         cfg = self.config
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.lr_at(self.lr_step())
         total = torch.zeros((), device=self.device)
+        trained = 0
         for _ in range(cfg.grad_accum):
             x, y = next(batches)
+            empty = x.shape[0] == 0
+            if empty:
+                x = torch.zeros((1, *x.shape[1:]), dtype=x.dtype)
+                y = torch.zeros((1, *y.shape[1:]), dtype=y.dtype)
+            else:
+                trained += 1
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self._autocast():
                 loss = self._forward(x, y) / cfg.grad_accum
+                if empty:
+                    loss = loss * 0.0
             self.scaler.scale(loss).backward()
             total += loss.detach()
         if cfg.grad_clip > 0:
@@ -177,6 +191,8 @@ class InnerLoop:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         loss_value = float(total)
+        if trained < cfg.grad_accum:  # the mean of those trained
+            loss_value = loss_value * cfg.grad_accum / trained if trained else 0.0
         if loss_value != loss_value:  # NaN: never let it reach the pseudo-gradient silently
             raise FloatingPointError(f"inner loss is NaN at step {self.step}")
         return loss_value
