@@ -145,6 +145,7 @@ async def averaging_peers(
             if node.server is not None:
                 node.server.add_service(averaging_service(matchmaker, averager))
             await stack.enter_async_context(node)
+            stack.push_async_callback(matchmaker.close)  # (before its node closes)
             peers.append(AvgPeer(node, matchmaker, averager))
         yield peers
 

@@ -9,6 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from netutil import closed_port, wait_for
 
+from swarmloco.errors import NetworkError
 from swarmloco.net.client import ClientConfig, Method, RpcClient, RpcError
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.contact import sign_card
@@ -90,6 +91,16 @@ async def test_a_forgotten_channel_in_use_closes_only_when_its_call_ends():
             assert channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN
         await asyncio.gather(*client._closing)
         assert channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
+
+
+async def test_a_closed_client_makes_no_call():
+    """A task that outlived its peer gets an error, not a channel nobody would close (a
+    call left pending on one when the loop closed has crashed grpc)."""
+    async with RpcClient(ClientConfig(tls=False)) as client:
+        client.channel("127.0.0.1:1001")
+    with pytest.raises(NetworkError, match="the client is closed"):
+        await client.call("127.0.0.1:1001", PING, pb.PingRequest(), timeout=5)
+    assert not client._channels and not client._closing
 
 
 HOLD = Method("/test.Slow/Hold", pb.PingRequest, pb.PingResponse)

@@ -177,8 +177,10 @@ class RpcClient:
         self._retired: set[grpc.aio.Channel] = set()
         """Busy channels no longer cached, closed once their last call ends."""
         self._closing: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     async def __aenter__(self) -> RpcClient:
+        self._closed = False
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -187,6 +189,10 @@ class RpcClient:
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         """The cached channel to ``endpoint``. With TLS the server's certificate must be
         checked first: use :meth:`open` unless it is known to be."""
+        if self._closed:
+            # A task that outlived its owner: a call on a channel nobody will close would
+            # be left pending when the loop closes (grpc has crashed on such a call).
+            raise NetworkError(f"the client is closed: no call to {endpoint}")
         pem: bytes | None = None
         if self.config.tls:
             pem = self.certs.pinned(endpoint)
@@ -353,6 +359,10 @@ class RpcClient:
             await channel.close(grace=None)
 
     async def close(self) -> None:
+        """Close every channel (the calls on them end) and end what runs for the calls
+        (TLS fetches and confirmations); no call may be made after."""
+        self._closed = True
+        await self.certs.close()
         channels = [*self._channels.values(), *self._retired]
         self._channels.clear()
         self._retired.clear()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -261,6 +262,16 @@ class _Shared(Generic[T]):
             job.add_done_callback(functools.partial(self._done, endpoint))
         return await asyncio.shield(job)
 
+    async def close(self) -> None:
+        """End the jobs still running (their owner is closing): cancelled and waited for,
+        so none calls out after its client closed."""
+        jobs = list(self._jobs.values())
+        for job in jobs:
+            job.cancel()
+        for job in jobs:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await job
+
     def _done(self, endpoint: str, job: asyncio.Future[T]) -> None:
         if self._jobs.get(endpoint) is job:
             del self._jobs[endpoint]
@@ -299,6 +310,12 @@ class CertBook:
     def refused(self) -> int:
         """Certificates refused, for every reason."""
         return self.rejections.total
+
+    async def close(self) -> None:
+        """End the fetches and confirmations still running (a caller that gave up left
+        them running for others): their client is closing."""
+        await self._fetching.close()
+        await self._confirming.close()
 
     # -- claims ------------------------------------------------------------------------
 

@@ -222,6 +222,7 @@ class SwarmNetwork:
                 await task
         self._tasks = []
         try:
+            await self.matchmaker.close()
             await self._farewell()
         finally:
             await self.node.__aexit__(None, None, None)

@@ -61,6 +61,14 @@ class RoundEntries:
         self._dht.forget_published(round_key(self._swarm_id, round), self._owner)
         self._entries.pop(round, None)
 
+    async def close(self) -> None:
+        """End the markers still being stored (cancelled and waited for): the DHT node
+        and its client are about to close."""
+        tasks = list(self._marking)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def mark_formed(self, round: int, size: int, *, forget: bool = True) -> None:
         """Say in our entry that the round's group formed with ``size`` members, or with
         ``size`` 1 that this peer gathers it now (in the background)."""

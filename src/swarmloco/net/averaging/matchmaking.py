@@ -274,6 +274,12 @@ class Matchmaker:
         self._grouped: collections.OrderedDict[int, frozenset[str]] = collections.OrderedDict()
         """The members of this peer's last group of each recent round."""
 
+    async def close(self) -> None:
+        """End what matchmaking runs in the background (a formed group's marker being
+        stored, a read of the peer list): before the DHT node and its client close."""
+        await self.entries.close()
+        await self.peers.close()
+
     def demote(
         self,
         peers: Iterable[str],

@@ -70,6 +70,14 @@ class PeerList:
             await asyncio.wait_for(asyncio.shield(self._reading), deadline.timeout(WAIT_S))
         return self._reading.done()
 
+    async def close(self) -> None:
+        """End a read still running (it outlives the callers that stopped waiting)."""
+        reading, self._reading = self._reading, None
+        if reading is not None and not reading.done():
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reading
+
     async def _read(self, after: float = 0.0) -> None:
         if after > 0:
             await asyncio.sleep(after)  # the once-a-second limit on reading the list
