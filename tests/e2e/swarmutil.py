@@ -293,3 +293,33 @@ def last_landed(data_dir: Path) -> tuple[int, Any]:
         found = store.latest()
     assert found is not None, f"no checkpoint under {data_dir}"
     return found.round, Landed.from_tensor(found.state["diloco"]["landed"])
+
+
+def rank_pid(launcher: PeerProcess, rank: int) -> int:
+    """The process of ``rank`` among the launcher's (torchrun's) children."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher.process.pid:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    raise AssertionError(f"no rank {rank} under process {launcher.process.pid}")
+
+
+def process_gone(pid: int, timeout: float = 30.0) -> bool:
+    """Whether process ``pid`` ended (gone, or a zombie nobody reaped yet) within
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarmutil import PeerProcess
+from swarmutil import Bootstrap, PeerProcess, process_gone, rank_pid
 
 from swarmloco.runtime.checkpoint import CheckpointStore
 from swarmloco.runtime.export import export
@@ -105,21 +105,6 @@ def test_a_box_computes_what_one_process_computes_on_the_same_data(tmp_path):
         assert diff.max() < 0.05 * apart.max(), (diff.max(), apart.max())
 
 
-def rank_pid(launcher: PeerProcess, rank: int) -> int:
-    """The process of ``rank`` among the launcher's (torchrun's) children."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != launcher.process.pid:
-                continue
-            environ = (stat.parent / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if f"RANK={rank}".encode() in environ:
-            return int(stat.parent.name)
-    raise AssertionError(f"no rank {rank} under process {launcher.process.pid}")
-
-
 def test_a_box_catches_up_stops_resumes_exports_and_leaves_cleanly_when_a_rank_dies(tmp_path):
     # Two one-process peers train on while the box is away; the box's peer downloads the
     # swarm's state into its shards when it joins late and again after its restart.
@@ -173,3 +158,30 @@ def test_a_box_catches_up_stops_resumes_exports_and_leaves_cleanly_when_a_rank_d
         for p in (helper, creator):
             p.process.send_signal(signal.SIGTERM)
             assert p.wait(60) == 0, p.log_tail()
+
+
+def test_a_box_whose_daemon_is_killed_leaves_no_rank_behind_and_starts_again(tmp_path):
+    """`swarmloco create --nproc-per-node 2` SIGKILLed (as the OOM killer would): its ranks
+    die with it (left running, rank 0 would stay a peer holding the data directory), and the
+    box starts again from that directory, resuming from its checkpoint."""
+    long = ("--nproc-per-node", "2", "--max-rounds", "100000")
+    with Bootstrap(tmp_path / "boot") as boot:
+        box = PeerProcess.create(tmp_path / "box", "--peer", boot.endpoint, *long)
+        ranks: list[int] = []
+        try:
+            box.wait_for("checkpoint", timeout=180)
+            ranks = [rank_pid(box, r) for r in (0, 1)]
+            box.process.send_signal(signal.SIGKILL)
+            box.wait(30)
+            assert all(process_gone(pid) for pid in ranks), ranks
+        finally:
+            if box.process.poll() is None:
+                box.kill()
+            for pid in ranks:  # (left running only when they did not die with it)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        saved = box.of("checkpoint")[-1]["round"]
+        with PeerProcess.join(box.swarm_id, boot.endpoint, tmp_path / "box", *long) as again:
+            assert again.wait_for("resumed", timeout=180)["round"] >= saved
+            again.wait_for("round", lambda e: e["round"] > saved, timeout=120)
+            assert again.stop(120) == 0, again.log_tail()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from swarmutil import Bootstrap, PeerProcess, last_landed
+from swarmutil import Bootstrap, PeerProcess, last_landed, process_gone, rank_pid
 
 from swarmloco.cli import main
 from swarmloco.dataset.index import read_index
@@ -86,9 +86,11 @@ def test_three_peers_and_a_sigkill_land_every_sequence_of_the_epoch_once(tmp_pat
 
 def test_a_box_and_a_peer_lease_one_dataset_and_land_every_sequence_once(tmp_path, capsys):
     """A box of two ranks leases through its rank 0, which deals each rank its ranges
-    before each step (DESIGN section 2, "A box of ranks"), beside a peer of one rank: both
-    leave once the epoch landed, each one's last state holds no sequence twice, the run
-    ends on one that holds the whole epoch, and the box's landings are in it."""
+    before each step (DESIGN section 2, "A box of ranks"), beside a peer of one rank. The
+    box's daemon is SIGKILLed after a round with the peer: its ranks die with it, and the
+    box starts again from its data directory. Both leave once the epoch landed, each one's
+    last state holds no sequence twice, the run ends on one that holds the whole epoch,
+    and the box's landings are in it."""
     data = prepared(tmp_path, capsys)
     counts = epoch_sequences(data)
     peer = ("--dataset", str(data), "--max-epochs", "1", "--lease-seconds", "4")
@@ -102,11 +104,20 @@ def test_a_box_and_a_peer_lease_one_dataset_and_land_every_sequence_once(tmp_pat
             ),
             "peer": PeerProcess.join(swarm, boot.endpoint, tmp_path / "peer", *peer),
         }
+        killed = peers["box"]
         try:
+            killed.wait_for("round", lambda e: e["group"] >= 2, timeout=180)
+            ranks = [rank_pid(killed, r) for r in (0, 1)]
+            killed.process.send_signal(signal.SIGKILL)
+            killed.wait(30)
+            assert all(process_gone(pid) for pid in ranks), ranks  # (no orphan holds the box)
+            peers["box"] = PeerProcess.join(
+                swarm, boot.endpoint, tmp_path / "box", *peer, "--nproc-per-node", "2"
+            )
             for name in ("box", "peer"):
                 assert peers[name].wait(300) == 0, (name, peers[name].log_tail())
         finally:
-            for p in peers.values():
+            for p in [killed, *peers.values()]:
                 if p.process.poll() is None:
                     p.kill()
     for p in peers.values():

@@ -12,6 +12,31 @@ import sys
 from typing import Any
 
 
+LAUNCHER = "SWARMLOCO_BOX_LAUNCHER"
+"""The environment variable that gives a rank the process id of the daemon that started it."""
+
+
+def _die_with_launcher() -> None:
+    """A rank the daemon started dies with it (Linux: the kernel sends SIGKILL when the
+    daemon's process ends). A daemon killed outright (SIGKILL, the OOM killer) would
+    otherwise leave its ranks running: rank 0 a peer still, holding the data directory's
+    lock, and the box could not start again until someone found and killed them."""
+    launcher = os.environ.get(LAUNCHER)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        logging.getLogger("swarmloco.box").warning(
+            "this rank cannot ask to die with its daemon: %s", os.strerror(ctypes.get_errno())
+        )
+    elif os.getppid() != int(launcher):  # it died before we asked
+        raise SystemExit("the box's daemon is gone: this rank leaves")
+
+
 def _box_launch(args: argparse.Namespace) -> int | None:
     """With --nproc-per-node N > 1: run this same command as N ranks (the environment of a
     torch.distributed launch: RANK, WORLD_SIZE, MASTER_ADDR/PORT on this machine) and
@@ -22,7 +47,10 @@ def _box_launch(args: argparse.Namespace) -> int | None:
     30 s): the box's peer leaves the swarm, and the box resumes from its checkpoint."""
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
-    if args.nproc_per_node == 1 or "RANK" in os.environ:
+    if "RANK" in os.environ:
+        _die_with_launcher()
+        return None
+    if args.nproc_per_node == 1:
         return None
     if getattr(args, "no_train", False):
         raise ValueError("--no-train trains nothing: leave out --nproc-per-node")
@@ -34,6 +62,7 @@ def _box_launch(args: argparse.Namespace) -> int | None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+    env[LAUNCHER] = str(os.getpid())
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     command = [sys.executable, "-m", "swarmloco.cli", *args.argv]
     ranks = [
