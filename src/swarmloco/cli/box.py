@@ -11,7 +11,6 @@ import subprocess
 import sys
 from typing import Any
 
-
 LAUNCHER = "SWARMLOCO_BOX_LAUNCHER"
 """The environment variable that gives a rank the process id of the daemon that started it."""
 
