@@ -27,7 +27,10 @@ fetches a pinned dataset. Prints ONE JSON object.
   less what landed), ``tokens_given_back`` (read again after a download, a discard or a
   left-out contribution, as the peers logged it), the seconds the epoch took, and
   ``audits`` (the union of the peers' audits, each contribution once: what the peers saw
-  land, in states later dropped too).
+  land, in states later dropped too). With ``--churn-box``, peer ``c`` is a box of 2 ranks
+  (``--nproc-per-node 2``: its rank 0 leases and deals each rank its sequences), killed
+  as a whole (its daemon SIGKILLed: the ranks die with it) and started again like the
+  others (``churn_box``).
 - ``squat``: keys that list shards and never read them (docs/SECURITY.md, "Datasets"): the
   churn soak's dataset and peers with no kill, twice in one run of the bench: ``clean``,
   and ``squatted``, where a stranger's key (a DHT node of its own, its proof of work
@@ -42,6 +45,7 @@ fetches a pinned dataset. Prints ONE JSON object.
 
     python scripts/bench_data.py [--megabytes 50] [--vocab 8192] [--repeats 3]
     python scripts/bench_data.py --parts churn [--churn-tokens 150000] [--churn-kills 6]
+                                 [--churn-box]
     python scripts/bench_data.py --parts squat [--squat-shards 4] [--squat-idle 20]
 """
 
@@ -116,6 +120,11 @@ def main() -> int:
     p.add_argument("--churn-tokens", type=int, default=150_000, help="the churn soak's dataset")
     p.add_argument("--churn-kills", type=int, default=6, help="SIGKILLs during the churn soak")
     p.add_argument("--seed", type=int, default=0, help="when the churn soak's kills fall")
+    p.add_argument(
+        "--churn-box",
+        action="store_true",
+        help="the churn soak's peer c is a box of 2 ranks (killed and started as a whole)",
+    )
     p.add_argument("--squat-shards", type=int, default=4, help="shards the squatter lists (1 to 4)")
     p.add_argument(
         "--squat-idle",
@@ -246,7 +255,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import signal
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
-    from swarmutil import Bootstrap, PeerProcess
+    from swarmutil import Bootstrap, PeerProcess, process_gone, rank_pid
 
     from swarmloco.dataset.ledger import coverage, read_audit
 
@@ -261,7 +270,8 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                     "--seq-len", str(seq_len))  # fmt: skip
 
         def join(n: str) -> PeerProcess:
-            return PeerProcess.join(swarm, boot.endpoint, work / n, *peer,
+            box = ("--nproc-per-node", "2") if args.churn_box and n == "c" else ()
+            return PeerProcess.join(swarm, boot.endpoint, work / n, *peer, *box,
                                     "--read-log", str(work / f"{n}.reads"))  # fmt: skip
 
         peers = {n: join(n) for n in "abc"}
@@ -283,8 +293,14 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     )
                 time.sleep(rng.uniform(0.0, 1.5))  # a random moment of the round after
                 if victim.process.poll() is None:
+                    boxed = []  # a box's ranks, which die with its daemon
+                    if name == "c" and args.churn_box:
+                        for r in (0, 1):
+                            with contextlib.suppress(AssertionError):  # (one that left)
+                                boxed.append(rank_pid(victim, r))
                     victim.process.send_signal(signal.SIGKILL)
                     victim.wait(30)
+                    assert all(process_gone(pid) for pid in boxed), boxed  # (they hold its lock)
                 peers[name] = join(name)
                 runs.append(peers[name])
             codes = {n: p.wait(600) for n, p in peers.items()}
@@ -314,6 +330,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "churn_shards": len(counts),
         "churn_seq_len": seq_len,
         "churn_kills": len(runs) - 3,
+        "churn_box": args.churn_box,
         "churn_exit_codes": codes,
         "churn_seconds": round(seconds, 1),
         "tokens_landed": cover.landed * seq_len,
