@@ -146,15 +146,24 @@ async def test_two_readers_share_an_epoch_and_land_every_sequence_once(tmp_path)
         assert all(e.value["shards"] == [] for e in result.entries.values())
 
 
-async def test_a_box_deals_its_ranks_every_sequence_once_and_the_last_step_short(tmp_path):
-    """A box's rank 0 (2 ranks, 2 micro-batches of 4 a step) reads the epoch alone: each
-    step deals every rank its ranges, nothing twice; the last step (56 = 3 x 16 + 8
-    sequences) is short, its second micro-batches empty, rank 0's first one full."""
+@pytest.mark.parametrize(
+    ("ranks", "micro", "last"),
+    [(2, 2, [[4, 0], [4, 0]]), (1, 3, [[4, 4, 0]])],
+    ids=["a box of 2 ranks", "a peer accumulating 3"],
+)
+async def test_a_step_deals_every_sequence_once_and_the_last_step_is_short(
+    tmp_path, ranks, micro, last
+):
+    """A box's rank 0 (2 ranks, 2 micro-batches of 4 a step), or a peer of one rank
+    accumulating 3, reads the epoch alone: each step deals every rank its ranges, nothing
+    twice; the last step (56 sequences: 3 x 16 + 8, 4 x 12 + 8) is short, its last
+    micro-batches empty (they were an error), rank 0's first one full. (A step needing more
+    than the lease task kept ahead, two micro-batches, never came before.)"""
     async with loopback_network(2) as nodes:
         me = nodes[0].identity.peer_id_hex
         box = reader(tmp_path, "box", lease_s=4.0)
         run = asyncio.create_task(box.run(nodes[0].dht, SWARM, me))
-        trainer = Trainer(box, me, box=(2, 2))
+        trainer = Trainer(box, me, box=(ranks, micro))
         await asyncio.to_thread(trainer)
         await box.close()
         assert run.done() and not trainer.gave_up
@@ -163,8 +172,8 @@ async def test_a_box_deals_its_ranks_every_sequence_once_and_the_last_step_short
     cover = coverage([[Landing(1, "box", tuple(dealt))]], COUNTS, epoch=0)
     assert (cover.duplicated, cover.missing) == (0, 0), cover
     sizes = [[[sum(r.count for r in m) for m in rank] for rank in step] for step in trainer.dealt]
-    assert sizes[:-1] == [[[4, 4], [4, 4]]] * (len(sizes) - 1), sizes
-    assert sizes[-1] == [[4, 0], [4, 0]], sizes
+    assert sizes[:-1] == [[[4] * micro] * ranks] * (len(sizes) - 1), sizes
+    assert sizes[-1] == last, sizes
     x, y = read_batch(box.sequences, [], box.vocab_size)  # an empty micro-batch
     assert x.shape == y.shape == (0, SEQ)
     for part in trainer.dealt[-1]:
