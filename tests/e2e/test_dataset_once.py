@@ -114,7 +114,7 @@ def test_a_box_and_a_peer_lease_one_dataset_and_land_every_sequence_once(tmp_pat
             peers["box"] = PeerProcess.join(
                 swarm, boot.endpoint, tmp_path / "box", *peer, "--nproc-per-node", "2"
             )
-            for name in ("box", "peer"):
+            for name in ("peer", "box"):
                 assert peers[name].wait(300) == 0, (name, peers[name].log_tail())
         finally:
             for p in [killed, *peers.values()]:

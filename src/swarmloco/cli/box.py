@@ -71,6 +71,15 @@ def _box_launch(args: argparse.Namespace) -> int | None:
     logging.getLogger("swarmloco.box").info("started %d ranks (rank 0 is the peer)", n)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda signum, _frame: ranks[0].send_signal(signum))
+    if hasattr(signal, "SIGUSR1"):  # every thread's stack, of every rank (and this one)
+        import faulthandler
+
+        def stacks(signum: int, _frame: Any) -> None:
+            faulthandler.dump_traceback(all_threads=True)
+            for rank in ranks:
+                rank.send_signal(signum)
+
+        signal.signal(signal.SIGUSR1, stacks)
     by_pid = {p.pid: p for p in ranks}
     code = 0
     while by_pid:
