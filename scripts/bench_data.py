@@ -265,6 +265,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     peer = ("--dataset", str(data), "--max-epochs", "1", "--lease-seconds", "4")
     started = time.monotonic()
     runs: list[Any] = []
+    victims: list[str] = []  # the peers killed (and started again), in order
     with Bootstrap(work / "boot") as boot:
         swarm = PeerProcess.publish(work / "creator", boot.endpoint, "--dataset", str(data),
                                     "--seq-len", str(seq_len))  # fmt: skip
@@ -303,6 +304,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     assert all(process_gone(pid) for pid in boxed), boxed  # (they hold its lock)
                 peers[name] = join(name)
                 runs.append(peers[name])
+                victims.append(name)
             codes = {n: p.wait(600) for n, p in peers.items()}
         finally:
             for p in runs:
@@ -331,6 +333,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "churn_seq_len": seq_len,
         "churn_kills": len(runs) - 3,
         "churn_box": args.churn_box,
+        "churn_victims": victims,
         "churn_exit_codes": codes,
         "churn_seconds": round(seconds, 1),
         "tokens_landed": cover.landed * seq_len,
