@@ -188,7 +188,9 @@ def _add_compute_options(g: argparse._ArgumentGroup) -> None:
         metavar="N",
         help="train as a box of N ranks on this machine, one peer in the swarm (data "
         "parallel: each rank trains the preset's batch on its own data, one GPU each with "
-        "--device cuda, CPU ranks over gloo otherwise); this command starts the ranks",
+        "--device cuda, CPU ranks over gloo otherwise; on a pinned dataset, rank 0 leases "
+        "for the box and hands each rank its sequences); this command starts the ranks, "
+        "which die with it",
     )
     g.add_argument(
         "--peer-name",
