@@ -182,6 +182,45 @@ async def test_a_step_deals_every_sequence_once_and_the_last_step_is_short(
             assert x.shape == (sum(r.count for r in ranges), SEQ)
 
 
+async def test_a_reader_whose_rounds_fail_reads_what_it_leased_then_averages_it(tmp_path):
+    """Its partners gone, a peer's rounds fail while it trains on: it reads every shard it
+    may lease to its end (at :data:`MAX_LEASES` the last of them as a short step: steps of
+    12 do not divide them), then says no batch comes until they land (``exhausted``: the
+    daemon averages at once, alone if need be, where it used to idle until the listing
+    idled out, 30 minutes); once they landed it reads on, every sequence once."""
+    async with loopback_network(2) as nodes:
+        me = nodes[0].identity.peer_id_hex
+        data = reader(tmp_path, "a", lease_s=4.0)
+        run = asyncio.create_task(data.run(nodes[0].dht, SWARM, me))
+        read: list[Range] = []
+
+        def train_with_every_round_failing() -> None:
+            deadline = time.monotonic() + 60
+            while not data.exhausted:
+                assert time.monotonic() < deadline, (data.reading, read)
+                if not data.ready(3):
+                    data.changed.wait(0.2)
+                    data.changed.clear()
+                    continue
+                for _ in range(3):
+                    read.extend(data.next_ranges())
+
+        await asyncio.to_thread(train_with_every_round_failing)
+        leased = sorted(data.reading)
+        assert len(leased) == MAX_LEASES and not any(data.reading.values())
+        assert merged(read) == merged(Range(0, s, 0, COUNTS[s]) for _, s in leased)
+        group = Group(**{me: data})  # a round lands at last: its shards are released
+        group.land(me, data.declare(1, 0))
+        assert not data.exhausted
+        rest = Trainer(data, me, group=group, box=(1, 3))
+        await asyncio.to_thread(rest)
+        await data.close()
+        assert run.done() and not rest.gave_up
+    cover = coverage([[Landing(1, "a", tuple(read)), Landing(2, "a", tuple(rest.read))]],
+                     COUNTS, epoch=0)  # fmt: skip
+    assert (cover.duplicated, cover.missing) == (0, 0), cover
+
+
 async def test_a_dead_readers_shard_goes_to_another_from_where_it_landed(tmp_path):
     async with loopback_network(3) as nodes:
         ids = [n.identity.peer_id_hex for n in nodes]

@@ -203,7 +203,8 @@ class LeasedData:
     def ready(self, batches: int = 1) -> bool:
         """Whether ``batches`` batches can be read now (else the lease task is asked for a
         shard, and the caller idles). The last sequences of the last epoch make a short
-        batch."""
+        step, and so do the last of the shards leased when no more may be (at
+        :data:`MAX_LEASES`: one is released only once read to its end and landed)."""
         with self._lock:
             if self.reading and time.monotonic() - self._renewed > STALE_LEASE * self.lease_s:
                 # Its leases could not be renewed (the network is away): another peer may
@@ -215,25 +216,34 @@ class LeasedData:
             if have >= self._step:
                 return True
             self._ask()
-            return have > 0 and self.last_epoch
+            return have > 0 and (self.last_epoch or len(self.reading) >= MAX_LEASES)
 
     @property
     def exhausted(self) -> bool:
-        """Nothing of the last epoch ``max_epochs`` allows is left to claim (every shard
-        landed, or leased): no batch is coming."""
-        return self.last_epoch
+        """No batch is coming until what was read lands: nothing of the last epoch
+        ``max_epochs`` allows is left to claim (every shard landed, or leased), or every
+        shard this peer may lease (:data:`MAX_LEASES`) is read to its end and waits for its
+        ranges to land (rounds that failed meanwhile: its partners went away). The caller
+        averages what it trained now, instead of when its steps would make a round due
+        (it takes none)."""
+        with self._lock:
+            if self.last_epoch:
+                return True
+            full = len(self.reading) >= MAX_LEASES
+            return full and self._available() == 0 and bool(self.ledger.pending)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next micro-batch (empty once the last epoch's last sequences are read: the
-        rest of a step's micro-batches)."""
+        """The next micro-batch (empty past the sequences of a short step: see
+        :meth:`ready`)."""
         return read_batch(self.sequences, self.next_ranges(), self.vocab_size)
 
     def next_ranges(self) -> list[Range]:
-        """The ranges of the next micro-batch, recorded as read (none once the last
-        epoch's last sequences are read)."""
+        """The ranges of the next micro-batch, recorded as read (none past the sequences
+        of a short step: see :meth:`ready`)."""
         with self._lock:
             ranges = self._take(self.batch_size)
-            if not ranges and not self.last_epoch:
+            short = self.last_epoch or len(self.reading) >= MAX_LEASES
+            if not ranges and not short:
                 raise DataError("no sequence is to be read: call ready() first")
             self.ledger.read(ranges)
         if self.read_log is not None and ranges:  # flushed, not synced: outlives a SIGKILL
