@@ -216,7 +216,12 @@ class LeasedData:
             if have >= self._step:
                 return True
             self._ask()
-            return have > 0 and (self.last_epoch or len(self.reading) >= MAX_LEASES)
+            return have > 0 and self._short_step()
+
+    def _short_step(self) -> bool:
+        """Whether a step may be short (no more is coming until what is left is read): the
+        last epoch's end, or every shard this peer may lease leased. (Under the lock.)"""
+        return self.last_epoch or len(self.reading) >= MAX_LEASES
 
     @property
     def exhausted(self) -> bool:
@@ -229,8 +234,7 @@ class LeasedData:
         with self._lock:
             if self.last_epoch:
                 return True
-            full = len(self.reading) >= MAX_LEASES
-            return full and self._available() == 0 and bool(self.ledger.pending)
+            return self._short_step() and self._available() == 0 and bool(self.ledger.pending)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next micro-batch (empty past the sequences of a short step: see
@@ -242,8 +246,7 @@ class LeasedData:
         of a short step: see :meth:`ready`)."""
         with self._lock:
             ranges = self._take(self.batch_size)
-            short = self.last_epoch or len(self.reading) >= MAX_LEASES
-            if not ranges and not short:
+            if not ranges and not self._short_step():
                 raise DataError("no sequence is to be read: call ready() first")
             self.ledger.read(ranges)
         if self.read_log is not None and ranges:  # flushed, not synced: outlives a SIGKILL
