@@ -7,6 +7,8 @@ state travels with it (DESIGN section 11), so the final checkpoints say so."""
 
 from __future__ import annotations
 
+import collections
+import re
 import signal
 from pathlib import Path
 
@@ -15,8 +17,10 @@ import pytest
 from swarmutil import Bootstrap, PeerProcess, last_landed, process_gone, rank_pid
 
 from swarmloco.cli import main
+from swarmloco.dataset.fetch import EVAL_SHARDS
 from swarmloco.dataset.index import read_index
 from swarmloco.dataset.ledger import Sequences, read_audit
+from swarmloco.dataset.serve import serve_dataset
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -87,22 +91,28 @@ def test_three_peers_and_a_sigkill_land_every_sequence_of_the_epoch_once(tmp_pat
 def test_a_box_and_a_peer_lease_one_dataset_and_land_every_sequence_once(tmp_path, capsys):
     """A box of two ranks leases through its rank 0, which deals each rank its ranges
     before each step (DESIGN section 2, "A box of ranks"), beside a peer of one rank. The
-    box's daemon is SIGKILLed after a round with the peer: its ranks die with it, and the
-    box starts again from its data directory. Both leave once the epoch landed, each one's
-    last state holds no sequence twice, the run ends on one that holds the whole epoch,
-    and the box's landings are in it."""
+    box has no copy of the dataset: its rank 0 fetches each shard from the run's mirror
+    when it leases it, into the cache the ranks share. The box's daemon is SIGKILLed after
+    a round with the peer: its ranks die with it, and the box starts again from its data
+    directory. Both leave once the epoch landed, each one's last state holds no sequence
+    twice, the run ends on one that holds the whole epoch, and the box's landings are in
+    it."""
     data = prepared(tmp_path, capsys)
     counts = epoch_sequences(data)
-    peer = ("--dataset", str(data), "--max-epochs", "1", "--lease-seconds", "4")
-    with Bootstrap(tmp_path / "boot") as boot:
+    dataset_id = read_index(data).dataset_id
+    peer = ("--max-epochs", "1", "--lease-seconds", "4")
+    with Bootstrap(tmp_path / "boot") as boot, serve_dataset(data) as url:
         swarm = PeerProcess.publish(
-            tmp_path / "creator", boot.endpoint, "--dataset", str(data), "--seq-len", str(SEQ_LEN)
-        )
+            tmp_path / "creator", boot.endpoint, "--dataset", str(data), "--dataset-mirror", url,
+            "--seq-len", str(SEQ_LEN),
+        )  # fmt: skip
         peers = {
             "box": PeerProcess.join(
                 swarm, boot.endpoint, tmp_path / "box", *peer, "--nproc-per-node", "2"
             ),
-            "peer": PeerProcess.join(swarm, boot.endpoint, tmp_path / "peer", *peer),
+            "peer": PeerProcess.join(
+                swarm, boot.endpoint, tmp_path / "peer", *peer, "--dataset", str(data)
+            ),
         }
         killed = peers["box"]
         try:
@@ -120,6 +130,15 @@ def test_a_box_and_a_peer_lease_one_dataset_and_land_every_sequence_once(tmp_pat
             for p in [killed, *peers.values()]:
                 if p.process.poll() is None:
                     p.kill()
+    # The box fetched the evaluation's shards at start and each shard it leased when it
+    # leased it, none other, each once (its rank 1 found every shard dealt it in the cache).
+    box_log = "".join(killed.log) + "".join(peers["box"].log)
+    leased = {int(m) for m in re.findall(r"leased shard (\d+) of epoch", box_log)}
+    expected = set(range(min(EVAL_SHARDS, len(counts)))) | leased
+    cache = tmp_path / "box" / "datasets" / dataset_id
+    assert sorted(int(p.name[6:11]) for p in cache.glob("shard-*.bin")) == sorted(expected)
+    fetched = collections.Counter(re.findall(r"fetching shard (\d+) of dataset", box_log))
+    assert all(n == 1 for n in fetched.values()), fetched
     for p in peers.values():
         assert "every shard of the dataset's 1 epoch(s) landed" in "".join(p.log), p.log_tail()
     covers = {}

@@ -27,7 +27,7 @@ from swarmloco.net.server import Service
 from swarmloco.runtime.box import Box, BoxRank
 from swarmloco.runtime.config import PeerConfig
 from swarmloco.runtime.swarm import EventSink, Summary, Swarm
-from swarmloco.train.data import BatchStream, eval_windows, load_token_file
+from swarmloco.train.data import BatchStream, eval_windows
 from swarmloco.train.fit import (
     Fit,
     choose_fit,
@@ -132,25 +132,6 @@ class _LoopState:
         self.loop.load_loop_state_dict(state)
 
 
-def _pinned_dataset(
-    manifest: SwarmManifest, spec: DataSpec, config: DaemonConfig, model: dict[str, Any]
-) -> DataSpec:
-    """Every shard of the run's pinned dataset on this peer (``dataset/fetch.py``: its
-    copies, the swarm's peers, the mirrors), as the task reads them."""
-    from swarmloco.dataset.fetch import DatasetCache, local_tokens
-    from swarmloco.dataset.peers import PeerReader
-
-    cache = config.peer.directory / "datasets"
-    vocab = int(model["vocab_size"])
-    copies = config.dataset_copies
-    held = DatasetCache(cache / spec.dataset, spec.dataset, [])
-    if held.complete(copies) or not config.peer.node.peers:  # nobody to ask but mirrors
-        return local_tokens(spec, cache, copies, vocab)
-    with PeerReader(config.peer.node.peers) as reader:
-        peers = reader.sources(manifest.swarm_id, spec.dataset)
-        return local_tokens(spec, cache, copies, vocab, peers=peers)
-
-
 def train_task(
     manifest: SwarmManifest | None,
     config: DaemonConfig,
@@ -187,7 +168,7 @@ def train_task(
             data_spec, server, lazy = _pinned(stack, manifest, data_spec, config, model_config, box)
             services.append(server.service())
             vocab = int(model_config["vocab_size"])
-            sequences = _sequences(lazy, data_spec, seq_len, val_fraction)
+            sequences = _sequences(lazy, seq_len, val_fraction)
             if box is None or box.leader:  # rank 0 leases for the box
                 leased = _leased_data(sequences, vocab, config, run, inner.batch_size)
             else:
@@ -259,49 +240,47 @@ def _pinned(
     config: DaemonConfig,
     model: dict[str, Any],
     box: Box | None,
-) -> tuple[DataSpec, Any, LazyDataset | None]:
+) -> tuple[DataSpec, Any, LazyDataset]:
     """The run's pinned dataset on this peer, as the task reads it (``dataset/fetch.py``:
     from its copies, the swarm's peers, the mirrors); the server of this peer's dataset
-    files to the others (``dataset/peers.py``); and, for a peer of one rank, the dataset
-    whose shards it fetches as it leases them (the first few at once: the evaluation
-    set's; ``dataset/leases.py``). A box's ranks read every shard at random: it fetches
-    them all first."""
+    files to the others (``dataset/peers.py``); and the dataset whose shards it fetches as
+    it leases them (the first few at once: the evaluation set's; ``dataset/leases.py``).
+    In a box, rank 0 leases and fetches for the box, into the cache its ranks share: the
+    others start once it has the first shards, and find each shard it deals them there
+    (fetched from the copies and mirrors only if it is not)."""
     from swarmloco.dataset.peers import FileServer, holdings_in
     from swarmloco.net.rejections import RejectionLog
 
     cache = config.peer.directory / "datasets"
     server = FileServer(holdings_in(config.dataset_copies, cache), rejections=RejectionLog(logger))
-    if box is not None:  # every rank reads what rank 0 leases: all shards at hand first
-        return _pinned_dataset(manifest, spec, config, model), server, None
-    lazy = stack.enter_context(
-        LazyDataset(
-            spec,
-            cache,
-            config.dataset_copies,
-            peers=config.peer.node.peers,
-            swarm_id=manifest.swarm_id,
-            vocab_size=int(model["vocab_size"]),
-        )
+    follower = box is not None and not box.leader
+    lazy = LazyDataset(
+        spec,
+        cache,
+        config.dataset_copies,
+        peers=() if follower else config.peer.node.peers,
+        swarm_id=manifest.swarm_id,
+        vocab_size=int(model["vocab_size"]),
     )
+    if follower:
+        assert box is not None
+        box.share()  # rank 0 has the index and the first shards in the cache
+    stack.enter_context(lazy)
     tokens, _ = lazy.start()
+    if box is not None and box.leader:
+        box.share(True)
     return tokens, server, lazy
 
 
-def _sequences(
-    lazy: LazyDataset | None, tokens: DataSpec, seq_len: int, val_fraction: float
-) -> Sequences:
-    """The training sequences of the pinned dataset: each shard fetched when first read
-    (``lazy``), or the shards ``tokens`` names, all at hand (a box's)."""
-    if lazy is not None:
-        index = lazy.cache.index()
-        return Sequences(
-            seq_len=seq_len,
-            val_fraction=val_fraction,
-            tokens=[s.tokens for s in index.shards],
-            opener=lazy.shard_tokens,
-        )
-    shards = [load_token_file(Path(path), tokens.token_dtype) for path in tokens.paths]
-    return Sequences(shards, seq_len=seq_len, val_fraction=val_fraction)
+def _sequences(lazy: LazyDataset, seq_len: int, val_fraction: float) -> Sequences:
+    """The training sequences of the pinned dataset, each shard fetched when first read."""
+    index = lazy.cache.index()
+    return Sequences(
+        seq_len=seq_len,
+        val_fraction=val_fraction,
+        tokens=[s.tokens for s in index.shards],
+        opener=lazy.shard_tokens,
+    )
 
 
 def _leased_data(
