@@ -18,7 +18,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +210,17 @@ class Peer:
     @property
     def job(self) -> tuple[Swarm, nn.Module, torch.optim.Optimizer, Iterator]:
         return self.swarm, self.model, self.opt, batches(self.seed, self.pause)
+
+    def job_after(
+        self, start: threading.Event
+    ) -> tuple[Swarm, nn.Module, torch.optim.Optimizer, Iterator]:
+        """:attr:`job`, its first batch given once ``start`` is set (another peer is in)."""
+
+        def gated() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            assert start.wait(90), "the peer waited for never came"
+            yield from batches(self.seed, self.pause)
+
+        return self.swarm, self.model, self.opt, gated()
 
 
 def _peer(
@@ -519,12 +530,14 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
     a = _peer(tmp_path, "a", spec, **three)
     watch = Watch(a.events, round=1)
     a.swarm.on_event = watch
-    first = Background(a.job)
+    hostile_in = threading.Event()  # the honest two train once the hostile one is in
+    first = Background(a.job_after(hostile_in))
     assert watch.ready.wait(60)
     b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, **three)
     plan = FaultPlan([Fault(action="corrupt", phase="result", corruption="nan")])
     c = _hostile(tmp_path, a, "c", plan)
-    run_peers(b.job, c.job)
+    c.swarm.on_event = _setting(c.events, hostile_in)
+    run_peers(b.job_after(hostile_in), c.job)
     first.join()
     assert plan.fired[0] > 0
     for p in (a, b):
@@ -564,12 +577,14 @@ def test_a_member_struck_from_its_rounds_is_nobodys_partner_and_adds_no_tokens(t
 
     watch = Watch(a.events, round=1)
     a.swarm.on_event = on_a
-    first = Background(a.job)
+    stranger_in = threading.Event()  # the honest two train once the stranger is in
+    first = Background(a.job_after(stranger_in))
     assert watch.ready.wait(60)
     b = _peer(tmp_path, "b", a.swarm.swarm_id, a.swarm.endpoint, **three)
     plan = FaultPlan([Fault(action="corrupt", phase="chunk", corruption="nan")])
     c = _hostile(tmp_path, a, "c", plan, tokens_per_step=10)
-    run_peers(b.job, c.job)
+    c.swarm.on_event = _setting(c.events, stranger_in)
+    run_peers(b.job_after(stranger_in), c.job)
     first.join()
     assert plan.fired[0] > 0
     honest, stranger = {a.swarm.peer_id, b.swarm.peer_id}, c.swarm.peer_id
@@ -595,6 +610,17 @@ def test_a_member_struck_from_its_rounds_is_nobodys_partner_and_adds_no_tokens(t
     assert recorded, last_groups
     for r in recorded:
         assert last_groups[r] == honest - {a.swarm.peer_id}, (r, last_groups[r])
+
+
+def _setting(events: Events, entered: threading.Event) -> Callable[[dict[str, Any]], None]:
+    """``events``, and ``entered`` set at the peer's ``ready`` (it is in the swarm)."""
+
+    def on_event(event: dict[str, Any]) -> None:
+        events(event)
+        if event["event"] == "ready":
+            entered.set()
+
+    return on_event
 
 
 def _story(*peers: Peer) -> str:
