@@ -288,7 +288,8 @@ def last_landed(data_dir: Path) -> tuple[int, Any]:
     from swarmloco.dataset.ledger import Landed
     from swarmloco.runtime.checkpoint import CheckpointStore
 
-    [swarm_dir] = (data_dir / "swarms").iterdir()
+    # (A stage peer's data directory holds its run's manifest beside its stage's swarm.)
+    [swarm_dir] = [d for d in (data_dir / "swarms").iterdir() if (d / "checkpoints").is_dir()]
     with CheckpointStore(swarm_dir / "checkpoints", swarm_id=swarm_dir.name) as store:
         found = store.latest()
     assert found is not None, f"no checkpoint under {data_dir}"

@@ -17,7 +17,15 @@ import pytest
 from netutil import SWARM, loopback_network
 
 from swarmloco.dataset.leases import LeasedData, read_batch
-from swarmloco.dataset.ledger import Landed, Landing, Range, Sequences, coverage, merged
+from swarmloco.dataset.ledger import (
+    Landed,
+    Landing,
+    Range,
+    Sequences,
+    coverage,
+    epoch_order,
+    merged,
+)
 from swarmloco.net import records
 from swarmloco.net.records import (
     LEASES,
@@ -218,6 +226,35 @@ async def test_a_reader_whose_rounds_fail_reads_what_it_leased_then_averages_it(
         assert run.done() and not rest.gave_up
     cover = coverage([[Landing(1, "a", tuple(read)), Landing(2, "a", tuple(rest.read))]],
                      COUNTS, epoch=0)  # fmt: skip
+    assert (cover.duplicated, cover.missing) == (0, 0), cover
+
+
+async def test_a_shard_leased_while_a_round_is_open_is_read_once_it_landed(tmp_path):
+    """A member of a round released a shard once the round landed its last ranges (it
+    applied the round first); this reader, whose round is still in flight, leases the
+    shard from its account before the landing. It reads nothing of it until its round
+    ended: once it landed, the shard is done (before, the whole shard was to be read at
+    once, and read twice: a pipeline's stage 0, or any peer whose rounds overlap steps)."""
+    async with loopback_network(2) as nodes:
+        me, other = nodes[0].identity.peer_id_hex, nodes[1].identity.peer_id_hex
+        data = reader(tmp_path, "a", lease_s=4.0)
+        first = epoch_order(5, 0, len(COUNTS))[int(me[:8], 16) % len(COUNTS)]
+        assert data.declare(1, 0) == []  # its round 1 is in flight
+        await data._tend(nodes[0].dht, SWARM, me)  # one turn of its lease task
+        assert (0, first) in data.reading
+        assert not data.ready()  # (it was ready: the shard's 10 sequences to read)
+        whole = (0, first, 0, COUNTS[first])  # what the other member read and declared
+        data.landed(1, {other: [whole], me: []}, {other: True, me: True}, me)
+        group = Group(**{me: data})
+        group.round = 1
+        trainer = Trainer(data, me, group=group)
+        run = asyncio.create_task(data.run(nodes[0].dht, SWARM, me))
+        await asyncio.to_thread(trainer)
+        await data.close()
+        assert run.done() and not trainer.gave_up
+    assert trainer.read and all(r.shard != first for r in trainer.read), trainer.read
+    landings = [Landing(1, other, (Range(*whole),)), Landing(2, me, tuple(trainer.read))]
+    cover = coverage([landings], COUNTS, epoch=0)
     assert (cover.duplicated, cover.missing) == (0, 0), cover
 
 

@@ -215,11 +215,6 @@ def _create(args: argparse.Namespace) -> int:
     run = _run_from(args)
     data, overrides = _data_spec(args), _model_overrides(args)
     if args.dataset is not None:
-        if args.stages is not None:
-            raise ValueError(
-                "--dataset and --stages: a pipelined run trains on the task's data for now "
-                "(its stage-0 peers do not fetch a pinned dataset yet)"
-            )
         data, vocab = _pinned_dataset(args)
         overrides.setdefault("vocab_size", vocab)
     options = {

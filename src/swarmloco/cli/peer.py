@@ -363,7 +363,7 @@ def _run_peer(manifest: Any, args: argparse.Namespace) -> int:
     try:
         identity = Identity.load_or_create(args.data_dir) if _box_rank() == 0 else None
         if manifest is not None and manifest.model.get("pipeline") is not None:
-            return _run_stage(manifest, args, peer, identity, sink, box)
+            return _run_stage(manifest, args, peer, identity, sink, box, config)
         summary = train_task(manifest, config, identity=identity, on_event=sink, box=box)
     finally:
         if events_file is not None and events_file is not sys.stdout:
@@ -410,9 +410,16 @@ def check_rebalance_gap(args: argparse.Namespace) -> None:
 
 
 def _run_stage(
-    manifest: Any, args: argparse.Namespace, peer: Any, identity: Any, sink: Any, box: Any
+    manifest: Any,
+    args: argparse.Namespace,
+    peer: Any,
+    identity: Any,
+    sink: Any,
+    box: Any,
+    reading: Any,
 ) -> int:
-    """Serve one stage of a pipelined run (``pipeline/daemon.py``)."""
+    """Serve one stage of a pipelined run (``pipeline/daemon.py``; ``reading``: how stage
+    0 reads a pinned dataset)."""
     from swarmloco.errors import SwarmlocoError
     from swarmloco.pipeline.daemon import train_stage
 
@@ -437,6 +444,7 @@ def _run_stage(
         precision=args.precision,
         in_flight=args.in_flight,
         audit_share=args.audit_share,
+        reading=reading,
     )
     logging.getLogger("swarmloco.peer").info(
         "left stage %d at round %d after %d steps (%d micro-batches driven, %d moves): %s",

@@ -197,23 +197,29 @@ class LeasedData:
         self._quiet: dict[Lease, float] = {}  # listed by others -> since when nothing landed
         self._idle: set[Lease] = set()  # listed by others, idle at the last look
         self._malformed: set[str] = set()  # peers with an entry passed over (logged once)
+        self._flying: list[Range] = []  # taken, neither trained nor given back yet
+        self._open: set[int] = set()  # rounds declared, neither landed nor failed yet
+        self._fresh: dict[Lease, set[int]] = {}  # leased while these rounds were open
 
     # -- the training thread -----------------------------------------------------------------
 
-    def ready(self, batches: int = 1) -> bool:
+    def ready(self, batches: int = 1, *, step: int | None = None) -> bool:
         """Whether ``batches`` batches can be read now (else the lease task is asked for a
         shard, and the caller idles). The last sequences of the last epoch make a short
         step, and so do the last of the shards leased when no more may be (at
-        :data:`MAX_LEASES`: one is released only once read to its end and landed)."""
+        :data:`MAX_LEASES`: one is released only once read to its end and landed).
+        ``step``: the sequences of a step where a step is read a batch at a time (a
+        pipeline's stage 0): the shards are leased ahead by it."""
         with self._lock:
             if self.reading and time.monotonic() - self._renewed > STALE_LEASE * self.lease_s:
                 # Its leases could not be renewed (the network is away): another peer may
                 # take them soon; nothing more is read of them until they are renewed.
                 self._ask()
                 return False
-            self._step = batches * self.batch_size
+            want = batches * self.batch_size
+            self._step = max(want, step or 0)
             have = self._available()
-            if have >= self._step:
+            if have >= want:
                 return True
             self._ask()
             return have > 0 and self._short_step()
@@ -244,15 +250,58 @@ class LeasedData:
     def next_ranges(self) -> list[Range]:
         """The ranges of the next micro-batch, recorded as read (none past the sequences
         of a short step: see :meth:`ready`)."""
+        ranges = self.take_ranges()
+        self.trained(ranges)
+        return ranges
+
+    def take_ranges(self) -> list[Range]:
+        """The ranges of the next micro-batch, *in flight* until :meth:`trained` (its
+        gradient is in a step: a pipeline's stage 0 learns that later) or
+        :meth:`give_back` (it never will be); their shards are held meanwhile. None past
+        the sequences of a short step (see :meth:`ready`)."""
         with self._lock:
             ranges = self._take(self.batch_size)
             if not ranges and not self._short_step():
                 raise DataError("no sequence is to be read: call ready() first")
+            self._flying.extend(ranges)
+        return ranges
+
+    def trained(self, ranges: Sequence[Range]) -> None:
+        """``ranges``, taken in flight, are trained into the local state: recorded as read
+        (declared by the next round of each fragment)."""
+        with self._lock:
+            self._land_flying(ranges)
             self.ledger.read(ranges)
         if self.read_log is not None and ranges:  # flushed, not synced: outlives a SIGKILL
             with self.read_log.open("a", encoding="utf-8") as fh:
                 fh.write(json.dumps([r.to_list() for r in ranges]) + "\n")
-        return ranges
+
+    def give_back(self, ranges: Sequence[Range]) -> None:
+        """``ranges``, taken in flight, were not trained (the micro-batch failed): they are
+        read again, first."""
+        with self._lock:
+            self._land_flying(ranges)
+            self.ledger.redo = merged([*self.ledger.redo, *ranges])
+        if ranges:
+            self.changed.set()
+
+    def landed_any(self, ranges: Sequence[Range]) -> bool:
+        """Whether any sequence of ``ranges`` landed in the state this peer holds."""
+        with self._lock:
+            return any(
+                spans_minus((r.first, r.end), self.known.get((r.epoch, r.shard), []))
+                != [(r.first, r.end)]
+                for r in ranges
+            )
+
+    def _land_flying(self, ranges: Sequence[Range]) -> None:
+        for r in ranges:
+            self._flying.remove(r)
+
+    def _held_shards(self) -> set[Lease]:
+        """The shards this peer holds on to: ranges read and not landed, given back, or in
+        flight. (Under the lock.)"""
+        return self.ledger.held_shards() | {(r.epoch, r.shard) for r in self._flying}
 
     def deal(self, ranks: int, micro_batches: int) -> list[list[list[Range]]]:
         """A box's step: for each of ``ranks`` ranks, the ranges of its ``micro_batches``
@@ -269,10 +318,17 @@ class LeasedData:
         while True:
             yield self.next_batch()
 
-    def _available(self) -> int:
+    def _available(self, *, fresh: bool = False) -> int:
+        """The sequences to be read now (``fresh``: and those of the shards leased while a
+        round was open, read once it ended)."""
         self._prune_redo()
         redo = sum(r.count for r in self.ledger.redo if (r.epoch, r.shard) in self.reading)
-        return redo + sum(end - first for spans in self.reading.values() for first, end in spans)
+        return redo + sum(
+            end - first
+            for lease, spans in self.reading.items()
+            if fresh or lease not in self._fresh
+            for first, end in spans
+        )
 
     def _prune_redo(self) -> None:
         """Forget the given-back sequences, and those of the leased shards still to read,
@@ -298,6 +354,8 @@ class LeasedData:
         self.ledger.redo = merged([*self.ledger.redo, *others])
         limit -= sum(r.count for r in out)
         for (epoch, shard), spans in sorted(self.reading.items()):
+            if (epoch, shard) in self._fresh:
+                continue  # what landed of it may not be known yet
             while spans and limit > 0:
                 first, end = spans[0]
                 n = min(limit, end - first)
@@ -319,6 +377,7 @@ class LeasedData:
 
     def declare(self, round: int, fragment: int) -> list[tuple[int, int, int, int]]:
         with self._lock:
+            self._open.add(round)
             ranges = self.ledger.declare(round, fragment)
         return [(r.epoch, r.shard, r.first, r.count) for r in ranges]
 
@@ -348,11 +407,26 @@ class LeasedData:
             self.ledger.landed(round, included=included.get(me, False))
             self.account.add(ranges)
             self._know(ranges)
+            self._ended(round)
         self._ask()
 
     def failed(self, round: int) -> None:
         with self._lock:
             self.ledger.failed(round)
+            self._ended(round)
+
+    def _ended(self, round: int) -> None:
+        """Round ``round`` landed or failed: the shards leased while it was open are read
+        now, if no other round they waited for is open (under the lock). A shard leased
+        while this peer's round was in flight may be one whose last ranges that round
+        lands (another member read them, applied it first and released the shard): read
+        at once, from this peer's account before the landing, they would be read twice."""
+        self._open.discard(round)
+        for lease in list(self._fresh):
+            self._fresh[lease].discard(round)
+            if not self._fresh[lease]:
+                del self._fresh[lease]
+                self.changed.set()
 
     def discard(self) -> None:
         """The local work is thrown away: what it read is read again (what of it landed in
@@ -380,6 +454,8 @@ class LeasedData:
                     self._quiet.pop(lease, None)  # what landed of it changed
             self.account, self.known = landed.copy(), known
             self.last_epoch = False  # (something may be left to read again: looked for anew)
+            self._open.clear()  # (no round of the state left behind lands here)
+            self._fresh.clear()
         self._ask()
 
     def pending(self) -> bool:
@@ -465,7 +541,7 @@ class LeasedData:
         """After a restart: claim again the shards of the ranges not landed; those another
         peer leases now are its to read (they are forgotten here)."""
         with self._lock:
-            mine = sorted(self.ledger.held_shards())
+            mine = sorted(self._held_shards())
         if not mine:
             return
         held = await self._held_by_others(dht, swarm_id, peer_id)
@@ -490,7 +566,7 @@ class LeasedData:
             # The next shard is leased (and fetched) while half a shard is left to read, or
             # two steps (of a box, with their accumulation: as ready() was last asked).
             ahead = max(2 * self._step, self.sequences.total // len(self.sequences.counts) // 2)
-            short = self._available() < ahead and len(self.reading) < MAX_LEASES
+            short = self._available(fresh=True) < ahead and len(self.reading) < MAX_LEASES
         if not short:
             self._unavailable.clear()  # (what could not be had is tried again later)
         if short:
@@ -500,7 +576,7 @@ class LeasedData:
             leaving = (
                 self.last_epoch
                 and not leases
-                and not self.ledger.held_shards()
+                and not self._held_shards()
                 and self._all_landed(self.max_epochs or 0)
             )
         await self._store_leases(dht, swarm_id, leases)
@@ -511,7 +587,7 @@ class LeasedData:
     def _release_done(self) -> None:
         """Give up the shards read to the end whose every range landed."""
         self._prune_redo()
-        held = self.ledger.held_shards()
+        held = self._held_shards()
         for lease in [k for k, spans in self.reading.items() if not spans]:
             if lease not in held:
                 del self.reading[lease]
@@ -579,6 +655,8 @@ class LeasedData:
             return False
         with self._lock:
             self.reading[lease] = todo
+            if self._open:  # read once the rounds in flight ended (:meth:`_ended`)
+                self._fresh[lease] = set(self._open)
             self.ended = ""
         self.changed.set()
         logger.info(

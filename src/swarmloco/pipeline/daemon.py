@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -31,10 +32,12 @@ import torch
 from torch import nn
 
 from swarmloco.core.manifest import SwarmManifest
+from swarmloco.dataset.leases import LeasedData
 from swarmloco.errors import Stopped, SwarmlocoError
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
-from swarmloco.pipeline.driver import DriverConfig, PipelineError, Trace
+from swarmloco.net.server import Service
+from swarmloco.pipeline.driver import DriverConfig, PipelineError, Trace, Withdrawn
 from swarmloco.pipeline.load import StageLoad, Vouching, read_counted
 from swarmloco.pipeline.manifest import (
     declare_pipeline,
@@ -47,7 +50,13 @@ from swarmloco.pipeline.rebalance import RebalanceConfig, choose_move, choose_st
 from swarmloco.pipeline.stages import build_stage
 from swarmloco.pipeline.wire import Boundary
 from swarmloco.runtime.config import PeerConfig
-from swarmloco.runtime.daemon import resolve_device
+from swarmloco.runtime.daemon import (
+    DaemonConfig,
+    dataset_sequences,
+    leased_data,
+    pinned_dataset,
+    resolve_device,
+)
 from swarmloco.runtime.loop_thread import LoopThread
 from swarmloco.runtime.session import handle_signals
 from swarmloco.runtime.start import describe_device
@@ -67,6 +76,7 @@ logger = logging.getLogger(__name__)
 
 NO_REPLICA_PAUSE_S = 2.0  # a stage with no peer yet: how long a driver waits before trying again
 DRIVEN_EVERY_S = 2.0  # how often a driver says how many micro-batches it drove (a `driven` event)
+NO_DATA_WAIT_S = 1.0  # stage 0 with nothing to read now: how long it waits before looking again
 
 
 def task_stage(
@@ -162,6 +172,7 @@ def train_stage(
     precision: Precision | None = None,
     in_flight: int | None = None,
     audit_share: float | None = None,
+    reading: DaemonConfig | None = None,
 ) -> StageSummary:
     """Serve ``stage`` of the pipelined run ``manifest`` (None: :func:`served_before`, else
     :func:`~swarmloco.pipeline.rebalance.choose_stage`) on ``device`` (``auto``: a GPU if
@@ -173,7 +184,9 @@ def train_stage(
     stage, which would need a loss scale across the pipeline). ``in_flight``: the
     micro-batches a stage-0 peer keeps in the pipeline at once (None: the run's stage
     count). ``audit_share``: the share of each later stage's answers a stage-0 peer has
-    computed again by another replica and compared (None: ``DriverConfig``'s)."""
+    computed again by another replica and compared (None: ``DriverConfig``'s).
+    ``reading``: on a pinned dataset, how stage 0 reads it (its local copies, epochs,
+    leases, read log: the fields of ``DaemonConfig`` for those; None: the defaults)."""
     if slowdown_s < 0:
         raise ValueError(f"slowdown_s must be >= 0, got {slowdown_s}")
     if in_flight is not None and in_flight < 1:
@@ -225,18 +238,34 @@ def train_stage(
                 "stage %d computes on %s in %s", stage, describe_device(where),
                 "bf16 autocast" if work.autocast else "fp32",
             )  # fmt: skip
-            peer = StagePeer(
-                manifest,
-                stage,
-                work,
-                config=config,
-                identity=identity,
-                on_event=on_event,
-                driver=driver,
-            )
+            reader_stack = contextlib.ExitStack()  # stage 0's reader of a pinned dataset
+            reader, services = None, []
+            try:
+                if stage == 0 and data.source == "dataset":
+                    reader, server = _stage_reader(
+                        reader_stack, manifest, data, reading or DaemonConfig(peer=config),
+                        model, run, work,
+                    )  # fmt: skip
+                    services.append(server)
+                peer = StagePeer(
+                    manifest,
+                    stage,
+                    work,
+                    config=config,
+                    identity=identity,
+                    on_event=on_event,
+                    driver=driver,
+                    reader=reader,
+                    services=services,
+                )
+            except BaseException:
+                reader_stack.close()
+                raise
+            if reader is not None:
+                reader.stop_peer = functools.partial(_stop, peer)
             move: int | None = None
             current[:] = [peer]
-            with peer:
+            with reader_stack, peer:
                 if asked:
                     _stop(peer, asked[0])
                 rebalancer.arrived()
@@ -429,6 +458,26 @@ def _work(
     )
 
 
+def _stage_reader(
+    stack: contextlib.ExitStack,
+    manifest: SwarmManifest,
+    data: DataSpec,
+    reading: DaemonConfig,
+    model: Mapping[str, Any],
+    run: RunConfig,
+    work: StageWork,
+) -> tuple[LeasedData, Service]:
+    """Stage 0's reader of the run's pinned dataset (its shards fetched as it leases them,
+    from its copies, stage 0's peers, the mirrors), and the service of the files it holds
+    to the other stage-0 peers (``docs/DESIGN.md`` section 10, "A pinned dataset")."""
+    vocab = int(model["vocab_size"])
+    swarm_id = stage_manifest(manifest, 0).swarm_id  # stage 0's peers serve the files
+    _, server, lazy = pinned_dataset(stack, swarm_id, data, reading, vocab)
+    sequences = dataset_sequences(lazy, work.tokens_per_sequence, data.val_fraction)
+    reader = leased_data(sequences, vocab, reading, run, work.ids.max_batch)
+    return reader, server.service()
+
+
 def _stop(peer: StagePeer, why: str) -> None:
     if peer.peer is not None:
         peer.peer.kept.stop.stop(why)
@@ -448,35 +497,43 @@ def _drive(
     rebalancer: Rebalancer,
     in_flight: int,
 ) -> tuple[int, int | None]:
-    """Stage 0: micro-batches of the task's data through the pipeline, up to ``in_flight``
-    at once, until stopped or the rebalancer moves this peer; returns how many went
-    through, and where it moves (the ones in flight are collected first)."""
-    data = task.load_data(model, data_spec)
-    stream = BatchStream(
-        data.train,
-        seq_len=work.tokens_per_sequence,
-        batch_size=work.ids.max_batch,
-        vocab_size=data.vocab_size,
-        seed=run.spec.seed,
-        worker=int(rebalancer.me[:8], 16),
-    )
+    """Stage 0: micro-batches of the task's data (or of its pinned dataset's leases:
+    ``peer.feed``) through the pipeline, up to ``in_flight`` at once, until stopped or the
+    rebalancer moves this peer; returns how many went through, and where it moves (the
+    ones in flight are collected first)."""
+    feed = peer.feed
+    stream = None
+    if feed is None:
+        data = task.load_data(model, data_spec)
+        stream = BatchStream(
+            data.train,
+            seq_len=work.tokens_per_sequence,
+            batch_size=work.ids.max_batch,
+            vocab_size=data.vocab_size,
+            seed=run.spec.seed,
+            worker=int(rebalancer.me[:8], 16),
+        )
     driven = 0
     said_at, loss = time.monotonic(), float("nan")
-    pending: set[concurrent.futures.Future[Trace]] = set()
+    pending: dict[concurrent.futures.Future[Trace], bytes | None] = {}
     move: int | None = None
     stopped = pause = False
     while True:
         # Collect what came back; a failed micro-batch pauses the driving a while.
-        done = {f for f in pending if f.done()}
-        pending -= done
-        for future in done:
+        done = {f: name for f, name in pending.items() if f.done()}
+        for future, name in done.items():
+            del pending[future]
             try:
                 trace = future.result()
-            except Stopped:
-                stopped = True
-                continue
-            except PipelineError as exc:  # a stage without a peer yet, or all of its gone
-                if not pause:
+            except (Stopped, PipelineError) as exc:
+                if feed is not None and name is not None:
+                    feed.failed(name)  # its sequences are read again
+                if isinstance(exc, Stopped):
+                    stopped = True
+                    continue
+                if isinstance(exc, Withdrawn):  # nothing trained: the next one goes
+                    continue
+                if not pause:  # a stage without a peer yet, or all of its gone
                     logger.warning("%s; trying again in %.0f s", exc, NO_REPLICA_PAUSE_S)
                 pause = True
                 continue
@@ -501,10 +558,25 @@ def _drive(
                     stopped = True
                 continue
         elif len(pending) < in_flight:
-            x, y = stream.next_batch()
+            name = None
+            if feed is None:
+                assert stream is not None
+                x, y = stream.next_batch()
+            else:
+                batch = feed.take()
+                if batch is None:  # nothing to read now: the stepping thread lands rounds
+                    if not pending:
+                        feed.reader.changed.wait(NO_DATA_WAIT_S)
+                        feed.reader.changed.clear()
+                        continue
+                    concurrent.futures.wait(pending, timeout=1.0, return_when="FIRST_COMPLETED")
+                    continue
+                x, y, name = batch
             try:
-                pending.add(peer.submit(x, y))
+                pending[peer.submit(x, y, name=name)] = name
             except Stopped:
+                if feed is not None and name is not None:
+                    feed.failed(name)
                 stopped = True
             continue
         concurrent.futures.wait(pending, timeout=1.0, return_when="FIRST_COMPLETED")

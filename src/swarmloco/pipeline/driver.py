@@ -68,8 +68,18 @@ EXPLORE = 0.1
 """The least weight a replica is drawn with, as a share of the best replica's."""
 
 
+def micro_batch_name() -> bytes:
+    """A new micro-batch's name: random, :data:`MICRO_BATCH_BYTES` long."""
+    return os.urandom(MICRO_BATCH_BYTES)
+
+
 class PipelineError(SwarmlocoError):
     """A micro-batch could not be run through the pipeline."""
+
+
+class Withdrawn(PipelineError):
+    """Stage 0 withdrew the micro-batch before its own forward (its sequences landed in
+    the state meanwhile): nothing of it trained anywhere."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -261,10 +271,13 @@ class Driver:
                 kept.append(i)
         return [endpoints[i] for i in sorted(kept)]
 
-    async def run(self, x: torch.Tensor, targets: torch.Tensor) -> Trace:
+    async def run(
+        self, x: torch.Tensor, targets: torch.Tensor, *, name: bytes | None = None
+    ) -> Trace:
         """One micro-batch, forward and backward: its loss and path. The answers drawn for
-        an audit are audited once it is through, without waiting."""
-        name = os.urandom(MICRO_BATCH_BYTES)
+        an audit are audited once it is through, without waiting. ``name``: the
+        micro-batch's (:func:`micro_batch_name`; a new one if None)."""
+        name = name or micro_batch_name()
         trace = Trace()
         stages = len(self.replicas) + 1
         drawn = {k for k in range(1, stages) if self.rng.random() < self.config.audit_share}

@@ -27,19 +27,22 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from swarmloco.core.manifest import SwarmManifest
+from swarmloco.dataset.leases import LeasedData
 from swarmloco.errors import Stopped, SwarmlocoError
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode
 from swarmloco.net.rejections import Rejection, RejectionLog
+from swarmloco.net.server import Service
 from swarmloco.net.swarm import publish_manifest
-from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError, Trace
+from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError, Trace, Withdrawn
+from swarmloco.pipeline.feed import LeasedFeed
 from swarmloco.pipeline.load import (
     StageLoad,
     Vouching,
@@ -102,6 +105,8 @@ class StagePeer:
         replica: ReplicaConfig | None = None,
         driver: DriverConfig | None = None,
         load_interval_s: float = 2.0,
+        reader: LeasedData | None = None,
+        services: Sequence[Service] = (),
     ) -> None:
         pipeline = pipeline_of(run)
         if pipeline is None:
@@ -116,6 +121,12 @@ class StagePeer:
         self.on_event = on_event
         self.load_interval_s = load_interval_s
         first, last = stage == 0, stage == pipeline.stages - 1
+        if reader is not None and not first:
+            raise SwarmlocoError("only stage 0 reads the run's data")
+        self.reader = reader
+        """Stage 0 on a pinned dataset: the reader of its leases (``dataset/leases.py``),
+        fed micro-batch by micro-batch through :attr:`feed`."""
+        self.services = list(services)
         self.replica = StageReplica(
             work.module,
             first=first,
@@ -138,6 +149,9 @@ class StagePeer:
         )
         self.driver_config = dataclasses.replace(
             driver or DriverConfig(), encoding=pipeline.encoding
+        )
+        self.feed = (
+            None if reader is None else LeasedFeed(reader, self.replica, step=work.step_samples)
         )
         self.driver: Driver | None = None
         self.peer: Peer | None = None
@@ -164,11 +178,14 @@ class StagePeer:
         trainee = Trainee(
             model=w.module,
             optimizer=w.optimizer,
-            objects={},
+            objects={} if self.reader is None else {"data": self.reader},
             box=None,
             evaluate=None,
             schedule=SwarmSchedule(w.optimizer, lambda: self._global_step()),
+            ranges=self.reader,
         )
+        if self.feed is not None:
+            self.feed.attach()
         kept = Kept.fresh(self.config, self.identity.peer_id_hex, self.emit)
         peer = Peer(
             self.manifest,
@@ -176,7 +193,7 @@ class StagePeer:
             kept,
             config=self.config,
             identity=self.identity,
-            services=[self.service.service()] if self.stage > 0 else [],
+            services=[self.service.service()] * (self.stage > 0) + self.services,
             on_step=lambda: None,
         )
         stack = contextlib.ExitStack()
@@ -341,7 +358,13 @@ class StagePeer:
                 if samples is None:
                     if peer.hook.settling:  # a round landed: its digest, without a step
                         peer.hook.settle()
-                    if time.monotonic() - last_step < IDLE_LAND_S or not peer.hook.exchange_over():
+                    # Stage 0 read its data to the end (or all it may lease): what it
+                    # trained is averaged now, not when steps that are not coming make a
+                    # round due.
+                    flush = self.reader is not None and self.reader.exhausted
+                    if time.monotonic() - last_step < IDLE_LAND_S or not (
+                        flush or peer.hook.exchange_over()
+                    ):
                         continue
                     samples = self.replica.take_step(timeout=STEP_POLL_S, now=True)
                     if samples is None:
@@ -353,7 +376,9 @@ class StagePeer:
                 try:
                     if samples:
                         peer.hook.stepped(samples * self.work.tokens_per_sequence)
-                    if idle:
+                    if idle and flush:
+                        peer.hook.wait(flush=True)
+                    elif idle:
                         peer.hook.idle()
                 except Stopped:
                     self.stopped.set()
@@ -375,27 +400,38 @@ class StagePeer:
         return self.submit(x, targets, timeout=timeout).result()
 
     def submit(
-        self, x: torch.Tensor, targets: torch.Tensor, *, timeout: float = 300.0
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        timeout: float = 300.0,
+        name: bytes | None = None,
     ) -> concurrent.futures.Future[Trace]:
         """(Stage 0.) Start one micro-batch through the pipeline and return at once: the
         future's result is what :meth:`drive` returns or raises. Several may be in flight
         at once (their replicas admit no more than a step's sequences: none of them is
-        applied twice, and no step is on more than the run's batch)."""
+        applied twice, and no step is on more than the run's batch). ``name``: the
+        micro-batch's (the replica's ``on_step`` names it; a new one if None)."""
         if self.driver is None or self.peer is None:
             raise SwarmlocoError("only an entered peer of stage 0 drives micro-batches")
         if self.stopped.is_set():
             raise Stopped(self.peer.kept.stop.reason or "this stage's peer stopped")
-        return self.peer.loop.submit(self._drive(self.driver, x, targets, timeout))
+        return self.peer.loop.submit(self._drive(self.driver, x, targets, timeout, name))
 
     async def _drive(
-        self, driver: Driver, x: torch.Tensor, targets: torch.Tensor, timeout: float
+        self,
+        driver: Driver,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        timeout: float,
+        name: bytes | None,
     ) -> Trace:
         assert self.peer is not None
         deadline = time.monotonic() + timeout
         while True:
             try:
                 trace = await asyncio.wait_for(
-                    driver.run(x, targets), max(0.0, deadline - time.monotonic())
+                    driver.run(x, targets, name=name), max(0.0, deadline - time.monotonic())
                 )
                 break
             except TimeoutError as exc:
@@ -405,6 +441,8 @@ class StagePeer:
             except Rejection as exc:  # this peer's own replica refused the micro-batch
                 if self.replica.closed or self.stopped.is_set():  # it is leaving
                     raise Stopped(self.peer.kept.stop.reason or str(exc)) from exc
+                if exc.code == "withdrawn":
+                    raise Withdrawn(exc.reason) from exc
                 # It is between two steps (a round longer than its forward waits): the
                 # micro-batch waits on, until the round lands or the deadline.
                 if time.monotonic() >= deadline:

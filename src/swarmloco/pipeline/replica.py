@@ -148,6 +148,16 @@ class StageReplica:
         self.before_step: Callable[[], None] | None = None
         """Called before each optimizer step, on the mean gradient (the owner's learning
         rate and clipping)."""
+        self.on_step: Callable[[list[bytes], bool], None] | None = None
+        """Called at each step taken or skipped (under the replica's lock: it must not call
+        back): the names of the micro-batches whose gradients it held, and whether the
+        optimizer stepped on them (False: a mean gradient not finite, dropped). Stage 0 on
+        a pinned dataset learns from it which sequences a step trained."""
+        self.admits: Callable[[bytes], bool] | None = None
+        """Asked (under the replica's lock, once any step due was taken) before a forward
+        computes: False refuses the micro-batch as ``withdrawn``. Stage 0 on a pinned
+        dataset withdraws one whose sequences landed meanwhile (a state it took holds them)."""
+        self._accumulated: list[bytes] = []  # the names of the micro-batches in the accumulator
         self.loss = float("nan")
         """The last loss this replica computed (the last stage's forward)."""
         self.rate = Rate(warmup=RATE_WARMUP, settle=RATE_SETTLE)
@@ -219,6 +229,8 @@ class StageReplica:
             stepped = time.perf_counter()
             if micro_batch in self._held or micro_batch in self._results:
                 raise Rejection("malformed", "a micro-batch of that name came before")
+            if self.admits is not None and not self.admits(micro_batch):
+                raise Rejection("withdrawn", "its sequences landed meanwhile")
             if len(self._held) >= self.config.max_inflight:
                 raise Rejection("busy", f"{len(self._held)} micro-batches in flight here")
             size = x.nbytes + (0 if targets is None else targets.nbytes)
@@ -369,6 +381,7 @@ class StageReplica:
             self.busy_s += computed
             self.rate.add(int(held.input.shape[0]), held.seconds + computed)
             self.micro_batches += 1
+            self._accumulated.append(micro_batch)
             self.served += 1
             self.samples += int(held.input.shape[0])
             self._results[micro_batch] = grad_input
@@ -406,6 +419,15 @@ class StageReplica:
             return True
         finally:
             self._lock.release()
+
+    def withdraw(self, micro_batch: bytes) -> bool:
+        """The micro-batch failed further on (its caller gave up on it): drop its input if
+        held, so no backward of it comes in from now on; returns whether its gradient is
+        in the accumulator all the same (its backward ran here first: the next step holds
+        it, and ``on_step`` names it)."""
+        with self._lock:
+            self._abandon(micro_batch)
+            return micro_batch in self._accumulated
 
     def _abandon(self, micro_batch: bytes) -> bool:
         held = self._pop(micro_batch) is not None
@@ -469,6 +491,8 @@ class StageReplica:
     def _apply_step(self, optimizer: torch.optim.Optimizer | None) -> int:
         assert optimizer is not None and not self._held
         n = self.micro_batches
+        names, self._accumulated = self._accumulated, []
+        stepped = False
         if n:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             for grad in grads:
@@ -486,8 +510,11 @@ class StageReplica:
                     self.before_step()
                 optimizer.step()
                 self.steps += 1
+                stepped = True
             optimizer.zero_grad(set_to_none=True)
         self.micro_batches = self.samples = 0
+        if names and self.on_step is not None:
+            self.on_step(names, stepped)
         return n
 
     def _hold(self, micro_batch: bytes, held: _Held) -> None:

@@ -165,12 +165,14 @@ def train_task(
         dealt: DealtData | None = None
         if data_spec.source == "dataset":
             val_fraction = data_spec.val_fraction
-            data_spec, server, lazy = _pinned(stack, manifest, data_spec, config, model_config, box)
-            services.append(server.service())
             vocab = int(model_config["vocab_size"])
-            sequences = _sequences(lazy, seq_len, val_fraction)
+            data_spec, server, lazy = pinned_dataset(
+                stack, manifest.swarm_id, data_spec, config, vocab, box
+            )
+            services.append(server.service())
+            sequences = dataset_sequences(lazy, seq_len, val_fraction)
             if box is None or box.leader:  # rank 0 leases for the box
-                leased = _leased_data(sequences, vocab, config, run, inner.batch_size)
+                leased = leased_data(sequences, vocab, config, run, inner.batch_size)
             else:
                 dealt = DealtData(sequences, vocab_size=vocab)
         data = task.load_data(model_config, data_spec)
@@ -233,17 +235,18 @@ def train_task(
         return swarm.summary if isinstance(swarm, Swarm) else None
 
 
-def _pinned(
+def pinned_dataset(
     stack: contextlib.ExitStack,
-    manifest: SwarmManifest,
+    swarm_id: str,
     spec: DataSpec,
     config: DaemonConfig,
-    model: dict[str, Any],
-    box: Box | None,
+    vocab_size: int,
+    box: Box | None = None,
 ) -> tuple[DataSpec, Any, LazyDataset]:
     """The run's pinned dataset on this peer, as the task reads it (``dataset/fetch.py``:
     from its copies, the swarm's peers, the mirrors); the server of this peer's dataset
-    files to the others (``dataset/peers.py``); and the dataset whose shards it fetches as
+    files to the others (``dataset/peers.py``; the peers of ``swarm_id`` serve them to
+    each other); and the dataset whose shards it fetches as
     it leases them (the first few at once: the evaluation set's; ``dataset/leases.py``).
     In a box, rank 0 leases and fetches for the box, into the cache its ranks share: the
     others start once it has the first shards, and find each shard it deals them there
@@ -259,8 +262,8 @@ def _pinned(
         cache,
         config.dataset_copies,
         peers=() if follower else config.peer.node.peers,
-        swarm_id=manifest.swarm_id,
-        vocab_size=int(model["vocab_size"]),
+        swarm_id=swarm_id,
+        vocab_size=vocab_size,
     )
     if follower:
         assert box is not None
@@ -272,7 +275,7 @@ def _pinned(
     return tokens, server, lazy
 
 
-def _sequences(lazy: LazyDataset, seq_len: int, val_fraction: float) -> Sequences:
+def dataset_sequences(lazy: LazyDataset, seq_len: int, val_fraction: float) -> Sequences:
     """The training sequences of the pinned dataset, each shard fetched when first read."""
     index = lazy.cache.index()
     return Sequences(
@@ -283,7 +286,7 @@ def _sequences(lazy: LazyDataset, seq_len: int, val_fraction: float) -> Sequence
     )
 
 
-def _leased_data(
+def leased_data(
     sequences: Sequences,
     vocab_size: int,
     config: DaemonConfig,
