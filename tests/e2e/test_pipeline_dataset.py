@@ -3,7 +3,8 @@ dataset prepared on the spot, `swarmloco create --stages 2 --dataset DIR`, a sta
 and two stage-0 peers that lease the dataset's shards (one with a copy, one fetching
 each shard from the other when it leases it) and drive their micro-batches through the
 stage-1 peer until every shard of the epoch landed (`--max-epochs 1`; DESIGN section 10,
-"A pinned dataset")."""
+"A pinned dataset"). The one without a copy is SIGKILLed after a round with the other,
+and started again with the same command."""
 
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ def test_two_stage_0_peers_lease_a_dataset_and_stage_0_lands_every_sequence_once
             copy = ("--dataset", str(data))
             with PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", *reading, *copy) as a:
                 a.wait_for("ready", timeout=120)  # it serves the dataset's files from now on
+                with PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", *reading) as killed:
+                    killed.wait_for("round", lambda e: e["group"] >= 2, timeout=180)
+                    killed.process.send_signal(signal.SIGKILL)
+                    killed.wait(30)
+                # The same command again: it resumes stage 0 from its data directory.
                 with PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", *reading) as b:
                     assert b.wait(300) == 0, b.log_tail()
                 for p in (a, b):
@@ -53,7 +59,8 @@ def test_two_stage_0_peers_lease_a_dataset_and_stage_0_lands_every_sequence_once
         assert p.of("round") and any(e["group"] == 2 for e in p.of("round")), p.events
     # The peer with no copy fetched the evaluation's shards and each shard it leased, no
     # other (from the peer that has one: there is no mirror).
-    leased = {int(m) for m in re.findall(r"leased shard (\d+) of epoch", "".join(b.log))}
+    log = "".join(killed.log) + "".join(b.log)
+    leased = {int(m) for m in re.findall(r"leased shard (\d+) of epoch", log)}
     cache = tmp_path / "b" / "datasets" / dataset_id
     fetched = {int(p.name[6:11]) for p in cache.glob("shard-*.bin")}
     assert fetched == set(range(min(EVAL_SHARDS, len(counts)))) | leased, (fetched, leased)
