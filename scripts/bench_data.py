@@ -30,7 +30,10 @@ fetches a pinned dataset. Prints ONE JSON object.
   land, in states later dropped too). With ``--churn-box``, peer ``c`` is a box of 2 ranks
   (``--nproc-per-node 2``: its rank 0 leases and deals each rank its sequences), killed
   as a whole (its daemon SIGKILLed: the ranks die with it) and started again like the
-  others (``churn_box``).
+  others (``churn_box``). With ``--churn-pipeline``, the run is a pipeline of 2 stages
+  (``--stages 2``): ``a``, ``b`` and ``c`` serve stage 0 (they read the dataset and are
+  killed as above), one more peer serves stage 1 throughout, and the final state is stage
+  0's (``churn_pipeline``; DESIGN section 10, "A pinned dataset").
 - ``squat``: keys that list shards and never read them (docs/SECURITY.md, "Datasets"): the
   churn soak's dataset and peers with no kill, twice in one run of the bench: ``clean``,
   and ``squatted``, where a stranger's key (a DHT node of its own, its proof of work
@@ -45,7 +48,7 @@ fetches a pinned dataset. Prints ONE JSON object.
 
     python scripts/bench_data.py [--megabytes 50] [--vocab 8192] [--repeats 3]
     python scripts/bench_data.py --parts churn [--churn-tokens 150000] [--churn-kills 6]
-                                 [--churn-box]
+                                 [--churn-box | --churn-pipeline]
     python scripts/bench_data.py --parts squat [--squat-shards 4] [--squat-idle 20]
 """
 
@@ -125,6 +128,12 @@ def main() -> int:
         action="store_true",
         help="the churn soak's peer c is a box of 2 ranks (killed and started as a whole)",
     )
+    p.add_argument(
+        "--churn-pipeline",
+        action="store_true",
+        help="the churn soak's run is a pipeline of 2 stages: its 3 peers serve stage 0, "
+        "one more stage 1",
+    )
     p.add_argument("--squat-shards", type=int, default=4, help="shards the squatter lists (1 to 4)")
     p.add_argument(
         "--squat-idle",
@@ -137,6 +146,8 @@ def main() -> int:
     known = {"prepare", "fetch", "churn", "squat"}
     if parts - known or not parts:
         p.error(f"--parts: unknown {sorted(parts - known)}")
+    if args.churn_box and args.churn_pipeline:
+        p.error("--churn-box and --churn-pipeline: a stage is served by one process")
     if not 1 <= args.squat_shards <= 4:
         p.error(
             f"--squat-shards: 1 to 4 (a leases record lists 4 at most), got {args.squat_shards}"
@@ -266,13 +277,19 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     started = time.monotonic()
     runs: list[Any] = []
     victims: list[str] = []  # the peers killed (and started again), in order
+    stages = ("--stages", "2") if args.churn_pipeline else ()
+    stage = ("--stage", "0") if args.churn_pipeline else ()
     with Bootstrap(work / "boot") as boot:
         swarm = PeerProcess.publish(work / "creator", boot.endpoint, "--dataset", str(data),
-                                    "--seq-len", str(seq_len))  # fmt: skip
+                                    "--seq-len", str(seq_len), *stages)  # fmt: skip
+        if args.churn_pipeline:  # stage 1's peer first: the readers drive through it
+            later = PeerProcess.join(swarm, boot.endpoint, work / "s1", "--stage", "1")
+            runs.append(later)
+            later.wait_for("ready", timeout=120)
 
         def join(n: str) -> PeerProcess:
             box = ("--nproc-per-node", "2") if args.churn_box and n == "c" else ()
-            return PeerProcess.join(swarm, boot.endpoint, work / n, *peer, *box,
+            return PeerProcess.join(swarm, boot.endpoint, work / n, *peer, *box, *stage,
                                     "--read-log", str(work / f"{n}.reads"))  # fmt: skip
 
         peers = {n: join(n) for n in "abc"}
@@ -306,6 +323,9 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 runs.append(peers[name])
                 victims.append(name)
             codes = {n: p.wait(600) for n, p in peers.items()}
+            if args.churn_pipeline:
+                later.process.send_signal(signal.SIGINT)
+                codes["s1"] = later.wait(90)
         finally:
             for p in runs:
                 if p.process.poll() is None:
@@ -331,8 +351,9 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "churn_sequences": cover.sequences,
         "churn_shards": len(counts),
         "churn_seq_len": seq_len,
-        "churn_kills": len(runs) - 3,
+        "churn_kills": len(victims),
         "churn_box": args.churn_box,
+        "churn_pipeline": args.churn_pipeline,
         "churn_victims": victims,
         "churn_exit_codes": codes,
         "churn_seconds": round(seconds, 1),
@@ -410,6 +431,8 @@ def final_state(where: Path, names: str = "abc") -> tuple[Any, int, bool]:
     last: list[tuple[int, int, Landed]] = []
     for n in names:
         for swarm_dir in (where / n / "swarms").iterdir():
+            if not (swarm_dir / "checkpoints").is_dir():
+                continue  # (a stage peer keeps its run's manifest beside its stage's swarm)
             with CheckpointStore(
                 swarm_dir / "checkpoints", swarm_id=swarm_dir.name, readonly=True
             ) as store:

@@ -31,6 +31,7 @@ def test_the_data_bench_refuses_parts_it_lacks_and_a_squatter_listing_more_than_
     refused = {
         ("--parts", "squat,x"): "unknown ['x']",
         ("--parts", "squat", "--squat-shards", "5"): "a leases record lists 4 at most",
+        ("--parts", "churn", "--churn-box", "--churn-pipeline"): "a stage is served by one",
     }
     for args, said in refused.items():
         done = subprocess.run(

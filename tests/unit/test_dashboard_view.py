@@ -1,5 +1,6 @@
 """The dashboard's view as a pure function of the records read and the time."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -305,6 +306,23 @@ def test_a_pinned_datasets_epoch_is_what_the_best_informed_reader_knows():
     assert view_of()["dataset"] is None  # no pinned dataset
     with pytest.raises(ValueError):
         status(data={**data(0, 1, 1, 1), "leased": 5})  # more than a peer may lease
+
+
+def test_a_pipelined_runs_epoch_is_what_its_vouched_stage_0_readers_say():
+    """The stage-0 peers of a pipelined run read its pinned dataset and say its epoch in
+    their stage's status records, which the run's view reads; those of peers whose
+    ``stage-load`` servers did not vouch for them are not counted."""
+    data = {"epoch": 0, "landed": 100, "sequences": 462, "leased": 2, "done": 3, "shards": 11}
+    stage0 = {A: status(data=data), B: status(data={**data, "landed": 400, "done": 10})}
+    loads = {A: stage_load(0), B: stage_load(0)}
+    reading = Reading(swarm_id=PIPELINED.swarm_id, at=NOW, manifest=PIPELINED,
+                      stage_loads=loads, stage_status=stage0)  # fmt: skip
+    view = build_view(reading, now=NOW)
+    assert view["dataset"]["landed"] == 400 and view["dataset"]["readers"] == 2
+    only_a = dataclasses.replace(reading, vouched=frozenset({A}))
+    assert build_view(only_a, now=NOW)["dataset"]["landed"] == 100  # B's word is not counted
+    unvouched = dataclasses.replace(reading, vouched=frozenset())
+    assert build_view(unvouched, now=NOW)["dataset"] is None
 
 
 def test_the_swarm_loss_is_the_median_of_the_online_peers():

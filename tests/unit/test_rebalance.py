@@ -73,6 +73,23 @@ def test_the_last_replica_of_a_stage_stays_and_an_empty_stage_draws_one():
     assert list(movers(stalled, 3, epoch=3).values()) == [2]
 
 
+def test_on_a_pinned_dataset_nobody_moves_into_or_out_of_stage_0():
+    """Stage 0's peers read the run's dataset: fixed, they stay however over-served, and a
+    stage with no replica draws one from the other stages only (stage 0 empty: the
+    readers left at their last epoch, and the pipeline stalls rather than a peer without
+    the dataset, or with no state of stage 0 to take, reading the epochs again)."""
+    fixed = frozenset({0})
+    readers = [replica(n, 0, 10.0) for n in "abc"] + [replica("d", 1, 4.0)]
+    assert movers(readers, 2, epoch=1) != {}  # (they would move, not fixed)
+    verdicts = [choose_move(readers, 2, me=x.peer, epoch=1, gap=0.2, fixed=fixed) for x in readers]
+    assert [v.to for v in verdicts] == [None] * 4
+    assert "read the run's dataset" in verdicts[0].reason
+    # Stage 0 has no replica: nobody moves there; stage 2 is the slowest of the others.
+    three = [replica("d", 1, 10.0), replica("e", 1, 10.0), replica("f", 2, 2.0)]
+    verdicts = [choose_move(three, 3, me=x.peer, epoch=2, gap=0.2, fixed=fixed) for x in three]
+    assert sorted(v.to for v in verdicts if v.to is not None) == [2], verdicts
+
+
 def moving_into(stage: int, count: int) -> list[StageLoad]:
     """Records of keys that say they move into ``stage`` (no endpoint, no rate)."""
     return [

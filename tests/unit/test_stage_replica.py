@@ -58,6 +58,40 @@ def test_inputs_are_held_within_the_bound_and_expire():
     assert refused.value.code == "unknown"
 
 
+def test_a_dead_drivers_micro_batch_is_dropped_once_it_waited_far_longer_than_any_other():
+    """A driver that died can abandon nothing: its micro-batch is dropped past the floor
+    and four times the longest forward-to-backward here (not the whole ``inflight_s``),
+    and only once there is such a measure."""
+    r, _, clock = replica(inflight_s=120.0, inflight_floor_s=30.0)
+    r.forward(b"a" * 16, torch.randn(1, 4))
+    clock.now = 100.0
+    r.forward(b"b" * 16, torch.randn(1, 4))  # nothing measured yet: a is held on
+    assert r.inflight == 2 and r.dropped == 0
+    r.backward(b"a" * 16, torch.ones(1, 4))  # 100 s from forward to backward
+    r.forward(b"c" * 16, torch.randn(1, 4))  # b waited 0 s: held
+    clock.now = 219.0
+    r.forward(b"d" * 16, torch.randn(1, 4))
+    assert r.inflight == 3 and r.dropped == 0  # 4 x 100 s is past inflight_s: 120 s
+    clock.now = 221.0
+    r.forward(b"e" * 16, torch.randn(1, 4))  # b and c waited past 120 s
+    assert r.inflight == 2 and r.dropped == 2
+    r.backward(b"d" * 16, torch.ones(1, 4))  # 2 s: the longest of the last is still 100 s
+    s, _, clock = replica(inflight_s=120.0, inflight_floor_s=30.0)
+    s.forward(b"a" * 16, torch.randn(1, 4))
+    clock.now = 2.0
+    s.backward(b"a" * 16, torch.ones(1, 4))  # the round trip here: 2 s
+    s.forward(b"b" * 16, torch.randn(1, 4))  # its driver dies
+    clock.now = 31.0
+    s.forward(b"c" * 16, torch.randn(1, 4))
+    assert s.inflight == 2 and s.dropped == 0  # 29 s: within the floor
+    clock.now = 32.5
+    s.forward(b"d" * 16, torch.randn(1, 4))
+    assert s.dropped == 1  # b: past 30 s and 4 x 2 s
+    with pytest.raises(Rejection) as refused:
+        s.backward(b"b" * 16, torch.ones(1, 4))  # a backward too late fails its micro-batch
+    assert refused.value.code == "unknown"
+
+
 def test_inputs_held_are_bounded_in_bytes_too_and_one_is_always_taken():
     r, _, clock = replica(max_held_bytes=64, inflight_s=10.0)  # two inputs of 2 x 4 fp32
     r.forward(b"a" * 16, torch.randn(2, 4))
@@ -132,7 +166,7 @@ def test_a_replica_admits_a_steps_sequences_and_holds_the_next_forward_until_the
     """Admission by step samples: a forward past the step's sequences (accumulated plus
     in flight) waits for the step, which is on exactly the run's batch, and then runs
     against the new weights."""
-    r, module = stepping(step_samples=4, inflight_s=30.0)
+    r, module = stepping(step_samples=4, inflight_s=30.0, due_wait_s=30.0)
     stepped_on: list[int] = []
     r.before_step = lambda: stepped_on.append(r.samples)
     x = torch.randn(2, 4)
@@ -153,7 +187,7 @@ def test_a_replica_admits_a_steps_sequences_and_holds_the_next_forward_until_the
 
 
 def test_an_abandoned_micro_batch_lets_the_step_and_the_waiting_forward_go_on():
-    r, _ = stepping(step_samples=4, inflight_s=600.0)
+    r, _ = stepping(step_samples=4, inflight_s=600.0, due_wait_s=600.0)
     x = torch.randn(2, 4)
     r.forward(b"a" * 16, x)
     r.forward(b"b" * 16, x)
@@ -170,7 +204,7 @@ def test_an_abandoned_micro_batch_lets_the_step_and_the_waiting_forward_go_on():
 def test_however_many_callers_push_at_once_no_step_is_on_more_than_a_micro_batch_over():
     """Eight callers, micro-batches of 1 to 3 sequences, a step of 6: each step is on 6
     to 8 sequences (admitted while fewer than 6 were), never one caller's worth more."""
-    r, _ = stepping(lr=0.01, step_samples=6, inflight_s=600.0)
+    r, _ = stepping(lr=0.01, step_samples=6, inflight_s=600.0, due_wait_s=600.0)
     stepped_on: list[int] = []
     r.before_step = lambda: stepped_on.append(r.samples)
     failures: list[BaseException] = []

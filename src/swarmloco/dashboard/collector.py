@@ -43,6 +43,7 @@ from swarmloco.net.records import (
 from swarmloco.net.swarm import fetch_manifest
 from swarmloco.net.work import IdentityWork
 from swarmloco.pipeline.load import Vouching, fresh, stage_load
+from swarmloco.pipeline.manifest import stage_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +124,12 @@ async def read_swarm(
         progress_task = group.create_task(dht.get(progress_key(swarm_id), timeout=timeout_s))
         peers_task = group.create_task(dht.get(peers_key(swarm_id), timeout=timeout_s))
         partners_task = group.create_task(dht.get(partners_key(swarm_id), timeout=timeout_s))
-        stages_task = (
-            group.create_task(dht.get(stage_load_key(swarm_id), timeout=timeout_s))
-            if stage_count(manifest)
-            else None
-        )
+        stages_task = stage0_task = None
+        if stage_count(manifest):
+            assert manifest is not None
+            stages_task = group.create_task(dht.get(stage_load_key(swarm_id), timeout=timeout_s))
+            stage0 = stage_manifest(manifest, 0).swarm_id  # its readers say the dataset's epoch
+            stage0_task = group.create_task(dht.get(status_key(stage0), timeout=timeout_s))
     results = [status_task.result(), progress_task.result(), peers_task.result()]
     if all(result.responded == 0 and not result.entries for result in results):
         raise NetworkError(
@@ -142,6 +144,7 @@ async def read_swarm(
         status=_values(results[0]),
         partners=_values(partners_task.result()),
         stage_loads={} if stages_task is None else _values(stages_task.result()),
+        stage_status={} if stage0_task is None else _values(stage0_task.result()),
     )
     if vouching is not None and reading.stage_loads:
         reading = dataclasses.replace(

@@ -100,6 +100,9 @@ class Reading:
     vouched: frozenset[str] | None = None
     """The owners of those records whose servers vouched for them (a ping answered as the
     record's key: pipeline/load.py ``Vouching``); None: not asked, every record shown."""
+    stage_status: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    """A pipelined run's stage-0 ``status`` record values (its swarm's: the stage-0 peers
+    read a pinned dataset and say its epoch there)."""
     error: str = ""
     """Why the poll failed ("" when it did not); the records are then from an earlier poll."""
 
@@ -478,9 +481,19 @@ def build_view(
         ),
         "history": _curves(history),
         "pipeline": _pipeline(reading, history, fresh_s=fresh_s, warnings=warnings),
-        "dataset": _dataset(counted.only(reading.status), now=now, fresh_s=fresh_s),
+        "dataset": _dataset(
+            {**counted.only(reading.status), **_stage_readers(reading)}, now=now, fresh_s=fresh_s
+        ),
         "warnings": warnings[:MAX_WARNINGS],
     }
+
+
+def _stage_readers(reading: Reading) -> dict[str, Mapping[str, Any]]:
+    """A pipelined run's stage-0 status records that count: those of peers whose
+    ``stage-load`` servers vouched for them (all, when vouching was not asked)."""
+    if reading.vouched is None:
+        return dict(reading.stage_status)
+    return {p: v for p, v in reading.stage_status.items() if p in reading.vouched}
 
 
 def _dataset(

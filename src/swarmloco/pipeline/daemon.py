@@ -213,10 +213,13 @@ def train_stage(
         raise SwarmlocoError(f"swarm {manifest.swarm_id} has stages 0 to {pipeline.stages - 1}")
     in_flight = in_flight or pipeline.stages
     driver = DriverConfig() if audit_share is None else DriverConfig(audit_share=audit_share)
-    rebalancer = Rebalancer(
-        rebalance or RebalanceConfig(), pipeline.stages, identity.peer_id_hex, on_event
-    )
     task, model, data, run = run_from_manifest(manifest)
+    # On a pinned dataset stage 0's peers are its readers: they join with the means to
+    # read it and leave at --max-epochs; nobody moves in or out (DESIGN section 10).
+    rebalancer = Rebalancer(
+        rebalance or RebalanceConfig(), pipeline.stages, identity.peer_id_hex, on_event,
+        fixed=frozenset({0}) if data.source == "dataset" else frozenset(),
+    )  # fmt: skip
     asked: list[str] = []  # why a signal asked this peer to stop (it may come mid-move)
     current: list[StagePeer] = []  # the stage peer such a signal stops
 
@@ -325,9 +328,12 @@ class Rebalancer:
         on_event: Callable[[dict[str, Any]], None] | None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        fixed: frozenset[int] = frozenset(),
     ) -> None:
         self.config = config
         self.stages = stages
+        self.fixed = fixed
+        """Stages nobody moves into or out of (``choose_move``)."""
         self.me = me
         self.on_event = on_event
         self.clock = clock
@@ -376,7 +382,10 @@ class Rebalancer:
         # only such keys claim is empty to it, and draws a replica.
         unserving = peer.unserving()
         loads = [x for x in peer.read_loads() if x.stage == 0 or x.endpoint not in unserving]
-        move = choose_move(loads, self.stages, me=self.me, epoch=int(epoch), gap=self.config.gap)
+        move = choose_move(
+            loads, self.stages, me=self.me, epoch=int(epoch), gap=self.config.gap,
+            fixed=self.fixed,
+        )  # fmt: skip
         busy = self._busy_share(peer)
         since = None if self._moved_at is None else self.clock() - self._moved_at
         held = since is not None and since < self.config.hold_s and move.to is not None

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from swarmloco.core.manifest import SwarmManifest
-from swarmloco.core.runspec import RunSpec
 from swarmloco.core.signature import LayerUnit, ModelSignature, default_layer_unit, signature_of
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.records import MAX_STAGES
-from swarmloco.runtime.api import run_manifest
+
+if TYPE_CHECKING:  # (the manifest is read without torch: the dashboard reads it)
+    from torch import nn
+
+    from swarmloco.core.runspec import RunSpec
 
 ENCODINGS = ("int8", "bf16", "f32")
 """How activations and their gradients may travel between stages."""
@@ -61,6 +62,8 @@ def pipeline_manifest(
     """The manifest of a run of ``stages`` (each as every peer builds it: its weights now
     are its initial ones), each stage averaged by the DiLoCo of ``spec``, whose rounds
     overlap the steps (``spec.delay`` >= 1)."""
+    from swarmloco.runtime.api import run_manifest
+
     signatures = stage_signatures(spec, stages, layer_unit)
     # The run's own signature is its first stage's (what a tool that knows nothing of
     # pipelines reads); the stages' are under "pipeline".

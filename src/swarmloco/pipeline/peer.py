@@ -187,6 +187,8 @@ class StagePeer:
         if self.feed is not None:
             self.feed.attach()
         kept = Kept.fresh(self.config, self.identity.peer_id_hex, self.emit)
+        if self.reader is not None:  # its epoch in its status record, as a reader's
+            kept.sheet.data = self.reader.progress
         peer = Peer(
             self.manifest,
             trainee,

@@ -144,9 +144,17 @@ def mover_key(peer: str, epoch: int) -> bytes:
 
 
 def choose_move(
-    loads: Iterable[StageLoad], stages: int, *, me: str, epoch: int, gap: float
+    loads: Iterable[StageLoad],
+    stages: int,
+    *,
+    me: str,
+    epoch: int,
+    gap: float,
+    fixed: frozenset[int] = frozenset(),
 ) -> Move:
-    """Whether peer ``me`` should move now, and to which stage (see the module)."""
+    """Whether peer ``me`` should move now, and to which stage (see the module).
+    ``fixed``: stages nobody moves into or out of (stage 0 of a run on a pinned dataset:
+    its peers are the dataset's readers)."""
     loads = list(loads)
     pools = stage_view(loads, stages)
     t = throughputs(pools)
@@ -160,8 +168,11 @@ def choose_move(
         if me in latest(loads):
             return Move(None, "this peer's record is not counted at its stage", *seen)
         return Move(None, "this peer's record is not read yet", *seen)
-    target = min(range(stages), key=lambda k: (t[k], len(pools[k]), -k))
-    source = max(range(stages), key=lambda k: (t[k], len(pools[k]), -k))
+    if mine.stage in fixed:
+        return Move(None, f"stage {mine.stage}'s peers stay (they read the run's dataset)", *seen)
+    movable = [k for k in range(stages) if k not in fixed]
+    target = min(movable, key=lambda k: (t[k], len(pools[k]), -k))
+    source = max(movable, key=lambda k: (t[k], len(pools[k]), -k))
     empty = not pools[target]
     measured = [x.rate for x in pools[target] if x.rate > 0]
     if len(measured) < len(pools[target]):

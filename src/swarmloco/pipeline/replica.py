@@ -13,8 +13,9 @@ steps once it has accumulated that many sequences, at the backward that leaves n
 micro-batch in flight; it admits a forward only while the sequences accumulated and in
 flight are fewer than that (so a step is on the run's batch, however many micro-batches
 its drivers push at once), and forwards past it, or that come while the step is due,
-wait for the step (at most ``inflight_s``, the time in-flight micro-batches take to come
-back or expire), so the weights never change under a micro-batch. An *owned* replica
+wait for the step (at most ``due_wait_s``, then refused as busy: the micro-batches in
+flight come back, or expire after ``inflight_s``), so the weights never change under a
+micro-batch. An *owned* replica
 leaves the due step to its owner's thread instead (:meth:`StageReplica.take_step`, then
 :meth:`StageReplica.release`): a stage peer runs its DiLoCo rounds between the two while
 forwards wait, so a round's outer step never lands under a micro-batch either. A retried
@@ -48,6 +49,8 @@ computing) is logged with where its time went: a driver's deadline is tens of se
 RATE_WARMUP = 4
 """A replica's first micro-batches are not in its rate: a peer that just joined or moved
 warms up (allocations, caches) slower than it will run."""
+TRIPS_KEPT = 64
+"""Micro-batches whose time from forward to backward a replica keeps (``inflight_floor_s``)."""
 RATE_SETTLE = 8
 """Micro-batches counted before a replica's rate is said at all (0 until then)."""
 
@@ -60,12 +63,29 @@ class ReplicaConfig:
     """Bytes of those inputs (in host memory) a replica holds at most; a micro-batch more
     is refused as busy (one is always taken when none is held)."""
     inflight_s: float = 120.0
-    """A micro-batch whose backward has not come by then is dropped (its driver gave up)."""
+    """A micro-batch whose backward has not come by then is dropped (its driver gave up,
+    or died): the most a replica waits for one."""
+    inflight_floor_s: float = 30.0
+    """Before ``inflight_s``, a micro-batch is dropped once it has waited longer than this
+    and four times the longest any of the last micro-batches took from forward to
+    backward here: a driver that died (SIGKILL, a lost machine) can abandon nothing, and
+    its micro-batches held here would otherwise keep a step from being taken, and every
+    other driver's forwards out, for ``inflight_s`` (found 2026-12-07: stage 1's one
+    replica stalled the pipeline 2 minutes after each kill of a stage-0 peer). One dropped
+    too early fails its micro-batch at its backward (its sequences are read again)."""
     kept_results: int = 64
     """Backward results kept to answer a retried call again."""
     step_samples: int = 0
     """Sequences accumulated before the replica steps its optimizer (0: the owner calls
     :meth:`StageReplica.step` itself)."""
+    due_wait_s: float = 10.0
+    """A forward that finds a step due, or the step's sequences all admitted, waits this
+    long at most for the step (the micro-batches in flight to come back, or expire), then
+    is refused as busy: its driver pauses and tries again within its hop's deadline
+    (``DriverConfig.hop_timeout_s``, 30 s), shunning nobody. Waiting longer, past that
+    deadline, had the driver shun the replica as failed (doubling up to an hour): the one
+    replica of a stage holding micro-batches of a driver that died (they expire only
+    after ``inflight_s``) stalled the pipeline for many minutes."""
     hold_wait_s: float = 2.0
     """An owned replica's owner holds it (a round between its steps): a forward waits
     this long at most, then is refused as busy, and its driver draws another replica
@@ -75,7 +95,9 @@ class ReplicaConfig:
         require_int("max_inflight", self.max_inflight, minimum=1)
         require_int("max_held_bytes", self.max_held_bytes, minimum=1)
         require_positive("inflight_s", self.inflight_s)
+        require_positive("inflight_floor_s", self.inflight_floor_s)
         require_positive("hold_wait_s", self.hold_wait_s)
+        require_positive("due_wait_s", self.due_wait_s)
         require_int("kept_results", self.kept_results, minimum=1)
         require_int("step_samples", self.step_samples, minimum=0)
 
@@ -158,6 +180,8 @@ class StageReplica:
         computes: False refuses the micro-batch as ``withdrawn``. Stage 0 on a pinned
         dataset withdraws one whose sequences landed meanwhile (a state it took holds them)."""
         self._accumulated: list[bytes] = []  # the names of the micro-batches in the accumulator
+        self._trips: collections.deque[float] = collections.deque(maxlen=TRIPS_KEPT)
+        """Seconds the last micro-batches took here from forward to backward."""
         self.loss = float("nan")
         """The last loss this replica computed (the last stage's forward)."""
         self.rate = Rate(warmup=RATE_WARMUP, settle=RATE_SETTLE)
@@ -355,6 +379,7 @@ class StageReplica:
             held = self._pop(micro_batch)
             if held is None:
                 raise Rejection("unknown", "no forward of that micro-batch is held here")
+            self._trips.append(self.clock() - held.at)
             x = held.input.to(self.device)
             if not self.first:
                 x = x.detach().requires_grad_(True)
@@ -539,8 +564,8 @@ class StageReplica:
     def _wait_for_a_due_step(self) -> None:
         """While a step is due, or the step's sequences are all admitted already, wait for
         the micro-batches in flight to come back (or expire) and the step to be taken;
-        refuse as busy past ``inflight_s``."""
-        deadline = self.clock() + self.config.inflight_s
+        refuse as busy past ``due_wait_s``."""
+        deadline = self.clock() + min(self.config.due_wait_s, self.config.inflight_s)
         held_until = self.clock() + self.config.hold_wait_s
         self._expire()
         self.waiting += 1
@@ -562,7 +587,10 @@ class StageReplica:
             self.waiting -= 1
 
     def _expire(self) -> None:
-        limit = self.clock() - self.config.inflight_s
+        wait = self.config.inflight_s
+        if self._trips:  # (none measured yet: the most)
+            wait = min(wait, max(self.config.inflight_floor_s, 4.0 * max(self._trips)))
+        limit = self.clock() - wait
         while self._held:
             name, held = next(iter(self._held.items()))
             if held.at > limit:
