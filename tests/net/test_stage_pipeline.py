@@ -155,6 +155,14 @@ def test_two_stages_of_two_peers_drive_micro_batches_and_average_each_stage(tmp_
             for p in peers:
                 sizes = p.step_sizes  # type: ignore[attr-defined]
                 assert sizes and max(sizes) <= 2 * MICRO, (p.stage, sizes)
+                # A step's tokens, as its records say them: a step is 2 x MICRO sequences
+                # (before, a stage peer said 1 token a step before its first of a round,
+                # and counted a token a step in its status record).
+                assert p.peer is not None
+                step_tokens = 2 * MICRO * GPT.seq_len
+                assert p.peer.status_value()["tokens"] == p.peer.kept.progress.steps * step_tokens
+                if not p.peer.kept.progress.steps_since_round:
+                    assert p.peer.progress_value()["step_tokens"] == step_tokens
     for stage in ((a1, a2), (b1, b2)):
         together = {}
         for peer in stage:

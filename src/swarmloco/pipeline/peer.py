@@ -116,7 +116,11 @@ class StagePeer:
         self.stages = pipeline.stages
         self.manifest = stage_manifest(run, stage)
         self.work = work
-        self.config = dataclasses.replace(config, hook=False)
+        # A step's tokens are what it trained (``hook.stepped``); the config's say a step's
+        # before one is taken (a progress record's claim, the status record's count).
+        self.config = dataclasses.replace(
+            config, hook=False, tokens_per_step=work.step_samples * work.tokens_per_sequence
+        )
         self.identity = identity or Identity.load_or_create(config.directory)
         self.on_event = on_event
         self.load_interval_s = load_interval_s
