@@ -184,6 +184,39 @@ async def test_a_pipelined_runs_state_shows_its_stages():
     assert pipeline["moves"] == 0 and view["warnings"] == []
 
 
+async def test_a_pipelined_run_on_a_dataset_shows_the_epoch_its_stage_0_readers_say():
+    """The stage-0 peers of a pipelined run on a pinned dataset say its epoch in their
+    stage's status records (its swarm's, not the run's): the run's view reads them, from
+    the peers whose ``stage-load`` servers vouch for them."""
+    from swarmloco.core.runspec import RunSpec
+    from swarmloco.pipeline.manifest import pipeline_manifest, stage_manifest
+    from swarmloco.pipeline.stages import gpt_stages
+    from swarmloco.train.spec import GPTConfig
+
+    gpt = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
+    run = pipeline_manifest(
+        RunSpec(sync_every=4, delay=1), gpt_stages(gpt, 2, seed=0),
+        creator=Identity.generate().public_key.hex(), task="gpt-bytes", identity_work=0,
+        data={"source": "dataset", "dataset": "ab" * 20},
+    )  # fmt: skip
+    readers = stage_manifest(run, 0).swarm_id
+    async with loopback_network(3) as nodes:
+        await publish_manifest(nodes[0].dht, run)
+        for node, landed in zip(nodes[:2], (100, 300), strict=True):
+            data = {"epoch": 0, "landed": landed, "sequences": 462, "leased": 2, "done": 3,
+                    "shards": 11}  # fmt: skip
+            value = status_value("reader", round=2, tokens=4096, loss=2.0) | {"data": data}
+            await node.dht.store(status_key(readers), value, ttl=120)
+            load = {"rate": 10.0, "queue": 0, "free": 6}
+            await publish_load(node.dht, run.swarm_id, stage=0, endpoint=node.endpoint, load=load)
+        async with dashboard(nodes[0].endpoint, manifest=run) as (collector, url, http):
+            await collector.poll()
+            async with http.get(url + "api/v1/state") as response:
+                view = await response.json()
+    assert view["dataset"] is not None, view
+    assert view["dataset"]["landed"] == 300 and view["dataset"]["readers"] == 2, view["dataset"]
+
+
 async def test_a_pipelined_runs_pools_count_only_the_records_their_servers_vouch_for():
     """Forty strangers' keys claim stage 1, each at an address of its own network: two at
     an honest stage peer's address (whose server answers as itself), the rest where nothing

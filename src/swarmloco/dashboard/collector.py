@@ -29,7 +29,7 @@ from swarmloco.dashboard.view import (
     roster,
     stage_count,
 )
-from swarmloco.errors import ManifestError, NetworkError
+from swarmloco.errors import ManifestError, NetworkError, SwarmlocoError
 from swarmloco.net.admission import Admission
 from swarmloco.net.dht.node import DHTNode, GetResult
 from swarmloco.net.records import (
@@ -126,9 +126,9 @@ async def read_swarm(
         partners_task = group.create_task(dht.get(partners_key(swarm_id), timeout=timeout_s))
         stages_task = stage0_task = None
         if stage_count(manifest):
-            assert manifest is not None
             stages_task = group.create_task(dht.get(stage_load_key(swarm_id), timeout=timeout_s))
-            stage0 = stage_manifest(manifest, 0).swarm_id  # its readers say the dataset's epoch
+        stage0 = _readers_swarm(manifest)
+        if stage0 is not None:  # a pipelined run's readers say the dataset's epoch there
             stage0_task = group.create_task(dht.get(status_key(stage0), timeout=timeout_s))
     results = [status_task.result(), progress_task.result(), peers_task.result()]
     if all(result.responded == 0 and not result.entries for result in results):
@@ -157,6 +157,18 @@ async def read_swarm(
     found = await dht.get(digest_key(swarm_id, round_now), timeout=timeout_s)
     digests = {subkey: entry.value["digest"] for subkey, entry in found.entries.items()}
     return dataclasses.replace(reading, digest_round=round_now, digests=digests)
+
+
+def _readers_swarm(manifest: SwarmManifest | None) -> str | None:
+    """The swarm of a pipelined run's stage 0, when the run is on a pinned dataset (its
+    peers read it, and say its epoch in their status records); None otherwise, or when
+    the manifest's stages cannot be read (the stages' pools say so)."""
+    if manifest is None or not stage_count(manifest) or manifest.data.get("source") != "dataset":
+        return None
+    try:
+        return stage_manifest(manifest, 0).swarm_id
+    except SwarmlocoError:
+        return None
 
 
 async def _vouched(reading: Reading, vouching: Vouching, *, fresh_s: float) -> frozenset[str]:
