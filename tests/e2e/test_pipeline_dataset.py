@@ -54,9 +54,10 @@ def test_two_stage_0_peers_lease_a_dataset_and_stage_0_lands_every_sequence_once
     covers = {n: last_landed(tmp_path / n)[1].coverage(counts, epoch=0) for n in "ab"}
     assert all(c.duplicated == 0 for c in covers.values()), covers
     assert any((c.landed, c.missing) == (sum(counts), 0) for c in covers.values()), covers
-    # Both read: each one's own landings are in the account of the run.
-    for p in (a, b):
-        assert p.of("round") and any(e["group"] == 2 for e in p.of("round")), p.events
+    # Both averaged: the two together before the kill, the restarted one after it (alone,
+    # or with the other if it was still reading: the run's timing decides).
+    assert any(e["group"] == 2 for e in a.of("round")), a.events
+    assert b.of("round"), b.events
     # The peer with no copy fetched the evaluation's shards and each shard it leased, no
     # other (from the peer that has one: there is no mirror).
     log = "".join(killed.log) + "".join(b.log)
