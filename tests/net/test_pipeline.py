@@ -361,7 +361,10 @@ async def test_a_micro_batch_that_fails_later_on_is_dropped_at_once_where_it_was
     assert services[1][0].refused["not-finite"] == 1
 
 
-async def test_hostile_activations_and_calls_are_refused_and_counted():
+async def test_hostile_activations_and_calls_are_refused_and_counted(
+    caplog: pytest.LogCaptureFixture,
+):
+    caplog.set_level(logging.WARNING, logger="swarmloco.pipeline")
     local, remote = gpt_stages(CONFIG, 2, seed=4)
     service = service_of(remote, 1, 2, "int8")
     first = StageReplica(local, first=True, last=False)
@@ -418,6 +421,10 @@ async def test_hostile_activations_and_calls_are_refused_and_counted():
         "unknown": 1,
     }
     assert sum(service.rejections.counts.values()) == 9
+    # The log names the caller as its connection came (its source network keys the
+    # log's rate limit), not as a call made in the process.
+    lines = [r.getMessage() for r in caplog.records if "rejected input" in r.getMessage()]
+    assert lines and all(line.startswith("rejected input from ipv4:127.0.0.1:") for line in lines)
 
 
 class Slowed(torch.nn.Module):
