@@ -92,6 +92,41 @@ def test_a_dead_drivers_micro_batch_is_dropped_once_it_waited_far_longer_than_an
     assert refused.value.code == "unknown"
 
 
+def test_a_sessions_end_drops_its_inputs_at_once_and_what_they_held_back_goes_on():
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    clock = Clock()  # never moves: nothing expires here
+    config = ReplicaConfig(step_samples=2)
+    r = StageReplica(module, first=False, last=False, config=config, optimizer=opt, clock=clock)
+    alive, dead = b"L" * 16, b"D" * 16
+    assert r.open_session(alive) and r.open_session(dead) and r.sessions == 2
+    assert not r.open_session(dead) and not r.open_session(b"")  # one of a name at a time
+    r.forward(b"a" * 16, torch.randn(1, 4), session=dead)  # its driver dies before the backward
+    r.forward(b"b" * 16, torch.randn(1, 4), session=alive)
+    r.backward(b"b" * 16, torch.ones(1, 4))
+    # The step's two sequences are b's and a's: a forward more waits for a, which never comes.
+    came: list[torch.Tensor] = []
+    waiting = threading.Thread(
+        target=lambda: came.append(r.forward(b"c" * 16, torch.randn(1, 4), session=alive))
+    )
+    waiting.start()
+    assert r.end_session(dead) == 1 and r.orphaned == 1 and r.dropped == 0
+    waiting.join(timeout=60)
+    assert len(came) == 1 and r.inflight == 1  # c came in: a's place was free at once
+    r.backward(b"c" * 16, torch.ones(1, 4))
+    assert r.steps == 1  # on b and c
+    with pytest.raises(Rejection) as refused:
+        r.backward(b"a" * 16, torch.ones(1, 4))
+    assert refused.value.code == "unknown"
+    # A forward naming a session that ended (or was never open here) is not held.
+    with pytest.raises(Rejection, match="session") as refused:
+        r.forward(b"d" * 16, torch.randn(1, 4), session=dead)
+    assert refused.value.code == "busy" and r.sessions == 1
+    r.forward(b"e" * 16, torch.randn(1, 4))
+    assert r.end_session(alive) == 0 and r.inflight == 1  # e named no session: kept
+
+
 def test_inputs_held_are_bounded_in_bytes_too_and_one_is_always_taken():
     r, _, clock = replica(max_held_bytes=64, inflight_s=10.0)  # two inputs of 2 x 4 fp32
     r.forward(b"a" * 16, torch.randn(2, 4))

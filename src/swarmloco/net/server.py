@@ -188,6 +188,11 @@ class ServerConfig:
     own: however many there are, they take no slot of other calls."""
     max_long_calls_per_network: int = 4
     """Long-lived calls open at once from one source network."""
+    max_sessions: int = 256
+    """Sessions (:data:`SESSION_CALLS`: a pipeline driver's with a stage replica) open at
+    once, on a budget of their own: they take no slot of other calls."""
+    max_sessions_per_network: int = 32
+    """Sessions open at once from one source network."""
     reserved_rpcs: int = 128
     """Calls held at once for the hosts of the group this peer averages with now (named
     by the averaging layer, :meth:`CallSlots.reserve`); a stranger never gets these.
@@ -229,6 +234,8 @@ class ServerConfig:
         require_int("max_rpcs_per_network", self.max_rpcs_per_network, minimum=1)
         require_int("max_long_calls", self.max_long_calls, minimum=1)
         require_int("max_long_calls_per_network", self.max_long_calls_per_network, minimum=1)
+        require_int("max_sessions", self.max_sessions, minimum=1)
+        require_int("max_sessions_per_network", self.max_sessions_per_network, minimum=1)
         require_int("reserved_rpcs", self.reserved_rpcs, minimum=0)
         for name in (
             "handshake_timeout_s",
@@ -286,6 +293,10 @@ LONG_CALLS = frozenset(
     }
 )
 """Calls that stay open as long as the caller likes without doing this peer's work."""
+SESSION_CALLS = frozenset({"/swarmloco.v1.Stage/Session"})
+"""Calls a caller keeps open while it works with this peer, doing no work themselves: a
+pipeline driver's session with a stage replica (its end tells the replica the driver is
+gone, docs/DESIGN.md section 10)."""
 
 
 class Pool(enum.Enum):
@@ -297,6 +308,8 @@ class Pool(enum.Enum):
     """Long-lived calls (:data:`LONG_CALLS`), per source network and in all."""
     RESERVED = "reserved"
     """Calls from the hosts of the group this peer averages with now, counted per host."""
+    SESSION = "session"
+    """Sessions (:data:`SESSION_CALLS`), per source network and in all."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,11 +380,23 @@ class CallSlots:
         until = self._reserved.get(canonical_host(host))
         return until is not None and until > self._clock()
 
-    def take(self, host: str, *, long: bool) -> Slot:
-        """A slot for a call from ``host`` (``long``: one of :data:`LONG_CALLS`), or a
-        :class:`Rejection` naming the limit it hit."""
+    def take(self, host: str, *, long: bool, session: bool = False) -> Slot:
+        """A slot for a call from ``host`` (``long``: one of :data:`LONG_CALLS`;
+        ``session``: one of :data:`SESSION_CALLS`), or a :class:`Rejection` naming the
+        limit it hit."""
         config = self.config
         network = source_network(host)
+        if session:
+            if self._held[Pool.SESSION][network] >= config.max_sessions_per_network:
+                raise Rejection(
+                    "too-many-sessions",
+                    f"{config.max_sessions_per_network} sessions from {network} are open already",
+                )
+            if self.in_use(Pool.SESSION) >= config.max_sessions:
+                raise Rejection(
+                    "too-many-sessions", f"this peer holds {config.max_sessions} sessions already"
+                )
+            return self._hold(Pool.SESSION, network)
         if long:
             if self._held[Pool.LONG][network] >= config.max_long_calls_per_network:
                 raise Rejection(
@@ -432,26 +457,31 @@ class SlotLimit(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         long = details.method in LONG_CALLS
+        session = details.method in SESSION_CALLS
         kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
         kind = next(k for k in kinds if getattr(handler, k) is not None)
-        limited = self._limited(getattr(handler, kind), long=long)
+        limited = self._limited(getattr(handler, kind), long=long, session=session)
         return handler._replace(**{kind: limited})  # type: ignore[attr-defined]
 
-    def _enter(self, context: grpc.aio.ServicerContext, *, long: bool) -> Slot | Rejection:
+    def _enter(
+        self, context: grpc.aio.ServicerContext, *, long: bool, session: bool
+    ) -> Slot | Rejection:
         host = host_of_grpc_peer(context.peer())
         try:
-            return self.slots.take(host, long=long)
+            return self.slots.take(host, long=long, session=session)
         except Rejection as rejection:
             # Logged once per source network and reason: a flood from one network is
             # one line every few seconds, however many addresses it calls from.
             self._rejections.record(rejection, source_network(host))
             return rejection
 
-    def _limited(self, behaviour: Callable[..., Any], *, long: bool) -> Callable[..., Any]:
+    def _limited(
+        self, behaviour: Callable[..., Any], *, long: bool, session: bool
+    ) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behaviour):
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                slot = self._enter(context, long=long)
+                slot = self._enter(context, long=long, session=session)
                 if isinstance(slot, Rejection):
                     refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, _refusal(slot))
                     return
@@ -464,7 +494,7 @@ class SlotLimit(grpc.aio.ServerInterceptor):
             return stream
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            slot = self._enter(context, long=long)
+            slot = self._enter(context, long=long, session=session)
             if isinstance(slot, Rejection):
                 # Not context.abort: its exception would keep the request (up to the
                 # message limit) alive in a reference cycle (see ``refuse``).
@@ -609,6 +639,8 @@ class PeerServer:
         await self._health.enter_graceful_shutdown()
         # The grace is for our calls in flight. With none, grpc still waits all of it while
         # other peers hold connections open (2 s of every peer's exit, measured). Long
-        # calls do no work to finish: a stranger's Watch must not delay every exit.
-        working = self.slots.in_flight - self.slots.in_use(Pool.LONG)
+        # calls and sessions do no work to finish: a stranger's Watch must not delay every
+        # exit.
+        idle = self.slots.in_use(Pool.LONG) + self.slots.in_use(Pool.SESSION)
+        working = self.slots.in_flight - idle
         await server.stop(self.config.grace_s if working else 0)

@@ -23,7 +23,10 @@ plus the micro-batches its record says it holds. No replica's weight falls below
 the answers each later stage gave (``audit_share``) is computed again by another replica of
 the stage once the micro-batch is through, and a replica judged wrong twice by three
 answers is not drawn for ``distrust_s`` (``audit.py``; ``docs/DESIGN.md`` section 10,
-"Audits").
+"Audits"). The driver holds a session (``Session``, a call it keeps open) with each
+replica it sends forwards to and names it in them: when this process dies its
+connections close, the sessions end, and the replicas drop its micro-batches' inputs at
+once instead of at their deadline.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+import grpc
 import torch
 
 from swarmloco.core.config import require_fraction, require_int, require_positive
@@ -54,6 +58,8 @@ from swarmloco.pipeline.service import (
     BACKWARD,
     FORWARD,
     MICRO_BATCH_BYTES,
+    SESSION,
+    SESSION_BYTES,
     CallPools,
 )
 from swarmloco.pipeline.wire import Boundary, pack, unpack
@@ -66,6 +72,8 @@ BUSY_PAUSE_S = 0.1
 MAX_BUSY_PAUSE_S = 1.0
 EXPLORE = 0.1
 """The least weight a replica is drawn with, as a share of the best replica's."""
+SESSION_RETRY_S = 30.0
+"""A replica whose session ended (refused, or broken) is asked for a new one no sooner."""
 
 
 def micro_batch_name() -> bytes:
@@ -80,6 +88,17 @@ class PipelineError(SwarmlocoError):
 class Withdrawn(PipelineError):
     """Stage 0 withdrew the micro-batch before its own forward (its sequences landed in
     the state meanwhile): nothing of it trained anywhere."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Session:
+    """A session with one replica: its name, and whether the replica said it is open."""
+
+    stage: int
+    name: bytes = dataclasses.field(default_factory=lambda: os.urandom(SESSION_BYTES))
+    open: bool = False
+    task: asyncio.Task[None] | None = None
+    ended_at: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -214,13 +233,69 @@ class Driver:
         self.strikes: collections.Counter[str] = collections.Counter()
         """Audits each replica was judged wrong in since it last agreed in one."""
         self._auditing: set[asyncio.Task[None]] = set()
+        self._sessions: dict[str, _Session] = {}
+        """This driver's session with each replica it sent forwards to, by endpoint."""
 
     def close(self) -> None:
-        """Stop its worker threads and its audits (its peer leaves; any thread)."""
+        """Stop its worker threads, its audits and its sessions (its peer leaves; any
+        thread)."""
         self._own.close()
-        for task in list(self._auditing):
+        sessions = [s.task for s in list(self._sessions.values()) if s.task is not None]
+        for task in [*list(self._auditing), *sessions]:
             with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs
                 task.get_loop().call_soon_threadsafe(task.cancel)
+
+    @property
+    def sessions(self) -> int:
+        """Sessions the replicas said are open now."""
+        return sum(1 for s in list(self._sessions.values()) if s.open)
+
+    def _session(self, endpoint: str, stage: int) -> bytes:
+        """The name of this driver's session open at ``endpoint`` (b"": none open yet; one
+        is asked for, unless one ended there within ``SESSION_RETRY_S``)."""
+        session = self._sessions.get(endpoint)
+        if session is not None and session.stage != stage:  # the replica moved
+            self._end_session(endpoint)
+            session = None
+        if session is None or (
+            session.task is None
+            and (session.ended_at is None or time.monotonic() - session.ended_at >= SESSION_RETRY_S)
+        ):
+            session = self._sessions[endpoint] = _Session(stage)
+            session.task = asyncio.get_running_loop().create_task(
+                self._hold_session(endpoint, session)
+            )
+        return session.name if session.open else b""
+
+    def _end_session(self, endpoint: str) -> None:
+        session = self._sessions.pop(endpoint, None)
+        if session is not None and session.task is not None:
+            session.task.cancel()
+
+    async def _hold_session(self, endpoint: str, session: _Session) -> None:
+        """Open the session and keep it open until the replica or this driver ends it."""
+        request = pb.SessionRequest(
+            swarm_id=self.swarm_id, stage=session.stage, session=session.name
+        )
+        try:
+            channel = await self.client.open(endpoint, self.config.hop_timeout_s)
+            with self.client.holding(channel):  # no await since open: the cache keeps it
+                call = channel.unary_stream(
+                    SESSION.path,
+                    request_serializer=pb.SessionRequest.SerializeToString,
+                    response_deserializer=pb.SessionEvent.FromString,
+                )(request)
+                async for event in call:
+                    session.open = event.open
+                    if not event.open:  # refused (the replica holds too many, say)
+                        call.cancel()
+                        break
+        except (RpcError, grpc.RpcError):
+            pass  # gone, or never there: forwards go without a session
+        finally:
+            session.open = False
+            session.task = None
+            session.ended_at = time.monotonic()
 
     def update(self, loads: Sequence[StageLoad]) -> None:
         """Draw from the replicas of these (fresh) records from now on: each later stage's,
@@ -242,6 +317,9 @@ class Driver:
         for k, endpoints in enumerate(said):
             if endpoints:
                 self.replicas[k] = self._capped(endpoints, self.replicas[k])
+        drawn = {e for replicas in self.replicas for e in replicas}
+        for endpoint in [e for e in self._sessions if e not in drawn]:
+            self._end_session(endpoint)  # not drawn from any more (it left, or moved)
         # The claims of the replicas drawn from, no others (records come and go).
         self.stats.claims = {
             e: claims.get(e) or self.stats.claims[e]
@@ -431,6 +509,7 @@ class Driver:
             started = time.monotonic()
             self.stats.busy[endpoint] += 1
             try:
+                request.session = self._session(endpoint, stage)
                 answer = await self._call(endpoint, FORWARD, request)
                 if answer.WhichOneof("outcome") == "refused":
                     raise Rejection(answer.refused.code, answer.refused.reason)
@@ -446,6 +525,7 @@ class Driver:
                     # not drawn for this one until a record says so again, still for its own.
                     if endpoint in self.replicas[stage - 1]:
                         self.replicas[stage - 1].remove(endpoint)
+                    self._end_session(endpoint)
                 else:
                     self._shun(endpoint)
                 if isinstance(exc, RpcError):  # past its deadline, it may hold it still

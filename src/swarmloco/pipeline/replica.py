@@ -109,6 +109,7 @@ class _Held:
     rng: tuple[torch.Tensor, torch.Tensor | None]  # the CPU's generator, the GPU's
     at: float
     seconds: float  # its forward's compute
+    session: bytes = b""  # its driver's session here (b"": none)
 
 
 class StageReplica:
@@ -156,6 +157,10 @@ class StageReplica:
         """Their sequences."""
         self.dropped = 0
         """Micro-batches dropped at their deadline (their backward never came)."""
+        self.orphaned = 0
+        """Micro-batches dropped when their driver's session ended (it died, or left)."""
+        self._sessions: set[bytes] = set()  # the drivers' sessions open here
+        self._sessions_lock = threading.Lock()  # never held across a compute
         self.steps = 0
         """Optimizer steps this replica took on its own."""
         self.skipped = 0
@@ -238,9 +243,12 @@ class StageReplica:
         targets: torch.Tensor | None = None,
         *,
         seed: int = 0,
+        session: bytes = b"",
     ) -> torch.Tensor:
         """The stage's output for ``x`` (the loss, at the last stage, with ``targets``);
-        its randomness (dropout) drawn from ``seed`` (0: the replica's own generator)."""
+        its randomness (dropout) drawn from ``seed`` (0: the replica's own generator).
+        ``session``: its driver's session here (:meth:`open_session`); its input is
+        dropped when that session ends (one not open now: refused as busy)."""
         if self.last and targets is None:
             raise Rejection("malformed", "the last stage needs the targets")
         arrived = time.perf_counter()
@@ -253,6 +261,9 @@ class StageReplica:
             stepped = time.perf_counter()
             if micro_batch in self._held or micro_batch in self._results:
                 raise Rejection("malformed", "a micro-batch of that name came before")
+            if session and not self._session_open(session):
+                # It ended (its driver died, or its connection broke): nobody would come back.
+                raise Rejection("busy", "the session it names is not open here")
             if self.admits is not None and not self.admits(micro_batch):
                 raise Rejection("withdrawn", "its sequences landed meanwhile")
             if len(self._held) >= self.config.max_inflight:
@@ -268,7 +279,7 @@ class StageReplica:
             del on_device  # the card keeps nothing of a micro-batch between its two calls
             seconds = time.perf_counter() - started
             self.busy_s += seconds
-            self._hold(micro_batch, _Held(x, targets, rng, self.clock(), seconds))
+            self._hold(micro_batch, _Held(x, targets, rng, self.clock(), seconds, session))
             if self.last:
                 self.loss = float(out)
         self._note_slow(
@@ -453,6 +464,47 @@ class StageReplica:
         with self._lock:
             self._abandon(micro_batch)
             return micro_batch in self._accumulated
+
+    def open_session(self, session: bytes) -> bool:
+        """A driver's session opens here: the inputs its forwards name it with are dropped
+        when it ends. False: one of that name is open already. Never waits for a compute
+        (the event loop calls it)."""
+        with self._sessions_lock:
+            if not session or session in self._sessions:
+                return False
+            self._sessions.add(session)
+            return True
+
+    def _session_open(self, session: bytes) -> bool:
+        with self._sessions_lock:
+            return session in self._sessions
+
+    def close_session(self, session: bytes) -> None:
+        """A driver's session is no longer open: forwards naming it from now on are held
+        as without one (:meth:`end_session` then drops those held). Never waits."""
+        with self._sessions_lock:
+            self._sessions.discard(session)
+
+    def end_session(self, session: bytes) -> int:
+        """A driver's session ended (its call ended: the driver died or left): drop the
+        inputs of its micro-batches held here now (a step they held back may be taken).
+        Returns how many."""
+        if not session:
+            return 0
+        self.close_session(session)
+        with self._lock:
+            names = [name for name, held in self._held.items() if held.session == session]
+            for name in names:
+                self._pop(name)
+            if names:
+                self.orphaned += len(names)
+                self._lock.notify_all()
+            return len(names)
+
+    @property
+    def sessions(self) -> int:
+        """Drivers' sessions open here now."""
+        return len(self._sessions)
 
     def _abandon(self, micro_batch: bytes) -> bool:
         held = self._pop(micro_batch) is not None

@@ -15,11 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import grpc
 import torch
 
 from swarmloco.net.client import Method
 from swarmloco.net.rejections import Rejection, RejectionLog
-from swarmloco.net.server import Service, unary_service
+from swarmloco.net.server import Service, decoder, unary_method_handlers
 from swarmloco.pipeline import replica as replica_module
 from swarmloco.pipeline.replica import StageReplica
 from swarmloco.pipeline.wire import Boundary, pack, unpack
@@ -30,7 +31,9 @@ FORWARD = Method(f"/{SERVICE_NAME}/Forward", pb.ForwardRequest, pb.ForwardRespon
 BACKWARD = Method(f"/{SERVICE_NAME}/Backward", pb.BackwardRequest, pb.BackwardResponse)
 ABANDON = Method(f"/{SERVICE_NAME}/Abandon", pb.AbandonRequest, pb.AbandonResponse)
 AUDIT = Method(f"/{SERVICE_NAME}/Audit", pb.AuditRequest, pb.AuditResponse)
+SESSION = Method(f"/{SERVICE_NAME}/Session", pb.SessionRequest, pb.SessionEvent)
 MICRO_BATCH_BYTES = 16
+SESSION_BYTES = 16
 FORWARD_THREADS = 32
 """Forwards computed or waiting for a due step at once; more wait for a thread."""
 BACKWARD_THREADS = 2
@@ -121,8 +124,7 @@ class StageService:
         return sum(n for code, n in list(self.refused.items()) if code != "busy")
 
     def service(self) -> Service:
-        return unary_service(
-            SERVICE_NAME,
+        handlers = unary_method_handlers(
             {
                 "Forward": (pb.ForwardRequest, self.forward),
                 "Backward": (pb.BackwardRequest, self.backward),
@@ -131,6 +133,13 @@ class StageService:
             },
             rejections=self.rejections,
         )
+        handlers["Session"] = grpc.unary_stream_rpc_method_handler(
+            self.session,
+            request_deserializer=decoder(pb.SessionRequest),
+            response_serializer=pb.SessionEvent.SerializeToString,
+        )
+        generic = grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+        return Service(SERVICE_NAME, lambda server: server.add_generic_rpc_handlers((generic,)))
 
     def _check_stage(self, swarm_id: str, stage: int) -> None:
         if swarm_id != self.swarm_id or stage != self.stage:
@@ -150,7 +159,9 @@ class StageService:
 
     def _forward(self, request: pb.ForwardRequest) -> pb.ForwardResponse:
         x, targets = self._inputs(request.input, request.targets)
-        out = self.replica.forward(request.micro_batch, x, targets, seed=request.seed)
+        out = self.replica.forward(
+            request.micro_batch, x, targets, seed=request.seed, session=request.session
+        )
         if self.replica.last:
             return pb.ForwardResponse(loss=float(out))
         return pb.ForwardResponse(output=pack(out, self.encoding))
@@ -220,6 +231,31 @@ class StageService:
         else:
             answer.output.CopyFrom(pack(out, self.encoding))
         return pb.AuditResponse(answer=answer)
+
+    async def session(self, request: object, context: Any) -> None:
+        """A driver's session (``Session``): open until the call ends, then the inputs of
+        its micro-batches held here are dropped (``StageReplica.end_session``). The server
+        caps sessions per source network and in all (``ServerConfig.max_sessions``)."""
+        try:
+            if not isinstance(request, pb.SessionRequest):
+                raise Rejection("malformed", "Session: the request is not a SessionRequest")
+            self._check_stage(request.swarm_id, request.stage)
+            if len(request.session) != SESSION_BYTES:
+                raise Rejection("malformed", f"a session is named by {SESSION_BYTES} bytes")
+            session = request.session
+            if not self.replica.open_session(session):
+                raise Rejection("malformed", "a session of that name is open already")
+        except Rejection as rejection:
+            await context.write(pb.SessionEvent(refused=self._refuse(rejection, context)))
+            return
+        try:
+            await context.write(pb.SessionEvent(open=True))
+            await asyncio.Event().wait()  # until the call ends: its driver left, or died
+        finally:
+            # Closed now (later forwards naming it are held without it); its inputs dropped
+            # on a thread (a compute may hold the replica), not waited for: the call ended.
+            self.replica.close_session(session)
+            self._pools.submit("backward", self.replica.end_session, session)
 
     async def _compute(self, call: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread of the call's pool (decoding, the compute and

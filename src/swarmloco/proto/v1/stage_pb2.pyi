@@ -29,20 +29,22 @@ class StageRefusal(_message.Message):
     def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("swarm_id", "stage", "micro_batch", "input", "targets", "seed")
+    __slots__ = ("swarm_id", "stage", "micro_batch", "input", "targets", "seed", "session")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     stage: int
     micro_batch: bytes
     input: StageTensor
     targets: StageTensor
     seed: int
-    def __init__(self, swarm_id: _Optional[str] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[bytes] = ..., input: _Optional[_Union[StageTensor, _Mapping]] = ..., targets: _Optional[_Union[StageTensor, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    session: bytes
+    def __init__(self, swarm_id: _Optional[str] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[bytes] = ..., input: _Optional[_Union[StageTensor, _Mapping]] = ..., targets: _Optional[_Union[StageTensor, _Mapping]] = ..., seed: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("output", "loss", "refused")
@@ -125,3 +127,21 @@ class AuditResponse(_message.Message):
     answer: AuditAnswer
     refused: StageRefusal
     def __init__(self, answer: _Optional[_Union[AuditAnswer, _Mapping]] = ..., refused: _Optional[_Union[StageRefusal, _Mapping]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("swarm_id", "stage", "session")
+    SWARM_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    swarm_id: str
+    stage: int
+    session: bytes
+    def __init__(self, swarm_id: _Optional[str] = ..., stage: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("open", "refused")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    open: bool
+    refused: StageRefusal
+    def __init__(self, open: _Optional[bool] = ..., refused: _Optional[_Union[StageRefusal, _Mapping]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class StageStub:
                 request_serializer=swarmloco_dot_v1_dot_stage__pb2.AuditRequest.SerializeToString,
                 response_deserializer=swarmloco_dot_v1_dot_stage__pb2.AuditResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.unary_stream(
+                '/swarmloco.v1.Stage/Session',
+                request_serializer=swarmloco_dot_v1_dot_stage__pb2.SessionRequest.SerializeToString,
+                response_deserializer=swarmloco_dot_v1_dot_stage__pb2.SessionEvent.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -83,6 +88,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Audit,
                     request_deserializer=swarmloco_dot_v1_dot_stage__pb2.AuditRequest.FromString,
                     response_serializer=swarmloco_dot_v1_dot_stage__pb2.AuditResponse.SerializeToString,
+            ),
+            'Session': grpc.unary_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=swarmloco_dot_v1_dot_stage__pb2.SessionRequest.FromString,
+                    response_serializer=swarmloco_dot_v1_dot_stage__pb2.SessionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Stage:
             '/swarmloco.v1.Stage/Audit',
             swarmloco_dot_v1_dot_stage__pb2.AuditRequest.SerializeToString,
             swarmloco_dot_v1_dot_stage__pb2.AuditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarmloco.v1.Stage/Session',
+            swarmloco_dot_v1_dot_stage__pb2.SessionRequest.SerializeToString,
+            swarmloco_dot_v1_dot_stage__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
             insecure,
