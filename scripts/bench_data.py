@@ -260,6 +260,9 @@ def soak_dataset(args: argparse.Namespace, work: Path) -> tuple[Path, list[int]]
     return data, Sequences(shards, seq_len=SEQ_LEN, val_fraction=0.05).counts
 
 
+SESSION_END = r"session ended: (\d+) micro-batch"
+
+
 def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The churn soak (see the module)."""
     import random
@@ -347,7 +350,19 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for line in p.log
         if (m := re.search(r"(\d+) sequence\(s\) given back", line))
     )
+    logged = [line for p in runs for line in p.log]
+    pipeline = {}
+    if args.churn_pipeline:
+        # Inputs the replicas held for a backward that never came (their driver was killed):
+        # dropped at their deadline, or when the driver's session ended with its process.
+        pipeline = {
+            "inputs_dropped_at_deadline": sum("no backward within" in line for line in logged),
+            "inputs_dropped_at_session_end": sum(
+                int(m.group(1)) for line in logged if (m := re.search(SESSION_END, line))
+            ),
+        }
     return {
+        **pipeline,
         "churn_sequences": cover.sequences,
         "churn_shards": len(counts),
         "churn_seq_len": seq_len,

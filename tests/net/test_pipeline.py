@@ -24,7 +24,14 @@ from swarmloco.net.rejections import RejectionLog
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
 from swarmloco.pipeline.load import Vouching, fresh, publish_load, read_loads
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
-from swarmloco.pipeline.service import ABANDON, AUDIT, BACKWARD, FORWARD, StageService
+from swarmloco.pipeline.service import (
+    ABANDON,
+    AUDIT,
+    BACKWARD,
+    FORWARD,
+    SESSION,
+    StageService,
+)
 from swarmloco.pipeline.stages import GPTStage, gpt_stages, split_evenly
 from swarmloco.pipeline.wire import Boundary, pack
 from swarmloco.proto.v1 import stage_pb2 as pb
@@ -739,6 +746,61 @@ async def test_two_replicas_that_do_not_agree_are_a_dispute_and_nobody_is_distru
             await drv.finish_audits()
     assert drv.audits["disputed"] == 8 and not drv.distrusted
     assert drv.audits["found-out"] == 0
+
+
+async def test_hostile_session_calls_are_refused_and_counted_and_a_session_is_its_drivers():
+    local, remote = gpt_stages(CONFIG, 2, seed=4)
+    service = service_of(remote, 1, 2, "f32")
+    first = StageReplica(local, first=True, last=False)
+    async with pipeline([[service]], first, config=DriverConfig(encoding="f32")) as (drv, ends):
+        endpoint = ends[0][0]
+        channel = await drv.client.open(endpoint, 10.0)
+        method = channel.unary_stream(
+            SESSION.path,
+            request_serializer=pb.SessionRequest.SerializeToString,
+            response_deserializer=pb.SessionEvent.FromString,
+        )
+
+        async def first_event(**fields: object) -> tuple[object, pb.SessionEvent]:
+            request = pb.SessionRequest(swarm_id=SWARM, stage=1, session=b"s" * 16)
+            for field, value in fields.items():
+                setattr(request, field, value)
+            call = method(request, timeout=30.0)
+            async for event in call:
+                return call, event
+            raise AssertionError("no event")
+
+        def refused(event: pb.SessionEvent) -> str:
+            assert not event.open, event
+            return event.refused.code
+
+        with drv.client.holding(channel):
+            assert refused((await first_event(session=b"x"))[1]) == "malformed"
+            assert refused((await first_event(stage=0))[1]) == "wrong-stage"
+            held, opened = await first_event()
+            assert opened.open and service.replica.sessions == 1
+            assert refused((await first_event())[1]) == "malformed"  # its name is taken
+            # A forward naming a session not open is not held (nobody would come back).
+            x, y = batch(0)
+            h = local(x)
+            request = pb.ForwardRequest(
+                swarm_id=SWARM, stage=1, micro_batch=os.urandom(16), input=pack(h, "f32"),
+                targets=pack(y, "i64"), session=b"n" * 16,
+            )  # fmt: skip
+            answer = await drv.client.call(endpoint, FORWARD, request, timeout=10.0)
+            assert answer.refused.code == "busy" and "session" in answer.refused.reason
+            request.session = b"s" * 16
+            answer = await drv.client.call(endpoint, FORWARD, request, timeout=10.0)
+            assert answer.WhichOneof("outcome") == "loss" and service.replica.inflight == 1
+            held.cancel()  # its driver leaves: the input is dropped
+            for _ in range(600):
+                if service.replica.orphaned:
+                    break
+                await asyncio.sleep(0.05)
+            assert service.replica.orphaned == 1 and service.replica.inflight == 0
+        await drv.run(x, y)  # the driver's own session, and its micro-batch, go on
+    assert service.replica.micro_batches == 1
+    assert dict(service.refused) == {"malformed": 2, "wrong-stage": 1, "busy": 1}
 
 
 async def test_hostile_audit_calls_are_refused_and_counted():

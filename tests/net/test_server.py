@@ -262,6 +262,28 @@ def test_long_calls_have_a_budget_of_their_own():
     assert slots.in_use(Pool.LONG) == 3 and slots.in_use(Pool.AT_LARGE) == 2
 
 
+def test_sessions_have_a_budget_of_their_own():
+    config = ServerConfig(
+        max_concurrent_rpcs=1, max_rpcs_per_network=1, max_sessions=3, max_sessions_per_network=2
+    )
+    slots = CallSlots(config)
+    for _ in range(2):
+        assert slots.take("1.2.3.1", long=False, session=True).pool is Pool.SESSION
+    with pytest.raises(Rejection) as refused:
+        slots.take("1.2.3.9", long=False, session=True)  # same /24
+    assert refused.value.code == "too-many-sessions"
+    assert "from 1.2.3.0/24 are open already" in refused.value.reason
+    last = slots.take("5.6.7.1", long=False, session=True)
+    with pytest.raises(Rejection, match="this peer holds 3 sessions"):
+        slots.take("9.9.9.1", long=False, session=True)
+    # Neither calls at large nor long calls give up a slot to them, nor take theirs.
+    assert slots.take("1.2.3.1", long=False).pool is Pool.AT_LARGE
+    assert slots.take("1.2.3.1", long=True).pool is Pool.LONG
+    slots.give(last)
+    assert slots.take("9.9.9.1", long=False, session=True).pool is Pool.SESSION
+    assert slots.in_use(Pool.SESSION) == 3 and slots.held(Pool.SESSION)["1.2.3.0/24"] == 2
+
+
 def test_a_reserve_holds_slots_for_the_members_until_it_expires():
     now = [100.0]
     config = ServerConfig(max_concurrent_rpcs=1, max_rpcs_per_network=1, reserved_rpcs=2)

@@ -499,6 +499,10 @@ class StageReplica:
             if names:
                 self.orphaned += len(names)
                 self._lock.notify_all()
+                logger.info(
+                    "a driver's session ended: %d micro-batch input(s) of it dropped (%d so far)",
+                    len(names), self.orphaned,
+                )  # fmt: skip
             return len(names)
 
     @property
@@ -649,6 +653,10 @@ class StageReplica:
                 break
             self._pop(name)
             self.dropped += 1
+            logger.warning(
+                "micro-batch %s: no backward within %.0f s, its input dropped (its driver "
+                "gave up or died; %d so far)", name.hex()[:12], wait, self.dropped,
+            )  # fmt: skip
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
