@@ -260,7 +260,7 @@ def soak_dataset(args: argparse.Namespace, work: Path) -> tuple[Path, list[int]]
     return data, Sequences(shards, seq_len=SEQ_LEN, val_fraction=0.05).counts
 
 
-SESSION_END = r"session ended: (\d+) micro-batch"
+STAGE_LEFT = r"inputs dropped: (\d+) at their deadline, (\d+) of drivers gone"
 
 
 def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -350,16 +350,15 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for line in p.log
         if (m := re.search(r"(\d+) sequence\(s\) given back", line))
     )
-    logged = [line for p in runs for line in p.log]
     pipeline = {}
     if args.churn_pipeline:
-        # Inputs the replicas held for a backward that never came (their driver was killed):
-        # dropped at their deadline, or when the driver's session ended with its process.
+        # Stage 1's micro-batches of killed drivers: inputs held for a backward that never
+        # came, dropped at their deadline; and those dropped, or not taken, once the
+        # driver's session ended with its process (its "left stage" line says both).
+        found = [m for line in later.log if (m := re.search(STAGE_LEFT, line))]
         pipeline = {
-            "inputs_dropped_at_deadline": sum("no backward within" in line for line in logged),
-            "inputs_dropped_at_session_end": sum(
-                int(m.group(1)) for line in logged if (m := re.search(SESSION_END, line))
-            ),
+            "stage1_inputs_dropped_at_deadline": int(found[-1].group(1)) if found else None,
+            "stage1_micro_batches_of_drivers_gone": int(found[-1].group(2)) if found else None,
         }
     return {
         **pipeline,

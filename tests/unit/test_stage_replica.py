@@ -123,6 +123,10 @@ def test_a_sessions_end_drops_its_inputs_at_once_and_what_they_held_back_goes_on
     with pytest.raises(Rejection, match="session") as refused:
         r.forward(b"d" * 16, torch.randn(1, 4), session=dead)
     assert refused.value.code == "busy" and r.sessions == 1
+    assert r.orphaned == 2  # a's input, and d: its dead driver's forward, not held
+    with pytest.raises(Rejection, match="session"):
+        r.forward(b"f" * 16, torch.randn(1, 4), session=b"N" * 16)  # never open here
+    assert r.orphaned == 2 and r.inflight == 0
     r.forward(b"e" * 16, torch.randn(1, 4))
     assert r.end_session(alive) == 0 and r.inflight == 1  # e named no session: kept
 

@@ -447,12 +447,15 @@ def _run_stage(
         reading=reading,
     )
     logging.getLogger("swarmloco.peer").info(
-        "left stage %d at round %d after %d steps (%d micro-batches driven, %d moves): %s",
+        "left stage %d at round %d after %d steps (%d micro-batches driven, %d moves; "
+        "inputs dropped: %d at their deadline, %d of drivers gone): %s",
         summary.stage,
         summary.round,
         summary.steps,
         summary.micro_batches,
         summary.moves,
+        summary.dropped,
+        summary.orphaned,
         summary.stopped_because,
     )
     return 0

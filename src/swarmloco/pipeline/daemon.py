@@ -157,6 +157,11 @@ class StageSummary:
     micro_batches: int
     stopped_because: str
     moves: int = 0
+    dropped: int = 0
+    """Inputs its replicas held for a backward that never came, dropped at their deadline."""
+    orphaned: int = 0
+    """Micro-batches of drivers whose sessions ended (they died, or left) that its replicas
+    dropped or did not take then."""
 
 
 def train_stage(
@@ -228,7 +233,7 @@ def train_stage(
         for p in current:
             _stop(p, why)
 
-    driven = moves = 0
+    driven = moves = dropped = orphaned = 0
     with contextlib.ExitStack() as signals:
         if config.handle_signals:
             handle_signals(signals, on_signal)
@@ -290,10 +295,13 @@ def train_stage(
                     )
             assert peer.peer is not None
             k = peer.peer.kept
+            dropped += peer.replica.dropped
+            orphaned += peer.replica.orphaned
             if move is None or asked:
                 return StageSummary(
-                    stage, peer.peer.diloco.round, k.progress.steps, driven, k.stop.reason, moves
-                )
+                    stage, peer.peer.diloco.round, k.progress.steps, driven, k.stop.reason, moves,
+                    dropped, orphaned,
+                )  # fmt: skip
             if on_event is not None:
                 on_event({"event": "moved", "time": time.time(), "from": stage, "to": move})
             stage, moves = move, moves + 1

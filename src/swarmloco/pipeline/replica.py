@@ -51,6 +51,8 @@ RATE_WARMUP = 4
 warms up (allocations, caches) slower than it will run."""
 TRIPS_KEPT = 64
 """Micro-batches whose time from forward to backward a replica keeps (``inflight_floor_s``)."""
+ENDED_KEPT = 1024
+"""Sessions a replica remembers as ended (16 bytes each)."""
 RATE_SETTLE = 8
 """Micro-batches counted before a replica's rate is said at all (0 until then)."""
 
@@ -158,7 +160,11 @@ class StageReplica:
         self.dropped = 0
         """Micro-batches dropped at their deadline (their backward never came)."""
         self.orphaned = 0
-        """Micro-batches dropped when their driver's session ended (it died, or left)."""
+        """Micro-batches of drivers whose session here ended (they died, or left): inputs
+        dropped then, and forwards that came in after it (not held)."""
+        self._ended: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        """The sessions that ended here last (``ENDED_KEPT``): a forward naming one is its
+        dead driver's, counted in ``orphaned`` (one naming a session never open is not)."""
         self._sessions: set[bytes] = set()  # the drivers' sessions open here
         self._sessions_lock = threading.Lock()  # never held across a compute
         self.steps = 0
@@ -263,6 +269,9 @@ class StageReplica:
                 raise Rejection("malformed", "a micro-batch of that name came before")
             if session and not self._session_open(session):
                 # It ended (its driver died, or its connection broke): nobody would come back.
+                # (Its caller is likely gone: this refusal may reach nobody, nor any log.)
+                with self._sessions_lock:
+                    self.orphaned += session in self._ended
                 raise Rejection("busy", "the session it names is not open here")
             if self.admits is not None and not self.admits(micro_batch):
                 raise Rejection("withdrawn", "its sequences landed meanwhile")
@@ -483,7 +492,11 @@ class StageReplica:
         """A driver's session is no longer open: forwards naming it from now on are held
         as without one (:meth:`end_session` then drops those held). Never waits."""
         with self._sessions_lock:
-            self._sessions.discard(session)
+            if session in self._sessions:
+                self._sessions.discard(session)
+                self._ended[session] = None
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.popitem(last=False)
 
     def end_session(self, session: bytes) -> int:
         """A driver's session ended (its call ended: the driver died or left): drop the
