@@ -20,7 +20,9 @@ leaves the due step to its owner's thread instead (:meth:`StageReplica.take_step
 :meth:`StageReplica.release`): a stage peer runs its DiLoCo rounds between the two while
 forwards wait, so a round's outer step never lands under a micro-batch either. A retried
 backward (its reply was lost) is answered again from the last results kept, never added
-twice. One compute runs at a time (the accumulator is shared).
+twice. One compute runs at a time (the accumulator is shared). A forward may name its
+driver's session here (:meth:`StageReplica.open_session`): when the session ends (its
+driver died or left) its inputs are dropped at once, and forwards naming it are refused.
 """
 
 from __future__ import annotations
@@ -489,8 +491,8 @@ class StageReplica:
             return session in self._sessions
 
     def close_session(self, session: bytes) -> None:
-        """A driver's session is no longer open: forwards naming it from now on are held
-        as without one (:meth:`end_session` then drops those held). Never waits."""
+        """A driver's session is no longer open: forwards naming it from now on are refused
+        (:meth:`end_session` then drops the inputs held under it). Never waits."""
         with self._sessions_lock:
             if session in self._sessions:
                 self._sessions.discard(session)

@@ -252,7 +252,7 @@ class StageService:
             await context.write(pb.SessionEvent(open=True))
             await asyncio.Event().wait()  # until the call ends: its driver left, or died
         finally:
-            # Closed now (later forwards naming it are held without it); its inputs dropped
+            # Closed now (later forwards naming it are refused); its inputs dropped
             # on a thread (a compute may hold the replica), not waited for: the call ended.
             self.replica.close_session(session)
             self._pools.submit("backward", self.replica.end_session, session)
