@@ -138,6 +138,9 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         audited = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--audit-share", "0.1",
                             "--dry-run")  # fmt: skip
         assert audited.returncode != 0 and "--audit-share mean" in audited.stderr
+        idle = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--leave-idle", "60",
+                         "--dry-run")  # fmt: skip
+        assert idle.returncode != 0 and "--leave-idle mean" in idle.stderr, idle.stderr
         gapped = swarmloco("join", swarm_id, "--peer", boot.endpoint, "--rebalance-gap", "1",
                            "--dry-run")  # fmt: skip
         assert gapped.returncode != 0 and "--rebalance-gap is a share" in gapped.stderr
@@ -148,6 +151,9 @@ def test_create_publishes_and_join_dry_run_verifies(tmp_path):
         hidden = swarmloco("join", piped.stdout.strip(), "--peer", boot.endpoint,
                            "--client-mode", "--dry-run")  # fmt: skip
         assert hidden.returncode != 0 and "is a pipelined run" in hidden.stderr, hidden.stderr
+        negative = swarmloco("join", piped.stdout.strip(), "--peer", boot.endpoint,
+                             "--leave-idle", "-1", "--dry-run")  # fmt: skip
+        assert negative.returncode != 0 and "--leave-idle is seconds" in negative.stderr
         assert "--client-mode serves nothing, and a stage peer must be dialled" in hidden.stderr
         driving = swarmloco("create", *creator, "--stages", "2", "--client-mode")
         assert driving.returncode != 0 and "a stage peer must be dialled" in driving.stderr

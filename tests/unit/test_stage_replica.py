@@ -475,3 +475,19 @@ def test_an_audit_is_refused_while_the_owner_holds_the_replica():
     r.release()
     out, _ = r.audit(x, None, torch.ones(2, 4))
     torch.testing.assert_close(out, module(x).detach())
+
+
+def test_a_replica_is_idle_once_work_came_and_went_with_no_drivers_session_open():
+    r, _, clock = replica()
+    clock.now = 100.0
+    assert r.idle_s() == 0.0  # no micro-batch ever came: its drivers have yet to start
+    r.forward(b"a" * 16, torch.randn(1, 4))
+    clock.now = 110.0
+    assert r.idle_s() == 0.0  # it holds one
+    r.backward(b"a" * 16, torch.ones(1, 4))
+    clock.now = 115.0
+    assert r.idle_s() == 5.0
+    assert r.open_session(b"S" * 16)
+    assert r.idle_s() == 0.0  # a driver that pauses keeps its session
+    r.end_session(b"S" * 16)
+    assert r.idle_s() == 5.0  # counted from the last micro-batch

@@ -13,7 +13,7 @@ from swarmloco.cli.peer import (
     CLIENT_MODE_STAGE,
     _add_peer_run_options,
     _run_peer,
-    check_rebalance_gap,
+    check_stage_flags,
 )
 
 
@@ -106,6 +106,7 @@ def _join(args: argparse.Namespace) -> int:
             ("--slowdown", args.slowdown > 0),
             ("--in-flight", args.in_flight is not None),
             ("--audit-share", args.audit_share is not None),
+            ("--leave-idle", args.leave_idle > 0),
         )
         staged = [flag for flag, was_given in given if was_given]
         if staged:
@@ -115,7 +116,7 @@ def _join(args: argparse.Namespace) -> int:
             )
     elif args.client_mode:
         raise SwarmlocoError(f"swarm {swarm_id} is a pipelined run: {CLIENT_MODE_STAGE}")
-    check_rebalance_gap(args)
+    check_stage_flags(args)
     if args.audit_share is not None and not 0.0 <= args.audit_share <= 1.0:
         raise SwarmlocoError(
             f"--audit-share is the share of answers audited, from 0 to 1: got {args.audit_share}"

@@ -81,6 +81,18 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "no audits)",
     )
     g.add_argument(
+        "--leave-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="in a pipelined run, a peer of a later stage (1 and up) leaves once no "
+        "micro-batch came through it for this long and no stage-0 peer holds a session with "
+        "it (a driver that pauses keeps its session): its drivers are gone, the run's readers "
+        "reached --max-epochs, say. Counted once a first micro-batch came. It leaves as when "
+        "stopped: its checkpoint kept, what it trained since its stage's last round not "
+        "averaged (default: serve until stopped)",
+    )
+    g.add_argument(
         "--slowdown",
         type=float,
         default=0.0,
@@ -398,8 +410,9 @@ CLIENT_MODE_STAGE = (
 )
 
 
-def check_rebalance_gap(args: argparse.Namespace) -> None:
-    """``--rebalance-gap`` is a share, refused by name otherwise (join and create)."""
+def check_stage_flags(args: argparse.Namespace) -> None:
+    """``--rebalance-gap`` is a share and ``--leave-idle`` seconds, refused by name
+    otherwise (join and create)."""
     from swarmloco.errors import SwarmlocoError
 
     if not 0.0 <= args.rebalance_gap < 1.0:
@@ -407,6 +420,8 @@ def check_rebalance_gap(args: argparse.Namespace) -> None:
             "--rebalance-gap is a share of the fastest stage's throughput, from 0 to below 1: "
             f"got {args.rebalance_gap}"
         )
+    if not args.leave_idle >= 0:
+        raise SwarmlocoError(f"--leave-idle is seconds, 0 or more: got {args.leave_idle}")
 
 
 def _run_stage(
@@ -429,7 +444,7 @@ def _run_stage(
         )
     from swarmloco.pipeline.rebalance import RebalanceConfig
 
-    check_rebalance_gap(args)
+    check_stage_flags(args)
     summary = train_stage(
         manifest,
         peer,
@@ -445,6 +460,7 @@ def _run_stage(
         in_flight=args.in_flight,
         audit_share=args.audit_share,
         reading=reading,
+        leave_idle_s=args.leave_idle,
     )
     logging.getLogger("swarmloco.peer").info(
         "left stage %d at round %d after %d steps (%d micro-batches driven, %d moves; "

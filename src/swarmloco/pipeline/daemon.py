@@ -178,6 +178,7 @@ def train_stage(
     in_flight: int | None = None,
     audit_share: float | None = None,
     reading: DaemonConfig | None = None,
+    leave_idle_s: float = 0.0,
 ) -> StageSummary:
     """Serve ``stage`` of the pipelined run ``manifest`` (None: :func:`served_before`, else
     :func:`~swarmloco.pipeline.rebalance.choose_stage`) on ``device`` (``auto``: a GPU if
@@ -191,9 +192,14 @@ def train_stage(
     count). ``audit_share``: the share of each later stage's answers a stage-0 peer has
     computed again by another replica and compared (None: ``DriverConfig``'s).
     ``reading``: on a pinned dataset, how stage 0 reads it (its local copies, epochs,
-    leases, read log: the fields of ``DaemonConfig`` for those; None: the defaults)."""
+    leases, read log: the fields of ``DaemonConfig`` for those; None: the defaults).
+    ``leave_idle_s``: a peer of a later stage leaves once no micro-batch came in or went
+    back through it for that long with no driver's session open there
+    (``StageReplica.idle_s``; 0: it serves until stopped); stage 0 drives its own."""
     if slowdown_s < 0:
         raise ValueError(f"slowdown_s must be >= 0, got {slowdown_s}")
+    if not leave_idle_s >= 0:
+        raise ValueError(f"leave_idle_s must be >= 0, got {leave_idle_s}")
     if in_flight is not None and in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}")
     where = resolve_device(device)
@@ -282,6 +288,10 @@ def train_stage(
                     driven += n
                 else:
                     while not peer.stopped.wait(0.5) and not _asked_to_stop(peer):
+                        if leave_idle_s and peer.replica.idle_s() >= leave_idle_s:
+                            why = f"no micro-batch and no driver for {leave_idle_s:g} s"
+                            _stop(peer, f"{why} (--leave-idle)")
+                            break
                         move = rebalancer.check(peer, driven)
                         if move is not None:
                             break

@@ -204,6 +204,7 @@ class StageReplica:
         first_param = next(module.parameters(), None)
         self.device = first_param.device if first_param is not None else torch.device("cpu")
         """Where the stage computes: its parameters' device."""
+        self._worked_at: float | None = None  # its last forward or backward (None: none yet)
         self._held_bytes = 0  # of the inputs (and targets) held
         self._due = False  # a step is due: forwards wait until it is taken
         self._closed = False
@@ -291,6 +292,7 @@ class StageReplica:
             seconds = time.perf_counter() - started
             self.busy_s += seconds
             self._hold(micro_batch, _Held(x, targets, rng, self.clock(), seconds, session))
+            self._worked_at = self.clock()
             if self.last:
                 self.loss = float(out)
         self._note_slow(
@@ -430,6 +432,7 @@ class StageReplica:
             self.micro_batches += 1
             self._accumulated.append(micro_batch)
             self.served += 1
+            self._worked_at = self.clock()
             self.samples += int(held.input.shape[0])
             self._results[micro_batch] = grad_input
             if self._draining:
@@ -519,6 +522,15 @@ class StageReplica:
                     len(names), self.orphaned,
                 )  # fmt: skip
             return len(names)
+
+    def idle_s(self) -> float:
+        """Seconds since a micro-batch last came in or went back, with no driver's session
+        open here since; 0 while it holds any, while a driver's session is open (a driver
+        that pauses keeps it), and before any micro-batch ever came."""
+        worked_at = self._worked_at
+        if worked_at is None or self._held or self._sessions:
+            return 0.0
+        return max(0.0, self.clock() - worked_at)
 
     @property
     def sessions(self) -> int:

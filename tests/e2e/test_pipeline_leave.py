@@ -1,0 +1,28 @@
+"""A later stage's peer that leaves once the run is over for it (`join --leave-idle`): a
+stage-1 peer serves a stage-0 peer that drives micro-batches through it until its
+`--max-rounds`, then leaves; the stage-1 peer, with no micro-batch and no driver's session
+left, leaves by itself, exit 0, saying why."""
+
+from __future__ import annotations
+
+import pytest
+from swarmutil import Bootstrap, PeerProcess
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def test_a_later_stage_peer_leaves_once_its_drivers_are_gone(tmp_path):
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint, "--stages", "2")
+        late = ("--stage", "1", "--leave-idle", "3")
+        with PeerProcess.join(swarm, boot.endpoint, tmp_path / "s1", *late) as s1:
+            s1.wait_for("ready", timeout=120)  # its record tells the driver it serves
+            first = ("--stage", "0", "--max-rounds", "1")
+            with PeerProcess.join(swarm, boot.endpoint, tmp_path / "s0", *first) as s0:
+                assert s0.wait(240) == 0, s0.log_tail()
+                assert s1.wait(120) == 0, s1.log_tail()
+    reason = s1.of("stopped")[-1]["reason"]
+    assert reason == "no micro-batch and no driver for 3 s (--leave-idle)", s1.events
+    assert s1.of("round"), s1.log_tail()  # it trained on what stage 0 drove
+    assert "left stage 1" in "".join(s1.log), s1.log_tail()
+    assert "Traceback" not in "".join(s1.log), s1.log_tail()
