@@ -462,6 +462,47 @@ async def test_a_clock_far_off_the_swarms_is_refused_at_join_and_a_small_skew_is
             assert "clock is 20 s behind the clock of the 1 peer(s)" in caplog.text
 
 
+class LyingClock(DHTNode):
+    """A peer that says its clock is ``ahead`` seconds ahead of what it is."""
+
+    def __init__(self, ahead: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.ahead = ahead
+
+    async def handle_ping(self, request, observed_host):
+        response = await super().handle_ping(request, observed_host)
+        response.time_ms += int(self.ahead * 1000)
+        return response
+
+
+async def test_entry_peers_that_lie_about_the_time_are_outvoted_by_other_networks(caplog):
+    """Four liars on one network are the entry peers; three honest peers, each on a network
+    of its own, are in the table they show: the newcomer keeps the honest time."""
+    async with contextlib.AsyncExitStack() as stack:
+        honest = []
+        for n in (2, 3, 4):
+            peers = (honest[0].endpoint,) if honest else ()
+            config = NodeConfig(peers=peers, server=ServerConfig(host=f"127.0.0.{n}"))
+            node = NetNode(identity=Identity.generate(), config=config)
+            honest.append(await stack.enter_async_context(node))
+        liars = []
+        for _ in range(4):
+            make = partial(LyingClock, 120.0, identity=Identity.generate())
+            liar = await stack.enter_async_context(serving(lambda t, m=make: m(transport=t)))
+            await liar.join([honest[0].endpoint])
+            liars.append(liar)
+        config = NodeConfig(server=None, peers=tuple(liar.endpoint for liar in liars))
+        newcomer = await stack.enter_async_context(
+            NetNode(identity=Identity.generate(), config=config)
+        )
+        # The liars said 120 s; the three other networks, and so the median of one vote
+        # per network (the liars' four are one), say the machine's own time.
+        assert abs(newcomer.dht.clock_skew_s) < 5.0, newcomer.dht.clock_skew_s
+        assert "the 4 peer(s) this node joined through put the swarm's time +120 s" in caplog.text
+        assert "the peers of 4 networks in all" in caplog.text
+        assert all(abs(node.dht.clock_skew_s) < 5.0 for node in honest)
+
+
 class RogueNode(DHTNode):
     """A peer that serves a manifest of another run under the key of the asked one."""
 

@@ -18,7 +18,7 @@ from swarmloco.net.dht.book import ContactBook, ContactHooks
 from swarmloco.net.dht.config import DhtConfig
 from swarmloco.net.dht.contact import contact_from_proto, distance, sign_card
 from swarmloco.net.dht.gates import SwarmGates
-from swarmloco.net.dht.joining import EntryPeers, check_clock
+from swarmloco.net.dht.joining import EntryPeers, check_clock, network_votes
 from swarmloco.net.dht.lookup import Entry, Lookup
 from swarmloco.net.dht.memory import MemoryNetwork, MemoryTransport
 from swarmloco.net.dht.node import DHTNode
@@ -374,6 +374,15 @@ def test_a_clock_a_little_off_keeps_the_swarms_time_and_says_how_to_fix_it():
     assert verdict.skew == 20.0 and verdict.refusal is None
     assert "clock is 20 s behind the clock of the 3 peer(s)" in verdict.warning
     assert "NTP" in verdict.warning
+
+
+def test_the_time_is_one_vote_per_network_each_its_own_median():
+    votes = network_votes(
+        [("10.0.0.1", 120.0), ("10.0.0.1", 120.0), ("10.0.0.1", 121.0), ("1.2.3.0/24", 0.5),
+         ("5.6.7.0/24", -0.5), ("5.6.7.0/24", 0.1), ("9.9.9.0/24", 0.0)]
+    )  # fmt: skip
+    assert sorted(votes) == [-0.5, 0.0, 0.5, 120.0]  # four keys of one network are one vote
+    assert check_clock(votes, config=DhtConfig()).skew == 0.0
 
 
 def test_a_clock_off_by_more_than_records_tolerate_is_refused_and_not_kept():

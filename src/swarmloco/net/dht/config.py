@@ -76,6 +76,11 @@ class DhtConfig:
     warn_clock_skew_s: float = 5.0
     """A clock further off the entry peers' than this is warned about (the node keeps the
     swarm's time anyway: :meth:`DHTNode.clock`)."""
+    clock_sample: int = 8
+    """Peers a joining node asks the time of once its routing table is filled, besides the
+    entry peers: one per source network no entry peer is on. The node keeps the median of
+    one vote per network, so that entry peers whose clocks are off (or who lie about them)
+    are outvoted (0: keep the entry peers' time)."""
     storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
@@ -87,6 +92,7 @@ class DhtConfig:
         require_int("max_records_per_request", self.max_records_per_request, minimum=1)
         require_int("max_request_bytes", self.max_request_bytes, minimum=1)
         require_int("checked_records_bytes", self.checked_records_bytes, minimum=0)
+        require_int("clock_sample", self.clock_sample, minimum=0)
         for name in (
             "rpc_timeout_s",
             "lookup_timeout_s",

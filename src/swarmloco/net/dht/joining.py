@@ -1,5 +1,6 @@
 """Entering the network: the peers a node joins through (:class:`EntryPeers`), asked all at
-once, and what their clocks say of ours (:func:`check_clock`, a plain function).
+once, and what their clocks say of ours (:func:`check_clock`, a plain function), then the
+clocks of peers on other networks (:meth:`EntryPeers.clocks`, :func:`network_votes`).
 
 A node joins through the addresses it was given; it remembers them, and joins through
 them again when its routing table runs empty (a frozen process finds every contact failed
@@ -20,6 +21,7 @@ from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.book import ContactBook
 from swarmloco.net.dht.config import DhtConfig
 from swarmloco.net.dht.transport import DhtTransport
+from swarmloco.net.endpoints import endpoint_network
 from swarmloco.net.tls import TlsMismatch
 from swarmloco.proto.v1 import dht_pb2 as pb
 
@@ -30,6 +32,8 @@ class Answer:
 
     response: pb.PingResponse
     offset: float
+    endpoint: str = ""
+    """The address it was asked at."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +48,22 @@ class ClockCheck:
     """Why the node must not start: its records would be refused (None: it may)."""
 
 
-def check_clock(offsets: Sequence[float], *, config: DhtConfig) -> ClockCheck:
+def network_votes(offsets: Sequence[tuple[str, float]]) -> list[float]:
+    """One clock offset per source network (``(network, offset)`` pairs in): the median of
+    that network's, so that many keys on one network's addresses are one vote."""
+    by_network: dict[str, list[float]] = {}
+    for network, offset in offsets:
+        by_network.setdefault(network, []).append(offset)
+    return [sorted(o)[(len(o) - 1) // 2] for o in by_network.values()]
+
+
+def check_clock(
+    offsets: Sequence[float], *, config: DhtConfig, whose: str = "peer(s) it joined through"
+) -> ClockCheck:
     """Compare our clock with the entry peers' (the median of their offsets, each taken at
     the middle of its ping): refuse to start when it is off by more than records tolerate;
     otherwise keep the swarm's time from now on, and warn when the difference is more than
-    network jitter."""
+    network jitter. ``whose``: what the offsets are of, for the messages."""
     offsets = sorted(offsets)
     if not offsets:
         return ClockCheck(None)
@@ -58,8 +73,7 @@ def check_clock(offsets: Sequence[float], *, config: DhtConfig) -> ClockCheck:
         return ClockCheck(kept)
     where = "behind" if skew > 0 else "ahead of"
     message = (
-        f"this machine's clock is {abs(skew):.0f} s {where} the clock of the "
-        f"{len(offsets)} peer(s) it joined through"
+        f"this machine's clock is {abs(skew):.0f} s {where} the clock of the {len(offsets)} {whose}"
     )
     fix = (
         "set the clock right (enable NTP, e.g. `timedatectl set-ntp true`, or run "
@@ -154,4 +168,25 @@ class EntryPeers:
             if contact is None:
                 return "its contact card is invalid"
             self._book.seen(contact)
-            return Answer(response, offset)
+            return Answer(response, offset, endpoint)
+
+    async def clocks(
+        self, endpoints: Sequence[str], request: pb.PingRequest
+    ) -> list[tuple[str, float]]:
+        """Ping every address once, at once, within one call's deadline: how far the
+        clock of each that answered is ahead of ours, with its address's source network."""
+        deadline = Deadline.after(self._config.rpc_timeout_s)
+
+        async def one(endpoint: str) -> tuple[str, float] | None:
+            sent = self._local_clock()
+            try:
+                response = await self._transport.ping(endpoint, request, deadline)
+            except NetworkError:
+                return None
+            if not response.time_ms:
+                return None
+            offset = response.time_ms / 1000 - (sent + self._local_clock()) / 2
+            return endpoint_network(endpoint), offset
+
+        answers = await asyncio.gather(*(one(e) for e in endpoints))
+        return [a for a in answers if a is not None]

@@ -41,7 +41,7 @@ from swarmloco.net.dht.book import ContactBook, ContactCallback, ContactHooks
 from swarmloco.net.dht.config import DHT_MESSAGE_BYTES, DhtConfig
 from swarmloco.net.dht.contact import Contact, distance, sign_card
 from swarmloco.net.dht.gates import SwarmGates
-from swarmloco.net.dht.joining import EntryPeers, check_clock
+from swarmloco.net.dht.joining import Answer, EntryPeers, check_clock, network_votes
 from swarmloco.net.dht.lookup import Entry, GetResult, LookupResult, Lookups
 from swarmloco.net.dht.replication import Replicator, store_batches
 from swarmloco.net.dht.requests import Requests
@@ -49,7 +49,7 @@ from swarmloco.net.dht.routing import RoutingTable
 from swarmloco.net.dht.storage import LOCAL_NETWORK, Storage
 from swarmloco.net.dht.transport import DhtTransport
 from swarmloco.net.dht.wire import key_id, signed_store_request
-from swarmloco.net.endpoints import format_endpoint, is_ip_address
+from swarmloco.net.endpoints import endpoint_network, format_endpoint, is_ip_address
 from swarmloco.net.identity import PEER_ID_BYTES, Identity
 from swarmloco.net.records import CheckedRecords, Record, kind_of, make_record, validate
 from swarmloco.net.rejections import Rejection, RejectionLog
@@ -279,7 +279,45 @@ class DHTNode:
             self.set_endpoint(format_endpoint(first.observed_host, announce_port))
         # Looking ourselves up fills our buckets near us and tells those nodes about us.
         await self.find_nodes(self.peer_id)
+        await self._ask_the_time(answered, request)
         return len(answered)
+
+    async def _ask_the_time(self, answered: Sequence[Answer], request: pb.PingRequest) -> None:
+        """Ask the time of up to ``clock_sample`` contacts, one per source network no entry
+        peer is on, and keep the median of one vote per network, the entry peers' included:
+        entry peers whose clocks are off, or who lie about them, are outvoted (SECURITY.md,
+        "Time from the entry peers"). Raises NetworkError when the peers of many networks
+        put this machine's clock further off than records tolerate."""
+        entry = [(endpoint_network(a.endpoint), a.offset) for a in answered if a.response.time_ms]
+        if self.config.clock_sample <= 0 or not entry:
+            return
+        networks = {network for network, _ in entry}
+        contacts = [c for c in self.routing if c.endpoint]
+        self._rng.shuffle(contacts)
+        asked: list[str] = []
+        for contact in contacts:
+            network = endpoint_network(contact.endpoint)
+            if network not in networks and len(asked) < self.config.clock_sample:
+                networks.add(network)
+                asked.append(contact.endpoint)
+        sampled = await self._entry.clocks(asked, request) if asked else []
+        if not sampled:
+            return
+        votes = network_votes([*entry, *sampled])
+        verdict = check_clock(votes, config=self.config, whose="networks whose peers it asked")
+        if verdict.refusal is not None:
+            raise NetworkError(verdict.refusal)
+        wider = verdict.skew
+        assert wider is not None
+        if abs(wider - self.clock_skew_s) <= self.config.warn_clock_skew_s:
+            return
+        logger.warning(
+            "the %d peer(s) this node joined through put the swarm's time %+.0f s from this "
+            "machine's clock; the peers of %d networks in all put it %+.0f s from it: keeping "
+            "theirs (an entry peer's clock is wrong, or it lied about it)",
+            len(answered), self.clock_skew_s, len(votes), wider,
+        )  # fmt: skip
+        self.clock_skew_s = wider
 
     def clock(self) -> float:
         """The swarm's time: this machine's clock corrected by how far the peers it joined
