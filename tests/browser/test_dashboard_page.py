@@ -114,4 +114,7 @@ async def test_the_page_shows_a_pipelined_runs_stages_as_a_row_of_pools(tmp_path
     assert "refused" not in first.group(1) and "skipped" not in first.group(1)
     assert "its audits distrust 1 replica(s)" in first.group(1)
     assert "distrust" not in slow.group(1)
+    assert "2 driver session(s)" in slow.group(1)
+    assert "3 micro-batch(es) of drivers gone" in slow.group(1)
+    assert "driver" not in first.group(1)
     assert "0 move(s) between stages seen" in dom

@@ -147,14 +147,15 @@ async def pipelined_swarm():
     """A pipelined run's stage peers as their ``stage-load`` records say (pipeline/load.py):
     two at stage 0 (100 and 110 sequences a second, at rounds 3 and 4), one at stage 1 (30,
     round 5: each stage averages in rounds of its own; it refused 2 calls and skipped a
-    step)."""
+    step; 2 drivers' sessions are open with it, and it dropped 3 micro-batches of drivers
+    gone)."""
     async with loopback_network(3) as nodes:
         await publish_manifest(nodes[0].dht, PIPELINED)
         said = zip(nodes, (0, 0, 1), (100.0, 110.0, 30.0), (3, 4, 5), strict=True)
         for node, stage, rate, round_ in said:
             load = {"rate": rate, "queue": 2, "free": 6, "round": round_}
             if stage == 1:
-                load |= {"refused": 2, "skipped": 1}
+                load |= {"refused": 2, "skipped": 1, "drivers": 2, "orphaned": 3}
             elif rate == 110.0:  # a driver whose audits found out a replica
                 load |= {"distrusted": 1}
             await publish_load(
@@ -181,6 +182,7 @@ async def test_a_pipelined_runs_state_shows_its_stages():
     assert [r["round"] for r in pipeline["stages"]] == [4, 5]
     assert [(r["refused"], r["skipped"]) for r in pipeline["stages"]] == [(0, 0), (2, 1)]
     assert [r["distrusted"] for r in pipeline["stages"]] == [1, 0]
+    assert [(r["drivers"], r["orphaned"]) for r in pipeline["stages"]] == [(0, 0), (2, 3)]
     assert pipeline["moves"] == 0 and view["warnings"] == []
 
 

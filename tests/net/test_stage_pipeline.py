@@ -203,6 +203,21 @@ def test_a_stage_whose_drivers_stopped_lands_the_round_it_has_in_flight(tmp_path
             )
             assert b.replica.served == served  # no micro-batch came meanwhile
             assert hook.rounds.inflight is None
+            # Its record says the driver's session open with it (the dashboard shows it).
+            wait_until(
+                lambda: [x.drivers for x in b.read_loads() if x.stage == 1] == [1],
+                timeout=60,
+                what="stage 1's record says one driver's session",
+            )
+        # The driver left: its session ended with it.
+        wait_until(
+            lambda: (
+                b.replica.sessions == 0
+                and [x.drivers for x in b.read_loads() if x.stage == 1] == [0]
+            ),
+            timeout=60,
+            what="stage 1's record says no driver's session",
+        )
 
 
 def test_a_stage_peers_record_says_the_calls_it_refused(tmp_path):

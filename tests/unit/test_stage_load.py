@@ -56,6 +56,17 @@ def test_a_replicas_record_is_checked_against_its_kind_and_signature():
     said = stage_load(counted.subkey, validate(counted, now=time.time()))
     assert (said.refused, said.skipped, said.distrusted) == (3, 1, 2)
     assert stage_load(good.subkey, decoded).distrusted == 0
+    served = make_record(key, value(drivers=3, orphaned=4), expiration=time.time() + 60,
+                         owner=owner)  # fmt: skip
+    said = stage_load(served.subkey, validate(served, now=time.time()))
+    assert (said.drivers, said.orphaned) == (3, 4)
+    assert (
+        stage_load(good.subkey, decoded).drivers,
+        stage_load(good.subkey, decoded).orphaned,
+    ) == (
+        0,
+        0,
+    )
     assert (stage_load(good.subkey, decoded).refused, stage_load(good.subkey, decoded).skipped) == (
         0,
         0,
@@ -65,6 +76,8 @@ def test_a_replicas_record_is_checked_against_its_kind_and_signature():
         value(refused=-1),
         value(skipped=1.5),
         value(distrusted=-1),
+        value(drivers=-1),
+        value(orphaned=0.5),
         value(stage=256),
         value(rate=math.nan),
         value(rate=-1.0),

@@ -169,6 +169,10 @@ def stages_lines(pipeline: Mapping[str, Any]) -> list[str]:
         notes = [limits] if limits else []
         if row.get("distrusted"):
             notes.append(f"its audits distrust {row['distrusted']} replica(s)")
+        if row.get("drivers"):
+            notes.append(f"{row['drivers']} driver session(s)")
+        if row.get("orphaned"):
+            notes.append(f"{row['orphaned']} micro-batch(es) of drivers gone")
         rows.append([str(row["stage"]), peers, rate, queue, free, round_, refused, skipped,
                      "; ".join(notes)])  # fmt: skip
     header = ["STAGE", "PEERS", "SEQ/S", "QUEUE", "FREE", "ROUND", "REFUSED", "SKIPPED", ""]

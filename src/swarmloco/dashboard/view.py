@@ -648,6 +648,8 @@ def _fresh_loads(reading: Reading, fresh_s: float) -> dict[str, dict[str, Any]]:
             "skipped": _count(value.get("skipped")),
             "refused": _count(value.get("refused")),
             "distrusted": _count(value.get("distrusted")),
+            "drivers": _count(value.get("drivers")),
+            "orphaned": _count(value.get("orphaned")),
         }
     return loads
 
@@ -671,7 +673,8 @@ def _pipeline(
     """A pipelined run's stages as a row of pools (None: not a pipelined run): each
     stage's peers (serving, and moving in), throughput (sequences per second, the sum of
     its replicas' rates), queue and free slots, its round, the calls its replicas refused
-    and the steps they skipped, the replicas its drivers' audits distrust (stage 0), which
+    and the steps they skipped, the replicas its drivers' audits distrust (stage 0), the
+    drivers' sessions and the micro-batches of drivers gone (later stages), which
     stage limits the pipeline, and the moves seen (None before a second reading: one
     reading, as `swarmloco status` takes, sees no move). All
     of it is what the stage peers' records claim, of the records whose servers vouched for
@@ -712,6 +715,11 @@ def _pipeline(
                 "skipped": sum(x["skipped"] for x in serving),
                 # (Stage 0.) The most replicas any of its drivers' audits distrust now.
                 "distrusted": max((x["distrusted"] for x in serving), default=0),
+                # (Later stages.) Drivers' sessions open with its replicas now (a driver
+                # counts at each replica it uses), and the micro-batches of drivers gone
+                # (died or left) its replicas dropped or did not take, since each began.
+                "drivers": sum(x["drivers"] for x in serving),
+                "orphaned": sum(x["orphaned"] for x in serving),
             }
         )
     if uncounted:

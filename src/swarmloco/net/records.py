@@ -862,9 +862,16 @@ STAGE_LOAD = register(
                 # A stage-0 peer: the replicas of later stages its audits found answering
                 # wrong, which it does not draw now; optional.
                 "distrusted": Int(minimum=0),
+                # A later stage: drivers' sessions open with it now, and the micro-batches
+                # of drivers gone (died or left) since it began serving, which it dropped
+                # (at their deadline, or at their session's end) or did not take; optional.
+                "drivers": Int(minimum=0),
+                "orphaned": Int(minimum=0),
                 "at": Float(minimum=0.0),
             },
-            optional=frozenset({"round", "skipped", "refused", "distrusted"}),
+            optional=frozenset(
+                {"round", "skipped", "refused", "distrusted", "drivers", "orphaned"}
+            ),
         ),
         owned=True,
         max_ttl=600.0,

@@ -75,6 +75,11 @@ class StageLoad:
     distrusted: int = 0
     """(A stage-0 peer.) Replicas of later stages its audits found answering wrong, which
     it does not draw now."""
+    drivers: int = 0
+    """(A later stage.) Drivers' sessions open with it now."""
+    orphaned: int = 0
+    """(A later stage.) Micro-batches of drivers gone since it began serving: dropped at
+    their deadline or at their session's end, or not taken."""
 
 
 def stage_load(peer: str, value: Mapping[str, Any]) -> StageLoad:
@@ -91,6 +96,8 @@ def stage_load(peer: str, value: Mapping[str, Any]) -> StageLoad:
         skipped=int(value.get("skipped", 0)),
         refused=int(value.get("refused", 0)),
         distrusted=int(value.get("distrusted", 0)),
+        drivers=int(value.get("drivers", 0)),
+        orphaned=int(value.get("orphaned", 0)),
     )
 
 
@@ -98,8 +105,8 @@ async def publish_load(
     dht: DHTNode, swarm_id: str, *, stage: int, endpoint: str, load: Mapping[str, Any]
 ) -> None:
     """Store this replica's record (``load``: its rate, queue and free slots, its stage's
-    round when it has one, its skipped steps, refused calls and the replicas its audits
-    distrust when it says them)."""
+    round when it has one, its skipped steps, refused calls, the replicas its audits
+    distrust, its drivers' sessions and their micro-batches orphaned when it says them)."""
     value = {
         "stage": stage,
         "endpoint": endpoint,
@@ -108,7 +115,7 @@ async def publish_load(
         "free": int(load["free"]),
         "at": float(dht.clock()),
     }
-    for optional in ("round", "skipped", "refused", "distrusted"):
+    for optional in ("round", "skipped", "refused", "distrusted", "drivers", "orphaned"):
         if load.get(optional) is not None:
             value[optional] = int(load[optional])
     await dht.store(stage_load_key(swarm_id), value, ttl=LOAD_TTL_S)

@@ -323,6 +323,10 @@ class StagePeer:
                 "skipped": self.replica.skipped,
                 "refused": self.service.refusals(),
                 "distrusted": None if self.driver is None else self.driver.distrusting(),
+                "drivers": None if self.stage == 0 else self.replica.sessions,
+                "orphaned": (
+                    None if self.stage == 0 else self.replica.dropped + self.replica.orphaned
+                ),
             },
             interval_s=interval,
         )
