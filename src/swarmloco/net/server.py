@@ -387,30 +387,15 @@ class CallSlots:
         config = self.config
         network = source_network(host)
         if session:
-            if self._held[Pool.SESSION][network] >= config.max_sessions_per_network:
-                raise Rejection(
-                    "too-many-sessions",
-                    f"{config.max_sessions_per_network} sessions from {network} are open already",
-                )
-            if self.in_use(Pool.SESSION) >= config.max_sessions:
-                raise Rejection(
-                    "too-many-sessions", f"this peer holds {config.max_sessions} sessions already"
-                )
-            return self._hold(Pool.SESSION, network)
+            return self._open(
+                Pool.SESSION, network, config.max_sessions_per_network, config.max_sessions,
+                code="too-many-sessions", what="sessions",
+            )  # fmt: skip
         if long:
-            if self._held[Pool.LONG][network] >= config.max_long_calls_per_network:
-                raise Rejection(
-                    "too-many-long-calls",
-                    f"{config.max_long_calls_per_network} long-lived calls (health Watch, "
-                    f"reflection) from {network} are open already",
-                )
-            if self.in_use(Pool.LONG) >= config.max_long_calls:
-                raise Rejection(
-                    "too-many-long-calls",
-                    f"this peer holds {config.max_long_calls} long-lived calls (health "
-                    "Watch, reflection) already",
-                )
-            return self._hold(Pool.LONG, network)
+            return self._open(
+                Pool.LONG, network, config.max_long_calls_per_network, config.max_long_calls,
+                code="too-many-long-calls", what="long-lived calls (health Watch, reflection)",
+            )  # fmt: skip
         member = canonical_host(host)
         if self.reserved(member) and self.in_use(Pool.RESERVED) < config.reserved_rpcs:
             return self._hold(Pool.RESERVED, member)
@@ -425,6 +410,17 @@ class CallSlots:
                 f"this peer is handling {config.max_concurrent_rpcs} calls already",
             )
         return self._hold(Pool.AT_LARGE, network)
+
+    def _open(
+        self, pool: Pool, network: str, per_network: int, total: int, *, code: str, what: str
+    ) -> Slot:
+        """A slot of a pool of calls that stay open (long calls, sessions): ``per_network``
+        of them from one network at most, ``total`` in all."""
+        if self._held[pool][network] >= per_network:
+            raise Rejection(code, f"{per_network} {what} from {network} are open already")
+        if self.in_use(pool) >= total:
+            raise Rejection(code, f"this peer holds {total} {what} already")
+        return self._hold(pool, network)
 
     def give(self, slot: Slot) -> None:
         held = self._held[slot.pool]
