@@ -32,8 +32,12 @@ fetches a pinned dataset. Prints ONE JSON object.
   as a whole (its daemon SIGKILLed: the ranks die with it) and started again like the
   others (``churn_box``). With ``--churn-pipeline``, the run is a pipeline of 2 stages
   (``--stages 2``): ``a``, ``b`` and ``c`` serve stage 0 (they read the dataset and are
-  killed as above), one more peer serves stage 1 throughout, and the final state is stage
-  0's (``churn_pipeline``; DESIGN section 10, "A pinned dataset").
+  killed as above), one more peer serves stage 1 throughout and leaves by itself once the
+  readers are gone (``--leave-idle``: ``stage1_left_by_itself``), and the final state is
+  stage 0's (``churn_pipeline``; DESIGN section 10, "A pinned dataset"). Stage 1's
+  leaving line says the micro-batches of killed readers it dropped at their deadline and
+  at their sessions' end (``stage1_inputs_dropped_at_deadline``,
+  ``stage1_micro_batches_of_drivers_gone``).
 - ``squat``: keys that list shards and never read them (docs/SECURITY.md, "Datasets"): the
   churn soak's dataset and peers with no kill, twice in one run of the bench: ``clean``,
   and ``squatted``, where a stranger's key (a DHT node of its own, its proof of work
@@ -260,6 +264,8 @@ def soak_dataset(args: argparse.Namespace, work: Path) -> tuple[Path, list[int]]
     return data, Sequences(shards, seq_len=SEQ_LEN, val_fraction=0.05).counts
 
 
+LEAVE_IDLE_S = 20
+"""(``--churn-pipeline``.) The stage-1 peer's ``--leave-idle``."""
 STAGE_LEFT = r"inputs dropped: (\d+) at their deadline, (\d+) of drivers gone"
 
 
@@ -280,13 +286,17 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     started = time.monotonic()
     runs: list[Any] = []
     victims: list[str] = []  # the peers killed (and started again), in order
+    left_idle = False  # (--churn-pipeline) the stage-1 peer left by itself
     stages = ("--stages", "2") if args.churn_pipeline else ()
     stage = ("--stage", "0") if args.churn_pipeline else ()
     with Bootstrap(work / "boot") as boot:
         swarm = PeerProcess.publish(work / "creator", boot.endpoint, "--dataset", str(data),
                                     "--seq-len", str(seq_len), *stages)  # fmt: skip
         if args.churn_pipeline:  # stage 1's peer first: the readers drive through it
-            later = PeerProcess.join(swarm, boot.endpoint, work / "s1", "--stage", "1")
+            # It leaves by itself once the readers are gone (no driver's session, no
+            # micro-batch for LEAVE_IDLE_S): a reader killed and started again keeps it.
+            leave = ("--leave-idle", str(LEAVE_IDLE_S))
+            later = PeerProcess.join(swarm, boot.endpoint, work / "s1", "--stage", "1", *leave)
             runs.append(later)
             later.wait_for("ready", timeout=120)
 
@@ -326,14 +336,20 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 runs.append(peers[name])
                 victims.append(name)
             codes = {n: p.wait(600) for n, p in peers.items()}
+            ended = time.monotonic()  # the epoch's end: the readers left
             if args.churn_pipeline:
-                later.process.send_signal(signal.SIGINT)
-                codes["s1"] = later.wait(90)
+                try:
+                    codes["s1"] = later.wait(90 + LEAVE_IDLE_S)
+                except AssertionError:  # it did not leave: said below, and stopped here
+                    later.process.send_signal(signal.SIGINT)
+                    codes["s1"] = later.wait(90)
+                stopped = later.of("stopped")
+                left_idle = bool(stopped) and "--leave-idle" in stopped[-1]["reason"]
         finally:
             for p in runs:
                 if p.process.poll() is None:
                     p.kill()
-    seconds = time.monotonic() - started
+    seconds = ended - started
     final, final_round, agree = final_state(work)
     cover = final.coverage(counts, epoch=0)
     audits = coverage([read_audit(work / n / "audit.jsonl") for n in "abc"], counts, epoch=0)
@@ -359,6 +375,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         pipeline = {
             "stage1_inputs_dropped_at_deadline": int(found[-1].group(1)) if found else None,
             "stage1_micro_batches_of_drivers_gone": int(found[-1].group(2)) if found else None,
+            "stage1_left_by_itself": left_idle,
         }
     return {
         **pipeline,
