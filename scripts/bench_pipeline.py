@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A two-stage pipeline of the built-in GPT over real gRPC on loopback, in seven parts
+"""A two-stage pipeline of the built-in GPT over real gRPC on loopback, in eight parts
 (``--parts``, all by default). Prints ONE JSON object.
 
 - ``wiring``: stochastic wiring against a heterogeneous stage: micro-batches per second
@@ -17,6 +17,14 @@
   next micro-batch through the pipeline (the retry on the other replica), the micro-batches
   lost, and the hangs (a micro-batch not done in ``--hang-s``): ``kill_trials``,
   ``kill_hangs``, ``kill_retry_s_median``.
+- ``driver-kill``: a stage-0 driver in a process of its own is SIGKILLed while a
+  micro-batch of it is held at stage 1 (of three) and computing at stage 2, its replicas
+  stepping every 2 micro-batches; another driver then drives on. The seconds from the kill
+  until both replicas took a step (the dead driver's input held back the one it was
+  admitted to), with the driver's sessions (DESIGN section 10: the replicas drop its
+  inputs when its connections close) and without (``DriverConfig.sessions=False``: they
+  wait for their deadline, 30 s at least), ``--driver-kill-trials`` each, in turn:
+  ``driver_kill_step_s`` (medians) and ``driver_kill_step_ratio``.
 - ``memory``: the bytes of what a stage peer holds of the model (parameters, gradients,
   AdamW's two moments) against the whole model's (target about 1/S). A stage peer's
   process builds its stage alone (``build_stage``), so it holds only these.
@@ -53,6 +61,7 @@
     python scripts/bench_pipeline.py                   # 2 drivers, the slow replica 3x slower
     python scripts/bench_pipeline.py --parts wiring --slow-factor 2 --micro-batches 40
     python scripts/bench_pipeline.py --parts activations,kill --kill-trials 10
+    python scripts/bench_pipeline.py --parts driver-kill --driver-kill-trials 3
     python scripts/bench_pipeline.py --parts parity --layers 2 --width 64 --seq-len 64
     python scripts/bench_pipeline.py --parts scaling --scaling-widths 256,512,1024,2048
     python scripts/bench_pipeline.py --parts scaling --device cuda --batch 8 --seq-len 1024 \
@@ -86,6 +95,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,6 +119,8 @@ from swarmloco.train.model import GPT
 from swarmloco.train.spec import GPTConfig, LlamaConfig
 
 SWARM = "be" * 20
+CHILD_FLAGS = {"serve_replica", "serve_driver", "driver_endpoints", "driver_sessions"}
+"""How the bench starts its own child processes: no setting of a run."""
 
 
 class Uniform(random.Random):
@@ -380,6 +392,150 @@ def kill(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any]:
     }
 
 
+class Gated(torch.nn.Module):
+    """A last stage whose next forward (not a backward's recompute) waits at a gate once
+    armed, until released: the dead driver's micro-batch is caught there."""
+
+    def __init__(self, stage: GPTStage) -> None:
+        super().__init__()
+        self.stage = stage
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.armed and not torch.is_grad_enabled():
+            self.armed = False
+            self.entered.set()
+            self.release.wait(timeout=300)
+        return self.stage(x, targets)
+
+
+def three_stage_service(held: StageReplica, stage: int, config: GPTConfig) -> StageService:
+    ids, acts = boundaries(config)
+    last = stage == 2
+    rejections = RejectionLog(logging.getLogger("swarmloco.pipeline"))
+    return StageService(held, swarm_id=SWARM, stage=stage, inputs=acts,
+                        outputs=None if last else acts, targets=ids if last else None,
+                        encoding="int8", rejections=rejections)  # fmt: skip
+
+
+def serve_driver(args: argparse.Namespace, config: GPTConfig) -> int:
+    """(A child of the driver-kill part.) Drive one micro-batch through the replicas at
+    ``--driver-endpoints`` (with sessions or not: ``--driver-sessions``), say ``ready``,
+    then drive another once told to (on stdin), until killed."""
+    ids, acts = boundaries(config)
+    one, two = args.driver_endpoints.split(",")
+
+    async def drive() -> None:
+        first = replica(gpt_stages(config, 3, seed=1)[0], first=True, last=False)
+        node = NetNode(identity=Identity.generate(), config=NodeConfig(server=None, peers=(one,)))
+        async with node:
+            driver = Driver(node.client, first, swarm_id=SWARM, replicas=[[one], [two]],
+                            boundaries=[acts, acts], ids=ids,
+                            config=DriverConfig(sessions=bool(args.driver_sessions)))  # fmt: skip
+            rows = text_batches(config, args.batch, 2, seed=7)
+            await driver.run(rows[0][:, :-1], rows[0][:, 1:])
+            while args.driver_sessions and driver.sessions < 2:
+                await asyncio.sleep(0.01)  # its sessions open beside its first micro-batch
+            print("ready", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            await driver.run(rows[1][:, :-1], rows[1][:, 1:])  # killed under way
+
+    asyncio.run(drive())
+    return 0
+
+
+async def driver_kill_trial(
+    args: argparse.Namespace, config: GPTConfig, sessions: bool, trial: int
+) -> dict[str, Any]:
+    """One trial (see the module): fresh replicas of stages 1 and 2, a driver process that
+    is killed under way, and this process's driver driving on."""
+    ids, acts = boundaries(config)
+    stages = gpt_stages(config, 3, seed=1)
+    gate = Gated(stages[2])
+    step = 2 * args.batch
+    middle = replica(stages[1], first=False, last=False, step_samples=step)
+    tail = replica(gate, first=False, last=True, step_samples=step)
+    loop = asyncio.get_running_loop()
+    async with contextlib.AsyncExitStack() as stack:
+        nodes: list[NetNode] = []
+        for k, stage_replica in ((1, middle), (2, tail)):
+            service = three_stage_service(stage_replica, k, config)
+            stack.callback(service.close)
+            peers = (nodes[0].endpoint,) if nodes else ()
+            node = NetNode(identity=Identity.generate(), config=NodeConfig(peers=peers),
+                           services=[service.service()])  # fmt: skip
+            nodes.append(await stack.enter_async_context(node))
+        endpoints = [n.endpoint for n in nodes]
+        command = [sys.executable, __file__, "--serve-driver", "--seq-len", str(args.seq_len),
+                   "--layers", str(args.layers), "--width", str(args.width),
+                   "--batch", str(args.batch), "--driver-endpoints", ",".join(endpoints),
+                   "--driver-sessions", str(int(sessions))]  # fmt: skip
+        child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        stack.callback(child.wait)
+        stack.callback(child.kill)
+        assert child.stdout is not None and child.stdin is not None
+        said = await loop.run_in_executor(None, child.stdout.readline)
+        if said.strip() != "ready":
+            raise SystemExit(f"the driver process exited ({child.wait()}) before it was ready")
+        gate.armed = True
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        if not await loop.run_in_executor(None, gate.entered.wait, 120):
+            raise SystemExit("the driver's micro-batch never reached stage 2")
+        steps = (middle.steps, tail.steps)
+        child.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        await loop.run_in_executor(None, child.wait)
+        gate.release.set()  # its forward at stage 2 ends, for nobody
+        client = NetNode(identity=Identity.generate(), config=NodeConfig(server=None,
+                         peers=(endpoints[0],)))  # fmt: skip
+        await stack.enter_async_context(client)
+        own = replica(gpt_stages(config, 3, seed=1)[0], first=True, last=False)
+        driver = Driver(client.client, own, swarm_id=SWARM, replicas=[[e] for e in endpoints],
+                        boundaries=[acts, acts], ids=ids, rng=random.Random(trial))  # fmt: skip
+        failed = 0
+        stepped_at = None
+        for rows in text_batches(config, args.batch, 10_000, seed=trial):
+            if middle.steps > steps[0] and tail.steps > steps[1]:
+                stepped_at = time.monotonic()
+                break
+            if time.monotonic() - killed_at > args.hang_s * 3:
+                break
+            try:
+                await driver.run(rows[:, :-1], rows[:, 1:])
+            except PipelineError:
+                failed += 1  # refused as busy past its hop's deadline: a stalled stage
+        driver.close()
+    return {
+        "sessions": sessions,
+        "step_s": None if stepped_at is None else round(stepped_at - killed_at, 3),
+        "failed_micro_batches": failed,
+        "dropped_at_deadline": middle.dropped + tail.dropped,
+        "dropped_at_session_end": middle.orphaned + tail.orphaned,
+    }
+
+
+def driver_kill(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any]:
+    trials: dict[str, list[dict[str, Any]]] = {"sessions": [], "none": []}
+    for t in range(args.driver_kill_trials):
+        for arm in ("sessions", "none") if t % 2 == 0 else ("none", "sessions"):
+            trials[arm].append(asyncio.run(driver_kill_trial(args, config, arm == "sessions", t)))
+    medians = {}
+    for arm, runs in trials.items():
+        times = [r["step_s"] for r in runs if r["step_s"] is not None]
+        medians[arm] = statistics.median(times) if len(times) == len(runs) else None
+    ratio = None
+    if medians["sessions"] is not None and medians["none"]:
+        ratio = round(medians["sessions"] / medians["none"], 4)
+    return {
+        "driver_kill": trials,
+        "driver_kill_step_s": medians,
+        "driver_kill_step_ratio": ratio,
+    }
+
+
 def held_bytes(module: torch.nn.Module) -> int:
     """Parameters, gradients and AdamW's two moments of ``module``, after one step."""
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
@@ -564,7 +720,7 @@ def main() -> int:
     p.add_argument("--width", type=int, default=256, help="the GPT's n_embd")
     p.add_argument(
         "--parts",
-        default="wiring,inflight,activations,kill,memory,scaling,parity",
+        default="wiring,inflight,activations,kill,driver-kill,memory,scaling,parity",
         help="which parts to run, comma-separated (default: %(default)s)",
     )
     p.add_argument(
@@ -619,7 +775,13 @@ def main() -> int:
         default="auto",
         help="scaling: the stage's arithmetic (auto: bf16 autocast on a GPU, fp32 on the CPU)",
     )
+    p.add_argument(
+        "--driver-kill-trials", type=int, default=3, help="driver-kill: trials of each arm"
+    )
     p.add_argument("--serve-replica", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--serve-driver", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--driver-endpoints", default="", help=argparse.SUPPRESS)
+    p.add_argument("--driver-sessions", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.ERROR)
@@ -627,8 +789,11 @@ def main() -> int:
                        n_embd=args.width)  # fmt: skip
     if args.serve_replica:
         return serve_replica(args, config)
+    if args.serve_driver:
+        return serve_driver(args, config)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    known = {"wiring", "inflight", "activations", "kill", "memory", "parity", "scaling"}
+    known = {"wiring", "inflight", "activations", "kill", "driver-kill", "memory", "parity",
+             "scaling"}  # fmt: skip
     unknown = set(parts) - known
     if unknown:
         p.error(f"no such part: {', '.join(sorted(unknown))}")
@@ -636,7 +801,7 @@ def main() -> int:
         "bench": "pipeline",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),
-        "settings": {k: v for k, v in vars(args).items() if k != "serve_replica"},
+        "settings": {k: v for k, v in vars(args).items() if k not in CHILD_FLAGS},
     }
     if "wiring" in parts:
         report.update(wiring(args, config))
@@ -646,6 +811,8 @@ def main() -> int:
         report.update(activations(args, config))
     if "kill" in parts:
         report.update(kill(args, config))
+    if "driver-kill" in parts:
+        report.update(driver_kill(args, config))
     if "memory" in parts:
         report.update(memory(args, config))
     if "scaling" in parts:
@@ -658,7 +825,7 @@ def main() -> int:
                              micro_batches=args.parity_micro_batches,
                              repeats=args.parity_repeats, batches=text_batches,
                              arms=arms))  # fmt: skip
-    report["settings"] = {k: v for k, v in vars(args).items() if k != "serve_replica"}
+    report["settings"] = {k: v for k, v in vars(args).items() if k not in CHILD_FLAGS}
     print(json.dumps(report, indent=2))
     return 0
 

@@ -803,6 +803,26 @@ async def test_hostile_session_calls_are_refused_and_counted_and_a_session_is_it
     assert dict(service.refused) == {"malformed": 2, "wrong-stage": 1, "busy": 1}
 
 
+async def test_a_driver_opens_a_session_with_each_replica_it_uses_unless_told_not_to():
+    for sessions in (True, False):
+        local, remote = gpt_stages(CONFIG, 2, seed=4)
+        service = service_of(remote, 1, 2, "f32")
+        first = StageReplica(local, first=True, last=False)
+        config = DriverConfig(encoding="f32", sessions=sessions)
+        async with pipeline([[service]], first, config=config) as (drv, _):
+            for seed in range(3):
+                await drv.run(*batch(seed))
+                if not sessions or drv.sessions:
+                    break
+            for _ in range(600):  # it opens beside the first micro-batches
+                if drv.sessions == int(sessions):
+                    break
+                await asyncio.sleep(0.05)
+            assert drv.sessions == service.replica.sessions == int(sessions)
+            await drv.run(*batch(5))
+        assert service.replica.micro_batches >= 2
+
+
 async def test_hostile_audit_calls_are_refused_and_counted():
     local, remote = gpt_stages(CONFIG, 3, seed=7)[:2]
     service = service_of(remote, 1, 3, "int8")

@@ -131,6 +131,11 @@ class DriverConfig:
     """How long a replica found out answering wrong is not drawn again."""
     max_audits: int = 2
     """Audits under way at once; one more due then is not made."""
+    sessions: bool = True
+    """Hold a session with each replica it sends forwards to and name it in them, so that
+    the replicas drop this driver's micro-batches as soon as it dies (False: forwards name
+    none, and a dead driver's inputs wait for the replicas' deadline: the benchmark's
+    baseline, or a network that cuts calls held open)."""
 
     def __post_init__(self) -> None:
         require_positive("hop_timeout_s", self.hop_timeout_s)
@@ -509,7 +514,7 @@ class Driver:
             started = time.monotonic()
             self.stats.busy[endpoint] += 1
             try:
-                request.session = self._session(endpoint, stage)
+                request.session = self._session(endpoint, stage) if self.config.sessions else b""
                 answer = await self._call(endpoint, FORWARD, request)
                 if answer.WhichOneof("outcome") == "refused":
                     raise Rejection(answer.refused.code, answer.refused.reason)
