@@ -542,7 +542,13 @@ def test_a_hostile_member_injected_with_a_fault_plan_cannot_stop_honest_peers(tm
     assert plan.fired[0] > 0
     for p in (a, b):
         assert p.events.of("stopped")[0]["reason"].startswith("the run is over")
-        assert any(e["excluded"] for e in p.events.of("round"))  # the hostile one, struck
+    # The hostile one's corrupted results were sent in a round with them: it was struck from
+    # a round they applied, or that round was aborted with nothing applied (which of the
+    # two depends on when each saw the NaN scales: a clean-clone CI run at 0f8f26d, beside
+    # the rest of the suite, aborted its round 2 on the members' disagreement instead).
+    struck = any(e["excluded"] for p in (a, b) for e in p.events.of("round"))
+    aborted = any(e["event"] == "aborted" for p in (a, b) for e in p.events)
+    assert struck or aborted, _story(a, b)
     # Every round applied is applied by both (the hostile one completes none), on one state:
     # striking it never leaves them with different results.
     applied = [{e["round"]: e["digest"] for e in p.events.of("round")} for p in (a, b)]
