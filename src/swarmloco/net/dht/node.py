@@ -269,8 +269,6 @@ class DHTNode:
         )
         if verdict.skew is not None:
             self.clock_skew_s = verdict.skew
-        if verdict.refusal is not None:
-            raise NetworkError(verdict.refusal)
         if verdict.warning is not None:
             logger.warning("%s", verdict.warning)
         first = answered[0].response
@@ -279,18 +277,49 @@ class DHTNode:
             self.set_endpoint(format_endpoint(first.observed_host, announce_port))
         # Looking ourselves up fills our buckets near us and tells those nodes about us.
         await self.find_nodes(self.peer_id)
-        await self._ask_the_time(answered, request)
+        await self._ask_the_time(answered, request, refusal=verdict.refusal)
         return len(answered)
 
-    async def _ask_the_time(self, answered: Sequence[Answer], request: pb.PingRequest) -> None:
+    async def _ask_the_time(
+        self, answered: Sequence[Answer], request: pb.PingRequest, *, refusal: str | None
+    ) -> None:
         """Ask the time of up to ``clock_sample`` contacts, one per source network no entry
         peer is on, and keep the median of one vote per network, the entry peers' included:
         entry peers whose clocks are off, or who lie about them, are outvoted (SECURITY.md,
-        "Time from the entry peers"). Raises NetworkError when the peers of many networks
+        "Time from the entry peers"). ``refusal``: why the entry peers' time alone would
+        stop this node (they put its clock further off than records tolerate); it stands
+        when no other network answers. Raises NetworkError when the peers of many networks
         put this machine's clock further off than records tolerate."""
         entry = [(endpoint_network(a.endpoint), a.offset) for a in answered if a.response.time_ms]
-        if self.config.clock_sample <= 0 or not entry:
+        sampled = await self._sample_clocks(entry, request)
+        if not sampled:
+            if refusal is not None:
+                raise NetworkError(refusal)
             return
+        votes = network_votes([*entry, *sampled])
+        verdict = check_clock(votes, config=self.config, whose="networks whose peers it asked")
+        if verdict.refusal is not None:
+            raise NetworkError(verdict.refusal)
+        wider = verdict.skew
+        assert wider is not None
+        said = sorted(offset for _, offset in entry)[(len(entry) - 1) // 2]
+        if refusal is None and abs(wider - self.clock_skew_s) <= self.config.warn_clock_skew_s:
+            return
+        logger.warning(
+            "the %d peer(s) this node joined through put the swarm's time %+.0f s from this "
+            "machine's clock; the peers of %d networks in all put it %+.0f s from it: keeping "
+            "theirs (an entry peer's clock is wrong, or it lied about it)",
+            len(answered), said, len(votes), wider,
+        )  # fmt: skip
+        self.clock_skew_s = wider
+
+    async def _sample_clocks(
+        self, entry: Sequence[tuple[str, float]], request: pb.PingRequest
+    ) -> list[tuple[str, float]]:
+        """The clock offsets of up to ``clock_sample`` contacts, one per source network no
+        entry peer is on (``entry``: the entry peers' networks and offsets)."""
+        if self.config.clock_sample <= 0 or not entry:
+            return []
         networks = {network for network, _ in entry}
         contacts = [c for c in self.routing if c.endpoint]
         self._rng.shuffle(contacts)
@@ -300,24 +329,7 @@ class DHTNode:
             if network not in networks and len(asked) < self.config.clock_sample:
                 networks.add(network)
                 asked.append(contact.endpoint)
-        sampled = await self._entry.clocks(asked, request) if asked else []
-        if not sampled:
-            return
-        votes = network_votes([*entry, *sampled])
-        verdict = check_clock(votes, config=self.config, whose="networks whose peers it asked")
-        if verdict.refusal is not None:
-            raise NetworkError(verdict.refusal)
-        wider = verdict.skew
-        assert wider is not None
-        if abs(wider - self.clock_skew_s) <= self.config.warn_clock_skew_s:
-            return
-        logger.warning(
-            "the %d peer(s) this node joined through put the swarm's time %+.0f s from this "
-            "machine's clock; the peers of %d networks in all put it %+.0f s from it: keeping "
-            "theirs (an entry peer's clock is wrong, or it lied about it)",
-            len(answered), self.clock_skew_s, len(votes), wider,
-        )  # fmt: skip
-        self.clock_skew_s = wider
+        return await self._entry.clocks(asked, request) if asked else []
 
     def clock(self) -> float:
         """The swarm's time: this machine's clock corrected by how far the peers it joined
