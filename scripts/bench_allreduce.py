@@ -13,7 +13,11 @@
    CPU time of each peer process over that span. Bytes are the averaging messages each
    peer sent (``bytes_sent``), also cross-checked with the loopback interface counters.
    Every member declares its vector's norm, so the group's norm bound (4x the median) is
-   checked on every chunk, as in a daemon.
+   checked on every chunk, as in a daemon. Beside each round a probe sleeps 5 ms at a time
+   on each peer's event loop: ``swarmloco_loop_lag_max_s`` is the latest it woke (the
+   loop held by the round's work in one piece, or waiting for a core), and
+   ``swarmloco_loop_lag_over_50ms`` how many times a peer's probe woke over 50 ms late in
+   a round (medians of the rounds; the worst peer of each).
 2. The same with every peer limited to ``--mbit`` (100) Mbit/s up and down by the
    averager's bandwidth limiter; the ideal is the bytes each peer must send at that rate.
 3. ``--aggregators``: the same rounds with each aggregator (norm bound on) and with the
@@ -98,6 +102,19 @@ def _vector(index: int, params: int, padded: int) -> Any:
     vector = torch.zeros(padded)
     vector[:params] = torch.randn(params, generator=g)
     return vector
+
+
+async def _loop_lag(lags: list[float], tick: float = 0.005) -> None:
+    """Record how late each of a stream of short sleeps wakes on the running loop: how long
+    the loop was held by other work (a round's decoding, hashing, accumulating) while a
+    DHT request or a heartbeat would have waited."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    while True:
+        asleep = loop.time()
+        await asyncio.sleep(tick)
+        lags.append(max(0.0, loop.time() - asleep - tick))
 
 
 def swarmloco_worker(args: argparse.Namespace) -> None:
@@ -208,7 +225,14 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
                     t_group = time.time()
                     _emit({"event": "group", "t": t_group, "size": group.size})
                     cpu0 = time.process_time()
-                    result = await averager.all_reduce(group, vector, deadline=deadline, out=mean)
+                    lags: list[float] = []
+                    probe = asyncio.ensure_future(_loop_lag(lags))
+                    try:
+                        result = await averager.all_reduce(
+                            group, vector, deadline=deadline, out=mean
+                        )
+                    finally:
+                        probe.cancel()
                     t_done = time.time()
                     cpu = time.process_time() - cpu0
                 except Exception as exc:  # report any failure to the orchestrator
@@ -222,6 +246,8 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
                         "t_group": t_group,
                         "t_done": t_done,
                         "cpu_s": cpu,
+                        "loop_lag_max_s": max(lags, default=0.0),
+                        "loop_lag_over_50ms": sum(lag > 0.05 for lag in lags),
                         "bytes_sent": report.bytes_sent,
                         "bytes_received": report.bytes_received,
                         "digest": report.digest,
@@ -424,6 +450,8 @@ def swarmloco_round(
         "matchmaking_s": max(r["matchmaking_s"] for r in results),
         "cpu_s_per_peer": statistics.mean(r["cpu_s"] for r in results),
         "cpu_s_max": max(r["cpu_s"] for r in results),
+        "loop_lag_max_s": max(r["loop_lag_max_s"] for r in results),
+        "loop_lag_over_50ms": max(r["loop_lag_over_50ms"] for r in results),
         "bytes_sent_per_peer": max(r["bytes_sent"] for r in results),
         "loopback_bytes_per_peer": lo_bytes / len(workers),
         "timings": [r["timings"] for r in results],
@@ -582,6 +610,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["swarmloco_matchmaking_s"] = statistics.median(r["matchmaking_s"] for r in rounds)
         out["swarmloco_cpu_s_per_peer"] = statistics.median(r["cpu_s_per_peer"] for r in rounds)
         out["swarmloco_cpu_s_max_peer"] = statistics.median(r["cpu_s_max"] for r in rounds)
+        # The longest the event loop of any peer was held in one piece during a round, and
+        # how many times a peer's loop was held over 50 ms in one round (medians of rounds).
+        out["swarmloco_loop_lag_max_s"] = statistics.median(r["loop_lag_max_s"] for r in rounds)
+        out["swarmloco_loop_lag_over_50ms"] = statistics.median(
+            r["loop_lag_over_50ms"] for r in rounds
+        )
         out["bytes_sent_per_peer"] = max(r["bytes_sent_per_peer"] for r in rounds)
         out["loopback_bytes_per_peer"] = statistics.median(
             r["loopback_bytes_per_peer"] for r in rounds
