@@ -1,7 +1,8 @@
 """A later stage's peer that leaves once the run is over for it (`join --leave-idle`): a
 stage-1 peer serves a stage-0 peer that drives micro-batches through it until its
 `--max-rounds`, then leaves; the stage-1 peer, with no micro-batch and no driver's session
-left, leaves by itself, exit 0, saying why."""
+left, averages what it trained since its last round, then leaves by itself, exit 0, saying
+why, with nothing it trained left out of its stage's state."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ def test_a_later_stage_peer_leaves_once_its_drivers_are_gone(tmp_path):
             with PeerProcess.join(swarm, boot.endpoint, tmp_path / "s0", *first) as s0:
                 assert s0.wait(240) == 0, s0.log_tail()
                 assert s1.wait(120) == 0, s1.log_tail()
-    reason = s1.of("stopped")[-1]["reason"]
-    assert reason == "no micro-batch and no driver for 3 s (--leave-idle)", s1.events
+    stopped = s1.of("stopped")[-1]
+    assert stopped["reason"] == "no micro-batch and no driver for 3 s (--leave-idle)", s1.events
+    # It had trained on micro-batches no round averaged, and averaged them before leaving.
+    assert "averaging its last steps" in "".join(s1.log), s1.log_tail()
+    assert stopped["unaveraged_tokens"] == 0, s1.log_tail()
     assert s1.of("round"), s1.log_tail()  # it trained on what stage 0 drove
     assert "left stage 1" in "".join(s1.log), s1.log_tail()
     assert "Traceback" not in "".join(s1.log), s1.log_tail()

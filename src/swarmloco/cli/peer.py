@@ -88,9 +88,10 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         help="in a pipelined run, a peer of a later stage (1 and up) leaves once no "
         "micro-batch came through it for this long and no stage-0 peer holds a session with "
         "it (a driver that pauses keeps its session): its drivers are gone, the run's readers "
-        "reached --max-epochs, say. Counted once a first micro-batch came. It leaves as when "
-        "stopped: its checkpoint kept, what it trained since its stage's last round not "
-        "averaged (default: serve until stopped)",
+        "reached --max-epochs, say. Counted once a first micro-batch came. Before it leaves "
+        "it averages what it trained since its stage's last round at once, with whichever "
+        "replicas of its stage come (alone if none does; it leaves without after 120 s, its "
+        "checkpoint keeping them) (default: serve until stopped)",
     )
     g.add_argument(
         "--slowdown",

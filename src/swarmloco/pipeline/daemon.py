@@ -195,7 +195,8 @@ def train_stage(
     leases, read log: the fields of ``DaemonConfig`` for those; None: the defaults).
     ``leave_idle_s``: a peer of a later stage leaves once no micro-batch came in or went
     back through it for that long with no driver's session open there
-    (``StageReplica.idle_s``; 0: it serves until stopped); stage 0 drives its own."""
+    (``StageReplica.idle_s``), once it averaged what it trained since its last round
+    (:class:`_Leaving`; 0: it serves until stopped); stage 0 drives its own."""
     if slowdown_s < 0:
         raise ValueError(f"slowdown_s must be >= 0, got {slowdown_s}")
     if not leave_idle_s >= 0:
@@ -287,10 +288,9 @@ def train_stage(
                     n, move = _drive(peer, task, model, data, run, work, rebalancer, in_flight)
                     driven += n
                 else:
+                    leaving = _Leaving(peer, leave_idle_s)
                     while not peer.stopped.wait(0.5) and not _asked_to_stop(peer):
-                        if leave_idle_s and peer.replica.idle_s() >= leave_idle_s:
-                            why = f"no micro-batch and no driver for {leave_idle_s:g} s"
-                            _stop(peer, f"{why} (--leave-idle)")
+                        if leaving.done():
                             break
                         move = rebalancer.check(peer, driven)
                         if move is not None:
@@ -503,6 +503,57 @@ def _stage_reader(
     sequences = dataset_sequences(lazy, work.tokens_per_sequence, data.val_fraction)
     reader = leased_data(sequences, vocab, reading, run, work.ids.max_batch)
     return reader, server.service()
+
+
+LEAVE_FLUSH_S = 120.0
+"""How long a later stage's peer leaving by itself (``--leave-idle``) gives the round that
+averages its last steps before it leaves without."""
+
+
+class _Leaving:
+    """(A later stage's peer with ``--leave-idle S``.) Once no micro-batch came through it
+    for S seconds with no driver's session open there, it averages what it trained since
+    its last round at once (:attr:`StagePeer.flushing`), as stage 0's readers do once
+    their data is read, then leaves; it leaves without after :data:`LEAVE_FLUSH_S`. A
+    micro-batch coming meanwhile calls it off."""
+
+    def __init__(self, peer: StagePeer, after_s: float) -> None:
+        self.peer = peer
+        self.after_s = after_s
+        self._since: float | None = None  # when the flush began
+
+    def done(self) -> bool:
+        """Whether the peer was stopped to leave (called every half second)."""
+        peer = self.peer
+        if not self.after_s or peer.peer is None:
+            return False
+        if peer.replica.idle_s() < self.after_s:
+            if self._since is not None:
+                logger.info("stage %d: micro-batches came again; it stays", peer.stage)
+                peer.flushing.clear()
+                self._since = None
+            return False
+        hook = peer.peer.hook
+        if self._since is None:
+            self._since = time.monotonic()
+            if not hook.flushed:
+                logger.info(
+                    "stage %d: no micro-batch and no driver for %g s: averaging its last "
+                    "steps (%d tokens) before it leaves",
+                    peer.stage, self.after_s, hook.unaveraged_tokens(),
+                )  # fmt: skip
+            peer.flushing.set()
+        why = f"no micro-batch and no driver for {self.after_s:g} s"
+        if not hook.flushed:
+            if time.monotonic() - self._since < LEAVE_FLUSH_S:
+                return False
+            logger.warning(
+                "stage %d: its last steps (%d tokens) were not averaged within %.0f s; it "
+                "leaves without (its checkpoint keeps them)",
+                peer.stage, hook.unaveraged_tokens(), LEAVE_FLUSH_S,
+            )  # fmt: skip
+        _stop(peer, f"{why} (--leave-idle)")
+        return True
 
 
 def _stop(peer: StagePeer, why: str) -> None:

@@ -161,6 +161,10 @@ class StagePeer:
         self.peer: Peer | None = None
         self.stopped = threading.Event()
         """Set when the stage's peer stops (max rounds, the run's end, a stop asked)."""
+        self.flushing = threading.Event()
+        """(A later stage about to leave: ``--leave-idle``.) Set: once no step came for a
+        while, what this stage trained since its last round is averaged at once, as stage
+        0's does once its data is read (:meth:`StepHook.wait` with ``flush``)."""
         self._closing = threading.Event()
         self._stack: contextlib.ExitStack | None = None
         self._stepping: threading.Thread | None = None
@@ -368,10 +372,12 @@ class StagePeer:
                 if samples is None:
                     if peer.hook.settling:  # a round landed: its digest, without a step
                         peer.hook.settle()
-                    # Stage 0 read its data to the end (or all it may lease): what it
-                    # trained is averaged now, not when steps that are not coming make a
-                    # round due.
-                    flush = self.reader is not None and self.reader.exhausted
+                    # Stage 0 read its data to the end (or all it may lease), or a later
+                    # stage is about to leave: what it trained is averaged now, not when
+                    # steps that are not coming make a round due.
+                    flush = (
+                        self.reader is not None and self.reader.exhausted
+                    ) or self.flushing.is_set()
                     if time.monotonic() - last_step < IDLE_LAND_S or not (
                         flush or peer.hook.exchange_over()
                     ):

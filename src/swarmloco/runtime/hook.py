@@ -163,6 +163,17 @@ class StepHook:
         """Whether this peer trained on tokens no applied round has averaged yet."""
         return any(t > 0 for t in self.parts.diloco.fragment_tokens)
 
+    def unaveraged_tokens(self) -> int:
+        """The tokens this peer trained on that no applied round has averaged yet (its
+        local work that leaving now would keep out of the swarm's state)."""
+        return int(sum(self.parts.diloco.fragment_tokens))
+
+    @property
+    def flushed(self) -> bool:
+        """Whether everything this peer trained on is averaged: no round in flight and no
+        tokens since the last applied round (what :meth:`wait` with ``flush`` comes to)."""
+        return self.rounds.inflight is None and not self._unaveraged()
+
     def _between_steps(self) -> None:
         p, rounds, follower = self.parts, self.rounds, self.follower
         tau = p.spec.delay

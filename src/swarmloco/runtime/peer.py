@@ -415,6 +415,9 @@ class Peer:
                 step=k.progress.steps,
                 global_step=k.progress.global_step,
                 reason=k.stop.reason,
+                # What it trained on that no applied round averaged: its checkpoint keeps
+                # it, the swarm's state does not.
+                unaveraged_tokens=self.hook.unaveraged_tokens(),
                 # Time in inner steps over time since training started: what rounds cost.
                 train_seconds=round(k.progress.train_seconds, 3),
                 wall_seconds=round(wall, 3),
