@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from swarmloco.core.codec import (
@@ -91,18 +92,22 @@ def test_the_pseudo_gradient_is_encoded_as_the_whole_vector_would_be():
     assert not whole[theta.numel() :].any()  # the padding
 
 
-def test_a_pseudo_gradient_with_nan_is_not_encoded_and_leaves_the_residual_as_it_was():
+@pytest.mark.parametrize("feedback", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_pseudo_gradient_with_nan_is_not_encoded_and_leaves_the_residual_as_it_was(bad, feedback):
     layout = FlatLayout(SHAPES, [0] * len(SHAPES), CODEC.block_size)
-    codec = CodecConfig(block_size=1024, backend="eager", error_feedback=True)
+    codec = CodecConfig(block_size=1024, backend="eager", error_feedback=feedback)
     state = DilocoState(layout, OuterConfig(), codec)
     _, params = state_and_params()
     assert state.encode(0, params)
-    assert state.feedback is not None
-    residual = state.feedback[0].residual.clone()
-    assert residual.any()  # what the first message left out
-    params[2][3, 4] = float("nan")  # in the second slab: the first was encoded already
+    residual = state.feedback[0].residual.clone() if state.feedback else None
+    assert residual is None or residual.any()  # what the first message left out
+    params[2][3, 4] = bad  # in the second slab: the first was encoded already
     assert not state.encode(0, params)
-    assert torch.equal(state.feedback[0].residual, residual)
+    if state.feedback is not None:
+        assert torch.equal(state.feedback[0].residual, residual)
+    params[2][3, 4] = 0.0
+    assert state.encode(0, params)  # finite again: encoded
 
 
 def test_the_outer_step_on_an_encoded_mean_is_the_step_on_the_decoded_one_bit_for_bit():

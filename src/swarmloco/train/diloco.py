@@ -31,6 +31,7 @@ from swarmloco.core.flat import FlatLayout
 from swarmloco.core.outer import SLAB_VALUES, OuterConfig, OuterOptimizer
 from swarmloco.core.state import LANDED, MOMENTUM, THETA_G, TOKENS, StateSchema, StateSnapshot
 from swarmloco.dataset.ledger import Landed, Range
+from swarmloco.errors import CodecError
 
 
 def fragment_of_round(round: int, fragments: int) -> int:
@@ -155,15 +156,20 @@ class DilocoState:
         if feedback is not None:
             feedback.begin()
         for start, slab in self._delta_slabs(fragment, params):
-            if not bool(torch.isfinite(slab).all()):
+            q, scales = encoded_slice(message, start, start + slab.numel())
+            try:
+                # The encoder refuses a slab holding NaN or Inf by its scales (one a block),
+                # so the slab is not read once more to look for them first.
+                if feedback is not None:
+                    feedback.encode_slab(start, slab, out=(q, scales))
+                else:
+                    quantize(slab, self.codec, out=(q, scales))
+            except CodecError:
+                if bool(torch.isfinite(slab).all()):
+                    raise
                 if feedback is not None:
                     feedback.rollback()
                 return False
-            q, scales = encoded_slice(message, start, start + slab.numel())
-            if feedback is not None:
-                feedback.encode_slab(start, slab, out=(q, scales))
-            else:
-                quantize(slab, self.codec, out=(q, scales))
         return True
 
     def apply(
