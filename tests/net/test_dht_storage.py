@@ -329,7 +329,11 @@ def test_expiry_and_eviction_leave_every_count_at_zero():
         ("192.168.1.9", False, "192.168.1.9"),
         ("fe80::1%eth0", False, "fe80::1"),
         ("127.0.0.2", True, "127.0.0.0/24"),
-        ("seed.example.org", False, "name:seed.example.org"),
+        ("seed.example.org", False, "name:example.org"),
+        # Names cost their domain's owner nothing: every one under a domain is one network.
+        ("a1.Evil.example.", False, "name:evil.example"),
+        ("10.0.0.1.nip.io", False, "name:nip.io"),
+        ("peer1", False, "name:peer1"),  # one label: the operator's own resolver's
     ],
 )
 def test_the_network_a_caller_counts_toward(host, limit_private, network):

@@ -15,7 +15,7 @@ from swarmloco.core.state import MOMENTUM, THETA_G, StateSchema, StateSnapshot
 from swarmloco.net.records import digest_key, progress_key
 from swarmloco.net.state import Donor, DownloadedState, StateTransferError
 from swarmloco.runtime import catchup as catchup_module
-from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
+from swarmloco.runtime.catchup import Candidate, CatchUp, CatchUpConfig
 
 SWARM = "e4" * 20
 NUMEL = 64
@@ -157,3 +157,16 @@ async def test_a_peer_reads_no_more_than_rounds_read_rounds(monkeypatch):
     digests_read = [k for k in swarm.dht.reads if k != progress_key(SWARM)]
     assert len(digests_read) == CatchUpConfig().rounds_read
     assert len(found.unbacked) == 200
+
+
+def test_holders_at_names_under_one_domain_count_as_one_network():
+    """A state's holders count by the networks they answered at; names under one domain
+    are one (its owner makes as many as it likes, pointing at one machine), and a name of
+    one label (a container's) counts alone, as an address does."""
+    keys = tuple(f"key{i}" for i in range(20))
+    named = {k: f"a{i}.evil.example:4000" for i, k in enumerate(keys)}
+    answered = frozenset(keys)
+    assert Candidate(5, b"d" * 16, keys, named, answered=answered).networks == 1
+    more = {**named, "x": "203.0.113.5:4000", "y": "peer1:4000", "z": "peer2:4000"}
+    everyone = (*keys, "x", "y", "z")
+    assert Candidate(5, b"d" * 16, everyone, more, answered=frozenset(everyone)).networks == 4

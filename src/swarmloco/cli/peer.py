@@ -159,7 +159,10 @@ def _add_network_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--announce-host",
         default=None,
-        help="host other peers should dial (default: the bound host, or as the peers see us)",
+        help="host other peers should dial, an address or a name (default: the bound host, or "
+        "as the peers see us). A name counts as its domain wherever peers are counted per "
+        "network: peers under one dynamic-DNS domain count as one network; an address is "
+        "counted by its /24",
     )
     g.add_argument(
         "--announce-port",

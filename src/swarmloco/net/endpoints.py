@@ -2,7 +2,7 @@
 
 IPv6 hosts are written in brackets (``[::1]:31337``). The subnet of a host is what the
 routing table caps per bucket to resist eclipse attacks: the /24 of an IPv4 address, the
-/64 of an IPv6 address, or the name itself for a host name. The source network of a
+/64 of an IPv6 address, or the domain of a host name (:func:`name_network`). The source network of a
 caller (:func:`source_network`) is the same grouping, except that loopback and private
 addresses count one by one (unless limited): keys cost nothing and addresses do, so it is
 what a server's and a donor's slots, DHT storage quotas, log lines, dashboard connections
@@ -52,7 +52,7 @@ def subnet_of(host: str, *, limit_private: bool) -> str | None:
     """
     address = _ip(host)
     if address is None:
-        return f"name:{host.lower()}"
+        return name_network(host)
     if not limit_private and _is_local(address):
         return None
     return _prefix(address)
@@ -72,10 +72,22 @@ def source_network(host: str, *, limit_private: bool = False) -> str:
     """
     address = _ip(host)
     if address is None:
-        return f"name:{host.lower()[:64]}"
+        return name_network(host)
     if _is_local(address) and not limit_private:
         return str(address)
     return _prefix(address)
+
+
+def name_network(host: str) -> str:
+    """The network a host *name* counts toward: its domain, the last two of its labels
+    (``a1.evil.example`` and ``a2.evil.example`` are one network, ``evil.example``). The
+    owner of a domain makes as many names under it as it likes, pointing wherever it likes
+    (a wildcard record, or a service such as nip.io that maps every name to an address),
+    so only the domain costs anything; names under a shared domain (a dynamic-DNS
+    service's) count together. A name of one label (a container's on its Docker network,
+    one in /etc/hosts) counts by itself: only the operator's own resolver answers for it."""
+    labels = host.lower().rstrip(".").split(".")
+    return "name:" + ".".join(labels[-2:])[:64]
 
 
 def endpoint_network(endpoint: str) -> str:
