@@ -33,7 +33,9 @@ fetches a pinned dataset. Prints ONE JSON object.
   others (``churn_box``). With ``--churn-pipeline``, the run is a pipeline of 2 stages
   (``--stages 2``): ``a``, ``b`` and ``c`` serve stage 0 (they read the dataset and are
   killed as above), one more peer serves stage 1 throughout and leaves by itself once the
-  readers are gone (``--leave-idle``: ``stage1_left_by_itself``), and the final state is
+  readers are gone (``--leave-idle``: ``stage1_left_by_itself``; what it trained that no
+  round of its stage averaged, as it left: ``stage1_unaveraged_tokens_at_leave``, from its
+  ``stopped`` event), and the final state is
   stage 0's (``churn_pipeline``; DESIGN section 10, "A pinned dataset"). Stage 1's
   leaving line says the micro-batches of killed readers it dropped at their deadline and
   at their sessions' end (``stage1_inputs_dropped_at_deadline``,
@@ -287,6 +289,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     runs: list[Any] = []
     victims: list[str] = []  # the peers killed (and started again), in order
     left_idle = False  # (--churn-pipeline) the stage-1 peer left by itself
+    unaveraged = None  # and the tokens it trained that no round of its stage averaged
     stages = ("--stages", "2") if args.churn_pipeline else ()
     stage = ("--stage", "0") if args.churn_pipeline else ()
     with Bootstrap(work / "boot") as boot:
@@ -345,6 +348,8 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     codes["s1"] = later.wait(90)
                 stopped = later.of("stopped")
                 left_idle = bool(stopped) and "--leave-idle" in stopped[-1]["reason"]
+                # What it trained that no applied round of its stage averaged, as it left.
+                unaveraged = stopped[-1].get("unaveraged_tokens") if stopped else None
         finally:
             for p in runs:
                 if p.process.poll() is None:
@@ -376,6 +381,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "stage1_inputs_dropped_at_deadline": int(found[-1].group(1)) if found else None,
             "stage1_micro_batches_of_drivers_gone": int(found[-1].group(2)) if found else None,
             "stage1_left_by_itself": left_idle,
+            "stage1_unaveraged_tokens_at_leave": unaveraged,
         }
     return {
         **pipeline,
