@@ -24,7 +24,10 @@
   admitted to), with the driver's sessions (DESIGN section 10: the replicas drop its
   inputs when its connections close) and without (``DriverConfig.sessions=False``: they
   wait for their deadline, 30 s at least), ``--driver-kill-trials`` each, in turn:
-  ``driver_kill_step_s`` (medians) and ``driver_kill_step_ratio``.
+  ``driver_kill_step_s`` (medians) and ``driver_kill_step_ratio``. With
+  ``--driver-signal stop`` the driver is SIGSTOPped instead (a machine that froze, slept or
+  dropped off its network: its connections stay open, nothing answers on them) and killed
+  once the trial ends.
 - ``memory``: the bytes of what a stage peer holds of the model (parameters, gradients,
   AdamW's two moments) against the whole model's (target about 1/S). A stage peer's
   process builds its stage alone (``build_stage``), so it holds only these.
@@ -485,9 +488,11 @@ async def driver_kill_trial(
         if not await loop.run_in_executor(None, gate.entered.wait, 120):
             raise SystemExit("the driver's micro-batch never reached stage 2")
         steps = (middle.steps, tail.steps)
-        child.send_signal(signal.SIGKILL)
+        frozen = args.driver_signal == "stop"
+        child.send_signal(signal.SIGSTOP if frozen else signal.SIGKILL)
         killed_at = time.monotonic()
-        await loop.run_in_executor(None, child.wait)
+        if not frozen:
+            await loop.run_in_executor(None, child.wait)
         gate.release.set()  # its forward at stage 2 ends, for nobody
         client = NetNode(identity=Identity.generate(), config=NodeConfig(server=None,
                          peers=(endpoints[0],)))  # fmt: skip
@@ -510,6 +515,7 @@ async def driver_kill_trial(
         driver.close()
     return {
         "sessions": sessions,
+        "signal": args.driver_signal,
         "step_s": None if stepped_at is None else round(stepped_at - killed_at, 3),
         "failed_micro_batches": failed,
         "dropped_at_deadline": middle.dropped + tail.dropped,
@@ -531,6 +537,7 @@ def driver_kill(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any]:
         ratio = round(medians["sessions"] / medians["none"], 4)
     return {
         "driver_kill": trials,
+        "driver_kill_signal": args.driver_signal,
         "driver_kill_step_s": medians,
         "driver_kill_step_ratio": ratio,
     }
@@ -777,6 +784,13 @@ def main() -> int:
     )
     p.add_argument(
         "--driver-kill-trials", type=int, default=3, help="driver-kill: trials of each arm"
+    )
+    p.add_argument(
+        "--driver-signal",
+        choices=("kill", "stop"),
+        default="kill",
+        help="driver-kill: SIGKILL the driver (its kernel closes its connections) or SIGSTOP "
+        "it (a machine that froze or dropped off its network: nothing closes)",
     )
     p.add_argument("--serve-replica", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--serve-driver", action="store_true", help=argparse.SUPPRESS)
