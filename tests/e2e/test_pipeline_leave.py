@@ -30,3 +30,31 @@ def test_a_later_stage_peer_leaves_once_its_drivers_are_gone(tmp_path):
     assert s1.of("round"), s1.log_tail()  # it trained on what stage 0 drove
     assert "left stage 1" in "".join(s1.log), s1.log_tail()
     assert "Traceback" not in "".join(s1.log), s1.log_tail()
+
+
+
+def test_two_replicas_of_a_later_stage_average_their_last_steps_together_and_leave(tmp_path):
+    """Two stage-1 peers with `--leave-idle`: once stage 0's peer left, each averages what
+    it trained since its stage's last round, and both leave on one digest."""
+    with Bootstrap(tmp_path / "boot") as boot:
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint, "--stages", "2")
+        late = ("--stage", "1", "--leave-idle", "3")
+        with (
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "s1a", *late) as a,
+            PeerProcess.join(swarm, boot.endpoint, tmp_path / "s1b", *late) as b,
+        ):
+            for s1 in (a, b):
+                s1.wait_for("ready", timeout=120)
+            first = ("--stage", "0", "--max-rounds", "2")
+            with PeerProcess.join(swarm, boot.endpoint, tmp_path / "s0", *first) as s0:
+                assert s0.wait(240) == 0, s0.log_tail()
+                for s1 in (a, b):
+                    assert s1.wait(180) == 0, s1.log_tail()
+    for s1 in (a, b):
+        stopped = s1.of("stopped")[-1]
+        assert "(--leave-idle)" in stopped["reason"], s1.events
+        assert "averaging its last steps" in "".join(s1.log), s1.log_tail()
+        assert stopped["unaveraged_tokens"] == 0, s1.log_tail()
+    last = [s1.of("round")[-1] for s1 in (a, b)]
+    assert last[0]["round"] == last[1]["round"] and last[0]["group"] == 2, last
+    assert last[0]["digest"] == last[1]["digest"], last
