@@ -32,7 +32,6 @@ def test_a_later_stage_peer_leaves_once_its_drivers_are_gone(tmp_path):
     assert "Traceback" not in "".join(s1.log), s1.log_tail()
 
 
-
 def test_two_replicas_of_a_later_stage_average_their_last_steps_together_and_leave(tmp_path):
     """Two stage-1 peers with `--leave-idle`: once stage 0's peer left, each averages what
     it trained since its stage's last round, and both leave on one digest."""
