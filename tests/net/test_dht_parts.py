@@ -204,6 +204,38 @@ def test_a_newcomer_is_handed_the_records_of_the_keys_it_is_closer_to_than_the_k
     assert len(records_for(newcomer, storage=storage, routing=routing, k=2)) == len(keys)
 
 
+@pytest.mark.parametrize("k", [1, 3, 20])
+def test_the_keys_handed_to_a_newcomer_are_those_the_kth_closest_other_node_is_farther_from(k):
+    """The hand-off counts the others closer to each key (no sort): the same keys as the
+    definition, the k closest others by the routing table and the k-th's distance, on
+    tables of many sizes (the newcomer among them or not)."""
+    clock = Clock()
+    clock.now = time.time()
+    storage = Storage(StorageConfig(max_records_per_sender=1 << 20), clock=clock)
+    owner = Identity.generate()
+    keys = [counter_key(f"{i:03x}" * 13 + "0") for i in range(300)]
+    for key in keys:
+        record = make_record(key, {"count": 1, "label": ""}, expiration=clock.now + 60, owner=owner)
+        assert storage.put(record, sender=owner.peer_id, network="203.0.113.0/24")
+    rng = random.Random(k)
+    for tries in (0, k - 1, k, 3 * k, 100):  # cards offered (full buckets keep fewer)
+        routing = RoutingTable(rng.randbytes(20), k=k)
+        for _ in range(tries):
+            routing.add(card(f"10.{rng.randrange(256)}.{rng.randrange(256)}.1"), now=0)
+        for newcomer in (card("9.9.9.9"), *list(routing)[:1]):
+            expected = []
+            for key in keys:
+                target = key_id(key)
+                others = routing.closest(target, k, exclude=newcomer.peer_id)
+                if len(others) < k or distance(newcomer.peer_id, target) < distance(
+                    others[-1].peer_id, target
+                ):
+                    expected.append(key)
+            handed = records_for(newcomer, storage=storage, routing=routing, k=k)
+            assert sorted(r.key for r in handed) == sorted(expected), (len(routing), k)
+            assert expected, len(routing)
+
+
 async def test_a_hand_off_of_many_keys_lets_the_event_loop_in_between_slices():
     """Thousands of keys held (records of made-up swarms cost only free keys) and a new
     contact: which records it gets is found a slice of keys at a time, and the loop runs
