@@ -27,6 +27,7 @@ def test_a_later_stage_peer_leaves_once_its_drivers_are_gone(tmp_path):
     # What it trained since its stage's last round (most runs: some micro-batches came
     # after it) was averaged before it left (as when stopped: 1,536 tokens left out).
     assert stopped["unaveraged_tokens"] == 0, s1.log_tail()
+    assert "tokens trained since its last applied round" not in "".join(s1.log)
     assert s1.of("round"), s1.log_tail()  # it trained on what stage 0 drove
     assert "left stage 1" in "".join(s1.log), s1.log_tail()
     assert "Traceback" not in "".join(s1.log), s1.log_tail()

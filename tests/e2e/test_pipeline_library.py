@@ -47,3 +47,7 @@ def test_a_users_own_stages_train_through_the_library(tmp_path):
             assert e["digest"] == together[e["round"]], (e, together)
     for peer, stage in ((driver, 0), (head, 1), (second, 1)):
         assert f"left stage {stage}" in "".join(peer.log), peer.log_tail()
+        # Stopped mid-round, a peer says what it trained that no round averaged.
+        unaveraged = peer.of("stopped")[-1]["unaveraged_tokens"]
+        said = f"leaves with {unaveraged:,} tokens trained since its last applied round"
+        assert (said in "".join(peer.log)) == (unaveraged > 0), peer.log_tail()

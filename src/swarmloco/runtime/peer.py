@@ -409,15 +409,23 @@ class Peer:
         finally:
             wall = time.monotonic() - self.train_started if self.train_started else 0.0
             stack.close()
+            # What it trained on that no applied round averaged: its checkpoint keeps it,
+            # the swarm's state does not.
+            unaveraged = self.hook.unaveraged_tokens()
+            if unaveraged and not failed:
+                logger.info(
+                    "leaves with %s tokens trained since its last applied round: its "
+                    "checkpoint keeps them (started again, it trains on from them), the "
+                    "swarm's state does not",
+                    f"{unaveraged:,}",
+                )
             k.emit(
                 "stopped",
                 round=self.diloco.round,
                 step=k.progress.steps,
                 global_step=k.progress.global_step,
                 reason=k.stop.reason,
-                # What it trained on that no applied round averaged: its checkpoint keeps
-                # it, the swarm's state does not.
-                unaveraged_tokens=self.hook.unaveraged_tokens(),
+                unaveraged_tokens=unaveraged,
                 # Time in inner steps over time since training started: what rounds cost.
                 train_seconds=round(k.progress.train_seconds, 3),
                 wall_seconds=round(wall, 3),
