@@ -161,7 +161,7 @@ class StepHook:
 
     def _unaveraged(self) -> bool:
         """Whether this peer trained on tokens no applied round has averaged yet."""
-        return any(t > 0 for t in self.parts.diloco.fragment_tokens)
+        return self.unaveraged_tokens() > 0
 
     def unaveraged_tokens(self) -> int:
         """The tokens this peer trained on that no applied round has averaged yet (its

@@ -48,13 +48,18 @@ class ClockCheck:
     """Why the node must not start: its records would be refused (None: it may)."""
 
 
+def low_median(values: Sequence[float]) -> float:
+    """The median of ``values`` (not empty), the lower of the two middle ones when even."""
+    return sorted(values)[(len(values) - 1) // 2]
+
+
 def network_votes(offsets: Sequence[tuple[str, float]]) -> list[float]:
     """One clock offset per source network (``(network, offset)`` pairs in): the median of
     that network's, so that many keys on one network's addresses are one vote."""
     by_network: dict[str, list[float]] = {}
     for network, offset in offsets:
         by_network.setdefault(network, []).append(offset)
-    return [sorted(o)[(len(o) - 1) // 2] for o in by_network.values()]
+    return [low_median(o) for o in by_network.values()]
 
 
 def check_clock(
@@ -64,10 +69,9 @@ def check_clock(
     the middle of its ping): refuse to start when it is off by more than records tolerate;
     otherwise keep the swarm's time from now on, and warn when the difference is more than
     network jitter. ``whose``: what the offsets are of, for the messages."""
-    offsets = sorted(offsets)
     if not offsets:
         return ClockCheck(None)
-    skew = offsets[(len(offsets) - 1) // 2]
+    skew = low_median(offsets)
     kept = skew if abs(skew) <= config.max_clock_skew_s else None
     if abs(skew) <= config.warn_clock_skew_s:
         return ClockCheck(kept)
@@ -155,7 +159,7 @@ class EntryPeers:
             try:
                 sent = self._local_clock()
                 response = await self._transport.ping(endpoint, request, call_deadline)
-                offset = response.time_ms / 1000 - (sent + self._local_clock()) / 2
+                offset = self._offset(response, sent)
             except TlsMismatch as exc:
                 return str(exc)  # asking again would get the same false certificate
             except NetworkError as exc:
@@ -169,6 +173,11 @@ class EntryPeers:
                 return "its contact card is invalid"
             self._book.seen(contact)
             return Answer(response, offset, endpoint)
+
+    def _offset(self, response: pb.PingResponse, sent: float) -> float:
+        """How far a peer's clock is ahead of ours, by its answer to a ping ``sent`` at
+        that local time (its time taken at the middle of the call)."""
+        return response.time_ms / 1000 - (sent + self._local_clock()) / 2
 
     async def clocks(
         self, endpoints: Sequence[str], request: pb.PingRequest
@@ -185,8 +194,7 @@ class EntryPeers:
                 return None
             if not response.time_ms:
                 return None
-            offset = response.time_ms / 1000 - (sent + self._local_clock()) / 2
-            return endpoint_network(endpoint), offset
+            return endpoint_network(endpoint), self._offset(response, sent)
 
         answers = await asyncio.gather(*(one(e) for e in endpoints))
         return [a for a in answers if a is not None]

@@ -41,7 +41,13 @@ from swarmloco.net.dht.book import ContactBook, ContactCallback, ContactHooks
 from swarmloco.net.dht.config import DHT_MESSAGE_BYTES, DhtConfig
 from swarmloco.net.dht.contact import Contact, distance, sign_card
 from swarmloco.net.dht.gates import SwarmGates
-from swarmloco.net.dht.joining import Answer, EntryPeers, check_clock, network_votes
+from swarmloco.net.dht.joining import (
+    Answer,
+    EntryPeers,
+    check_clock,
+    low_median,
+    network_votes,
+)
 from swarmloco.net.dht.lookup import Entry, GetResult, LookupResult, Lookups
 from swarmloco.net.dht.replication import Replicator, store_batches
 from swarmloco.net.dht.requests import Requests
@@ -302,7 +308,7 @@ class DHTNode:
             raise NetworkError(verdict.refusal)
         wider = verdict.skew
         assert wider is not None
-        said = sorted(offset for _, offset in entry)[(len(entry) - 1) // 2]
+        said = low_median([offset for _, offset in entry])
         if refusal is None and abs(wider - self.clock_skew_s) <= self.config.warn_clock_skew_s:
             return
         logger.warning(
