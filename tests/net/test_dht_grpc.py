@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 import uuid
 from collections import Counter
@@ -16,6 +17,7 @@ from tcpproxy import TcpProxy
 
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.errors import ManifestError, NetworkError
+from swarmloco.net import records as records_module
 from swarmloco.net.client import RpcClient, RpcError
 from swarmloco.net.dht.contact import distance, sign_card
 from swarmloco.net.dht.node import DhtConfig, DHTNode
@@ -291,6 +293,46 @@ async def test_a_full_key_makes_room_for_a_newcomers_own_record():
         assert newcomer.identity.peer_id_hex in held and len(held) == PEERS.max_subkeys
         found = {p.peer_id for p in await find_peers(target.dht, SWARM)}
         assert newcomer.identity.peer_id_hex in found
+
+
+async def test_a_readers_first_read_of_a_full_key_lets_its_event_loop_in(monkeypatch):
+    """A key full of records under free keys is thousands of signature checks for a reader
+    that has not seen them (a third of a second an answer): they run beside its event
+    loop, which goes on serving its calls and rounds meanwhile."""
+    key = peers_key(SWARM)
+    share = StorageConfig().max_subkeys_per_network
+    flood = fresh_peer_records(16 * share, key)
+    flooder = Identity.generate()
+    checking = threading.Event()  # the reader's first signature check began
+    let_go = threading.Event()  # its event loop ran meanwhile
+    waited_out: list[bool] = []
+    check = records_module.validate
+
+    def validate(record, *, now):
+        if not checking.is_set():
+            checking.set()
+            waited_out.append(not let_go.wait(timeout=10))
+        return check(record, now=now)
+
+    async def watch() -> None:
+        await wait_for(checking.is_set)
+        let_go.set()
+
+    async with loopback_network(2) as (entry, target), RpcClient() as client:
+        for i in range(16):
+            async with from_address(f"127.0.0.{i + 2}", target) as endpoint:
+                part = flood[i * share : (i + 1) * share]
+                assert await relay(client, endpoint, flooder, part) == share
+        reader = NetNode(
+            identity=Identity.generate(), config=NodeConfig(server=None, peers=(entry.endpoint,))
+        )
+        async with reader:
+            monkeypatch.setattr(records_module, "validate", validate)
+            watcher = asyncio.create_task(watch())
+            found = {p.peer_id for p in await find_peers(reader.dht, SWARM)}
+            await watcher
+        assert waited_out == [False]  # at the old code (checks on the loop): [True]
+        assert {r.subkey for r in flood} <= found
 
 
 def made_up_proofs(keys: list[Identity], key: str) -> list[Record]:

@@ -227,27 +227,40 @@ def test_digest_record_of_a_round():
         digest_key(SWARM, -1)
 
 
-def test_checked_records_are_remembered_within_their_budget_and_still_expire():
+async def test_checked_records_are_remembered_within_their_budget_and_still_expire():
     records = [
         make_record(peers_key(SWARM), PEER, expiration=NOW + 60, owner=Identity.generate())
         for _ in range(4)
     ]
     checked = CheckedRecords(max_bytes=3 * held_bytes(records[0], PEER))
-    first = checked.validate(records[0], now=NOW)
+    [first] = await checked.validate_many(records[:1], now=NOW)
     assert first == PEER
-    assert checked.validate(records[0], now=NOW) is first  # remembered, not decoded again
-    for record in records[1:]:
-        checked.validate(record, now=NOW)
+    assert (await checked.validate_many(records[:1], now=NOW))[0] is first  # remembered
+    assert await checked.validate_many(records[1:], now=NOW) == [PEER] * 3
     assert len(checked) == 3  # the budget holds three: the oldest was forgotten
-    assert checked.validate(records[0], now=NOW) is not first
+    assert (await checked.validate_many(records[:1], now=NOW))[0] is not first
     # A remembered record still expires, and a copy changed in any field is checked whole.
-    with pytest.raises(Rejection) as info:
-        checked.validate(records[3], now=NOW + 61)
-    assert info.value.code == "expired"
+    [expired] = await checked.validate_many(records[3:], now=NOW + 61)
+    assert isinstance(expired, Rejection) and expired.code == "expired"
     tampered = dataclasses.replace(records[3], value=msgpack.packb({**PEER, "role": "client"}))
-    with pytest.raises(Rejection) as info:
-        checked.validate(tampered, now=NOW)
-    assert info.value.code == "bad-signature"
+    [forged] = await checked.validate_many([tampered], now=NOW)
+    assert isinstance(forged, Rejection) and forged.code == "bad-signature"
+
+
+async def test_checking_many_records_stops_at_the_first_bad_one_not_at_an_expired_one():
+    """An expired record (clocks differ) is skipped and the rest read; a bad one ends the
+    answer that carried it: nothing after it is checked or kept."""
+    owners = [Identity.generate() for _ in range(5)]
+    records = [
+        make_record(peers_key(SWARM), PEER, expiration=NOW + (-1 if i == 1 else 60), owner=o)
+        for i, o in enumerate(owners)
+    ]
+    records[3] = dataclasses.replace(records[3], value=msgpack.packb({**PEER, "role": "client"}))
+    checked = CheckedRecords(max_bytes=1 << 20)
+    await checked.validate_many(records[4:], now=NOW)  # remembered, yet after the bad one
+    outcomes = await checked.validate_many(records, now=NOW)
+    assert [getattr(o, "code", o) for o in outcomes] == [PEER, "expired", PEER, "bad-signature"]
+    assert len(checked) == 3  # records 0, 2 and 4: nothing bad or expired kept
 
 
 @pytest.mark.parametrize(

@@ -26,11 +26,12 @@ which records passed, for readers that get the same ones again and again.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import math
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -480,7 +481,10 @@ class CheckedRecords:
     A reader polling a key (the swarm's ``peers``, a round's entries) gets the same records
     from every node it asks, time after time, and a key may hold thousands: a record seen
     before costs a dictionary lookup and the cheap checks (it may have expired since), not
-    a decoding and a signature check.
+    a decoding and a signature check. The records not seen before are checked in a worker
+    thread: a full key's are thousands of signatures (about 90 us each), which would hold
+    the event loop for a third of a second an answer, and the signature check lets go of
+    the interpreter while it runs.
     """
 
     def __init__(self, *, max_bytes: int) -> None:
@@ -491,20 +495,56 @@ class CheckedRecords:
     def __len__(self) -> int:
         return len(self._values)
 
-    def validate(self, record: Record, *, now: float) -> Any:
-        """:func:`validate`, remembered."""
-        if record in self._values:
-            check_shape(record, now=now)
-            return self._values[record][0]
-        value = validate(record, now=now)
+    async def validate_many(self, records: Sequence[Record], *, now: float) -> list[Any]:
+        """:func:`validate` of each record in order, remembered: the value of each, or the
+        :class:`Rejection` it met, up to the first refused for anything but its expiry (one
+        bad record marks the whole answer that carried it, and bounds the work it costs:
+        the records after it are not checked, and not in the list)."""
+        unknown = [record for record in records if record not in self._values]
+        outcomes = await asyncio.to_thread(_validate_in_order, unknown, now) if unknown else []
+        found = dict(zip(unknown, outcomes, strict=False))
+        result: list[Any] = []
+        for record in records:
+            if record in found:
+                outcome = found[record]
+                if not isinstance(outcome, Rejection):
+                    self._remember(record, outcome)
+            elif record in self._values:
+                try:
+                    check_shape(record, now=now)
+                    outcome = self._values[record][0]
+                except Rejection as rejection:
+                    outcome = rejection
+            else:  # checked after the bad record that ended the checks
+                break
+            result.append(outcome)
+            if isinstance(outcome, Rejection) and outcome.code != "expired":
+                break
+        return result
+
+    def _remember(self, record: Record, value: Any) -> None:
         held = held_bytes(record, value)
-        if held <= self.max_bytes:
-            while self._bytes + held > self.max_bytes:
-                oldest = next(iter(self._values))
-                self._bytes -= self._values.pop(oldest)[1]
-            self._values[record] = (value, held)
-            self._bytes += held
-        return value
+        if held > self.max_bytes or record in self._values:
+            return
+        while self._bytes + held > self.max_bytes:
+            oldest = next(iter(self._values))
+            self._bytes -= self._values.pop(oldest)[1]
+        self._values[record] = (value, held)
+        self._bytes += held
+
+
+def _validate_in_order(records: list[Record], now: float) -> list[Any]:
+    """Each record's value or :class:`Rejection`, up to the first refused for anything but
+    its expiry (run in a worker thread: it touches nothing shared)."""
+    outcomes: list[Any] = []
+    for record in records:
+        try:
+            outcomes.append(validate(record, now=now))
+        except Rejection as rejection:
+            outcomes.append(rejection)
+            if rejection.code != "expired":
+                break
+    return outcomes
 
 
 def effective_expiration(kind: RecordKind, expiration: float, *, now: float) -> float:

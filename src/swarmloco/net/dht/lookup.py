@@ -242,7 +242,7 @@ class Lookups:
                 if not done:
                     break  # the deadline passed; use what we have
                 for task in done:
-                    self._absorb(lookup, inflight.pop(task), task.result())
+                    await self._absorb(lookup, inflight.pop(task), task.result())
         finally:
             for task in inflight:
                 task.cancel()
@@ -251,38 +251,47 @@ class Lookups:
         self._book.routing.mark_lookup(lookup.target, now=time.monotonic())
         self._stats["lookups"] += 1
 
-    def _absorb(
+    async def _absorb(
         self,
         lookup: Lookup,
         contact: Contact,
         response: pb.FindNodeResponse | pb.FindValueResponse | None,
     ) -> None:
         if lookup.absorb_nodes(contact, response) and isinstance(response, pb.FindValueResponse):
-            self._read_records(lookup, contact, response)
+            await self._read_records(lookup, contact, response)
 
-    def _read_records(
+    async def _read_records(
         self, lookup: Lookup, contact: Contact, response: pb.FindValueResponse
     ) -> None:
         depth = lookup.depth[contact.peer_id]
         now = self._clock()
         # We dialled the contact at its host: the records came from that network.
         network = source_network(contact.host, limit_private=self._config.limit_private_subnets)
+        records: list[Record] = []
+        malformed: Rejection | None = None
         for message in response.records:
             try:
-                record = record_from_proto(message)
-                known = lookup.entries.get(record.subkey)
-                checked = known is not None and known.record == record
-                value = None if checked else self._checked.validate(record, now=now)
-            except Rejection as rejection:
-                if rejection.code == "expired":
-                    continue  # clocks differ a little between honest nodes
-                rejection = rejection.from_peer(str(contact))
-                self._rejections.record(rejection, str(contact))
-                lookup.rejected.append(rejection)
-                # Honest nodes store only valid records: one bad record marks the
-                # whole answer as untrustworthy, and bounds the work it costs.
+                records.append(record_from_proto(message))
+            except Rejection as unreadable:
+                malformed = unreadable  # the records before it are read, none after
                 break
-            if not checked:
+        # A record this lookup already holds was checked when it came from another node.
+        fresh = [
+            i
+            for i, record in enumerate(records)
+            if (known := lookup.entries.get(record.subkey)) is None or known.record != record
+        ]
+        outcomes = await self._checked.validate_many([records[i] for i in fresh], now=now)
+        # Checked up to the first bad record, where the reading below stops too.
+        checked = dict(zip(fresh, outcomes, strict=False))
+        for i, record in enumerate(records):
+            if i in checked:
+                value = checked[i]
+                if isinstance(value, Rejection):
+                    if value.code == "expired":
+                        continue  # clocks differ a little between honest nodes
+                    malformed = value
+                    break
                 refused = self._gates.refusal(record, value, network=network)
                 if refused is not None:
                     # Valid, but not from a member of a private swarm: a node that is
@@ -292,3 +301,9 @@ class Lookups:
                 lookup.merge(Entry(record.subkey, value, record.expiration, record))
             if lookup.hops is None:
                 lookup.hops = depth
+        if malformed is not None:
+            # Honest nodes store only valid records: one bad record marks the whole answer
+            # as untrustworthy, and bounds the work it costs.
+            blamed = malformed.from_peer(str(contact))
+            self._rejections.record(blamed, str(contact))
+            lookup.rejected.append(blamed)
