@@ -137,4 +137,5 @@ def catch_up_of(
         schema=StateSchema.diloco(numel),
         evidence=evidence if evidence is not None else Evidence(),
         config=config,
+        trusted=me.trusted_peers,
     )

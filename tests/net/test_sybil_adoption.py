@@ -313,6 +313,49 @@ async def test_the_swarms_weights_under_rounds_it_never_reaches_do_not_exile_a_f
     assert sum(a.served for a in attackers) == 0
 
 
+@pytest.mark.parametrize("through", ["bootstrap", "honest peer"])
+async def test_a_fresh_joiner_takes_the_state_of_the_peer_it_was_told_to_join_through(through):
+    """One honest peer holds round 20; attackers on three addresses of their own serve the
+    swarm's weights themselves under round 10^9 - 1 (every check a fresh peer can make
+    passes). Joined through the bootstrap node alone, a fresh peer takes the state held
+    from the most networks: the attackers' (the limit docs/SECURITY.md states). Joined
+    through the honest peer's address (``--peer``, its operator's choice), it takes that
+    peer's state first, and never asks the attackers."""
+    theta0, good = trained(seed=5, rounds=20)
+    far = 10**9
+    exile = StateSnapshot.of(swarm_id=SWARM, round=far - 1, tensors=dict(good.tensors))
+    async with AsyncExitStack() as stack:
+        boot, [honest] = await honest_holders(stack, good, 1)
+        attackers = [await server(stack, boot.node, f"127.0.0.{10 + i}") for i in range(3)]
+        for a in attackers:
+            a.serve(exile)
+            node = a.node
+            await publish(
+                node,
+                node.identity,
+                round=far - 1,
+                digest=exile.digest,
+                endpoint=node.endpoint,
+                claim=far,
+            )
+        entry = boot if through == "bootstrap" else honest
+        me = await stack.enter_async_context(
+            NetNode(identity=Identity.generate(), config=NodeConfig(peers=(entry.node.endpoint,)))
+        )
+        assert me.trusted_peers() == {entry.peer_id}
+        fresh = Reference(theta_g=theta0, momentum=None, tokens=0, outer_lr=LR, outer_momentum=MU)
+        found = await catchup(me, Evidence()).find(
+            round=0, digest=None, reference=fresh, distrusted=set()
+        )
+    assert found.adopted is not None
+    if through == "bootstrap":
+        assert found.adopted.snapshot.round == far - 1  # three networks against one
+        return
+    assert found.adopted.snapshot.round == 20
+    assert found.adopted.donor.peer_id == honest.peer_id
+    assert sum(a.served for a in attackers) == 0
+
+
 async def claim(node: NetNode, owner: Identity, *, claim: int) -> None:
     """``owner``'s progress claim alone (no state behind it), stored through ``node``."""
     now = node.dht.clock()

@@ -91,7 +91,9 @@ class Swarm:
             raise StateTransferError("nobody handed it over", ())
         return DownloadedState(state, donors[0], (), 0.0)
 
-    async def join(self) -> catchup_module.Found:
+    async def join(self, trusted: frozenset[str] = frozenset()) -> catchup_module.Found:
+        """A fresh peer's look (``trusted``: the peers it joined through at addresses its
+        operator gave)."""
         finder = CatchUp(
             me="me",
             swarm_id=SWARM,
@@ -100,6 +102,7 @@ class Swarm:
             schema=StateSchema.diloco(NUMEL),
             evidence=Evidence(),
             config=CatchUpConfig(),
+            trusted=lambda: trusted,
         )
         fresh = Reference(
             theta_g=self.theta0, momentum=None, tokens=0, outer_lr=0.7, outer_momentum=0.9
@@ -157,6 +160,27 @@ async def test_a_peer_reads_no_more_than_rounds_read_rounds(monkeypatch):
     digests_read = [k for k in swarm.dht.reads if k != progress_key(SWARM)]
     assert len(digests_read) == CatchUpConfig().rounds_read
     assert len(found.unbacked) == 200
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+async def test_the_rounds_of_the_peer_joined_through_are_read_before_a_crowd_of_claims(
+    monkeypatch, trusted
+):
+    """One honest peer at round 20; keys name 40 rounds far ahead two keys each, more than
+    the swarm's rounds are named by, so the 64 rounds read are all theirs (the price
+    docs/SECURITY.md states) and the look adopts nothing. A peer that joined through the
+    honest peer's address reads its rounds first, and takes its state."""
+    swarm = Swarm(monkeypatch)
+    good = swarm.honest(peers=1, round=20)
+    for i in range(80):
+        swarm.claim(f"key{i}", FAR - 3 * (i // 2))
+    found = await swarm.join(frozenset({"honest0"}) if trusted else frozenset())
+    digests_read = [k for k in swarm.dht.reads if k != progress_key(SWARM)]
+    if not trusted:
+        assert found.adopted is None and digest_key(SWARM, 20) not in digests_read
+        return
+    assert found.adopted is not None and found.adopted.snapshot.digest == good.digest
+    assert digests_read[:2] == [digest_key(SWARM, 20), digest_key(SWARM, 19)]
 
 
 def test_holders_at_names_under_one_domain_count_as_one_network():

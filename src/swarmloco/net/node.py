@@ -145,6 +145,15 @@ class NetNode:
                 f"{endpoint} answered with a card that does not check: {exc}"
             ) from None
 
+    def trusted_peers(self) -> frozenset[str]:
+        """The peer ids (hex) that answered this node's join at the addresses it was given
+        (``config.peers``: the operator's own choice, first-hand; not the peers remembered
+        from an earlier run, whom the DHT named). Catch-up takes their states first when it
+        has nothing of its own to hold a state against (docs/SECURITY.md, "The peers one
+        joined through")."""
+        given = set(self.config.peers)
+        return frozenset(p for e, p in self.dht.joined_through.items() if e in given and p)
+
     @property
     def endpoint(self) -> str:
         """What other peers dial to reach us ("" in client mode)."""

@@ -15,8 +15,10 @@ way it looks for another state (:meth:`CatchUp.find`):
    serves cannot keep the rounds the swarm holds from being looked at.
 2. Rank the candidate states: those held by a *witness* (a peer that averaged with this one
    lately) first, then the newer round, then the most backed; a fresh peer (no witness
-   yet) and an orphaned one (every witness silent, or none ever) take the state held from
-   the most source networks first (counting only holders that answered this peer there);
+   yet) and an orphaned one (every witness silent, or none ever) take a state held by a
+   peer they joined through at an address their operator gave first (``trusted``: their
+   claims are read first and not capped), then the state held from the most source
+   networks (counting only holders that answered this peer there);
    a fresh peer weighs every round read so (not the newest batch first), so that keys
    filling the newest rounds cannot exile it to a round number the swarm never reaches.
 3. Take each candidate only with evidence (``core/adoption.py``): backed by a witness (a
@@ -50,7 +52,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -209,9 +211,12 @@ class CatchUp:
         clock: Callable[[], float] = time.time,
         requester: Requester | None = None,
         spool: Path | None = None,
+        trusted: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         """``spool``: where downloaded states are received, in unnamed files (None: in
-        memory)."""
+        memory); ``trusted``: the peers this one joined through at the addresses its
+        operator gave (``NetNode.trusted_peers``), whose states come first when it has
+        nothing of its own to hold a state against."""
         self.me = me
         self.spool = spool
         self.requester = requester
@@ -228,6 +233,7 @@ class CatchUp:
         """Peer id -> until when (monotonic) it is asked after every other donor."""
         self._served: dict[str, str] = {}
         """Peer id -> the endpoint it served this peer a state from."""
+        self.trusted = trusted
 
     async def claims(self) -> dict[str, int]:
         """Peer id -> the round it says it works towards, for every other peer reporting."""
@@ -285,6 +291,7 @@ class CatchUp:
             p: r for p, r in claims.items() if p in self.evidence.witnesses and p not in distrusted
         }
         counted = list(partners.values()) if partners else self._counted(claims)
+        trusted = {p: r for p, r in claims.items() if p in self.trusted() and p not in distrusted}
         candidates: list[Candidate] = []
 
         def live() -> set[str]:
@@ -295,7 +302,7 @@ class CatchUp:
         # Orphaned: every recent partner is silent (or was caught serving a bad state).
         fresh = self.evidence.fresh
         orphaned = not fresh and not live()
-        later = self._later(counted, search.round, search.distrusted_digests)
+        later = self._later(counted, search.round, search.distrusted_digests, trusted.values())
         async with contextlib.aclosing(later) as batches:
             async for batch in batches:
                 candidates += batch
@@ -365,23 +372,29 @@ class CatchUp:
         await self._try(search, ahead, distrusted, why, False)
 
     async def _later(
-        self, counted: list[int], round: int, distrusted_digests: frozenset[bytes]
+        self,
+        counted: list[int],
+        round: int,
+        distrusted_digests: frozenset[bytes],
+        trusted: Iterable[int] = (),
     ) -> AsyncGenerator[list[Candidate], None]:
         """The states published for the rounds ``counted`` claims say peers hold past
         ``round`` (a peer working towards r holds r - 1, or r - 2 while r - 1 is in
         flight), ``rounds_tried`` rounds at a time, at most ``rounds_read`` in all.
 
-        The newest rounds first; after them, the rounds the most claims name. Claims cost
+        The rounds the trusted peers' claims (``trusted``) name first; then the newest
+        rounds; after them, the rounds the most claims name. Claims cost
         nothing: two keys claiming a round far ahead set every stranger's ceiling there,
         and three more claiming the rounds just below it took all the newest places,
         rounds nobody serves. So a batch that yields no state does not end the look: the
         rounds the swarm holds are still read (a crowd of claims costs this peer reads,
         and downloads only where some key publishes a state, which the checks decide)."""
         named = collections.Counter(x for r in counted for x in {r - 1, r - 2} if x > round)
+        first = sorted({x for r in trusted for x in (r - 1, r - 2) if x in named}, reverse=True)
         tried = self.config.rounds_tried
-        newest = sorted(named, reverse=True)
+        newest = [x for x in sorted(named, reverse=True) if x not in first]
         rest = sorted(newest[tried:], key=lambda x: (-named[x], -x))
-        order = (newest[:tried] + rest)[: self.config.rounds_read]
+        order = (first + newest[:tried] + rest)[: self.config.rounds_read]
         for at in range(0, len(order), tried):
             targets = order[at : at + tried]
             published = await asyncio.gather(*(self.digests_of(t) for t in targets))
@@ -425,8 +438,8 @@ class CatchUp:
         if not ranked:
             return list(claims.values())
         ceiling = ranked[min(quorum, len(ranked)) - 1]
-        witnesses = self.evidence.witnesses
-        return [r if peer in witnesses else min(r, ceiling) for peer, r in claims.items()]
+        vouched = self.evidence.witnesses.keys() | self.trusted()
+        return [r if peer in vouched else min(r, ceiling) for peer, r in claims.items()]
 
     def _candidates(self, round: int, published: dict[str, tuple[bytes, str]]) -> list[Candidate]:
         endpoints = {peer: endpoint for peer, (_, endpoint) in published.items()}
@@ -438,12 +451,16 @@ class CatchUp:
 
     def _order(self, candidates: Sequence[Candidate], orphaned: bool) -> list[Candidate]:
         if self.evidence.fresh or orphaned:
-            # Nothing of its own to hold claims against: the state held from the most
-            # networks that answered first, then by the most holders that answered (keys
-            # and claimed endpoints cost nothing; the checks after the download decide).
+            # Nothing of its own to hold claims against: the states held by the peers its
+            # operator had it join through first (the more of them the better), then the
+            # state held from the most networks that answered, then by the most holders
+            # that answered (keys and claimed endpoints cost nothing; the checks after the
+            # download decide).
+            trusted = self.trusted()
             return sorted(
                 candidates,
                 key=lambda c: (
+                    -len(trusted.intersection(c.holders)),
                     -c.networks,
                     -len(c.answered.intersection(c.holders)),
                     -len(c.holders),
@@ -526,19 +543,20 @@ class CatchUp:
         return self._pick(usable, self.config.donors_per_digest)
 
     def _pick(self, donors: Sequence[Donor], count: int) -> list[Donor]:
-        """Up to ``count`` of ``donors``, in the order to ask them: witnesses, then peers
-        that answered this one at that endpoint, then the rest, in random order within each
-        (a stalling donor cannot always be asked first, nor one whose record says so); one
-        per source network before a second from any; those that failed lately last."""
+        """Up to ``count`` of ``donors``, in the order to ask them: witnesses and trusted
+        peers, then peers that answered this one at that endpoint, then the rest, in random
+        order within each (a stalling donor cannot always be asked first, nor one whose
+        record says so); one per source network before a second from any; those that
+        failed lately last."""
         now = time.monotonic()
         self._failed = {p: until for p, until in self._failed.items() if until > now}
-        witnesses = self.evidence.witnesses
+        witnesses, trusted = self.evidence.witnesses, self.trusted()
         seen: Counter[tuple[bool, bool, bool, str]] = Counter()
         keyed: list[tuple[tuple[bool, bool, bool, int], Donor]] = []
         for d in random.sample(list(donors), len(donors)):
             rank = (
                 d.peer_id in self._failed,
-                d.peer_id not in witnesses,
+                d.peer_id not in witnesses and d.peer_id not in trusted,
                 not self._answered(d.peer_id, d.endpoint),
             )
             network = (*rank, _network(d.endpoint))

@@ -336,6 +336,7 @@ async def _download_latest(
         evidence=Evidence(),  # a reader has nothing to check claims against
         config=CatchUpConfig(state_timeout_s=timeout_s),
         requester=Requester(identity, admission.own_bytes) if admission else None,
+        trusted=node.trusted_peers,
     )
     # Nothing of its own to hold a state against: a reader checks that the state is finite
     # and that its momentum is no longer than its weights went.

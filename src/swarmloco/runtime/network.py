@@ -188,6 +188,7 @@ class SwarmNetwork:
             if admission is not None
             else None,
             spool=self.config.swarm_directory(self.swarm_id),
+            trusted=self.node.trusted_peers,
         )
 
     @property

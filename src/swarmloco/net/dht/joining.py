@@ -34,6 +34,8 @@ class Answer:
     offset: float
     endpoint: str = ""
     """The address it was asked at."""
+    peer_id: str = ""
+    """Its key's peer id (hex), from its signed card."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,8 @@ class EntryPeers:
         self._rng = rng
         self.endpoints: tuple[str, ...] = ()
         """Where the node last joined through (empty: it started the network)."""
+        self.answered: dict[str, str] = {}
+        """Address -> the peer id (hex) that answered there when the node last joined."""
 
     async def ask(
         self, peers: Sequence[str], request: pb.PingRequest, *, budget: float
@@ -140,6 +144,8 @@ class EntryPeers:
             p.result() if p.done() and not p.cancelled() else "no answer in time" for p in pings
         ]
         answered = [o for o in outcomes if isinstance(o, Answer)]
+        if answered:
+            self.answered = {a.endpoint: a.peer_id for a in answered}
         if not answered:
             reasons = "; ".join(str(why) for why in outcomes)
             raise NetworkError(
@@ -172,7 +178,7 @@ class EntryPeers:
             if contact is None:
                 return "its contact card is invalid"
             self._book.seen(contact)
-            return Answer(response, offset, endpoint)
+            return Answer(response, offset, endpoint, contact.peer_id.hex())
 
     def _offset(self, response: pb.PingResponse, sent: float) -> float:
         """How far a peer's clock is ahead of ours, by its answer to a ping ``sent`` at

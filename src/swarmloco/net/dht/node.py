@@ -31,7 +31,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from swarmloco.core.config import require_positive
@@ -234,6 +234,12 @@ class DHTNode:
 
     async def _sweep(self) -> None:
         self.storage.sweep()
+
+    @property
+    def joined_through(self) -> Mapping[str, str]:
+        """Address -> the peer id (hex) that answered this node's join there (its last
+        join; empty before it joined, or when it started the network)."""
+        return self._entry.answered
 
     async def _rejoin_if_alone(self) -> None:
         """Every contact failed (a frozen process finds all its calls timed out when it
