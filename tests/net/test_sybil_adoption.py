@@ -17,13 +17,14 @@ import torch
 from netutil import catch_up_of
 
 from swarmloco.core.adoption import AdoptionConfig, Evidence, Reference
+from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.state import MOMENTUM, THETA_G, TOKENS, StateSnapshot
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.records import digest_key, make_record, progress_key
 from swarmloco.net.server import ServerConfig
 from swarmloco.net.state import DownloadConfig, StateDonor, state_service
-from swarmloco.runtime.catchup import CatchUp, CatchUpConfig, Found
+from swarmloco.runtime.catchup import CatchUp, CatchUpConfig, Found, trusted_peers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -313,14 +314,17 @@ async def test_the_swarms_weights_under_rounds_it_never_reaches_do_not_exile_a_f
     assert sum(a.served for a in attackers) == 0
 
 
-@pytest.mark.parametrize("through", ["bootstrap", "honest peer"])
-async def test_a_fresh_joiner_takes_the_state_of_the_peer_it_was_told_to_join_through(through):
+@pytest.mark.parametrize("through", ["bootstrap", "honest peer", "creator"])
+async def test_a_fresh_joiner_takes_the_state_of_a_peer_it_has_first_hand_reason_to_trust(
+    through,
+):
     """One honest peer holds round 20; attackers on three addresses of their own serve the
     swarm's weights themselves under round 10^9 - 1 (every check a fresh peer can make
-    passes). Joined through the bootstrap node alone, a fresh peer takes the state held
-    from the most networks: the attackers' (the limit docs/SECURITY.md states). Joined
-    through the honest peer's address (``--peer``, its operator's choice), it takes that
-    peer's state first, and never asks the attackers."""
+    passes). Joined through the bootstrap node alone, in a run someone else created, a
+    fresh peer takes the state held from the most networks: the attackers' (the limit
+    docs/SECURITY.md states). Joined through the honest peer's address (``--peer``, its
+    operator's choice), or in a run the honest peer created (the swarm id names its key),
+    it takes that peer's state first, and never asks the attackers."""
     theta0, good = trained(seed=5, rounds=20)
     far = 10**9
     exile = StateSnapshot.of(swarm_id=SWARM, round=far - 1, tensors=dict(good.tensors))
@@ -338,15 +342,23 @@ async def test_a_fresh_joiner_takes_the_state_of_the_peer_it_was_told_to_join_th
                 endpoint=node.endpoint,
                 claim=far,
             )
-        entry = boot if through == "bootstrap" else honest
+        entry = honest if through == "honest peer" else boot
         me = await stack.enter_async_context(
             NetNode(identity=Identity.generate(), config=NodeConfig(peers=(entry.node.endpoint,)))
         )
-        assert me.trusted_peers() == {entry.peer_id}
-        fresh = Reference(theta_g=theta0, momentum=None, tokens=0, outer_lr=LR, outer_momentum=MU)
-        found = await catchup(me, Evidence()).find(
-            round=0, digest=None, reference=fresh, distrusted=set()
+        creator = honest.node.identity if through == "creator" else Identity.generate()
+        manifest = SwarmManifest(
+            task="gpt-bytes",
+            model={"preset": "tiny"},
+            data={},
+            hparams={},
+            creator=creator.public_key.hex(),
         )
+        assert trusted_peers(me, manifest) == {entry.peer_id, creator.peer_id_hex}
+        fresh = Reference(theta_g=theta0, momentum=None, tokens=0, outer_lr=LR, outer_momentum=MU)
+        look = catchup(me, Evidence())
+        look.trusted = lambda: trusted_peers(me, manifest)
+        found = await look.find(round=0, digest=None, reference=fresh, distrusted=set())
     assert found.adopted is not None
     if through == "bootstrap":
         assert found.adopted.snapshot.round == far - 1  # three networks against one

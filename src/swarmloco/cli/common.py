@@ -64,9 +64,9 @@ DATA_ROOT = Path.home() / ".swarmloco"
 _PEER_HELP = (
     "HOST:PORT of a peer or `swarmloco bootstrap` node of the network to join through; "
     "repeat for more (all are asked at once; one answering is enough). A training peer "
-    "named here is trusted: with no state of its own to weigh others against (a fresh "
-    "peer, or an export), this one takes that peer's state before any other's, so name "
-    "one you trust (the run's creator, a peer of yours)"
+    "named here is trusted, as the run's creator is: with no state of its own to weigh "
+    "others against (a fresh peer, or an export), this one takes their states before any "
+    "other's, so name one you trust (a peer of yours)"
 )
 
 

@@ -32,7 +32,7 @@ from typing import Any
 from swarmloco.core.agreement import majority
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.net.endpoints import endpoint_network
-from swarmloco.net.identity import peer_id_of
+from swarmloco.net.swarm import creator_peer_id
 
 VIEW_VERSION = 1
 """Version of the JSON layout of the view (``/api/v1/state``)."""
@@ -209,10 +209,8 @@ def _round_to(value: float | None, digits: int) -> float | None:
 
 def anchors_of(manifest: SwarmManifest | None, trust: Iterable[str] = ()) -> frozenset[str]:
     """The peers the dashboard trusts: ``trust`` (peer ids in hex) and the swarm's creator."""
-    anchors = set(trust)
-    if manifest is not None and manifest.creator:
-        anchors.add(peer_id_of(bytes.fromhex(manifest.creator)).hex())
-    return frozenset(anchors)
+    creator = creator_peer_id(manifest) if manifest is not None else ""
+    return frozenset({*trust, creator} - {""})
 
 
 @dataclasses.dataclass(frozen=True)

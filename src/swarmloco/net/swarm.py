@@ -3,6 +3,7 @@
 - :func:`publish_manifest` / :func:`fetch_manifest`: the manifest is stored under
   ``swarmloco/v1/<swarm id>/manifest``; every node and every reader checks that its bytes
   hash to the swarm id, so a peer can only ever get the run it asked for.
+- :func:`creator_peer_id`: the peer id of the run's creator, whom the swarm id vouches for.
 - :func:`announce_peer` / :func:`find_peers`: each peer keeps one signed entry under
   ``swarmloco/v1/<swarm id>/peers`` (endpoint, role, version, public flag);
   :func:`withdraw_peer` replaces it with a farewell (role ``left``) when the peer leaves.
@@ -17,10 +18,17 @@ from swarmloco import __version__
 from swarmloco.core.manifest import SwarmManifest, check_swarm_id
 from swarmloco.errors import ManifestError, NetworkError
 from swarmloco.net.dht.node import DHTNode
+from swarmloco.net.identity import peer_id_of
 from swarmloco.net.records import manifest_key, peers_key
 
 MANIFEST_TTL_S = 7 * 24 * 3600.0
 PEER_TTL_S = 300.0
+
+
+def creator_peer_id(manifest: SwarmManifest) -> str:
+    """The peer id (hex) of the run's creator ("" when the manifest names none): the swarm
+    id hashes the manifest, so whoever was given the id was given this key too."""
+    return peer_id_of(bytes.fromhex(manifest.creator)).hex() if manifest.creator else ""
 
 
 async def publish_manifest(

@@ -66,12 +66,14 @@ from swarmloco.core.adoption import (
     round_plausible,
 )
 from swarmloco.core.config import require_int, require_positive
+from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.state import LANDED, MOMENTUM, THETA_G, TOKENS, StateSchema, StateSnapshot
 from swarmloco.dataset.ledger import Landed
 from swarmloco.net.client import RpcClient
 from swarmloco.net.deadline import Deadline
 from swarmloco.net.dht.node import DHTNode
 from swarmloco.net.endpoints import parse_endpoint, source_network
+from swarmloco.net.node import NetNode
 from swarmloco.net.records import digest_key, progress_key, progress_report
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.net.state import (
@@ -83,7 +85,7 @@ from swarmloco.net.state import (
     StateTransferError,
     download_state,
 )
-from swarmloco.net.swarm import find_peers
+from swarmloco.net.swarm import creator_peer_id, find_peers
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +146,13 @@ def _network(endpoint: str) -> str:
         return source_network(parse_endpoint(endpoint)[0])
     except ValueError:
         return ""
+
+
+def trusted_peers(node: NetNode, manifest: SwarmManifest) -> frozenset[str]:
+    """Whose states a peer with nothing of its own to hold a state against takes first:
+    the peers it joined through at the addresses its operator gave, and the run's creator
+    (the swarm id its operator gave hashes the creator's key)."""
+    return node.trusted_peers() | ({creator_peer_id(manifest)} - {""})
 
 
 @dataclasses.dataclass(frozen=True)

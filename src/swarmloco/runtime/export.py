@@ -36,7 +36,7 @@ from swarmloco.core.state import THETA_G, StateSchema, state_digest
 from swarmloco.errors import SwarmlocoError
 from swarmloco.net.admission import AdmissionError, Gate, gate_of
 from swarmloco.net.identity import KEY_FILE_NAME, Identity
-from swarmloco.runtime.catchup import CatchUp, CatchUpConfig
+from swarmloco.runtime.catchup import CatchUp, CatchUpConfig, trusted_peers
 from swarmloco.runtime.checkpoint import CheckpointStore
 from swarmloco.runtime.swarm import manifest_signature, manifest_spec
 from swarmloco.train.diloco import DilocoState
@@ -336,7 +336,7 @@ async def _download_latest(
         evidence=Evidence(),  # a reader has nothing to check claims against
         config=CatchUpConfig(state_timeout_s=timeout_s),
         requester=Requester(identity, admission.own_bytes) if admission else None,
-        trusted=node.trusted_peers,
+        trusted=lambda: trusted_peers(node, manifest),
     )
     # Nothing of its own to hold a state against: a reader checks that the state is finite
     # and that its momentum is no longer than its weights went.

@@ -60,7 +60,7 @@ from swarmloco.net.records import (
 )
 from swarmloco.net.state import Requester, StateDonor, state_service
 from swarmloco.net.swarm import announce_peer, publish_manifest, withdraw_peer
-from swarmloco.runtime.catchup import CatchUp
+from swarmloco.runtime.catchup import CatchUp, trusted_peers
 from swarmloco.runtime.config import PeerConfig
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class SwarmNetwork:
             if admission is not None
             else None,
             spool=self.config.swarm_directory(self.swarm_id),
-            trusted=self.node.trusted_peers,
+            trusted=lambda: trusted_peers(self.node, self.manifest),
         )
 
     @property
