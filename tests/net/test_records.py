@@ -244,6 +244,7 @@ async def test_checked_records_are_remembered_within_their_budget_and_still_expi
     assert isinstance(expired, Rejection) and expired.code == "expired"
     tampered = dataclasses.replace(records[3], value=msgpack.packb({**PEER, "role": "client"}))
     [forged] = await checked.validate_many([tampered], now=NOW)
+    checked.close()
     assert isinstance(forged, Rejection) and forged.code == "bad-signature"
 
 
@@ -259,6 +260,7 @@ async def test_checking_many_records_stops_at_the_first_bad_one_not_at_an_expire
     checked = CheckedRecords(max_bytes=1 << 20)
     await checked.validate_many(records[4:], now=NOW)  # remembered, yet after the bad one
     outcomes = await checked.validate_many(records, now=NOW)
+    checked.close()
     assert [getattr(o, "code", o) for o in outcomes] == [PEER, "expired", PEER, "bad-signature"]
     assert len(checked) == 3  # records 0, 2 and 4: nothing bad or expired kept
 

@@ -32,6 +32,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -474,6 +475,11 @@ def validate(record: Record, *, now: float) -> Any:
     return value
 
 
+INLINE_CHECKS = 32
+"""Records not seen before that :class:`CheckedRecords` checks on the caller's thread (3
+ms of signatures at most); more go to its checking thread."""
+
+
 class CheckedRecords:
     """Records that passed :func:`validate`, with their values, remembered up to
     ``max_bytes`` of memory (:func:`held_bytes`; the oldest are forgotten first).
@@ -481,16 +487,25 @@ class CheckedRecords:
     A reader polling a key (the swarm's ``peers``, a round's entries) gets the same records
     from every node it asks, time after time, and a key may hold thousands: a record seen
     before costs a dictionary lookup and the cheap checks (it may have expired since), not
-    a decoding and a signature check. The records not seen before are checked in a worker
-    thread: a full key's are thousands of signatures (about 90 us each), which would hold
-    the event loop for a third of a second an answer, and the signature check lets go of
-    the interpreter while it runs.
+    a decoding and a signature check. More than :data:`INLINE_CHECKS` records not seen
+    before are checked in a thread of its own (:meth:`close` ends it): a full key's are
+    thousands of signatures (about 90 us each), which would hold the event loop for a third
+    of a second an answer, and the signature check lets go of the interpreter while it
+    runs.
     """
 
     def __init__(self, *, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._values: dict[Record, tuple[Any, int]] = {}  # the value, its held bytes
         self._bytes = 0
+        self._checker: ThreadPoolExecutor | None = None  # started at the first check
+
+    def close(self) -> None:
+        """End the checking thread (waiting for a check it runs); a later check starts
+        another."""
+        checker, self._checker = self._checker, None
+        if checker is not None:
+            checker.shutdown(wait=True, cancel_futures=True)
 
     def __len__(self) -> int:
         return len(self._values)
@@ -501,7 +516,13 @@ class CheckedRecords:
         bad record marks the whole answer that carried it, and bounds the work it costs:
         the records after it are not checked, and not in the list)."""
         unknown = [record for record in records if record not in self._values]
-        outcomes = await asyncio.to_thread(_validate_in_order, unknown, now) if unknown else []
+        if len(unknown) <= INLINE_CHECKS:
+            outcomes = _validate_in_order(unknown, now)
+        else:
+            if self._checker is None:
+                self._checker = ThreadPoolExecutor(1, thread_name_prefix="record-checks")
+            loop = asyncio.get_running_loop()
+            outcomes = await loop.run_in_executor(self._checker, _validate_in_order, unknown, now)
         found = dict(zip(unknown, outcomes, strict=False))
         result: list[Any] = []
         for record in records:

@@ -213,10 +213,13 @@ class DHTNode:
         # Tell the group only about a cancellation: it must see that to handle it, but any
         # other error of the body would come back wrapped in an ExceptionGroup, and callers
         # should get the NetworkError they can handle, not a group.
-        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
-            await group.__aexit__(exc_type, exc, tb)
-        else:
-            await group.__aexit__(None, None, None)
+        try:
+            if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+                await group.__aexit__(exc_type, exc, tb)
+            else:
+                await group.__aexit__(None, None, None)
+        finally:
+            self.checked.close()
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         if self._group is None:
