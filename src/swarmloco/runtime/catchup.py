@@ -620,11 +620,13 @@ class CatchUp:
     async def _download(
         self, c: Candidate, donors: list[Donor], deadline: Deadline, found: Found
     ) -> DownloadedState | None:
+        trusted = len(self.trusted().intersection(c.holders))
         logger.info(
-            "downloading the state of round %d (digest %s, %d holder(s))",
+            "downloading the state of round %d (digest %s, %d holder(s)%s)",
             c.round,
             c.digest.hex()[:12],
             len(c.holders),
+            f", {trusted} of them trusted (the creator or a --peer)" if trusted else "",
         )
         try:
             return await self._transfer(donors, deadline, round=c.round, digest=c.digest)
