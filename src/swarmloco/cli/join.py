@@ -24,8 +24,9 @@ def _join_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description=(
             "Join the swarm SWARM_ID through --peer. The manifest is fetched from the DHT and "
             "its hash checked against the id: a manifest that hashes to anything else is "
-            "refused. Then the peer downloads the swarm's latest state from peers holding "
-            "its majority digest and trains, averaging with the others every H steps, until "
+            "refused. Then the peer downloads the swarm's state (the run's creator's or a "
+            "--peer's when they hold one, else the one held from the most networks), checks "
+            "it whole and trains, averaging with the others every H steps, until "
             "the run ends (its manifest's total steps: --dry-run says after which round), "
             "--max-rounds, or Ctrl-C or SIGTERM (it finishes the current round, checkpoints "
             "and leaves). Run it again with the same --data-dir to resume from the newest "
