@@ -9,7 +9,6 @@ ends training; x1, the state before the round, would make every peer throw its r
 
 from __future__ import annotations
 
-import logging
 import time
 from contextlib import AsyncExitStack
 
@@ -317,7 +316,7 @@ async def test_the_swarms_weights_under_rounds_it_never_reaches_do_not_exile_a_f
 
 @pytest.mark.parametrize("through", ["bootstrap", "honest peer", "creator"])
 async def test_a_fresh_joiner_takes_the_state_of_a_peer_it_has_first_hand_reason_to_trust(
-    through, caplog
+    through,
 ):
     """One honest peer holds round 20; attackers on three addresses of their own serve the
     swarm's weights themselves under round 10^9 - 1 (every check a fresh peer can make
@@ -326,7 +325,6 @@ async def test_a_fresh_joiner_takes_the_state_of_a_peer_it_has_first_hand_reason
     docs/SECURITY.md states). Joined through the honest peer's address (``--peer``, its
     operator's choice), or in a run the honest peer created (the swarm id names its key),
     it takes that peer's state first, and never asks the attackers."""
-    caplog.set_level(logging.INFO, logger="swarmloco.runtime.catchup")
     theta0, good = trained(seed=5, rounds=20)
     far = 10**9
     exile = StateSnapshot.of(swarm_id=SWARM, round=far - 1, tensors=dict(good.tensors))
@@ -368,7 +366,7 @@ async def test_a_fresh_joiner_takes_the_state_of_a_peer_it_has_first_hand_reason
     assert found.adopted.snapshot.round == 20
     assert found.adopted.donor.peer_id == honest.peer_id
     assert sum(a.served for a in attackers) == 0
-    assert "1 holder(s), 1 of them trusted (the creator or a --peer)" in caplog.text
+    assert found.why.endswith("; held by 1 peer(s) it trusts (the creator or a --peer)")
 
 
 async def claim(node: NetNode, owner: Identity, *, claim: int) -> None:

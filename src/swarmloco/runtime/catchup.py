@@ -540,6 +540,9 @@ class CatchUp:
             found.adopted = got
             found.adopted_holders = c.holders
             found.why = why.format(target=c.round)
+            trusted = len(self.trusted().intersection(c.holders))
+            if trusted:
+                found.why += f"; held by {trusted} peer(s) it trusts (the creator or a --peer)"
             return True
         return False
 
@@ -620,13 +623,11 @@ class CatchUp:
     async def _download(
         self, c: Candidate, donors: list[Donor], deadline: Deadline, found: Found
     ) -> DownloadedState | None:
-        trusted = len(self.trusted().intersection(c.holders))
         logger.info(
-            "downloading the state of round %d (digest %s, %d holder(s)%s)",
+            "downloading the state of round %d (digest %s, %d holder(s))",
             c.round,
             c.digest.hex()[:12],
             len(c.holders),
-            f", {trusted} of them trusted (the creator or a --peer)" if trusted else "",
         )
         try:
             return await self._transfer(donors, deadline, round=c.round, digest=c.digest)
