@@ -335,6 +335,32 @@ async def test_a_readers_first_read_of_a_full_key_lets_its_event_loop_in(monkeyp
         assert {r.subkey for r in flood} <= found
 
 
+async def test_a_flood_of_forged_records_costs_a_node_its_networks_share_of_checks():
+    """A forged signature costs nothing to make and a check (about 90 us) to refuse: 1,280
+    records whose signatures are random bytes, stored from 127.0.0.2 at a node that checks
+    100 a second with a burst of 200 a network. It checks at most what that allows in the
+    time the flood took and refuses the rest unread (``busy``: a request whose network's
+    share is spent is not read on); a newcomer's record from 127.0.0.3 is then stored at
+    once."""
+    key = peers_key(SWARM)
+    config = DhtConfig(store_checks_per_s=100.0, store_checks_burst=200)
+    forged = [
+        dataclasses.replace(r, signature=os.urandom(64)) for r in fresh_peer_records(20 * 64, key)
+    ]
+    async with loopback_network(2, dht=config) as (_, target), RpcClient() as client:
+        started = time.monotonic()
+        async with from_address("127.0.0.2", target) as endpoint:
+            assert await relay(client, endpoint, Identity.generate(), forged) == 0
+        elapsed = time.monotonic() - started
+        counts = target.dht.rejections.counts
+        # At the code before, every one was checked: 1,280 bad signatures, none busy.
+        assert counts["bad-signature"] <= 200 + 100 * elapsed + 1, (dict(counts), elapsed)
+        assert counts["busy"] >= 1
+        async with from_address("127.0.0.3", target) as endpoint:
+            newcomer = fresh_peer_records(1, key)
+            assert await relay(client, endpoint, Identity.generate(), newcomer) == 1
+
+
 def made_up_proofs(keys: list[Identity], key: str) -> list[Record]:
     """Peers records each showing a made-up proof of work: half signed by a key of
     ``keys`` (keys are free), half with random bytes for a key and a signature."""
