@@ -280,6 +280,26 @@ async def test_a_fresh_joiner_that_reaches_honest_peers_and_sybils_takes_the_hon
     assert sum(a.served for a in attackers) >= 1  # it was tried, and refused whole
 
 
+async def exilers(
+    stack: AsyncExitStack, boot: Server, exile: StateSnapshot, count: int
+) -> list[Server]:
+    """``count`` attackers on addresses of their own (127.0.0.10 on) serving ``exile`` (the
+    round before a far one) and claiming that far round."""
+    attackers = [await server(stack, boot.node, f"127.0.0.{10 + i}") for i in range(count)]
+    for a in attackers:
+        a.serve(exile)
+        node = a.node
+        await publish(
+            node,
+            node.identity,
+            round=exile.round,
+            digest=exile.digest,
+            endpoint=node.endpoint,
+            claim=exile.round + 1,
+        )
+    return attackers
+
+
 async def test_the_swarms_weights_under_rounds_it_never_reaches_do_not_exile_a_fresh_joiner():
     """Three honest peers on three addresses hold round 20. Two attacker keys on two
     addresses of their own serve the honest weights themselves under round R - 1, R = 10^9,
@@ -293,18 +313,7 @@ async def test_the_swarms_weights_under_rounds_it_never_reaches_do_not_exile_a_f
     exile = StateSnapshot.of(swarm_id=SWARM, round=far - 1, tensors=dict(good.tensors))
     async with AsyncExitStack() as stack:
         boot, peers = await honest_holders(stack, good, 3)
-        attackers = [await server(stack, boot.node, f"127.0.0.{10 + i}") for i in range(2)]
-        for a in attackers:
-            a.serve(exile)
-            node = a.node
-            await publish(
-                node,
-                node.identity,
-                round=far - 1,
-                digest=exile.digest,
-                endpoint=node.endpoint,
-                claim=far,
-            )
+        attackers = await exilers(stack, boot, exile, 2)
         for claimed in (far - 2, far - 4, far - 6):
             await claim(attackers[0].node, Identity.generate(), claim=claimed)
         found = await fresh_joiner_looks(stack, boot, theta0)
@@ -330,18 +339,7 @@ async def test_a_fresh_joiner_takes_the_state_of_a_peer_it_has_first_hand_reason
     exile = StateSnapshot.of(swarm_id=SWARM, round=far - 1, tensors=dict(good.tensors))
     async with AsyncExitStack() as stack:
         boot, [honest] = await honest_holders(stack, good, 1)
-        attackers = [await server(stack, boot.node, f"127.0.0.{10 + i}") for i in range(3)]
-        for a in attackers:
-            a.serve(exile)
-            node = a.node
-            await publish(
-                node,
-                node.identity,
-                round=far - 1,
-                digest=exile.digest,
-                endpoint=node.endpoint,
-                claim=far,
-            )
+        attackers = await exilers(stack, boot, exile, 3)
         entry = honest if through == "honest peer" else boot
         me = await stack.enter_async_context(
             NetNode(identity=Identity.generate(), config=NodeConfig(peers=(entry.node.endpoint,)))
