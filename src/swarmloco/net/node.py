@@ -150,7 +150,7 @@ class NetNode:
         (``config.peers``: the operator's own choice, first-hand; not the peers remembered
         from an earlier run, whom the DHT named). Catch-up takes their states first when it
         has nothing of its own to hold a state against (docs/SECURITY.md, "The peers one
-        joined through")."""
+        joined through, and the creator")."""
         given = set(self.config.peers)
         return frozenset(p for e, p in self.dht.joined_through.items() if e in given and p)
 

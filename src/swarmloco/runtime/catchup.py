@@ -15,10 +15,11 @@ way it looks for another state (:meth:`CatchUp.find`):
    serves cannot keep the rounds the swarm holds from being looked at.
 2. Rank the candidate states: those held by a *witness* (a peer that averaged with this one
    lately) first, then the newer round, then the most backed; a fresh peer (no witness
-   yet) and an orphaned one (every witness silent, or none ever) take a state held by a
-   peer they joined through at an address their operator gave first (``trusted``: their
-   claims are read first and not capped), then the state held from the most source
-   networks (counting only holders that answered this peer there);
+   yet) and an orphaned one (every witness silent, or none ever) take a state held by the
+   run's creator or a peer they joined through at an address their operator gave first
+   (:func:`trusted_peers`: their claims are read first and not capped), then the state
+   held from the most source networks (counting only holders that answered this peer
+   there);
    a fresh peer weighs every round read so (not the newest batch first), so that keys
    filling the newest rounds cannot exile it to a round number the swarm never reaches.
 3. Take each candidate only with evidence (``core/adoption.py``): backed by a witness (a
@@ -223,9 +224,8 @@ class CatchUp:
         trusted: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         """``spool``: where downloaded states are received, in unnamed files (None: in
-        memory); ``trusted``: the peers this one joined through at the addresses its
-        operator gave (``NetNode.trusted_peers``), whose states come first when it has
-        nothing of its own to hold a state against."""
+        memory); ``trusted``: the peers whose states come first when this one has nothing
+        of its own to hold a state against (:func:`trusted_peers`)."""
         self.me = me
         self.spool = spool
         self.requester = requester
