@@ -16,12 +16,12 @@ seen before: a reader of a key, and a node that others store at (docs/SECURITY.m
   are random bytes (nothing to make, a check each to refuse) at the node from 127.0.0.1,
   64 a request, 8 requests in flight, while an honest peer on 127.0.0.2 stores one record
   every 0.2 s: ``flood_records_sent`` and ``flood_bytes_sent``, ``flood_checks``
-  (signatures the node checked: its ``bad-signature`` refusals) and ``flood_busy`` (store
-  requests refused unread, in whole or in part), ``node_cpu_s`` (the node's CPU over the
-  flood; on one machine the flood keeps it busy either way, so what tells is what a
-  record and a megabyte of the flood cost it: ``node_cpu_us_per_record``,
-  ``node_cpu_s_per_flood_mb``), ``node_loop_lag_max_s`` and ``node_loop_late_share``
-  (its probe's latest wake-up, and the share of wake-ups later than 50 ms),
+  (signatures the node checked: its ``bad-signature`` refusals), ``node_cpu_s`` (the
+  node's CPU over the flood; on one machine the flood keeps it busy either way, so what
+  tells is what a record and a megabyte of the flood cost it:
+  ``node_cpu_us_per_record``, ``node_cpu_s_per_flood_mb``), ``node_loop_lag_max_s`` and
+  ``node_loop_late_share`` (its probe's latest wake-up, and the share of wake-ups later
+  than 50 ms),
   ``honest_store_s`` (median round trip of the honest peer's stores) and
   ``honest_stored`` (how many of them were stored).
 
@@ -122,7 +122,7 @@ async def serve(records: int) -> None:
                 probe.start()
             elif line.strip() == "stop":
                 counts = node.dht.rejections.counts
-                seen = {"checks": counts["bad-signature"], "busy": counts["busy"]}
+                seen = {"checks": counts["bad-signature"]}
                 print(json.dumps(await probe.stop() | seen), flush=True)
 
 
@@ -255,7 +255,6 @@ async def store_flood(node: Node, seconds: float) -> dict[str, Any]:
         "flood_records_sent": sent,
         "flood_bytes_sent": sent_bytes,
         "flood_checks": seen["checks"],
-        "flood_busy": seen["busy"],
         "node_cpu_s": round(cpu, 2),
         "node_cpu_us_per_record": round(cpu / max(sent, 1) * 1e6, 2),
         "node_cpu_s_per_flood_mb": round(cpu / max(sent_bytes, 1) * 1e6, 4),

@@ -166,22 +166,7 @@ class CheckBudget:
         return len(self._networks)
 
     def spend(self, network: str) -> bool:
-        """Whether a check for ``network`` may be made now (then it is counted)."""
-        bucket, floor = self._bucket(network)
-        if bucket[0] < 1.0 or self._tokens < 1.0 + floor:
-            return False
-        bucket[0] -= 1.0
-        self._tokens -= 1.0
-        return True
-
-    def available(self, network: str) -> bool:
-        """Whether a check for ``network`` may be made now (nothing is counted)."""
-        bucket, floor = self._bucket(network)
-        return bucket[0] >= 1.0 and self._tokens >= 1.0 + floor
-
-    def _bucket(self, network: str) -> tuple[list[float], float]:
-        """``network``'s bucket, refilled to now, and the checks it may not take (the
-        reserve, unless its bucket is full)."""
+        """Whether a proof from ``network`` may be checked now (then it is counted)."""
         now = self._clock()
         self._tokens = min(self._burst, self._tokens + (now - self._refilled) * self._rate)
         self._refilled = now
@@ -202,7 +187,12 @@ class CheckBudget:
             bucket[0] = min(full, bucket[0] + (now - bucket[1]) * share)
             bucket[1] = now
             self._networks.move_to_end(network)
-        return bucket, 0.0 if bucket[0] >= full else self._reserve
+        floor = 0.0 if bucket[0] >= full else self._reserve
+        if bucket[0] < 1.0 or self._tokens < 1.0 + floor:
+            return False
+        bucket[0] -= 1.0
+        self._tokens -= 1.0
+        return True
 
 
 class IdentityWork:

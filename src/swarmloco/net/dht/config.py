@@ -66,16 +66,6 @@ class DhtConfig:
     """Most bytes of records (``Record.size``) this node puts in one store request it
     sends (a record larger than this goes alone): DHT-only nodes such as a bootstrap node
     receive messages of at most :data:`DHT_MESSAGE_BYTES`."""
-    store_checks_per_s: float = 2000.0
-    """Signatures of records others store that a node checks, a second in all, shared
-    among the source networks storing (each its share: ``CheckBudget``): a flood of
-    records, valid or forged, from a few networks costs each its share of a core, about
-    90 us a check, and leaves other networks' records checked. A record beyond its
-    network's share is refused unchecked (``busy``) and stored when sent again."""
-    store_checks_burst: int = 16_384
-    """Checks one source network may take at once before its share applies: as many as
-    its records a node keeps (``max_records_per_network``), so that a node handing a
-    newcomer every record it holds for it is never refused."""
     checked_records_bytes: int = 8 * 1024 * 1024
     """Records read from other nodes that a node remembers as checked, in bytes of memory
     (``held_bytes``): a full ``peers`` key (4,096 records, about 5 MiB) read again costs
@@ -102,7 +92,6 @@ class DhtConfig:
         require_int("max_records_per_request", self.max_records_per_request, minimum=1)
         require_int("max_request_bytes", self.max_request_bytes, minimum=1)
         require_int("checked_records_bytes", self.checked_records_bytes, minimum=0)
-        require_int("store_checks_burst", self.store_checks_burst, minimum=1)
         require_int("clock_sample", self.clock_sample, minimum=0)
         for name in (
             "rpc_timeout_s",
@@ -117,6 +106,5 @@ class DhtConfig:
             "rejoin_interval_s",
             "max_clock_skew_s",
             "warn_clock_skew_s",
-            "store_checks_per_s",
         ):
             require_positive(name, getattr(self, name))

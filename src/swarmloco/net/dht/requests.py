@@ -31,13 +31,9 @@ from swarmloco.net.heap import release_after
 from swarmloco.net.identity import PEER_ID_BYTES
 from swarmloco.net.records import MAX_KEY_CHARS, max_record_bytes
 from swarmloco.net.rejections import Rejection, RejectionLog
-from swarmloco.net.work import CheckBudget
 from swarmloco.proto.v1 import dht_pb2 as pb
 
-BUSY = (
-    "record not checked: your network's share of this node's signature checks is spent for "
-    "now; send it again later"
-)
+UNREAD = "not read: the request carried a record with a forged signature"
 MAX_VERIFYING = 32  # callers whose card names another host, being pinged there at once
 
 
@@ -69,13 +65,6 @@ class Requests:
         self._clock = clock
         self._spawn = spawn
         self._verifying: set[bytes] = set()
-        self._checks = CheckBudget(
-            rate=config.store_checks_per_s,
-            burst=2 * config.store_checks_burst,
-            network_burst=config.store_checks_burst,
-            reserve=min(config.max_records_per_request, config.store_checks_burst),
-        )
-        """The signature checks of stored records, shared among the source networks."""
 
     def _refuse_oversize(self, request: Message, limit: int, observed_host: str) -> None:
         """Refuse a request larger than any honest one before any field of it is read:
@@ -163,13 +152,6 @@ class Requests:
         cfg = self._config
         records = cfg.max_records_per_request * (max_record_bytes() + 8)
         self._refuse_oversize(request, MAX_CARD_BYTES + records + 128, observed_host)
-        # Quotas count the network the call came from, not the card's claim: keys are free,
-        # addresses are not.
-        network = source_network(observed_host, limit_private=cfg.limit_private_subnets)
-        if not self._checks.available(network):
-            # Its share of the checks is spent: nothing of the request is read, not even
-            # its signature, so that a flood costs a call each, not a check each.
-            return self._busy(request, [], observed_host or "a peer", observed_host)
         sender = self._sender(request.sender, observed_host)
         try:
             check_store_request(
@@ -182,31 +164,26 @@ class Requests:
         except Rejection as rejection:
             self._refuse(rejection, sender, observed_host)
             raise
+        # Quotas count the network the call came from, not the card's claim: keys are free,
+        # addresses are not.
+        network = source_network(observed_host, limit_private=cfg.limit_private_subnets)
         results: list[pb.StoreResult] = []
         for message in request.records:
-            if not self._checks.available(network):
-                # Its share ran out in this request: the rest is refused unread.
-                return self._busy(request, results, str(sender), observed_host)
-            results.append(self._store(message, sender, network, observed_host))
-        return pb.StoreResponse(peer=self._card().to_proto(), results=results)
-
-    def _busy(
-        self,
-        request: pb.StoreRequest,
-        results: list[pb.StoreResult],
-        peer: str,
-        observed_host: str,
-    ) -> pb.StoreResponse:
-        """The answer to a store whose network's share of signature checks is spent: the
-        ``results`` of the records read so far, the rest refused unread (counted once)."""
-        self._rejections.record(Rejection("busy", BUSY), peer, source=observed_host)
-        refused = pb.StoreResult(stored=False, reason=BUSY)
-        results += [refused] * (len(request.records) - len(results))
+            result, forged = self._store(message, sender, network, observed_host)
+            results.append(result)
+            if forged:
+                # Honest nodes relay only records they checked: a forged signature marks
+                # the whole request, and the rest is refused unread, so that a flood of
+                # forgeries (free to make, a check each to refuse) costs a call a check.
+                unread = pb.StoreResult(stored=False, reason=UNREAD)
+                results += [unread] * (len(request.records) - len(results))
+                break
         return pb.StoreResponse(peer=self._card().to_proto(), results=results)
 
     def _store(
         self, message: pb.Record, sender: Contact, network: str, observed_host: str
-    ) -> pb.StoreResult:
+    ) -> tuple[pb.StoreResult, bool]:
+        """The result of storing one record, and whether its signature was forged."""
         try:
             record = record_from_proto(message)
             # The gate last, once quotas and the signature passed: a proof of work not
@@ -217,9 +194,10 @@ class Requests:
                 sender=sender.peer_id,
                 network=network,
                 admit=functools.partial(self._gates.refusal, network=network),
-                may_check=functools.partial(self._checks.spend, network),
             )
         except Rejection as rejection:
             self._refuse(rejection, sender, observed_host)
-            return pb.StoreResult(stored=False, reason=rejection.reason)
-        return pb.StoreResult(stored=stored, reason="" if stored else "a newer record is stored")
+            forged = rejection.code == "bad-signature"
+            return pb.StoreResult(stored=False, reason=rejection.reason), forged
+        reason = "" if stored else "a newer record is stored"
+        return pb.StoreResult(stored=stored, reason=reason), False

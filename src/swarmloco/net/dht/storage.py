@@ -225,14 +225,12 @@ class Storage:
         sender: bytes,
         network: str,
         admit: Callable[[Record, Any], Rejection | None] | None = None,
-        may_check: Callable[[], bool] | None = None,
     ) -> bool:
         """Store ``record`` for ``sender``, whose call came from ``network``
         (``endpoints.source_network``; :data:`LOCAL_NETWORK` for this node's own records);
         False if a newer one is already stored (True if this very record is).
         ``admit(record, value)`` says why a record that passed everything else must not be
-        stored (a private swarm's gate: the costliest check, made last); ``may_check()``
-        whether its signature may be checked now (False: refused as ``busy``, unchecked).
+        stored (a private swarm's gate: the costliest check, made last).
 
         Raises :class:`Rejection` when the record is invalid, over a quota or not admitted.
         """
@@ -262,8 +260,6 @@ class Storage:
             held=held_bytes(record, value),
         )
         victim = self._make_room(stored, kind, replacing=existing, now=now)
-        if kind.owned and may_check is not None and not may_check():
-            raise Rejection("busy", "record not checked: its network's share of checks is spent")
         check_signature(kind, record)
         refused = admit(record, value) if admit is not None else None
         if refused is not None:
