@@ -1,12 +1,15 @@
-"""Shared helpers of the benchmark scripts: machine description and robust timing."""
+"""Shared helpers of the benchmark scripts: machine description, robust timing, a process's
+CPU and how late an event loop wakes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -73,3 +76,23 @@ def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 2) -
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) a process has used so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def loop_lag(lags: list[float], tick: float = 0.005) -> None:
+    """Record how late each of a stream of short sleeps wakes on the running loop: how long
+    the loop was held by other work (a round's decoding, hashing, accumulating; signature
+    checks) while a DHT request or a heartbeat would have waited. Runs until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asleep = loop.time()
+        await asyncio.sleep(tick)
+        lags.append(max(0.0, loop.time() - asleep - tick))

@@ -104,19 +104,6 @@ def _vector(index: int, params: int, padded: int) -> Any:
     return vector
 
 
-async def _loop_lag(lags: list[float], tick: float = 0.005) -> None:
-    """Record how late each of a stream of short sleeps wakes on the running loop: how long
-    the loop was held by other work (a round's decoding, hashing, accumulating) while a
-    DHT request or a heartbeat would have waited."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    while True:
-        asleep = loop.time()
-        await asyncio.sleep(tick)
-        lags.append(max(0.0, loop.time() - asleep - tick))
-
-
 def swarmloco_worker(args: argparse.Namespace) -> None:
     import asyncio
     import dataclasses
@@ -125,6 +112,7 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
 
     import torch
     import uvloop
+    from _bench_common import loop_lag
 
     from swarmloco.core.aggregate import AggregatorConfig
     from swarmloco.core.codec import (
@@ -226,7 +214,7 @@ def swarmloco_worker(args: argparse.Namespace) -> None:
                     _emit({"event": "group", "t": t_group, "size": group.size})
                     cpu0 = time.process_time()
                     lags: list[float] = []
-                    probe = asyncio.ensure_future(_loop_lag(lags))
+                    probe = asyncio.ensure_future(loop_lag(lags))
                     try:
                         result = await averager.all_reduce(
                             group, vector, deadline=deadline, out=mean

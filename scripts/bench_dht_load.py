@@ -49,7 +49,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "net"))  # the source-address forwarder
-from _bench_common import machine  # noqa: E402
+from _bench_common import loop_lag, machine, process_cpu_s  # noqa: E402
 from sourceproxy import SourceProxy  # noqa: E402
 
 from swarmloco.net.client import RpcClient, RpcError  # noqa: E402
@@ -71,28 +71,21 @@ LATE_S = 0.05
 
 
 class Probe:
-    """How late an event loop wakes from a ``PROBE_S`` sleep, while it runs."""
+    """How late an event loop wakes from ``PROBE_S`` sleeps, while it runs (``loop_lag``)."""
 
     def __init__(self) -> None:
         self.lags: list[float] = []
-        self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        while not self._stop.is_set():
-            asked = time.perf_counter()
-            await asyncio.sleep(PROBE_S)
-            self.lags.append(time.perf_counter() - asked - PROBE_S)
 
     def start(self) -> None:
         self.lags.clear()
-        self._stop.clear()
-        self._task = asyncio.create_task(self._run())
+        self._task = asyncio.ensure_future(loop_lag(self.lags, PROBE_S))
 
     async def stop(self) -> dict[str, float]:
-        self._stop.set()
         if self._task is not None:
-            await self._task
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
         late = sum(lag > LATE_S for lag in self.lags)
         return {
             "lag_max_s": max(self.lags, default=0.0),
@@ -141,10 +134,6 @@ class Node:
         self.endpoint = self._out.readline().strip()
         if not self.endpoint:
             raise SystemExit("the node did not start")
-
-    def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def tell(self, line: str) -> None:
         self._in.write(line + "\n")
@@ -246,9 +235,9 @@ async def store_flood(node: Node, seconds: float) -> dict[str, Any]:
                 await asyncio.sleep(0.2)
 
         node.tell("start")
-        cpu = node.cpu_s()
+        cpu = process_cpu_s(node.process.pid)
         await asyncio.gather(*(flood(lane) for lane in range(8)), store_honestly())
-        cpu = node.cpu_s() - cpu
+        cpu = process_cpu_s(node.process.pid) - cpu
         seen = node.probed()
     return {
         "flood_seconds": seconds,

@@ -83,7 +83,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "net"))  # the source-address for
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
-from _bench_common import machine, status_mb, stop_processes  # noqa: E402
+from _bench_common import machine, process_cpu_s, status_mb, stop_processes  # noqa: E402
 from chaos import PEER_OPTIONS as CHAOS_PEER_OPTIONS  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
@@ -149,15 +149,6 @@ def log(message: str) -> None:
 
 def rss_mb(pid: int) -> float | None:
     return status_mb(pid, "VmRSS")
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user and system) a process has used so far; 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Honest:
@@ -741,7 +732,7 @@ def window(
     start_round = max(p.round for p in peers)
     base = {name: rss_mb(proc.pid) or 0.0 for name, proc in sample.items()}
     peak = dict(base)
-    used = {name: cpu_s(proc.pid) for name, proc in sample.items()}
+    used = {name: process_cpu_s(proc.pid) for name, proc in sample.items()}
     cpu = time.process_time()
     started = time.monotonic()
     until = started + seconds
@@ -763,7 +754,7 @@ def window(
         "rss_peak_mb": {name: round(peak[name], 1) for name in base},
         "end_round": max(p.round for p in peers),
         "bench_cpu_s": round(time.process_time() - cpu, 1),
-        "cpu_s": {name: round(cpu_s(p.pid) - used[name], 1) for name, p in sample.items()},
+        "cpu_s": {name: round(process_cpu_s(p.pid) - used[name], 1) for name, p in sample.items()},
     }
 
 
