@@ -638,6 +638,10 @@ class Driver:
             return
         liar = endpoints[suspect]
         self.audits["judged-wrong"] += 1
+        if self.distrusted.get(liar, 0.0) > time.monotonic():
+            # Found out already: an audit of a micro-batch it answered before that, which
+            # ran beside the one that found it out.
+            return
         self.strikes[liar] += 1
         for endpoint in endpoints:
             if endpoint != liar:
