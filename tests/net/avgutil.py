@@ -83,6 +83,7 @@ async def averaging_peers(
     proxies: dict[int, TcpProxy] | None = None,
     before: dict[int, Callable[[list[AvgPeer]], Awaitable[None]]] | None = None,
     services: Sequence[Service] = (),
+    hosts: dict[int, str] | None = None,
 ) -> AsyncIterator[list[AvgPeer]]:
     """``size`` peers on 127.0.0.1 joined through the first (which must serve);
     ``configs``: per peer, an averaging config other than ``config`` (a liar's);
@@ -90,7 +91,9 @@ async def averaging_peers(
     ``gates``: per peer (index, identity), the gate of a private swarm (None: none);
     ``proxies``: per serving peer, a started proxy it announces instead of its own port;
     ``before``: per peer, what to do to the peers started so far before it starts (an
-    attack that must come first); ``services``: more services every serving peer serves."""
+    attack that must come first); ``services``: more services every serving peer serves;
+    ``hosts``: per serving peer, a loopback address to bind and announce (its own source
+    network) instead of 127.0.0.1."""
     assert 0 not in clients
     faults = faults or {}
     limiters = limiters or {}
@@ -106,10 +109,13 @@ async def averaging_peers(
                 node_config = NodeConfig(server=None, peers=first)
             else:
                 proxy = (proxies or {}).get(i)
+                host = (hosts or {}).get(i)
                 node_config = NodeConfig(
                     peers=first,
-                    server=server or ServerConfig(),
-                    announce_host=announce_host,
+                    server=dataclasses.replace(server or ServerConfig(), host=host)
+                    if host is not None
+                    else server or ServerConfig(),
+                    announce_host=host or announce_host,
                     announce_port=proxy.port if proxy is not None else None,
                 )
             node = NetNode(

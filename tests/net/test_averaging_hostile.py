@@ -402,10 +402,13 @@ async def test_two_partners_lying_together_serve_no_more_and_the_retry_applies()
     """Five partners; two answer every stream they serve with a forged verdict. Neither
     is alone out of line, so the lone rule names neither (and every attempt aborted, for
     as long as they kept lying); they are out of line with the three others, most of the
-    servers: each honest member makes them clients of its next attempts, which apply."""
+    servers: each honest member makes them clients of its next attempts, which apply.
+    Honest 2 serves from 3's address: being out of line names keys only (members lying to
+    some can put honest servers there), so 2 still serves at 0 and 1."""
     size, liars = 5, (3, 4)
     vectors = random_vectors(size, 64 * 40, seed=12)
-    async with averaging_peers(size) as peers:
+    hosts = {0: "127.0.0.1", 1: "127.0.0.2", 2: "127.0.0.9", 3: "127.0.0.9", 4: "127.0.0.8"}
+    async with averaging_peers(size, hosts=hosts) as peers:
         ids = _all_partners(peers)
         round = _round_not_led_by(ids, {ids[x] for x in liars})
         plans = [FaultPlan([Fault(action="corrupt", phase="verdict", corruption="forge")])]
@@ -422,7 +425,7 @@ async def test_two_partners_lying_together_serve_no_more_and_the_retry_applies()
     honest = second[:3]
     assert all(isinstance(r, AllReduceResult) for r in honest), second
     assert_identical(honest)
-    assert not named & {part.reducer for part in honest[0].report.parts}
+    assert {part.reducer for part in honest[0].report.parts} == set(ids[:3])
 
 
 async def _one_liar_named(
@@ -722,6 +725,38 @@ async def test_a_member_answering_an_audit_with_other_bytes_than_it_signed_is_st
         assert set(excluded) == {ids[liar]}, excluded
         # Struck as a sender, or failed as the reducer whose own segment it altered.
         assert "its segment is not the one it signed" in excluded[ids[liar]], excluded
+
+
+async def test_partners_on_the_network_of_a_demoted_one_serve_no_more():
+    """Five partners, 3 and 4 two keys of one machine (127.0.0.9), the others each on an
+    address of its own. 3 forges its verdicts in the first attempt and is named alone out
+    of line; 4, honest then, forges them from the second. Each honest member took 4, last
+    seen serving from 3's network, as a stranger with 3: the second attempt makes both
+    clients and applies. (Before, the second attempt aborted too, naming 4: a key each.)"""
+    size, liars = 5, (3, 4)
+    vectors = random_vectors(size, 64 * 40, seed=15)
+    hosts = {0: "127.0.0.1", 1: "127.0.0.2", 2: "127.0.0.3", 3: "127.0.0.9", 4: "127.0.0.9"}
+    forged = [FaultPlan([Fault(action="corrupt", phase="verdict", corruption="forge")])]
+    forged.append(FaultPlan([Fault(action="corrupt", phase="verdict", corruption="forge")]))
+    async with averaging_peers(size, hosts=hosts) as peers:
+        ids = _all_partners(peers)
+        round = _round_not_led_by(ids, {ids[x] for x in liars})
+        peers[3].averager.faults = forged[0]
+        first = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+        peers[4].averager.faults = forged[1]
+        second = _outcomes(await run_round(peers, round, vectors, [1.0] * size, timeout=20))
+        serving = [p.matchmaker._partners() for p in peers[:3]]
+    assert forged[0].fired[0] > 0
+    for result in first[:3]:
+        assert isinstance(result, RoundAborted) and result.dissenters == {ids[3]}, first
+    honest = second[:3]
+    assert all(isinstance(r, AllReduceResult) for r in honest), second
+    assert_identical(honest)
+    reducers = {part.reducer for part in honest[0].report.parts}
+    assert reducers == set(ids[:3]), (reducers, ids)
+    assert forged[1].fired[0] == 0  # a client gives no verdict
+    for me, partners in enumerate(serving):  # the honest ones on other addresses still serve
+        assert partners == set(ids[:3]) - {ids[me]}, (me, partners)
 
 
 async def test_a_partner_that_alone_aborts_a_round_serves_no_more_and_the_retry_applies():

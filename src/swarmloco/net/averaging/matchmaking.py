@@ -273,6 +273,13 @@ class Matchmaker:
         """Partners this peer saw abort a round alone (peer -> until, monotonic)."""
         self._grouped: collections.OrderedDict[int, frozenset[str]] = collections.OrderedDict()
         """The members of this peer's last group of each recent round."""
+        self._networks: collections.OrderedDict[str, str] = collections.OrderedDict()
+        """The source network each server of this peer's recent groups served from (peer
+        -> network of its endpoint there), at most ``MAX_DEMOTED``."""
+        self._own_network: str | None = None
+        self._barred: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """Networks of partners demoted for ``DEMOTED_S`` (network -> until, monotonic):
+        their other partners are strangers here until then too."""
 
     async def close(self) -> None:
         """End what matchmaking runs in the background (a formed group's marker being
@@ -285,6 +292,8 @@ class Matchmaker:
         peers: Iterable[str],
         seconds: float = DEMOTED_S,
         why: str = "was two-faced in a round, or alone disagreed with every other server",
+        *,
+        network: bool = True,
     ) -> None:
         """Take ``peers`` as strangers for ``seconds`` (or longer, if already so): each was
         proven two-faced, or was the lone server whose verdict or digest differed from every
@@ -293,7 +302,9 @@ class Matchmaker:
         was caught lying by this peer's audits (``AllReduceReport.liars``).
         This peer follows them no more, and makes them clients of the groups it leads:
         partners turned liars cannot abort every attempt at a round, however long they stay
-        partners while no round applies."""
+        partners while no round applies. With ``network``, every partner last seen serving
+        from the source network of one of ``peers`` is a stranger as long (this peer's own
+        network excepted): keys of one machine abort one attempt, not one each."""
         until = time.monotonic() + seconds
         for peer in peers:
             logger.warning(
@@ -304,8 +315,22 @@ class Matchmaker:
             )
             self._demoted[peer] = max(until, self._demoted.get(peer, until))
             self._demoted.move_to_end(peer)
+            where = self._networks.get(peer)
+            if network and where is not None and where != self._own_network:
+                if where not in self._barred:
+                    logger.warning(
+                        "the other partners serving from %s (the network of %s) are "
+                        "strangers here for %.0f s too",
+                        where,
+                        peer[:12],
+                        seconds,
+                    )
+                self._barred[where] = max(until, self._barred.get(where, until))
+                self._barred.move_to_end(where)
         while len(self._demoted) > MAX_DEMOTED:
             self._demoted.popitem(last=False)
+        while len(self._barred) > MAX_DEMOTED:
+            self._barred.popitem(last=False)
 
     def aborted(self, exc: RoundAborted) -> None:
         """A round of this peer aborted with ``exc``: the servers proven two-faced in it, or
@@ -316,15 +341,23 @@ class Matchmaker:
             exc.out_of_line - exc.dissenters,
             OUT_OF_LINE_S,
             why="was out of line with most servers of a round",
+            network=False,  # members lying to some can put honest servers there
         )
 
     def _partners(self) -> set[str]:
         """The partners this peer follows and lets serve: its partners, less those it
-        demoted (:meth:`demote`) until their time is up."""
+        demoted (:meth:`demote`) and those last seen serving from a network it barred with
+        them, until their time is up."""
         now = time.monotonic()
         for peer in [p for p, until in self._demoted.items() if until <= now]:
             del self._demoted[peer]
-        return set(self.partners()) - self._demoted.keys()
+        for where in [n for n, until in self._barred.items() if until <= now]:
+            del self._barred[where]
+        return {
+            p
+            for p in self.partners()
+            if p not in self._demoted and self._networks.get(p) not in self._barred
+        }
 
     # -- the public API ----------------------------------------------------------------
 
@@ -392,7 +425,27 @@ class Matchmaker:
         self._grouped[round] = frozenset(m.peer_id for m in group.members)
         while len(self._grouped) > 64:
             self._grouped.popitem(last=False)
+        self._learn_networks(group)
         return group
+
+    def _learn_networks(self, group: Group) -> None:
+        """Keep the network each server of ``group`` serves from (a member with an
+        endpoint: the others reach it there, its key checked, so it is not a claim)."""
+        for member in group.members:
+            if not member.endpoint:
+                continue
+            try:
+                host = parse_endpoint(member.endpoint)[0]
+            except ValueError:
+                continue
+            network = source_network(host, limit_private=self.config.limit_private_subnets)
+            if member.peer_id == self.identity.peer_id_hex:
+                self._own_network = network
+                continue
+            self._networks[member.peer_id] = network
+            self._networks.move_to_end(member.peer_id)
+        while len(self._networks) > MAX_DEMOTED:
+            self._networks.popitem(last=False)
 
     async def formed_without_us(self, round: int, numel: int) -> bool:
         """Whether ``round``'s group formed without this peer, as the round's entries say
