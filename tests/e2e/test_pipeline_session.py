@@ -2,7 +2,8 @@
 driver in a process of its own is SIGKILLed while a micro-batch of it is held at stage 1
 and computing at stage 2; both replicas drop its input as soon as the driver's sessions
 end with its connections, long before any deadline (theirs are an hour here), so the step
-it held back is not held back."""
+it held back is not held back. SIGSTOPped instead (a machine that froze or dropped off its
+network: no connection closes), its sessions fall silent, and end so."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ SHAPE = dict(vocab_size=256, seq_len=16, n_layer=3, n_head=2, n_embd=32)
 CONFIG = GPTConfig(**SHAPE)  # type: ignore[arg-type]
 IDS = Boundary(width=0, max_batch=8, max_tokens=CONFIG.seq_len, vocab=CONFIG.vocab_size)
 ACTS = Boundary(width=CONFIG.n_embd, max_batch=8, max_tokens=CONFIG.seq_len)
-NO_DEADLINE = ReplicaConfig(inflight_s=3600.0, inflight_floor_s=3600.0)
+NO_DEADLINE = ReplicaConfig(
+    inflight_s=3600.0, inflight_floor_s=3600.0, session_beat_s=0.5, session_silence_s=5.0
+)
 
 DRIVER = """
 import asyncio, sys
@@ -117,7 +120,8 @@ async def until(what: str, condition: Callable[[], bool], timeout: float = 60.0)
         await asyncio.sleep(0.05)
 
 
-async def test_a_killed_drivers_micro_batch_is_dropped_where_it_is_held_when_its_sessions_end():
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+async def test_a_lost_drivers_micro_batch_is_dropped_where_it_is_held_when_its_sessions_end(how):
     _, middle, tail = gpt_stages(CONFIG, 3, seed=5)
     gated = Gated(tail)
     services = [service(middle, 1), service(gated, 2)]
@@ -146,14 +150,18 @@ async def test_a_killed_drivers_micro_batch_is_dropped_where_it_is_held_when_its
         driver.stdin.flush()
         assert await loop.run_in_executor(None, gated.entered.wait, 120)
         assert one.inflight == 1  # held at stage 1 for its backward; computing at stage 2
-        os.kill(driver.pid, signal.SIGKILL)
-        await loop.run_in_executor(None, driver.wait)
-        await until("stage 1 drops the killed driver's input", lambda: one.orphaned == 1)
+        os.kill(driver.pid, how)
+        if how == signal.SIGKILL:
+            await loop.run_in_executor(None, driver.wait)
+        await until("stage 1 drops the lost driver's input", lambda: one.orphaned == 1)
         assert one.inflight == 0 and one.sessions == 0
         gated.release.set()  # the forward under way ends, for nobody
         await until("stage 2 drops it once computed", lambda: two.orphaned == 1)
         assert two.inflight == 0 and two.sessions == 0
         assert one.dropped == two.dropped == 0  # no deadline passed: the sessions said
+        # A frozen driver's sessions ended for their silence (its connections stay open).
+        expected = 1 if how == signal.SIGSTOP else 0
+        assert [s.silent for s in services] == [expected, expected]
         await until(
             "the sessions' slots come back",
             lambda: all(n.server.slots.in_use(Pool.SESSION) == 0 for n in nodes),

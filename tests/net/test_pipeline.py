@@ -14,9 +14,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import grpc
 import pytest
 import torch
-from netutil import closed_port
+from netutil import closed_port, wait_for
 
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
@@ -26,6 +27,7 @@ from swarmloco.pipeline.load import Vouching, fresh, publish_load, read_loads
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
 from swarmloco.pipeline.service import (
     ABANDON,
+    ATTEND,
     AUDIT,
     BACKWARD,
     FORWARD,
@@ -801,6 +803,97 @@ async def test_hostile_session_calls_are_refused_and_counted_and_a_session_is_it
         await drv.run(x, y)  # the driver's own session, and its micro-batch, go on
     assert service.replica.micro_batches == 1
     assert dict(service.refused) == {"malformed": 2, "wrong-stage": 1, "busy": 1}
+
+
+async def test_hostile_attend_calls_end_and_are_counted_and_a_silent_one_ends_its_session():
+    """A session that beats (``Attend``): a call that names no session, or a bad one, opens
+    nothing; a beat that is not a ``SessionRequest`` ends its session, as silence does
+    (the inputs it held dropped); a driver that closes its side leaves."""
+    local, remote = gpt_stages(CONFIG, 2, seed=4)
+    config = ReplicaConfig(session_beat_s=0.2, session_silence_s=2.0)
+    service = service_of(remote, 1, 2, "f32", StageReplica(remote, first=False, last=True,
+                                                           config=config))  # fmt: skip
+    first = StageReplica(local, first=True, last=False)
+    config_f32 = DriverConfig(encoding="f32", sessions=False)
+    async with pipeline([[service]], first, config=config_f32) as (drv, ends):
+        endpoint = ends[0][0]
+        channel = await drv.client.open(endpoint, 10.0)
+        method = channel.stream_stream(
+            ATTEND.path,
+            request_serializer=lambda b: b,
+            response_deserializer=pb.SessionEvent.FromString,
+        )
+        named = pb.SessionRequest(swarm_id=SWARM, stage=1, session=b"s" * 16).SerializeToString()
+
+        async def events(*messages: bytes, close: bool = False) -> list[pb.SessionEvent]:
+            """Send ``messages``, then nothing (or close our side); the events, to the end."""
+            call = method(timeout=30.0)
+            for message in messages:
+                await call.write(message)
+            if close:
+                await call.done_writing()
+            return [event async for event in call]
+
+        @contextlib.asynccontextmanager
+        async def beating(call: grpc.aio.StreamStreamCall) -> AsyncIterator[None]:
+            """A beat on ``call`` every 0.1 s meanwhile."""
+
+            async def beat() -> None:
+                while True:
+                    await call.write(b"")
+                    await asyncio.sleep(0.1)
+
+            task = asyncio.create_task(beat())
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await task
+
+        x, y = batch(0)
+        h = local(x)
+
+        async def held() -> None:
+            """A micro-batch held under the session named ``s`` * 16."""
+            request = pb.ForwardRequest(
+                swarm_id=SWARM, stage=1, micro_batch=os.urandom(16), input=pack(h, "f32"),
+                targets=pack(y, "i64"), session=b"s" * 16,
+            )  # fmt: skip
+            answer = await drv.client.call(endpoint, FORWARD, request, timeout=10.0)
+            assert answer.WhichOneof("outcome") == "loss", answer
+
+        with drv.client.holding(channel):
+            assert await events() == []  # named nothing within the silence: closed
+            assert [e.refused.code for e in await events(b"\xff\xff")] == ["malformed"]
+            wrong = pb.SessionRequest(swarm_id=SWARM, stage=0, session=b"s" * 16)
+            assert [e.refused.code for e in await events(wrong.SerializeToString())] == [
+                "wrong-stage"
+            ]
+            # Opened, told its beat, beaten while a micro-batch comes (no race with the
+            # silence), then silent: ended for its silence, the input dropped.
+            call = method(timeout=30.0)
+            await call.write(named)
+            opened = await call.read()
+            assert opened.open and opened.beat_ms == 200 and service.replica.sessions == 1
+            async with beating(call):
+                await held()
+            assert await call.read() is grpc.aio.EOF
+            await wait_for(lambda: service.replica.orphaned == 1, timeout=60)
+            assert service.silent == 1 and service.replica.inflight == 0
+            # A bad beat ends it too.
+            call = method(timeout=30.0)
+            await call.write(named)
+            assert (await call.read()).open
+            async with beating(call):
+                await held()
+            await call.write(b"\xff\xff")  # (at most 0.1 s after the last beat)
+            assert (await call.read()).refused.code == "malformed"
+            await wait_for(lambda: service.replica.orphaned == 2, timeout=60)
+            # Its driver leaves (closes its side): ended, not silent.
+            opened, *rest = await events(named, close=True)
+            assert opened.open and rest == [] and service.silent == 1
+    assert dict(service.refused) == {"malformed": 2, "wrong-stage": 1}
 
 
 async def test_a_driver_opens_a_session_with_each_replica_it_uses_unless_told_not_to():

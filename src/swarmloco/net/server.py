@@ -293,7 +293,7 @@ LONG_CALLS = frozenset(
     }
 )
 """Calls that stay open as long as the caller likes without doing this peer's work."""
-SESSION_CALLS = frozenset({"/swarmloco.v1.Stage/Session"})
+SESSION_CALLS = frozenset({"/swarmloco.v1.Stage/Session", "/swarmloco.v1.Stage/Attend"})
 """Calls a caller keeps open while it works with this peer, doing no work themselves: a
 pipeline driver's session with a stage replica (its end tells the replica the driver is
 gone, docs/DESIGN.md section 10)."""

@@ -54,6 +54,7 @@ from swarmloco.pipeline.load import StageLoad
 from swarmloco.pipeline.replica import StageReplica
 from swarmloco.pipeline.service import (
     ABANDON,
+    ATTEND,
     AUDIT,
     BACKWARD,
     FORWARD,
@@ -74,6 +75,9 @@ EXPLORE = 0.1
 """The least weight a replica is drawn with, as a share of the best replica's."""
 SESSION_RETRY_S = 30.0
 """A replica whose session ended (refused, or broken) is asked for a new one no sooner."""
+BEAT_BOUNDS_S = (0.2, 60.0)
+"""The beats of a session (``Attend``) are sent as often as its replica asks, within
+these: a replica cannot have its drivers beat it without pause."""
 
 
 def micro_batch_name() -> bytes:
@@ -278,29 +282,64 @@ class Driver:
             session.task.cancel()
 
     async def _hold_session(self, endpoint: str, session: _Session) -> None:
-        """Open the session and keep it open until the replica or this driver ends it."""
+        """Open the session and keep it open, beating, until the replica or this driver
+        ends it (a replica without ``Attend``, an older one: the one-way ``Session``)."""
         request = pb.SessionRequest(
             swarm_id=self.swarm_id, stage=session.stage, session=session.name
         )
         try:
             channel = await self.client.open(endpoint, self.config.hop_timeout_s)
             with self.client.holding(channel):  # no await since open: the cache keeps it
-                call = channel.unary_stream(
-                    SESSION.path,
-                    request_serializer=pb.SessionRequest.SerializeToString,
-                    response_deserializer=pb.SessionEvent.FromString,
-                )(request)
-                async for event in call:
-                    session.open = event.open
-                    if not event.open:  # refused (the replica holds too many, say)
-                        call.cancel()
-                        break
+                try:
+                    await self._attend(channel, request, session)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    call = channel.unary_stream(
+                        SESSION.path,
+                        request_serializer=pb.SessionRequest.SerializeToString,
+                        response_deserializer=pb.SessionEvent.FromString,
+                    )(request)
+                    async for event in call:
+                        session.open = event.open
+                        if not event.open:  # refused (the replica holds too many, say)
+                            call.cancel()
+                            break
         except (RpcError, grpc.RpcError):
             pass  # gone, or never there: forwards go without a session
         finally:
             session.open = False
             session.task = None
             session.ended_at = time.monotonic()
+
+    async def _attend(
+        self, channel: grpc.aio.Channel, request: pb.SessionRequest, session: _Session
+    ) -> None:
+        """Hold ``session`` on an ``Attend`` call: a beat as often as the replica asked in
+        its open answer, until the replica ends the call (or answers anything more)."""
+        call = channel.stream_stream(
+            ATTEND.path,
+            request_serializer=pb.SessionRequest.SerializeToString,
+            response_deserializer=pb.SessionEvent.FromString,
+        )()
+        try:
+            await call.write(request)
+            event = await call.read()
+            if event is grpc.aio.EOF or not event.open:
+                return  # refused (the replica holds too many, say)
+            session.open = True
+            low, high = BEAT_BOUNDS_S
+            beat_s = min(max(event.beat_ms / 1000, low), high)
+            ended = asyncio.ensure_future(call.read())
+            try:
+                while not ended.done():
+                    await asyncio.wait({ended}, timeout=beat_s)
+                    if not ended.done():
+                        await call.write(pb.SessionRequest())
+            finally:
+                ended.cancel()
+        finally:
+            call.cancel()
 
     def update(self, loads: Sequence[StageLoad]) -> None:
         """Draw from the replicas of these (fresh) records from now on: each later stage's,

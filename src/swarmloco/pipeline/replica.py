@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmloco.core.config import require_int, require_positive
+from swarmloco.core.config import require, require_int, require_positive
 from swarmloco.net.rejections import Rejection
 from swarmloco.runtime.progress import Rate
 
@@ -90,6 +90,12 @@ class ReplicaConfig:
     deadline, had the driver shun the replica as failed (doubling up to an hour): the one
     replica of a stage holding micro-batches of a driver that died (they expire only
     after ``inflight_s``) stalled the pipeline for many minutes."""
+    session_beat_s: float = 2.0
+    """How often a driver holding a session that beats (``Attend``) is asked to send a
+    beat."""
+    session_silence_s: float = 10.0
+    """A session on which nothing came for this long ends, its inputs dropped: its
+    driver's machine froze or dropped off its network (no connection closes then)."""
     hold_wait_s: float = 2.0
     """An owned replica's owner holds it (a round between its steps): a forward waits
     this long at most, then is refused as busy, and its driver draws another replica
@@ -101,6 +107,12 @@ class ReplicaConfig:
         require_positive("inflight_s", self.inflight_s)
         require_positive("inflight_floor_s", self.inflight_floor_s)
         require_positive("hold_wait_s", self.hold_wait_s)
+        require_positive("session_beat_s", self.session_beat_s)
+        require(
+            self.session_silence_s > self.session_beat_s,
+            f"session_silence_s ({self.session_silence_s}) must be longer than "
+            f"session_beat_s ({self.session_beat_s})",
+        )
         require_positive("due_wait_s", self.due_wait_s)
         require_int("kept_results", self.kept_results, minimum=1)
         require_int("step_samples", self.step_samples, minimum=0)

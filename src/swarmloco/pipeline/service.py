@@ -32,6 +32,7 @@ BACKWARD = Method(f"/{SERVICE_NAME}/Backward", pb.BackwardRequest, pb.BackwardRe
 ABANDON = Method(f"/{SERVICE_NAME}/Abandon", pb.AbandonRequest, pb.AbandonResponse)
 AUDIT = Method(f"/{SERVICE_NAME}/Audit", pb.AuditRequest, pb.AuditResponse)
 SESSION = Method(f"/{SERVICE_NAME}/Session", pb.SessionRequest, pb.SessionEvent)
+ATTEND = Method(f"/{SERVICE_NAME}/Attend", pb.SessionRequest, pb.SessionEvent)
 MICRO_BATCH_BYTES = 16
 SESSION_BYTES = 16
 FORWARD_THREADS = 32
@@ -107,6 +108,8 @@ class StageService:
         self.rejections = rejections
         self.refused: collections.Counter[str] = collections.Counter()
         """Refusals by code."""
+        self.silent = 0
+        """Sessions ended because their driver sent no beat for ``session_silence_s``."""
         self._audits = 0  # running or waiting for their thread (on the event loop)
         self._pools = CallPools(
             f"stage{stage}",
@@ -135,6 +138,11 @@ class StageService:
         )
         handlers["Session"] = grpc.unary_stream_rpc_method_handler(
             self.session,
+            request_deserializer=decoder(pb.SessionRequest),
+            response_serializer=pb.SessionEvent.SerializeToString,
+        )
+        handlers["Attend"] = grpc.stream_stream_rpc_method_handler(
+            self.attend,
             request_deserializer=decoder(pb.SessionRequest),
             response_serializer=pb.SessionEvent.SerializeToString,
         )
@@ -233,29 +241,76 @@ class StageService:
         return pb.AuditResponse(answer=answer)
 
     async def session(self, request: object, context: Any) -> None:
-        """A driver's session (``Session``): open until the call ends, then the inputs of
-        its micro-batches held here are dropped (``StageReplica.end_session``). The server
-        caps sessions per source network and in all (``ServerConfig.max_sessions``)."""
+        """A driver's session (``Session``, one way: an older driver's): open until the
+        call ends, then the inputs of its micro-batches held here are dropped
+        (``StageReplica.end_session``). The server caps sessions per source network and in
+        all (``ServerConfig.max_sessions``)."""
+        session = await self._open_session(request, context)
+        if session is None:
+            return
+        try:
+            await context.write(pb.SessionEvent(open=True))
+            await asyncio.Event().wait()  # until the call ends: its driver left, or died
+        finally:
+            self._end_session(session)
+
+    async def attend(self, requests: Any, context: Any) -> None:
+        """A driver's session that beats (``Attend``): its first message names it, then the
+        driver sends one at least every ``session_beat_s``; the session ends (its inputs
+        dropped, as at :meth:`session`'s end) when the call ends or nothing came for
+        ``session_silence_s``: a driver whose machine froze or dropped off its network
+        closes no connection (docs/DESIGN.md section 10)."""
+        config = self.replica.config
+        beats = aiter(requests)
+        try:
+            first = await asyncio.wait_for(anext(beats), config.session_silence_s)
+        except (TimeoutError, StopAsyncIteration):
+            return  # named no session: nothing opened
+        session = await self._open_session(first, context)
+        if session is None:
+            return
+        try:
+            beat_ms = max(1, round(config.session_beat_s * 1000))
+            await context.write(pb.SessionEvent(open=True, beat_ms=beat_ms))
+            while True:
+                try:
+                    beat = await asyncio.wait_for(anext(beats), config.session_silence_s)
+                except StopAsyncIteration:
+                    return  # the driver closed its side: it left
+                except TimeoutError:
+                    self.silent += 1
+                    logger.info(
+                        "stage %d: a driver's session was silent for %.0f s: ended",
+                        self.stage, config.session_silence_s,
+                    )  # fmt: skip
+                    return
+                if not isinstance(beat, pb.SessionRequest):
+                    rejection = Rejection("malformed", "a beat is not a SessionRequest")
+                    await context.write(pb.SessionEvent(refused=self._refuse(rejection, context)))
+                    return
+        finally:
+            self._end_session(session)
+
+    async def _open_session(self, request: object, context: Any) -> bytes | None:
+        """Open the session ``request`` names (its name), or answer a refusal (None)."""
         try:
             if not isinstance(request, pb.SessionRequest):
                 raise Rejection("malformed", "Session: the request is not a SessionRequest")
             self._check_stage(request.swarm_id, request.stage)
             if len(request.session) != SESSION_BYTES:
                 raise Rejection("malformed", f"a session is named by {SESSION_BYTES} bytes")
-            session = request.session
-            if not self.replica.open_session(session):
+            if not self.replica.open_session(request.session):
                 raise Rejection("malformed", "a session of that name is open already")
         except Rejection as rejection:
             await context.write(pb.SessionEvent(refused=self._refuse(rejection, context)))
-            return
-        try:
-            await context.write(pb.SessionEvent(open=True))
-            await asyncio.Event().wait()  # until the call ends: its driver left, or died
-        finally:
-            # Closed now (later forwards naming it are refused); its inputs dropped
-            # on a thread (a compute may hold the replica), not waited for: the call ended.
-            self.replica.close_session(session)
-            self._pools.submit("backward", self.replica.end_session, session)
+            return None
+        return request.session
+
+    def _end_session(self, session: bytes) -> None:
+        # Closed now (later forwards naming it are refused); its inputs dropped on a thread
+        # (a compute may hold the replica), not waited for: the call ended.
+        self.replica.close_session(session)
+        self._pools.submit("backward", self.replica.end_session, session)
 
     async def _compute(self, call: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread of the call's pool (decoding, the compute and

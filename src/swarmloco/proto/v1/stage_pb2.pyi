@@ -139,9 +139,11 @@ class SessionRequest(_message.Message):
     def __init__(self, swarm_id: _Optional[str] = ..., stage: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("open", "refused")
+    __slots__ = ("open", "refused", "beat_ms")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    BEAT_MS_FIELD_NUMBER: _ClassVar[int]
     open: bool
     refused: StageRefusal
-    def __init__(self, open: _Optional[bool] = ..., refused: _Optional[_Union[StageRefusal, _Mapping]] = ...) -> None: ...
+    beat_ms: int
+    def __init__(self, open: _Optional[bool] = ..., refused: _Optional[_Union[StageRefusal, _Mapping]] = ..., beat_ms: _Optional[int] = ...) -> None: ...

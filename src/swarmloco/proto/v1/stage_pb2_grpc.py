@@ -59,6 +59,11 @@ class StageStub:
                 request_serializer=swarmloco_dot_v1_dot_stage__pb2.SessionRequest.SerializeToString,
                 response_deserializer=swarmloco_dot_v1_dot_stage__pb2.SessionEvent.FromString,
                 _registered_method=True)
+        self.Attend = channel.stream_stream(
+                '/swarmloco.v1.Stage/Attend',
+                request_serializer=swarmloco_dot_v1_dot_stage__pb2.SessionRequest.SerializeToString,
+                response_deserializer=swarmloco_dot_v1_dot_stage__pb2.SessionEvent.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -94,6 +99,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attend(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +130,11 @@ def add_StageServicer_to_server(servicer, server):
             ),
             'Session': grpc.unary_stream_rpc_method_handler(
                     servicer.Session,
+                    request_deserializer=swarmloco_dot_v1_dot_stage__pb2.SessionRequest.FromString,
+                    response_serializer=swarmloco_dot_v1_dot_stage__pb2.SessionEvent.SerializeToString,
+            ),
+            'Attend': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attend,
                     request_deserializer=swarmloco_dot_v1_dot_stage__pb2.SessionRequest.FromString,
                     response_serializer=swarmloco_dot_v1_dot_stage__pb2.SessionEvent.SerializeToString,
             ),
@@ -256,6 +272,33 @@ class Stage:
             request,
             target,
             '/swarmloco.v1.Stage/Session',
+            swarmloco_dot_v1_dot_stage__pb2.SessionRequest.SerializeToString,
+            swarmloco_dot_v1_dot_stage__pb2.SessionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attend(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swarmloco.v1.Stage/Attend',
             swarmloco_dot_v1_dot_stage__pb2.SessionRequest.SerializeToString,
             swarmloco_dot_v1_dot_stage__pb2.SessionEvent.FromString,
             options,
