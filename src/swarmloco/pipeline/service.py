@@ -42,6 +42,9 @@ BACKWARD_THREADS = 2
 AUDIT_THREADS = 1
 """Audits at once: on threads of their own, so that audits never hold a backward back
 by more than the one compute under way."""
+BEATS_PER_INTERVAL = 16
+"""Beats a session's driver may send within one beat interval it was asked for; more end
+the session as malformed (each beat costs the replica's event loop a read)."""
 AUDITS_WAITING = 4
 """Audits running or waiting for their thread at most; more are refused as busy (an
 audit costs a compute and holds its tensors: nobody queues them without bound)."""
@@ -272,6 +275,9 @@ class StageService:
         try:
             beat_ms = max(1, round(config.session_beat_s * 1000))
             await context.write(pb.SessionEvent(open=True, beat_ms=beat_ms))
+            loop = asyncio.get_running_loop()
+            window, count = loop.time(), 0  # beats since the window opened
+            rejection: Rejection | None = None
             while True:
                 try:
                     beat = await asyncio.wait_for(anext(beats), config.session_silence_s)
@@ -284,8 +290,14 @@ class StageService:
                         self.stage, config.session_silence_s,
                     )  # fmt: skip
                     return
+                count += 1
+                if count > BEATS_PER_INTERVAL:  # each costs the event loop a read
+                    if loop.time() - window < config.session_beat_s:
+                        rejection = Rejection("malformed", "beats far more often than asked")
+                    window, count = loop.time(), 0
                 if not isinstance(beat, pb.SessionRequest):
                     rejection = Rejection("malformed", "a beat is not a SessionRequest")
+                if rejection is not None:
                     await context.write(pb.SessionEvent(refused=self._refuse(rejection, context)))
                     return
         finally:
