@@ -16,7 +16,12 @@
   forward of the driver is on it, ``--kill-trials`` times: the seconds from the kill to the
   next micro-batch through the pipeline (the retry on the other replica), the micro-batches
   lost, and the hangs (a micro-batch not done in ``--hang-s``): ``kill_trials``,
-  ``kill_hangs``, ``kill_retry_s_median``.
+  ``kill_hangs``, ``kill_retry_s_median``. With ``--kill-signal stop`` the replica is
+  SIGSTOPped instead (a machine that froze or dropped off its network: its connections
+  stay open), and each trial runs twice, in turn: with the driver's sessions, whose beats
+  stop (DESIGN section 10), and without them (``DriverConfig.sessions=False``: the call
+  fails at its deadline, ``hop_timeout_s``): ``kill_retry_s_by_arm`` (medians) and
+  ``kill_retry_ratio``.
 - ``driver-kill``: a stage-0 driver in a process of its own is SIGKILLed while a
   micro-batch of it is held at stage 1 (of three) and computing at stage 2, its replicas
   stepping every 2 micro-batches; another driver then drives on. The seconds from the kill
@@ -65,6 +70,7 @@
     python scripts/bench_pipeline.py --parts wiring --slow-factor 2 --micro-batches 40
     python scripts/bench_pipeline.py --parts activations,kill --kill-trials 10
     python scripts/bench_pipeline.py --parts driver-kill --driver-kill-trials 3
+    python scripts/bench_pipeline.py --parts kill --kill-trials 3 --kill-signal stop
     python scripts/bench_pipeline.py --parts parity --layers 2 --width 64 --seq-len 64
     python scripts/bench_pipeline.py --parts scaling --scaling-widths 256,512,1024,2048
     python scripts/bench_pipeline.py --parts scaling --device cuda --batch 8 --seq-len 1024 \
@@ -321,11 +327,11 @@ def start_replica(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]
 
 
 async def kill_trial(
-    args: argparse.Namespace, config: GPTConfig, survivor: str, trial: int
+    args: argparse.Namespace, config: GPTConfig, survivor: str, trial: int, sessions: bool = True
 ) -> dict[str, Any]:
     """One trial: drive micro-batches through the survivor and a fresh victim process;
-    SIGKILL the victim while a forward is on it; drive on until ``--after-kill`` more
-    micro-batches went through."""
+    SIGKILL (or SIGSTOP, ``--kill-signal``) the victim while a forward is on it; drive on
+    until ``--after-kill`` more micro-batches went through."""
     ids, acts = boundaries(config)
     victim, endpoint = start_replica(args)
     killed_at: float | None = None
@@ -338,13 +344,14 @@ async def kill_trial(
         async with client:
             driver = Driver(client.client, replica(gpt_stages(config, 2, seed=1)[0], first=True,
                             last=False), swarm_id=SWARM, replicas=[[endpoint, survivor]],
-                            boundaries=[acts], ids=ids, rng=random.Random(trial))  # fmt: skip
+                            boundaries=[acts], ids=ids, rng=random.Random(trial),
+                            config=DriverConfig(sessions=sessions))  # fmt: skip
 
             async def kill_when_on_it() -> None:
                 nonlocal killed_at
                 while driver.stats.busy[endpoint] == 0 or driver.stats.rate.get(endpoint) is None:
                     await asyncio.sleep(0.002)  # a bench, not a test: polling is its clock
-                victim.send_signal(signal.SIGKILL)
+                victim.send_signal(signal.SIGSTOP if args.kill_signal == "stop" else signal.SIGKILL)
                 killed_at = time.monotonic()
 
             killer = asyncio.create_task(kill_when_on_it())
@@ -369,6 +376,8 @@ async def kill_trial(
         victim.wait()
     retry = done_after[0] - killed_at if killed_at is not None and done_after else None
     return {
+        "sessions": sessions,
+        "signal": args.kill_signal,
         "killed": killed_at is not None,
         "retry_s": None if retry is None else round(retry, 3),
         "lost": lost,
@@ -377,22 +386,39 @@ async def kill_trial(
 
 
 def kill(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any]:
+    """The ``kill`` part: ``--kill-trials`` trials (of each arm, in turn, with
+    ``--kill-signal stop``)."""
+    arms = (True, False) if args.kill_signal == "stop" else (True,)
     survivor, endpoint = start_replica(args)
     try:
         trials = [
-            asyncio.run(kill_trial(args, config, endpoint, t)) for t in range(args.kill_trials)
+            asyncio.run(kill_trial(args, config, endpoint, t, sessions))
+            for t in range(args.kill_trials)
+            for sessions in arms
         ]
     finally:
         survivor.kill()
         survivor.wait()
-    retries = [t["retry_s"] for t in trials if t["retry_s"] is not None]
-    return {
+
+    def median_retry(sessions: bool) -> float | None:
+        retries = [t["retry_s"] for t in trials if t["sessions"] == sessions]
+        retries = [r for r in retries if r is not None]
+        return statistics.median(retries) if retries else None
+
+    report: dict[str, Any] = {
         "kill": {"trials": trials},
+        "kill_signal": args.kill_signal,
         "kill_trials": sum(t["killed"] for t in trials),
         "kill_hangs": sum(t["hangs"] for t in trials),
         "kill_lost_micro_batches": sum(t["lost"] for t in trials),
-        "kill_retry_s_median": statistics.median(retries) if retries else None,
+        "kill_retry_s_median": median_retry(True),
     }
+    if len(arms) == 2:
+        by_arm = {"sessions": median_retry(True), "none": median_retry(False)}
+        report["kill_retry_s_by_arm"] = by_arm
+        if by_arm["sessions"] is not None and by_arm["none"]:
+            report["kill_retry_ratio"] = round(by_arm["sessions"] / by_arm["none"], 4)
+    return report
 
 
 class Gated(torch.nn.Module):
@@ -736,7 +762,14 @@ def main() -> int:
     p.add_argument(
         "--loss-window", type=int, default=20, help="activations: the last micro-batches' loss"
     )
-    p.add_argument("--kill-trials", type=int, default=5, help="kill: trials")
+    p.add_argument("--kill-trials", type=int, default=5, help="kill: trials (of each arm)")
+    p.add_argument(
+        "--kill-signal",
+        choices=("kill", "stop"),
+        default="kill",
+        help="kill: SIGKILL the replica (its kernel closes its connections) or SIGSTOP it (a "
+        "machine that froze or dropped off its network), then with and without sessions",
+    )
     p.add_argument(
         "--after-kill", type=int, default=5, help="kill: micro-batches driven after the kill"
     )

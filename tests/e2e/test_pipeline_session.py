@@ -25,6 +25,7 @@ from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.rejections import RejectionLog
 from swarmloco.net.server import Pool
+from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
 from swarmloco.pipeline.service import StageService
 from swarmloco.pipeline.stages import gpt_stages
@@ -166,3 +167,74 @@ async def test_a_lost_drivers_micro_batch_is_dropped_where_it_is_held_when_its_s
             "the sessions' slots come back",
             lambda: all(n.server.slots.in_use(Pool.SESSION) == 0 for n in nodes),
         )
+
+
+REPLICA = """
+import asyncio, logging, sys
+from swarmloco.net.identity import Identity
+from swarmloco.net.node import NetNode, NodeConfig
+from swarmloco.net.rejections import RejectionLog
+from swarmloco.pipeline.replica import StageReplica
+from swarmloco.pipeline.service import StageService
+from swarmloco.pipeline.stages import gpt_stages
+from swarmloco.pipeline.wire import Boundary
+from swarmloco.train.spec import GPTConfig
+
+config = GPTConfig(**{shape!r})
+ids = Boundary(width=0, max_batch=8, max_tokens=config.seq_len, vocab=config.vocab_size)
+acts = Boundary(width=config.n_embd, max_batch=8, max_tokens=config.seq_len)
+
+
+async def main():
+    replica = StageReplica(gpt_stages(config, 2, seed=5)[1], first=False, last=True)
+    service = StageService(
+        replica, swarm_id={swarm!r}, stage=1, inputs=acts, outputs=None, targets=ids,
+        encoding="f32", rejections=RejectionLog(logging.getLogger("swarmloco.pipeline")),
+    )
+    async with NetNode(identity=Identity.generate(), config=NodeConfig(),
+                       services=[service.service()]) as node:
+        print(node.endpoint, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+
+asyncio.run(main())
+"""
+
+
+async def test_a_driver_fails_its_call_to_a_replica_that_froze_at_its_sessions_silence():
+    """A stage replica in a process of its own answers one micro-batch, then is SIGSTOPped
+    (a machine that froze or dropped off its network: its connections stay open). The
+    driver's next micro-batch, sent there, fails once the replica's beats stop on the
+    session (3 s here), not at its hop's deadline (an hour here), and the replica is
+    shunned."""
+    first = StageReplica(gpt_stages(CONFIG, 2, seed=5)[0], first=True, last=False)
+    script = REPLICA.format(shape=SHAPE, swarm=SWARM)
+    replica = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    loop = asyncio.get_running_loop()
+    try:
+        line = await asyncio.wait_for(loop.run_in_executor(None, replica.stdout.readline), 120)
+        endpoint = line.decode().strip()
+        assert endpoint, replica.stderr.read().decode()[-3000:]
+        config = DriverConfig(encoding="f32", hop_timeout_s=3600.0, replica_silence_s=3.0)
+        node_config = NodeConfig(server=None, peers=(endpoint,))
+        async with NetNode(identity=Identity.generate(), config=node_config) as node:
+            driver = Driver(
+                node.client, first, swarm_id=SWARM, replicas=[[endpoint]],
+                boundaries=[ACTS], ids=IDS, config=config,
+            )  # fmt: skip
+            try:
+                tokens = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_len + 1))
+                await driver.run(tokens[:, :-1], tokens[:, 1:])
+                await until("the session opens", lambda: driver.sessions == 1)
+                os.kill(replica.pid, signal.SIGSTOP)
+                with pytest.raises(PipelineError, match="fell silent"):
+                    await driver.run(tokens[:, :-1], tokens[:, 1:])
+                assert endpoint in driver.unserving() and driver.sessions == 0
+            finally:
+                driver.close()
+    finally:
+        replica.kill()
+        replica.wait()

@@ -103,6 +103,9 @@ class _Session:
     open: bool = False
     task: asyncio.Task[None] | None = None
     ended_at: float | None = None
+    lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    """Set when the replica fell silent on the session (its machine froze, or dropped off
+    the network): the calls under way there fail at once."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,6 +138,10 @@ class DriverConfig:
     """How long a replica found out answering wrong is not drawn again."""
     max_audits: int = 2
     """Audits under way at once; one more due then is not made."""
+    replica_silence_s: float = 10.0
+    """A replica heard nothing from on a session that beats (``Attend``) for this long (or
+    three of the beat intervals it asked for, if longer) is taken for lost: the calls under
+    way there fail at once, and it is shunned."""
     sessions: bool = True
     """Hold a session with each replica it sends forwards to and name it in them, so that
     the replicas drop this driver's micro-batches as soon as it dies (False: forwards name
@@ -291,7 +298,7 @@ class Driver:
             channel = await self.client.open(endpoint, self.config.hop_timeout_s)
             with self.client.holding(channel):  # no await since open: the cache keeps it
                 try:
-                    await self._attend(channel, request, session)
+                    await self._attend(channel, request, session, endpoint)
                 except grpc.RpcError as exc:
                     if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                         raise
@@ -313,10 +320,15 @@ class Driver:
             session.ended_at = time.monotonic()
 
     async def _attend(
-        self, channel: grpc.aio.Channel, request: pb.SessionRequest, session: _Session
+        self,
+        channel: grpc.aio.Channel,
+        request: pb.SessionRequest,
+        session: _Session,
+        endpoint: str,
     ) -> None:
         """Hold ``session`` on an ``Attend`` call: a beat as often as the replica asked in
-        its open answer, until the replica ends the call (or answers anything more)."""
+        its open answer, and the replica's beats heard, until the replica ends the call (a
+        refusal, or the end), or falls silent (then ``session.lost`` is set)."""
         call = channel.stream_stream(
             ATTEND.path,
             request_serializer=pb.SessionRequest.SerializeToString,
@@ -330,14 +342,33 @@ class Driver:
             session.open = True
             low, high = BEAT_BOUNDS_S
             beat_s = min(max(event.beat_ms / 1000, low), high)
-            ended = asyncio.ensure_future(call.read())
+            silence_s = max(self.config.replica_silence_s, 3 * beat_s)
+            loop = asyncio.get_running_loop()
+            heard = written = loop.time()
+            reading = asyncio.ensure_future(call.read())
             try:
-                while not ended.done():
-                    await asyncio.wait({ended}, timeout=beat_s)
-                    if not ended.done():
+                while True:
+                    wake = min(heard + silence_s, written + beat_s)
+                    await asyncio.wait({reading}, timeout=max(0.0, wake - loop.time()))
+                    now = loop.time()
+                    if reading.done():
+                        event = reading.result()
+                        if event is grpc.aio.EOF or not event.open:
+                            return  # the replica ended the session
+                        heard = now
+                        reading = asyncio.ensure_future(call.read())
+                    elif now - heard >= silence_s:
+                        logger.warning(
+                            "the replica at %s said nothing for %.0f s: taken for lost",
+                            endpoint, silence_s,
+                        )  # fmt: skip
+                        session.lost.set()
+                        return
+                    if now - written >= beat_s:
                         await call.write(pb.SessionRequest())
+                        written = now
             finally:
-                ended.cancel()
+                reading.cancel()
         finally:
             call.cancel()
 
@@ -606,8 +637,29 @@ class Driver:
         return self.rng.choices(fresh, weights=[max(w, floor) for w in weights])[0]
 
     async def _call(self, endpoint: str, method: Method[Req, Resp], request: Req) -> Resp:
-        return await self.client.call(
+        """One call to a replica; it fails at once if the replica falls silent on this
+        driver's session with it meanwhile (its machine froze: nothing else would end the
+        call before its deadline)."""
+        calling = self.client.call(
             endpoint, method, request, timeout=self.config.hop_timeout_s, attempts=1
+        )
+        session = self._sessions.get(endpoint)
+        if session is None or not session.open:
+            return await calling
+        answer = asyncio.ensure_future(calling)
+        lost = asyncio.ensure_future(session.lost.wait())
+        try:
+            await asyncio.wait({answer, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not answer.done():
+                answer.cancel()
+        if answer.done() and not answer.cancelled():
+            return answer.result()
+        raise RpcError(
+            f"{endpoint} fell silent on this driver's session",
+            endpoint=endpoint,
+            code=grpc.StatusCode.UNAVAILABLE,
         )
 
     def unserving(self) -> set[str]:

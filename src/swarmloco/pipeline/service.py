@@ -42,6 +42,8 @@ BACKWARD_THREADS = 2
 AUDIT_THREADS = 1
 """Audits at once: on threads of their own, so that audits never hold a backward back
 by more than the one compute under way."""
+_CLOSED = object()
+"""What a session's reader puts in its inbox once the driver closed its side."""
 BEATS_PER_INTERVAL = 16
 """Beats a session's driver may send within one beat interval it was asked for; more end
 the session as malformed (each beat costs the replica's event loop a read)."""
@@ -259,47 +261,80 @@ class StageService:
 
     async def attend(self, requests: Any, context: Any) -> None:
         """A driver's session that beats (``Attend``): its first message names it, then the
-        driver sends one at least every ``session_beat_s``; the session ends (its inputs
-        dropped, as at :meth:`session`'s end) when the call ends or nothing came for
-        ``session_silence_s``: a driver whose machine froze or dropped off its network
-        closes no connection (docs/DESIGN.md section 10)."""
+        driver sends one at least every ``session_beat_s``, and this replica writes its
+        open answer again as often (its drivers hear it live, whatever it computes); the
+        session ends (its inputs dropped, as at :meth:`session`'s end) when the call ends
+        or nothing came for ``session_silence_s``: a driver whose machine froze or dropped
+        off its network closes no connection (docs/DESIGN.md section 10)."""
         config = self.replica.config
-        beats = aiter(requests)
+        inbox: asyncio.Queue[object] = asyncio.Queue(maxsize=BEATS_PER_INTERVAL)
+        reader = asyncio.create_task(self._read_beats(requests, inbox))
         try:
-            first = await asyncio.wait_for(anext(beats), config.session_silence_s)
-        except (TimeoutError, StopAsyncIteration):
+            await self._attend(inbox, context, config)
+        finally:
+            reader.cancel()
+
+    @staticmethod
+    async def _read_beats(requests: Any, inbox: asyncio.Queue[object]) -> None:
+        """Put what the driver sends in ``inbox`` (then ``_CLOSED``), waiting while it is
+        full: a driver sending faster than the replica reads is held back by the call's
+        flow control. (Reads are never cancelled half-way but here, at the call's end.)"""
+        async for message in requests:
+            await inbox.put(message)
+        await inbox.put(_CLOSED)
+
+    async def _attend(
+        self, inbox: asyncio.Queue[object], context: Any, config: replica_module.ReplicaConfig
+    ) -> None:
+        try:
+            first = await asyncio.wait_for(inbox.get(), config.session_silence_s)
+        except TimeoutError:
             return  # named no session: nothing opened
+        if first is _CLOSED:
+            return
         session = await self._open_session(first, context)
         if session is None:
             return
         try:
             beat_ms = max(1, round(config.session_beat_s * 1000))
-            await context.write(pb.SessionEvent(open=True, beat_ms=beat_ms))
+            beat = pb.SessionEvent(open=True, beat_ms=beat_ms)
+            await context.write(beat)
             loop = asyncio.get_running_loop()
-            window, count = loop.time(), 0  # beats since the window opened
-            rejection: Rejection | None = None
+            heard = written = window = loop.time()
+            count = 0  # beats since the window opened
             while True:
+                wake = min(heard + config.session_silence_s, written + config.session_beat_s)
                 try:
-                    beat = await asyncio.wait_for(anext(beats), config.session_silence_s)
-                except StopAsyncIteration:
-                    return  # the driver closed its side: it left
+                    message = await asyncio.wait_for(inbox.get(), max(0.0, wake - loop.time()))
                 except TimeoutError:
+                    message = None
+                now = loop.time()
+                if message is None and now - heard >= config.session_silence_s:
                     self.silent += 1
                     logger.info(
                         "stage %d: a driver's session was silent for %.0f s: ended",
                         self.stage, config.session_silence_s,
                     )  # fmt: skip
                     return
-                count += 1
-                if count > BEATS_PER_INTERVAL:  # each costs the event loop a read
-                    if loop.time() - window < config.session_beat_s:
-                        rejection = Rejection("malformed", "beats far more often than asked")
-                    window, count = loop.time(), 0
-                if not isinstance(beat, pb.SessionRequest):
-                    rejection = Rejection("malformed", "a beat is not a SessionRequest")
-                if rejection is not None:
-                    await context.write(pb.SessionEvent(refused=self._refuse(rejection, context)))
-                    return
+                if message is _CLOSED:
+                    return  # the driver closed its side: it left
+                if message is not None:
+                    heard = now
+                    rejection = None
+                    count += 1
+                    if count > BEATS_PER_INTERVAL:  # each costs the event loop a read
+                        if now - window < config.session_beat_s:
+                            rejection = Rejection("malformed", "beats far more often than asked")
+                        window, count = now, 0
+                    if not isinstance(message, pb.SessionRequest):
+                        rejection = Rejection("malformed", "a beat is not a SessionRequest")
+                    if rejection is not None:
+                        refusal = self._refuse(rejection, context)
+                        await context.write(pb.SessionEvent(refused=refusal))
+                        return
+                if now - written >= config.session_beat_s:
+                    await context.write(beat)
+                    written = now
         finally:
             self._end_session(session)
 
