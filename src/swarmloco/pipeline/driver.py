@@ -365,7 +365,10 @@ class Driver:
                         session.lost.set()
                         return
                     if now - written >= beat_s:
-                        await call.write(pb.SessionRequest())
+                        try:
+                            await call.write(pb.SessionRequest())
+                        except asyncio.InvalidStateError:
+                            return  # the call ended meanwhile (the replica ended it)
                         written = now
             finally:
                 reading.cancel()
