@@ -22,6 +22,7 @@ from netutil import closed_port, wait_for
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.rejections import RejectionLog
+from swarmloco.net.server import Service
 from swarmloco.pipeline.driver import Driver, DriverConfig, PipelineError
 from swarmloco.pipeline.load import Vouching, fresh, publish_load, read_loads
 from swarmloco.pipeline.replica import ReplicaConfig, StageReplica
@@ -909,6 +910,48 @@ async def test_hostile_attend_calls_end_and_are_counted_and_a_silent_one_ends_it
             opened, *rest = await events(named, close=True)
             assert opened.open and all(e.open for e in rest) and service.silent == 1
     assert dict(service.refused) == {"malformed": 3, "wrong-stage": 1}
+
+
+async def test_a_replica_flooding_its_drivers_session_with_beats_loses_the_session():
+    """A hostile replica answers a driver's session and then beats without pause: each beat
+    costs the driver's event loop a read, so more than 16 within the interval it asked for
+    end the session (the driver asks for no other there for a while)."""
+
+    async def flood(requests: object, context: grpc.aio.ServicerContext) -> None:
+        await anext(aiter(requests))  # its first message
+        await context.write(pb.SessionEvent(open=True, beat_ms=2000))
+        while True:
+            await context.write(pb.SessionEvent(open=True))
+
+    handlers = {
+        "Attend": grpc.stream_stream_rpc_method_handler(
+            flood,
+            request_deserializer=pb.SessionRequest.FromString,
+            response_serializer=pb.SessionEvent.SerializeToString,
+        )
+    }
+    generic = grpc.method_handlers_generic_handler("swarmloco.v1.Stage", handlers)
+    hostile = Service(
+        "swarmloco.v1.Stage", lambda server: server.add_generic_rpc_handlers((generic,))
+    )
+    first = StageReplica(gpt_stages(CONFIG, 2, seed=4)[0], first=True, last=False)
+    async with NetNode(
+        identity=Identity.generate(), config=NodeConfig(), services=[hostile]
+    ) as node:
+        client = NetNode(
+            identity=Identity.generate(), config=NodeConfig(server=None, peers=(node.endpoint,))
+        )
+        async with client:
+            drv = Driver(client.client, first, swarm_id=SWARM, replicas=[[node.endpoint]],
+                         boundaries=[ACTS], ids=IDS)  # fmt: skip
+            try:
+                drv._session(node.endpoint, 1)  # as a forward there asks for one
+                session = drv._sessions[node.endpoint]
+                await wait_for(lambda: session.ended_at is not None, timeout=60)
+                assert not session.lost.is_set()  # ended, not taken for lost (it answered)
+                assert drv._session(node.endpoint, 1) == b""  # none asked for again yet
+            finally:
+                drv.close()
 
 
 async def test_a_driver_opens_a_session_with_each_replica_it_uses_unless_told_not_to():

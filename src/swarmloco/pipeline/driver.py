@@ -57,6 +57,7 @@ from swarmloco.pipeline.service import (
     ATTEND,
     AUDIT,
     BACKWARD,
+    BEATS_PER_INTERVAL,
     FORWARD,
     MICRO_BATCH_BYTES,
     SESSION,
@@ -344,7 +345,8 @@ class Driver:
             beat_s = min(max(event.beat_ms / 1000, low), high)
             silence_s = max(self.config.replica_silence_s, 3 * beat_s)
             loop = asyncio.get_running_loop()
-            heard = written = loop.time()
+            heard = written = window = loop.time()
+            count = 0  # the replica's beats since the window opened
             reading = asyncio.ensure_future(call.read())
             try:
                 while True:
@@ -356,6 +358,15 @@ class Driver:
                         if event is grpc.aio.EOF or not event.open:
                             return  # the replica ended the session
                         heard = now
+                        count += 1
+                        if count > BEATS_PER_INTERVAL:  # each costs this event loop a read
+                            if now - window < beat_s:
+                                logger.warning(
+                                    "the replica at %s beats far more often than it asked: "
+                                    "its session ended", endpoint,
+                                )  # fmt: skip
+                                return
+                            window, count = now, 0
                         reading = asyncio.ensure_future(call.read())
                     elif now - heard >= silence_s:
                         logger.warning(
