@@ -39,7 +39,10 @@ fetches a pinned dataset. Prints ONE JSON object.
   stage 0's (``churn_pipeline``; DESIGN section 10, "A pinned dataset"). Stage 1's
   leaving line says the micro-batches of killed readers it dropped at their deadline and
   at their sessions' end (``stage1_inputs_dropped_at_deadline``,
-  ``stage1_micro_batches_of_drivers_gone``).
+  ``stage1_micro_batches_of_drivers_gone``). With ``--churn-freeze S``, each victim is
+  SIGSTOPped for S seconds and then SIGCONTed instead of killed (a machine that froze,
+  slept or dropped off its network and came back: nothing closes its connections), not
+  started again.
 - ``squat``: keys that list shards and never read them (docs/SECURITY.md, "Datasets"): the
   churn soak's dataset and peers with no kill, twice in one run of the bench: ``clean``,
   and ``squatted``, where a stranger's key (a DHT node of its own, its proof of work
@@ -135,6 +138,14 @@ def main() -> int:
         help="the churn soak's peer c is a box of 2 ranks (killed and started as a whole)",
     )
     p.add_argument(
+        "--churn-freeze",
+        type=float,
+        default=0.0,
+        help="the churn soak freezes its victims instead: SIGSTOP for this many seconds, "
+        "then SIGCONT (a machine that froze, slept or dropped off its network and came "
+        "back; 0: SIGKILL and start again)",
+    )
+    p.add_argument(
         "--churn-pipeline",
         action="store_true",
         help="the churn soak's run is a pipeline of 2 stages: its 3 peers serve stage 0, "
@@ -154,6 +165,9 @@ def main() -> int:
         p.error(f"--parts: unknown {sorted(parts - known)}")
     if args.churn_box and args.churn_pipeline:
         p.error("--churn-box and --churn-pipeline: a stage is served by one process")
+    if args.churn_freeze < 0 or (args.churn_freeze and args.churn_box):
+        p.error("--churn-freeze: seconds >= 0, without --churn-box (its ranks are processes "
+                "of their own)")  # fmt: skip
     if not 1 <= args.squat_shards <= 4:
         p.error(
             f"--squat-shards: 1 to 4 (a leases record lists 4 at most), got {args.squat_shards}"
@@ -326,6 +340,13 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                         timeout=60,
                     )
                 time.sleep(rng.uniform(0.0, 1.5))  # a random moment of the round after
+                if args.churn_freeze > 0:
+                    if victim.process.poll() is None:
+                        victim.process.send_signal(signal.SIGSTOP)
+                        time.sleep(args.churn_freeze)  # the freeze: a setting of the bench
+                        victim.process.send_signal(signal.SIGCONT)
+                        victims.append(name)
+                    continue
                 if victim.process.poll() is None:
                     boxed = []  # a box's ranks, which die with its daemon
                     if name == "c" and args.churn_box:
@@ -391,6 +412,7 @@ def churn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "churn_kills": len(victims),
         "churn_box": args.churn_box,
         "churn_pipeline": args.churn_pipeline,
+        "churn_freeze_s": args.churn_freeze,
         "churn_victims": victims,
         "churn_exit_codes": codes,
         "churn_seconds": round(seconds, 1),
