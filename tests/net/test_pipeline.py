@@ -912,6 +912,27 @@ async def test_hostile_attend_calls_end_and_are_counted_and_a_silent_one_ends_it
     assert dict(service.refused) == {"malformed": 3, "wrong-stage": 1}
 
 
+async def test_a_driver_whose_own_loop_was_held_does_not_take_its_replica_for_lost():
+    """A driver's event loop held past the silence (a machine that froze and came back, or
+    a long compute on the loop) hears no beat meanwhile, as its replica's (here in the same
+    process) could not come: the quiet is its own, and the session goes on."""
+    local, remote = gpt_stages(CONFIG, 2, seed=4)
+    config = ReplicaConfig(session_beat_s=0.2, session_silence_s=5.0)
+    service = service_of(remote, 1, 2, "f32", StageReplica(remote, first=False, last=True,
+                                                           config=config))  # fmt: skip
+    first = StageReplica(local, first=True, last=False)
+    driver = DriverConfig(encoding="f32", replica_silence_s=1.0)
+    async with pipeline([[service]], first, config=driver) as (drv, ends):
+        await drv.run(*batch(0))
+        await wait_for(lambda: drv.sessions == 1, timeout=60)
+        session = drv._sessions[ends[0][0]]
+        time.sleep(3.0)  # the loop held three times the driver's silence
+        await drv.run(*batch(1))
+        assert not session.lost.is_set() and drv.sessions == 1
+        assert not drv.unserving()
+    assert service.silent == 0 and service.replica.micro_batches == 2
+
+
 async def test_a_replica_flooding_its_drivers_session_with_beats_loses_the_session():
     """A hostile replica answers a driver's session and then beats without pause: each beat
     costs the driver's event loop a read, so more than 16 within the interval it asked for

@@ -50,6 +50,7 @@ from swarmloco.net.client import Method, Req, Resp, RpcClient, RpcError
 from swarmloco.net.endpoints import endpoint_network
 from swarmloco.net.rejections import Rejection
 from swarmloco.pipeline.audit import Answer, Used, distance, judge
+from swarmloco.pipeline.beats import Beats
 from swarmloco.pipeline.load import StageLoad
 from swarmloco.pipeline.replica import StageReplica
 from swarmloco.pipeline.service import (
@@ -57,7 +58,6 @@ from swarmloco.pipeline.service import (
     ATTEND,
     AUDIT,
     BACKWARD,
-    BEATS_PER_INTERVAL,
     FORWARD,
     MICRO_BATCH_BYTES,
     SESSION,
@@ -345,30 +345,28 @@ class Driver:
             beat_s = min(max(event.beat_ms / 1000, low), high)
             silence_s = max(self.config.replica_silence_s, 3 * beat_s)
             loop = asyncio.get_running_loop()
-            heard = written = window = loop.time()
-            count = 0  # the replica's beats since the window opened
+            heard = Beats(beat_s=beat_s, silence_s=silence_s, now=loop.time())
+            written = loop.time()
             reading = asyncio.ensure_future(call.read())
             try:
                 while True:
-                    wake = min(heard + silence_s, written + beat_s)
-                    await asyncio.wait({reading}, timeout=max(0.0, wake - loop.time()))
+                    before = loop.time()
+                    asked = max(0.0, heard.wake(written) - before)
+                    await asyncio.wait({reading}, timeout=asked)
                     now = loop.time()
+                    heard.waited(asked=asked, slept=now - before, now=now)
                     if reading.done():
                         event = reading.result()
                         if event is grpc.aio.EOF or not event.open:
                             return  # the replica ended the session
-                        heard = now
-                        count += 1
-                        if count > BEATS_PER_INTERVAL:  # each costs this event loop a read
-                            if now - window < beat_s:
-                                logger.warning(
-                                    "the replica at %s beats far more often than it asked: "
-                                    "its session ended", endpoint,
-                                )  # fmt: skip
-                                return
-                            window, count = now, 0
+                        if not heard.heard_one(now):  # each costs this event loop a read
+                            logger.warning(
+                                "the replica at %s beats far more often than it asked: "
+                                "its session ended", endpoint,
+                            )  # fmt: skip
+                            return
                         reading = asyncio.ensure_future(call.read())
-                    elif now - heard >= silence_s:
+                    elif heard.silent(now):
                         logger.warning(
                             "the replica at %s said nothing for %.0f s: taken for lost",
                             endpoint, silence_s,

@@ -22,6 +22,7 @@ from swarmloco.net.client import Method
 from swarmloco.net.rejections import Rejection, RejectionLog
 from swarmloco.net.server import Service, decoder, unary_method_handlers
 from swarmloco.pipeline import replica as replica_module
+from swarmloco.pipeline.beats import BURST, Beats
 from swarmloco.pipeline.replica import StageReplica
 from swarmloco.pipeline.wire import Boundary, pack, unpack
 from swarmloco.proto.v1 import stage_pb2 as pb
@@ -44,9 +45,6 @@ AUDIT_THREADS = 1
 by more than the one compute under way."""
 _CLOSED = object()
 """What a session's reader puts in its inbox once the driver closed its side."""
-BEATS_PER_INTERVAL = 16
-"""Beats a session's driver may send within one beat interval it was asked for; more end
-the session as malformed (each beat costs the replica's event loop a read)."""
 AUDITS_WAITING = 4
 """Audits running or waiting for their thread at most; more are refused as busy (an
 audit costs a compute and holds its tensors: nobody queues them without bound)."""
@@ -267,7 +265,7 @@ class StageService:
         or nothing came for ``session_silence_s``: a driver whose machine froze or dropped
         off its network closes no connection (docs/DESIGN.md section 10)."""
         config = self.replica.config
-        inbox: asyncio.Queue[object] = asyncio.Queue(maxsize=BEATS_PER_INTERVAL)
+        inbox: asyncio.Queue[object] = asyncio.Queue(maxsize=BURST)
         reader = asyncio.create_task(self._read_beats(requests, inbox))
         try:
             await self._attend(inbox, context, config)
@@ -300,16 +298,20 @@ class StageService:
             beat = pb.SessionEvent(open=True, beat_ms=beat_ms)
             await context.write(beat)
             loop = asyncio.get_running_loop()
-            heard = written = window = loop.time()
-            count = 0  # beats since the window opened
+            heard = Beats(
+                beat_s=config.session_beat_s, silence_s=config.session_silence_s, now=loop.time()
+            )
+            written = loop.time()
             while True:
-                wake = min(heard + config.session_silence_s, written + config.session_beat_s)
+                before = loop.time()
+                asked = max(0.0, heard.wake(written) - before)
                 try:
-                    message = await asyncio.wait_for(inbox.get(), max(0.0, wake - loop.time()))
+                    message = await asyncio.wait_for(inbox.get(), asked)
                 except TimeoutError:
                     message = None
                 now = loop.time()
-                if message is None and now - heard >= config.session_silence_s:
+                heard.waited(asked=asked, slept=now - before, now=now)
+                if message is None and heard.silent(now):
                     self.silent += 1
                     logger.info(
                         "stage %d: a driver's session was silent for %.0f s: ended",
@@ -319,13 +321,9 @@ class StageService:
                 if message is _CLOSED:
                     return  # the driver closed its side: it left
                 if message is not None:
-                    heard = now
                     rejection = None
-                    count += 1
-                    if count > BEATS_PER_INTERVAL:  # each costs the event loop a read
-                        if now - window < config.session_beat_s:
-                            rejection = Rejection("malformed", "beats far more often than asked")
-                        window, count = now, 0
+                    if not heard.heard_one(now):  # each costs the event loop a read
+                        rejection = Rejection("malformed", "beats far more often than asked")
                     if not isinstance(message, pb.SessionRequest):
                         rejection = Rejection("malformed", "a beat is not a SessionRequest")
                     if rejection is not None:
