@@ -417,3 +417,55 @@ async def test_a_reader_whose_leases_cannot_be_renewed_stops_reading_them(tmp_pa
         assert a.reading  # still its own, not read until renewed
         await a.close()
         assert task.done()
+
+
+async def test_a_reader_whose_leases_lapsed_gives_up_what_another_took_meanwhile(tmp_path):
+    """A reads a batch of its shard and then its leases go unrenewed past their life (its
+    network away; a machine that froze or slept is the same). B, a peer it averaged with,
+    takes the shard, reading what has not landed in its state: the batch A read too. Back,
+    A starts no round until its lease task looked (``unsure``), finds the shard B's
+    (``lapsed``), and once its local work is thrown away (as the peer does between two
+    steps) forgets what it read of it: nothing of it is declared, nothing read twice."""
+    async with loopback_network(3) as nodes:
+        ids = [n.identity.peer_id_hex for n in nodes]
+        a = reader(tmp_path, "a", lease_s=4.0)
+        run_a = asyncio.create_task(a.run(nodes[0].dht, SWARM, ids[0]))
+        await asyncio.to_thread(a.changed.wait, 10.0)  # a shard is leased
+        assert a.ready()
+        read = a.next_ranges()
+        (shard,) = {(r.epoch, r.shard) for r in read}
+        store = nodes[0].dht.store
+
+        async def fail(*args: object, **kwargs: object) -> int:
+            raise RuntimeError("the network is away")
+
+        nodes[0].dht.store = fail  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30.0
+        while not a.unsure():
+            assert loop.time() < deadline, "its leases never lapsed"
+            await asyncio.sleep(0.05)
+        b = reader(tmp_path, "b", lease_s=4.0)
+        others = [s for s in range(len(COUNTS)) if (0, s) != shard]
+        # Every other shard landed in b's state: the lapsed one is all b has left to take.
+        b.adopted(Landed([Range(0, s, 0, COUNTS[s]) for s in others],
+                         [sum(COUNTS[s] for s in others)]))  # fmt: skip
+        run_b = asyncio.create_task(b.run(nodes[1].dht, SWARM, ids[1]))
+        while shard not in b.reading:  # its lease expired: b may take it
+            assert loop.time() < deadline + 30.0, "b never took the lapsed shard"
+            await asyncio.sleep(0.05)
+        assert b.ready() and {(r.epoch, r.shard) for r in b.next_ranges()} == {shard}
+        nodes[0].dht.store = store  # type: ignore[method-assign]  # back
+        while not a.lapsed():
+            assert loop.time() < deadline + 60.0, "a never found its shard taken"
+            await asyncio.sleep(0.05)
+        a.discard()  # the peer throws its local work away (the hook does, between steps)
+        assert a.forget_lapsed() == sum(r.count for r in read)
+        assert shard not in a.reading
+        while a.unsure():  # its leases are renewed (without the shard) right after
+            assert loop.time() < deadline + 90.0, "a never renewed its leases"
+            await asyncio.sleep(0.05)
+        assert all((r[0], r[1]) != shard for r in a.declare(1, 0))
+        for data, task in ((a, run_a), (b, run_b)):
+            await data.close()
+            assert task.done()

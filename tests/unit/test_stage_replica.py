@@ -491,3 +491,13 @@ def test_a_replica_is_idle_once_work_came_and_went_with_no_drivers_session_open(
     assert r.idle_s() == 0.0  # a driver that pauses keeps its session
     r.end_session(b"S" * 16)
     assert r.idle_s() == 5.0  # counted from the last micro-batch
+    # A session that fell silent (its driver froze, or its network went away) may come
+    # back: not idle for the grace after (120 s by default), as if it were still open.
+    assert r.open_session(b"T" * 16)
+    clock.now = 130.0
+    r.fell_silent(b"T" * 16)
+    assert r.sessions == 0 and r.idle_s() == 0.0
+    clock.now = 130.0 + 119.0
+    assert r.idle_s() == 0.0
+    clock.now = 130.0 + 125.0
+    assert r.idle_s() == 5.0

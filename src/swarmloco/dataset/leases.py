@@ -200,6 +200,7 @@ class LeasedData:
         self._flying: list[Range] = []  # taken, neither trained nor given back yet
         self._open: set[int] = set()  # rounds declared, neither landed nor failed yet
         self._fresh: dict[Lease, set[int]] = {}  # leased while these rounds were open
+        self._lapsed: set[Lease] = set()  # held as the leases lapsed, listed by another since
 
     # -- the training thread -----------------------------------------------------------------
 
@@ -462,6 +463,38 @@ class LeasedData:
         with self._lock:
             return bool(self.ledger.pending)
 
+    def unsure(self) -> bool:
+        """Whether this peer's leases went unrenewed past their life (its machine froze or
+        slept, its network was away) and the lease task has not looked since whether
+        another peer took them: no round may carry what it read until then."""
+        return self._task is not None and time.monotonic() - self._renewed > self.lease_s
+
+    def lapsed(self) -> bool:
+        """Whether another peer took shards this one held while its leases lapsed: it reads
+        what has not landed in its state, so the local work that read them must be thrown
+        away before any round carries it (then :meth:`forget_lapsed`)."""
+        with self._lock:
+            return bool(self._lapsed)
+
+    def forget_lapsed(self) -> int:
+        """(The local work was thrown away, what it read given back.) What was read of the
+        shards taken while the leases lapsed is the other peer's to read now: forgotten
+        here. Returns how many sequences."""
+        with self._lock:
+            lost, self._lapsed = self._lapsed, set()
+            gone = self.ledger.drop(lambda r: (r.epoch, r.shard) in lost)
+            for lease in lost:
+                self.reading.pop(lease, None)
+        count = sum(r.count for r in gone)
+        logger.warning(
+            "%d shard(s) were taken by another peer while this one's leases lapsed: the "
+            "local work is thrown away, and the %d sequence(s) it read of them are theirs",
+            len(lost),
+            count,
+        )
+        self._ask()
+        return count
+
     def _know(self, ranges: Sequence[Range]) -> None:
         """``ranges`` landed in the state (:attr:`known` follows :attr:`account`)."""
         for r in ranges:
@@ -503,6 +536,7 @@ class LeasedData:
         """Keep this peer's leases until :meth:`close` (then release them)."""
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
+        self._renewed = time.monotonic()  # (nothing to have lapsed before it began)
         try:
             await self._reclaim(dht, swarm_id, peer_id)
             while not self._stopping:
@@ -561,6 +595,8 @@ class LeasedData:
             )
 
     async def _tend(self, dht: Any, swarm_id: str, peer_id: str) -> None:
+        if time.monotonic() - self._renewed > self.lease_s:
+            await self._after_lapse(dht, swarm_id, peer_id)
         with self._lock:
             self._release_done()
             # The next shard is leased (and fetched) while half a shard is left to read, or
@@ -583,6 +619,25 @@ class LeasedData:
         if leaving:
             self.ended = f"every shard of the dataset's {self.max_epochs} epoch(s) landed"
             self.stop_peer(self.ended)
+
+    async def _after_lapse(self, dht: Any, swarm_id: str, peer_id: str) -> None:
+        """The leases went unrenewed past their life: before renewing them, find the shards
+        it held that another peer lists now (it may have read them from where they
+        landed, so what this peer read of them and has not landed may be read twice);
+        those are given up, and the local work is thrown away (:meth:`lapsed`)."""
+        held = await self._held_by_others(dht, swarm_id, peer_id)
+        with self._lock:
+            taken = (set(self.reading) | self._held_shards()) & held
+            for lease in taken:
+                self.reading.pop(lease, None)
+            self._lapsed |= taken
+        if taken:
+            logger.warning(
+                "this peer's leases lapsed (unrenewed for %.0f s) and another peer lists %d "
+                "of its shards now",
+                time.monotonic() - self._renewed,
+                len(taken),
+            )
 
     def _release_done(self) -> None:
         """Give up the shards read to the end whose every range landed."""

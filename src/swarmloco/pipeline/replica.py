@@ -96,6 +96,10 @@ class ReplicaConfig:
     session_silence_s: float = 10.0
     """A session on which nothing came for this long ends, its inputs dropped: its
     driver's machine froze or dropped off its network (no connection closes then)."""
+    silent_grace_s: float = 120.0
+    """A driver whose session fell silent may come back (its machine thawed, its network
+    returned): for this long after, the replica does not count as idle (``idle_s``, what
+    ``--leave-idle`` reads), as while its session was open."""
     hold_wait_s: float = 2.0
     """An owned replica's owner holds it (a round between its steps): a forward waits
     this long at most, then is refused as busy, and its driver draws another replica
@@ -108,6 +112,7 @@ class ReplicaConfig:
         require_positive("inflight_floor_s", self.inflight_floor_s)
         require_positive("hold_wait_s", self.hold_wait_s)
         require_positive("session_beat_s", self.session_beat_s)
+        require_positive("silent_grace_s", self.silent_grace_s)
         require(
             self.session_silence_s > self.session_beat_s,
             f"session_silence_s ({self.session_silence_s}) must be longer than "
@@ -217,6 +222,7 @@ class StageReplica:
         self.device = first_param.device if first_param is not None else torch.device("cpu")
         """Where the stage computes: its parameters' device."""
         self._worked_at: float | None = None  # its last forward or backward (None: none yet)
+        self._silent_at: float | None = None  # a driver's session last fell silent
         self._held_bytes = 0  # of the inputs (and targets) held
         self._due = False  # a step is due: forwards wait until it is taken
         self._closed = False
@@ -538,11 +544,22 @@ class StageReplica:
     def idle_s(self) -> float:
         """Seconds since a micro-batch last came in or went back, with no driver's session
         open here since; 0 while it holds any, while a driver's session is open (a driver
-        that pauses keeps it), and before any micro-batch ever came."""
+        that pauses keeps it), within ``silent_grace_s`` of a session falling silent, and
+        before any micro-batch ever came."""
         worked_at = self._worked_at
         if worked_at is None or self._held or self._sessions:
             return 0.0
-        return max(0.0, self.clock() - worked_at)
+        since = worked_at
+        if self._silent_at is not None:  # its driver may come back: as if open a while
+            since = max(since, self._silent_at + self.config.silent_grace_s)
+        return max(0.0, self.clock() - since)
+
+    def fell_silent(self, session: bytes) -> int:
+        """A driver's session ended because nothing came on it for the silence: as
+        :meth:`end_session`, and the replica is not idle for ``silent_grace_s`` (the driver
+        may come back). Returns the inputs dropped."""
+        self._silent_at = self.clock()
+        return self.end_session(session)
 
     @property
     def sessions(self) -> int:

@@ -317,6 +317,8 @@ class StageService:
                         "stage %d: a driver's session was silent for %.0f s: ended",
                         self.stage, config.session_silence_s,
                     )  # fmt: skip
+                    self.replica.close_session(session)
+                    self._pools.submit("backward", self.replica.fell_silent, session)
                     return
                 if message is _CLOSED:
                     return  # the driver closed its side: it left

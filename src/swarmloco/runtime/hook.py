@@ -194,6 +194,11 @@ class StepHook:
                 with p.progress.blocking():
                     follower.roll_back(p.trial.condemned)
                 return
+            if p.ranges is not None and p.ranges.lapsed():
+                self._lost_shards()
+                return
+            if p.ranges is not None and p.ranges.unsure():
+                return  # its leases lapsed and may be another's: no round carries them yet
             verdict = self.pacer.verdict(p.diloco.round)
             if verdict is Verdict.BEHIND and follower.may_look():
                 # Others work on a later round. If its state is not to be had yet (digests
@@ -208,6 +213,18 @@ class StepHook:
                 if rounds.inflight is not None and tau == 0:
                     continue
             return
+
+    def _lost_shards(self) -> None:
+        """Shards this peer read were taken by another while its leases lapsed (docs/
+        DESIGN.md section 11, "Leases"): drop the local steps since the last round (what
+        they read of its other shards is read again) and forget what they read of those."""
+        p = self.parts
+        assert p.ranges is not None
+        steps = p.progress.steps_since_round
+        with p.progress.blocking():
+            self.follower.restart_from_global()
+            p.ranges.forget_lapsed()
+        p.emit("discarded", round=p.diloco.round, steps=steps, why="leases lapsed and taken")
 
     def _start_round(self) -> None:
         began = time.monotonic()

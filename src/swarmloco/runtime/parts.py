@@ -64,6 +64,17 @@ class RangeKeeper(Protocol):
     def pending(self) -> bool:
         """Whether ranges were read (before a restart) that have not landed."""
 
+    def unsure(self) -> bool:
+        """Whether the leases lapsed and nobody looked yet whether another took them (no
+        round starts meanwhile)."""
+
+    def lapsed(self) -> bool:
+        """Whether another peer took shards this one read while its leases lapsed (the
+        local work must be thrown away before any round)."""
+
+    def forget_lapsed(self) -> int:
+        """(After the local work was thrown away.) Forget what was read of those shards."""
+
     async def run(self, dht: Any, swarm_id: str, peer_id: str) -> None:
         """Keep the reader's leases (on the peer's loop) until closed."""
 
