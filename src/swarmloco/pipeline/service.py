@@ -43,11 +43,11 @@ BACKWARD_THREADS = 2
 AUDIT_THREADS = 1
 """Audits at once: on threads of their own, so that audits never hold a backward back
 by more than the one compute under way."""
-_CLOSED = object()
-"""What a session's reader puts in its inbox once the driver closed its side."""
 AUDITS_WAITING = 4
 """Audits running or waiting for their thread at most; more are refused as busy (an
 audit costs a compute and holds its tensors: nobody queues them without bound)."""
+_CLOSED = object()
+"""What a session's reader puts in its inbox once the driver closed its side."""
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -293,6 +293,7 @@ class StageService:
         session = await self._open_session(first, context)
         if session is None:
             return
+        silent = False
         try:
             beat_ms = max(1, round(config.session_beat_s * 1000))
             beat = pb.SessionEvent(open=True, beat_ms=beat_ms)
@@ -317,8 +318,7 @@ class StageService:
                         "stage %d: a driver's session was silent for %.0f s: ended",
                         self.stage, config.session_silence_s,
                     )  # fmt: skip
-                    self.replica.close_session(session)
-                    self._pools.submit("backward", self.replica.fell_silent, session)
+                    silent = True
                     return
                 if message is _CLOSED:
                     return  # the driver closed its side: it left
@@ -336,7 +336,7 @@ class StageService:
                     await context.write(beat)
                     written = now
         finally:
-            self._end_session(session)
+            self._end_session(session, silent=silent)
 
     async def _open_session(self, request: object, context: Any) -> bytes | None:
         """Open the session ``request`` names (its name), or answer a refusal (None)."""
@@ -353,11 +353,13 @@ class StageService:
             return None
         return request.session
 
-    def _end_session(self, session: bytes) -> None:
+    def _end_session(self, session: bytes, *, silent: bool = False) -> None:
         # Closed now (later forwards naming it are refused); its inputs dropped on a thread
-        # (a compute may hold the replica), not waited for: the call ended.
+        # (a compute may hold the replica), not waited for: the call ended (``silent``:
+        # because its driver fell silent, who may come back).
         self.replica.close_session(session)
-        self._pools.submit("backward", self.replica.end_session, session)
+        end = self.replica.fell_silent if silent else self.replica.end_session
+        self._pools.submit("backward", end, session)
 
     async def _compute(self, call: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread of the call's pool (decoding, the compute and

@@ -95,6 +95,31 @@ MAX_DEMOTED = 4096
 _TRANSIENT = frozenset({"not-leading", "formed", "full", "subnet-full", "stepped-down"})
 
 
+class _Held:
+    """Keys held until a time (``time.monotonic()``), at most ``kept`` of them (the
+    oldest forgotten first): a demoted partner, a barred network."""
+
+    def __init__(self, kept: int) -> None:
+        self._until: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._kept = kept
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._until
+
+    def hold(self, key: str, until: float) -> None:
+        """Hold ``key`` until ``until``, or longer if it is held so already."""
+        self._until[key] = max(until, self._until.get(key, until))
+        self._until.move_to_end(key)
+        while len(self._until) > self._kept:
+            self._until.popitem(last=False)
+
+    def live(self, now: float) -> Collection[str]:
+        """The keys still held at ``now`` (the others forgotten)."""
+        for key in [k for k, until in self._until.items() if until <= now]:
+            del self._until[key]
+        return self._until.keys()
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MatchmakingConfig:
     """How peers find their group for a round."""
@@ -269,17 +294,17 @@ class Matchmaker:
         self._came_late: collections.deque[int] = collections.deque(maxlen=64)
         self._lonely: collections.deque[int] = collections.deque(maxlen=64)
         """Rounds this peer led and gathered too few in (it follows anyone then)."""
-        self._demoted: collections.OrderedDict[str, float] = collections.OrderedDict()
-        """Partners this peer saw abort a round alone (peer -> until, monotonic)."""
+        self._demoted = _Held(MAX_DEMOTED)
+        """Partners taken as strangers for a while (:meth:`demote`)."""
         self._grouped: collections.OrderedDict[int, frozenset[str]] = collections.OrderedDict()
         """The members of this peer's last group of each recent round."""
         self._networks: collections.OrderedDict[str, str] = collections.OrderedDict()
         """The source network each server of this peer's recent groups served from (peer
         -> network of its endpoint there), at most ``MAX_DEMOTED``."""
         self._own_network: str | None = None
-        self._barred: collections.OrderedDict[str, float] = collections.OrderedDict()
-        """Networks of partners demoted for ``DEMOTED_S`` (network -> until, monotonic):
-        their other partners are strangers here until then too."""
+        self._barred = _Held(MAX_DEMOTED)
+        """Networks of partners demoted for ``DEMOTED_S``: their other partners are
+        strangers here as long too."""
 
     async def close(self) -> None:
         """End what matchmaking runs in the background (a formed group's marker being
@@ -313,8 +338,7 @@ class Matchmaker:
                 why,
                 seconds,
             )
-            self._demoted[peer] = max(until, self._demoted.get(peer, until))
-            self._demoted.move_to_end(peer)
+            self._demoted.hold(peer, until)
             where = self._networks.get(peer)
             if network and where is not None and where != self._own_network:
                 if where not in self._barred:
@@ -325,12 +349,7 @@ class Matchmaker:
                         peer[:12],
                         seconds,
                     )
-                self._barred[where] = max(until, self._barred.get(where, until))
-                self._barred.move_to_end(where)
-        while len(self._demoted) > MAX_DEMOTED:
-            self._demoted.popitem(last=False)
-        while len(self._barred) > MAX_DEMOTED:
-            self._barred.popitem(last=False)
+                self._barred.hold(where, until)
 
     def aborted(self, exc: RoundAborted) -> None:
         """A round of this peer aborted with ``exc``: the servers proven two-faced in it, or
@@ -349,14 +368,9 @@ class Matchmaker:
         demoted (:meth:`demote`) and those last seen serving from a network it barred with
         them, until their time is up."""
         now = time.monotonic()
-        for peer in [p for p, until in self._demoted.items() if until <= now]:
-            del self._demoted[peer]
-        for where in [n for n, until in self._barred.items() if until <= now]:
-            del self._barred[where]
+        demoted, barred = self._demoted.live(now), self._barred.live(now)
         return {
-            p
-            for p in self.partners()
-            if p not in self._demoted and self._networks.get(p) not in self._barred
+            p for p in self.partners() if p not in demoted and self._networks.get(p) not in barred
         }
 
     # -- the public API ----------------------------------------------------------------
