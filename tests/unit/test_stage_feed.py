@@ -85,3 +85,29 @@ def test_a_micro_batch_whose_sequences_landed_meanwhile_is_withdrawn_before_its_
     x, _, name = feed.take()  # given back, and passed over: it landed
     assert not reader.ledger.redo
     assert torch.equal(x, torch.from_numpy(reader.sequences.read(Range(0, 0, 4, 4)))[:, :-1])
+
+
+def test_a_micro_batch_on_its_way_when_its_shard_is_given_up_is_withdrawn_and_not_read_again(
+    tmp_path,
+):
+    """The leases of this peer lapsed (its machine froze) and another peer took its shard.
+    Between two steps the peer throws its local work away and gives the shard up; a
+    micro-batch taken before then, whose stage-0 forward waited for that step, is the other
+    peer's to read now: refused at its forward, neither recorded nor read again here."""
+    feed, replica, reader = stage_zero(tmp_path)
+    (x1, _, one), (x2, _, two), (x3, _, three) = feed.take(), feed.take(), feed.take()
+    through(replica, one, x1)
+    through(replica, two, x2)
+    assert replica.take_step(timeout=5.0) == 8  # `three` waits for the step to be released
+    reader.taken_by_others({(0, 0)})  # (what its lease task finds after the lapse)
+    assert reader.lapsed()
+    reader.discard()  # (the step hook: the local work is thrown away...)
+    assert reader.forget_lapsed() == 8  # (...and what it read of the shard is forgotten)
+    replica.release()
+    with pytest.raises(Rejection) as refused:
+        replica.forward(three, x3)
+    assert refused.value.code == "withdrawn"
+    feed.failed(three)
+    assert replica.micro_batches == 0 and feed.in_flight == 0
+    assert not reader.ledger.redo and not reader.pending() and not reader.ready()
+    assert reader.declare(1, 0) == []

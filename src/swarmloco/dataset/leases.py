@@ -201,6 +201,7 @@ class LeasedData:
         self._open: set[int] = set()  # rounds declared, neither landed nor failed yet
         self._fresh: dict[Lease, set[int]] = {}  # leased while these rounds were open
         self._lapsed: set[Lease] = set()  # held as the leases lapsed, listed by another since
+        self._lost: list[Range] = []  # in flight as their shards were given up: not ours now
 
     # -- the training thread -----------------------------------------------------------------
 
@@ -271,7 +272,7 @@ class LeasedData:
         """``ranges``, taken in flight, are trained into the local state: recorded as read
         (declared by the next round of each fragment)."""
         with self._lock:
-            self._land_flying(ranges)
+            ranges = self._land_flying(ranges)
             self.ledger.read(ranges)
         if self.read_log is not None and ranges:  # flushed, not synced: outlives a SIGKILL
             with self.read_log.open("a", encoding="utf-8") as fh:
@@ -281,7 +282,7 @@ class LeasedData:
         """``ranges``, taken in flight, were not trained (the micro-batch failed): they are
         read again, first."""
         with self._lock:
-            self._land_flying(ranges)
+            ranges = self._land_flying(ranges)
             self.ledger.redo = merged([*self.ledger.redo, *ranges])
         if ranges:
             self.changed.set()
@@ -295,9 +296,24 @@ class LeasedData:
                 for r in ranges
             )
 
-    def _land_flying(self, ranges: Sequence[Range]) -> None:
+    def lost_any(self, ranges: Sequence[Range]) -> bool:
+        """Whether any of ``ranges``, in flight, is of a shard given up since it was taken
+        (:meth:`forget_lapsed`): another peer reads it now, so its micro-batch must not be
+        trained here."""
+        with self._lock:
+            return any(r in self._lost for r in ranges)
+
+    def _land_flying(self, ranges: Sequence[Range]) -> list[Range]:
+        """``ranges`` are in flight no more: those still this peer's to record or read again
+        (not of a shard given up meanwhile)."""
+        kept = []
         for r in ranges:
-            self._flying.remove(r)
+            if r in self._flying:
+                self._flying.remove(r)
+                kept.append(r)
+            else:
+                self._lost.remove(r)  # (its shard is another's: not recorded, not read again)
+        return kept
 
     def _held_shards(self) -> set[Lease]:
         """The shards this peer holds on to: ranges read and not landed, given back, or in
@@ -485,6 +501,10 @@ class LeasedData:
             gone = self.ledger.drop(lambda r: (r.epoch, r.shard) in lost)
             for lease in lost:
                 self.reading.pop(lease, None)
+            # A micro-batch taken before and not yet in a step (a pipeline's stage 0 holds
+            # none between two steps: it is on its way there) is refused, then given back.
+            self._lost += [r for r in self._flying if (r.epoch, r.shard) in lost]
+            self._flying = [r for r in self._flying if (r.epoch, r.shard) not in lost]
         count = sum(r.count for r in gone)
         logger.warning(
             "%d shard(s) were taken by another peer while this one's leases lapsed: the "
@@ -625,9 +645,13 @@ class LeasedData:
         it held that another peer lists now (it may have read them from where they
         landed, so what this peer read of them and has not landed may be read twice);
         those are given up, and the local work is thrown away (:meth:`lapsed`)."""
-        held = await self._held_by_others(dht, swarm_id, peer_id)
+        self.taken_by_others(await self._held_by_others(dht, swarm_id, peer_id))
+
+    def taken_by_others(self, held: Collection[Lease]) -> None:
+        """(After a lapse.) Of the shards this peer held, those in ``held`` (other peers
+        list them now) are given up: read no more here, and :meth:`lapsed`."""
         with self._lock:
-            taken = (set(self.reading) | self._held_shards()) & held
+            taken = (set(self.reading) | self._held_shards()) & set(held)
             for lease in taken:
                 self.reading.pop(lease, None)
             self._lapsed |= taken

@@ -7,7 +7,8 @@ the micro-batch; the stage-0 replica names the micro-batches each step it takes 
 thread, before the step's hook may start a round (so a round declares what its delta
 holds). A micro-batch that fails, or whose step was skipped, gives its ranges back; one
 whose sequences landed in the state before its stage-0 forward (a state this peer took
-holds them) is withdrawn there, untrained.
+holds them), or whose shard was given up meanwhile (another took it while this peer's
+leases lapsed), is withdrawn there, untrained.
 """
 
 from __future__ import annotations
@@ -75,11 +76,14 @@ class LeasedFeed:
 
     def _wanted(self, name: bytes) -> bool:
         """(The replica's ``admits``, under its lock.) Whether nothing of the micro-batch
-        landed in the state since it was taken: a state this peer took meanwhile (it was
-        behind) may hold its sequences, read by another peer."""
+        landed in the state since it was taken (a state this peer took meanwhile, being
+        behind, may hold its sequences, read by another peer) and none of its shards was
+        given up since (taken by another while this peer's leases lapsed)."""
         with self._lock:
             ranges = self._flying.get(name)
-        return ranges is None or not self.reader.landed_any(ranges)
+        return ranges is None or not (
+            self.reader.landed_any(ranges) or self.reader.lost_any(ranges)
+        )
 
     def _stepped(self, names: list[bytes], stepped: bool) -> None:
         """(The replica's ``on_step``, under its lock.)"""
