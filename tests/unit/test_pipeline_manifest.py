@@ -1,6 +1,7 @@
 """The manifest of a pipelined run: its id covers the cut, every peer derives the same
-manifest for each stage's swarm from it, and a declaration that cannot be read is refused
-with a reason (pipeline/manifest.py)."""
+manifest for each stage's swarm from it, a key's credential names the run and every stage
+takes it, and a declaration that cannot be read is refused with a reason
+(pipeline/manifest.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from swarmloco.core.manifest import SwarmManifest
 from swarmloco.core.runspec import RunSpec
 from swarmloco.core.signature import params_of, signature_of
 from swarmloco.errors import SwarmlocoError
+from swarmloco.net.admission import AdmissionError, Membership, gate_of, reader_gate
+from swarmloco.net.identity import Identity
+from swarmloco.net.work import solve, work_bits
 from swarmloco.pipeline.manifest import pipeline_manifest, pipeline_of, stage_manifest
 from swarmloco.pipeline.stages import gpt_stages
 from swarmloco.runtime.api import run_manifest
@@ -107,3 +111,31 @@ def test_a_restarted_peer_takes_back_the_stage_whose_checkpoints_it_holds(tmp_pa
         newest.write_bytes(b"")
         os.utime(newest, (when, when))
     assert served_before(run, 3, tmp_path) == 0  # the stage it served last
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_a_keys_one_credential_names_the_run_and_every_stage_takes_it(private):
+    """A public run's proof of work and a private run's certificate name the run's id: the
+    swarm of every stage takes the same credential, as does a reader of the run's records;
+    one made for a stage's own id is taken nowhere."""
+    creator, peer = Identity.generate(), Identity.generate()
+    kw = {"admission": "certificate"} if private else {"identity_work": 2}
+    run = dataclasses.replace(manifest(**kw), creator=creator.public_key.hex())
+    stages = [stage_manifest(run, k) for k in range(2)]
+    assert [s.run_id for s in stages] == [run.swarm_id] * 2 and run.run_id == run.swarm_id
+    cert = Membership.issue(creator, run.swarm_id, peer.peer_id_hex).to_text() if private else None
+    gates = [gate_of(s, peer, cert) for s in stages]
+    readers = [reader_gate(run), reader_gate(stages[1])]
+    own = gates[1].own_bytes  # type: ignore[union-attr]  # (stage 1's peer's)
+    for gate in [*gates, *readers, gates[0].guarding(run.swarm_id)]:  # type: ignore[union-attr]
+        assert gate is not None and gate.admits(peer.peer_id_hex, own)
+    assert gates[0].guarding(run.swarm_id).swarm_id == run.swarm_id  # type: ignore[union-attr]
+    if private:
+        wrong = Membership.issue(creator, stages[1].swarm_id, peer.peer_id_hex).to_bytes()
+        with pytest.raises(AdmissionError):
+            gate_of(stages[1], peer, Membership.from_bytes(wrong))
+    else:
+        wrong = solve(stages[1].swarm_id, peer.peer_id, 2)
+        while work_bits(run.swarm_id, peer.peer_id, wrong) >= 2:  # (proves both by chance)
+            wrong = solve(stages[1].swarm_id, peer.peer_id, 2)
+    assert not any(g.admits(peer.peer_id_hex, wrong) for g in [*gates, *readers])  # type: ignore[union-attr]

@@ -193,6 +193,17 @@ class SwarmManifest:
     def swarm_id(self) -> str:
         return swarm_id_of(self.to_bytes())
 
+    @property
+    def run_id(self) -> str:
+        """The run this swarm is part of: a pipelined run's id for the swarm of one of its
+        stages (``model.stage.run``, ``pipeline/manifest.py``), else its own id. A key's
+        proof of work or membership certificate names the run."""
+        stage = self.model.get("stage")
+        run = stage.get("run") if isinstance(stage, Mapping) else None
+        if isinstance(run, str) and _SWARM_ID_RE.match(run):
+            return run
+        return self.swarm_id
+
     @classmethod
     def from_bytes(cls, data: bytes, *, expected_id: str | None = None) -> SwarmManifest:
         """Parse canonical manifest bytes, checking them against ``expected_id`` if given.

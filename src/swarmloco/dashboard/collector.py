@@ -30,7 +30,7 @@ from swarmloco.dashboard.view import (
     stage_count,
 )
 from swarmloco.errors import ManifestError, NetworkError, SwarmlocoError
-from swarmloco.net.admission import Admission
+from swarmloco.net.admission import reader_gate
 from swarmloco.net.dht.node import DHTNode, GetResult
 from swarmloco.net.records import (
     digest_key,
@@ -41,7 +41,6 @@ from swarmloco.net.records import (
     status_key,
 )
 from swarmloco.net.swarm import fetch_manifest
-from swarmloco.net.work import IdentityWork
 from swarmloco.pipeline.load import Vouching, fresh, stage_load
 from swarmloco.pipeline.manifest import stage_manifest
 
@@ -92,11 +91,9 @@ def _guard(dht: DHTNode, swarm_id: str, manifest: SwarmManifest | None) -> None:
     proofs of work its proven keys only: guard the node's reads."""
     if manifest is None or dht.guards(swarm_id):
         return
-    if manifest.private:
-        creator = bytes.fromhex(manifest.creator)
-        dht.admit(Admission(swarm_id=swarm_id, creator_public_key=creator))
-    elif manifest.identity_work:
-        dht.admit(IdentityWork(swarm_id=swarm_id, bits=manifest.identity_work))
+    gate = reader_gate(manifest, swarm_id)
+    if gate is not None:
+        dht.admit(gate)
 
 
 async def read_swarm(

@@ -151,7 +151,16 @@ class Gate(Protocol):
     request) and is checked with the key that signed what it came with."""
 
     swarm_id: str
+    """The swarm whose records, declarations and requests it guards."""
+    run_id: str
+    """The run its credentials name: the swarm's own id, or a pipelined run's id for the
+    swarm of one of its stages (a key's one credential serves every stage)."""
     own_bytes: bytes
+
+    def guarding(self, swarm_id: str) -> Gate:
+        """A gate of the same run and credential over ``swarm_id``'s records (a stage
+        peer guards its run's swarm, whose ``stage-load`` records it publishes, too)."""
+        ...
 
     def check(self, peer_id: str, credential: bytes, *, network: str = "") -> None:
         """Raise Rejection unless ``credential`` lets ``peer_id`` (verified) take part;
@@ -179,12 +188,28 @@ def gate_of(
     bits = manifest.identity_work
     if not bits:
         return None
+    run = manifest.run_id
     own = (
-        load_or_solve(work_file, manifest.swarm_id, identity.peer_id, bits)
+        load_or_solve(work_file, run, identity.peer_id, bits)
         if work_file is not None
-        else solve(manifest.swarm_id, identity.peer_id, bits)
+        else solve(run, identity.peer_id, bits)
     )
-    return IdentityWork(swarm_id=manifest.swarm_id, bits=bits, own=own)
+    return IdentityWork(swarm_id=manifest.swarm_id, bits=bits, own=own, run_id=run)
+
+
+def reader_gate(manifest: SwarmManifest, swarm_id: str = "") -> Gate | None:
+    """The gate of ``manifest``'s swarm (or of ``swarm_id``, read by its rules) for a
+    node that only reads its records (a dashboard, a peer choosing its stage): it holds no
+    credential of its own, and drops the records of keys that show none (None: an open
+    run)."""
+    swarm = swarm_id or manifest.swarm_id
+    run = manifest.run_id if manifest.run_id != manifest.swarm_id else swarm
+    if manifest.private:
+        creator = bytes.fromhex(manifest.creator)
+        return Admission(swarm_id=swarm, creator_public_key=creator, run_id=run)
+    if manifest.identity_work:
+        return IdentityWork(swarm_id=swarm, bits=manifest.identity_work, run_id=run)
+    return None
 
 
 class Admission:
@@ -202,8 +227,11 @@ class Admission:
         creator_public_key: bytes,
         own: Membership | None = None,
         clock: Callable[[], float] = time.time,
+        run_id: str = "",
     ) -> None:
+        """``run_id``: the run whose certificates admit (empty: ``swarm_id``'s own)."""
         self.swarm_id = swarm_id
+        self.run_id = run_id or swarm_id
         self.creator_public_key = bytes(creator_public_key)
         self.creator = peer_id_of(self.creator_public_key).hex()
         self.own = own
@@ -234,15 +262,16 @@ class Admission:
             swarm_id=manifest.swarm_id,
             creator_public_key=bytes.fromhex(manifest.creator),
             clock=clock,
+            run_id=manifest.run_id,
         )
         me = identity.peer_id_hex
         if me == gate.creator:
             return gate
         if certificate is None or certificate == "":
             raise AdmissionError(
-                f"swarm {manifest.swarm_id} is private: this peer ({me}) needs a membership "
+                f"swarm {gate.run_id} is private: this peer ({me}) needs a membership "
                 "certificate from its creator. Ask the creator to run\n"
-                f"  swarmloco admit {me} --swarm {manifest.swarm_id}\n"
+                f"  swarmloco admit {me} --swarm {gate.run_id}\n"
                 "and start this peer with --membership CERTIFICATE (the line it prints, or a "
                 "file holding it)"
             )
@@ -259,6 +288,17 @@ class Admission:
             ) from None
         gate.own = own
         gate.own_bytes = own.to_bytes()
+        return gate
+
+    def guarding(self, swarm_id: str) -> Admission:
+        gate = Admission(
+            swarm_id=swarm_id,
+            creator_public_key=self.creator_public_key,
+            own=self.own,
+            clock=self._clock,
+            run_id=self.run_id,
+        )
+        gate._verified = self._verified  # (the same run's certificates: checked once)
         return gate
 
     def check(self, peer_id: str, certificate: bytes, *, network: str = "") -> None:
@@ -318,7 +358,7 @@ class Admission:
         except AdmissionError:
             cert = None
         if cert is not None and (
-            cert.swarm_id != self.swarm_id or not cert.signed_by(self.creator_public_key)
+            cert.swarm_id != self.run_id or not cert.signed_by(self.creator_public_key)
         ):
             cert = None
         self._verified[data] = cert

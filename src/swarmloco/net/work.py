@@ -206,10 +206,14 @@ class IdentityWork:
         bits: int,
         own: bytes = b"",
         clock: Callable[[], float] = time.monotonic,
+        run_id: str = "",
     ) -> None:
+        """``run_id``: the run the proofs name (empty: ``swarm_id``; a pipelined run's id
+        for the swarm of one of its stages)."""
         if not 0 < bits <= MAX_BITS:
             raise ValueError(f"identity work is 1 to {MAX_BITS} bits, got {bits}")
         self.swarm_id = swarm_id
+        self.run_id = run_id or swarm_id
         self.bits = bits
         self.own_bytes = bytes(own)
         """What this peer attaches to what it offers: its nonce."""
@@ -239,7 +243,7 @@ class IdentityWork:
                     "unproven", f"peer {peer_id[:12]}'s proof of work is not checked yet (busy)"
                 )
             try:
-                proven = work_bits(self.swarm_id, bytes.fromhex(peer_id), nonce) >= self.bits
+                proven = work_bits(self.run_id, bytes.fromhex(peer_id), nonce) >= self.bits
             except ValueError:
                 proven = False
             self.checked += 1
@@ -252,6 +256,15 @@ class IdentityWork:
         raise Rejection(
             "unproven", f"peer {peer_id[:12]}'s key does not prove {self.bits} bits of work"
         )
+
+    def guarding(self, swarm_id: str) -> IdentityWork:
+        """A gate of the same run, proof and budget over ``swarm_id``'s records."""
+        gate = IdentityWork(
+            swarm_id=swarm_id, bits=self.bits, own=self.own_bytes, run_id=self.run_id
+        )
+        # One node's checks and verdicts, whichever of the run's swarms asks.
+        gate.budget, gate._proven, gate._refuted = self.budget, self._proven, self._refuted
+        return gate
 
     def admits(self, peer_id: str, credential: bytes, *, network: str = "") -> bool:
         try:

@@ -34,6 +34,7 @@ from torch import nn
 from swarmloco.core.manifest import SwarmManifest
 from swarmloco.dataset.leases import LeasedData
 from swarmloco.errors import Stopped, SwarmlocoError
+from swarmloco.net.admission import reader_gate
 from swarmloco.net.identity import Identity
 from swarmloco.net.node import NetNode, NodeConfig
 from swarmloco.net.server import Service
@@ -136,12 +137,22 @@ def served_before(manifest: SwarmManifest, stages: int, directory: Path) -> int 
     return None if newest is None else newest[1]
 
 
-def _read_loads(swarm_id: str, peers: Sequence[str], identity: Identity) -> list[StageLoad]:
+def _read_loads(
+    manifest: SwarmManifest, peers: Sequence[str], identity: Identity
+) -> list[StageLoad]:
+    """The run's counted ``stage-load`` records, as read through ``peers`` (none: a peer
+    that starts a network of its own, as a creator may, finds nobody)."""
+    if not peers:
+        return []
+
     async def read() -> list[StageLoad]:
         config = NodeConfig(server=None, peers=tuple(peers))
         async with NetNode(identity=identity, config=config) as node:
+            gate = reader_gate(manifest)  # (records of keys without the run's credential: none)
+            if gate is not None:
+                node.dht.admit(gate)
             vouching = Vouching(node.who_serves, identity.peer_id_hex)
-            return await read_counted(node.dht, swarm_id, vouching)
+            return await read_counted(node.dht, manifest.swarm_id, vouching)
 
     with LoopThread(name="swarmloco-choose-stage") as loop:
         return loop.run(read(), timeout=60.0)
@@ -216,7 +227,7 @@ def train_stage(
                 pipeline.stages,
             )
     if stage is None:
-        loads = _read_loads(manifest.swarm_id, config.node.peers, identity)
+        loads = _read_loads(manifest, config.node.peers, identity)
         stage = choose_stage(loads, pipeline.stages)
         logger.info(
             "serving stage %d of %d (the one the pipeline needs most)", stage, pipeline.stages

@@ -309,10 +309,20 @@ class StagePeer:
         reading, on the peer's event loop."""
         assert peer.network is not None
         dht = peer.network.node.dht
+        gate = peer.admission  # (the stage's swarm's: its credential names the run)
+        run_gate = None if gate is None else gate.guarding(self.run.swarm_id)
+
+        async def publish() -> None:
+            # The run's records carry this key's credential, and those of keys without one
+            # are dropped here, as in the stage's swarm.
+            if run_gate is not None:
+                dht.admit(run_gate)
+            await publish_manifest(dht, self.run)
+
         # The run's own manifest, which `join RUN_ID` fetches: the peer's network publishes
         # its stage's, and a training `create --stages` nothing else.
         try:
-            peer.loop.run(publish_manifest(dht, self.run), timeout=60.0)
+            peer.loop.run(publish(), timeout=60.0)
         except SwarmlocoError as exc:  # alone on a new network: our own storage holds it
             logger.info("the run's manifest: %s", exc)
         interval = self.load_interval_s

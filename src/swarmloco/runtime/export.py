@@ -263,10 +263,10 @@ def _reader_admission(
             raise  # a certificate that does not fit: its own message says why
         me = identity.peer_id_hex
         raise AdmissionError(
-            f"swarm {manifest.swarm_id} is private: its peers serve its state to members "
+            f"swarm {manifest.run_id} is private: its peers serve its state to members "
             "only. Export with --data-dir DIR of one of its peers (its key and the "
             "certificate it kept), or have the creator admit the key in --data-dir DIR "
-            f"(`swarmloco admit PEER_ID --swarm {manifest.swarm_id}`; this one is {me}"
+            f"(`swarmloco admit PEER_ID --swarm {manifest.run_id}`; this one is {me}"
             + ("" if local is not None else ", a throwaway key: give --data-dir")
             + ") and pass --membership CERTIFICATE"
         ) from None
