@@ -60,3 +60,31 @@ def test_two_replicas_of_a_later_stage_average_their_last_steps_and_leave(tmp_pa
     both = [e for e in b.of("round") if e["round"] in together]
     assert both, (a.of("round"), b.of("round"))  # they averaged their stage together
     assert all(e["digest"] == together[e["round"]] for e in both), (together, both)
+
+
+def test_the_run_ends_at_stage_0s_total_steps_and_a_later_stage_leaves_after(tmp_path):
+    """Two stage-0 peers drive micro-batches through one stage-1 peer: stage 1 steps on both
+    drivers' micro-batches, so its rounds run twice as fast as stage 0's. The run's total
+    steps are stage 0's: both stage-0 peers end there, and the stage-1 peer, past the
+    run's total steps in its own rounds, serves on until its drivers are gone. (Before, it
+    ended the run at its round 4 and the stage-0 peers waited for a stage 1 until stopped.)"""
+    with Bootstrap(tmp_path / "boot") as boot:
+        run = ("--stages", "2", "--total-steps", "32", "--warmup", "4")  # 4 rounds of stage 0
+        swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint, *run)
+        fixed = ("--rebalance-every", "0")  # (nobody moves: stage 1 keeps one replica)
+        late = ("--stage", "1", "--leave-idle", "3", *fixed)
+        with PeerProcess.join(swarm, boot.endpoint, tmp_path / "s1", *late) as s1:
+            s1.wait_for("ready", timeout=120)
+            with (
+                PeerProcess.join(swarm, boot.endpoint, tmp_path / "a", "--stage", "0", *fixed) as a,
+                PeerProcess.join(swarm, boot.endpoint, tmp_path / "b", "--stage", "0", *fixed) as b,
+            ):
+                for s0 in (a, b):
+                    assert s0.wait(300) == 0, s0.log_tail()
+                assert s1.wait(180) == 0, s1.log_tail()
+    for s0 in (a, b):
+        assert "the run is over" in s0.of("stopped")[-1]["reason"], s0.events
+        assert max(e["round"] for e in s0.of("round")) == 4, s0.of("round")
+    assert "(--leave-idle)" in s1.of("stopped")[-1]["reason"], s1.events
+    # Both drivers' 32 steps went through its one replica: more than 4 rounds of its own.
+    assert max(e["round"] for e in s1.of("round")) >= 6, s1.of("round")

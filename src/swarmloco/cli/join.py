@@ -107,7 +107,7 @@ def _join(args: argparse.Namespace) -> int:
             ("--slowdown", args.slowdown > 0),
             ("--in-flight", args.in_flight is not None),
             ("--audit-share", args.audit_share is not None),
-            ("--leave-idle", args.leave_idle > 0),
+            ("--leave-idle", args.leave_idle is not None),
         )
         staged = [flag for flag, was_given in given if was_given]
         if staged:

@@ -83,7 +83,7 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--leave-idle",
         type=float,
-        default=0.0,
+        default=None,
         metavar="SECONDS",
         help="in a pipelined run, a peer of a later stage (1 and up) leaves once no "
         "micro-batch came through it for this long and no stage-0 peer holds a session with "
@@ -91,7 +91,8 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "reached --max-epochs, say. Counted once a first micro-batch came. Before it leaves "
         "it averages what it trained since its stage's last round at once, with whichever "
         "replicas of its stage come (alone if none does; it leaves without after 120 s, its "
-        "checkpoint keeping them) (default: serve until stopped)",
+        "checkpoint keeping them). A later stage does not end at the run's total steps, "
+        "which count stage 0's (default: 300; 0: serve until stopped)",
     )
     g.add_argument(
         "--slowdown",
@@ -424,7 +425,7 @@ def check_stage_flags(args: argparse.Namespace) -> None:
             "--rebalance-gap is a share of the fastest stage's throughput, from 0 to below 1: "
             f"got {args.rebalance_gap}"
         )
-    if not args.leave_idle >= 0:
+    if args.leave_idle is not None and not args.leave_idle >= 0:
         raise SwarmlocoError(f"--leave-idle is seconds, 0 or more: got {args.leave_idle}")
 
 
@@ -446,6 +447,7 @@ def _run_stage(
         raise SwarmlocoError(
             "a pipelined run's stage is served by one process (no --nproc-per-node)"
         )
+    from swarmloco.pipeline.daemon import LEAVE_IDLE_S
     from swarmloco.pipeline.rebalance import RebalanceConfig
 
     check_stage_flags(args)
@@ -464,7 +466,7 @@ def _run_stage(
         in_flight=args.in_flight,
         audit_share=args.audit_share,
         reading=reading,
-        leave_idle_s=args.leave_idle,
+        leave_idle_s=LEAVE_IDLE_S if args.leave_idle is None else args.leave_idle,
     )
     logging.getLogger("swarmloco.peer").info(
         "left stage %d at round %d after %d steps (%d micro-batches driven, %d moves; "

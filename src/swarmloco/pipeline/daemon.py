@@ -516,6 +516,11 @@ def _stage_reader(
     return reader, server.service()
 
 
+LEAVE_IDLE_S = 300.0
+"""``join --leave-idle``'s default: a later stage's peer leaves once no micro-batch came
+through it and no driver held a session with it for this long (the run ended at stage 0,
+or every driver is gone; a stage with no peer draws one over by rebalancing first)."""
+
 LEAVE_FLUSH_S = 120.0
 """How long a later stage's peer leaving by itself (``--leave-idle``) gives the round that
 averages its last steps before it leaves without."""

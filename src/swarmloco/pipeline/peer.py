@@ -118,8 +118,13 @@ class StagePeer:
         self.work = work
         # A step's tokens are what it trained (``hook.stepped``); the config's say a step's
         # before one is taken (a progress record's claim, the status record's count).
+        # A later stage's rounds count the steps of all the drivers reaching its replicas:
+        # the run's total steps are stage 0's (DESIGN section 10, "The run's end").
         self.config = dataclasses.replace(
-            config, hook=False, tokens_per_step=work.step_samples * work.tokens_per_sequence
+            config,
+            hook=False,
+            tokens_per_step=work.step_samples * work.tokens_per_sequence,
+            end_at_total_steps=stage == 0 and config.end_at_total_steps,
         )
         self.identity = identity or Identity.load_or_create(config.directory)
         self.on_event = on_event
