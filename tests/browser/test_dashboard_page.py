@@ -118,3 +118,6 @@ async def test_the_page_shows_a_pipelined_runs_stages_as_a_row_of_pools(tmp_path
     assert "3 micro-batch(es) of drivers gone" in slow.group(1)
     assert "driver" not in first.group(1)
     assert "0 move(s) between stages seen" in dom
+    # The run's peers are its stages' (the run's own swarm has none of its own).
+    peers = re.search(r'id="c-peers">([^<]*)<.*?id="c-peers-sub">([^<]*)<', dom, re.S)
+    assert peers is not None and peers.groups() == ("3", "in 2 stages (below)"), peers

@@ -514,6 +514,9 @@ def test_a_pipelined_run_shows_its_stages_as_pools_the_one_that_limits_and_the_m
     # The most replicas one of stage 0's drivers distrusts (each judges by its own audits).
     assert [r["distrusted"] for r in pipeline["stages"]] == [2, 0, 0]
     assert pipeline["limiting"] == 2 and pipeline["throughput"] == 0.0
+    # The run's peers are its stages' (its own swarm has no progress records): 4 serve.
+    assert pipeline["peers"] == 4 and view["peers_online"] == 0
+    assert "peers online 4 in 3 stages  0 sequences/s through the pipeline" in text.render(view)
     # One reading sees no move (`swarmloco status`): it says so instead of counting none.
     assert pipeline["moves"] is None and pipeline["recent_moves"] == []
     assert "moves between stages: not seen in one reading" in text.render(view)

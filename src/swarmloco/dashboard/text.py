@@ -191,7 +191,17 @@ def stages_lines(pipeline: Mapping[str, Any]) -> list[str]:
 
 
 def _summary_line(view: Mapping[str, Any]) -> str:
-    """Peers online, the round, the swarm's rate, agreement on the round and the losses."""
+    """Peers online, the round, the swarm's rate, agreement on the round and the losses
+    (a pipelined run's: its stages' peers and the pipeline's rate; each stage's round is
+    in the table of stages)."""
+    pipeline = view.get("pipeline")
+    if pipeline:
+        rate = pipeline.get("throughput")
+        return (
+            f"peers online {pipeline.get('peers', 0)} in {len(pipeline['stages'])} stages  "
+            f"{'-' if rate is None else human(rate)} sequences/s through the pipeline  "
+            "(each stage averages in rounds of its own)"
+        )
     agreement = view.get("agreement")
     agree = (
         f"{agreement['holders']}/{agreement['published']} agree on round {agreement['round']}"

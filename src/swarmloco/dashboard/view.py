@@ -732,6 +732,9 @@ def _pipeline(
     limiting = None if empty or not served else min(served, key=lambda r: r["throughput"])["stage"]
     return {
         "stages": rows,
+        # The run's peers are its stages' (the run's own swarm has none: each stage
+        # averages in a swarm of its own).
+        "peers": sum(row["peers"] for row in rows),
         "limiting": empty[0] if empty else limiting,
         "throughput": None if empty else min(row["throughput"] for row in rows),
         "moves": history.moves_seen if history.readings > 1 else None,
