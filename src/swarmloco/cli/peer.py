@@ -277,7 +277,10 @@ def _add_round_options(g: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="R",
         help="leave once the swarm's state reached round R, first serving it (a minute at "
-        "most) to peers still working towards it (default: train until stopped)",
+        "most) to peers still working towards it; in a pipelined run, round R of the stage "
+        "it serves (each stage averages in rounds of its own, a later stage ahead of stage "
+        "0's where fewer peers serve it: stage 0's rounds are the run's) (default: train "
+        "until stopped)",
     )
     g.add_argument(
         "--round-timeout",

@@ -234,6 +234,14 @@ def train_stage(
         )
     if not 0 <= stage < pipeline.stages:
         raise SwarmlocoError(f"swarm {manifest.swarm_id} has stages 0 to {pipeline.stages - 1}")
+    if config.max_rounds is not None and stage > 0:
+        logger.warning(
+            "max rounds %d counts stage %d's rounds, which run ahead of stage 0's (the run's) "
+            "where fewer peers serve this stage than stage 0 and behind where more do; the "
+            "run ends at stage 0, and a later stage's peer leaves once its drivers are gone",
+            config.max_rounds,
+            stage,
+        )
     in_flight = in_flight or pipeline.stages
     driver = DriverConfig() if audit_share is None else DriverConfig(audit_share=audit_share)
     task, model, data, run = run_from_manifest(manifest)
