@@ -66,8 +66,9 @@ def test_the_run_ends_at_stage_0s_total_steps_and_a_later_stage_leaves_after(tmp
     """Two stage-0 peers drive micro-batches through one stage-1 peer: stage 1 steps on both
     drivers' micro-batches, so its rounds run twice as fast as stage 0's. The run's total
     steps are stage 0's: both stage-0 peers end there, and the stage-1 peer, past the
-    run's total steps in its own rounds, serves on until its drivers are gone. (Before, it
-    ended the run at its round 4 and the stage-0 peers waited for a stage 1 until stopped.)"""
+    run's total steps in its own rounds, serves on until its drivers are gone, at the
+    learning rate of stage 0's step. (Before, it ended the run at its round 4, its rate at
+    the schedule's floor, and the stage-0 peers waited for a stage 1 until stopped.)"""
     with Bootstrap(tmp_path / "boot") as boot:
         run = ("--stages", "2", "--total-steps", "32", "--warmup", "4")  # 4 rounds of stage 0
         swarm = PeerProcess.publish(tmp_path / "creator", boot.endpoint, *run)
@@ -88,3 +89,9 @@ def test_the_run_ends_at_stage_0s_total_steps_and_a_later_stage_leaves_after(tmp
     assert "(--leave-idle)" in s1.of("stopped")[-1]["reason"], s1.events
     # Both drivers' 32 steps went through its one replica: more than 4 rounds of its own.
     assert max(e["round"] for e in s1.of("round")) >= 6, s1.of("round")
+    # Its learning rate followed stage 0's step, as its drivers said it: at its round 4
+    # (32 steps of its own, the schedule's end by its own count) it was mid-schedule
+    # (before, at the floor stage 0 reached at its own end).
+    floor = min(e["lr"] for s0 in (a, b) for e in s0.of("round"))
+    at_4 = [e["lr"] for e in s1.of("round") if e["round"] == 4]
+    assert at_4 and at_4[0] > 2 * floor, (at_4, floor, s1.of("round"))

@@ -353,6 +353,29 @@ def test_the_owner_sees_the_mean_gradient_before_each_step():
     assert torch.equal(module.weight.detach(), before_weights)
 
 
+def test_a_step_is_at_the_median_of_the_steps_its_micro_batches_drivers_said():
+    """A later stage's learning rate follows stage 0's step, as the drivers of a step's
+    micro-batches said it: the median (a lone liar among three moves nothing); one that did
+    not come back, or said none, counts for nothing; a step none said one for has none."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    r = StageReplica(module, first=False, last=False, optimizer=opt,
+                     config=ReplicaConfig(step_samples=8))  # fmt: skip
+    seen: list[int | None] = []
+    r.before_step = lambda: seen.append(r.claimed_step())
+    x = torch.randn(2, 4)
+    r.forward(b"z" * 16, x, step=0)  # abandoned: its step is not the step's
+    r.abandon(b"z" * 16)
+    for name, step in ((b"a", 40), (b"b", 2**64 - 1), (b"c", None), (b"d", 42)):
+        r.forward(name * 16, x, step=step)
+        r.backward(name * 16, torch.ones(2, 4))
+    for name in (b"e", b"f", b"g", b"h"):
+        r.forward(name * 16, x)
+        r.backward(name * 16, torch.ones(2, 4))
+    assert r.steps == 2 and seen == [42, None]
+
+
 def test_a_slow_call_is_logged_with_where_its_time_went(monkeypatch, caplog):
     """A driver's deadline is tens of seconds; a call that comes near it says whether it
     waited for the replica, for a due step, or computed (here every call counts as slow)."""

@@ -221,8 +221,12 @@ class Driver:
         config: DriverConfig | None = None,
         rng: random.Random | None = None,
         on_event: Callable[..., None] | None = None,
+        step: Callable[[], int] | None = None,
     ) -> None:
         self.client = client
+        self.step = step
+        """This driver's step (its peer's global step), said with each micro-batch: a later
+        stage's learning rate follows it (None: not said)."""
         self.first = first
         self.swarm_id = swarm_id
         self.replicas = [list(r) for r in replicas]
@@ -498,6 +502,7 @@ class Driver:
                 input=await self._pack(h, f"stage {k - 1}'s output"),
                 targets=pack(targets, "i64") if last else None,
                 seed=self.rng.getrandbits(63) | 1,
+                step=None if self.step is None else max(0, self.step()),
             )
             trace.bytes_sent += len(request.input.data) + len(request.input.scales)
             endpoint, answer = await self._forward(k, request, trace)

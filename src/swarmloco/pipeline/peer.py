@@ -299,7 +299,10 @@ class StagePeer:
         gradient the replica is about to step on."""
         w = self.work
         if w.lr_at is not None:
-            lr = w.lr_at(self._global_step())
+            # A later stage's steps run at the pace its drivers reach it: its rate follows
+            # stage 0's step, as they say it (DESIGN section 10, "The run's end").
+            said = None if self.stage == 0 else self.replica.claimed_step()
+            lr = w.lr_at(self._global_step() if said is None else said)
             for group in w.optimizer.param_groups:
                 group["lr"] = lr
         if w.grad_clip > 0:
@@ -362,6 +365,7 @@ class StagePeer:
             ids=self.work.ids,
             config=self.driver_config,
             on_event=self.emit,
+            step=self._global_step,
         )
         reading = keep_reading(
             dht,

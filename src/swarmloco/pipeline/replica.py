@@ -131,6 +131,7 @@ class _Held:
     at: float
     seconds: float  # its forward's compute
     session: bytes = b""  # its driver's session here (b"": none)
+    step: int | None = None  # the step its driver said it drove it at (None: not said)
 
 
 class StageReplica:
@@ -210,6 +211,8 @@ class StageReplica:
         computes: False refuses the micro-batch as ``withdrawn``. Stage 0 on a pinned
         dataset withdraws one whose sequences landed meanwhile (a state it took holds them)."""
         self._accumulated: list[bytes] = []  # the names of the micro-batches in the accumulator
+        self._claims: list[int] = []  # the steps their drivers said (those that said one)
+        self._stepping: list[int] = []  # those of the step being taken (before_step reads)
         self._trips: collections.deque[float] = collections.deque(maxlen=TRIPS_KEPT)
         """Seconds the last micro-batches took here from forward to backward."""
         self.loss = float("nan")
@@ -271,11 +274,13 @@ class StageReplica:
         *,
         seed: int = 0,
         session: bytes = b"",
+        step: int | None = None,
     ) -> torch.Tensor:
         """The stage's output for ``x`` (the loss, at the last stage, with ``targets``);
         its randomness (dropout) drawn from ``seed`` (0: the replica's own generator).
         ``session``: its driver's session here (:meth:`open_session`); its input is
-        dropped when that session ends (one not open now: refused as busy)."""
+        dropped when that session ends (one not open now: refused as busy). ``step``: the
+        step its driver drove it at (:meth:`claimed_step`; None: not said)."""
         if self.last and targets is None:
             raise Rejection("malformed", "the last stage needs the targets")
         arrived = time.perf_counter()
@@ -309,7 +314,8 @@ class StageReplica:
             del on_device  # the card keeps nothing of a micro-batch between its two calls
             seconds = time.perf_counter() - started
             self.busy_s += seconds
-            self._hold(micro_batch, _Held(x, targets, rng, self.clock(), seconds, session))
+            held = _Held(x, targets, rng, self.clock(), seconds, session, step)
+            self._hold(micro_batch, held)
             self._worked_at = self.clock()
             if self.last:
                 self.loss = float(out)
@@ -449,6 +455,8 @@ class StageReplica:
             self.rate.add(int(held.input.shape[0]), held.seconds + computed)
             self.micro_batches += 1
             self._accumulated.append(micro_batch)
+            if held.step is not None:
+                self._claims.append(held.step)
             self.served += 1
             self._worked_at = self.clock()
             self.samples += int(held.input.shape[0])
@@ -487,6 +495,13 @@ class StageReplica:
             return True
         finally:
             self._lock.release()
+
+    def claimed_step(self) -> int | None:
+        """(In ``before_step``.) The step the step being taken is at, as its micro-batches'
+        drivers said: the median (the lower of two) of the steps they drove them at; None
+        when none said one."""
+        claims = sorted(self._stepping)
+        return claims[(len(claims) - 1) // 2] if claims else None
 
     def withdraw(self, micro_batch: bytes) -> bool:
         """The micro-batch failed further on (its caller gave up on it): drop its input if
@@ -629,6 +644,7 @@ class StageReplica:
         assert optimizer is not None and not self._held
         n = self.micro_batches
         names, self._accumulated = self._accumulated, []
+        self._stepping, self._claims = self._claims, []
         stepped = False
         if n:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]

@@ -171,7 +171,12 @@ class StageService:
     def _forward(self, request: pb.ForwardRequest) -> pb.ForwardResponse:
         x, targets = self._inputs(request.input, request.targets)
         out = self.replica.forward(
-            request.micro_batch, x, targets, seed=request.seed, session=request.session
+            request.micro_batch,
+            x,
+            targets,
+            seed=request.seed,
+            session=request.session,
+            step=request.step if request.HasField("step") else None,
         )
         if self.replica.last:
             return pb.ForwardResponse(loss=float(out))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarmloco/v1/stage.proto\x12\x0cswarmloco.v1\"`\n\x0bStageTensor\x12\r\n\x05shape\x18\x01 \x03(\x04\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\x12\x12\n\nblock_size\x18\x05 \x01(\r\",\n\x0cStageRefusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xbb\x01\n\x0e\x46orwardRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0bmicro_batch\x18\x03 \x01(\x0c\x12(\n\x05input\x18\x04 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\x12*\n\x07targets\x18\x05 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0f\n\x07session\x18\x07 \x01(\x0c\"\x88\x01\n\x0f\x46orwardResponse\x12+\n\x06output\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.StageTensorH\x00\x12\x0e\n\x04loss\x18\x02 \x01(\x01H\x00\x12-\n\x07refused\x18\x03 \x01(\x0b\x32\x1a.swarmloco.v1.StageRefusalH\x00\x42\t\n\x07outcome\"w\n\x0f\x42\x61\x63kwardRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0bmicro_batch\x18\x03 \x01(\x0c\x12.\n\x0bgrad_output\x18\x04 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\"}\n\x10\x42\x61\x63kwardResponse\x12/\n\ngrad_input\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.StageTensorH\x00\x12-\n\x07refused\x18\x02 \x01(\x0b\x32\x1a.swarmloco.v1.StageRefusalH\x00\x42\t\n\x07outcome\"F\n\x0e\x41\x62\x61ndonRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0bmicro_batch\x18\x03 \x01(\x0c\"O\n\x0f\x41\x62\x61ndonResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12+\n\x07refused\x18\x02 \x01(\x0b\x32\x1a.swarmloco.v1.StageRefusal\"\xc3\x01\n\x0c\x41uditRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12(\n\x05input\x18\x03 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\x12*\n\x07targets\x18\x04 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12.\n\x0bgrad_output\x18\x06 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\"u\n\x0b\x41uditAnswer\x12)\n\x06output\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12-\n\ngrad_input\x18\x03 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\"v\n\rAuditResponse\x12+\n\x06\x61nswer\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.AuditAnswerH\x00\x12-\n\x07refused\x18\x02 \x01(\x0b\x32\x1a.swarmloco.v1.StageRefusalH\x00\x42\t\n\x07outcome\"B\n\x0eSessionRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07session\x18\x03 \x01(\x0c\"Z\n\x0cSessionEvent\x12\x0c\n\x04open\x18\x01 \x01(\x08\x12+\n\x07refused\x18\x02 \x01(\x0b\x32\x1a.swarmloco.v1.StageRefusal\x12\x0f\n\x07\x62\x65\x61t_ms\x18\x03 \x01(\r2\xb3\x03\n\x05Stage\x12\x46\n\x07\x46orward\x12\x1c.swarmloco.v1.ForwardRequest\x1a\x1d.swarmloco.v1.ForwardResponse\x12I\n\x08\x42\x61\x63kward\x12\x1d.swarmloco.v1.BackwardRequest\x1a\x1e.swarmloco.v1.BackwardResponse\x12\x46\n\x07\x41\x62\x61ndon\x12\x1c.swarmloco.v1.AbandonRequest\x1a\x1d.swarmloco.v1.AbandonResponse\x12@\n\x05\x41udit\x12\x1a.swarmloco.v1.AuditRequest\x1a\x1b.swarmloco.v1.AuditResponse\x12\x45\n\x07Session\x12\x1c.swarmloco.v1.SessionRequest\x1a\x1a.swarmloco.v1.SessionEvent0\x01\x12\x46\n\x06\x41ttend\x12\x1c.swarmloco.v1.SessionRequest\x1a\x1a.swarmloco.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarmloco/v1/stage.proto\x12\x0cswarmloco.v1\"`\n\x0bStageTensor\x12\r\n\x05shape\x18\x01 \x03(\x04\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\x12\x12\n\nblock_size\x18\x05 \x01(\r\",\n\x0cStageRefusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd7\x01\n\x0e\x46orwardRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0bmicro_batch\x18\x03 \x01(\x0c\x12(\n\x05input\x18\x04 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\x12*\n\x07targets\x18\x05 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0f\n\x07session\x18\x07 \x01(\x0c\x12\x11\n\x04step\x18\x08 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"\x88\x01\n\x0f\x46orwardResponse\x12+\n\x06output\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.StageTensorH\x00\x12\x0e\n\x04loss\x18\x02 \x01(\x01H\x00\x12-\n\x07refused\x18\x03 \x01(\x0b\x32\x1a.swarmloco.v1.StageRefusalH\x00\x42\t\n\x07outcome\"w\n\x0f\x42\x61\x63kwardRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0bmicro_batch\x18\x03 \x01(\x0c\x12.\n\x0bgrad_output\x18\x04 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\"}\n\x10\x42\x61\x63kwardResponse\x12/\n\ngrad_input\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.StageTensorH\x00\x12-\n\x07refused\x18\x02 \x01(\x0b\x32\x1a.swarmloco.v1.StageRefusalH\x00\x42\t\n\x07outcome\"F\n\x0e\x41\x62\x61ndonRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0bmicro_batch\x18\x03 \x01(\x0c\"O\n\x0f\x41\x62\x61ndonResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12+\n\x07refused\x18\x02 \x01(\x0b\x32\x1a.swarmloco.v1.StageRefusal\"\xc3\x01\n\x0c\x41uditRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12(\n\x05input\x18\x03 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\x12*\n\x07targets\x18\x04 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12.\n\x0bgrad_output\x18\x06 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\"u\n\x0b\x41uditAnswer\x12)\n\x06output\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12-\n\ngrad_input\x18\x03 \x01(\x0b\x32\x19.swarmloco.v1.StageTensor\"v\n\rAuditResponse\x12+\n\x06\x61nswer\x18\x01 \x01(\x0b\x32\x19.swarmloco.v1.AuditAnswerH\x00\x12-\n\x07refused\x18\x02 \x01(\x0b\x32\x1a.swarmloco.v1.StageRefusalH\x00\x42\t\n\x07outcome\"B\n\x0eSessionRequest\x12\x10\n\x08swarm_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07session\x18\x03 \x01(\x0c\"Z\n\x0cSessionEvent\x12\x0c\n\x04open\x18\x01 \x01(\x08\x12+\n\x07refused\x18\x02 \x01(\x0b\x32\x1a.swarmloco.v1.StageRefusal\x12\x0f\n\x07\x62\x65\x61t_ms\x18\x03 \x01(\r2\xb3\x03\n\x05Stage\x12\x46\n\x07\x46orward\x12\x1c.swarmloco.v1.ForwardRequest\x1a\x1d.swarmloco.v1.ForwardResponse\x12I\n\x08\x42\x61\x63kward\x12\x1d.swarmloco.v1.BackwardRequest\x1a\x1e.swarmloco.v1.BackwardResponse\x12\x46\n\x07\x41\x62\x61ndon\x12\x1c.swarmloco.v1.AbandonRequest\x1a\x1d.swarmloco.v1.AbandonResponse\x12@\n\x05\x41udit\x12\x1a.swarmloco.v1.AuditRequest\x1a\x1b.swarmloco.v1.AuditResponse\x12\x45\n\x07Session\x12\x1c.swarmloco.v1.SessionRequest\x1a\x1a.swarmloco.v1.SessionEvent0\x01\x12\x46\n\x06\x41ttend\x12\x1c.swarmloco.v1.SessionRequest\x1a\x1a.swarmloco.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGEREFUSAL']._serialized_start=140
   _globals['_STAGEREFUSAL']._serialized_end=184
   _globals['_FORWARDREQUEST']._serialized_start=187
-  _globals['_FORWARDREQUEST']._serialized_end=374
-  _globals['_FORWARDRESPONSE']._serialized_start=377
-  _globals['_FORWARDRESPONSE']._serialized_end=513
-  _globals['_BACKWARDREQUEST']._serialized_start=515
-  _globals['_BACKWARDREQUEST']._serialized_end=634
-  _globals['_BACKWARDRESPONSE']._serialized_start=636
-  _globals['_BACKWARDRESPONSE']._serialized_end=761
-  _globals['_ABANDONREQUEST']._serialized_start=763
-  _globals['_ABANDONREQUEST']._serialized_end=833
-  _globals['_ABANDONRESPONSE']._serialized_start=835
-  _globals['_ABANDONRESPONSE']._serialized_end=914
-  _globals['_AUDITREQUEST']._serialized_start=917
-  _globals['_AUDITREQUEST']._serialized_end=1112
-  _globals['_AUDITANSWER']._serialized_start=1114
-  _globals['_AUDITANSWER']._serialized_end=1231
-  _globals['_AUDITRESPONSE']._serialized_start=1233
-  _globals['_AUDITRESPONSE']._serialized_end=1351
-  _globals['_SESSIONREQUEST']._serialized_start=1353
-  _globals['_SESSIONREQUEST']._serialized_end=1419
-  _globals['_SESSIONEVENT']._serialized_start=1421
-  _globals['_SESSIONEVENT']._serialized_end=1511
-  _globals['_STAGE']._serialized_start=1514
-  _globals['_STAGE']._serialized_end=1949
+  _globals['_FORWARDREQUEST']._serialized_end=402
+  _globals['_FORWARDRESPONSE']._serialized_start=405
+  _globals['_FORWARDRESPONSE']._serialized_end=541
+  _globals['_BACKWARDREQUEST']._serialized_start=543
+  _globals['_BACKWARDREQUEST']._serialized_end=662
+  _globals['_BACKWARDRESPONSE']._serialized_start=664
+  _globals['_BACKWARDRESPONSE']._serialized_end=789
+  _globals['_ABANDONREQUEST']._serialized_start=791
+  _globals['_ABANDONREQUEST']._serialized_end=861
+  _globals['_ABANDONRESPONSE']._serialized_start=863
+  _globals['_ABANDONRESPONSE']._serialized_end=942
+  _globals['_AUDITREQUEST']._serialized_start=945
+  _globals['_AUDITREQUEST']._serialized_end=1140
+  _globals['_AUDITANSWER']._serialized_start=1142
+  _globals['_AUDITANSWER']._serialized_end=1259
+  _globals['_AUDITRESPONSE']._serialized_start=1261
+  _globals['_AUDITRESPONSE']._serialized_end=1379
+  _globals['_SESSIONREQUEST']._serialized_start=1381
+  _globals['_SESSIONREQUEST']._serialized_end=1447
+  _globals['_SESSIONEVENT']._serialized_start=1449
+  _globals['_SESSIONEVENT']._serialized_end=1539
+  _globals['_STAGE']._serialized_start=1542
+  _globals['_STAGE']._serialized_end=1977
 # @@protoc_insertion_point(module_scope)

@@ -29,7 +29,7 @@ class StageRefusal(_message.Message):
     def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("swarm_id", "stage", "micro_batch", "input", "targets", "seed", "session")
+    __slots__ = ("swarm_id", "stage", "micro_batch", "input", "targets", "seed", "session", "step")
     SWARM_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class ForwardRequest(_message.Message):
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     swarm_id: str
     stage: int
     micro_batch: bytes
@@ -44,7 +45,8 @@ class ForwardRequest(_message.Message):
     targets: StageTensor
     seed: int
     session: bytes
-    def __init__(self, swarm_id: _Optional[str] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[bytes] = ..., input: _Optional[_Union[StageTensor, _Mapping]] = ..., targets: _Optional[_Union[StageTensor, _Mapping]] = ..., seed: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
+    step: int
+    def __init__(self, swarm_id: _Optional[str] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[bytes] = ..., input: _Optional[_Union[StageTensor, _Mapping]] = ..., targets: _Optional[_Union[StageTensor, _Mapping]] = ..., seed: _Optional[int] = ..., session: _Optional[bytes] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("output", "loss", "refused")
