@@ -12,6 +12,7 @@ import asyncio
 
 from netutil import closed_port, loopback_network
 
+from swarmloco.core.manifest import SwarmManifest
 from swarmloco.net.identity import Identity
 from swarmloco.pipeline import load as load_module
 from swarmloco.pipeline.daemon import _read_loads
@@ -90,14 +91,15 @@ async def test_a_read_asks_a_bounded_number_of_servers_one_network_after_another
 async def test_a_joining_peer_reads_the_records_their_servers_vouch_for_from_client_mode():
     """A peer joining without --stage reads the records through a node of its own in
     client mode (no server) and counts those vouched for: its pings get answers too."""
+    run = SwarmManifest(task="t", model={}, data={}, hparams={})  # (no work asked)
     async with loopback_network(3) as (a, b, stranger):
-        swarm = "ab" * 20
+        swarm = run.swarm_id
         for node, stage in ((a, 1), (b, 0)):
             load = {"rate": 5.0, "queue": 0, "free": 4}
             await publish_load(node.dht, swarm, stage=stage, endpoint=node.endpoint, load=load)
         load = {"rate": 1e6, "queue": 0, "free": 4}
         await publish_load(stranger.dht, swarm, stage=1, endpoint=b.endpoint, load=load)
-        read = await asyncio.to_thread(_read_loads, swarm, [a.endpoint], Identity.generate())
+        read = await asyncio.to_thread(_read_loads, run, [a.endpoint], Identity.generate())
     assert sorted((x.peer, x.stage) for x in read) == sorted(
         [(a.identity.peer_id_hex, 1), (b.identity.peer_id_hex, 0)]
     )
