@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -291,14 +292,8 @@ class Admission:
         return gate
 
     def guarding(self, swarm_id: str) -> Admission:
-        gate = Admission(
-            swarm_id=swarm_id,
-            creator_public_key=self.creator_public_key,
-            own=self.own,
-            clock=self._clock,
-            run_id=self.run_id,
-        )
-        gate._verified = self._verified  # (the same run's certificates: checked once)
+        gate = copy.copy(self)  # (its run, certificate and verdicts: certificates checked once)
+        gate.swarm_id = swarm_id
         return gate
 
     def check(self, peer_id: str, certificate: bytes, *, network: str = "") -> None:

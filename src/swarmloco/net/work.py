@@ -30,6 +30,7 @@ checks it with the same ``check(peer_id, credential)``.
 from __future__ import annotations
 
 import collections
+import copy
 import hashlib
 import logging
 import os
@@ -259,11 +260,8 @@ class IdentityWork:
 
     def guarding(self, swarm_id: str) -> IdentityWork:
         """A gate of the same run, proof and budget over ``swarm_id``'s records."""
-        gate = IdentityWork(
-            swarm_id=swarm_id, bits=self.bits, own=self.own_bytes, run_id=self.run_id
-        )
-        # One node's checks and verdicts, whichever of the run's swarms asks.
-        gate.budget, gate._proven, gate._refuted = self.budget, self._proven, self._refuted
+        gate = copy.copy(self)  # (one node's budget and verdicts, whichever swarm asks)
+        gate.swarm_id = swarm_id
         return gate
 
     def admits(self, peer_id: str, credential: bytes, *, network: str = "") -> bool:
