@@ -91,8 +91,8 @@ def _add_peer_run_options(parser: argparse.ArgumentParser) -> None:
         "reached --max-epochs, say. Counted once a first micro-batch came. Before it leaves "
         "it averages what it trained since its stage's last round at once, with whichever "
         "replicas of its stage come (alone if none does; it leaves without after 120 s, its "
-        "checkpoint keeping them). A later stage does not end at the run's total steps, "
-        "which count stage 0's (default: 300; 0: serve until stopped)",
+        "checkpoint keeping them). A later stage does not end at the run's total steps or "
+        "tokens, which are stage 0's (default: 300; 0: serve until stopped)",
     )
     g.add_argument(
         "--slowdown",

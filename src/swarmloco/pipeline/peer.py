@@ -124,7 +124,7 @@ class StagePeer:
             config,
             hook=False,
             tokens_per_step=work.step_samples * work.tokens_per_sequence,
-            end_at_total_steps=stage == 0 and config.end_at_total_steps,
+            ends_at_run_total=stage == 0 and config.ends_at_run_total,
         )
         self.identity = identity or Identity.load_or_create(config.directory)
         self.on_event = on_event

@@ -60,10 +60,11 @@ class PeerConfig:
     max_rounds: int | None = None
     """Leave after the swarm's state reached this round (None: until stopped), once peers
     still working towards it were served (``linger_s``)."""
-    end_at_total_steps: bool = True
-    """Whether the run's total steps end this peer (its rounds times H): False for a
-    pipelined run's later stages, whose steps count the micro-batches of however many
-    drivers reach them (stage 0 ends the run; they leave once their drivers are gone)."""
+    ends_at_run_total: bool = True
+    """Whether the run's total steps (its rounds times H) or tokens end this peer: False
+    for a pipelined run's later stages, whose steps count the micro-batches of however
+    many drivers reach them and whose rounds land their tokens at a pace of their own
+    (stage 0 ends the run; they leave once their drivers are gone)."""
     round_timeout_s: float = 120.0
     """Matchmaking plus all-reduce of one round."""
     matchmaking: MatchmakingConfig = dataclasses.field(default_factory=_matchmaking)

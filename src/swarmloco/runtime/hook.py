@@ -252,11 +252,9 @@ class StepHook:
         if cfg.max_rounds is not None and current >= cfg.max_rounds:
             self.stop.finished = True
             self.stop.stop(f"round {current} reached (max rounds {cfg.max_rounds})")
-        elif (
-            cfg.end_at_total_steps
-            and spec.total_steps is not None
-            and current * p.h >= spec.total_steps
-        ):
+        elif not cfg.ends_at_run_total:
+            pass  # (a pipelined run's later stage: the run ends at stage 0)
+        elif spec.total_steps is not None and current * p.h >= spec.total_steps:
             # By rounds, not this peer's own steps: every peer stops after the same round.
             self.stop.finished = True
             self.stop.stop(f"the run is over: round {current} reached {spec.total_steps} steps")
