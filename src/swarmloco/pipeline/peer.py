@@ -119,7 +119,7 @@ class StagePeer:
         # A step's tokens are what it trained (``hook.stepped``); the config's say a step's
         # before one is taken (a progress record's claim, the status record's count).
         # A later stage's rounds count the steps of all the drivers reaching its replicas:
-        # the run's total steps are stage 0's (DESIGN section 10, "The run's end").
+        # the run's total steps and tokens are stage 0's (DESIGN section 10, "The run's end").
         self.config = dataclasses.replace(
             config,
             hook=False,
